@@ -1,0 +1,1 @@
+"""rlhf-hello: an example rlhf plugin package."""

@@ -1,0 +1,15 @@
+"""rlhf: plugin-first reinforcement learning for language models.
+
+Plugin authors need only ``rlhf.hookimpl`` (and the types in ``rlhf.core.types``)::
+
+    import rlhf
+
+    @rlhf.hookimpl
+    def register_rewards(register):
+        register("says_hello", says_hello)
+"""
+
+from rlhf.core.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+__all__ = ["hookimpl", "__version__"]

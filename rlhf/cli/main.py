@@ -1,0 +1,69 @@
+"""The ``rlhf`` command: a click group whose subcommands live one group per module.
+
+Plugins add commands through ``register_commands(cli)``. Errors caused by the user or by a
+plugin are printed as one ``Error:`` line (exit 1); ``--verbose`` or ``RLHF_DEBUG=1`` shows
+the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+
+from rlhf import __version__
+from rlhf.core.errors import RlhfError
+from rlhf.core.plugins import PluginSet, build_plugin_manager
+
+
+class CliState:
+    """What every command can reach through ``@click.pass_obj``."""
+
+    def __init__(self, plugins: PluginSet, verbose: bool = False):
+        self.plugins = plugins
+        self.verbose = verbose
+
+
+def debug_enabled(ctx: click.Context | None = None) -> bool:
+    if os.environ.get("RLHF_DEBUG", "") not in ("", "0"):
+        return True
+    state = ctx.find_object(CliState) if ctx is not None else None
+    return bool(state and state.verbose)
+
+
+class RootGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except RlhfError as exc:
+            if debug_enabled(ctx):
+                raise
+            raise click.ClickException(str(exc)) from None
+
+
+def make_cli(plugins: PluginSet) -> click.Group:
+    """A fresh ``rlhf`` group with the built-in commands and the plugins' commands."""
+    from rlhf.cli.plugins import plugins_group
+
+    @click.group(cls=RootGroup, context_settings={"help_option_names": ["-h", "--help"]})
+    @click.version_option(__version__, "-V", "--version", prog_name="rlhf")
+    @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors")
+    @click.pass_context
+    def cli(ctx: click.Context, verbose: bool) -> None:
+        """Plugin-first reinforcement learning for language models.
+
+        \b
+        rlhf plugins list          what is installed, from which package
+        rlhf plugins show NAME     one plugin or component in detail
+        """
+        ctx.obj = CliState(plugins, verbose=verbose)
+
+    cli.add_command(plugins_group)
+    plugins.add_commands(cli)
+    return cli
+
+
+def main(argv: list[str] | None = None) -> None:
+    plugins = build_plugin_manager()
+    make_cli(plugins)(args=argv, prog_name="rlhf")

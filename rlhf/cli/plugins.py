@@ -1,0 +1,185 @@
+"""``rlhf plugins``: what is installed, from which package, and what is broken."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import click
+
+from rlhf.core.errors import close_matches
+from rlhf.core.kinds import KINDS
+from rlhf.core.plugins import PluginRecord, PluginSet
+from rlhf.core.registry import Component, normalize_name
+
+
+@click.group("plugins")
+def plugins_group() -> None:
+    """Inspect installed plugins and the components they provide."""
+
+
+@plugins_group.command("list")
+@click.option("--all", "show_all", is_flag=True, help="Include built-in plugins")
+@click.option("--json", "as_json", is_flag=True, help="Output as JSON (one object per plugin)")
+@click.option("--kind", type=click.Choice(sorted(KINDS)), help="Only components of this kind")
+@click.pass_obj
+def list_command(state: Any, show_all: bool, as_json: bool, kind: str | None) -> None:
+    """List plugins and what each provides, per kind.
+
+    Broken plugins are listed last with their error; they never stop this command.
+    """
+    plugins: PluginSet = state.plugins
+    plugins.registries()  # runs the registration hooks, filling each record's `provides`
+    records = [r for r in plugins.records if show_all or r.source != "builtin"]
+    if kind:
+        records = [r for r in records if kind in r.provides]
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in records], indent=2))
+        return
+    if not records:
+        click.echo("No plugins installed. Use --all to include built-ins." if not show_all else "No plugins found.")
+        return
+    _print_table(plugins, records, kind)
+    _print_problems(records)
+
+
+def _print_table(plugins: PluginSet, records: list[PluginRecord], kind: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    shown = set(map(id, records))
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("KIND", "NAME", "PACKAGE", "VERSION", "DESCRIPTION"):
+        table.add_column(column, overflow="fold")
+    rows: list[tuple[str, ...]] = []
+    for registry in plugins.registries().values():
+        if kind and registry.kind.name != kind:
+            continue
+        for component in registry.components():
+            record = component.provider
+            if id(record) in shown:
+                conflict = " [conflict]" if component.name in registry.conflicts() else ""
+                rows.append((registry.kind.name, component.name + conflict, record.distribution or "-",
+                             record.version or "-", component.description))
+    for record in records:
+        if record.loaded and not kind:
+            if "command" in record.provides:
+                for name in record.provides["command"]:
+                    rows.append(("command", name, record.distribution or "-", record.version or "-",
+                                 f"`rlhf {name}`"))
+            events = [h for h in record.hooks if h.startswith("on_")]
+            if events:
+                rows.append(("hooks", record.name, record.distribution or "-", record.version or "-",
+                             ", ".join(events)))
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))  # plain text: names may contain [brackets]
+    if table.row_count:
+        Console(width=max(_terminal_width(), 120), soft_wrap=False).print(table)
+
+
+def _print_problems(records: list[PluginRecord]) -> None:
+    failed = [r for r in records if r.status == "error"]
+    disabled = [r for r in records if r.status == "disabled"]
+    warned = [r for r in records if r.warnings and r.status != "error"]
+    if failed:
+        click.echo("\nFailed plugins (see `rlhf plugins show NAME` for the traceback):")
+        for r in failed:
+            click.echo(f"  {r.label}: {r.error}")
+    if warned:
+        click.echo("\nWarnings:")
+        for r in warned:
+            for w in r.warnings:
+                click.echo(f"  {r.label}: {w}")
+    if disabled:
+        click.echo("\nDisabled: " + ", ".join(f"{r.label} ({r.error})" for r in disabled))
+
+
+def _terminal_width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size((120, 24)).columns
+
+
+@plugins_group.command("show")
+@click.argument("name")
+@click.pass_obj
+def show_command(state: Any, name: str) -> None:
+    """Show one plugin (by plugin or package name) or one component (by its name)."""
+    plugins: PluginSet = state.plugins
+    registries = plugins.registries()
+    records = [r for r in plugins.records if name in (r.name, r.distribution, r.pm_name)]
+    key = normalize_name(name)
+    components = [c for reg in registries.values() for c in reg.components() if c.name == key]
+    if not records and not components:
+        known = {r.name for r in plugins.records} | {c.name for reg in registries.values() for c in reg.components()}
+        hint = close_matches(name, known)
+        raise click.BadParameter(
+            f"no plugin or component called {name!r}"
+            + (f"; did you mean {' or '.join(repr(h) for h in hint)}?" if hint else "")
+            + " See `rlhf plugins list --all`.",
+            param_hint="NAME",
+        )
+    blocks = [_describe_record(r) for r in records] + [_describe_component(c) for c in components]
+    click.echo("\n\n".join(blocks))
+
+
+def _describe_record(record: PluginRecord) -> str:
+    lines = [
+        f"plugin {record.name}",
+        f"  package:  {record.distribution or '-'} {record.version or ''}".rstrip(),
+        f"  source:   {record.source}",
+        f"  status:   {record.status}",
+        f"  hooks:    {', '.join(record.hooks) or '-'}",
+    ]
+    for kind, names in sorted(record.provides.items()):
+        lines.append(f"  provides: {kind}: {', '.join(sorted(names))}")
+    if record.error:
+        lines.append(f"  error:    {record.error}")
+    lines += [f"  warning:  {w}" for w in record.warnings]
+    if record.traceback:
+        lines.append("  traceback:\n" + "\n".join("    " + line for line in record.traceback.rstrip().splitlines()))
+    return "\n".join(lines)
+
+
+def _describe_component(component: Component) -> str:
+    lines = [
+        f"{component.kind.name} {component.name}",
+        f"  provided by: {component.provider.label}",
+        f"  description: {component.description or '-'}",
+        f"  selected by: {component.kind.flag} {component.name}",
+    ]
+    try:
+        obj = component.load()
+        config_cls = component.load_config_cls()
+    except Exception as exc:  # a broken lazy reference is shown, not raised
+        lines.append(f"  error:       {exc}")
+        return "\n".join(lines)
+    where = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+    lines.append(f"  object:      {where}")
+    flags = {k: v for k, v in component.capabilities.items()}
+    if flags:
+        lines.append("  flags:       " + ", ".join(f"{k}={v!r}" for k, v in sorted(flags.items())))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        lines.append("  settings:    " + ", ".join(f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)))
+    if config_cls is not None:
+        lines.append(f"  config ({config_cls.__name__}):")
+        lines += [f"    {line}" for line in describe_config(config_cls)]
+    return "\n".join(lines)
+
+
+def describe_config(config_cls: type) -> list[str]:
+    """One line per dataclass field: name, type, default and its help text."""
+    lines = []
+    for f in dataclasses.fields(config_cls):
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "required"
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        help_text = f.metadata.get("help", "")
+        lines.append(f"{f.name} ({kind}, default {default})" + (f": {help_text}" if help_text else ""))
+    return lines

@@ -1,0 +1,1 @@
+"""The small core: hook specs, registries, plugin loading, data types. Nothing heavy is imported here."""

@@ -1,0 +1,51 @@
+"""Errors that speak to the user. The CLI prints them without a traceback."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class RlhfError(Exception):
+    """Base class of errors caused by input, configuration or installed plugins."""
+
+
+class UnknownComponentError(RlhfError, LookupError):
+    """A name that no plugin registered for a kind."""
+
+    def __init__(self, kind: str, name: str, available: Iterable[str], hint: str = ""):
+        self.kind, self.name = kind, name
+        self.available = sorted(available)
+        self.suggestions = close_matches(name, self.available)
+        message = f"unknown {kind.replace('_', ' ')} {name!r}."
+        if self.suggestions:
+            message += f" Did you mean {' or '.join(repr(s) for s in self.suggestions)}?"
+        message += f" Available: {', '.join(self.available) or '(none)'}."
+        if hint:
+            message += f" {hint}"
+        message += " See `rlhf plugins list --all`."
+        super().__init__(message)
+
+
+class ComponentConflictError(RlhfError):
+    """Two plugins registered the same name for one kind; neither wins."""
+
+    def __init__(self, kind: str, name: str, providers: list[str]):
+        self.kind, self.name, self.providers = kind, name, providers
+        lines = "\n".join(f"  - {p}" for p in providers)
+        super().__init__(
+            f"{kind.replace('_', ' ')} {name!r} is provided by several plugins:\n{lines}\n"
+            "Uninstall one, or disable one with RLHF_DISABLE_PLUGINS=<plugin name>."
+        )
+
+
+class PluginError(RlhfError):
+    """A plugin could not be loaded or broke while registering, and a run needs it."""
+
+
+class BadReferenceError(RlhfError):
+    """A `module:attr` or `file.py:attr` reference that cannot be loaded."""
+
+
+def close_matches(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)

@@ -1,0 +1,237 @@
+"""Every hook a plugin can implement. Each docstring is the contract.
+
+A plugin is a module (or any object) with functions decorated by ``@rlhf.hookimpl`` whose names
+match the specs below. Two families:
+
+* Registration hooks, ``register_<kind>s(register)``: called once per plugin when a run (or
+  ``rlhf plugins list``) needs that kind. ``register(name, obj, *, description=None,
+  config_cls=None, **capabilities)`` adds one component; call it as often as you like.
+  ``obj`` may also be a ``"module.path:attr"`` string, imported only when a run asks for the
+  name (keeps ``rlhf --help`` fast when the component needs torch). ``description`` defaults to
+  the first line of ``obj``'s docstring; ``config_cls`` is a ``@dataclass(kw_only=True)`` whose
+  fields carry ``metadata={"help": ...}`` and which ``rlhf plugins show NAME`` prints.
+  Names are case-insensitive and ``-`` equals ``_``. A name provided by two plugins is an error
+  that names both packages: nothing is ever silently overridden.
+* Lifecycle hooks, ``on_*``: events the trainer fires during a run; every plugin that
+  implements one is called (loggers are plugins on these hooks).
+
+Grow a spec only by adding arguments: an implementation may declare any subset of a spec's
+arguments, in any order. Pluggy's trap: an implementation argument with a default value is
+never passed (it always keeps its default), so declare arguments without defaults.
+
+Shape legend: ``B`` sequences in a batch (n samples of each prompt are contiguous rows),
+``A`` action positions (``T - 1`` for ``T`` tokens: position t predicts token t+1).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import click
+    import torch
+
+    from rlhf.core.types import RunInfo, Trajectory
+
+PROJECT_NAME = "rlhf"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+Register = Callable[..., None]
+
+
+# --- registration hooks -------------------------------------------------------------------
+
+
+@hookspec
+def register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators (``--advantage NAME``).
+
+    ``register(name, estimator, *, needs_critic=False, needs_groups=False, config_cls=None)``.
+    ``needs_critic``: the run must build a critic and pass values. ``needs_groups``: the run must
+    sample n > 1 completions per prompt; the runtime refuses to start otherwise.
+
+    ``estimator(inputs, config) -> (advantages, returns)`` with ``inputs`` an
+    ``rlhf.core.types.AdvantageInputs``: ``rewards (B,)`` float32 sequence rewards,
+    ``action_mask (B, A)``, ``kl (B, A)`` per-token KL to place in the reward or ``None``,
+    ``kl_coef`` (β), ``values (B, A)`` or ``None``, ``group_size`` (n). ``config`` is an
+    instance of ``config_cls`` (or ``None``). Both outputs are ``(B, A)`` float32, and zero
+    where ``action_mask`` is 0. Called once per rollout batch, under ``torch.no_grad()``.
+    """
+
+
+@hookspec
+def register_policy_losses(register: Register) -> None:
+    """Register per-token policy losses (``--policy-loss NAME``).
+
+    ``register(name, loss, *, config_cls=None)``.
+
+    ``loss(inputs, config) -> (per_token_loss, metrics)`` with ``inputs`` an
+    ``rlhf.core.types.PolicyLossInputs``: ``logprobs (B, A)`` (with grad), ``old_logprobs``,
+    ``advantages``, ``action_mask`` (all ``(B, A)``) and ``rollout_logprobs (B, A)`` or ``None``
+    (log-probs reported by the rollout engine). Returns the loss per token ``(B, A)`` (the
+    host aggregates it with the run's loss aggregation) and a dict of scalar tensors logged
+    under ``policy/``. Called once per micro-batch.
+    """
+
+
+@hookspec
+def register_kl_estimators(register: Register) -> None:
+    """Register KL estimators (``--kl-estimator NAME``).
+
+    ``register(name, estimator)``.
+
+    ``estimator(logprobs, ref_logprobs) -> kl``: all three ``(B, A)`` float32. The host
+    clamps the result to [-10, 10] and masks it; the estimator sees raw log-probs.
+    """
+
+
+@hookspec
+def register_loss_aggregations(register: Register) -> None:
+    """Register loss aggregations (``--loss-agg NAME``).
+
+    ``register(name, aggregate)``.
+
+    ``aggregate(loss, action_mask, norm) -> scalar tensor``: ``loss`` and ``action_mask`` are
+    one micro-batch ``(B, A)``; ``norm`` is an ``rlhf.core.types.LossNorm`` with counts over
+    the whole optimizer step (all micro-batches and data-parallel ranks): ``num_tokens``,
+    ``num_sequences`` and ``max_new_tokens``. Return this micro-batch's share of the step
+    loss: the sum of the returns over the step must equal the step loss, so the gradient does
+    not depend on how the step is split.
+    """
+
+
+@hookspec
+def register_algorithms(register: Register) -> None:
+    """Register algorithm presets (``--algo NAME``).
+
+    ``register(name, preset)`` with ``preset`` an ``rlhf.core.types.AlgorithmPreset`` naming
+    the advantage estimator, policy loss, KL estimator, where KL goes (``"reward"``,
+    ``"loss"`` or ``"none"``), β and the loss aggregation. Every piece stays overridable by
+    its own flag.
+    """
+
+
+@hookspec
+def register_rewards(register: Register) -> None:
+    """Register reward sources usable as ``--reward NAME``.
+
+    ``register(name, reward, *, batched=None, is_async=None)``. ``reward`` is a function (or
+    callable object) called by signature: it receives only the parameters it declares, from
+    ``prompts``, ``completions``, ``labels``, ``queries`` (prompt + completion),
+    ``completion_ids`` and every dataset column by name. It returns one score per sample (a
+    list, a tensor, or a dict with ``rewards``); ``None`` means no score. ``batched`` and
+    ``is_async`` are detected from the signature when left as ``None``.
+    """
+
+
+@hookspec
+def register_envs(register: Register) -> None:
+    """Register rollout environments (``--env NAME``).
+
+    ``register(name, env_cls)``. The runtime creates ``env_cls()`` once per trajectory, calls
+    ``reset(prompt, label, **columns)`` and then, after each model turn,
+    ``step(action_text) -> rlhf.core.types.StepResult(observation, reward, done, info)``. Both
+    may be ``async``. Observation tokens are appended with loss mask 0.
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model adapters (``--model-adapter NAME``).
+
+    ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"))``.
+    The runtime creates ``adapter_cls(config)`` once per run and calls
+    ``adapter.load(ref, role=ROLE)`` for each role it needs; ``ref`` is a local directory or a
+    hub name. It returns a ``torch.nn.Module``.
+    """
+
+
+@hookspec
+def register_rollout_engines(register: Register) -> None:
+    """Register rollout (generation) engines (``--engine NAME``).
+
+    ``register(name, engine_cls, *, needs_gpu=False)``. ``engine_cls(model, tokenizer,
+    config)`` generates ``n`` samples per prompt from token ids and receives the policy's
+    weights after each optimizer step.
+    """
+
+
+@hookspec
+def register_train_backends(register: Register) -> None:
+    """Register training backends (``--backend NAME``).
+
+    ``register(name, backend_cls, *, needs_gpu=False)``. ``backend_cls(model, config)`` owns
+    the optimizer: it runs backward passes, optimizer steps with clipping, and saves and
+    restores its state for checkpoints.
+    """
+
+
+@hookspec
+def register_commands(cli: click.Group) -> None:
+    """Add click commands to the ``rlhf`` command line.
+
+    Called once when the command line starts, after the built-in commands exist. Add with
+    ``cli.add_command(...)`` or the ``@cli.command()`` decorator. A command whose name is
+    already taken is refused and reported; it never replaces a built-in.
+    """
+
+
+# --- lifecycle hooks ----------------------------------------------------------------------
+
+
+@hookspec
+def on_run_start(run: RunInfo) -> None:
+    """A run starts (or resumes).
+
+    Called once, after models, plugins and the run directory are set up and before the first
+    rollout. ``run`` is an ``rlhf.core.types.RunInfo``: ``config`` (the resolved config as a
+    dict), ``out_dir`` (the run directory), ``start_step`` (0, or the step resumed from),
+    ``total_steps`` and ``plugins`` (the fingerprint).
+    """
+
+
+@hookspec
+def on_rollout_end(run: RunInfo, step: int, trajectories: list[Trajectory]) -> None:
+    """A rollout batch was generated (after environments, before rewards).
+
+    ``trajectories`` is the list of ``rlhf.core.types.Trajectory`` of this step, n samples of
+    each prompt contiguous. Implementations may edit fields in place (``info``, text) but must
+    keep the list's length and order.
+    """
+
+
+@hookspec
+def on_rewards(run: RunInfo, step: int, trajectories: list[Trajectory], rewards: torch.Tensor) -> None:
+    """Rewards of a rollout batch were computed (before advantages).
+
+    ``rewards`` is the combined reward per trajectory, float32 ``(B,)``; implementations may
+    edit it in place (e.g. a length penalty). Per-source scores are in
+    ``trajectory.rewards``.
+    """
+
+
+@hookspec
+def on_step_end(run: RunInfo, step: int, metrics: dict[str, Any]) -> None:
+    """A training step finished (optimizer steps done, weights synced to the rollout engine).
+
+    ``metrics`` maps namespaced keys (``reward/mean``, ``loss/policy``, ``time/rollout``,
+    ...) to floats. Loggers write it; implementations may add keys.
+    """
+
+
+@hookspec
+def on_checkpoint(run: RunInfo, step: int, path: Path) -> None:
+    """A checkpoint of ``step`` was written completely to the directory ``path``."""
+
+
+@hookspec
+def on_run_end(run: RunInfo, status: str) -> None:
+    """A run ended; ``status`` is ``"completed"``, ``"failed"`` or ``"interrupted"``.
+
+    Called once, also when the run fails, so loggers can flush and close.
+    """

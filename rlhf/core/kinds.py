@@ -1,0 +1,66 @@
+"""The kinds of component a plugin can register, one registration hook each.
+
+A kind fixes the hook that fills it, the capability flags a registration may carry (with
+their defaults) and what the registered object must be.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+def _callable(obj: Any) -> str | None:
+    return None if callable(obj) else "a function or callable object"
+
+
+def _class(obj: Any) -> str | None:
+    return None if inspect.isclass(obj) else "a class"
+
+
+def _preset(obj: Any) -> str | None:
+    from rlhf.core.types import AlgorithmPreset
+
+    return None if isinstance(obj, AlgorithmPreset) else "an rlhf.core.types.AlgorithmPreset"
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # singular, used in messages and `--json`: "advantage_estimator"
+    hook: str  # registration hook that fills it
+    flag: str  # the command-line option that selects one
+    capabilities: dict[str, Any] = field(default_factory=dict)  # allowed flags and defaults
+    check: Callable[[Any], str | None] = _callable  # returns what obj should have been
+
+    @property
+    def title(self) -> str:
+        return self.name.replace("_", " ")
+
+
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        Kind("advantage_estimator", "register_advantage_estimators", "--advantage",
+             {"needs_critic": False, "needs_groups": False}),
+        Kind("policy_loss", "register_policy_losses", "--policy-loss"),
+        Kind("kl_estimator", "register_kl_estimators", "--kl-estimator"),
+        Kind("loss_aggregation", "register_loss_aggregations", "--loss-agg"),
+        Kind("algorithm", "register_algorithms", "--algo", check=_preset),
+        Kind("reward", "register_rewards", "--reward", {"batched": None, "is_async": None}),
+        Kind("env", "register_envs", "--env", check=_class),
+        Kind("model", "register_models", "--model-adapter",
+             {"roles": ("policy", "reference", "critic", "reward")}, check=_class),
+        Kind("rollout_engine", "register_rollout_engines", "--engine", {"needs_gpu": False}, check=_class),
+        Kind("train_backend", "register_train_backends", "--backend", {"needs_gpu": False}, check=_class),
+    )
+}
+
+KIND_BY_HOOK: dict[str, Kind] = {kind.hook: kind for kind in KINDS.values()}
+
+
+def get_kind(name: str) -> Kind:
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise KeyError(f"unknown component kind {name!r}; kinds: {', '.join(KINDS)}") from None

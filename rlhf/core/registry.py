@@ -1,0 +1,174 @@
+"""Typed registries: one per component kind, filled by the registration hooks.
+
+A registry maps a name to a `Component` that remembers which plugin provided it. A name
+registered by two plugins is kept as a conflict: looking it up is an error that names both
+providers. Objects given as ``"module:attr"`` strings are imported on first lookup.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlhf.core.errors import ComponentConflictError, PluginError, UnknownComponentError
+from rlhf.core.kinds import Kind
+
+if TYPE_CHECKING:
+    from rlhf.core.plugins import PluginRecord
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.]*$")
+_UNLOADED = object()
+
+
+def normalize_name(name: str) -> str:
+    """Names are case-insensitive and treat ``-`` and ``_`` alike: ``Dr-GRPO`` is ``dr_grpo``."""
+    return name.strip().lower().replace("-", "_")
+
+
+@dataclass(eq=False)
+class Component:
+    kind: Kind
+    name: str
+    target: Any  # the registered object, or a "module:attr" string imported on first use
+    provider: PluginRecord
+    description: str = ""
+    config_cls: Any = None  # a dataclass type, or a "module:attr" string
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    _obj: Any = field(default=_UNLOADED, repr=False)
+
+    @property
+    def is_lazy(self) -> bool:
+        return isinstance(self.target, str)
+
+    def load(self) -> Any:
+        """The registered object, imported now if it was registered by reference."""
+        if self._obj is _UNLOADED:
+            obj = self.target
+            if self.is_lazy:
+                obj = self._import(self.target, "")
+            problem = self.kind.check(obj)
+            if problem:
+                raise PluginError(
+                    f"{self.kind.title} {self.name!r} from {self.provider.label} should be "
+                    f"{problem}, got {type(obj).__name__}"
+                )
+            self._obj = obj
+        return self._obj
+
+    def load_config_cls(self) -> type | None:
+        if isinstance(self.config_cls, str):
+            self.config_cls = self._import(self.config_cls, " (config_cls)")
+        return self.config_cls
+
+    def _import(self, ref: str, what: str) -> Any:
+        from rlhf.core.references import import_object
+
+        try:
+            return import_object(ref)
+        except Exception as exc:
+            raise PluginError(
+                f"{self.kind.title} {self.name!r}{what} from {self.provider.label} could not be "
+                f"imported from {ref!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
+                   description: str | None = None, config_cls: Any = None,
+                   **capabilities: Any) -> Component:
+    """Validate one ``register(...)`` call and build its component. Raises TypeError/ValueError."""
+    if not isinstance(name, str) or not _NAME.match(normalize_name(name)):
+        raise ValueError(
+            f"invalid {kind.title} name {name!r}: use letters, digits, '_', '-' and '.' "
+            "(no ':' or '/', which mark references)"
+        )
+    unknown = set(capabilities) - set(kind.capabilities)
+    if unknown:
+        allowed = ", ".join(sorted(kind.capabilities)) or "none"
+        raise TypeError(
+            f"register() got unknown flag(s) {', '.join(sorted(unknown))} for {kind.title} "
+            f"{name!r}; allowed for this kind: description, config_cls, {allowed}"
+        )
+    if isinstance(obj, str):
+        if ":" not in obj:
+            raise ValueError(f"{kind.title} {name!r}: a lazy reference must read 'module.path:attr', got {obj!r}")
+    else:
+        problem = kind.check(obj)
+        if problem:
+            raise TypeError(f"{kind.title} {name!r} should be {problem}, got {type(obj).__name__}")
+    if description is None:
+        description = "" if isinstance(obj, str) else _first_doc_line(obj)
+    return Component(
+        kind=kind, name=normalize_name(name), target=obj, provider=provider,
+        description=description, config_cls=config_cls,
+        capabilities={**kind.capabilities, **capabilities},
+        _obj=_UNLOADED if isinstance(obj, str) else obj,
+    )
+
+
+def _first_doc_line(obj: Any) -> str:
+    own = getattr(obj, "description", None)  # presets and similar objects describe themselves
+    if isinstance(own, str) and own:
+        return own
+    doc = (inspect.getdoc(obj) or "").strip()
+    return doc.splitlines()[0].strip() if doc else ""
+
+
+class Registry:
+    """All components of one kind. Lookups speak to the user; nothing is silently replaced."""
+
+    def __init__(self, kind: Kind, broken: list[PluginRecord] | None = None):
+        self.kind = kind
+        self._components: dict[str, Component] = {}
+        self._conflicts: dict[str, list[Component]] = {}
+        self._broken = broken if broken is not None else []
+
+    def add(self, component: Component) -> Component | None:
+        """Add a component; return the component it conflicts with, if any."""
+        name = component.name
+        if name in self._conflicts:
+            self._conflicts[name].append(component)
+            return self._conflicts[name][0]
+        if name in self._components:
+            first = self._components.pop(name)
+            self._conflicts[name] = [first, component]
+            return first
+        self._components[name] = component
+        return None
+
+    def __contains__(self, name: str) -> bool:
+        return normalize_name(name) in self._components
+
+    def __len__(self) -> int:
+        return len(self._components)
+
+    def names(self) -> list[str]:
+        """Usable names (conflicting ones excluded), sorted."""
+        return sorted(self._components)
+
+    def components(self) -> list[Component]:
+        """Every registration, conflicting ones included, sorted by name."""
+        everything = list(self._components.values())
+        for group in self._conflicts.values():
+            everything.extend(group)
+        return sorted(everything, key=lambda c: (c.name, c.provider.label))
+
+    def conflicts(self) -> dict[str, list[Component]]:
+        return dict(self._conflicts)
+
+    def component(self, name: str) -> Component:
+        key = normalize_name(name)
+        if key in self._components:
+            return self._components[key]
+        if key in self._conflicts:
+            raise ComponentConflictError(self.kind.name, key, [c.provider.label for c in self._conflicts[key]])
+        hint = ""
+        if self._broken:
+            labels = ", ".join(f"{r.label} ({r.error})" for r in self._broken)
+            hint = f"These plugins failed to load and may provide it: {labels}."
+        raise UnknownComponentError(self.kind.name, name, self._components, hint)
+
+    def get(self, name: str) -> Any:
+        """The object registered under ``name`` (imported now if registered by reference)."""
+        return self.component(name).load()

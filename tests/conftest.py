@@ -1,0 +1,47 @@
+"""Test-wide settings: nothing touches the network or the home directory.
+
+The environment is set at import, before any test imports ray, deepspeed or transformers.
+One temporary folder per session holds DeepSpeed's compiled extensions and Ray's files, so the
+~20 s extension build happens once per session, not once per test.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+_SESSION_TMP = tempfile.mkdtemp(prefix="rlhf-tests-")
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HOME": os.path.join(_SESSION_TMP, "hf"),
+    "DS_ACCELERATOR": "cpu",
+    "TORCH_EXTENSIONS_DIR": os.path.join(_SESSION_TMP, "torch_extensions"),
+    "RAY_TMPDIR": os.path.join(_SESSION_TMP, "ray"),
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "disabled",
+}.items():
+    os.environ.setdefault(_key, _value)
+# A developer's own settings must not change what the tests see.
+for _key in ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "RLHF_DEBUG"):
+    os.environ.pop(_key, None)
+
+pytest_plugins = ["tests.helpers"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)

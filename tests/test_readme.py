@@ -1,0 +1,27 @@
+"""The README's two set-up commands are what a newcomer runs; keep them true."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _command_after(heading: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split(f"## {heading}", 1)[1]
+    return re.search(r"```bash\n(.*?)\n```", section, re.S).group(1).strip()
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    command = _command_after("Run the tests")
+    assert command.startswith("python3 -m venv .venv") and "pip install torch==2.13.0" in command
+    assert command.endswith("pytest")
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci_lines, ".ci/run must run the README's test command verbatim"
+
+
+def test_quickstart_pins_cpu_torch_before_installing_rlhf():
+    command = _command_after("Quickstart")
+    assert command.index("pip install torch==2.13.0") < command.index("pip install -e .")
