@@ -69,3 +69,15 @@ def make_plugin() -> Callable[..., types.ModuleType]:
         return module
 
     return factory
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama (hidden 64, 2 layers, vocab 320) and its tokenizer, built once per session."""
+    from rlhf.core.references import import_object
+
+    build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
+    return build(tmp_path_factory.mktemp("tiny-model"))

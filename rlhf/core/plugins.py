@@ -29,8 +29,11 @@ from rlhf.core.registry import Component, Registry, make_component
 ENTRY_POINT_GROUP = "rlhf"
 DISTRIBUTION = "rlhf-core"
 
-# Built-in plugins, registered in this order before any third-party plugin.
-DEFAULT_PLUGINS: tuple[str, ...] = ()
+# Built-in plugins, registered in this order before any third-party plugin. One module per line.
+# Their modules must stay light to import (no torch at import time): register heavy objects by
+# "module:attr" reference. tests/core/test_builtins.py checks both rules.
+DEFAULT_PLUGINS: tuple[str, ...] = (
+)
 
 
 @dataclass(eq=False)

@@ -39,7 +39,8 @@ class Trajectory:
     completion_text: str  # decoded completion (all turns, environment text included)
     group: int  # index of the prompt in the rollout batch
     label: Any = None
-    columns: dict[str, Any] = field(default_factory=dict)  # the dataset row's other columns
+    # Every dataset column except the prompt column, the label column included under its own name.
+    columns: dict[str, Any] = field(default_factory=dict)
     rollout_logprobs: list[float] | None = None  # per token, 0.0 where loss_mask is 0
     finish_reason: str = "stop"  # "stop" (EOS or env done), "length", "budget"
     num_turns: int = 1
