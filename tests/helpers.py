@@ -81,3 +81,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
     return build(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def bare_plugins() -> PluginSet:
+    """A fresh plugin set with no built-ins and no entry points: for tests of the registry mechanics
+    that register their own components (k1, grpo, ...) without clashing with rlhf's."""
+    return build_plugin_manager(load_entrypoints=False, builtins=())

@@ -10,6 +10,13 @@ class RlhfError(Exception):
     """Base class of errors caused by input, configuration or installed plugins."""
 
 
+class ConfigError(RlhfError):
+    """A setting that cannot work as given (a bad value, or options that contradict each other).
+
+    The command line reports it as a usage error (exit 2), like a bad flag value.
+    """
+
+
 class UnknownComponentError(RlhfError, LookupError):
     """A name that no plugin registered for a kind."""
 

@@ -52,15 +52,19 @@ def register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators (``--advantage NAME``).
 
     ``register(name, estimator, *, needs_critic=False, needs_groups=False, config_cls=None)``.
-    ``needs_critic``: the run must build a critic and pass values. ``needs_groups``: the run must
-    sample n > 1 completions per prompt; the runtime refuses to start otherwise.
+    ``needs_critic``: the run must build a critic and pass values. ``needs_groups``: the
+    estimator compares the n samples of a prompt; the runtime refuses to start with n < 2.
 
     ``estimator(inputs, config) -> (advantages, returns)`` with ``inputs`` an
-    ``rlhf.core.types.AdvantageInputs``: ``rewards (B,)`` float32 sequence rewards,
-    ``action_mask (B, A)``, ``kl (B, A)`` per-token KL to place in the reward or ``None``,
-    ``kl_coef`` (β), ``values (B, A)`` or ``None``, ``group_size`` (n). ``config`` is an
-    instance of ``config_cls`` (or ``None``). Both outputs are ``(B, A)`` float32, and zero
-    where ``action_mask`` is 0. Called once per rollout batch, under ``torch.no_grad()``.
+    ``rlhf.core.types.AdvantageInputs``: ``rewards (B,)`` float sequence rewards,
+    ``action_mask (B, A)`` float 0/1, ``kl (B, A)`` per-token KL to place in the reward or
+    ``None``, ``kl_coef`` (β), ``values (B, A)`` or ``None``, ``group_size`` (n; rows of one
+    prompt are contiguous) and ``sample_mask (B,)`` bool or ``None`` (False: leave the sample
+    out of group statistics and whitening and give it advantage and return 0). ``config`` is
+    an ``rlhf.core.types.AdvantageConfig`` (``gamma``, ``lambd``, ``std_norm``,
+    ``reward_clip``), or an instance of ``config_cls``, which should subclass it. Both
+    outputs are ``(B, A)`` and zero where ``action_mask`` is 0. Called once per rollout
+    batch, under ``torch.no_grad()``; ``rlhf.algorithms.compute_advantages`` calls it by name.
     """
 
 
@@ -72,10 +76,12 @@ def register_policy_losses(register: Register) -> None:
 
     ``loss(inputs, config) -> (per_token_loss, metrics)`` with ``inputs`` an
     ``rlhf.core.types.PolicyLossInputs``: ``logprobs (B, A)`` (with grad), ``old_logprobs``,
-    ``advantages``, ``action_mask`` (all ``(B, A)``) and ``rollout_logprobs (B, A)`` or ``None``
-    (log-probs reported by the rollout engine). Returns the loss per token ``(B, A)`` (the
-    host aggregates it with the run's loss aggregation) and a dict of scalar tensors logged
-    under ``policy/``. Called once per micro-batch.
+    ``advantages``, ``action_mask`` (float 0/1; all ``(B, A)``) and ``rollout_logprobs (B, A)``
+    or ``None`` (log-probs reported by the rollout engine). ``config`` is an instance of
+    ``config_cls`` or ``None``. Returns the loss per token ``(B, A)``, 0 where ``action_mask``
+    is 0 (the host aggregates it with the run's loss aggregation), and a dict of detached
+    scalars under namespaced keys (``policy/clip_frac``, ``policy/approx_kl``, ...). Called
+    once per micro-batch; ``rlhf.algorithms.policy_loss`` calls it by name.
     """
 
 
@@ -85,8 +91,9 @@ def register_kl_estimators(register: Register) -> None:
 
     ``register(name, estimator)``.
 
-    ``estimator(logprobs, ref_logprobs) -> kl``: all three ``(B, A)`` float32. The host
-    clamps the result to [-10, 10] and masks it; the estimator sees raw log-probs.
+    ``estimator(logprobs, ref_logprobs) -> kl``: all three ``(B, A)`` float. The host
+    (``rlhf.algorithms.kl_divergence``) clamps the result to [-10, 10] and masks it; the
+    estimator sees raw log-probs. KL goes into the reward or into the loss, never both.
     """
 
 
@@ -96,12 +103,13 @@ def register_loss_aggregations(register: Register) -> None:
 
     ``register(name, aggregate)``.
 
-    ``aggregate(loss, action_mask, norm) -> scalar tensor``: ``loss`` and ``action_mask`` are
-    one micro-batch ``(B, A)``; ``norm`` is an ``rlhf.core.types.LossNorm`` with counts over
-    the whole optimizer step (all micro-batches and data-parallel ranks): ``num_tokens``,
-    ``num_sequences`` and ``max_new_tokens``. Return this micro-batch's share of the step
-    loss: the sum of the returns over the step must equal the step loss, so the gradient does
-    not depend on how the step is split.
+    ``aggregate(loss, action_mask, norm) -> scalar tensor``: ``loss`` and ``action_mask``
+    (float 0/1) are one micro-batch ``(B, A)``; ``norm`` is an ``rlhf.core.types.LossNorm``
+    with counts over the whole optimizer step (all micro-batches and data-parallel ranks):
+    ``num_tokens``, ``num_sequences`` (with at least one action token) and
+    ``max_new_tokens`` (or ``None`` when the run has no fixed budget). Return this
+    micro-batch's share of the step loss: the sum of the returns over the step must equal the
+    step loss, so the gradient does not depend on how the step is split.
     """
 
 
@@ -131,12 +139,25 @@ def register_rewards(register: Register) -> None:
 
 @hookspec
 def register_envs(register: Register) -> None:
-    """Register rollout environments (``--env NAME``).
+    """Register rollout environments (``--env NAME``; ``--env module:Class`` needs no plugin).
 
-    ``register(name, env_cls)``. The runtime creates ``env_cls()`` once per trajectory, calls
-    ``reset(prompt, label, **columns)`` and then, after each model turn,
-    ``step(action_text) -> rlhf.core.types.StepResult(observation, reward, done, info)``. Both
-    may be ``async``. Observation tokens are appended with loss mask 0.
+    ``register(name, env_cls, *, config_cls=None)``. The contract (in full:
+    ``rlhf.core.environment``): the runtime creates one instance per trajectory, ``env_cls()``,
+    or ``env_cls(config)`` when registered with a ``config_cls``; calls
+    ``reset(prompt, label, **columns) -> str | None`` (text appended after the prompt, or
+    ``None``) and then, after each model turn, ``step(action_text) -> StepResult`` (an
+    ``rlhf.core.types.StepResult(observation, reward, done, info, stop)``). ``action_text`` is
+    the turn's decoded text including the stop string that ended it. The observation is
+    appended with loss mask 0; ``stop`` lists stop strings for the next turn (besides EOS and
+    the run's own) and an optional class attribute ``stop`` gives those of the first turn. The
+    trajectory reward is the sum of the step rewards plus the reward sources'. The episode ends
+    when ``done`` is true, at ``--max-turns`` or when the token budget is spent; ``close()``
+    is then called if the env has one. ``reset``, ``step`` and ``close`` may be ``async def``
+    (a slow sync method blocks every trajectory). ``columns`` are the other dataset columns;
+    only those ``reset`` declares are passed, unless it takes ``**columns``. A label that is a
+    dict (or a JSON object string) with an ``env_func`` key routes its sample to that env
+    (name or ``module:Class``), which receives the label as a dict. ``rlhf plugins check
+    NAME`` runs a scripted episode (actions from the class's ``sample_actions``).
     """
 
 

@@ -33,6 +33,7 @@ DISTRIBUTION = "rlhf-core"
 # Their modules must stay light to import (no torch at import time): register heavy objects by
 # "module:attr" reference. tests/core/test_builtins.py checks both rules.
 DEFAULT_PLUGINS: tuple[str, ...] = (
+    "rlhf.plugins.algorithms.plugin",
 )
 
 

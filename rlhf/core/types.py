@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlhf.core.errors import RlhfError
+
 if TYPE_CHECKING:
     import torch
 
@@ -70,14 +72,41 @@ class StepResult:
 
 @dataclass(kw_only=True)
 class AdvantageInputs:
-    """What an advantage estimator receives for one rollout batch."""
+    """What an advantage estimator receives for one rollout batch (n samples of a prompt contiguous)."""
 
-    rewards: torch.Tensor  # (B,) float32 combined sequence rewards
-    action_mask: torch.Tensor  # (B, A) 1 where the policy generated token t+1
-    kl: torch.Tensor | None = None  # (B, A) per-token KL to place in the reward, unscaled
-    kl_coef: float = 0.0  # β
+    rewards: torch.Tensor  # (B,) float sequence rewards (combined over reward sources)
+    action_mask: torch.Tensor  # (B, A) float 0/1: 1 where the policy generated token t+1
+    kl: torch.Tensor | None = None  # (B, A) per-token KL to place in the reward (unscaled), or None
+    kl_coef: float = 0.0  # β: the reward gets -β·kl_t on every action token
     values: torch.Tensor | None = None  # (B, A) critic values, when the estimator needs a critic
     group_size: int = 1  # n samples per prompt
+    # (B,) bool, True = valid. A False sample (e.g. its reward failed under --reward-on-error skip)
+    # is left out of group statistics and whitening and gets advantage and return 0. None: all valid.
+    sample_mask: torch.Tensor | None = None
+
+
+@dataclass(kw_only=True)
+class AdvantageConfig:
+    """Settings every advantage estimator receives (an estimator's own config class subclasses it)."""
+
+    gamma: float = field(default=1.0, metadata={
+        "help": "discount γ per token in [0, 1]; the group estimators (rloo, reinforce_pp_baseline, grpo, "
+                "dr_grpo) always use 1 and warn once when given another value"})
+    lambd: float = field(default=1.0, metadata={"help": "GAE λ in [0, 1] (gae only)"})
+    std_norm: bool = field(default=True, metadata={
+        "help": "batch whitening divides by the token-weighted std (estimators that whiten: gae, "
+                "reinforce_pp, reinforce_pp_baseline); False: subtract the mean only"})
+    reward_clip: float | None = field(default=10.0, metadata={
+        "help": "clip the shaped sequence reward to [-c, c] before it is placed on the last action "
+                "token; None: no clipping"})
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "lambd"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise RlhfError(f"advantage setting {name} must be in [0, 1], got {value}")
+        if self.reward_clip is not None and not self.reward_clip > 0:
+            raise RlhfError(f"reward_clip must be positive (or None for no clipping), got {self.reward_clip}")
 
 
 @dataclass(kw_only=True)
@@ -87,7 +116,7 @@ class PolicyLossInputs:
     logprobs: torch.Tensor  # (B, A) current policy, with grad
     old_logprobs: torch.Tensor  # (B, A) policy at rollout time (recomputed by the trainer)
     advantages: torch.Tensor  # (B, A)
-    action_mask: torch.Tensor  # (B, A)
+    action_mask: torch.Tensor  # (B, A) float 0/1
     rollout_logprobs: torch.Tensor | None = None  # (B, A) as reported by the rollout engine
 
 
@@ -97,17 +126,17 @@ class LossNorm:
 
     num_tokens: float  # action tokens
     num_sequences: float  # sequences with at least one action token
-    max_new_tokens: int  # generation budget per sequence (Dr. GRPO's constant normaliser)
+    max_new_tokens: int | None = None  # generation budget per sequence (Dr. GRPO's constant normaliser)
 
 
 @dataclass(kw_only=True, frozen=True)
 class AlgorithmPreset:
     """The defaults ``--algo NAME`` selects; each piece has its own override flag."""
 
-    advantage: str
-    policy_loss: str = "ppo"
-    kl_estimator: str = "k1"
-    kl_in: KLPlacement = "reward"
-    kl_coef: float = 0.01
-    loss_agg: str = "token_mean"
+    advantage: str  # --advantage: advantage estimator name
+    policy_loss: str = "ppo"  # --policy-loss
+    kl_estimator: str = "k1"  # --kl-estimator
+    kl_in: KLPlacement = "reward"  # --kl-in: where the KL penalty goes (never both places)
+    kl_coef: float = 0.01  # --kl-coef: β
+    loss_agg: str = "token_mean"  # --loss-agg
     description: str = ""

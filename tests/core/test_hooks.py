@@ -20,99 +20,99 @@ ROOT = Path(__file__).resolve().parents[2]
 SPECS = sorted(name for name, obj in vars(hookspecs).items() if hasattr(obj, "rlhf_spec"))
 
 
-def _register_one(plugins, make_plugin, hook, obj, **flags):
+def _register_one(bare_plugins, make_plugin, hook, obj, **flags):
     """Register ``obj`` through ``hook`` from a test plugin; return its component."""
     kind = KIND_BY_HOOK[hook]
-    record = plugins.register(make_plugin(f"plugin_for_{hook}", **{hook: lambda register: register("thing", obj, **flags)}))
-    component = plugins.registry(kind.name).component("thing")
+    record = bare_plugins.register(make_plugin(f"plugin_for_{hook}", **{hook: lambda register: register("thing", obj, **flags)}))
+    component = bare_plugins.registry(kind.name).component("thing")
     assert record.status == "ok" and component.provider is record
     assert record.provides == {kind.name: ["thing"]}
     return component
 
 
-def test_hook_register_advantage_estimators(plugins, make_plugin):
+def test_hook_register_advantage_estimators(bare_plugins, make_plugin):
     def estimator(inputs, config):
         return inputs.rewards, inputs.rewards
 
-    component = _register_one(plugins, make_plugin, "register_advantage_estimators", estimator, needs_groups=True)
+    component = _register_one(bare_plugins, make_plugin, "register_advantage_estimators", estimator, needs_groups=True)
     assert component.load() is estimator
     assert component.capabilities == {"needs_critic": False, "needs_groups": True}
 
 
-def test_hook_register_policy_losses(plugins, make_plugin):
+def test_hook_register_policy_losses(bare_plugins, make_plugin):
     def loss(inputs, config):
         return inputs.logprobs, {}
 
-    assert _register_one(plugins, make_plugin, "register_policy_losses", loss).load() is loss
+    assert _register_one(bare_plugins, make_plugin, "register_policy_losses", loss).load() is loss
 
 
-def test_hook_register_kl_estimators(plugins, make_plugin):
+def test_hook_register_kl_estimators(bare_plugins, make_plugin):
     def kl(logprobs, ref_logprobs):
         return logprobs - ref_logprobs
 
-    assert _register_one(plugins, make_plugin, "register_kl_estimators", kl).load()(3.0, 1.0) == 2.0
+    assert _register_one(bare_plugins, make_plugin, "register_kl_estimators", kl).load()(3.0, 1.0) == 2.0
 
 
-def test_hook_register_loss_aggregations(plugins, make_plugin):
+def test_hook_register_loss_aggregations(bare_plugins, make_plugin):
     def total(loss, action_mask, norm):
         return loss
 
-    assert _register_one(plugins, make_plugin, "register_loss_aggregations", total).load() is total
+    assert _register_one(bare_plugins, make_plugin, "register_loss_aggregations", total).load() is total
 
 
-def test_hook_register_algorithms(plugins, make_plugin):
+def test_hook_register_algorithms(bare_plugins, make_plugin):
     preset = AlgorithmPreset(advantage="grpo", kl_in="loss", kl_estimator="k3", kl_coef=0.001)
-    component = _register_one(plugins, make_plugin, "register_algorithms", preset)
+    component = _register_one(bare_plugins, make_plugin, "register_algorithms", preset)
     assert component.load().kl_in == "loss"
 
 
-def test_hook_register_algorithms_rejects_a_plain_dict(plugins, make_plugin):
-    record = plugins.register(make_plugin(register_algorithms=lambda register: register("bad", {"advantage": "x"})))
-    plugins.registries()
+def test_hook_register_algorithms_rejects_a_plain_dict(bare_plugins, make_plugin):
+    record = bare_plugins.register(make_plugin(register_algorithms=lambda register: register("bad", {"advantage": "x"})))
+    bare_plugins.registries()
     assert record.status == "error" and "should be an rlhf.core.types.AlgorithmPreset" in record.error
 
 
-def test_hook_register_rewards(plugins, make_plugin):
+def test_hook_register_rewards(bare_plugins, make_plugin):
     async def judge(completions):
         return [1.0] * len(completions)
 
-    component = _register_one(plugins, make_plugin, "register_rewards", judge, batched=True)
+    component = _register_one(bare_plugins, make_plugin, "register_rewards", judge, batched=True)
     assert component.capabilities == {"batched": True, "is_async": None}
 
 
-def test_hook_register_envs(plugins, make_plugin):
+def test_hook_register_envs(bare_plugins, make_plugin):
     class Echo:
         def reset(self, prompt, label):
             return None
 
-    assert _register_one(plugins, make_plugin, "register_envs", Echo).load() is Echo
+    assert _register_one(bare_plugins, make_plugin, "register_envs", Echo).load() is Echo
 
 
-def test_hook_register_models(plugins, make_plugin):
+def test_hook_register_models(bare_plugins, make_plugin):
     class Frozen:
         def __init__(self, config):
             self.config = config
 
-    component = _register_one(plugins, make_plugin, "register_models", Frozen, roles=("policy",))
+    component = _register_one(bare_plugins, make_plugin, "register_models", Frozen, roles=("policy",))
     assert component.capabilities["roles"] == ("policy",)
 
 
-def test_hook_register_rollout_engines(plugins, make_plugin):
+def test_hook_register_rollout_engines(bare_plugins, make_plugin):
     class Engine:
         pass
 
-    component = _register_one(plugins, make_plugin, "register_rollout_engines", Engine, needs_gpu=True)
+    component = _register_one(bare_plugins, make_plugin, "register_rollout_engines", Engine, needs_gpu=True)
     assert component.capabilities == {"needs_gpu": True}
 
 
-def test_hook_register_train_backends(plugins, make_plugin):
+def test_hook_register_train_backends(bare_plugins, make_plugin):
     class Backend:
         pass
 
-    assert _register_one(plugins, make_plugin, "register_train_backends", Backend).capabilities == {"needs_gpu": False}
+    assert _register_one(bare_plugins, make_plugin, "register_train_backends", Backend).capabilities == {"needs_gpu": False}
 
 
-def test_hook_register_commands(plugins, make_plugin):
+def test_hook_register_commands(bare_plugins, make_plugin):
     @click.command("hello")
     @click.option("--name", default="world")
     def hello(name):
@@ -127,19 +127,19 @@ def test_hook_register_commands(plugins, make_plugin):
         cli.add_command(hello)
         cli.add_command(impostor)
 
-    record = plugins.register(make_plugin("greeter", register_commands=add))
-    assert run_cli(plugins, ["hello", "--name", "rl"]).output == "hello rl\n"
-    assert "Inspect installed plugins" in run_cli(plugins, ["plugins", "--help"]).output
+    record = bare_plugins.register(make_plugin("greeter", register_commands=add))
+    assert run_cli(bare_plugins, ["hello", "--name", "rl"]).output == "hello rl\n"
+    assert "Inspect installed plugins" in run_cli(bare_plugins, ["plugins", "--help"]).output
     assert any("plugins already exist" in w for w in record.warnings)
     assert record.provides["command"] == ["hello"]
 
 
-def test_hook_register_commands_failure_is_recorded(plugins, make_plugin):
+def test_hook_register_commands_failure_is_recorded(bare_plugins, make_plugin):
     def add(cli):
         raise RuntimeError("no config file")
 
-    record = plugins.register(make_plugin("broken_cmd", register_commands=add))
-    assert run_cli(plugins, ["--help"]).exit_code == 0
+    record = bare_plugins.register(make_plugin("broken_cmd", register_commands=add))
+    assert run_cli(bare_plugins, ["--help"]).exit_code == 0
     assert record.status == "error" and "register_commands failed: RuntimeError: no config file" in record.error
 
 
@@ -150,64 +150,64 @@ def run_info(tmp_path):
     return RunInfo(config={"algo": "grpo"}, out_dir=tmp_path, total_steps=3)
 
 
-def test_hook_on_run_start(plugins, make_plugin, run_info):
+def test_hook_on_run_start(bare_plugins, make_plugin, run_info):
     seen = []
-    plugins.register(make_plugin(on_run_start=lambda run: seen.append(run)))
-    plugins.emit("on_run_start", run=run_info)
+    bare_plugins.register(make_plugin(on_run_start=lambda run: seen.append(run)))
+    bare_plugins.emit("on_run_start", run=run_info)
     assert seen == [run_info]
 
 
-def test_hook_on_rollout_end(plugins, make_plugin, run_info):
+def test_hook_on_rollout_end(bare_plugins, make_plugin, run_info):
     seen = []
-    plugins.register(make_plugin(on_rollout_end=lambda trajectories, step: seen.append((trajectories, step))))
-    plugins.emit("on_rollout_end", run=run_info, step=4, trajectories=["t0", "t1"])
+    bare_plugins.register(make_plugin(on_rollout_end=lambda trajectories, step: seen.append((trajectories, step))))
+    bare_plugins.emit("on_rollout_end", run=run_info, step=4, trajectories=["t0", "t1"])
     assert seen == [(["t0", "t1"], 4)]
 
 
-def test_hook_on_rewards(plugins, make_plugin, run_info):
+def test_hook_on_rewards(bare_plugins, make_plugin, run_info):
     def on_rewards(rewards):
         rewards[0] = -1.0  # edits in place are what the runtime sees
 
-    plugins.register(make_plugin(on_rewards=on_rewards))
+    bare_plugins.register(make_plugin(on_rewards=on_rewards))
     rewards = [1.0, 1.0]
-    plugins.emit("on_rewards", run=run_info, step=0, trajectories=[], rewards=rewards)
+    bare_plugins.emit("on_rewards", run=run_info, step=0, trajectories=[], rewards=rewards)
     assert rewards == [-1.0, 1.0]
 
 
-def test_hook_on_step_end(plugins, make_plugin, run_info):
+def test_hook_on_step_end(bare_plugins, make_plugin, run_info):
     seen = []
-    plugins.register(make_plugin(on_step_end=lambda step, metrics: seen.append((step, metrics))))
-    plugins.emit("on_step_end", run=run_info, step=2, metrics={"reward/mean": 0.5})
+    bare_plugins.register(make_plugin(on_step_end=lambda step, metrics: seen.append((step, metrics))))
+    bare_plugins.emit("on_step_end", run=run_info, step=2, metrics={"reward/mean": 0.5})
     assert seen == [(2, {"reward/mean": 0.5})]
 
 
-def test_hook_on_checkpoint(plugins, make_plugin, run_info, tmp_path):
+def test_hook_on_checkpoint(bare_plugins, make_plugin, run_info, tmp_path):
     seen = []
-    plugins.register(make_plugin(on_checkpoint=lambda path, step, run: seen.append((path, step, run))))
-    plugins.emit("on_checkpoint", run=run_info, step=10, path=tmp_path / "step_10")
+    bare_plugins.register(make_plugin(on_checkpoint=lambda path, step, run: seen.append((path, step, run))))
+    bare_plugins.emit("on_checkpoint", run=run_info, step=10, path=tmp_path / "step_10")
     assert seen == [(tmp_path / "step_10", 10, run_info)]
 
 
-def test_hook_on_run_end(plugins, make_plugin, run_info):
+def test_hook_on_run_end(bare_plugins, make_plugin, run_info):
     seen = []
-    plugins.register(make_plugin(on_run_end=lambda status: seen.append(status)))
-    plugins.emit("on_run_end", run=run_info, status="completed")
+    bare_plugins.register(make_plugin(on_run_end=lambda status: seen.append(status)))
+    bare_plugins.emit("on_run_end", run=run_info, status="completed")
     assert seen == ["completed"]
 
 
-def test_lifecycle_hooks_run_in_pluggy_order_and_errors_name_the_plugin(plugins, make_plugin, run_info):
+def test_lifecycle_hooks_run_in_pluggy_order_and_errors_name_the_plugin(bare_plugins, make_plugin, run_info):
     calls = []
-    plugins.register(make_plugin("first_registered", on_step_end=lambda step: calls.append("first")))
-    plugins.register(make_plugin("second_registered", on_step_end=lambda step: calls.append("second")))
-    plugins.emit("on_step_end", run=run_info, step=0, metrics={})
+    bare_plugins.register(make_plugin("first_registered", on_step_end=lambda step: calls.append("first")))
+    bare_plugins.register(make_plugin("second_registered", on_step_end=lambda step: calls.append("second")))
+    bare_plugins.emit("on_step_end", run=run_info, step=0, metrics={})
     assert calls == ["second", "first"]  # pluggy calls the latest registration first
 
     def explode(step):
         raise KeyError("missing metric")
 
-    plugins.register(make_plugin("bad_logger", on_step_end=explode), distribution="rlhf-badlog", version="0.9")
+    bare_plugins.register(make_plugin("bad_logger", on_step_end=explode), distribution="rlhf-badlog", version="0.9")
     with pytest.raises(PluginError, match=r"plugin rlhf-badlog 0.9 \(bad_logger\) failed in on_step_end: KeyError"):
-        plugins.emit("on_step_end", run=run_info, step=1, metrics={})
+        bare_plugins.emit("on_step_end", run=run_info, step=1, metrics={})
 
 
 # --- meta-tests -------------------------------------------------------------------------

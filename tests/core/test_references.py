@@ -27,9 +27,9 @@ def test_is_reference():
     assert not is_reference("grpo") and not is_reference("exact_match")
 
 
-def test_registered_name_resolves_through_the_registry(make_plugin, plugins):
-    plugins.register(make_plugin(register_kl_estimators=lambda register: register("k9", abs)))
-    resolved = resolve("K9", plugins.registry("kl_estimator"))
+def test_registered_name_resolves_through_the_registry(make_plugin, bare_plugins):
+    bare_plugins.register(make_plugin(register_kl_estimators=lambda register: register("k9", abs)))
+    resolved = resolve("K9", bare_plugins.registry("kl_estimator"))
     assert resolved.obj is abs and resolved.registered and resolved.ref == "K9"
 
 
@@ -73,13 +73,13 @@ def test_reference_without_attribute_and_no_default_is_explained():
         import_object("rewards.py")
 
 
-def test_unknown_plain_name_is_an_unknown_component(make_plugin, plugins):
-    plugins.register(make_plugin(register_kl_estimators=lambda register: register("k3", abs)))
+def test_unknown_plain_name_is_an_unknown_component(make_plugin, bare_plugins):
+    bare_plugins.register(make_plugin(register_kl_estimators=lambda register: register("k3", abs)))
     with pytest.raises(UnknownComponentError, match="Did you mean 'k3'"):
-        resolve("k4", plugins.registry("kl_estimator"))
+        resolve("k4", bare_plugins.registry("kl_estimator"))
 
 
-def _command(plugins):
+def _command(bare_plugins):
     @click.command()
     @click.option("--kl-estimator", type=ComponentParam("kl_estimator"))
     @click.option("--reward", type=ComponentParam("reward", default_attr="reward_func"))
@@ -88,27 +88,27 @@ def _command(plugins):
         click.echo(f"kl={kl_estimator.ref} reward={reward.ref if reward else None} {reward.registered if reward else ''}")
 
     def run(args):
-        return CliRunner().invoke(command, args, obj=CliState(plugins))
+        return CliRunner().invoke(command, args, obj=CliState(bare_plugins))
 
     return run
 
 
-def test_click_parameter_accepts_names_and_references(make_plugin, plugins, reward_file):
-    plugins.register(make_plugin(register_kl_estimators=lambda register: register("k2", abs)))
-    result = _command(plugins)(["--kl-estimator", "k2", "--reward", str(reward_file)])
+def test_click_parameter_accepts_names_and_references(make_plugin, bare_plugins, reward_file):
+    bare_plugins.register(make_plugin(register_kl_estimators=lambda register: register("k2", abs)))
+    result = _command(bare_plugins)(["--kl-estimator", "k2", "--reward", str(reward_file)])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"kl=k2 reward={reward_file} False"
 
 
-def test_click_parameter_unknown_name_is_a_usage_error_listing_choices(make_plugin, plugins):
-    plugins.register(make_plugin(register_kl_estimators=lambda register: [register(n, abs) for n in ("k1", "k2", "k3")]))
-    result = _command(plugins)(["--kl-estimator", "k5"])
+def test_click_parameter_unknown_name_is_a_usage_error_listing_choices(make_plugin, bare_plugins):
+    bare_plugins.register(make_plugin(register_kl_estimators=lambda register: [register(n, abs) for n in ("k1", "k2", "k3")]))
+    result = _command(bare_plugins)(["--kl-estimator", "k5"])
     assert result.exit_code == 2
     assert "Invalid value for '--kl-estimator'" in result.output
     assert "Available: k1, k2, k3." in result.output
 
 
-def test_click_parameter_bad_reference_is_a_usage_error(plugins):
-    result = _command(plugins)(["--reward", "missing_module_xyz:f"])
+def test_click_parameter_bad_reference_is_a_usage_error(bare_plugins):
+    result = _command(bare_plugins)(["--reward", "missing_module_xyz:f"])
     assert result.exit_code == 2
     assert "cannot import module 'missing_module_xyz'" in result.output

@@ -1,0 +1,8 @@
+"""Built-in algorithm math (DESIGN §6): advantage estimators, KL estimators, the PPO policy loss,
+the clipped value loss and loss aggregations, registered by `rlhf.plugins.algorithms.plugin`.
+
+Where to look: ``grpo.py`` (grpo, dr_grpo), ``rloo.py``, ``reinforce.py`` (reinforce_pp,
+reinforce_pp_baseline), ``gae.py``; ``returns.py`` holds what they share (reward placement,
+returns, GAE, whitening) and ``groups.py`` the group statistics. Importing this package is
+cheap: the modules that use torch are imported only when a run asks for them.
+"""

@@ -1,0 +1,73 @@
+"""The built-in algorithms plugin: registers DESIGN §6 through the same hooks third parties use.
+
+Every torch-using object is registered by ``"module:attr"`` reference with an explicit
+description, so importing this module (``rlhf --help``, ``rlhf plugins list``) imports no torch.
+
+Where each piece lives, in this package: ``grpo.py`` (grpo, dr_grpo), ``rloo.py``,
+``reinforce.py`` (reinforce_pp, reinforce_pp_baseline), ``gae.py``, ``returns.py`` (reward
+placement, returns, GAE, whitening), ``groups.py``, ``kl.py``, ``ppo_loss.py``, ``mismatch.py``,
+``value_loss.py``, ``aggregation.py``, ``presets.py``.
+"""
+
+from __future__ import annotations
+
+import rlhf
+from rlhf.core.types import AdvantageConfig
+from rlhf.plugins.algorithms.presets import PRESETS
+
+_HERE = "rlhf.plugins.algorithms"
+
+# name: (reference, description, needs_critic, needs_groups)
+ESTIMATORS = {
+    "gae": ("gae:gae_advantages",
+            "PPO: GAE with a critic, Â_t = Σ (γλ)^k δ_{t+k}, whitened", True, False),
+    "reinforce_pp": ("reinforce:reinforce_pp_advantages",
+                     "REINFORCE++: returns-to-go of r - β·kl, whitened", False, False),
+    "reinforce_pp_baseline": ("reinforce:reinforce_pp_baseline_advantages",
+                              "REINFORCE++-baseline: r - mean(group), whitened", False, True),
+    "rloo": ("rloo:rloo_advantages",
+             "RLOO: r - mean(other samples of the group)", False, True),
+    "grpo": ("grpo:grpo_advantages",
+             "GRPO: (r - mean(group)) / (std(group) + 1e-9)", False, True),
+    "dr_grpo": ("grpo:dr_grpo_advantages",
+                "Dr. GRPO: r - mean(group), no std division", False, True),
+}
+
+
+@rlhf.hookimpl
+def register_advantage_estimators(register):
+    for name, (ref, description, needs_critic, needs_groups) in ESTIMATORS.items():
+        register(name, f"{_HERE}.{ref}", description=description, config_cls=AdvantageConfig,
+                 needs_critic=needs_critic, needs_groups=needs_groups)
+
+
+@rlhf.hookimpl
+def register_kl_estimators(register):
+    register("k1", f"{_HERE}.kl:k1", description="k1 = δ = logp - logp_ref (unbiased, may be negative)")
+    register("k2", f"{_HERE}.kl:k2", description="k2 = δ²/2 (non-negative)")
+    register("k3", f"{_HERE}.kl:k3", description="k3 = exp(-δ) - 1 + δ (unbiased, non-negative)")
+
+
+@rlhf.hookimpl
+def register_policy_losses(register):
+    register("ppo", f"{_HERE}.ppo_loss:ppo_policy_loss",
+             description="PPO clipped surrogate (asymmetric clip, dual clip, TIS/ICEPOP correction)",
+             config_cls=f"{_HERE}.ppo_loss:PPOLossConfig")
+
+
+@rlhf.hookimpl
+def register_loss_aggregations(register):
+    register("token_mean", f"{_HERE}.aggregation:token_mean",
+             description="Σ ℓ m / tokens of the whole optimizer step")
+    register("seq_mean_token_mean", f"{_HERE}.aggregation:seq_mean_token_mean",
+             description="mean over sequences of each sequence's token mean")
+    register("seq_mean_token_sum", f"{_HERE}.aggregation:seq_mean_token_sum",
+             description="mean over sequences of each sequence's token sum")
+    register("seq_mean_token_sum_norm", f"{_HERE}.aggregation:seq_mean_token_sum_norm",
+             description="mean over sequences of token sum / max new tokens (Dr. GRPO)")
+
+
+@rlhf.hookimpl
+def register_algorithms(register):
+    for name, preset in PRESETS.items():
+        register(name, preset)

@@ -1,0 +1,37 @@
+"""Algorithm presets (``--algo NAME``): the defaults of DESIGN §6, each overridable by its own flag
+(``--advantage``, ``--policy-loss``, ``--kl-estimator``, ``--kl-coef``, ``--kl-in``, ``--loss-agg``).
+
+KL is either in the reward (k1, β = 0.01) or in the loss (k3, β = 0.001), never both. Whether a
+critic is built follows from the estimator (only ``gae`` needs one). No torch here.
+"""
+
+from __future__ import annotations
+
+from rlhf.core.types import AlgorithmPreset
+
+PRESETS: dict[str, AlgorithmPreset] = {
+    "ppo": AlgorithmPreset(
+        advantage="gae", kl_estimator="k1", kl_in="reward", kl_coef=0.01, loss_agg="token_mean",
+        description="PPO with a critic: GAE advantages, k1 KL in the reward (β 0.01)",
+    ),
+    "reinforce_pp": AlgorithmPreset(
+        advantage="reinforce_pp", kl_estimator="k1", kl_in="reward", kl_coef=0.01, loss_agg="token_mean",
+        description="REINFORCE++: whitened returns-to-go, k1 KL in the reward (β 0.01)",
+    ),
+    "reinforce_pp_baseline": AlgorithmPreset(
+        advantage="reinforce_pp_baseline", kl_estimator="k3", kl_in="loss", kl_coef=0.001, loss_agg="token_mean",
+        description="REINFORCE++-baseline: group-mean baseline, whitened; k3 KL loss (β 0.001)",
+    ),
+    "rloo": AlgorithmPreset(
+        advantage="rloo", kl_estimator="k1", kl_in="reward", kl_coef=0.01, loss_agg="token_mean",
+        description="RLOO: leave-one-out group baseline, k1 KL in the reward (β 0.01)",
+    ),
+    "grpo": AlgorithmPreset(
+        advantage="grpo", kl_estimator="k3", kl_in="loss", kl_coef=0.001, loss_agg="token_mean",
+        description="GRPO: group-normalised rewards, k3 KL loss (β 0.001)",
+    ),
+    "dr_grpo": AlgorithmPreset(
+        advantage="dr_grpo", kl_estimator="k3", kl_in="loss", kl_coef=0.001, loss_agg="seq_mean_token_sum_norm",
+        description="Dr. GRPO: group-mean baseline, constant length normaliser, k3 KL loss (β 0.001)",
+    ),
+}
