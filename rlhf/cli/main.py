@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from rlhf import __version__
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import ConfigError, RlhfError
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 
 
@@ -39,12 +39,15 @@ class RootGroup(click.Group):
         except RlhfError as exc:
             if debug_enabled(ctx):
                 raise
+            if isinstance(exc, ConfigError):
+                raise click.UsageError(str(exc), ctx) from None
             raise click.ClickException(str(exc)) from None
 
 
 def make_cli(plugins: PluginSet) -> click.Group:
     """A fresh ``rlhf`` group with the built-in commands and the plugins' commands."""
     from rlhf.cli.plugins import plugins_group
+    from rlhf.cli.reward import reward_group
 
     @click.group(cls=RootGroup, context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, "-V", "--version", prog_name="rlhf")
@@ -60,6 +63,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
         ctx.obj = CliState(plugins, verbose=verbose)
 
     cli.add_command(plugins_group)
+    cli.add_command(reward_group)
     plugins.add_commands(cli)
     return cli
 

@@ -34,6 +34,7 @@ DISTRIBUTION = "rlhf-core"
 # "module:attr" reference. tests/core/test_builtins.py checks both rules.
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf.plugins.algorithms.plugin",
+    "rlhf.plugins.rewards.plugin",
 )
 
 

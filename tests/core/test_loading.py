@@ -163,7 +163,7 @@ def test_load_plugins_allow_list_by_distribution_name(fake_site, monkeypatch):
     fake_site.add("rlhf-in", "0.1", {"in_": "rlhf_in_mod"}, {"rlhf_in_mod": reward_plugin("inside")})
     fake_site.add("rlhf-out", "0.1", {"out": "rlhf_out_mod"}, {"rlhf_out_mod": reward_plugin("outside")})
     monkeypatch.setenv("RLHF_LOAD_PLUGINS", "rlhf-in")
-    plugins = build_plugin_manager()
+    plugins = build_plugin_manager(builtins=())  # built-in rewards aside: only the allowed plugin's
     assert plugins.registry("reward").names() == ["inside"]
     assert plugins.record("out").status == "disabled"
 

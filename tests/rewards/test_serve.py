@@ -1,0 +1,176 @@
+"""`rlhf reward serve`: any reward source over OpenRLHF's protocol, checked with our own client and
+with raw HTTP requests, in-process and as the real command in a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlhf.plugins.rewards.calling import FunctionSource
+from rlhf.plugins.rewards.options import RewardOptions
+from rlhf.plugins.rewards.server import RewardServer
+from rlhf.rewards import RewardError, load_reward, load_rewards
+from tests.helpers import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def serve():
+    servers: list[RewardServer] = []
+
+    def start(source: Any, token: str | None = None) -> str:
+        server = RewardServer(source, host="127.0.0.1", port=0, token=token)
+        url = server.start()
+        threading.Thread(target=server.run, daemon=True).start()
+        servers.append(server)
+        return url
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def post(url: str, body: Any, token: str | None = None) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str.strip() == ground_truth), "length": float(len(solution_str))}
+
+
+def test_served_function_through_our_client(serve, plugins):
+    url = serve(FunctionSource(compute_score, "verl", "verl"))
+    result = load_rewards([url + "/get_reward"], plugins=plugins).score(
+        ["Q1: ", "Q2: "], [" 42", "41"], ["42", "42"])
+    assert result.total == [1.0, 0.0]
+    assert result.metrics["reward/127.0.0.1/length"] == 2.5
+
+
+def test_raw_protocol_and_health(serve):
+    calls = []
+
+    def openrlhf_style(queries, prompts, labels):
+        calls.append((queries, prompts, labels))
+        return {"rewards": [1.0, None], "extra_logs": {"k": [3.0, 5.0]}}
+
+    url = serve(FunctionSource(openrlhf_style, "o", "o"))
+    status, body = post(url + "/anything", {"query": ["p1 c1", "zz"], "prompts": ["p1 ", "p2 "], "labels": ["a", 1]})
+    assert status == 200
+    assert body == {"rewards": [1.0, None], "scores": [1.0, None], "extra_logs": {"k": [3.0, 5.0]}}
+    assert calls == [(["p1 c1", "p2 zz"], ["p1 ", "p2 "], ["a", 1])]  # query re-built from prompt + completion
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ok", "reward": "o"}
+
+
+def test_bad_requests_get_400(serve):
+    url = serve(FunctionSource(lambda completions: [0.0] * len(completions), "z", "z"))
+    assert post(url, {"prompts": []})[0] == 400
+    status, body = post(url, {"query": ["a", "b"], "prompts": ["a"]})
+    assert status == 400 and "as long as" in body["error"]
+
+
+def test_failures_answer_500_naming_the_function(serve, plugins):
+    def broken(completion):
+        raise KeyError("gold answer missing")
+
+    url = serve(FunctionSource(broken, "broken", "broken (grader.py:3)"))
+    status, body = post(url, {"query": ["x"], "prompts": [""]})
+    assert status == 500 and "broken (grader.py:3)" in body["error"] and "gold answer missing" in body["error"]
+    client = load_reward(url, plugins=plugins, on_error="zero", retries=0)
+    assert client.score(["p"], ["c"]) == [0.0]
+
+
+def test_server_side_policy_zero(serve):
+    def broken(completion):
+        raise ValueError("nope")
+
+    url = serve(FunctionSource(broken, "b", "b", RewardOptions(on_error="zero")))
+    assert post(url, {"query": ["x", "y"]}) == (200, {"rewards": [0.0, 0.0], "scores": [0.0, 0.0]})
+
+
+def test_token_required_when_configured(serve):
+    url = serve(FunctionSource(lambda completions: [1.0] * len(completions), "t", "t"), token="s3cret")
+    assert post(url, {"query": ["x"]})[0] == 401
+    assert post(url, {"query": ["x"]}, token="wrong")[0] == 401
+    assert post(url, {"query": ["x"]}, token="s3cret") == (200, {"rewards": [1.0], "scores": [1.0]})
+
+
+def test_sync_functions_run_in_the_serving_thread_and_async_on_the_loop(serve):
+    seen = []
+
+    def sync_reward(completions):
+        seen.append(threading.current_thread().name)
+        return [1.0] * len(completions)
+
+    async def async_reward(completions):
+        await asyncio.sleep(0)
+        seen.append(threading.current_thread().name)
+        return [2.0] * len(completions)
+
+    post(serve(FunctionSource(sync_reward, "s", "s")), {"query": ["x"]})
+    post(serve(FunctionSource(async_reward, "a", "a")), {"query": ["x"]})
+    assert seen[0] != "rlhf-reward-server" and seen[1] == "rlhf-reward-server"
+
+
+def test_serve_help(plugins):
+    result = run_cli(plugins, ["reward", "serve", "--help"])
+    assert result.exit_code == 0 and "OpenRLHF" in result.output and "--token-env" in result.output
+
+
+def _start_cli(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", "rlhf", "reward", "serve", *args], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    match = re.search(r" on (http://\S+) ", line)
+    if match is None:
+        process.kill()
+        raise AssertionError(f"no URL printed: {line!r} {process.communicate()[1]}")
+    return process, match.group(1)
+
+
+@pytest.mark.timeout(120)
+def test_real_command_with_token_and_our_client(tmp_path, plugins, monkeypatch):
+    (tmp_path / "judge.py").write_text(
+        "def reward_func(queries, prompts, labels):\n"
+        "    return [float(q[len(p):] == l) for q, p, l in zip(queries, prompts, labels)]\n")
+    env = {**os.environ, "RM_TOKEN": "t0ken"}
+    process, url = _start_cli([str(tmp_path / "judge.py"), "--port", "0", "--token-env", "RM_TOKEN"], env)
+    try:
+        monkeypatch.setenv("RM_TOKEN", "t0ken")
+        source = load_reward(url, plugins=plugins, token_env="RM_TOKEN")
+        assert source.score(["a: ", "b: "], ["yes", "no"], ["yes", "yes"]) == [1.0, 0.0]
+        monkeypatch.delenv("RLHF_REWARD_TOKEN", raising=False)
+        with pytest.raises(RewardError, match="HTTP 401"):
+            load_reward(url, plugins=plugins).score(["a"], ["b"])
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_real_command_warns_when_exposed_without_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RLHF_REWARD_TOKEN"}
+    process, _ = _start_cli(["exact_match", "--host", "0.0.0.0", "--port", "0"], env)
+    process.terminate()
+    _, stderr = process.communicate(timeout=30)
+    assert "Warning: serving on 0.0.0.0 without a token" in stderr
