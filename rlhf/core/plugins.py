@@ -35,6 +35,7 @@ DISTRIBUTION = "rlhf-core"
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf.plugins.algorithms.plugin",
     "rlhf.plugins.rewards.plugin",
+    "rlhf.plugins.envs.plugin",
 )
 
 

@@ -1,0 +1,331 @@
+"""The code's process of one sandboxed execution, and the OS calls both halves share.
+
+Imported by ``_sandbox_child.py`` (the supervisor, run as ``python -I -S``), never by rlhf:
+`run` turns a fork of the supervisor into the code's process (limits, identity, a fresh
+``__main__``), runs the code and exits; `make_guard` is the best-effort audit hook used where
+an OS layer is missing. Standard library only, cheap imports only.
+"""
+
+import _signal as signal  # the C module: `signal` would import enum, ~8 ms at every start
+import marshal
+import os
+import resource
+import sys
+
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
+PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
+LINUX = sys.platform.startswith("linux")
+HERE = os.path.dirname(os.path.abspath(__file__))
+OWN_FILES = {os.path.join(HERE, "_sandbox_code.py"), os.path.join(HERE, "_sandbox_child.py")}  # hidden in tracebacks
+
+_libc = None
+
+
+def libc():
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+        ul = ctypes.c_ulong
+        _libc.prctl.argtypes = [ctypes.c_int, ul, ul, ul, ul]
+        _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ul, ctypes.c_char_p]
+        _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _libc.unshare.argtypes = [ctypes.c_int]
+        _libc.capset.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return _libc
+
+
+def check(ret, what):
+    if ret != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def prctl(option, arg):
+    check(libc().prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    check(libc().mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def report(fd, **message):
+    data = marshal.dumps(message)
+    data = len(data).to_bytes(4, "big") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+# --- the code's process ----------------------------------------------------------------------
+
+
+def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor):
+    """Become the code's process: limits, identity, fresh ``__main__``; run; exit. Never returns."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.setpgid(0, 0)
+        stdin = req["stdin"]
+        if stdin:
+            fd = os.memfd_create("stdin") if hasattr(os, "memfd_create") else None
+            if fd is None:
+                raise RuntimeError("stdin needs os.memfd_create")
+            view = memoryview(stdin)
+            while view:
+                view = view[os.write(fd, view):]
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.dup2(fd, 0)
+            os.close(fd)
+        os.close(devnull)
+        os.chdir(workdir)
+        set_limits(req, uid, nproc)
+        if caps and LINUX:
+            with open("/proc/sys/kernel/cap_last_cap") as f:
+                last = int(f.read())
+            for cap in range(last + 1):
+                prctl(PR_CAPBSET_DROP, cap)
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        if caps and LINUX:
+            import ctypes
+
+            header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+            data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable = nothing
+            check(libc().capset(header, data), "capset")
+        if LINUX:
+            prctl(PR_SET_NO_NEW_PRIVS, 1)
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            prctl(PR_SET_DUMPABLE, 1)  # a uid change cleared it; /proc/self must stay the code's own
+            if os.getppid() != supervisor:
+                os._exit(1)
+        os.environ.update(HOME=workdir, TMPDIR=workdir, PWD=workdir)
+        sys.path[:] = ["", *sys.path, *(req["site_dirs"] if req["site_packages"] else [])]
+        sys.argv[:] = ["-c"]
+        sys.dont_write_bytecode = True
+        sys.stdout.reconfigure(line_buffering=True)
+        main_module = type(sys)("__main__")
+        main_module.__builtins__ = sys.modules["builtins"]
+        sys.modules["__main__"] = main_module
+        if rules:
+            sys.addaudithook(make_guard(set(rules), workdir))
+    except BaseException as exc:  # noqa: BLE001
+        report(status_fd, event="error", message=f"setting up the code's process failed: {type(exc).__name__}: {exc}")
+        os._exit(1)
+    os.close(status_fd)
+    if req["prelude"]:
+        run_silently(req["prelude"], main_module.__dict__)
+    code = req["code"]
+    exit_code = 0
+    try:
+        exec(compile(code, "<string>", "exec"), main_module.__dict__)
+    except SystemExit as exc:
+        exit_code = exit_code_of(exc)
+    except BaseException as exc:  # noqa: BLE001 - printed like the interpreter does
+        print_exception(exc, code)
+        exit_code = 1
+    finish(exit_code)
+
+
+def run_silently(prelude, namespace):
+    """Run ``prelude`` in the code's namespace, its output and errors discarded."""
+    saved = sys.stdout, sys.stderr
+    try:
+        with open(os.devnull, "w") as sink:
+            sys.stdout = sys.stderr = sink
+            exec(compile(prelude, "<prelude>", "exec"), namespace)
+    except BaseException:  # noqa: BLE001 - a failing prelude is the code's business
+        pass
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+def exit_code_of(exc):
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    try:
+        print(exc.code, file=sys.stderr)
+    except Exception:  # noqa: BLE001
+        pass
+    return 1
+
+
+def print_exception(exc, code):
+    try:
+        import linecache
+        import traceback
+
+        linecache.cache["<string>"] = (len(code), None, code.splitlines(True), "<string>")
+        traceback.print_exception(type(exc), exc, without_own_frames(exc.__traceback__))
+    except BaseException:  # noqa: BLE001
+        os.write(2, f"{type(exc).__name__}: {exc}\n".encode(errors="replace"))
+
+
+def without_own_frames(tb):
+    """The traceback without this file's frames (the exec call, the guard): only the code's."""
+    head = last = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename not in OWN_FILES:
+            if last is None:
+                head = tb
+            else:
+                last.tb_next = tb
+            last = tb
+        tb = tb.tb_next
+    if last is not None:
+        last.tb_next = None
+    return head
+
+
+def finish(exit_code):
+    """What the interpreter does at exit: join threads, run atexit, flush; then leave at once."""
+    try:
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            threading._shutdown()
+        import atexit
+
+        atexit._run_exitfuncs()
+    except SystemExit as exc:
+        exit_code = exit_code_of(exc)
+    except BaseException as exc:  # noqa: BLE001
+        print_exception(exc, "")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            exit_code = exit_code or 120
+    os._exit(exit_code)
+
+
+def set_limits(req, uid, nproc):
+    mb = 1024 * 1024
+    limits = [
+        (resource.RLIMIT_AS, req["memory_mb"] * mb),
+        (resource.RLIMIT_FSIZE, req["max_file_size_mb"] * mb),
+        (resource.RLIMIT_NOFILE, req["max_open_files"]),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    if nproc:
+        extra = 0 if uid is not None or os.geteuid() == 0 else count_tasks(os.getuid())
+        limits.append((resource.RLIMIT_NPROC, req["max_processes"] + extra))
+    for which, value in limits:
+        _, hard = resource.getrlimit(which)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (value, value))
+    cpu = req["cpu_time_s"]
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft, hard_new = cpu, cpu + 1  # SIGXCPU first, SIGKILL one second later
+    if hard != resource.RLIM_INFINITY:
+        soft, hard_new = min(soft, hard), min(hard_new, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard_new))
+
+
+def count_tasks(uid):
+    """Tasks (threads) ``uid`` runs now: RLIMIT_NPROC counts them all, the host's included."""
+    total = 0
+    for name in os.listdir("/proc") if LINUX else ():
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    total += len(os.listdir(f"/proc/{name}/task"))
+            except OSError:
+                pass
+    return total
+
+
+# --- the best-effort Python guard ------------------------------------------------------------
+
+
+def make_guard(rules, workdir):
+    """An audit hook refusing what the missing OS layers would have stopped (PEP 578).
+
+    Best effort: it cannot be removed from Python, but native code (a C extension) bypasses it.
+    """
+    import _thread
+    import posixpath
+
+    me, local = os.getpid(), _thread._local()
+    allowed_roots = (workdir.rstrip("/") + "/", "/dev/null", "/dev/stdout", "/dev/stderr")
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    file_events = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.link",
+                   "os.symlink", "os.truncate", "os.utime", "os.mkfifo", "os.mknod", "shutil.rmtree"}
+    exec_events = {"os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "os.startfile",
+                   "ctypes.dlsym", "ctypes.call_function", "ctypes.cdata", "ctypes.string_at", "ctypes.wstring_at",
+                   "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames"}
+    net_events = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
+                  "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"}
+    getcwd, realpath, isabs, join, startswith = os.getcwd, posixpath.realpath, posixpath.isabs, posixpath.join, str.startswith
+
+    def inside(path):
+        if isinstance(path, int):
+            return True
+        path = os.fsdecode(path)
+        full = realpath(path if isabs(path) else join(getcwd(), path))
+        return full + "/" == allowed_roots[0] or any(startswith(full, root) for root in allowed_roots)
+
+    def descendant(pid):
+        for _ in range(64):
+            if pid == me:
+                return True
+            if pid <= 1:
+                return False
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                return False
+            pid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        return False
+
+    def refuse(what):
+        raise PermissionError(f"sandbox: {what} is not allowed")
+
+    def other_pid(path):
+        """The pid in a /proc/PID/... path when PID is not us or a descendant, else None."""
+        path = realpath(os.fsdecode(path))
+        if not startswith(path, "/proc/"):
+            return None
+        part = path[6:].split("/", 1)[0]
+        return int(part) if part.isdigit() and not descendant(int(part)) else None
+
+    def guard(event, args):
+        if getattr(local, "busy", False):  # our own checks open /proc files: do not recurse
+            return
+        local.busy = True
+        try:
+            check(event, args)
+        finally:
+            local.busy = False
+
+    def check(event, args):
+        if "exec" in rules and event in exec_events:
+            refuse(event)
+        elif "network" in rules and event in net_events:
+            refuse("network access")
+        elif "fork" in rules and event in ("os.fork", "os.forkpty"):
+            refuse(event)
+        elif "procs" in rules and event in ("os.kill", "os.killpg"):
+            if event == "os.killpg" or args[0] <= 0 or not descendant(args[0]):
+                refuse("signalling other processes")
+        elif event == "open":
+            path, mode, flags = args
+            if "procs" in rules and isinstance(path, (str, bytes)) and other_pid(path) is not None:
+                refuse("reading other processes' /proc entries")
+            if "files" in rules:
+                writes = (mode is not None and any(c in mode for c in "wax+")) or (
+                    mode is None and isinstance(flags, int) and flags & write_flags)
+                if writes and path is not None and not inside(path):
+                    refuse(f"writing {path!r} outside the working directory")
+        elif "files" in rules and event in file_events:
+            paths = args[:2] if event in ("os.rename", "os.link") else args[1:2] if event == "os.symlink" else args[:1]
+            if not all(inside(p) for p in paths if isinstance(p, (str, bytes))):
+                refuse(f"{event} outside the working directory")
+
+    return guard

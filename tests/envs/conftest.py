@@ -1,0 +1,50 @@
+"""Process bookkeeping for the sandbox tests: what a sandbox left behind, read from /proc."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """Processes (zombies included) whose environment or command line carries ``marker``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            if marker.encode() in _read(f"/proc/{name}/environ") + _read(f"/proc/{name}/cmdline"):
+                found.append(int(name))
+    return found
+
+
+def sandbox_children() -> list[int]:
+    """Sandbox supervisors that are still children of this test process (alive or unreaped)."""
+    found = []
+    for name in os.listdir("/proc"):
+        stat = _read(f"/proc/{name}/stat") if name.isdigit() else b""
+        if stat and int(stat[stat.rindex(b")") + 2:].split()[1]) == os.getpid():
+            if b"_sandbox_child" in _read(f"/proc/{name}/cmdline") or b"(python" in stat:
+                found.append(int(name))
+    return found
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """A token to pass as ``env={"RLHF_TEST_MARKER": marker}``; after the test no process may carry it."""
+    token = f"rlhf-marker-{uuid.uuid4().hex}"
+    yield token
+    assert processes_with_marker(token) == [], "a sandboxed process outlived run_code"
+    assert sandbox_children() == [], "a sandbox supervisor was not reaped"
