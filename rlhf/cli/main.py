@@ -48,6 +48,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
     """A fresh ``rlhf`` group with the built-in commands and the plugins' commands."""
     from rlhf.cli.plugins import plugins_group
     from rlhf.cli.reward import reward_group
+    from rlhf.cli.train import train_command
 
     @click.group(cls=RootGroup, context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, "-V", "--version", prog_name="rlhf")
@@ -57,6 +58,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
         """Plugin-first reinforcement learning for language models.
 
         \b
+        rlhf train ...             train a policy (rlhf train --help)
         rlhf plugins list          what is installed, from which package
         rlhf plugins show NAME     one plugin or component in detail
         """
@@ -64,6 +66,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
 
     cli.add_command(plugins_group)
     cli.add_command(reward_group)
+    cli.add_command(train_command)
     plugins.add_commands(cli)
     return cli
 

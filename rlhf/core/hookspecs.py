@@ -165,10 +165,14 @@ def register_envs(register: Register) -> None:
 def register_models(register: Register) -> None:
     """Register model adapters (``--model-adapter NAME``).
 
-    ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"))``.
-    The runtime creates ``adapter_cls(config)`` once per run and calls
-    ``adapter.load(ref, role=ROLE)`` for each role it needs; ``ref`` is a local directory or a
-    hub name. It returns a ``torch.nn.Module``.
+    ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"),
+    config_cls=None)``. The runtime creates ``adapter_cls(config)`` once per run (``config``:
+    an instance of ``config_cls`` filled from the run's settings of the same names, or None)
+    and calls ``adapter.load_tokenizer(ref)`` and ``adapter.load(ref, role=ROLE)`` for each
+    role it needs; ``ref`` is a local directory or a hub name. ``policy`` and ``reference``
+    return a causal LM (``model(input_ids, attention_mask).logits`` and ``generate``; the
+    reference frozen); ``critic`` returns a module with ``forward(input_ids, attention_mask)
+    -> values (B, T)`` float32, the value of the state ending at each token.
     """
 
 
@@ -176,9 +180,15 @@ def register_models(register: Register) -> None:
 def register_rollout_engines(register: Register) -> None:
     """Register rollout (generation) engines (``--engine NAME``).
 
-    ``register(name, engine_cls, *, needs_gpu=False)``. ``engine_cls(model, tokenizer,
-    config)`` generates ``n`` samples per prompt from token ids and receives the policy's
-    weights after each optimizer step.
+    ``register(name, engine_cls, *, needs_gpu=False, config_cls=None)``. The runtime creates
+    ``engine_cls(model, tokenizer, config)`` with the policy model and calls
+    ``generate(prompts, *, n, params) -> list[Generation]``: ``prompts`` are token-id lists,
+    ``params`` an ``rlhf.core.rollout.SamplingParams``; the result has ``n`` completions per
+    prompt, contiguous (``[p0s0 .. p0s(n-1), p1s0, ...]``), each an
+    ``rlhf.core.rollout.Generation`` (tokens with EOS when generated, finish reason, and
+    per-token log-probs when ``params.return_logprobs``). An engine whose ``shares_weights``
+    attribute is True reads the policy's weights in place; otherwise the runtime calls
+    ``load_weights(state_dict)`` after each optimizer step.
     """
 
 
@@ -186,9 +196,12 @@ def register_rollout_engines(register: Register) -> None:
 def register_train_backends(register: Register) -> None:
     """Register training backends (``--backend NAME``).
 
-    ``register(name, backend_cls, *, needs_gpu=False)``. ``backend_cls(model, config)`` owns
-    the optimizer: it runs backward passes, optimizer steps with clipping, and saves and
-    restores its state for checkpoints.
+    ``register(name, backend_cls, *, needs_gpu=False, config_cls=None)``. The runtime creates
+    ``backend_cls(model, config)`` per trained model. Per micro-batch it calls
+    ``backward(loss)`` (each micro-batch loss is already its share of the step loss, so
+    gradients add up); per optimizer step ``step() -> {"grad_norm", "lr", "skipped"}``
+    (clip, then step unless the gradient is NaN/inf; gradients are cleared either way);
+    ``zero_grad()`` to drop a step; ``state_dict()`` / ``load_state_dict()`` for checkpoints.
     """
 
 

@@ -34,8 +34,11 @@ DISTRIBUTION = "rlhf-core"
 # "module:attr" reference. tests/core/test_builtins.py checks both rules.
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf.plugins.algorithms.plugin",
+    "rlhf.plugins.models.plugin",
     "rlhf.plugins.rewards.plugin",
     "rlhf.plugins.envs.plugin",
+    "rlhf.runtime.plugin",
+    "rlhf.runtime.loggers",
 )
 
 

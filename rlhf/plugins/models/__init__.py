@@ -1,0 +1,1 @@
+"""Built-in model adapters: ``hf`` (any AutoModelForCausalLM), with critic value heads."""

@@ -1,0 +1,1 @@
+"""The runtime: trainer loop, workers, rollout engines, training backends, checkpoints, logging."""

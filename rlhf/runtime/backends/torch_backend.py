@@ -1,0 +1,83 @@
+"""The ``torch`` training backend: AdamW, gradient accumulation, global-norm clipping, and a
+warmup + constant/cosine LR schedule, with state that checkpoints save and restore exactly.
+
+A backend owns one model's optimizer. The caller runs ``backward(loss)`` once per micro-batch
+(each micro-batch loss is already its share of the step loss, so gradients simply add up) and
+``step()`` once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(kw_only=True)
+class BackendConfig:
+    lr: float = field(default=1e-6, metadata={"help": "Peak learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    adam_betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={"help": "AdamW betas"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Global gradient-norm clip (0: off)"})
+    lr_scheduler: str = field(default="constant", metadata={"help": "constant or cosine (to 0.1 x lr)"})
+    warmup_steps: int = field(default=0, metadata={"help": "Optimizer steps of linear warmup"})
+    total_steps: int = field(default=1, metadata={"help": "Optimizer steps in the run (for cosine)"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine floor as a fraction of lr"})
+
+
+def lr_factor(step: int, config: BackendConfig) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_scheduler == "constant":
+        return 1.0
+    decay_steps = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
+
+
+class TorchBackend:
+    """Optimizer steps for one model in this process."""
+
+    def __init__(self, model: torch.nn.Module, config: BackendConfig):
+        if config.lr_scheduler not in ("constant", "cosine"):
+            raise ValueError(f"lr_scheduler must be constant or cosine, got {config.lr_scheduler!r}")
+        self.model, self.config = model, config
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        assert self.params, "the model has no trainable parameters"
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.adam_betas, eps=config.adam_eps,
+                                           weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> dict[str, float]:
+        """Clip, then step if the gradient is finite; always clears gradients.
+
+        Returns ``grad_norm`` (before clipping), ``lr`` (used for this step) and ``skipped``
+        (1 when a NaN/inf gradient made the step a no-op).
+        """
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,208 @@
+"""The configuration of a training run: one dataclass, the single source of truth.
+
+Every field becomes an ``rlhf train`` flag (``n_samples`` -> ``--n-samples``) with the field's
+help text; ``--config run.yaml`` fills the same fields (flags override the file); the resolved
+config is written to the run directory. Derived values are computed in `derived()`, never by
+mutating fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf.core.errors import ConfigError
+from rlhf.plugins.rewards.options import RewardOptions
+
+# Nested option groups: their fields become flags with a prefix (RewardOptions.on_error -> --reward-on-error).
+NESTED = {"reward_options": ("reward", RewardOptions)}
+
+
+def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, **extra})
+
+
+def _many(help: str, group: str) -> Any:
+    return field(default_factory=list, metadata={"help": help, "group": group, "multiple": True})
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    # --- model ------------------------------------------------------------------------------
+    model: str = _opt("", "Policy model: a local HF directory or a hub name", "model", required=True)
+    tokenizer: str | None = _opt(None, "Tokenizer directory or hub name (default: the model's)", "model")
+    model_adapter: str = _opt("hf", "Model adapter plugin that builds policy, reference and critic", "model")
+    critic_model: str | None = _opt(None, "Critic initialisation (default: the policy model)", "model")
+    dtype: str = _opt("auto", "Weights dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16", "model",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "Device for the local runtime: auto, cpu, cuda, cuda:N", "model")
+    trust_remote_code: bool = _opt(False, "Allow model code from the checkpoint (only for models you trust)", "model")
+    gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory", "model")
+
+    # --- data -------------------------------------------------------------------------------
+    data: list[str] = _many("Prompt dataset: .jsonl/.json/.parquet/.csv file, save_to_disk dir or hub name "
+                            "(repeatable)", "data")
+    data_split: str = _opt("train", "Split to use from folders with several splits and from hub datasets", "data")
+    data_probs: str | None = _opt(None, "Mixing probabilities for several --data, e.g. 0.7,0.3", "data")
+    input_key: str = _opt("prompt", "Dataset column holding the prompt (a string or chat messages)", "data")
+    label_key: str | None = _opt(None, "Dataset column passed to rewards as the label", "data")
+    apply_chat_template: bool = _opt(False, "Format prompts with the tokenizer's chat template", "data")
+    input_template: str | None = _opt(None, "Template for string prompts, with {} for the prompt", "data")
+    max_prompt_length: int = _opt(1024, "Prompt tokens kept (longer prompts lose their start, with a warning)", "data")
+    max_samples: int | None = _opt(None, "Use at most this many prompts from each dataset", "data")
+
+    # --- algorithm --------------------------------------------------------------------------
+    algo: str = _opt("grpo", "Algorithm preset (see `rlhf plugins list --kind algorithm`)", "algorithm",
+                     component="algorithm")
+    advantage: str | None = _opt(None, "Override the preset's advantage estimator", "algorithm",
+                                 component="advantage_estimator")
+    policy_loss: str | None = _opt(None, "Override the preset's policy loss", "algorithm", component="policy_loss")
+    kl_estimator: str | None = _opt(None, "Override the preset's KL estimator (k1, k2, k3)", "algorithm",
+                                    component="kl_estimator")
+    kl_in: str | None = _opt(None, "Where KL goes: reward, loss or none (default: the preset's)", "algorithm",
+                             choices=("reward", "loss", "none"))
+    kl_coef: float | None = _opt(None, "β, the KL coefficient (default: the preset's; 0 skips the reference model)",
+                                 "algorithm")
+    loss_agg: str | None = _opt(None, "Override the preset's loss aggregation", "algorithm",
+                                component="loss_aggregation")
+    gamma: float = _opt(1.0, "γ, discount (forced to 1 by group estimators)", "algorithm")
+    lambd: float = _opt(1.0, "λ, GAE trace decay", "algorithm")
+    std_norm: bool = _opt(True, "Divide whitened advantages by their std (estimators that whiten)", "algorithm")
+    reward_clip: float = _opt(10.0, "Clip shaped rewards to [-c, c]", "algorithm")
+    clip_low: float = _opt(0.2, "ε_low, PPO ratio clip below 1", "algorithm")
+    clip_high: float = _opt(0.2, "ε_high, PPO ratio clip above 1 (clip-higher: larger than ε_low)", "algorithm")
+    dual_clip: float | None = _opt(None, "c > 1 enables dual clip for negative advantages", "algorithm")
+    value_clip: float | None = _opt(0.5, "Critic value clip around the old values", "algorithm")
+    entropy_coef: float = _opt(0.0, "Entropy bonus coefficient (0: off)", "algorithm")
+    algo_config: list[str] = _many("KEY=VALUE for a plugin component's own config field (repeatable)", "algorithm")
+
+    # --- rollout ----------------------------------------------------------------------------
+    engine: str = _opt("hf", "Rollout engine plugin", "rollout", component="rollout_engine")
+    prompts_per_step: int = _opt(8, "Prompts sampled per training step", "rollout")
+    n_samples: int = _opt(8, "Completions per prompt (n, the group size)", "rollout")
+    max_new_tokens: int = _opt(256, "Generation budget per completion, in tokens", "rollout")
+    temperature: float = _opt(1.0, "Sampling temperature (log-probs are computed at the same temperature)", "rollout")
+    top_p: float = _opt(1.0, "Nucleus sampling threshold (1: off)", "rollout")
+    generation_batch_size: int | None = _opt(None, "Prompts per generate call (default: all of a step)", "rollout")
+
+    # --- rewards ----------------------------------------------------------------------------
+    reward: list[str] = _many("Reward source SPEC[@WEIGHT]: a registered name, file.py[:func], module:attr, "
+                              "an http(s):// URL or a reward model directory (repeatable)", "reward")
+    reward_options: RewardOptions = field(default_factory=RewardOptions, metadata={
+        "help": "How reward sources run, time out, retry and fail (flags --reward-<field>)", "group": "reward"})
+
+    # --- optimisation -----------------------------------------------------------------------
+    steps: int | None = _opt(None, "Training steps (default: one pass over the data)", "train")
+    ppo_epochs: int = _opt(1, "Passes over each rollout batch", "train")
+    train_batch_size: int | None = _opt(None, "Samples per optimizer step (default: the whole rollout batch)", "train")
+    micro_batch_size: int = _opt(8, "Samples per forward/backward (gradient accumulation inside a step)", "train")
+    lr: float = _opt(1e-6, "Policy learning rate", "train")
+    critic_lr: float = _opt(9e-6, "Critic learning rate", "train")
+    weight_decay: float = _opt(0.0, "AdamW weight decay", "train")
+    adam_betas: str = _opt("0.9,0.95", "AdamW betas", "train")
+    lr_scheduler: str = _opt("constant", "LR schedule after warmup: constant or cosine (decays to 0.1 x lr)",
+                             "train", choices=("constant", "cosine"))
+    warmup_ratio: float = _opt(0.0, "Fraction of optimizer steps spent warming up the LR linearly", "train")
+    max_grad_norm: float = _opt(1.0, "Clip the global gradient norm (0: off)", "train")
+    backend: str = _opt("torch", "Training backend plugin", "train", component="train_backend")
+    max_nonfinite_steps: int = _opt(3, "Stop after this many NaN/inf optimizer steps in a row (each is skipped)",
+                                    "train")
+    seed: int = _opt(42, "Random seed (data order, sampling, initialisation)", "train")
+
+    # --- output -----------------------------------------------------------------------------
+    out: str | None = _opt(None, "Run directory (default: runs/<date>-<time>)", "output")
+    save_every: int = _opt(0, "Checkpoint every N steps (0: only at the end)", "output")
+    keep_checkpoints: int = _opt(2, "Checkpoints kept (oldest removed first)", "output")
+    resume: bool = _opt(False, "Continue from the latest complete checkpoint in --out", "output")
+    log_samples: int | None = _opt(None, "Samples per step written to samples.jsonl (default: all)", "output")
+    tensorboard: bool = _opt(False, "Also log metrics to TensorBoard (in <out>/tensorboard)", "output")
+    wandb_project: str | None = _opt(None, "Also log to this Weights & Biases project (needs wandb)", "output")
+    progress: bool = _opt(True, "Show a progress bar (a plain line per step when not a terminal)", "output")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """From a mapping of field names (nested groups as mappings or as prefixed flat keys)."""
+        values = unflatten(values)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        for name, (_, group_cls) in NESTED.items():
+            if isinstance(values.get(name), dict):
+                values[name] = group_cls(**values[name])
+        return cls(**values)
+
+    def derived(self) -> Derived:
+        """Values computed from the fields (validated here, once)."""
+        if not self.model:
+            raise ConfigError("--model is required")
+        if not self.data:
+            raise ConfigError("--data is required (a prompt dataset)")
+        if self.prompts_per_step < 1 or self.n_samples < 1 or self.micro_batch_size < 1:
+            raise ConfigError("--prompts-per-step, --n-samples and --micro-batch-size must be at least 1")
+        rollout = self.prompts_per_step * self.n_samples
+        train_batch = self.train_batch_size or rollout
+        if rollout % train_batch:
+            raise ConfigError(f"--train-batch-size {train_batch} must divide the rollout batch "
+                            f"(--prompts-per-step x --n-samples = {rollout})")
+        try:
+            betas = tuple(float(b) for b in self.adam_betas.split(","))
+            assert len(betas) == 2
+        except (ValueError, AssertionError):
+            raise ConfigError(f"--adam-betas must be two numbers like 0.9,0.95, got {self.adam_betas!r}") from None
+        out = Path(self.out) if self.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return Derived(rollout_batch_size=rollout, train_batch_size=train_batch,
+                       optimizer_steps_per_step=self.ppo_epochs * (rollout // train_batch),
+                       adam_betas=betas, out_dir=out)
+
+
+@dataclass(frozen=True)
+class Derived:
+    rollout_batch_size: int  # samples generated per step
+    train_batch_size: int  # samples per optimizer step
+    optimizer_steps_per_step: int
+    adam_betas: tuple[float, float]
+    out_dir: Path
+
+
+def flat_field_names() -> set[str]:
+    """Every name a flag or config key may use: plain fields plus prefixed nested ones."""
+    names = {f.name for f in dataclasses.fields(TrainConfig) if f.name not in NESTED}
+    for prefix, group_cls in NESTED.values():
+        names |= {f"{prefix}_{f.name}" for f in dataclasses.fields(group_cls)}
+    return names
+
+
+def unflatten(values: dict[str, Any]) -> dict[str, Any]:
+    """``{"reward_on_error": "skip"}`` -> ``{"reward_options": {"on_error": "skip"}}`` (other keys unchanged)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        for name, (prefix, group_cls) in NESTED.items():
+            sub = key.removeprefix(prefix + "_")
+            if sub != key and sub in {f.name for f in dataclasses.fields(group_cls)}:
+                group = out.setdefault(name, {})
+                if isinstance(group, dict):
+                    group[sub] = value
+                break
+        else:
+            out[key] = value
+    return out
+
+
+def parse_key_values(items: list[str]) -> dict[str, Any]:
+    """``["clip=0.3", "mode=tis"]`` -> ``{"clip": 0.3, "mode": "tis"}`` (values parsed as YAML scalars)."""
+    import yaml
+
+    values = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--algo-config expects KEY=VALUE, got {item!r}")
+        values[key.strip().replace("-", "_")] = yaml.safe_load(raw)
+    return values

@@ -1,0 +1,189 @@
+"""Prompt datasets: load with `datasets`, mix, format, tokenise, and hand out batches in a
+resumable order.
+
+Files (.jsonl, .json, .parquet, .csv), ``save_to_disk`` folders and hub names load the same
+way. Rows keep their origin (file and 1-based row) so a bad row is named precisely.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_SOURCE, _ROW = "__rlhf_source__", "__rlhf_row__"
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ConfigError):
+    """A dataset that cannot be used as given."""
+
+
+@dataclass(kw_only=True)
+class PromptItem:
+    """One formatted prompt, ready for the rollout engine."""
+
+    prompt: Any  # as in the dataset: a string or chat messages
+    prompt_text: str  # after chat/input templates
+    prompt_ids: list[int]
+    label: Any
+    columns: dict[str, Any]  # every column except the prompt column (label included by its name)
+    origin: str  # "file.jsonl row 12", for messages
+    truncated: bool = False
+
+
+@dataclass(kw_only=True)
+class DataSettings:
+    paths: list[str]
+    input_key: str = "prompt"
+    label_key: str | None = None
+    probs: list[float] | None = None
+    split: str = "train"
+    apply_chat_template: bool = False
+    input_template: str | None = None
+    max_prompt_length: int = 1024
+    max_samples: int | None = None
+    seed: int = 42
+
+
+def load_one(path: str, split: str):
+    """A `datasets.Dataset` from a file, a save_to_disk folder or a hub name."""
+    import datasets
+
+    local = Path(path)
+    try:
+        if local.is_file():
+            builder = _FILE_BUILDERS.get(local.suffix)
+            if builder is None:
+                raise DataError(f"{path}: unsupported file type {local.suffix!r}; use .jsonl, .json, .parquet or .csv")
+            return datasets.load_dataset(builder, data_files=str(local), split="train")
+        if local.is_dir():
+            loaded = datasets.load_from_disk(str(local))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise DataError(f"{path}: no split {split!r}; splits: {', '.join(loaded)}")
+                return loaded[split]
+            return loaded
+        if local.suffix in _FILE_BUILDERS:
+            raise DataError(f"data file {path!r} does not exist")
+        return datasets.load_dataset(path, split=split)
+    except DataError:
+        raise
+    except Exception as exc:  # datasets raises many types; the user needs the path and the cause
+        raise DataError(f"could not load dataset {path!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def load_prompts(settings: DataSettings):
+    """Load, check and mix the datasets; each row remembers its file and row number."""
+    import datasets
+
+    if settings.probs is not None and len(settings.probs) != len(settings.paths):
+        raise DataError(f"--data-probs has {len(settings.probs)} values for {len(settings.paths)} datasets")
+    parts = []
+    for path in settings.paths:
+        ds = load_one(path, settings.split)
+        for key in filter(None, (settings.input_key, settings.label_key)):
+            if key not in ds.column_names:
+                raise DataError(f"{path}: no column {key!r} (columns: {', '.join(ds.column_names)}); "
+                                "set --input-key / --label-key")
+        if settings.max_samples is not None:
+            ds = ds.select(range(min(settings.max_samples, len(ds))))
+        if len(ds) == 0:
+            raise DataError(f"{path}: the dataset is empty")
+        ds = ds.add_column(_SOURCE, [path] * len(ds)).add_column(_ROW, list(range(1, len(ds) + 1)))
+        parts.append(ds)
+    if len(parts) == 1:
+        return parts[0]
+    if settings.probs is None:
+        return datasets.concatenate_datasets(parts)
+    return datasets.interleave_datasets(parts, probabilities=settings.probs, seed=settings.seed,
+                                        stopping_strategy="all_exhausted")
+
+
+class PromptFormatter:
+    """Row -> `PromptItem`: templates, tokenisation, left truncation to the prompt budget."""
+
+    def __init__(self, tokenizer: Any, settings: DataSettings):
+        self.tokenizer, self.settings = tokenizer, settings
+        if settings.input_template is not None and "{}" not in settings.input_template:
+            raise DataError(f"--input-template must contain {{}} where the prompt goes: {settings.input_template!r}")
+        if settings.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError("--apply-chat-template: the tokenizer has no chat template")
+        self.truncated_count = 0
+
+    def __call__(self, row: dict[str, Any]) -> PromptItem:
+        s = self.settings
+        origin = f"{row[_SOURCE]} row {row[_ROW]}"
+        prompt = row.get(s.input_key)
+        if prompt is None or prompt == "" or prompt == []:
+            raise DataError(f"{origin}: empty or missing {s.input_key!r}")
+        if s.apply_chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
+                raise DataError(f"{origin}: {s.input_key!r} must be a string or a list of {{role, content}} messages")
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            if not isinstance(prompt, str):
+                raise DataError(f"{origin}: {s.input_key!r} holds chat messages; add --apply-chat-template")
+            text = s.input_template.replace("{}", prompt) if s.input_template else prompt
+            ids = self.tokenizer(text)["input_ids"]
+        truncated = len(ids) > s.max_prompt_length
+        if truncated:
+            ids = ids[-s.max_prompt_length:]
+            self.truncated_count += 1
+            if self.truncated_count == 1:
+                log.warning("%s: prompt longer than --max-prompt-length %d tokens; its start was cut "
+                            "(counted in data/truncated_prompts)", origin, s.max_prompt_length)
+        columns = {k: v for k, v in row.items() if k not in (s.input_key, _SOURCE, _ROW)}
+        label = row[s.label_key] if s.label_key else None
+        return PromptItem(prompt=prompt, prompt_text=text, prompt_ids=list(ids), label=label, columns=columns,
+                          origin=origin, truncated=truncated)
+
+
+@dataclass
+class PromptLoader:
+    """Hands out batches of prompts forever: a fresh shuffle per epoch (seeded), and a position
+    that checkpoints store so a resumed run sees the same prompts."""
+
+    dataset: Any
+    formatter: PromptFormatter
+    seed: int = 42
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _epoch_order(self) -> list[int]:
+        import torch
+
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def next_batch(self, size: int) -> list[PromptItem]:
+        items = []
+        while len(items) < size:
+            if not self._order:
+                self._order = self._epoch_order()
+            if self.position >= len(self._order):
+                self.epoch, self.position, self._order = self.epoch + 1, 0, []
+                continue
+            items.append(self.formatter(self.dataset[self._order[self.position]]))
+            self.position += 1
+        return items
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position, self._order = state["epoch"], state["position"], []

@@ -1,0 +1,91 @@
+"""Built-in loggers, as plugins on the lifecycle hooks: metrics.jsonl, samples.jsonl,
+TensorBoard (``--tensorboard``) and Weights & Biases (``--wandb-project``).
+
+Each keeps its per-run state in a dict keyed by the run's directory, so several runs in one
+process (tests, notebooks) do not mix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import rlhf
+from rlhf.core.errors import RlhfError
+
+_open: dict[tuple[str, Path], Any] = {}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf
+    return value
+
+
+def _append(run: Any, name: str, record: dict[str, Any]) -> None:
+    key = (name, Path(run.out_dir))
+    if key not in _open:
+        _open[key] = open(Path(run.out_dir) / name, "a", encoding="utf-8")
+    _open[key].write(json.dumps({k: _jsonable(v) for k, v in record.items()}, default=str) + "\n")
+    _open[key].flush()
+
+
+def _close(run: Any) -> None:
+    for key in [k for k in _open if k[1] == Path(run.out_dir)]:
+        handle = _open.pop(key)
+        if hasattr(handle, "close"):
+            handle.close()
+        elif hasattr(handle, "finish"):
+            handle.finish()
+
+
+@rlhf.hookimpl
+def on_run_start(run):
+    out = Path(run.out_dir)
+    if run.config.get("tensorboard"):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise RlhfError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
+        _open[("tensorboard", out)] = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=run.start_step)
+    if run.config.get("wandb_project"):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise RlhfError("--wandb-project needs the wandb package: pip install wandb") from exc
+        _open[("wandb", out)] = wandb.init(project=run.config["wandb_project"], config=run.config, dir=str(out),
+                                           name=out.name, resume="allow")
+
+
+@rlhf.hookimpl
+def on_step_end(run, step, metrics):
+    _append(run, "metrics.jsonl", {"step": step + 1, **metrics})
+    out = Path(run.out_dir)
+    writer = _open.get(("tensorboard", out))
+    if writer is not None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                writer.add_scalar(key, value, step + 1)
+        writer.flush()
+    wandb_run = _open.get(("wandb", out))
+    if wandb_run is not None:
+        wandb_run.log(dict(metrics), step=step + 1)
+
+
+@rlhf.hookimpl(trylast=True)
+def on_rewards(run, step, trajectories, rewards):
+    limit = run.config.get("log_samples")
+    for index, trajectory in enumerate(trajectories[:limit] if limit is not None else trajectories):
+        _append(run, "samples.jsonl", {
+            "step": step + 1, "group": trajectory.group, "prompt": trajectory.prompt_text,
+            "completion": trajectory.completion_text, "label": trajectory.label, "reward": float(rewards[index]),
+            "rewards": trajectory.rewards, "finish_reason": trajectory.finish_reason,
+            "completion_tokens": trajectory.num_policy_tokens,
+        })
+
+
+@rlhf.hookimpl
+def on_run_end(run, status):
+    _close(run)

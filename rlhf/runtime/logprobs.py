@@ -1,0 +1,63 @@
+"""Per-token log-probs (and entropy) of the tokens in a batch under a causal LM.
+
+``logprobs[:, t] = log softmax(z_t / τ)[token_{t+1}]`` with float32 logits z and the sampling
+temperature τ, so training sees the distribution the engine sampled from. Only positions from
+the first action token on are projected to the vocabulary (prompts need no logits), and the
+vocabulary softmax runs in row chunks to bound float32 memory.
+
+Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+
+_ROWS_PER_CHUNK = 8
+
+
+@lru_cache(maxsize=None)
+def _accepts_logits_to_keep(forward_cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(forward_cls.forward).parameters
+
+
+def first_action_position(action_mask: torch.Tensor) -> int:
+    """The first column (over the batch) where any row has an action; 0 for an empty mask."""
+    any_action = action_mask.bool().any(dim=0)  # (A,)
+    return int(any_action.nonzero()[0]) if any_action.any() else 0
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   action_mask: torch.Tensor, *, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, A) of each next token, zero before the first action column; entropy (B, A) if asked.
+
+    Gradients flow when called with grad enabled.
+    """
+    batch_size, length = input_ids.shape  # (B, T)
+    start = first_action_position(action_mask)  # logits at positions start..T-2 predict tokens start+1..T-1
+    keep = length - start
+    kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(type(model)) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+    logits = logits[:, -keep:-1, :]  # (B, A - start, V): the last position predicts nothing
+    targets = input_ids[:, start + 1:]  # (B, A - start)
+
+    logprobs = input_ids.new_zeros((batch_size, length - 1), dtype=torch.float32)  # (B, A)
+    entropy = torch.zeros_like(logprobs) if with_entropy else None
+    if keep <= 1:
+        return logprobs, entropy
+    chunks_lp, chunks_ent = [], []
+    for rows in range(0, batch_size, _ROWS_PER_CHUNK):
+        z = logits[rows:rows + _ROWS_PER_CHUNK].float() / temperature  # (b, A', V)
+        log_norm = torch.logsumexp(z, dim=-1)  # (b, A')
+        picked = z.gather(-1, targets[rows:rows + _ROWS_PER_CHUNK, :, None]).squeeze(-1)  # (b, A')
+        chunks_lp.append(picked - log_norm)
+        if with_entropy:
+            probs = torch.softmax(z, dim=-1)  # (b, A', V)
+            chunks_ent.append(log_norm - (probs * z).sum(dim=-1))  # H = logsumexp(z) - Σ p z
+    logprobs = torch.cat([logprobs[:, :start], torch.cat(chunks_lp)], dim=1)  # (B, A)
+    if with_entropy:
+        entropy = torch.cat([entropy[:, :start], torch.cat(chunks_ent)], dim=1)  # (B, A)
+    return logprobs, entropy

@@ -1,0 +1,17 @@
+"""Built-in runtime components as a plugin: the ``hf`` rollout engine, the ``torch`` training
+backend and the loggers. Heavy objects are registered by reference (imported on first use)."""
+
+import rlhf
+
+
+@rlhf.hookimpl
+def register_rollout_engines(register):
+    register("hf", "rlhf.runtime.engines.hf:HFEngine", config_cls="rlhf.runtime.engines.hf:HFEngineConfig",
+             description="transformers generate with a KV cache, in-process on the policy's own weights")
+
+
+@rlhf.hookimpl
+def register_train_backends(register):
+    register("torch", "rlhf.runtime.backends.torch_backend:TorchBackend",
+             config_cls="rlhf.runtime.backends.torch_backend:BackendConfig",
+             description="AdamW, gradient accumulation, norm clipping, warmup + constant/cosine LR")

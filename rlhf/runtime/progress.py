@@ -1,0 +1,48 @@
+"""Progress display: a rich bar on a terminal, one plain line per step otherwise (CI logs)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+def _fmt(metrics: dict[str, float], key: str, spec: str) -> str:
+    value = metrics.get(key)
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+class Progress:
+    def __init__(self, total: int, start: int, enabled: bool = True, stream: Any = None):
+        self.total, self.start, self.enabled = total, start, enabled
+        self.stream = stream or sys.stderr
+        self.started = time.monotonic()
+        self._bar = None
+        if enabled and getattr(self.stream, "isatty", lambda: False)():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
+                TimeRemainingColumn
+
+            from rich.console import Console
+
+            self._bar = RichProgress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                                     TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
+                                     console=Console(file=self.stream), transient=False)
+            self._task = self._bar.add_task("train", total=total, completed=start, stats="")
+            self._bar.start()
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        stats = (f"reward {_fmt(metrics, 'reward/mean', '.3f')}  kl {_fmt(metrics, 'kl/mean', '.4f')}  "
+                 f"tok/s {_fmt(metrics, 'throughput/tokens_per_s', '.0f')}")
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step + 1, stats=stats)
+            return
+        done = step + 1 - self.start
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / done * (self.total - step - 1) if done else 0.0
+        print(f"step {step + 1}/{self.total}  {stats}  eta {eta:.0f}s", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,224 @@
+"""The training loop (DESIGN §5), the same for every runtime.
+
+One step: G prompts -> n trajectories each -> rewards -> experience (old/reference log-probs,
+values, KL) -> advantages -> policy (and critic) updates -> weight sync -> log -> checkpoint.
+The loop talks to workers through `Workers`; the local runtime fills it with in-process
+objects, the Ray runtime with actor handles exposing the same methods.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.core.errors import RlhfError
+from rlhf.core.plugins import PluginSet
+from rlhf.core.rollout import SamplingParams
+from rlhf.core.types import RunInfo
+from rlhf.runtime import checkpoint
+from rlhf.runtime.batch import ExperienceBatch, collate
+from rlhf.runtime.config import Derived, TrainConfig
+from rlhf.runtime.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class Workers:
+    """Everything the loop drives. ``reference`` and ``critic`` are None when not needed."""
+
+    policy: Any
+    rollout: Any
+    reward: Any
+    reference: Any = None
+    critic: Any = None
+    tokenizer: Any = None
+    loader: Any = None
+    algorithm: Any = None  # rlhf.algorithms.ResolvedAlgorithm
+    advantage_config: Any = None
+    pad_token_id: int = 0
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    export_policy: Any = None  # callable(out_dir): writes the final HF model
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, derived: Derived, plugins: PluginSet, workers: Workers):
+        self.config, self.derived, self.plugins, self.w = config, derived, plugins, workers
+        self.out = derived.out_dir
+        self.total_steps = config.steps if config.steps is not None else max(1, len(workers.loader) //
+                                                                             config.prompts_per_step)
+        self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                       top_p=config.top_p)
+        self.start_step = 0
+        algo = workers.algorithm
+        # On-policy with one optimizer step per rollout: the old log-probs equal the current ones,
+        # so the extra forward pass is skipped (unless KL goes into the reward, which needs them first).
+        self.recompute_old = derived.optimizer_steps_per_step > 1 or algo.kl_in == "reward"
+
+    # --- run --------------------------------------------------------------------------------
+
+    def run(self) -> Path:
+        self._prepare_out_dir()
+        if self.config.resume:
+            self._resume()
+        run = RunInfo(config=self.config.to_dict(), out_dir=self.out, start_step=self.start_step,
+                      total_steps=self.total_steps, plugins=self.w.fingerprint.get("hash", ""))
+        progress = Progress(self.total_steps, self.start_step, enabled=self.config.progress)
+        self.plugins.emit("on_run_start", run=run)
+        status = "failed"
+        try:
+            for step in range(self.start_step, self.total_steps):
+                metrics = self.step(step, run)
+                self.plugins.emit("on_step_end", run=run, step=step, metrics=metrics)
+                progress.update(step, metrics)
+                done = step + 1
+                if done == self.total_steps or (self.config.save_every and done % self.config.save_every == 0):
+                    path = self._save_checkpoint(done)
+                    self.plugins.emit("on_checkpoint", run=run, step=done, path=path)
+            self.w.export_policy(self.out / "final")
+            status = "completed"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            progress.close()
+            self.plugins.emit("on_run_end", run=run, status=status)
+        return self.out
+
+    def step(self, step: int, run: RunInfo) -> dict[str, float]:
+        w, algo, timings = self.w, self.w.algorithm, {}
+        started = time.perf_counter()
+
+        prompts = w.loader.next_batch(self.config.prompts_per_step)
+        trajectories = w.rollout.generate(prompts, n=self.config.n_samples, params=self.sampling)
+        timings["rollout"] = time.perf_counter() - started
+        self.plugins.emit("on_rollout_end", run=run, step=step, trajectories=trajectories)
+
+        mark = time.perf_counter()
+        result = w.reward.score(trajectories)
+        for index, trajectory in enumerate(trajectories):
+            trajectory.reward = result.total[index]
+            trajectory.rewards = {name: scores[index] for name, scores in result.per_source.items()}
+        rewards = torch.tensor([r if r is not None else 0.0 for r in result.total], dtype=torch.float32)  # (B,)
+        sample_mask = torch.tensor([r is not None for r in result.total], dtype=torch.float32)  # (B,)
+        self.plugins.emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
+        timings["reward"] = time.perf_counter() - mark
+
+        mark = time.perf_counter()
+        batch = collate(trajectories, pad_token_id=w.pad_token_id, rewards=rewards * sample_mask,
+                        sample_mask=sample_mask)
+        batch = self._make_experience(batch)
+        timings["experience"] = time.perf_counter() - mark
+
+        mark = time.perf_counter()
+        metrics = w.policy.fit(batch, step=step)
+        if w.critic is not None:
+            metrics.update(w.critic.fit(batch, step=step))
+        self._check_finite()
+        timings["train"] = time.perf_counter() - mark
+
+        mark = time.perf_counter()
+        w.rollout.sync_weights(None)  # in-process engines share the weights; others get them pushed
+        timings["sync"] = time.perf_counter() - mark
+        timings["step"] = time.perf_counter() - started
+        return self._metrics(trajectories, batch, result, metrics, timings)
+
+    # --- experience ---------------------------------------------------------------------------
+
+    def _make_experience(self, batch: ExperienceBatch) -> ExperienceBatch:
+        from rlhf.algorithms import compute_advantages, kl_divergence
+
+        w, algo = self.w, self.w.algorithm
+        old = w.policy.logprobs(batch) if self.recompute_old else None  # (B, A)
+        ref = w.reference.logprobs(batch) if w.reference is not None else None  # (B, A)
+        values = w.critic.values(batch) if w.critic is not None else None  # (B, A)
+        kl = None
+        if old is not None and ref is not None:
+            kl = kl_divergence(algo.kl_estimator, old, ref) * batch.action_mask  # (B, A)
+        advantages, returns = compute_advantages(
+            algo.advantage, rewards=batch.rewards, action_mask=batch.action_mask,
+            group_size=self.config.n_samples, values=values,
+            kl=kl if algo.kl_in == "reward" else None, kl_coef=algo.kl_coef if algo.kl_in == "reward" else 0.0,
+            sample_mask=batch.sample_mask.bool(), config=w.advantage_config, plugins=self.plugins,
+        )
+        return ExperienceBatch(**{**batch.__dict__, "old_logprobs": old, "ref_logprobs": ref, "values": values,
+                                  "kl": kl, "advantages": advantages, "returns": returns})
+
+    def _check_finite(self) -> None:
+        for name in ("policy", "critic"):
+            worker = getattr(self.w, name)
+            if worker is not None and worker.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+                raise RlhfError(
+                    f"the {name} loss or gradient was NaN/inf for {worker.nonfinite_in_a_row} optimizer steps in a "
+                    "row (each was skipped); lower --lr, check the rewards, or raise --max-nonfinite-steps")
+
+    def _metrics(self, trajectories: list, batch: ExperienceBatch, result: Any, train: dict[str, float],
+                 timings: dict[str, float]) -> dict[str, float]:
+        mask = batch.sample_mask.bool()
+        scored = batch.rewards[mask]
+        lengths = torch.tensor([t.num_policy_tokens for t in trajectories], dtype=torch.float32)
+        metrics: dict[str, float] = dict(result.metrics)  # per source; the totals below are what the loss used
+        metrics.update({
+            "reward/mean": float(scored.mean()) if scored.numel() else float("nan"),
+            "reward/std": float(scored.std()) if scored.numel() > 1 else 0.0,
+            "reward/skipped": float((~mask).sum()),
+            "response/length_mean": float(lengths.mean()),
+            "response/truncated_rate": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
+        })
+        if batch.kl is not None:
+            metrics["kl/mean"] = float(batch.kl.sum() / batch.action_mask.sum().clamp(min=1))
+        elif "policy/kl" in train:
+            metrics["kl/mean"] = train["policy/kl"]
+        metrics.update(train)
+        metrics.update({f"time/{k}": v for k, v in timings.items()})
+        metrics["throughput/tokens_per_s"] = float(lengths.sum()) / max(timings["step"], 1e-9)
+        return metrics
+
+    # --- run directory and checkpoints --------------------------------------------------------
+
+    def _prepare_out_dir(self) -> None:
+        if self.out.exists() and any(self.out.iterdir()) and not self.config.resume:
+            raise RlhfError(f"{self.out} already holds a run: pass --resume to continue it, or choose another --out")
+        self.out.mkdir(parents=True, exist_ok=True)
+        import yaml
+
+        (self.out / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+        records = [r.to_json() for r in self.plugins.records if r.loaded]
+        (self.out / "plugins.json").write_text(json.dumps({"fingerprint": self.w.fingerprint, "plugins": records},
+                                                          indent=2))
+
+    def _worker_states(self) -> dict[str, Any]:
+        return {name: getattr(self.w, name).state_dict() for name in ("policy", "critic")
+                if getattr(self.w, name) is not None}
+
+    def _save_checkpoint(self, done: int) -> Path:
+        state = {"loader": self.w.loader.state_dict(), "fingerprint": self.w.fingerprint,
+                 "nonfinite_in_a_row": {n: getattr(self.w, n).nonfinite_in_a_row for n in self._worker_states()}}
+        return checkpoint.save_checkpoint(self.out, done, workers=self._worker_states(), trainer_state=state,
+                                          keep=self.config.keep_checkpoints)
+
+    def _resume(self) -> None:
+        from rlhf.core.fingerprint import fingerprint_differences
+
+        path = checkpoint.latest_checkpoint(self.out)
+        if path is None:
+            log.warning("--resume: no complete checkpoint in %s; starting from step 0", self.out)
+            return
+        states, trainer_state, rng = checkpoint.load_checkpoint(path, list(self._worker_states()))
+        for name, state in states.items():
+            getattr(self.w, name).load_state_dict(state)
+            getattr(self.w, name).nonfinite_in_a_row = trainer_state["nonfinite_in_a_row"].get(name, 0)
+        self.w.loader.load_state_dict(trainer_state["loader"])
+        checkpoint.set_rng_state(rng)
+        differences = fingerprint_differences(trainer_state["fingerprint"], self.w.fingerprint)
+        if differences:
+            log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
+                        "\n  ".join(differences))
+        self.start_step = trainer_state["step"]
+        log.info("resumed from %s (step %d)", path, self.start_step)

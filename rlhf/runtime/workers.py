@@ -1,0 +1,277 @@
+"""The workers of a run as plain classes: policy, reference, critic, rollout, reward.
+
+The local runtime calls them in-process; the Ray runtime wraps the same classes as actors.
+Nothing here knows which: workers receive and return plain Python objects and CPU tensors.
+
+Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from rlhf.core.rollout import SamplingParams
+from rlhf.core.types import LossNorm, PolicyLossInputs, Trajectory
+from rlhf.runtime.batch import ExperienceBatch
+from rlhf.runtime.logprobs import token_logprobs
+
+KL_CLAMP = 10.0
+
+
+@dataclass(kw_only=True)
+class UpdateSettings:
+    """How one rollout batch turns into optimizer steps (shared by policy and critic)."""
+
+    ppo_epochs: int = 1
+    train_batch_size: int  # samples per optimizer step
+    micro_batch_size: int  # samples per forward/backward
+    max_new_tokens: int  # Dr. GRPO's constant normaliser
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class PolicyObjective:
+    """The resolved pieces of the policy loss (callables from the registries)."""
+
+    policy_loss: Callable[[PolicyLossInputs, Any], tuple[torch.Tensor, dict[str, Any]]]
+    policy_loss_config: Any
+    aggregate: Callable[[torch.Tensor, torch.Tensor, LossNorm], torch.Tensor]
+    kl_estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    kl_in_loss: bool = False
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+
+
+class MetricMean:
+    """Averages per-micro-batch metrics, weighting each by its number of loss tokens."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+
+    def add(self, metrics: dict[str, Any], weight: float = 1.0) -> None:
+        for key, value in metrics.items():
+            value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+            self.sums[key] += value * weight
+            self.weights[key] += weight
+
+    def result(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> list[ExperienceBatch]:
+    """Shuffled minibatches for every epoch, with a per-(seed, step, epoch) order (resumable)."""
+    out = []
+    for epoch in range(settings.ppo_epochs):
+        generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step * 1_009 + epoch)
+        order = torch.randperm(batch.size, generator=generator)
+        for begin in range(0, batch.size, settings.train_batch_size):
+            out.append(batch.select(order[begin:begin + settings.train_batch_size]))
+    return out
+
+
+def loss_norm(minibatch: ExperienceBatch, max_new_tokens: int) -> LossNorm:
+    mask = minibatch.loss_mask  # (b, A)
+    return LossNorm(num_tokens=float(mask.sum()), num_sequences=float((mask.sum(dim=1) > 0).sum()),
+                    max_new_tokens=max_new_tokens)
+
+
+def micro_batches(minibatch: ExperienceBatch, size: int) -> list[ExperienceBatch]:
+    return [minibatch.select(list(range(begin, min(begin + size, minibatch.size))))
+            for begin in range(0, minibatch.size, size)]
+
+
+class _TrainedWorker:
+    """Shared by the policy and the critic: a model, its backend, and checkpoint state."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings):
+        self.model, self.backend, self.settings = model, backend, settings
+        self.device = next(model.parameters()).device
+        self.nonfinite_in_a_row = 0
+
+    def _apply_step(self, finite: bool) -> dict[str, float]:
+        if not finite:
+            self.backend.zero_grad()
+            self.nonfinite_in_a_row += 1
+            return {"skipped_steps": 1.0}
+        stats = self.backend.step()
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if stats["skipped"] else 0
+        return {"grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped_steps": stats["skipped"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "backend": self.backend.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.backend.load_state_dict(state["backend"])
+
+
+class PolicyWorker(_TrainedWorker):
+    """Computes the policy's log-probs and runs its PPO-style updates."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, objective: PolicyObjective):
+        super().__init__(model, backend, settings)
+        self.objective = objective
+
+    @torch.no_grad()
+    def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        """(B, A) log-probs of the batch's tokens at the sampling temperature."""
+        self.model.eval()
+        out = [token_logprobs(self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                              mb.action_mask, temperature=self.objective.temperature)[0].cpu()
+               for mb in micro_batches(batch, self.settings.micro_batch_size)]
+        return _pad_cat(out, batch.action_mask.shape[1])
+
+    def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
+        """PPO epochs over shuffled minibatches; one optimizer step per minibatch.
+
+        Each micro-batch loss is its share of the minibatch loss (aggregations normalise by
+        minibatch-wide counts), so gradient accumulation reproduces the full-batch gradient.
+        ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1.
+        """
+        self.model.train()
+        objective, metrics = self.objective, MetricMean()
+        for minibatch in minibatches(batch, self.settings, step):
+            norm = loss_norm(minibatch, self.settings.max_new_tokens)
+            if norm.num_tokens == 0:
+                continue
+            finite, step_loss = True, 0.0
+            for micro in micro_batches(minibatch, self.settings.micro_batch_size):
+                micro = micro.to(self.device)
+                mask = micro.loss_mask  # (b, A)
+                logprobs, entropy = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
+                                                   micro.action_mask, temperature=objective.temperature,
+                                                   with_entropy=objective.entropy_coef > 0)
+                old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+                per_token, loss_metrics = objective.policy_loss(
+                    PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
+                                     action_mask=mask), objective.policy_loss_config)
+                loss = objective.aggregate(per_token, mask, norm)
+                extra = {}
+                if objective.kl_in_loss:
+                    kl = objective.kl_estimator(logprobs, micro.ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)  # (b, A)
+                    kl_loss = objective.aggregate(kl, mask, norm)
+                    loss = loss + objective.kl_coef * kl_loss
+                    extra["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+                if objective.entropy_coef > 0:
+                    entropy_term = objective.aggregate(entropy, mask, norm)
+                    loss = loss - objective.entropy_coef * entropy_term
+                    extra["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                self.backend.backward(loss)
+                step_loss += float(loss.detach())
+                metrics.add({**loss_metrics, **extra}, weight=float(mask.sum()))
+            metrics.add({"loss": step_loss if finite else math.nan, **self._apply_step(finite)})
+        return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result().items()}
+
+
+class CriticWorker(_TrainedWorker):
+    """Computes values and fits them to the returns with the clipped value loss."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings,
+                 value_loss: Callable[..., tuple[torch.Tensor, dict[str, Any]]], value_clip: float | None):
+        super().__init__(model, backend, settings)
+        self.value_loss, self.value_clip = value_loss, value_clip
+
+    @torch.no_grad()
+    def values(self, batch: ExperienceBatch) -> torch.Tensor:
+        """(B, A): the value of the state before each action token."""
+        self.model.eval()
+        out = [self.model(mb.input_ids.to(self.device), mb.attention_mask.to(self.device))[:, :-1].cpu()
+               for mb in micro_batches(batch, self.settings.micro_batch_size)]
+        return _pad_cat(out, batch.action_mask.shape[1]) * batch.action_mask  # masked positions carry V = 0
+
+    def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
+        self.model.train()
+        metrics = MetricMean()
+        for minibatch in minibatches(batch, self.settings, step):
+            norm = loss_norm(minibatch, self.settings.max_new_tokens)
+            if norm.num_tokens == 0:
+                continue
+            finite, step_loss = True, 0.0
+            for micro in micro_batches(minibatch, self.settings.micro_batch_size):
+                micro = micro.to(self.device)
+                values = self.model(micro.input_ids, micro.attention_mask)[:, :-1]  # (b, A)
+                loss, loss_metrics = self.value_loss(values=values, old_values=micro.values, returns=micro.returns,
+                                                     action_mask=micro.loss_mask, clip=self.value_clip,
+                                                     num_tokens=norm.num_tokens)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                self.backend.backward(loss)
+                step_loss += float(loss.detach())
+                metrics.add(loss_metrics, weight=float(micro.loss_mask.sum()))
+            metrics.add({"loss": step_loss if finite else math.nan, **self._apply_step(finite)})
+        return {k if "/" in k else f"critic/{k}": v for k, v in metrics.result().items()}
+
+
+class ReferenceWorker:
+    """A frozen copy of the initial policy: log-probs for the KL term."""
+
+    def __init__(self, model: torch.nn.Module, micro_batch_size: int, temperature: float):
+        self.model, self.micro_batch_size, self.temperature = model, micro_batch_size, temperature
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        out = [token_logprobs(self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                              mb.action_mask, temperature=self.temperature)[0].cpu()
+               for mb in micro_batches(batch, self.micro_batch_size)]
+        return _pad_cat(out, batch.action_mask.shape[1])
+
+
+class RolloutWorker:
+    """Turns prompts into trajectories with a rollout engine (single-turn)."""
+
+    def __init__(self, engine: Any, tokenizer: Any):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
+        generations = self.engine.generate([p.prompt_ids for p in prompts], n=n, params=params)
+        assert len(generations) == n * len(prompts), "the engine must return n completions per prompt"
+        trajectories = []
+        for index, generation in enumerate(generations):
+            item = prompts[index // n]
+            prompt_len = len(item.prompt_ids)
+            logprobs = [0.0] * prompt_len + generation.logprobs if generation.logprobs is not None else None
+            trajectories.append(Trajectory(
+                token_ids=item.prompt_ids + generation.token_ids,
+                loss_mask=[0] * prompt_len + [1] * len(generation.token_ids),
+                prompt_length=prompt_len, prompt=item.prompt, prompt_text=item.prompt_text,
+                completion_text=self.tokenizer.decode(generation.token_ids, skip_special_tokens=True),
+                group=index // n, label=item.label, columns=dict(item.columns), rollout_logprobs=logprobs,
+                finish_reason=generation.finish_reason,
+            ))
+        return trajectories
+
+    def sync_weights(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Engines that share the policy's weights need nothing; others load ``state``."""
+        if not getattr(self.engine, "shares_weights", False):
+            self.engine.load_weights(state)
+
+
+class RewardWorker:
+    """Scores trajectories with the run's reward sources."""
+
+    def __init__(self, reward_set: Any):
+        self.reward_set = reward_set
+
+    def score(self, trajectories: list[Trajectory]) -> Any:
+        return self.reward_set.score_trajectories(trajectories)
+
+
+def _pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Concatenate (b_i, A_i) pieces trimmed to different widths into (B, width)."""
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
+
+
+def with_fields(batch: ExperienceBatch, **tensors: torch.Tensor | None) -> ExperienceBatch:
+    return replace(batch, **tensors)

@@ -1,0 +1,203 @@
+"""`rlhf train` end to end on the tiny model: the run directory, config files, lifecycle hooks,
+exact resume, PPO with a critic, NaN handling and errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from rlhf.core.errors import RlhfError
+from rlhf.core.plugins import build_plugin_manager
+from rlhf.runtime.config import TrainConfig
+from rlhf.runtime.local import train
+from tests.helpers import run_cli
+
+PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
+REWARD = "def reward_func(completions, labels, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task")
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    (root / "rewards.py").write_text(REWARD)
+    return root
+
+
+def small_config(model_dir, task, out, **overrides):
+    values = dict(model=str(model_dir), data=[str(task / "data.jsonl")], label_key="answer",
+                  reward=[str(task / "rewards.py")], prompts_per_step=2, n_samples=2, max_new_tokens=4,
+                  micro_batch_size=2, steps=2, lr=1e-3, out=str(out), progress=False, seed=7)
+    values.update(overrides)
+    return TrainConfig.from_dict(values)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cli_run_writes_a_complete_run_directory(tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--label-key", "answer",
+            "--reward", f"{task / 'rewards.py'}:reward_func", "--prompts-per-step", "2", "--n-samples", "3",
+            "--max-new-tokens", "4", "--steps", "2", "--lr", "1e-3", "--out", str(out)]
+    result = subprocess.run([sys.executable, "-m", "rlhf", "train", *args], capture_output=True, text=True,
+                            env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2/2" in result.stderr and "run finished" in result.stdout
+
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("reward/mean", "kl/mean", "policy/loss", "policy/clip_frac", "time/rollout",
+                "throughput/tokens_per_s", "response/length_mean"):
+        assert key in metrics[0], key
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 2 * 2 * 3 and {s["step"] for s in samples} == {1, 2}
+    assert samples[0]["reward"] == pytest.approx(len(samples[0]["completion"]) / 10)
+    assert set(samples[0]) >= {"prompt", "completion", "label", "rewards", "finish_reason"}
+
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert TrainConfig.from_dict(saved).n_samples == 3
+    plugins = json.loads((out / "plugins.json").read_text())
+    assert plugins["fingerprint"]["plugins"]["rlhf.plugins.algorithms.plugin"].startswith("rlhf-core==")
+    assert (out / "checkpoints" / "step_2" / "policy.pt").is_file()
+
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    changed = [not torch.equal(a, b) for a, b in zip(final.parameters(), initial.parameters())]
+    assert any(changed), "training did not change the weights"
+
+
+def test_config_file_supplies_values_and_flags_override_it(tiny_model_dir, task, tmp_path, plugins):
+    config = {"model": str(tiny_model_dir), "data": str(task / "data.jsonl"), "label-key": "answer",
+              "reward": [str(task / "rewards.py")], "steps": 1, "n_samples": 2, "prompts_per_step": 2,
+              "max_new_tokens": 3, "reward_options": {"on_error": "zero"}, "progress": False}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "run"
+    result = run_cli(plugins, ["train", "--config", str(tmp_path / "run.yaml"), "--steps", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = TrainConfig.from_dict(yaml.safe_load((out / "config.yaml").read_text()))
+    assert (saved.steps, saved.n_samples, saved.max_new_tokens) == (2, 2, 3)
+    assert saved.reward_options.on_error == "zero"
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2
+
+
+def test_config_file_with_an_unknown_key_is_a_usage_error(tmp_path, plugins):
+    (tmp_path / "run.yaml").write_text("model: x\nn_sample: 4\n")
+    result = run_cli(plugins, ["train", "--config", str(tmp_path / "run.yaml")])
+    assert result.exit_code == 2 and "unknown option(s) n_sample" in result.output
+
+
+def test_lifecycle_hooks_fire_in_order(tiny_model_dir, task, tmp_path, plugins, make_plugin):
+    events = []
+    plugins.register(make_plugin(
+        "recorder",
+        on_run_start=lambda run: events.append(("start", run.total_steps)),
+        on_rollout_end=lambda step, trajectories: events.append(("rollout", step, len(trajectories))),
+        on_rewards=lambda step, rewards: events.append(("rewards", step, tuple(rewards.shape))),
+        on_step_end=lambda step, metrics: events.append(("step", step, "reward/mean" in metrics)),
+        on_checkpoint=lambda step, path: events.append(("checkpoint", step, path.name)),
+        on_run_end=lambda status: events.append(("end", status)),
+    ))
+    train(small_config(tiny_model_dir, task, tmp_path / "run", save_every=1), plugins=plugins)
+    assert events == [
+        ("start", 2),
+        ("rollout", 0, 4), ("rewards", 0, (4,)), ("step", 0, True), ("checkpoint", 1, "step_1"),
+        ("rollout", 1, 4), ("rewards", 1, (4,)), ("step", 1, True), ("checkpoint", 2, "step_2"),
+        ("end", "completed"),
+    ]
+
+
+def test_reward_edits_in_on_rewards_reach_the_loss(tiny_model_dir, task, tmp_path, plugins, make_plugin):
+    def zero_all(rewards):
+        rewards.zero_()
+
+    plugins.register(make_plugin("zeroer", on_rewards=zero_all))
+    train(small_config(tiny_model_dir, task, tmp_path / "run", steps=1), plugins=plugins)
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert metrics["reward/mean"] == 0.0 and metrics["policy/loss"] == 0.0  # GRPO advantages all 0
+
+
+def _final_weights(out):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+
+
+@pytest.mark.slow
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
+    straight = tmp_path / "straight"
+    train(small_config(tiny_model_dir, task, straight, steps=4, save_every=2), plugins=build_plugin_manager())
+
+    def crash(step):
+        if step == 2:
+            raise KeyboardInterrupt  # as if the job were killed right after the step-2 checkpoint
+
+    interrupted = tmp_path / "interrupted"
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    with pytest.raises(KeyboardInterrupt):
+        train(small_config(tiny_model_dir, task, interrupted, steps=4, save_every=2), plugins=plugins)
+    assert not (interrupted / "final").exists()
+    train(small_config(tiny_model_dir, task, interrupted, steps=4, save_every=2, resume=True),
+          plugins=build_plugin_manager())
+
+    keys = ("reward/mean", "policy/loss", "policy/grad_norm", "response/length_mean")
+    expected = [{k: m[k] for k in keys} for m in read_jsonl(straight / "metrics.jsonl")]
+    resumed = [{k: m[k] for k in keys} for m in read_jsonl(interrupted / "metrics.jsonl")]
+    assert resumed == expected  # steps 1-2 before the crash, 3-4 after the resume
+    samples = lambda out: [(s["step"], s["completion"]) for s in read_jsonl(out / "samples.jsonl")]  # noqa: E731
+    assert samples(interrupted) == samples(straight)
+    for (name, a), b in zip(_final_weights(straight).items(), _final_weights(interrupted).values()):
+        assert torch.equal(a, b), name
+
+
+def test_ppo_trains_a_critic_and_kl_goes_into_the_reward(tiny_model_dir, task, tmp_path, plugins):
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, algo="ppo", n_samples=1, prompts_per_step=4, critic_lr=1e-3),
+          plugins=plugins)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    for key in ("critic/loss", "critic/values", "critic/clip_frac", "critic/grad_norm", "kl/mean"):
+        assert key in metrics[-1], key
+    assert (out / "checkpoints" / "step_2" / "critic.pt").is_file()
+
+
+def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_model_dir, task, tmp_path, plugins, make_plugin):
+    def nan_loss(inputs, config):
+        return inputs.logprobs * float("nan"), {}
+
+    plugins.register(make_plugin("nan", register_policy_losses=lambda register: register("nan_loss", nan_loss)))
+    config = small_config(tiny_model_dir, task, tmp_path / "run", steps=5, policy_loss="nan_loss",
+                          max_nonfinite_steps=2)
+    with pytest.raises(RlhfError, match="NaN/inf for 2 optimizer steps in a row"):
+        train(config, plugins=plugins)
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(metrics) == 1 and metrics[0]["policy/skipped_steps"] == 1.0  # the first was skipped and logged
+
+
+def test_grpo_with_one_sample_per_prompt_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
+    result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                               "--reward", str(task / "rewards.py"), "--n-samples", "1", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert "'grpo' compares samples of the same prompt: set --n-samples to 2 or more (got 1)" in result.output
+
+
+def test_unknown_algorithm_lists_the_presets(plugins):
+    result = run_cli(plugins, ["train", "--algo", "gpro", "--model", "m", "--data", "d"])
+    assert result.exit_code == 2
+    assert "Did you mean 'grpo'" in result.output and "dr_grpo" in result.output
+
+
+def test_existing_run_directory_is_not_overwritten(tiny_model_dir, task, tmp_path, plugins):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(RlhfError, match="already holds a run: pass --resume"):
+        train(small_config(tiny_model_dir, task, tmp_path / "run"), plugins=plugins)
