@@ -172,7 +172,9 @@ def register_models(register: Register) -> None:
     role it needs; ``ref`` is a local directory or a hub name. ``policy`` and ``reference``
     return a causal LM (``model(input_ids, attention_mask).logits`` and ``generate``; the
     reference frozen); ``critic`` returns a module with ``forward(input_ids, attention_mask)
-    -> values (B, T)`` float32, the value of the state ending at each token.
+    -> values (B, T)`` float32, the value of the state ending at each token. At the end of a
+    run, ``adapter.save(model, tokenizer, out_dir)`` (optional; default ``save_pretrained``)
+    writes the final policy.
     """
 
 

@@ -24,6 +24,7 @@ class ExperienceBatch:
     rewards: torch.Tensor  # (B,) float32 combined rewards (0 where sample_mask is 0)
     sample_mask: torch.Tensor  # (B,) float, 0 drops a sample (its reward failed under --reward-on-error skip)
     group_index: torch.Tensor  # (B,) prompt index in the rollout batch
+    rollout_logprobs: torch.Tensor | None = None  # (B, A) as the rollout engine reported them (0 off-action)
     old_logprobs: torch.Tensor | None = None  # (B, A)
     ref_logprobs: torch.Tensor | None = None  # (B, A)
     values: torch.Tensor | None = None  # (B, A)
@@ -79,8 +80,15 @@ def collate(trajectories: list[Trajectory], *, pad_token_id: int, rewards: torch
         input_ids[row, :n] = torch.tensor(trajectory.token_ids)
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
+    rollout_logprobs = None
+    if all(t.rollout_logprobs is not None for t in trajectories):
+        rollout_logprobs = torch.zeros((batch_size, length - 1), dtype=torch.float32)  # (B, A)
+        for row, trajectory in enumerate(trajectories):
+            values = torch.tensor(trajectory.rollout_logprobs[1:], dtype=torch.float32)  # token t+1 at position t
+            rollout_logprobs[row, : values.numel()] = values
     return ExperienceBatch(
         input_ids=input_ids,
+        rollout_logprobs=rollout_logprobs,
         attention_mask=attention_mask,
         action_mask=loss_mask[:, 1:].contiguous(),  # (B, A): position t predicts token t+1
         rewards=rewards.float(),

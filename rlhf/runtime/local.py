@@ -79,9 +79,10 @@ def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet) -> 
     update = UpdateSettings(ppo_epochs=config.ppo_epochs, train_batch_size=derived.train_batch_size,
                             micro_batch_size=config.micro_batch_size, max_new_tokens=config.max_new_tokens,
                             seed=config.seed)
+    policy_loss_config = component_config(algorithm.policy_loss_config_cls, values, overrides)
     objective = PolicyObjective(
         policy_loss=algorithm.policy_loss_fn,
-        policy_loss_config=component_config(algorithm.policy_loss_config_cls, values, overrides),
+        policy_loss_config=policy_loss_config,
         aggregate=algorithm.aggregate_fn, kl_estimator=algorithm.kl_estimator_fn,
         kl_in_loss=algorithm.kl_in == "loss" and algorithm.kl_coef > 0, kl_coef=algorithm.kl_coef,
         entropy_coef=config.entropy_coef, temperature=config.temperature,
@@ -102,14 +103,18 @@ def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet) -> 
     engine = engines.load()(policy_model, tokenizer, component_config(engines.load_config_cls(), values))
 
     def export_policy(out_dir: Path) -> None:
-        policy_model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        if hasattr(adapter, "save"):  # adapters may write their own layout (e.g. a LoRA adapter + merged model)
+            adapter.save(policy_model, tokenizer, out_dir)
+        else:
+            policy_model.save_pretrained(out_dir)
+            tokenizer.save_pretrained(out_dir)
 
     return Workers(
         policy=policy, rollout=RolloutWorker(engine, tokenizer), reward=RewardWorker(reward_set),
         reference=reference, critic=critic, tokenizer=tokenizer, loader=loader, algorithm=algorithm,
         advantage_config=component_config(algorithm.advantage_config_cls, values, overrides),
         pad_token_id=tokenizer.pad_token_id, fingerprint=plugin_fingerprint(plugins), export_policy=export_policy,
+        rollout_logprobs=getattr(policy_loss_config, "correction", None) is not None,
     )
 
 

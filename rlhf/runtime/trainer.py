@@ -45,6 +45,7 @@ class Workers:
     pad_token_id: int = 0
     fingerprint: dict[str, Any] = field(default_factory=dict)
     export_policy: Any = None  # callable(out_dir): writes the final HF model
+    rollout_logprobs: bool = False  # ask the engine for sampled tokens' log-probs (mismatch correction)
 
 
 class Trainer:
@@ -54,7 +55,7 @@ class Trainer:
         self.total_steps = config.steps if config.steps is not None else max(1, len(workers.loader) //
                                                                              config.prompts_per_step)
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                       top_p=config.top_p)
+                                       top_p=config.top_p, return_logprobs=workers.rollout_logprobs)
         self.start_step = 0
         algo = workers.algorithm
         # On-policy with one optimizer step per rollout: the old log-probs equal the current ones,

@@ -151,7 +151,8 @@ class PolicyWorker(_TrainedWorker):
                 old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
                 per_token, loss_metrics = objective.policy_loss(
                     PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
-                                     action_mask=mask), objective.policy_loss_config)
+                                     action_mask=mask, rollout_logprobs=micro.rollout_logprobs),
+                    objective.policy_loss_config)
                 loss = objective.aggregate(per_token, mask, norm)
                 extra = {}
                 if objective.kl_in_loss:

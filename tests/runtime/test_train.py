@@ -201,3 +201,12 @@ def test_existing_run_directory_is_not_overwritten(tiny_model_dir, task, tmp_pat
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(RlhfError, match="already holds a run: pass --resume"):
         train(small_config(tiny_model_dir, task, tmp_path / "run"), plugins=plugins)
+
+
+def test_mismatch_correction_uses_the_engines_logprobs(tiny_model_dir, task, tmp_path, plugins):
+    """With the in-process engine the rollout and trainer log-probs agree, so TIS weights are 1."""
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, algo_config=["correction=tis"]), plugins=plugins)
+    metrics = read_jsonl(out / "metrics.jsonl")[-1]
+    assert metrics["policy/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(metrics["policy/mismatch_kl"]) < 1e-3

@@ -61,6 +61,11 @@ class HFModelAdapter:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
 
+    def save(self, model: torch.nn.Module, tokenizer: Any, out_dir: Any) -> None:
+        """Write the trained policy as an HF directory that ``from_pretrained`` (and vLLM) load."""
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
     def load(self, ref: str, *, role: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
