@@ -87,6 +87,12 @@ class TrainConfig:
     temperature: float = _opt(1.0, "Sampling temperature (log-probs are computed at the same temperature)", "rollout")
     top_p: float = _opt(1.0, "Nucleus sampling threshold (1: off)", "rollout")
     generation_batch_size: int | None = _opt(None, "Prompts per generate call (default: all of a step)", "rollout")
+    env: str = _opt("single_turn", "Environment for each trajectory: a registered name or module:Class "
+                    "(a label with an env_func key picks one per sample)", "rollout", component="env")
+    env_config: list[str] = _many("KEY=VALUE for the environment's own config field (repeatable)", "rollout")
+    max_turns: int = _opt(8, "Model turns per trajectory at most (multi-turn environments)", "rollout")
+    max_total_tokens: int | None = _opt(None, "Token budget per trajectory: prompt + turns + observations "
+                                        "(default: --max-prompt-length + --max-turns x --max-new-tokens)", "rollout")
 
     # --- rewards ----------------------------------------------------------------------------
     reward: list[str] = _many("Reward source SPEC[@WEIGHT]: a registered name, file.py[:func], module:attr, "

@@ -19,8 +19,9 @@ from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.config import Derived, TrainConfig, parse_key_values
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
 from rlhf.runtime.trainer import Trainer, Workers
+from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
 from rlhf.runtime.workers import (CriticWorker, PolicyObjective, PolicyWorker, ReferenceWorker, RewardWorker,
-                                  RolloutWorker, UpdateSettings)
+                                  UpdateSettings)
 
 
 def seed_everything(seed: int) -> None:
@@ -53,7 +54,9 @@ def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet) -> 
                                   kl_estimator=config.kl_estimator, kl_coef=config.kl_coef, kl_in=config.kl_in,
                                   loss_agg=config.loss_agg, n_samples=config.n_samples, plugins=plugins)
     options = dataclasses.asdict(config.reward_options)
-    reward_set = load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options)
+    reward_set = None
+    if config.reward:
+        reward_set = load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options)
 
     models = plugins.registry("model").component(config.model_adapter)
     adapter = models.load()(component_config(models.load_config_cls(), values))
@@ -109,8 +112,12 @@ def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet) -> 
             policy_model.save_pretrained(out_dir)
             tokenizer.save_pretrained(out_dir)
 
+    rollout = RolloutWorker(engine, tokenizer, EnvFactory(plugins.registry("env"), {
+        **values, **parse_key_values(config.env_config)}), RolloutSettings(
+        env=config.env, max_turns=config.max_turns,
+        max_total_tokens=config.max_total_tokens or config.max_prompt_length + config.max_turns * config.max_new_tokens))
     return Workers(
-        policy=policy, rollout=RolloutWorker(engine, tokenizer), reward=RewardWorker(reward_set),
+        policy=policy, rollout=rollout, reward=RewardWorker(reward_set) if reward_set is not None else None,
         reference=reference, critic=critic, tokenizer=tokenizer, loader=loader, algorithm=algorithm,
         advantage_config=component_config(algorithm.advantage_config_cls, values, overrides),
         pad_token_id=tokenizer.pad_token_id, fingerprint=plugin_fingerprint(plugins), export_policy=export_policy,
@@ -127,7 +134,8 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
         logging.getLogger(__name__).warning(
             "some plugins failed to load (see `rlhf plugins list`): %s", ", ".join(r.label for r in plugins.broken))
     derived = config.derived()
-    if not config.reward:
-        raise ConfigError("--reward is required: a reward function, URL or reward model (see `rlhf train --help`)")
+    if not config.reward and config.env == "single_turn":
+        raise ConfigError("--reward is required (a reward function, URL or reward model) unless an --env gives "
+                          "rewards; see `rlhf train --help`")
     workers = build_workers(config, derived, plugins)
     return Trainer(config, derived, plugins, workers).run()

@@ -30,6 +30,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
+class RewardTotals:
+    """Rewards of a batch when no reward source runs (the environment gives them)."""
+
+    total: list[float | None]
+    per_source: dict[str, list[float | None]]
+    metrics: dict[str, float]
+
+
+@dataclass(kw_only=True)
 class Workers:
     """Everything the loop drives. ``reference`` and ``critic`` are None when not needed."""
 
@@ -102,10 +111,7 @@ class Trainer:
         self.plugins.emit("on_rollout_end", run=run, step=step, trajectories=trajectories)
 
         mark = time.perf_counter()
-        result = w.reward.score(trajectories)
-        for index, trajectory in enumerate(trajectories):
-            trajectory.reward = result.total[index]
-            trajectory.rewards = {name: scores[index] for name, scores in result.per_source.items()}
+        result = self._score(trajectories)
         rewards = torch.tensor([r if r is not None else 0.0 for r in result.total], dtype=torch.float32)  # (B,)
         sample_mask = torch.tensor([r is not None for r in result.total], dtype=torch.float32)  # (B,)
         self.plugins.emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
@@ -129,6 +135,22 @@ class Trainer:
         timings["sync"] = time.perf_counter() - mark
         timings["step"] = time.perf_counter() - started
         return self._metrics(trajectories, batch, result, metrics, timings)
+
+    def _score(self, trajectories: list) -> Any:
+        """Reward sources plus each trajectory's environment reward (the sum of its step rewards)."""
+        env_rewards = [float(t.info.get("env_reward", 0.0)) for t in trajectories]
+        if self.w.reward is None:  # the environment is the only reward
+            result = RewardTotals(total=list(env_rewards), per_source={}, metrics={})
+        else:
+            result = self.w.reward.score(trajectories)
+            if any(env_rewards):
+                result.total = [t + e if t is not None else None for t, e in zip(result.total, env_rewards)]
+        for index, trajectory in enumerate(trajectories):
+            trajectory.reward = result.total[index]
+            trajectory.rewards = {name: scores[index] for name, scores in result.per_source.items()}
+            if "env" in trajectory.info:
+                trajectory.rewards["env"] = env_rewards[index]
+        return result
 
     # --- experience ---------------------------------------------------------------------------
 
@@ -176,6 +198,15 @@ class Trainer:
             metrics["kl/mean"] = float(batch.kl.sum() / batch.action_mask.sum().clamp(min=1))
         elif "policy/kl" in train:
             metrics["kl/mean"] = train["policy/kl"]
+        if any(t.num_turns > 1 or t.info.get("env") not in (None, "single_turn") for t in trajectories):
+            metrics.update({
+                "env/reward_mean": sum(t.info.get("env_reward", 0.0) for t in trajectories) / len(trajectories),
+                "env/turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
+                "env/time_s": sum(t.info.get("env_time_s", 0.0) for t in trajectories),
+                "env/budget_rate": sum(t.finish_reason == "budget" for t in trajectories) / len(trajectories),
+                "env/env_tokens_mean": sum(len(t.token_ids) - t.prompt_length - t.num_policy_tokens
+                                           for t in trajectories) / len(trajectories),
+            })
         metrics.update(train)
         metrics.update({f"time/{k}": v for k, v in timings.items()})
         metrics["throughput/tokens_per_s"] = float(lengths.sum()) / max(timings["step"], 1e-9)

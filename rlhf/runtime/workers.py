@@ -1,4 +1,4 @@
-"""The workers of a run as plain classes: policy, reference, critic, rollout, reward.
+"""The workers of a run as plain classes: policy, reference, critic, reward (rollout: rollout.py).
 
 The local runtime calls them in-process; the Ray runtime wraps the same classes as actors.
 Nothing here knows which: workers receive and return plain Python objects and CPU tensors.
@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 
-from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import LossNorm, PolicyLossInputs, Trajectory
 from rlhf.runtime.batch import ExperienceBatch
 from rlhf.runtime.logprobs import token_logprobs
@@ -227,36 +226,6 @@ class ReferenceWorker:
                               mb.action_mask, temperature=self.temperature)[0].cpu()
                for mb in micro_batches(batch, self.micro_batch_size)]
         return _pad_cat(out, batch.action_mask.shape[1])
-
-
-class RolloutWorker:
-    """Turns prompts into trajectories with a rollout engine (single-turn)."""
-
-    def __init__(self, engine: Any, tokenizer: Any):
-        self.engine, self.tokenizer = engine, tokenizer
-
-    def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
-        generations = self.engine.generate([p.prompt_ids for p in prompts], n=n, params=params)
-        assert len(generations) == n * len(prompts), "the engine must return n completions per prompt"
-        trajectories = []
-        for index, generation in enumerate(generations):
-            item = prompts[index // n]
-            prompt_len = len(item.prompt_ids)
-            logprobs = [0.0] * prompt_len + generation.logprobs if generation.logprobs is not None else None
-            trajectories.append(Trajectory(
-                token_ids=item.prompt_ids + generation.token_ids,
-                loss_mask=[0] * prompt_len + [1] * len(generation.token_ids),
-                prompt_length=prompt_len, prompt=item.prompt, prompt_text=item.prompt_text,
-                completion_text=self.tokenizer.decode(generation.token_ids, skip_special_tokens=True),
-                group=index // n, label=item.label, columns=dict(item.columns), rollout_logprobs=logprobs,
-                finish_reason=generation.finish_reason,
-            ))
-        return trajectories
-
-    def sync_weights(self, state: dict[str, torch.Tensor] | None) -> None:
-        """Engines that share the policy's weights need nothing; others load ``state``."""
-        if not getattr(self.engine, "shares_weights", False):
-            self.engine.load_weights(state)
 
 
 class RewardWorker:

@@ -1,0 +1,225 @@
+"""Rollouts: prompts -> trajectories, over one or many turns with an environment (DESIGN §8).
+
+Every trajectory gets its own environment. A turn is batched across every trajectory still
+running: the engine generates (stopping at EOS, the budget, or the environment's stop strings),
+each environment steps on its turn's text, and the observation is appended with loss mask 0.
+An episode ends when the environment says done, the model emits EOS, ``max_turns`` is reached,
+or the trajectory's token budget (prompt + every turn + observations) is spent. Only model
+tokens carry loss mask 1, so environment text never enters the policy loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf.core.environment import AsyncEnv, create_env, route_env
+from rlhf.core.errors import RlhfError
+from rlhf.core.references import resolve
+from rlhf.core.rollout import Generation, SamplingParams
+from rlhf.core.types import Trajectory
+
+
+@dataclass(kw_only=True)
+class RolloutSettings:
+    env: str = "single_turn"  # default environment (registered name or module:Class)
+    max_turns: int = 1
+    max_total_tokens: int = 2048  # prompt + all turns + observations, per trajectory
+
+
+class EnvFactory:
+    """Resolves environment names once (registered names and ``module:Class``) and builds instances."""
+
+    def __init__(self, registry: Any, config_values: dict[str, Any]):
+        self.registry, self.config_values = registry, config_values
+        self._resolved: dict[str, tuple[type, Any]] = {}
+
+    def __call__(self, name: str) -> AsyncEnv:
+        if name not in self._resolved:
+            from rlhf.runtime.local import component_config
+
+            found = resolve(name, self.registry)
+            config_cls = self.registry.component(name).load_config_cls() if found.registered else None
+            self._resolved[name] = (found.obj, component_config(config_cls, self.config_values))
+        env_cls, config = self._resolved[name]
+        return AsyncEnv(create_env(env_cls, config), name=name)
+
+
+@dataclass(eq=False)
+class _Episode:
+    """A trajectory being built."""
+
+    item: Any  # the PromptItem
+    group: int
+    env: AsyncEnv
+    label: Any
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float] | None
+    stop: tuple[str, ...] = ()
+    done: bool = False
+    finish_reason: str = "stop"
+    turns: int = 0
+    env_reward: float = 0.0
+    env_time: float = 0.0
+    step_infos: list[dict] = field(default_factory=list)
+
+    def append(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None) -> None:
+        self.tokens += ids
+        self.mask += [1 if model else 0] * len(ids)
+        if self.logprobs is not None:
+            self.logprobs += logprobs if model and logprobs is not None else [0.0] * len(ids)
+
+
+class RolloutWorker:
+    """Turns prompts into trajectories with a rollout engine and environments."""
+
+    def __init__(self, engine: Any, tokenizer: Any, env_factory: Any, settings: RolloutSettings):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.make_env, self.settings = env_factory, settings
+
+    def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
+        """``n`` trajectories per prompt, contiguous, in prompt order."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self._rollout(prompts, n, params))
+        import concurrent.futures  # called from inside an event loop (a notebook): run ours in a thread
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, self._rollout(prompts, n, params)).result()
+
+    def sync_weights(self, state: dict | None) -> None:
+        """Engines that share the policy's weights need nothing; others load ``state``."""
+        if not getattr(self.engine, "shares_weights", False):
+            self.engine.load_weights(state)
+
+    # --- the episode loop ---------------------------------------------------------------------
+
+    async def _rollout(self, prompts: list[Any], n: int, params: SamplingParams) -> list[Trajectory]:
+        episodes = [self._start(item, group, params) for group, item in enumerate(prompts) for _ in range(n)]
+        try:
+            await self._timed(episodes, [e.env.reset(e.item.prompt, e.label, e.item.columns) for e in episodes],
+                              self._after_reset)
+            for turn in range(self.settings.max_turns):
+                active = [e for e in episodes if not e.done]
+                if not active:
+                    break
+                generations = self._generate_turn(active, params)
+                for episode, generation in zip(active, generations):
+                    self._record_turn(episode, generation, last_turn=turn == self.settings.max_turns - 1)
+                await self._timed(active, [e.env.step(self._action_text(g)) for e, g in zip(active, generations)],
+                                  self._after_step)
+        finally:
+            await asyncio.gather(*(e.env.close() for e in episodes), return_exceptions=True)
+        return [self._trajectory(e) for e in episodes]
+
+    def _start(self, item: Any, group: int, params: SamplingParams) -> _Episode:
+        name, label = route_env(item.label, self.settings.env)
+        try:
+            env = self.make_env(name)
+        except RlhfError as exc:
+            raise RlhfError(f"{item.origin}: environment {name!r}: {exc}") from exc
+        except Exception as exc:
+            raise RlhfError(f"{item.origin}: could not create environment {name!r}: {type(exc).__name__}: {exc}") from exc
+        prompt_ids = list(item.prompt_ids)
+        episode = _Episode(item=item, group=group, env=env, label=label, tokens=prompt_ids, mask=[0] * len(prompt_ids),
+                           logprobs=[0.0] * len(prompt_ids) if params.return_logprobs else None)
+        episode.stop = tuple(env.stop or ())
+        return episode
+
+    async def _timed(self, episodes: list[_Episode], calls: list[Any], then: Any) -> None:
+        """Await one environment call per episode concurrently, charging each its own time."""
+
+        async def timed(episode: _Episode, call: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await call
+            except RlhfError:
+                raise
+            except Exception as exc:
+                raise RlhfError(f"environment {episode.env.name!r} failed on {episode.item.origin}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                episode.env_time += time.perf_counter() - started
+
+        results = await asyncio.gather(*(timed(e, c) for e, c in zip(episodes, calls)))
+        for episode, result in zip(episodes, results):
+            then(episode, result)
+
+    def _after_reset(self, episode: _Episode, observation: str | None) -> None:
+        if observation:
+            self._observe(episode, observation)
+
+    def _generate_turn(self, active: list[_Episode], params: SamplingParams) -> list[Generation]:
+        """One batched generate per distinct stop-string set; each turn capped by its own budget."""
+        out: dict[int, Generation] = {}
+        by_stop: dict[tuple[str, ...], list[_Episode]] = {}
+        for episode in active:
+            by_stop.setdefault(episode.stop, []).append(episode)
+        for stop, group in by_stop.items():
+            budgets = [self._turn_budget(e, params) for e in group]
+            turn_params = dataclasses.replace(params, max_new_tokens=max(budgets), stop=stop)
+            generations = self.engine.generate([e.tokens for e in group], n=1, params=turn_params)
+            for episode, generation, budget in zip(group, generations, budgets):
+                if len(generation.token_ids) > budget:  # a shorter budget than the group's longest
+                    generation = Generation(token_ids=generation.token_ids[:budget], finish_reason="budget",
+                                            logprobs=generation.logprobs[:budget] if generation.logprobs else None)
+                out[id(episode)] = generation
+        return [out[id(e)] for e in active]
+
+    def _turn_budget(self, episode: _Episode, params: SamplingParams) -> int:
+        return max(1, min(params.max_new_tokens, self.settings.max_total_tokens - len(episode.tokens)))
+
+    def _record_turn(self, episode: _Episode, generation: Generation, *, last_turn: bool) -> None:
+        episode.append(generation.token_ids, model=True, logprobs=generation.logprobs)
+        episode.turns += 1
+        episode.finish_reason = generation.finish_reason
+        ended_by_eos = generation.finish_reason == "stop" and generation.stop_string is None
+        if ended_by_eos or len(episode.tokens) >= self.settings.max_total_tokens:
+            episode.done = True
+            if not ended_by_eos:
+                episode.finish_reason = "budget"
+        elif last_turn:
+            episode.done, episode.finish_reason = True, "max_turns" if generation.finish_reason == "stop" else "length"
+
+    def _action_text(self, generation: Generation) -> str:
+        return self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+
+    def _after_step(self, episode: _Episode, result: Any) -> None:
+        episode.env_reward += float(result.reward)
+        if result.info:
+            episode.step_infos.append(dict(result.info))
+        if result.done:
+            episode.done = True
+            if episode.finish_reason not in ("length", "budget"):
+                episode.finish_reason = "stop"
+            return
+        if episode.done:  # EOS, budget or the last turn: the env's observation has nowhere to go
+            return
+        episode.stop = tuple(result.stop or ())
+        if result.observation:
+            self._observe(episode, result.observation)
+
+    def _observe(self, episode: _Episode, text: str) -> None:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        room = self.settings.max_total_tokens - len(episode.tokens)
+        if len(ids) >= room:  # no budget left for another model turn after this observation
+            ids, episode.done, episode.finish_reason = ids[:max(room, 0)], True, "budget"
+        episode.append(ids, model=False)
+
+    def _trajectory(self, episode: _Episode) -> Trajectory:
+        item = episode.item
+        prompt_len = len(item.prompt_ids)
+        return Trajectory(
+            token_ids=episode.tokens, loss_mask=episode.mask, prompt_length=prompt_len, prompt=item.prompt,
+            prompt_text=item.prompt_text,
+            completion_text=self.tokenizer.decode(episode.tokens[prompt_len:], skip_special_tokens=True),
+            group=episode.group, label=item.label, columns=dict(item.columns), rollout_logprobs=episode.logprobs,
+            finish_reason=episode.finish_reason, num_turns=episode.turns,
+            info={"env": episode.env.name, "env_reward": episode.env_reward, "env_time_s": episode.env_time,
+                  **({"env_steps": episode.step_infos} if episode.step_infos else {})},
+        )

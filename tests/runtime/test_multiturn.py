@@ -1,0 +1,228 @@
+"""Multi-turn rollouts: environment tokens never reach the loss, budgets and turns end episodes,
+TIR runs code through `rlhf train`, env_func routes per sample, a user's env works by reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlhf.algorithms import compute_advantages, policy_loss
+from rlhf.core.rollout import Generation, SamplingParams
+from rlhf.core.types import StepResult
+from rlhf.runtime.batch import collate
+from rlhf.runtime.config import TrainConfig
+from rlhf.runtime.data import PromptItem
+from rlhf.runtime.local import train
+from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class ScriptedEngine:
+    """A "policy" that answers from a script: the turn number is read off the context."""
+
+    shares_weights = True
+
+    def __init__(self, model, tokenizer, config=None, script=None):
+        self.tokenizer = tokenizer
+        self.script = script or ["```python\nprint(6 * 7)\n```\n", "The answer is 42."]
+        self.calls = []
+
+    def generate(self, prompts, *, n, params: SamplingParams):
+        self.calls.append((len(prompts), n, params.stop, params.max_new_tokens))
+        out = []
+        for ids in prompts:
+            turn = self.tokenizer.decode(ids).count("```output")
+            text = self.script[min(turn, len(self.script) - 1)]
+            tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            last = turn >= len(self.script) - 1
+            for _ in range(n):
+                if last:  # the final answer ends with EOS
+                    out.append(Generation(token_ids=tokens + [self.tokenizer.eos_token_id], finish_reason="stop"))
+                else:
+                    out.append(Generation(token_ids=tokens[: params.max_new_tokens], finish_reason="stop",
+                                          stop_string=params.stop[0] if params.stop else None))
+        return out
+
+
+class EchoEnv:
+    """Two observations, then done; records what it saw."""
+
+    stop = ["```\n"]
+
+    def reset(self, prompt, label):
+        self.turns = 0
+        return " [start]"
+
+    def step(self, action_text):
+        self.turns += 1
+        if self.turns == 1:
+            return StepResult(observation="```output\n42\n```\n", reward=0.5, stop=["```\n"])
+        return StepResult(reward=1.0, done=True)
+
+
+def _item(tokenizer, text="Q: 6*7?", label="42"):
+    return PromptItem(prompt=text, prompt_text=text, prompt_ids=tokenizer(text)["input_ids"], label=label,
+                      columns={}, origin="test row 1")
+
+
+def _worker(tokenizer, env_cls=EchoEnv, **settings):
+    return RolloutWorker(ScriptedEngine(None, tokenizer), tokenizer, lambda name: _async(env_cls()),
+                         RolloutSettings(env="echo", **{"max_turns": 4, "max_total_tokens": 512, **settings}))
+
+
+def _async(env):
+    from rlhf.core.environment import AsyncEnv
+
+    return AsyncEnv(env, name="echo")
+
+
+def test_token_layout_and_masks_keep_environment_tokens_out_of_the_loss(tokenizer):
+    worker = _worker(tokenizer)
+    (trajectory,) = worker.generate([_item(tokenizer)], n=1, params=SamplingParams(max_new_tokens=64))
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = tokenizer("Q: 6*7?")["input_ids"]
+    pieces = [(prompt, 0), (encode(" [start]"), 0), (encode("```python\nprint(6 * 7)\n```\n"), 1),
+              (encode("```output\n42\n```\n"), 0), (encode("The answer is 42.") + [tokenizer.eos_token_id], 1)]
+    assert trajectory.token_ids == [t for ids, _ in pieces for t in ids]
+    assert trajectory.loss_mask == [m for ids, m in pieces for _ in ids]
+    assert (trajectory.num_turns, trajectory.finish_reason, trajectory.info["env_reward"]) == (2, "stop", 1.5)
+    assert trajectory.completion_text.startswith(" [start]```python")
+
+    batch = collate([trajectory], pad_token_id=tokenizer.pad_token_id, rewards=torch.tensor([1.0]),
+                    sample_mask=torch.ones(1))
+    model_positions = [t - 1 for t, m in enumerate(trajectory.loss_mask) if m]  # log-prob of token t sits at t-1
+    assert batch.action_mask[0].nonzero().squeeze(-1).tolist() == model_positions
+
+    advantages, _ = compute_advantages("reinforce_pp", rewards=batch.rewards, action_mask=batch.action_mask,
+                                       group_size=1, gamma=0.5, std_norm=False)
+    env_positions = batch.action_mask[0] == 0
+    assert (advantages[0][env_positions] == 0).all() and (advantages[0][~env_positions] != 0).all()
+    logp = torch.zeros_like(batch.action_mask, requires_grad=True)
+    loss, _ = policy_loss("ppo", logp=logp, logp_old=logp.detach(), advantages=advantages + 1.0,
+                          action_mask=batch.action_mask)
+    loss.backward()
+    assert (logp.grad[0][env_positions] == 0).all() and (logp.grad[0][~env_positions] != 0).all()
+
+
+def test_budget_and_max_turns_end_episodes(tokenizer):
+    short = _worker(tokenizer, max_total_tokens=len(tokenizer("Q: 6*7?")["input_ids"]) + 6)
+    (trajectory,) = short.generate([_item(tokenizer)], n=1, params=SamplingParams(max_new_tokens=64))
+    assert trajectory.finish_reason == "budget" and len(trajectory.token_ids) <= short.settings.max_total_tokens
+
+    one_turn = _worker(tokenizer, max_turns=1)
+    (trajectory,) = one_turn.generate([_item(tokenizer)], n=1, params=SamplingParams(max_new_tokens=64))
+    assert trajectory.num_turns == 1 and trajectory.finish_reason == "max_turns"
+    assert trajectory.info["env_reward"] == 0.5  # the step still ran and scored the turn
+
+
+def test_turns_are_batched_across_trajectories_with_the_envs_stop_strings(tokenizer):
+    worker = _worker(tokenizer)
+    trajectories = worker.generate([_item(tokenizer), _item(tokenizer, "Q: 7*6?")], n=3,
+                                   params=SamplingParams(max_new_tokens=64))
+    assert [t.group for t in trajectories] == [0, 0, 0, 1, 1, 1]
+    assert worker.engine.calls == [(6, 1, ("```\n",), 64), (6, 1, ("```\n",), 64)]  # one batched call per turn
+
+
+def test_env_failure_names_the_environment_and_the_row(tokenizer):
+    class Broken(EchoEnv):
+        def step(self, action_text):
+            raise ValueError("tool crashed")
+
+    with pytest.raises(Exception, match=r"environment 'echo' failed on test row 1: ValueError: tool crashed"):
+        _worker(tokenizer, env_cls=Broken).generate([_item(tokenizer)], n=1, params=SamplingParams(max_new_tokens=8))
+
+
+# --- through `rlhf train` ------------------------------------------------------------------------
+
+@pytest.fixture
+def with_scripted_engine(plugins, make_plugin):
+    plugins.register(make_plugin("scripted", register_rollout_engines=lambda register: register(
+        "scripted", ScriptedEngine)))
+    return plugins
+
+
+def _config(tiny_model_dir, tmp_path, rows, **overrides):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = tmp_path / "rewards.py"
+    reward.write_text("def says_42(completions, **kwargs):\n    return [float('42' in c.split('```')[-1]) "
+                      "for c in completions]\n")
+    values = dict(model=str(tiny_model_dir), data=[str(data)], label_key="answer", reward=[f"{reward}:says_42"],
+                  prompts_per_step=2, n_samples=2, max_new_tokens=32, steps=2, lr=1e-3, out=str(tmp_path / "run"),
+                  progress=False, env="tir", env_config=["timeout_s=5"], engine="scripted")
+    values.update(overrides)
+    return TrainConfig.from_dict(values)
+
+
+def test_tir_runs_code_in_the_sandbox_through_rlhf_train(tiny_model_dir, tmp_path, with_scripted_engine):
+    rows = [{"prompt": "What is 6 times 7?", "answer": "42"}, {"prompt": "Compute 6*7.", "answer": "42"}]
+    out = train(_config(tiny_model_dir, tmp_path, rows), plugins=with_scripted_engine)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8
+    for sample in samples:
+        assert "```output\n42\n```" in sample["completion"]  # the sandbox ran print(6 * 7)
+        assert sample["reward"] == 1.0 and sample["rewards"]["env"] == 0.0
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["env/turns_mean"] == 2.0 and metrics["env/env_tokens_mean"] > 0
+
+
+def test_env_func_in_the_label_picks_the_environment_per_sample(tiny_model_dir, tmp_path, with_scripted_engine):
+    rows = [{"prompt": "What is 6 times 7?", "answer": json.dumps({"env_func": "tir", "answer": "42"})},
+            {"prompt": "Say 42.", "answer": "42"}]
+    out = train(_config(tiny_model_dir, tmp_path, rows, env="single_turn", data_probs=None),
+                plugins=with_scripted_engine)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    routed = [s for s in samples if "env_func" in str(s["label"])]
+    plain = [s for s in samples if "env_func" not in str(s["label"])]
+    assert routed and plain
+    assert all("```output\n42\n```" in s["completion"] for s in routed)
+    assert all("```output" not in s["completion"] for s in plain)  # single turn: the script's first turn only
+
+
+CALCULATOR = '''
+from rlhf.core.types import StepResult
+
+class CalculatorEnv:
+    stop = ["\\n"]
+
+    def reset(self, prompt, label):
+        self.label = label
+
+    def step(self, action_text):
+        if action_text.startswith("calc:"):
+            value = eval(action_text[5:].strip(), {"__builtins__": {}})
+            return StepResult(observation=f"= {value}\\n", stop=["\\n"])
+        return StepResult(reward=float(self.label in action_text), done=True)
+'''
+
+
+def test_a_user_environment_by_file_reference_trains(tiny_model_dir, tmp_path, plugins, make_plugin):
+    (tmp_path / "my_env.py").write_text(CALCULATOR)
+    script = ["calc: 6 * 7\n", "The answer is 42."]
+    plugins.register(make_plugin("calc_engine", register_rollout_engines=lambda register: register(
+        "calc_script", type("CalcScript", (ScriptedEngine,), {
+            "__init__": lambda self, m, t, c=None: ScriptedEngine.__init__(self, m, t, c, script)}))))
+    rows = [{"prompt": "6*7?", "answer": "42"}, {"prompt": "7*6?", "answer": "42"}]
+    config = _config(tiny_model_dir, tmp_path, rows, env=f"{tmp_path / 'my_env.py'}:CalculatorEnv", reward=[],
+                     engine="calc_script", env_config=[])
+    out = train(config, plugins=plugins)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    # "calc: ..." never contains "```output", so the script's first line repeats; the env still ends it
+    assert all(s["completion"].startswith("calc: 6 * 7\n= 42\n") for s in samples)
+    assert all(s["reward"] == s["rewards"]["env"] for s in samples)
+
+
+def test_tir_with_the_real_engine_on_the_tiny_model(tiny_model_dir, tmp_path, plugins):
+    rows = [{"prompt": "What is 6 times 7?", "answer": "42"}, {"prompt": "Compute 6*7.", "answer": "42"}]
+    out = train(_config(tiny_model_dir, tmp_path, rows, engine="hf", max_new_tokens=8), plugins=plugins)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["env/turns_mean"] >= 1 for m in metrics)
+    assert (out / "final" / "config.json").is_file()
