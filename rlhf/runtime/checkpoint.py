@@ -1,7 +1,8 @@
 """Checkpoints: everything a run needs to continue as if it had never stopped.
 
-``<out>/checkpoints/step_N/`` holds the worker states (model + optimizer + scheduler), the
-trainer state (step, data position, counters) and every RNG state. A checkpoint is written to a
+``<out>/checkpoints/step_N/`` holds one folder per trained worker (model + optimizer +
+scheduler, written by the worker: one copy, or one part per rank for sharded backends), the
+trainer state (step, data position) and every rank's RNG state. A checkpoint is written to a
 hidden temporary folder and renamed into place, so a crash mid-write never leaves a checkpoint
 that looks complete; ``latest_checkpoint`` only sees complete ones.
 """
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rlhf.runtime.distributed import SINGLE, DistContext
 
 _NAME = re.compile(r"^step_(\d+)$")
 
@@ -41,23 +44,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(out_dir: Path, step: int, *, workers: dict[str, Any], trainer_state: dict[str, Any],
-                    keep: int) -> Path:
-    """Write ``step_<step>`` atomically, then delete all but the ``keep`` newest checkpoints."""
+                    keep: int, dist: DistContext = SINGLE) -> Path:
+    """Write ``step_<step>`` atomically (on every rank), then keep only the ``keep`` newest."""
     root = out_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = root / f".step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, state in workers.items():
-        torch.save(state, tmp / f"{name}.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    for name, worker in workers.items():
+        worker.save(tmp / name)
+    torch.save(rng_state(), tmp / f"rng_{dist.rank}.pt")
+    dist.barrier()
+    if dist.is_main:
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
     return final
 
 
@@ -74,9 +81,9 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def load_checkpoint(path: Path, worker_names: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(worker states, trainer state, rng state) of a checkpoint folder."""
-    states = {name: torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False) for name in worker_names}
-    trainer_state = json.loads((path / "trainer_state.json").read_text())
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    return states, trainer_state, rng
+def load_checkpoint(path: Path, workers: dict[str, Any], dist: DistContext = SINGLE) -> dict[str, Any]:
+    """Restore every worker and this rank's RNG from a checkpoint folder; return the trainer state."""
+    for name, worker in workers.items():
+        worker.load(path / name)
+    set_rng_state(torch.load(path / f"rng_{dist.rank}.pt", weights_only=False))
+    return json.loads((path / "trainer_state.json").read_text())

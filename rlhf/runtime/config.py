@@ -35,12 +35,29 @@ class TrainConfig:
     model: str = _opt("", "Policy model: a local HF directory or a hub name", "model", required=True)
     tokenizer: str | None = _opt(None, "Tokenizer directory or hub name (default: the model's)", "model")
     model_adapter: str = _opt("hf", "Model adapter plugin that builds policy, reference and critic", "model")
-    critic_model: str | None = _opt(None, "Critic initialisation (default: the policy model)", "model")
-    dtype: str = _opt("auto", "Weights dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16", "model",
-                      choices=("auto", "float32", "bfloat16", "float16"))
+    critic_model: str | None = _opt(None, "Critic initialisation: a reward model (its score head becomes the value "
+                                    "head) or any model (default: the policy model)", "model")
+    dtype: str = _opt("auto", "Weights dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32", "model",
+                      choices=("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"))
     device: str = _opt("auto", "Device for the local runtime: auto, cpu, cuda, cuda:N", "model")
     trust_remote_code: bool = _opt(False, "Allow model code from the checkpoint (only for models you trust)", "model")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory", "model")
+    attn_implementation: str = _opt("sdpa", "Attention kernel (flash_attention_2 needs flash-attn and a GPU)", "model",
+                                    choices=("sdpa", "eager", "flash_attention_2"))
+    chat_template: str | None = _opt(None, "A Jinja file that replaces the tokenizer's chat template", "model")
+    lora_rank: int = _opt(0, "LoRA rank r (0: train every weight); the reference is then the base weights with the "
+                             "adapter off, not a second copy", "model")
+    lora_alpha: int = _opt(16, "LoRA α: the adapter update is scaled by α / r", "model")
+    lora_dropout: float = _opt(0.0, "Dropout on the LoRA branch's input", "model")
+    target_modules: list[str] = _many("Module names that get LoRA adapters, e.g. q_proj,v_proj (repeatable; default: "
+                                      "every linear layer but the output head)", "model")
+    load_in_4bit: bool = _opt(False, "QLoRA: hold the frozen weights in 4-bit NF4 (needs --lora-rank, bitsandbytes "
+                                     "and a GPU)", "model")
+    merge_lora: bool = _opt(False, "With LoRA, also write the merged full model to <out>/final/merged", "model")
+    value_head_prefix: str = _opt("score", "Name of the critic's value head, in --critic-model checkpoints and the "
+                                           "saved critic (the reward model's: --reward-value-head-prefix)", "model")
+    save_critic: bool = _opt(False, "Write the trained critic to <out>/critic at the end (algorithms with a critic)",
+                             "model")
 
     # --- data -------------------------------------------------------------------------------
     data: list[str] = _many("Prompt dataset: .jsonl/.json/.parquet/.csv file, save_to_disk dir or hub name "

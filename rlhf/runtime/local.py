@@ -1,6 +1,8 @@
 """The embedded local runtime: every worker in this process, on one device (CPU or one GPU).
 
-`train(config)` is what ``rlhf train`` calls; tests and notebooks call it directly too.
+`train(config)` is what ``rlhf train`` calls; tests and notebooks call it directly too. Started
+by a launcher (``torchrun --nproc-per-node N -m rlhf train ...``), each process is one
+data-parallel rank running the same loop (rlhf/runtime/distributed.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from rlhf.core.fingerprint import plugin_fingerprint
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.config import Derived, TrainConfig, parse_key_values
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
+from rlhf.runtime.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.runtime.trainer import Trainer, Workers
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
 from rlhf.runtime.workers import (CriticWorker, PolicyObjective, PolicyWorker, ReferenceWorker, RewardWorker,
@@ -42,7 +45,7 @@ def component_config(config_cls: type | None, values: dict[str, Any], overrides:
     return config_cls(**chosen)
 
 
-def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet) -> Workers:
+def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet, dist: DistContext = SINGLE) -> Workers:
     from rlhf.algorithms import resolve_algorithm, value_loss
     from rlhf.rewards import load_rewards
 
@@ -59,7 +62,7 @@ def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet) -> 
         reward_set = load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options)
 
     models = plugins.registry("model").component(config.model_adapter)
-    adapter = models.load()(component_config(models.load_config_cls(), values))
+    adapter = models.load()(component_config(models.load_config_cls(), values, overrides))  # --algo-config too
     tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
     policy_model = adapter.load(config.model, role="policy")
 
@@ -90,27 +93,39 @@ def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet) -> 
         kl_in_loss=algorithm.kl_in == "loss" and algorithm.kl_coef > 0, kl_coef=algorithm.kl_coef,
         entropy_coef=config.entropy_coef, temperature=config.temperature,
     )
-    policy = PolicyWorker(policy_model, backend_for(policy_model, config.lr), update, objective)
+    policy = PolicyWorker(policy_model, backend_for(policy_model, config.lr), update, objective, dist)
 
     reference = None
     if algorithm.needs_reference:
         reference = ReferenceWorker(adapter.load(config.model, role="reference"), config.micro_batch_size,
-                                    config.temperature)
+                                    config.temperature, dist)
     critic = None
     if algorithm.needs_critic:
         critic_model = adapter.load(config.critic_model or config.model, role="critic")
         critic = CriticWorker(critic_model, backend_for(critic_model, config.critic_lr), update,
-                              value_loss=value_loss, value_clip=config.value_clip)
+                              value_loss=value_loss, value_clip=config.value_clip, dist=dist)
+
+    if config.save_critic and critic is None:
+        import logging
+
+        logging.getLogger(__name__).warning("--save-critic: algorithm %r trains no critic; none is saved", config.algo)
 
     engines = plugins.registry("rollout_engine").component(config.engine)
     engine = engines.load()(policy_model, tokenizer, component_config(engines.load_config_cls(), values))
 
     def export_policy(out_dir: Path) -> None:
+        if not dist.is_main:
+            return
         if hasattr(adapter, "save"):  # adapters may write their own layout (e.g. a LoRA adapter + merged model)
             adapter.save(policy_model, tokenizer, out_dir)
         else:
             policy_model.save_pretrained(out_dir)
             tokenizer.save_pretrained(out_dir)
+        if critic is not None and config.save_critic:  # --save-critic: <out>/critic, next to final/
+            if hasattr(adapter, "save_critic"):
+                adapter.save_critic(critic.model, tokenizer, derived.out_dir / "critic")
+            else:
+                critic.model.save_pretrained(derived.out_dir / "critic")
 
     rollout = RolloutWorker(engine, tokenizer, EnvFactory(plugins.registry("env"), {
         **values, **parse_key_values(config.env_config)}), RolloutSettings(
@@ -121,7 +136,7 @@ def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet) -> 
         reference=reference, critic=critic, tokenizer=tokenizer, loader=loader, algorithm=algorithm,
         advantage_config=component_config(algorithm.advantage_config_cls, values, overrides),
         pad_token_id=tokenizer.pad_token_id, fingerprint=plugin_fingerprint(plugins), export_policy=export_policy,
-        rollout_logprobs=getattr(policy_loss_config, "correction", None) is not None,
+        rollout_logprobs=getattr(policy_loss_config, "correction", None) is not None, dist=dist,
     )
 
 
@@ -134,8 +149,13 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
         logging.getLogger(__name__).warning(
             "some plugins failed to load (see `rlhf plugins list`): %s", ", ".join(r.label for r in plugins.broken))
     derived = config.derived()
+    dist = init_from_environment()
+    for name, size in (("--prompts-per-step", config.prompts_per_step),
+                       ("--train-batch-size", derived.train_batch_size)):
+        if size % dist.world_size:
+            raise ConfigError(f"{name} ({size}) must be a multiple of the number of processes ({dist.world_size})")
     if not config.reward and config.env == "single_turn":
         raise ConfigError("--reward is required (a reward function, URL or reward model) unless an --env gives "
                           "rewards; see `rlhf train --help`")
-    workers = build_workers(config, derived, plugins)
+    workers = build_workers(config, derived, plugins, dist)
     return Trainer(config, derived, plugins, workers).run()

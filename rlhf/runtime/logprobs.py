@@ -19,7 +19,7 @@ _ROWS_PER_CHUNK = 8
 
 
 @lru_cache(maxsize=None)
-def _accepts_logits_to_keep(forward_cls: type) -> bool:
+def accepts_logits_to_keep(forward_cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(forward_cls.forward).parameters
 
 
@@ -39,7 +39,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     batch_size, length = input_ids.shape  # (B, T)
     start = first_action_position(action_mask)  # logits at positions start..T-2 predict tokens start+1..T-1
     keep = length - start
-    kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(type(model)) else {}
+    kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(model)) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
     logits = logits[:, -keep:-1, :]  # (B, A - start, V): the last position predicts nothing
     targets = input_ids[:, start + 1:]  # (B, A - start)

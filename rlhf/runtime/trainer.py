@@ -24,6 +24,7 @@ from rlhf.core.types import RunInfo
 from rlhf.runtime import checkpoint
 from rlhf.runtime.batch import ExperienceBatch, collate
 from rlhf.runtime.config import Derived, TrainConfig
+from rlhf.runtime.distributed import SINGLE, DistContext, unshard
 from rlhf.runtime.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,17 @@ class Workers:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     export_policy: Any = None  # callable(out_dir): writes the final HF model
     rollout_logprobs: bool = False  # ask the engine for sampled tokens' log-probs (mismatch correction)
+    dist: DistContext = SINGLE  # data-parallel ranks when started by a launcher (every rank runs this loop)
 
 
 class Trainer:
+    """Runs the loop. Under a launcher every rank runs it: prompts are split over the ranks for
+    generation, rewards are scored and lifecycle events fired on the main rank, and every rank
+    trains on its slice of each minibatch (rlhf/runtime/distributed.py)."""
+
     def __init__(self, config: TrainConfig, derived: Derived, plugins: PluginSet, workers: Workers):
         self.config, self.derived, self.plugins, self.w = config, derived, plugins, workers
+        self.dist = workers.dist
         self.out = derived.out_dir
         self.total_steps = config.steps if config.steps is not None else max(1, len(workers.loader) //
                                                                              config.prompts_per_step)
@@ -74,23 +81,25 @@ class Trainer:
     # --- run --------------------------------------------------------------------------------
 
     def run(self) -> Path:
-        self._prepare_out_dir()
+        if self.dist.is_main:
+            self._prepare_out_dir()
+        self.dist.barrier()
         if self.config.resume:
             self._resume()
         run = RunInfo(config=self.config.to_dict(), out_dir=self.out, start_step=self.start_step,
                       total_steps=self.total_steps, plugins=self.w.fingerprint.get("hash", ""))
-        progress = Progress(self.total_steps, self.start_step, enabled=self.config.progress)
-        self.plugins.emit("on_run_start", run=run)
+        progress = Progress(self.total_steps, self.start_step, enabled=self.config.progress and self.dist.is_main)
+        self._emit("on_run_start", run=run)
         status = "failed"
         try:
             for step in range(self.start_step, self.total_steps):
                 metrics = self.step(step, run)
-                self.plugins.emit("on_step_end", run=run, step=step, metrics=metrics)
+                self._emit("on_step_end", run=run, step=step, metrics=metrics)
                 progress.update(step, metrics)
                 done = step + 1
                 if done == self.total_steps or (self.config.save_every and done % self.config.save_every == 0):
                     path = self._save_checkpoint(done)
-                    self.plugins.emit("on_checkpoint", run=run, step=done, path=path)
+                    self._emit("on_checkpoint", run=run, step=done, path=path)
             self.w.export_policy(self.out / "final")
             status = "completed"
         except KeyboardInterrupt:
@@ -98,23 +107,33 @@ class Trainer:
             raise
         finally:
             progress.close()
-            self.plugins.emit("on_run_end", run=run, status=status)
+            self._emit("on_run_end", run=run, status=status)
         return self.out
+
+    def _emit(self, event: str, **kwargs: Any) -> None:
+        if self.dist.is_main:
+            self.plugins.emit(event, **kwargs)
 
     def step(self, step: int, run: RunInfo) -> dict[str, float]:
         w, algo, timings = self.w, self.w.algorithm, {}
         started = time.perf_counter()
 
-        prompts = w.loader.next_batch(self.config.prompts_per_step)
-        trajectories = w.rollout.generate(prompts, n=self.config.n_samples, params=self.sampling)
+        prompts = w.loader.next_batch(self.config.prompts_per_step)  # the same on every rank
+        trajectories = w.rollout.generate(self.dist.shard(prompts), n=self.config.n_samples, params=self.sampling)
+        trajectories = self._gather_trajectories(trajectories, len(prompts))
         timings["rollout"] = time.perf_counter() - started
-        self.plugins.emit("on_rollout_end", run=run, step=step, trajectories=trajectories)
 
         mark = time.perf_counter()
-        result = self._score(trajectories)
-        rewards = torch.tensor([r if r is not None else 0.0 for r in result.total], dtype=torch.float32)  # (B,)
-        sample_mask = torch.tensor([r is not None for r in result.total], dtype=torch.float32)  # (B,)
-        self.plugins.emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
+        if self.dist.is_main:
+            self._emit("on_rollout_end", run=run, step=step, trajectories=trajectories)
+            result = self._score(trajectories)
+            rewards = torch.tensor([r if r is not None else 0.0 for r in result.total], dtype=torch.float32)  # (B,)
+            sample_mask = torch.tensor([r is not None for r in result.total], dtype=torch.float32)  # (B,)
+            self._emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
+        else:
+            result = rewards = sample_mask = None
+        if self.dist.active:  # the main rank's rewards (after on_rewards edits) for everyone
+            trajectories, result, rewards, sample_mask = self.dist.broadcast((trajectories, result, rewards, sample_mask))
         timings["reward"] = time.perf_counter() - mark
 
         mark = time.perf_counter()
@@ -135,6 +154,21 @@ class Trainer:
         timings["sync"] = time.perf_counter() - mark
         timings["step"] = time.perf_counter() - started
         return self._metrics(trajectories, batch, result, metrics, timings)
+
+    def _gather_trajectories(self, local: list, num_prompts: int) -> list:
+        """Every rank's trajectories in prompt order, with groups renumbered to the whole batch."""
+        if not self.dist.active:
+            return local
+        n = self.config.n_samples
+        per_rank = [[shard[i:i + n] for i in range(0, len(shard), n)] for shard in self.dist.all_gather(local)]
+        groups = unshard(per_rank)  # prompt p came from rank p % W
+        assert len(groups) == num_prompts, f"gathered {len(groups)} prompt groups, expected {num_prompts}"
+        trajectories = []
+        for index, group in enumerate(groups):
+            for trajectory in group:
+                trajectory.group = index
+                trajectories.append(trajectory)
+        return trajectories
 
     def _score(self, trajectories: list) -> Any:
         """Reward sources plus each trajectory's environment reward (the sum of its step rewards)."""
@@ -225,15 +259,14 @@ class Trainer:
         (self.out / "plugins.json").write_text(json.dumps({"fingerprint": self.w.fingerprint, "plugins": records},
                                                           indent=2))
 
-    def _worker_states(self) -> dict[str, Any]:
-        return {name: getattr(self.w, name).state_dict() for name in ("policy", "critic")
-                if getattr(self.w, name) is not None}
+    def _trained_workers(self) -> dict[str, Any]:
+        return {name: getattr(self.w, name) for name in ("policy", "critic") if getattr(self.w, name) is not None}
 
     def _save_checkpoint(self, done: int) -> Path:
         state = {"loader": self.w.loader.state_dict(), "fingerprint": self.w.fingerprint,
-                 "nonfinite_in_a_row": {n: getattr(self.w, n).nonfinite_in_a_row for n in self._worker_states()}}
-        return checkpoint.save_checkpoint(self.out, done, workers=self._worker_states(), trainer_state=state,
-                                          keep=self.config.keep_checkpoints)
+                 "world_size": self.dist.world_size}
+        return checkpoint.save_checkpoint(self.out, done, workers=self._trained_workers(), trainer_state=state,
+                                          keep=self.config.keep_checkpoints, dist=self.dist)
 
     def _resume(self) -> None:
         from rlhf.core.fingerprint import fingerprint_differences
@@ -242,14 +275,13 @@ class Trainer:
         if path is None:
             log.warning("--resume: no complete checkpoint in %s; starting from step 0", self.out)
             return
-        states, trainer_state, rng = checkpoint.load_checkpoint(path, list(self._worker_states()))
-        for name, state in states.items():
-            getattr(self.w, name).load_state_dict(state)
-            getattr(self.w, name).nonfinite_in_a_row = trainer_state["nonfinite_in_a_row"].get(name, 0)
+        trainer_state = checkpoint.load_checkpoint(path, self._trained_workers(), self.dist)
+        if trainer_state.get("world_size", 1) != self.dist.world_size:
+            raise RlhfError(f"{path} was written by {trainer_state.get('world_size', 1)} processes; resume it with "
+                            f"the same number (this run has {self.dist.world_size})")
         self.w.loader.load_state_dict(trainer_state["loader"])
-        checkpoint.set_rng_state(rng)
         differences = fingerprint_differences(trainer_state["fingerprint"], self.w.fingerprint)
-        if differences:
+        if differences and self.dist.is_main:
             log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
                         "\n  ".join(differences))
         self.start_step = trainer_state["step"]

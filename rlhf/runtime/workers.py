@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from rlhf.core.types import LossNorm, PolicyLossInputs, Trajectory
 from rlhf.runtime.batch import ExperienceBatch
+from rlhf.runtime.distributed import SINGLE, DistContext
 from rlhf.runtime.logprobs import token_logprobs
 
 KL_CLAMP = 10.0
@@ -60,8 +62,14 @@ class MetricMean:
             self.sums[key] += value * weight
             self.weights[key] += weight
 
-    def result(self) -> dict[str, float]:
-        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+    def result(self, dist: DistContext = SINGLE) -> dict[str, float]:
+        """Weighted means, over every rank's additions when data-parallel."""
+        sums, weights = defaultdict(float), defaultdict(float)
+        for rank_sums, rank_weights in dist.all_gather((dict(self.sums), dict(self.weights))):
+            for key, value in rank_sums.items():
+                sums[key] += value
+                weights[key] += rank_weights[key]
+        return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
 
 def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> list[ExperienceBatch]:
@@ -86,13 +94,65 @@ def micro_batches(minibatch: ExperienceBatch, size: int) -> list[ExperienceBatch
             for begin in range(0, minibatch.size, size)]
 
 
+def my_rows(batch: ExperienceBatch, dist: DistContext) -> ExperienceBatch:
+    """This rank's rows of a batch every rank holds (rows rank, rank + W, ...)."""
+    return batch if not dist.active else batch.select(dist.shard(list(range(batch.size))))
+
+
+def gather_rows(local: torch.Tensor, dist: DistContext, total: int) -> torch.Tensor:
+    """Inverse of `my_rows` for a per-row result: (b, A) on each rank -> (B, A) on every rank."""
+    if not dist.active:
+        return local
+    parts = dist.all_gather(local.cpu())
+    width = max(p.shape[1] for p in parts)
+    out = local.new_zeros((total, width)).cpu()  # (B, A)
+    for rank, part in enumerate(parts):
+        out[rank::dist.world_size, : part.shape[1]] = part
+    return out
+
+
 class _TrainedWorker:
     """Shared by the policy and the critic: a model, its backend, and checkpoint state."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings):
-        self.model, self.backend, self.settings = model, backend, settings
+    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, dist: DistContext = SINGLE):
+        self.model, self.backend, self.settings, self.dist = model, backend, settings, dist
         self.device = next(model.parameters()).device
         self.nonfinite_in_a_row = 0
+
+    def _forward_rows(self, batch: ExperienceBatch, compute: Callable[[ExperienceBatch], torch.Tensor]) -> torch.Tensor:
+        """``compute`` over this rank's rows in micro-batches, gathered to (B, A) on every rank."""
+        mine = my_rows(batch, self.dist)
+        local = _pad_cat([compute(mb).cpu() for mb in micro_batches(mine, self.settings.micro_batch_size)],
+                         batch.action_mask.shape[1])
+        return gather_rows(local, self.dist, batch.size)
+
+    def _my_micro_batches(self, minibatch: ExperienceBatch) -> list[ExperienceBatch]:
+        return micro_batches(my_rows(minibatch, self.dist), self.settings.micro_batch_size)
+
+    def save(self, directory: Path) -> None:
+        """Write this worker's state into ``directory`` (called on every rank)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if hasattr(self.backend, "save_checkpoint"):  # sharded states (DeepSpeed): every rank writes its part
+            self.backend.save_checkpoint(directory)
+            if self.dist.is_main:
+                torch.save({"nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "worker.pt")
+        elif self.dist.is_main:  # replicated states: one copy
+            torch.save({**self.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "state.pt")
+
+    def load(self, directory: Path) -> None:
+        if hasattr(self.backend, "load_checkpoint"):
+            self.backend.load_checkpoint(directory)
+            extra = torch.load(directory / "worker.pt", map_location="cpu", weights_only=False)
+        else:
+            extra = torch.load(directory / "state.pt", map_location="cpu", weights_only=False)
+            self.load_state_dict(extra)
+        self.nonfinite_in_a_row = extra.get("nonfinite_in_a_row", 0)
+
+    def _step_metrics(self, my_loss: float, finite: bool) -> dict[str, float]:
+        """Take the optimizer step; its metrics. Each rank holds a share of the step loss, and the
+        metric mean runs over ranks, so the share is scaled by the world size: the mean is the sum."""
+        loss = my_loss * self.dist.world_size if finite else math.nan
+        return {"loss": loss, **self._apply_step(finite)}
 
     def _apply_step(self, finite: bool) -> dict[str, float]:
         if not finite:
@@ -114,18 +174,18 @@ class _TrainedWorker:
 class PolicyWorker(_TrainedWorker):
     """Computes the policy's log-probs and runs its PPO-style updates."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, objective: PolicyObjective):
-        super().__init__(model, backend, settings)
+    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, objective: PolicyObjective,
+                 dist: DistContext = SINGLE):
+        super().__init__(model, backend, settings, dist)
         self.objective = objective
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A) log-probs of the batch's tokens at the sampling temperature."""
         self.model.eval()
-        out = [token_logprobs(self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                              mb.action_mask, temperature=self.objective.temperature)[0].cpu()
-               for mb in micro_batches(batch, self.settings.micro_batch_size)]
-        return _pad_cat(out, batch.action_mask.shape[1])
+        return self._forward_rows(batch, lambda mb: token_logprobs(
+            self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
+            temperature=self.objective.temperature)[0])
 
     def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch.
@@ -141,7 +201,7 @@ class PolicyWorker(_TrainedWorker):
             if norm.num_tokens == 0:
                 continue
             finite, step_loss = True, 0.0
-            for micro in micro_batches(minibatch, self.settings.micro_batch_size):
+            for micro in self._my_micro_batches(minibatch):
                 micro = micro.to(self.device)
                 mask = micro.loss_mask  # (b, A)
                 logprobs, entropy = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
@@ -169,25 +229,26 @@ class PolicyWorker(_TrainedWorker):
                 self.backend.backward(loss)
                 step_loss += float(loss.detach())
                 metrics.add({**loss_metrics, **extra}, weight=float(mask.sum()))
-            metrics.add({"loss": step_loss if finite else math.nan, **self._apply_step(finite)})
-        return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result().items()}
+            metrics.add(self._step_metrics(step_loss, finite))
+        return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
 
 class CriticWorker(_TrainedWorker):
     """Computes values and fits them to the returns with the clipped value loss."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings,
-                 value_loss: Callable[..., tuple[torch.Tensor, dict[str, Any]]], value_clip: float | None):
-        super().__init__(model, backend, settings)
+                 value_loss: Callable[..., tuple[torch.Tensor, dict[str, Any]]], value_clip: float | None,
+                 dist: DistContext = SINGLE):
+        super().__init__(model, backend, settings, dist)
         self.value_loss, self.value_clip = value_loss, value_clip
 
     @torch.no_grad()
     def values(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A): the value of the state before each action token."""
         self.model.eval()
-        out = [self.model(mb.input_ids.to(self.device), mb.attention_mask.to(self.device))[:, :-1].cpu()
-               for mb in micro_batches(batch, self.settings.micro_batch_size)]
-        return _pad_cat(out, batch.action_mask.shape[1]) * batch.action_mask  # masked positions carry V = 0
+        values = self._forward_rows(batch, lambda mb: self.model(mb.input_ids.to(self.device),
+                                                                 mb.attention_mask.to(self.device))[:, :-1])
+        return values * batch.action_mask  # masked positions carry V = 0
 
     def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
         self.model.train()
@@ -197,7 +258,7 @@ class CriticWorker(_TrainedWorker):
             if norm.num_tokens == 0:
                 continue
             finite, step_loss = True, 0.0
-            for micro in micro_batches(minibatch, self.settings.micro_batch_size):
+            for micro in self._my_micro_batches(minibatch):
                 micro = micro.to(self.device)
                 values = self.model(micro.input_ids, micro.attention_mask)[:, :-1]  # (b, A)
                 loss, loss_metrics = self.value_loss(values=values, old_values=micro.values, returns=micro.returns,
@@ -209,23 +270,25 @@ class CriticWorker(_TrainedWorker):
                 self.backend.backward(loss)
                 step_loss += float(loss.detach())
                 metrics.add(loss_metrics, weight=float(micro.loss_mask.sum()))
-            metrics.add({"loss": step_loss if finite else math.nan, **self._apply_step(finite)})
-        return {k if "/" in k else f"critic/{k}": v for k, v in metrics.result().items()}
+            metrics.add(self._step_metrics(step_loss, finite))
+        return {k if "/" in k else f"critic/{k}": v for k, v in metrics.result(self.dist).items()}
 
 
 class ReferenceWorker:
     """A frozen copy of the initial policy: log-probs for the KL term."""
 
-    def __init__(self, model: torch.nn.Module, micro_batch_size: int, temperature: float):
-        self.model, self.micro_batch_size, self.temperature = model, micro_batch_size, temperature
+    def __init__(self, model: torch.nn.Module, micro_batch_size: int, temperature: float,
+                 dist: DistContext = SINGLE):
+        self.model, self.micro_batch_size, self.temperature, self.dist = model, micro_batch_size, temperature, dist
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        mine = my_rows(batch, self.dist)
         out = [token_logprobs(self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
                               mb.action_mask, temperature=self.temperature)[0].cpu()
-               for mb in micro_batches(batch, self.micro_batch_size)]
-        return _pad_cat(out, batch.action_mask.shape[1])
+               for mb in micro_batches(mine, self.micro_batch_size)]
+        return gather_rows(_pad_cat(out, batch.action_mask.shape[1]), self.dist, batch.size)
 
 
 class RewardWorker:

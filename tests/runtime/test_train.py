@@ -66,7 +66,7 @@ def test_cli_run_writes_a_complete_run_directory(tiny_model_dir, task, tmp_path)
     assert TrainConfig.from_dict(saved).n_samples == 3
     plugins = json.loads((out / "plugins.json").read_text())
     assert plugins["fingerprint"]["plugins"]["rlhf.plugins.algorithms.plugin"].startswith("rlhf-core==")
-    assert (out / "checkpoints" / "step_2" / "policy.pt").is_file()
+    assert (out / "checkpoints" / "step_2" / "policy" / "state.pt").is_file()
 
     from transformers import AutoModelForCausalLM
 
@@ -167,7 +167,7 @@ def test_ppo_trains_a_critic_and_kl_goes_into_the_reward(tiny_model_dir, task, t
     metrics = read_jsonl(out / "metrics.jsonl")
     for key in ("critic/loss", "critic/values", "critic/clip_frac", "critic/grad_norm", "kl/mean"):
         assert key in metrics[-1], key
-    assert (out / "checkpoints" / "step_2" / "critic.pt").is_file()
+    assert (out / "checkpoints" / "step_2" / "critic" / "state.pt").is_file()
 
 
 def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_model_dir, task, tmp_path, plugins, make_plugin):

@@ -3,7 +3,9 @@ warmup + constant/cosine LR schedule, with state that checkpoints save and resto
 
 A backend owns one model's optimizer. The caller runs ``backward(loss)`` once per micro-batch
 (each micro-batch loss is already its share of the step loss, so gradients simply add up) and
-``step()`` once per optimizer step.
+``step()`` once per optimizer step. Under data parallelism (an initialised torch.distributed
+group) ``step()`` first sums the gradients of all ranks: each rank's losses are its share of the
+step loss (rlhf/runtime/distributed.py), so the sum is the full step gradient.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class TorchBackend:
         Returns ``grad_norm`` (before clipping), ``lr`` (used for this step) and ``skipped``
         (1 when a NaN/inf gradient made the step a no-op).
         """
+        self._sum_gradients_over_ranks()
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         lr = self.optimizer.param_groups[0]["lr"]
@@ -71,6 +74,20 @@ class TorchBackend:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+    def _sum_gradients_over_ranks(self) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        for param in self.params:
+            if param.grad is None:  # every rank must contribute every tensor
+                param.grad = torch.zeros_like(param)
+        grads = [param.grad for param in self.params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(summed)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,10 +1,24 @@
-"""The ``hf`` rollout engine: batched ``model.generate`` with a KV cache, in-process.
+"""The ``hf`` rollout engine: batched sampling with a KV cache, in-process.
 
 It samples from the policy module itself (no weight copy, so no sync after an optimizer step),
 with left padding, per-sequence EOS stops, stop strings for multi-turn environments, and the
-n samples of each prompt laid out contiguously. Sampling uses only temperature and top-p
-(transformers' default top-k of 50 is switched off), so the distribution sampled from is the
-one the trainer's log-probs describe.
+n samples of each prompt laid out contiguously. Sampling uses only temperature and top-p: the
+distribution sampled from is the one the trainer's log-probs describe, so settings in the
+model's own generation config (top-k, repetition penalty, minimum length, ...) do not apply.
+
+Two decoders draw the same samples (same logits, same ``torch.multinomial`` calls, so the same
+tokens for the same seed):
+
+* ``direct``: a loop over the model's forward with a ``DynamicCache``. transformers' ``generate``
+  spends a fifth of a small model's decode time on per-token machinery (logits-processor and
+  stopping-criteria objects, re-preparing inputs, rebuilding masks); this loop does only the
+  forward, the sampling and the EOS bookkeeping. Used when there are no stop strings and the
+  model is a plain decoder-only transformers model (no model-specific input preparation).
+* ``generate``: ``model.generate``, for stop strings (matched on text across token boundaries)
+  and for every other model.
+
+Shape legend: ``B`` rows (prompts x n), ``P`` prompt positions (left padded), ``N`` new tokens,
+``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -15,12 +29,17 @@ from typing import Any
 import torch
 
 from rlhf.core.rollout import Generation, SamplingParams
+from rlhf.runtime.logprobs import accepts_logits_to_keep
+
+DECODERS = ("auto", "direct", "generate")
 
 
 @dataclass(kw_only=True)
 class HFEngineConfig:
     generation_batch_size: int | None = field(
         default=None, metadata={"help": "Prompts per generate call (None: all at once)"})
+    decoder: str = field(default="auto", metadata={
+        "help": "auto (direct when the model and the request allow it), direct, or generate (model.generate)"})
 
 
 class HFEngine:
@@ -31,6 +50,8 @@ class HFEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: HFEngineConfig | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.config = config or HFEngineConfig()
+        if self.config.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(DECODERS)}; got {self.config.decoder!r}")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
             else tokenizer.eos_token_id
@@ -40,7 +61,6 @@ class HFEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, n: int, params: SamplingParams) -> list[Generation]:
         """``n`` completions per prompt, as ``[p0s0 .. p0s(n-1), p1s0, ...]``."""
         step = self.config.generation_batch_size or len(prompts)
@@ -48,39 +68,123 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            for begin in range(0, len(prompts), step):
-                out += self._generate_chunk(prompts[begin:begin + step], n, params)
+            # Nothing generated here needs autograd: the trainer rebuilds tensors from token lists.
+            with torch.inference_mode():
+                for begin in range(0, len(prompts), step):
+                    out += self._generate_chunk(prompts[begin:begin + step], n, params)
         finally:
             self.model.train(was_training)
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Generation]:
-        from transformers import GenerationConfig
-
         rows = [ids for ids in prompts for _ in range(n)]  # n copies of each prompt, contiguous
         width = max(len(p) for p in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (P*n, L) left-padded
-        attention_mask = torch.zeros_like(input_ids)  # (P*n, L)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
+        attention_mask = torch.zeros_like(input_ids)  # (B, P)
         for row, ids in enumerate(rows):
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention_mask[row, width - len(ids):] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        if self.uses_direct_decoder(params):
+            completions, logprobs = self._decode(input_ids, attention_mask, params)
+        else:
+            completions, logprobs = self._hf_generate(input_ids, attention_mask, params)
+        completions = completions.cpu()  # (B, N)
+        logprobs = logprobs.cpu() if logprobs is not None else None  # (B, N)
+        return [self._to_generation(completions[row], logprobs[row] if logprobs is not None else None, params)
+                for row in range(completions.shape[0])]
+
+    # --- decoders -----------------------------------------------------------------------------
+
+    def uses_direct_decoder(self, params: SamplingParams) -> bool:
+        if self.config.decoder != "auto":
+            return self.config.decoder == "direct"
+        from transformers import GenerationMixin
+
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        plain = type(base).prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
+        return not params.stop and plain and not base.config.is_encoder_decoder
+
+    def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The direct decoder: (B, N) tokens, padded after EOS, and (B, N) log-probs if asked."""
+        from transformers import DynamicCache
+
+        batch_size = input_ids.shape[0]
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        cache = DynamicCache(config=base.config)
+        mask = torch.cat([attention_mask, attention_mask.new_ones((batch_size, params.max_new_tokens))], dim=1)
+        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P), left padding starts at 0
+        next_position = positions[:, -1:] + 1  # (B, 1)
+        eos = torch.tensor(sorted(self.eos_ids), device=input_ids.device)
+        tokens = input_ids.new_full((batch_size, params.max_new_tokens), self.pad_id)  # (B, N)
+        logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device) \
+            if params.return_logprobs else None  # (B, N)
+        finished = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)  # (B,)
+
+        keep = {"logits_to_keep": 1} if accepts_logits_to_keep(type(base)) else {}  # the prompt needs no logits
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, **keep).logits[:, -1]  # (B, V)
+        width = input_ids.shape[1]
+        for t in range(params.max_new_tokens):
+            scores = self._process(logits.float(), params)  # (B, V)
+            if params.temperature > 0:
+                chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # (B,)
+            else:
+                chosen = scores.argmax(dim=-1)  # (B,)
+            chosen = chosen.masked_fill(finished, self.pad_id)  # rows that ended keep padding
+            tokens[:, t] = chosen
+            if logprobs is not None:
+                logprobs[:, t] = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+            finished |= torch.isin(chosen, eos)
+            if t + 1 == params.max_new_tokens or bool(finished.all()):
+                return tokens[:, : t + 1], (logprobs[:, : t + 1] if logprobs is not None else None)
+            logits = self.model(input_ids=chosen[:, None], attention_mask=mask[:, : width + t + 1],
+                                position_ids=next_position, past_key_values=cache, use_cache=True).logits[:, -1]
+            next_position = next_position + 1
+        return tokens, logprobs
+
+    @staticmethod
+    def _process(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Temperature, then top-p: the distribution sampled from (and the engine's log-probs). (B, V)"""
+        if params.temperature <= 0:
+            return scores  # greedy: the raw logits, as generate reports them
+        if params.temperature != 1.0:
+            scores = scores / params.temperature
+        if params.top_p < 1.0:
+            # Keep the smallest set of most likely tokens whose mass reaches top_p (at least one).
+            ascending, order = scores.sort(dim=-1)  # (B, V)
+            mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)  # (B, V)
+            drop = mass_below <= 1.0 - params.top_p
+            drop[:, -1] = False
+            scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        return scores
+
+    def _hf_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from transformers import GenerationConfig
+
         config = GenerationConfig(
             do_sample=params.temperature > 0, temperature=params.temperature if params.temperature > 0 else None,
             top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
             stop_strings=list(params.stop) or None, return_dict_in_generate=True,
             output_scores=params.return_logprobs,
+            # generate fills unset fields from the model's generation config; these must stay off
+            num_beams=1, repetition_penalty=1.0, min_new_tokens=0, no_repeat_ngram_size=0,
+            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
         )
         extra = {"tokenizer": self.tokenizer} if params.stop else {}
-        result = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                     generation_config=config, **extra)
-        completions = result.sequences[:, width:].cpu()  # (P*n, L') generated part, padded after the end
+        result = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                     **extra)
+        completions = result.sequences[:, input_ids.shape[1]:]  # (B, N) generated part, padded after the end
         logprobs = None
         if params.return_logprobs:
-            scores = torch.stack(result.scores, dim=1).float().cpu()  # (P*n, L', V) processed logits
-            logprobs = torch.log_softmax(scores, dim=-1).gather(-1, completions[:, :, None]).squeeze(-1)  # (P*n, L')
-        return [self._to_generation(completions[row], logprobs[row] if logprobs is not None else None, params)
-                for row in range(completions.shape[0])]
+            scores = torch.stack(result.scores, dim=1).float()  # (B, N, V) processed logits
+            logprobs = torch.log_softmax(scores, dim=-1).gather(-1, completions[:, :, None]).squeeze(-1)  # (B, N)
+        return completions, logprobs
+
+    # --- results ------------------------------------------------------------------------------
 
     def _to_generation(self, tokens: torch.Tensor, logprobs: torch.Tensor | None, params: SamplingParams) -> Generation:
         ids = tokens.tolist()

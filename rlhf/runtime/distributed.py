@@ -1,0 +1,88 @@
+"""Data parallelism, seen by workers and the trainer through one small object.
+
+The scheme (the same under a launcher such as torchrun and under Ray):
+
+* every data-parallel rank holds the whole experience batch;
+* minibatches are drawn with the same seeded permutation on every rank, and rank r trains on
+  rows ``r, r + W, r + 2W, ...`` of each minibatch (W = world size);
+* loss normalisers (token and sequence counts) are those of the whole minibatch, so each rank's
+  micro-batch losses are its share of the step loss;
+* backends **sum** gradients over ranks, so the step gradient is the full-minibatch gradient
+  whatever the number of ranks (DESIGN §6: ``token_mean`` does not depend on the split).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def shard(self, items: list[Any]) -> list[Any]:
+        """This rank's share: items ``rank, rank + W, ...``."""
+        return items[self.rank::self.world_size]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (picklable objects)."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self.active:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+SINGLE = DistContext()
+
+
+def unshard(shards: list[list[Any]]) -> list[Any]:
+    """Inverse of `DistContext.shard` over all ranks: ``[[a, c], [b, d]] -> [a, b, c, d]``."""
+    out = []
+    for index in range(max((len(s) for s in shards), default=0)):
+        out += [s[index] for s in shards if index < len(s)]
+    return out
+
+
+def init_from_environment(backend: str | None = None) -> DistContext:
+    """Join the process group a launcher (torchrun, deepspeed) describes in WORLD_SIZE/RANK; else single."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return SINGLE
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size())

@@ -1,0 +1,50 @@
+"""Run by tests/runtime/test_data_parallel.py under torchrun: one PolicyWorker.fit on a fixed batch.
+
+Every rank builds the same model and batch; the main rank saves the updated weights to argv[2].
+"""
+
+import sys
+
+import torch
+
+from rlhf.algorithms import resolve_algorithm
+from rlhf.core.types import Trajectory
+from rlhf.runtime.backends.torch_backend import BackendConfig, TorchBackend
+from rlhf.runtime.batch import collate
+from rlhf.runtime.distributed import init_from_environment
+from rlhf.runtime.workers import PolicyObjective, PolicyWorker, UpdateSettings
+
+
+def main(model_dir: str, out: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    dist = init_from_environment("gloo")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(1)
+    trajectories = []
+    for row in range(8):  # 4 prompts x 2 samples of different lengths
+        prompt = torch.randint(5, 300, (3 + row % 3,), generator=generator).tolist()
+        completion = torch.randint(5, 300, (2 + row % 4,), generator=generator).tolist()
+        trajectories.append(Trajectory(token_ids=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
+                                       prompt_length=len(prompt), prompt="", prompt_text="", completion_text="",
+                                       group=row // 2))
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 0.75, 0.5])
+    batch = collate(trajectories, pad_token_id=0, rewards=rewards, sample_mask=torch.ones(8))
+    algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0)
+    from rlhf.algorithms import compute_advantages
+
+    advantages, returns = compute_advantages(algo.advantage, rewards=batch.rewards, action_mask=batch.action_mask,
+                                             group_size=2)
+    batch.advantages, batch.returns = advantages, returns
+    settings = UpdateSettings(ppo_epochs=2, train_batch_size=4, micro_batch_size=1, max_new_tokens=8, seed=3)
+    objective = PolicyObjective(policy_loss=algo.policy_loss_fn, policy_loss_config=None, aggregate=algo.aggregate_fn)
+    worker = PolicyWorker(model, TorchBackend(model, BackendConfig(lr=1e-2)), settings, objective, dist)
+    batch.old_logprobs = worker.logprobs(batch)
+    metrics = worker.fit(batch, step=0)
+    if dist.is_main:
+        torch.save({"weights": model.state_dict(), "metrics": metrics, "old": batch.old_logprobs}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,60 @@
+"""Data parallelism with a launcher: two ranks give the update of one rank on the same batch,
+and `torchrun -m rlhf train` runs, checkpoints and resumes with two processes (gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+
+
+def torchrun(nproc: int, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.slow
+def test_two_ranks_update_the_policy_exactly_like_one(tiny_model_dir, tmp_path):
+    script = str(HERE / "dp_fit.py")
+    torchrun(1, script, str(tiny_model_dir), str(tmp_path / "one.pt"))
+    torchrun(2, script, str(tiny_model_dir), str(tmp_path / "two.pt"))
+    one = torch.load(tmp_path / "one.pt", weights_only=False)
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    assert torch.allclose(one["old"], two["old"], atol=1e-6)  # sharded log-prob passes gather back in order
+    for key, value in one["metrics"].items():  # metrics cover every rank's rows
+        assert two["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    for name, weight in one["weights"].items():  # float sums in another order: ~1e-6 apart
+        assert torch.allclose(weight, two["weights"][name], atol=2e-5), name
+
+
+@pytest.mark.slow
+def test_rlhf_train_under_torchrun_with_two_processes(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    (tmp_path / "rewards.py").write_text("def reward_func(completions, **kw):\n    return [len(c) / 10 for c in completions]\n")
+    args = ["-m", "rlhf", "train", "--model", str(tiny_model_dir), "--data", str(data), "--label-key", "answer",
+            "--reward", str(tmp_path / "rewards.py"), "--prompts-per-step", "4", "--n-samples", "2",
+            "--max-new-tokens", "4", "--micro-batch-size", "2", "--lr", "1e-3", "--no-progress",
+            "--out", str(tmp_path / "run")]
+    torchrun(2, *args, "--steps", "2", "--save-every", "1")
+    run = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]  # written once, by the main rank
+    samples = (run / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 2 * 4 * 2  # every rank's trajectories, gathered
+    assert sorted(p.name for p in (run / "checkpoints" / "step_2").iterdir()) == \
+        ["policy", "rng_0.pt", "rng_1.pt", "trainer_state.json"]
+    torchrun(2, *args, "--steps", "3", "--resume")
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert (run / "final" / "config.json").is_file()
