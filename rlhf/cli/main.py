@@ -46,6 +46,7 @@ class RootGroup(click.Group):
 
 def make_cli(plugins: PluginSet) -> click.Group:
     """A fresh ``rlhf`` group with the built-in commands and the plugins' commands."""
+    from rlhf.cli.models import merge_lora_command
     from rlhf.cli.plugins import plugins_group
     from rlhf.cli.reward import reward_group
     from rlhf.cli.train import train_command
@@ -67,6 +68,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
     cli.add_command(plugins_group)
     cli.add_command(reward_group)
     cli.add_command(train_command)
+    cli.add_command(merge_lora_command)
     plugins.add_commands(cli)
     return cli
 

@@ -167,14 +167,18 @@ def register_models(register: Register) -> None:
 
     ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"),
     config_cls=None)``. The runtime creates ``adapter_cls(config)`` once per run (``config``:
-    an instance of ``config_cls`` filled from the run's settings of the same names, or None)
-    and calls ``adapter.load_tokenizer(ref)`` and ``adapter.load(ref, role=ROLE)`` for each
-    role it needs; ``ref`` is a local directory or a hub name. ``policy`` and ``reference``
-    return a causal LM (``model(input_ids, attention_mask).logits`` and ``generate``; the
-    reference frozen); ``critic`` returns a module with ``forward(input_ids, attention_mask)
-    -> values (B, T)`` float32, the value of the state ending at each token. At the end of a
-    run, ``adapter.save(model, tokenizer, out_dir)`` (optional; default ``save_pretrained``)
-    writes the final policy.
+    an instance of ``config_cls`` filled from the run's settings of the same names, and from
+    ``--algo-config KEY=VALUE`` for fields of its own; or None) and calls
+    ``adapter.load_tokenizer(ref)``, then ``adapter.load(ref, role=ROLE)`` for each role it
+    needs, ``policy`` first, on the same instance; ``ref`` is a local directory or a hub name.
+    ``policy`` and ``reference`` return a causal LM (``model(input_ids, attention_mask).logits``
+    and ``generate``); the reference is frozen and may share the policy's weights (LoRA: the
+    policy with its adapter switched off), so it must not change the policy's trainability or
+    mode. ``critic`` returns a module with ``forward(input_ids, attention_mask) -> values (B, T)``
+    float32, the value of the state ending at each token. At the end of a run,
+    ``adapter.save(model, tokenizer, out_dir)`` (optional; default ``save_pretrained``) writes
+    the final policy, and with ``--save-critic`` ``adapter.save_critic(model, tokenizer,
+    out_dir)`` (optional; default the critic's ``save_pretrained``) writes the critic.
     """
 
 

@@ -1,1 +1,2 @@
-"""Built-in model adapters: ``hf`` (any AutoModelForCausalLM), with critic value heads."""
+"""Built-in model adapters: ``hf`` (any AutoModelForCausalLM, LoRA/QLoRA through peft when asked) and
+``lora`` (the same with LoRA always on), with critic value heads."""

@@ -1,28 +1,58 @@
-"""The ``hf`` model adapter: any ``AutoModelForCausalLM`` directory or hub name.
+"""The ``hf`` model adapter: any ``AutoModelForCausalLM`` directory or hub name (DESIGN §9).
 
-Roles: ``policy`` (trainable), ``reference`` (frozen copy, eval mode), ``critic`` (the same
-backbone with a scalar value head, see `critic.py`). ``dtype="auto"`` means bfloat16 on a GPU
-and float32 on a CPU.
+Roles: ``policy`` (trainable), ``reference`` (frozen, eval mode), ``critic`` (a backbone with a
+scalar value head, see `critic.py`). Options, each one flag of ``rlhf train``:
+
+* ``dtype``: ``auto`` (bfloat16 on a GPU, float32 on a CPU), ``bf16``/``fp16``/``fp32`` or the
+  long torch names;
+* ``attn_implementation``: ``sdpa`` (default), ``eager``, or ``flash_attention_2`` (needs the
+  flash-attn package and a CUDA GPU; asking for it without them is a ConfigError);
+* ``gradient_checkpointing``: activations recomputed in backward (non-reentrant, so it also
+  works when only LoRA weights train);
+* ``trust_remote_code``: opt-in to model code shipped with a checkpoint;
+* the tokenizer gets a pad token when it has none (EOS, else UNK), and ``chat_template`` (a Jinja
+  file) replaces its chat template before any prompt is formatted;
+* ``lora_rank > 0`` turns on LoRA/QLoRA (`lora.py`): the policy and critic train low-rank
+  adapters and the reference is the policy with its adapter switched off, not a second copy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlhf.core.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+ROLES = ("policy", "reference", "critic")
 
 
 @dataclass(kw_only=True)
 class HFModelConfig:
-    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16 or float16"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward"})
-    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager or flash_attention_2"})
-    value_head_prefix: str = field(default="value_head", metadata={"help": "Attribute name of the critic's head"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
+    chat_template: str | None = field(default=None, metadata={"help": "Jinja file replacing the chat template"})
+    value_head_prefix: str = field(default="score", metadata={
+        "help": "Name of the critic's value head (read from reward-model checkpoints, used when saving)"})
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r (0: train every weight)"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA α: the update B·A is scaled by α / r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "Module names given adapters (default: every linear layer but the output head)"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: frozen weights in 4-bit NF4 (GPU)"})
+    merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model to <final>/merged"})
+    save_critic: bool = field(default=False, metadata={"help": "The run saves the critic (<out>/critic)"})
 
 
 def resolve_device(device: str) -> torch.device:
@@ -35,52 +65,168 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+        raise ConfigError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
 
 
+def is_installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def check_attention(name: str, device: torch.device) -> None:
+    """flash_attention_2 needs the flash-attn package and a CUDA device; say so before loading anything."""
+    if name not in ATTENTION:
+        raise ConfigError(f"--attn-implementation must be one of {', '.join(ATTENTION)}; got {name!r}")
+    if name != "flash_attention_2":
+        return
+    if not is_installed("flash_attn"):
+        raise ConfigError("--attn-implementation flash_attention_2 needs the flash-attn package "
+                          "(pip install flash-attn --no-build-isolation); or use --attn-implementation sdpa")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ConfigError("--attn-implementation flash_attention_2 runs on a CUDA GPU only; "
+                          f"this run's device is {device}. Use --attn-implementation sdpa")
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant checkpointing: gradients reach adapters even when the inputs need none."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def set_pad_token(tokenizer: Any, ref: str) -> None:
+    """Padding needs a token id; many causal LMs ship without one. EOS is masked out wherever it pads."""
+    if tokenizer.pad_token_id is not None:
+        return
+    for fallback in (tokenizer.eos_token, tokenizer.unk_token):
+        if fallback is not None:
+            tokenizer.pad_token = fallback
+            return
+    raise ConfigError(f"the tokenizer of {ref} has no pad, EOS or UNK token to pad with; "
+                      "pass --tokenizer with a tokenizer that defines one")
+
+
+def read_chat_template(path: str) -> str:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--chat-template {path}: no such file (expected a Jinja template)")
+    return file.read_text()
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence load reports that are expected (a causal LM checkpoint's lm_head when loading a backbone)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 class HFModelAdapter:
-    """Loads policy, reference and critic models with transformers' Auto classes."""
+    """Loads policy, reference and critic models with transformers' Auto classes (LoRA when lora_rank > 0)."""
 
     def __init__(self, config: HFModelConfig | None = None):
         self.config = config or HFModelConfig()
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
+        check_attention(self.config.attn_implementation, self.device)
+        self.lora: Any = None
+        if self.config.lora_rank > 0:
+            from rlhf.plugins.models.lora import LoRA
 
-    def _kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": self.config.trust_remote_code}
-        if self.config.attn_implementation:
-            kwargs["attn_implementation"] = self.config.attn_implementation
-        return kwargs
+            self.lora = LoRA(self.config, self.device)
+        elif self.config.load_in_4bit:
+            raise ConfigError("--load-in-4bit freezes the weights in 4 bits, so only adapters can train: "
+                              "add --lora-rank N (e.g. --lora-rank 16)")
+        self._policy: tuple[str, torch.nn.Module] | None = None  # the reference (LoRA) reuses it
+
+    # --- tokenizer ------------------------------------------------------------------------
 
     def load_tokenizer(self, ref: str) -> Any:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=self.config.trust_remote_code)
-        if tokenizer.pad_token_id is None:  # many causal LMs ship without one
-            tokenizer.pad_token = tokenizer.eos_token
+        set_pad_token(tokenizer, ref)
+        if self.config.chat_template:
+            tokenizer.chat_template = read_chat_template(self.config.chat_template)
         return tokenizer
 
-    def save(self, model: torch.nn.Module, tokenizer: Any, out_dir: Any) -> None:
-        """Write the trained policy as an HF directory that ``from_pretrained`` (and vLLM) load."""
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+    # --- models ---------------------------------------------------------------------------
 
     def load(self, ref: str, *, role: str) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
+        if role not in ROLES:
+            raise ValueError(f"the hf adapter builds {', '.join(ROLES)} models, not {role!r}")
+        if role == "reference":
+            if self.lora is not None and self._policy is not None and self._policy[0] == ref:
+                return self.lora.reference_view(self._policy[1])  # the base weights, held once
+            return self._from_pretrained("AutoModelForCausalLM", ref).eval().requires_grad_(False)
         if role == "critic":
             from rlhf.plugins.models.critic import CriticModel
 
-            model = CriticModel.from_pretrained(ref, value_head_prefix=self.config.value_head_prefix, **self._kwargs())
-        elif role in ("policy", "reference"):
-            model = AutoModelForCausalLM.from_pretrained(ref, **self._kwargs())
-        else:
-            raise ValueError(f"the hf adapter builds policy, reference and critic models, not {role!r}")
-        model.to(self.device)
-        if role == "reference":
-            model.eval().requires_grad_(False)
-        elif self.config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-            model.config.use_cache = False
+            backbone = self._from_pretrained("AutoModel", ref, quiet=True)
+            critic = CriticModel.from_backbone(backbone, ref, value_head_prefix=self.config.value_head_prefix,
+                                               trust_remote_code=self.config.trust_remote_code)
+            critic.backbone = self._trainable(critic.backbone, causal_lm=False)
+            critic.head.to(device=self.device, dtype=self.dtype)  # the backbone is already placed
+            return critic
+        model = self._trainable(self._from_pretrained("AutoModelForCausalLM", ref), causal_lm=True)
+        self._policy = (ref, model)
         return model
+
+    def _from_pretrained(self, auto_class: str, ref: str, *, quiet: bool = False) -> torch.nn.Module:
+        import transformers
+
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": self.config.trust_remote_code,
+                                  "attn_implementation": self.config.attn_implementation}
+        if self.lora is not None:
+            kwargs.update(self.lora.quantization_kwargs(self.dtype))
+        try:
+            with quiet_transformers() if quiet else contextlib.nullcontext():
+                model = getattr(transformers, auto_class).from_pretrained(ref, **kwargs)
+        except ValueError as exc:
+            message = str(exc)
+            if "trust_remote_code" in message:
+                raise ConfigError(f"{ref} ships its own model code; pass --trust-remote-code to run it "
+                                  "(only for checkpoints you trust)") from exc
+            attention_words = ("attn_implementation", "scaled_dot_product_attention", "Flash Attention")
+            if any(w in message for w in attention_words) and self.config.attn_implementation != "eager":
+                raise ConfigError(f"{ref} cannot use --attn-implementation {self.config.attn_implementation}: "
+                                  f"{message.splitlines()[0]} Try --attn-implementation eager") from exc
+            raise
+        return model if "quantization_config" in kwargs else model.to(self.device)
+
+    def _trainable(self, model: torch.nn.Module, *, causal_lm: bool) -> torch.nn.Module:
+        """Checkpointing first, then LoRA adapters (peft wraps the model, so the order matters)."""
+        if self.lora is not None:
+            return self.lora.wrap(model, causal_lm=causal_lm,
+                                  gradient_checkpointing=self.config.gradient_checkpointing)
+        if self.config.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        return model
+
+    # --- outputs --------------------------------------------------------------------------
+
+    def save(self, model: torch.nn.Module, tokenizer: Any, out_dir: Any) -> None:
+        """The trained policy as an HF directory that ``from_pretrained`` (and vLLM) load.
+
+        With LoRA: the PEFT adapter (``PeftModel.from_pretrained(base, out_dir)``), and the merged
+        full model in ``out_dir/merged`` when ``merge_lora`` is set.
+        """
+        if self.lora is not None:
+            self.lora.save(model, tokenizer, Path(out_dir), base=self._policy[0] if self._policy else None,
+                           dtype=self.dtype)
+            return
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+    def save_critic(self, model: torch.nn.Module, tokenizer: Any, out_dir: Any) -> None:
+        """The critic in OpenRLHF's layout (backbone + ``<value_head_prefix>.weight``), LoRA merged in."""
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)

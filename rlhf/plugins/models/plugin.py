@@ -2,8 +2,14 @@
 
 import rlhf
 
+ROLES = ("policy", "reference", "critic")
+
 
 @rlhf.hookimpl
 def register_models(register):
     register("hf", "rlhf.plugins.models.hf:HFModelAdapter", config_cls="rlhf.plugins.models.hf:HFModelConfig",
-             description="Any AutoModelForCausalLM directory or hub name; critic = backbone + value head")
+             roles=ROLES, description="Any AutoModelForCausalLM directory or hub name (LoRA when --lora-rank > 0); "
+                                      "critic = backbone + value head")
+    register("lora", "rlhf.plugins.models.lora:LoRAModelAdapter", config_cls="rlhf.plugins.models.hf:HFModelConfig",
+             roles=ROLES, description="The hf adapter with peft LoRA always on (rank 8 unless --lora-rank); "
+                                      "reference = the base weights with the adapter off")

@@ -24,11 +24,11 @@ host it as an actor and hand `RewardModelSource` the actor's handle instead.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from rlhf.core.checkpoints import MissingWeightsError, read_weight, top_level_weights
 from rlhf.plugins.rewards.failures import RewardConfigError
 from rlhf.plugins.rewards.options import RewardOptions
 from rlhf.plugins.rewards.source import RewardBatch, RewardSource, SourceOutput
@@ -40,37 +40,15 @@ def is_model_dir(path: str | Path) -> bool:
 
 def load_checkpoint_tensor(path: Path, key: str) -> Any:
     """One tensor from a checkpoint directory (safetensors, sharded or not, or pytorch_model.bin)."""
-    import torch
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file() or (path / "model.safetensors").is_file():
-        from safetensors import safe_open
-
-        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-        files = [path / weight_map[key]] if weight_map and key in weight_map else (
-            [path / "model.safetensors"] if weight_map is None else [])
-        for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                if key in handle.keys():
-                    return handle.get_tensor(key)
-        keys = list(weight_map) if weight_map else _safetensor_keys(path / "model.safetensors")
-    elif (path / "pytorch_model.bin").is_file():
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        if key in state:
-            return state[key]
-        keys = list(state)
-    else:
-        raise RewardConfigError(f"{path} holds no model.safetensors or pytorch_model.bin")
-    heads = sorted(k for k in keys if k.count(".") == 1 and k.endswith(".weight"))
+    try:
+        tensor = read_weight(path, key)
+        if tensor is not None:
+            return tensor
+        heads = top_level_weights(path)
+    except MissingWeightsError as exc:
+        raise RewardConfigError(str(exc)) from None
     raise RewardConfigError(f"{path} has no weight {key!r}; top-level weights there: {', '.join(heads) or 'none'}. "
                             "Pass --reward-value-head-prefix NAME for a head saved as NAME.weight.")
-
-
-def _safetensor_keys(file: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="pt") as handle:
-        return list(handle.keys())
 
 
 class RewardModelWorker:
