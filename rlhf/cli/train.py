@@ -17,7 +17,7 @@ import click
 from rlhf.cli.params import ComponentParam
 
 _GROUP_TITLES = {"model": "Model", "data": "Data", "algorithm": "Algorithm", "rollout": "Rollout",
-                 "reward": "Rewards", "train": "Optimisation", "output": "Output"}
+                 "reward": "Rewards", "train": "Optimisation", "runtime": "Runtime", "output": "Output"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,6 @@ def _train_command() -> click.Command:
         """
         from rlhf.cli.main import CliState
         from rlhf.runtime.config import TrainConfig
-        from rlhf.runtime.local import train
 
         kwargs.pop("config_file")
         values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
@@ -132,6 +131,10 @@ def _train_command() -> click.Command:
         config = TrainConfig.from_dict(values)
         _quiet_library_progress_bars()
         state = click.get_current_context().find_object(CliState)
+        if config.runtime == "ray":
+            from rlhf.runtime.ray import train
+        else:
+            from rlhf.runtime.local import train
         out = train(config, plugins=state.plugins)
         click.echo(f"run finished: {out}")
 

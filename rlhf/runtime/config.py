@@ -135,6 +135,10 @@ class TrainConfig:
                                     "train")
     seed: int = _opt(42, "Random seed (data order, sampling, initialisation)", "train")
 
+    # --- runtime ----------------------------------------------------------------------------
+    runtime: str = _opt("local", "local: every worker in this process (or one data-parallel rank per process "
+                        "under torchrun); ray: worker groups as Ray actors", "runtime", choices=("local", "ray"))
+
     # --- output -----------------------------------------------------------------------------
     out: str | None = _opt(None, "Run directory (default: runs/<date>-<time>)", "output")
     save_every: int = _opt(0, "Checkpoint every N steps (0: only at the end)", "output")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,98 +46,162 @@ def component_config(config_cls: type | None, values: dict[str, Any], overrides:
     return config_cls(**chosen)
 
 
-def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet, dist: DistContext = SINGLE) -> Workers:
-    from rlhf.algorithms import resolve_algorithm, value_loss
+# --- one builder per role: the local runtime calls them all in this process; the Ray runtime calls
+# --- each inside the actor that holds the role.
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What every role builder needs to agree on: settings and the resolved algorithm."""
+
+    config: TrainConfig
+    derived: Derived
+    values: dict[str, Any]  # the config as a flat dict (component configs are filled from it)
+    overrides: dict[str, Any]  # --algo-config KEY=VALUE
+    algorithm: Any  # rlhf.algorithms.ResolvedAlgorithm
+    optimizer_steps: int  # over the whole run (LR schedule length)
+
+    @classmethod
+    def make(cls, config: TrainConfig, derived: Derived, plugins: PluginSet, num_prompts: int) -> RunPlan:
+        from rlhf.algorithms import resolve_algorithm
+
+        algorithm = resolve_algorithm(config.algo, advantage=config.advantage, policy_loss=config.policy_loss,
+                                      kl_estimator=config.kl_estimator, kl_coef=config.kl_coef, kl_in=config.kl_in,
+                                      loss_agg=config.loss_agg, n_samples=config.n_samples, plugins=plugins)
+        steps = total_steps(config, num_prompts)
+        return cls(config=config, derived=derived, values=config.to_dict(),
+                   overrides=parse_key_values(config.algo_config), algorithm=algorithm,
+                   optimizer_steps=steps * derived.optimizer_steps_per_step)
+
+    @property
+    def update(self) -> UpdateSettings:
+        return UpdateSettings(ppo_epochs=self.config.ppo_epochs, train_batch_size=self.derived.train_batch_size,
+                              micro_batch_size=self.config.micro_batch_size,
+                              max_new_tokens=self.config.max_new_tokens, seed=self.config.seed)
+
+    @property
+    def policy_loss_config(self) -> Any:
+        return component_config(self.algorithm.policy_loss_config_cls, self.values, self.overrides)
+
+    @property
+    def advantage_config(self) -> Any:
+        return component_config(self.algorithm.advantage_config_cls, self.values, self.overrides)
+
+
+def total_steps(config: TrainConfig, num_prompts: int) -> int:
+    return config.steps if config.steps is not None else max(1, num_prompts // config.prompts_per_step)
+
+
+def build_adapter(plan: RunPlan, plugins: PluginSet) -> Any:
+    models = plugins.registry("model").component(plan.config.model_adapter)
+    return models.load()(component_config(models.load_config_cls(), plan.values, plan.overrides))
+
+
+def build_backend(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, lr: float) -> Any:
+    backends = plugins.registry("train_backend").component(plan.config.backend)
+    values = {**plan.values, "lr": lr, "adam_betas": plan.derived.adam_betas, "total_steps": plan.optimizer_steps,
+              "warmup_steps": math.ceil(plan.config.warmup_ratio * plan.optimizer_steps)}
+    return backends.load()(model, component_config(backends.load_config_cls(), values))
+
+
+def build_policy(plan: RunPlan, plugins: PluginSet, adapter: Any, dist: DistContext = SINGLE) -> PolicyWorker:
+    config, algorithm = plan.config, plan.algorithm
+    model = adapter.load(config.model, role="policy")
+    objective = PolicyObjective(
+        policy_loss=algorithm.policy_loss_fn, policy_loss_config=plan.policy_loss_config,
+        aggregate=algorithm.aggregate_fn, kl_estimator=algorithm.kl_estimator_fn,
+        kl_in_loss=algorithm.kl_in == "loss" and algorithm.kl_coef > 0, kl_coef=algorithm.kl_coef,
+        entropy_coef=config.entropy_coef, temperature=config.temperature,
+    )
+    return PolicyWorker(model, build_backend(plan, plugins, model, config.lr), plan.update, objective, dist)
+
+
+def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> ReferenceWorker:
+    config = plan.config
+    return ReferenceWorker(adapter.load(config.model, role="reference"), config.micro_batch_size,
+                           config.temperature, dist)
+
+
+def build_critic(plan: RunPlan, plugins: PluginSet, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:
+    from rlhf.algorithms import value_loss
+
+    config = plan.config
+    model = adapter.load(config.critic_model or config.model, role="critic")
+    return CriticWorker(model, build_backend(plan, plugins, model, config.critic_lr), plan.update,
+                        value_loss=value_loss, value_clip=config.value_clip, dist=dist)
+
+
+def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tokenizer: Any) -> RolloutWorker:
+    config = plan.config
+    engines = plugins.registry("rollout_engine").component(config.engine)
+    engine = engines.load()(model, tokenizer, component_config(engines.load_config_cls(), plan.values))
+    env_values = {**plan.values, **parse_key_values(config.env_config)}
+    budget = config.max_total_tokens or config.max_prompt_length + config.max_turns * config.max_new_tokens
+    return RolloutWorker(engine, tokenizer, EnvFactory(plugins.registry("env"), env_values),
+                         RolloutSettings(env=config.env, max_turns=config.max_turns, max_total_tokens=budget))
+
+
+def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker | None:
+    """The reward sources, or None when the environment gives every reward."""
     from rlhf.rewards import load_rewards
 
-    seed_everything(config.seed)
-    values = config.to_dict()
-    overrides = parse_key_values(config.algo_config)
-
-    algorithm = resolve_algorithm(config.algo, advantage=config.advantage, policy_loss=config.policy_loss,
-                                  kl_estimator=config.kl_estimator, kl_coef=config.kl_coef, kl_in=config.kl_in,
-                                  loss_agg=config.loss_agg, n_samples=config.n_samples, plugins=plugins)
+    if not config.reward:
+        return None
     options = dataclasses.asdict(config.reward_options)
-    reward_set = None
-    if config.reward:
-        reward_set = load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options)
+    return RewardWorker(load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options))
 
-    models = plugins.registry("model").component(config.model_adapter)
-    adapter = models.load()(component_config(models.load_config_cls(), values, overrides))  # --algo-config too
-    tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
-    policy_model = adapter.load(config.model, role="policy")
 
+def build_loader(config: TrainConfig, tokenizer: Any) -> PromptLoader:
     settings = DataSettings(paths=config.data, input_key=config.input_key, label_key=config.label_key,
                             probs=[float(p) for p in config.data_probs.split(",")] if config.data_probs else None,
                             split=config.data_split, apply_chat_template=config.apply_chat_template,
                             input_template=config.input_template, max_prompt_length=config.max_prompt_length,
                             max_samples=config.max_samples, seed=config.seed)
-    loader = PromptLoader(load_prompts(settings), PromptFormatter(tokenizer, settings), seed=config.seed)
-    total_steps = config.steps if config.steps is not None else max(1, len(loader) // config.prompts_per_step)
-    optimizer_steps = total_steps * derived.optimizer_steps_per_step
+    return PromptLoader(load_prompts(settings), PromptFormatter(tokenizer, settings), seed=config.seed)
 
-    backends = plugins.registry("train_backend").component(config.backend)
 
-    def backend_for(model: torch.nn.Module, lr: float) -> Any:
-        backend_values = {**values, "lr": lr, "adam_betas": derived.adam_betas, "total_steps": optimizer_steps,
-                          "warmup_steps": math.ceil(config.warmup_ratio * optimizer_steps)}
-        return backends.load()(model, component_config(backends.load_config_cls(), backend_values))
+def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, critic: Any, out_dir: Path,
+                 dist: DistContext = SINGLE) -> None:
+    """The final policy to ``out_dir`` (and ``--save-critic`` to ``<out>/critic``), by the main rank."""
+    if not dist.is_main:
+        return
+    if hasattr(adapter, "save"):  # adapters may write their own layout (e.g. a LoRA adapter + merged model)
+        adapter.save(policy.model, tokenizer, out_dir)
+    else:
+        policy.model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    if critic is not None and plan.config.save_critic:
+        critic_dir = plan.derived.out_dir / "critic"
+        if hasattr(adapter, "save_critic"):
+            adapter.save_critic(critic.model, tokenizer, critic_dir)
+        else:
+            critic.model.save_pretrained(critic_dir)
 
-    update = UpdateSettings(ppo_epochs=config.ppo_epochs, train_batch_size=derived.train_batch_size,
-                            micro_batch_size=config.micro_batch_size, max_new_tokens=config.max_new_tokens,
-                            seed=config.seed)
-    policy_loss_config = component_config(algorithm.policy_loss_config_cls, values, overrides)
-    objective = PolicyObjective(
-        policy_loss=algorithm.policy_loss_fn,
-        policy_loss_config=policy_loss_config,
-        aggregate=algorithm.aggregate_fn, kl_estimator=algorithm.kl_estimator_fn,
-        kl_in_loss=algorithm.kl_in == "loss" and algorithm.kl_coef > 0, kl_coef=algorithm.kl_coef,
-        entropy_coef=config.entropy_coef, temperature=config.temperature,
-    )
-    policy = PolicyWorker(policy_model, backend_for(policy_model, config.lr), update, objective, dist)
 
-    reference = None
-    if algorithm.needs_reference:
-        reference = ReferenceWorker(adapter.load(config.model, role="reference"), config.micro_batch_size,
-                                    config.temperature, dist)
-    critic = None
-    if algorithm.needs_critic:
-        critic_model = adapter.load(config.critic_model or config.model, role="critic")
-        critic = CriticWorker(critic_model, backend_for(critic_model, config.critic_lr), update,
-                              value_loss=value_loss, value_clip=config.value_clip, dist=dist)
+def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet, dist: DistContext = SINGLE) -> Workers:
+    """Every worker in this process."""
+    seed_everything(config.seed)
+    reward = build_reward(config, plugins)
+    probe = RunPlan.make(config, derived, plugins, num_prompts=0)  # resolves the algorithm before any model loads
+    adapter = build_adapter(probe, plugins)
+    tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
+    loader = build_loader(config, tokenizer)
+    plan = dataclasses.replace(probe, optimizer_steps=total_steps(config, len(loader)) * derived.optimizer_steps_per_step)
 
+    policy = build_policy(plan, plugins, adapter, dist)
+    reference = build_reference(plan, adapter, dist) if plan.algorithm.needs_reference else None
+    critic = build_critic(plan, plugins, adapter, dist) if plan.algorithm.needs_critic else None
     if config.save_critic and critic is None:
         import logging
 
         logging.getLogger(__name__).warning("--save-critic: algorithm %r trains no critic; none is saved", config.algo)
-
-    engines = plugins.registry("rollout_engine").component(config.engine)
-    engine = engines.load()(policy_model, tokenizer, component_config(engines.load_config_cls(), values))
-
-    def export_policy(out_dir: Path) -> None:
-        if not dist.is_main:
-            return
-        if hasattr(adapter, "save"):  # adapters may write their own layout (e.g. a LoRA adapter + merged model)
-            adapter.save(policy_model, tokenizer, out_dir)
-        else:
-            policy_model.save_pretrained(out_dir)
-            tokenizer.save_pretrained(out_dir)
-        if critic is not None and config.save_critic:  # --save-critic: <out>/critic, next to final/
-            if hasattr(adapter, "save_critic"):
-                adapter.save_critic(critic.model, tokenizer, derived.out_dir / "critic")
-            else:
-                critic.model.save_pretrained(derived.out_dir / "critic")
-
-    rollout = RolloutWorker(engine, tokenizer, EnvFactory(plugins.registry("env"), {
-        **values, **parse_key_values(config.env_config)}), RolloutSettings(
-        env=config.env, max_turns=config.max_turns,
-        max_total_tokens=config.max_total_tokens or config.max_prompt_length + config.max_turns * config.max_new_tokens))
     return Workers(
-        policy=policy, rollout=rollout, reward=RewardWorker(reward_set) if reward_set is not None else None,
-        reference=reference, critic=critic, tokenizer=tokenizer, loader=loader, algorithm=algorithm,
-        advantage_config=component_config(algorithm.advantage_config_cls, values, overrides),
-        pad_token_id=tokenizer.pad_token_id, fingerprint=plugin_fingerprint(plugins), export_policy=export_policy,
-        rollout_logprobs=getattr(policy_loss_config, "correction", None) is not None, dist=dist,
+        policy=policy, rollout=build_rollout(plan, plugins, policy.model, tokenizer), reward=reward,
+        reference=reference, critic=critic, tokenizer=tokenizer, loader=loader, algorithm=plan.algorithm,
+        advantage_config=plan.advantage_config, pad_token_id=tokenizer.pad_token_id,
+        fingerprint=plugin_fingerprint(plugins),
+        export_policy=lambda out_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist),
+        rollout_logprobs=getattr(plan.policy_loss_config, "correction", None) is not None, dist=dist,
     )
 
 
