@@ -60,6 +60,16 @@ class DistContext:
 
             dist.barrier()
 
+    def close(self) -> None:
+        """Leave the process group once every rank is done; a process that exits with the group still
+        open can abort in the backend's threads ("terminate called without an active exception")."""
+        if self.active:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+
 
 SINGLE = DistContext()
 

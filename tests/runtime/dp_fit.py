@@ -44,6 +44,7 @@ def main(model_dir: str, out: str) -> None:
     metrics = worker.fit(batch, step=0)
     if dist.is_main:
         torch.save({"weights": model.state_dict(), "metrics": metrics, "old": batch.old_logprobs}, out)
+    dist.close()
 
 
 if __name__ == "__main__":

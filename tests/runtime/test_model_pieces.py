@@ -165,3 +165,23 @@ def test_checkpoints_are_atomic_rotated_and_carry_rng(tmp_path):
     trainer_state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path), {"policy": restored})
     assert restored.value == 3 and trainer_state == {"step": 3, "loader": {"epoch": 0, "position": 3}}
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_length_sorted_micro_batches_cover_every_row_once_and_results_keep_row_order(model_and_tokenizer):
+    from rlhf.runtime.distributed import SINGLE
+    from rlhf.runtime.workers import forward_rows, micro_batches
+
+    model, _ = model_and_tokenizer
+    lengths = [(2, 9), (3, 1), (1, 6), (4, 2), (2, 4)]  # (prompt, completion) lengths, deliberately unsorted
+    trajectories = [_trajectory(list(range(5, 5 + p)), list(range(40, 40 + c)), group=i) for i, (p, c) in enumerate(lengths)]
+    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(5), sample_mask=torch.ones(5))
+    pieces = micro_batches(batch, 2)
+    assert sorted(int(r) for rows, _ in pieces for r in rows) == [0, 1, 2, 3, 4]
+    sizes = [int(micro.attention_mask.sum(dim=1).max()) for _, micro in pieces]
+    assert sizes == sorted(sizes) and sizes[0] < batch.input_ids.shape[1]  # short rows together, less padding
+    with torch.no_grad():
+        sorted_lp = forward_rows(batch, SINGLE, 2, lambda mb: token_logprobs(
+            model, mb.input_ids, mb.attention_mask, mb.action_mask)[0])
+        whole_lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
+    mask = batch.action_mask.bool()
+    assert torch.allclose(sorted_lp[mask], whole_lp[mask], atol=1e-5)
