@@ -131,6 +131,12 @@ class TrainConfig:
     warmup_ratio: float = _opt(0.0, "Fraction of optimizer steps spent warming up the LR linearly", "train")
     max_grad_norm: float = _opt(1.0, "Clip the global gradient norm (0: off)", "train")
     backend: str = _opt("torch", "Training backend plugin", "train", component="train_backend")
+    zero_stage: int = _opt(2, "--backend deepspeed: ZeRO stage, 0 (plain data parallel), 1 (optimizer states "
+                           "sharded over ranks), 2 (+ gradients) or 3 (+ parameters)", "train", choices=(0, 1, 2, 3))
+    offload_optimizer: bool = _opt(False, "--backend deepspeed: optimizer states and fp32 master weights in CPU "
+                                   "memory, stepped by DeepSpeedCPUAdam (ZeRO stages 1-3)", "train")
+    offload_params: bool = _opt(False, "--backend deepspeed: parameters in CPU memory between uses (ZeRO stage 3)",
+                                "train")
     max_nonfinite_steps: int = _opt(3, "Stop after this many NaN/inf optimizer steps in a row (each is skipped)",
                                     "train")
     seed: int = _opt(42, "Random seed (data order, sampling, initialisation)", "train")

@@ -7,6 +7,7 @@ data-parallel rank running the same loop (rlhf/runtime/distributed.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -131,10 +132,17 @@ def build_critic(plan: RunPlan, plugins: PluginSet, adapter: Any, dist: DistCont
                         value_loss=value_loss, value_clip=config.value_clip, dist=dist)
 
 
-def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tokenizer: Any) -> RolloutWorker:
+def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tokenizer: Any, *,
+                  synced_generation: bool = False) -> RolloutWorker:
+    """``synced_generation``: ``model`` is a trained policy whose forwards are collectives over its
+    ranks (the backend's ``needs_synced_generation``, e.g. DeepSpeed ZeRO-3), so ranks decode in lockstep."""
     config = plan.config
+    if synced_generation and config.env != "single_turn":
+        raise ConfigError(f"--env {config.env} with --zero-stage 3 on several ranks is not supported yet: every rank "
+                          "must make the same generate calls; use --zero-stage 2, or one process")
     engines = plugins.registry("rollout_engine").component(config.engine)
-    engine = engines.load()(model, tokenizer, component_config(engines.load_config_cls(), plan.values))
+    values = {**plan.values, "synced_gpus": synced_generation}
+    engine = engines.load()(model, tokenizer, component_config(engines.load_config_cls(), values))
     env_values = {**plan.values, **parse_key_values(config.env_config)}
     budget = config.max_total_tokens or config.max_prompt_length + config.max_turns * config.max_new_tokens
     return RolloutWorker(engine, tokenizer, EnvFactory(plugins.registry("env"), env_values),
@@ -162,20 +170,32 @@ def build_loader(config: TrainConfig, tokenizer: Any) -> PromptLoader:
 
 def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, critic: Any, out_dir: Path,
                  dist: DistContext = SINGLE) -> None:
-    """The final policy to ``out_dir`` (and ``--save-critic`` to ``<out>/critic``), by the main rank."""
-    if not dist.is_main:
-        return
-    if hasattr(adapter, "save"):  # adapters may write their own layout (e.g. a LoRA adapter + merged model)
-        adapter.save(policy.model, tokenizer, out_dir)
-    else:
-        policy.model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+    """The final policy to ``out_dir`` (and ``--save-critic`` to ``<out>/critic``), by the main rank.
+
+    Called on every rank: a backend that shards the weights (``full_weights``, DeepSpeed ZeRO-3)
+    gathers them with every rank taking part while the main rank writes.
+    """
+    with full_weights(policy):
+        if dist.is_main:
+            if hasattr(adapter, "save"):  # adapters may write their own layout (e.g. a LoRA adapter + merged model)
+                adapter.save(policy.model, tokenizer, out_dir)
+            else:
+                policy.model.save_pretrained(out_dir)
+                tokenizer.save_pretrained(out_dir)
     if critic is not None and plan.config.save_critic:
-        critic_dir = plan.derived.out_dir / "critic"
-        if hasattr(adapter, "save_critic"):
-            adapter.save_critic(critic.model, tokenizer, critic_dir)
-        else:
-            critic.model.save_pretrained(critic_dir)
+        with full_weights(critic):
+            if dist.is_main:
+                critic_dir = plan.derived.out_dir / "critic"
+                if hasattr(adapter, "save_critic"):
+                    adapter.save_critic(critic.model, tokenizer, critic_dir)
+                else:
+                    critic.model.save_pretrained(critic_dir)
+
+
+def full_weights(worker: Any) -> Any:
+    """A context in which ``worker.model`` holds its whole weights (its backend's, when it shards them)."""
+    gather = getattr(worker.backend, "full_weights", None)
+    return gather() if gather is not None else contextlib.nullcontext()
 
 
 def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet, dist: DistContext = SINGLE) -> Workers:
@@ -196,7 +216,9 @@ def build_workers(config: TrainConfig, derived: Derived, plugins: PluginSet, dis
 
         logging.getLogger(__name__).warning("--save-critic: algorithm %r trains no critic; none is saved", config.algo)
     return Workers(
-        policy=policy, rollout=build_rollout(plan, plugins, policy.model, tokenizer), reward=reward,
+        policy=policy, reward=reward,
+        rollout=build_rollout(plan, plugins, policy.model, tokenizer,
+                              synced_generation=getattr(policy.backend, "needs_synced_generation", False)),
         reference=reference, critic=critic, tokenizer=tokenizer, loader=loader, algorithm=plan.algorithm,
         advantage_config=plan.advantage_config, pad_token_id=tokenizer.pad_token_id,
         fingerprint=plugin_fingerprint(plugins),
@@ -222,5 +244,8 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     if not config.reward and config.env == "single_turn":
         raise ConfigError("--reward is required (a reward function, URL or reward model) unless an --env gives "
                           "rewards; see `rlhf train --help`")
-    workers = build_workers(config, derived, plugins, dist)
-    return Trainer(config, derived, plugins, workers).run()
+    try:
+        workers = build_workers(config, derived, plugins, dist)
+        return Trainer(config, derived, plugins, workers).run()
+    finally:
+        dist.close()

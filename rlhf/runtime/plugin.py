@@ -15,3 +15,6 @@ def register_train_backends(register):
     register("torch", "rlhf.runtime.backends.torch_backend:TorchBackend",
              config_cls="rlhf.runtime.backends.torch_backend:BackendConfig",
              description="AdamW, gradient accumulation, norm clipping, warmup + constant/cosine LR")
+    register("deepspeed", "rlhf.runtime.backends.deepspeed_backend:DeepSpeedBackend",
+             config_cls="rlhf.runtime.backends.deepspeed_backend:DeepSpeedConfig",
+             description="DeepSpeed ZeRO stages 0-3 with CPU optimizer/parameter offload, the torch backend's math")

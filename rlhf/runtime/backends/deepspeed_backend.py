@@ -1,0 +1,283 @@
+"""The ``deepspeed`` training backend: ZeRO data parallelism (Rajbhandari et al., 2020,
+arXiv:1910.02054) and ZeRO-Offload (Ren et al., 2021, arXiv:2101.06840), behind the same contract
+as the ``torch`` backend, so a run gives the same updates with either.
+
+Stages: 0 replicates everything (plain data parallelism), 1 shards the optimizer states over the
+ranks, 2 also the gradients, 3 also the parameters (gathered layer by layer, by DeepSpeed's module
+hooks, whenever a forward runs). ``offload_optimizer`` keeps the optimizer states and fp32 master
+weights in CPU memory and steps them with DeepSpeedCPUAdam (stages 1-3); ``offload_params``
+keeps the parameters there between uses (stage 3). Parameters in bf16 or fp16 turn on DeepSpeed's
+mixed precision (fp32 master weights; dynamic loss scaling for fp16).
+
+How the contract maps onto DeepSpeed:
+
+* the optimizer is a torch AdamW given to DeepSpeed (no C++ build; DeepSpeedCPUAdam when the
+  optimizer is offloaded) and the LR schedule is the ``torch`` backend's warmup + constant/cosine
+  (`lr_factor`), so trajectories match that backend;
+* gradient accumulation is ours: DeepSpeed runs with ``managed_gradient_accumulation`` off
+  (DeepSpeed >= 0.19.5), so every ``backward`` only accumulates and every ``step`` is a boundary,
+  whatever the number of micro-batches, and losses are never divided by an accumulation count
+  (they are already shares of the step loss);
+* DeepSpeed averages gradients over ranks and our losses are shares of the step loss, so each
+  loss is multiplied by the world size: the average of the scaled gradients is their sum;
+* training forwards must go through the engine (`train_module`): DeepSpeed hooks the start of
+  each backward there. Other forwards (log-probs, generation) may call the model itself; under
+  ZeRO-3 with several ranks each forward is a collective, so generation runs in lockstep
+  (`needs_synced_generation`);
+* ``zero_grad`` after some backwards (a non-finite micro-batch loss ends the step) cannot reach
+  DeepSpeed's reduced gradient buffers, so it poisons them and lets DeepSpeed skip the step.
+
+Deviations: stage 0 in fp32 clips with torch's ``clip_grad_norm_`` inside the optimizer (DeepSpeed
+would clip but not report the norm). ZeRO-3 exports gather the whole model on every rank at once.
+Models are loaded whole on every rank before ZeRO-3 partitions them (no ``zero.Init``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.core.errors import ConfigError, RlhfError
+from rlhf.runtime.backends.torch_backend import BackendConfig, lr_factor
+
+CHECKPOINT_TAG = "deepspeed"  # the folder DeepSpeed writes inside a worker's checkpoint folder
+MIN_VERSION = "0.19.5"  # managed_gradient_accumulation=false for stages 0-3 and offload
+
+
+@dataclass(kw_only=True)
+class DeepSpeedConfig(BackendConfig):
+    zero_stage: int = field(default=2, metadata={
+        "help": "ZeRO stage: 0 none, 1 optimizer states sharded over ranks, 2 + gradients, 3 + parameters"})
+    offload_optimizer: bool = field(default=False, metadata={
+        "help": "Optimizer states and fp32 master weights in CPU memory, stepped by DeepSpeedCPUAdam (stages 1-3)"})
+    offload_params: bool = field(default=False, metadata={
+        "help": "Parameters in CPU memory between uses (stage 3)"})
+    micro_batch_size: int = field(default=1, metadata={
+        "help": "Samples per forward/backward on one rank (DeepSpeed's train_micro_batch_size_per_gpu)"})
+
+
+def check_config(config: DeepSpeedConfig) -> None:
+    if config.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3; got {config.zero_stage}")
+    if config.offload_optimizer and config.zero_stage == 0:
+        raise ConfigError("--offload-optimizer needs ZeRO: add --zero-stage 1, 2 or 3")
+    if config.offload_params and config.zero_stage != 3:
+        raise ConfigError("--offload-params needs the parameters sharded: add --zero-stage 3")
+    if config.lr_scheduler not in ("constant", "cosine"):
+        raise ConfigError(f"--lr-scheduler must be constant or cosine; got {config.lr_scheduler!r}")
+
+
+def check_precision(dtype: torch.dtype) -> None:
+    """DeepSpeed refuses half precision a device lacks (fp16 on most CPUs); say what to do instead."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = {torch.bfloat16: accelerator.is_bf16_supported, torch.float16: accelerator.is_fp16_supported}
+    if dtype in supported and not supported[dtype]():
+        raise ConfigError(f"DeepSpeed does not support {dtype} on this device ({accelerator.device_name()}); "
+                          "use --dtype fp32 or another half-precision --dtype")
+
+
+def deepspeed_config(config: DeepSpeedConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """DeepSpeed's JSON config for this run (batch sizes are bookkeeping: we own accumulation)."""
+    zero: dict[str, Any] = {"stage": config.zero_stage}
+    if config.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if config.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    values: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,  # each step() is a boundary; backward() only accumulates
+        "gradient_clipping": 0.0 if clips_in_optimizer(config, dtype) else config.max_grad_norm,
+        "zero_optimization": zero,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == torch.bfloat16:
+        values["bf16"] = {"enabled": True}
+    elif dtype == torch.float16:
+        values["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if dtype != torch.float32 and config.zero_stage > 0:
+        values["data_types"] = {"grad_accum_dtype": "fp32"}  # micro-batch gradients add up in fp32
+    return values
+
+
+def clips_in_optimizer(config: DeepSpeedConfig, dtype: torch.dtype) -> bool:
+    """Stage 0 in fp32: DeepSpeed steps our optimizer itself and would clip without reporting the
+    norm, so `ClippingAdamW` clips. Otherwise DeepSpeed's ZeRO/mixed-precision optimizer does."""
+    return config.zero_stage == 0 and dtype == torch.float32
+
+
+class ClippingAdamW(torch.optim.AdamW):
+    """AdamW that clips the global gradient norm first and skips a non-finite step.
+
+    Used for stage 0 in fp32, where DeepSpeed steps the client optimizer directly: the engine
+    reads ``_global_grad_norm`` and ``overflow`` from it (a skipped step leaves the LR schedule).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], *, max_grad_norm: float, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else math.inf
+        self._global_grad_norm: float | None = None
+        self.overflow = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self._global_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        self.overflow = not math.isfinite(self._global_grad_norm)
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
+def join_process_group() -> None:
+    """DeepSpeed's communication state over this process's torch.distributed group.
+
+    Under a launcher or in a Ray actor the group exists (or the environment describes it); a
+    process on its own gets a one-rank group held in memory (no port, no file).
+    """
+    import deepspeed
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    from rlhf.runtime.distributed import init_from_environment
+
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            init_from_environment()
+        else:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    os.environ.setdefault("LOCAL_RANK", "0")  # the engine insists on it; a lone process is local rank 0
+    # DeepSpeed builds a shared-memory C++ op when it joins a group, used only by its inference
+    # all-reduce, which training never calls: skip the build (20 s to minutes of g++ on first use).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+
+
+def _import_deepspeed() -> Any:
+    from packaging.version import Version
+
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ConfigError(f"--backend deepspeed needs the deepspeed package: pip install 'deepspeed>={MIN_VERSION}' "
+                          f"(import failed: {exc})") from exc
+    if Version(deepspeed.__version__) < Version(MIN_VERSION):
+        raise ConfigError(f"--backend deepspeed needs deepspeed>={MIN_VERSION} (caller-owned gradient accumulation); "
+                          f"this is {deepspeed.__version__}: pip install -U deepspeed")
+    return deepspeed
+
+
+class DeepSpeedBackend:
+    """Optimizer steps for one model through a DeepSpeed engine (every rank holds one)."""
+
+    def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig):
+        check_config(config)
+        deepspeed = _import_deepspeed()
+        import torch.distributed as dist
+
+        self.model, self.config = model, config
+        params = [p for p in model.parameters() if p.requires_grad]
+        assert params, "the model has no trainable parameters"
+        dtype = params[0].dtype
+        join_process_group()
+        check_precision(dtype)
+        self.world_size = dist.get_world_size()
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=self._optimizer(params, dtype), config=deepspeed_config(config, dtype),
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda step: lr_factor(step, config)),
+            dist_init_required=False)
+        self.pending_backwards = 0
+
+    def _optimizer(self, params: list[torch.nn.Parameter], dtype: torch.dtype) -> torch.optim.Optimizer:
+        config = self.config
+        hyper = dict(lr=config.lr, betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+        if config.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # compiles its C++ op on first use
+
+            return DeepSpeedCPUAdam(params, adamw_mode=True, **hyper)
+        if clips_in_optimizer(config, dtype):
+            return ClippingAdamW(params, max_grad_norm=config.max_grad_norm, **hyper)
+        return torch.optim.AdamW(params, **hyper)
+
+    # --- the backend contract -----------------------------------------------------------------
+
+    @property
+    def train_module(self) -> torch.nn.Module:
+        """What training forwards call: the engine, which hooks the backward that follows."""
+        return self.engine
+
+    @property
+    def needs_synced_generation(self) -> bool:
+        """ZeRO-3 gathers parameters inside every forward, a collective: ranks that finish
+        generating early must keep stepping until all have finished."""
+        return self.config.zero_stage == 3 and self.world_size > 1
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed averages over ranks; each rank's loss is its share of the step loss, so
+        # scaling by the world size makes the average the sum.
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.pending_backwards += 1
+
+    def step(self) -> dict[str, float]:
+        """Reduce, clip, then step unless the gradient is NaN/inf; gradients are cleared either way."""
+        lr = float(self.engine.get_lr()[0])
+        skipped_before = self.engine.skipped_steps
+        self.engine.step()
+        self.pending_backwards = 0
+        norm = self.engine.get_global_grad_norm()
+        skipped = self.engine.skipped_steps > skipped_before
+        grad_norm = float(norm) if norm is not None else math.nan
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step.
+
+        They sit in DeepSpeed's own buffers (reduced, partitioned), out of reach; so one more
+        backward of a NaN makes the step that follows overflow, and DeepSpeed clears every buffer
+        and skips it (the LR schedule does not advance; fp16 halves its loss scale). The forward
+        it takes is a collective under ZeRO-3, like every step: all ranks must drop together.
+        """
+        if self.pending_backwards == 0:
+            self.engine.zero_grad()
+            return
+        device = next(self.model.parameters()).device
+        token = torch.zeros((1, 1), dtype=torch.long, device=device)  # (1, 1)
+        output = self.engine(input_ids=token, attention_mask=torch.ones_like(token))
+        first = output.logits if hasattr(output, "logits") else output
+        self.engine.backward(first.float().sum() * math.nan, scale_wrt_gas=False)
+        self.step()
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Module, optimizer and schedule, each rank writing its own shards (all ranks call this)."""
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise RlhfError(f"{directory} holds no DeepSpeed checkpoint (expected {directory / CHECKPOINT_TAG}); "
+                            "was it written with --backend deepspeed?")
+
+    @contextlib.contextmanager
+    def full_weights(self) -> Iterator[None]:
+        """Within this, the model's parameters are whole on every rank (all ranks must enter):
+        for exporting the model. Stages 0-2 keep them whole anyway."""
+        if self.config.zero_stage != 3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+            yield
