@@ -17,7 +17,8 @@ import click
 from rlhf.cli.params import ComponentParam
 
 _GROUP_TITLES = {"model": "Model", "data": "Data", "algorithm": "Algorithm", "rollout": "Rollout",
-                 "reward": "Rewards", "train": "Optimisation", "runtime": "Runtime", "output": "Output"}
+                 "reward": "Rewards", "train": "Optimisation", "runtime": "Runtime", "ray": "Ray",
+                 "output": "Output"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,8 @@ def _train_command() -> click.Command:
         if not values.get("data"):
             raise click.UsageError("--data is required (a prompt dataset file, folder or hub name)")
         config = TrainConfig.from_dict(values)
+        if config.ray_address and config.runtime != "ray":  # DESIGN §10: an address means the Ray runtime
+            config = dataclasses.replace(config, runtime="ray")
         _quiet_library_progress_bars()
         state = click.get_current_context().find_object(CliState)
         if config.runtime == "ray":

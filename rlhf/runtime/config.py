@@ -145,6 +145,36 @@ class TrainConfig:
     runtime: str = _opt("local", "local: every worker in this process (or one data-parallel rank per process "
                         "under torchrun); ray: worker groups as Ray actors", "runtime", choices=("local", "ray"))
 
+    # --- ray (--runtime ray) ----------------------------------------------------------------
+    ray_address: str | None = _opt(None, "Join this Ray cluster (host:6379, ray://host:10001 or auto; implies "
+                                   "--runtime ray) and ship the current directory to its workers; default: start a "
+                                   "local cluster for the run", "ray")
+    colocate: str = _opt("none", "Roles that share one actor process (and its device) per rank: none, policy_ref, "
+                         "critic_reward, all (every role in the policy actors)", "ray",
+                         choices=("none", "policy_ref", "critic_reward", "all"))
+    policy_actors: int = _opt(1, "Data-parallel policy actors (torch.distributed: gloo on CPU, nccl on GPU)", "ray")
+    policy_gpus: float = _opt(0.0, "GPUs per policy actor", "ray")
+    policy_cpus: float = _opt(1.0, "CPUs per policy actor (fractions allowed)", "ray")
+    ref_actors: int | None = _opt(None, "Data-parallel reference actors (default: 1; the policy's count when "
+                                  "colocated)", "ray")
+    ref_gpus: float = _opt(0.0, "GPUs per reference actor", "ray")
+    ref_cpus: float = _opt(1.0, "CPUs per reference actor", "ray")
+    critic_actors: int | None = _opt(None, "Data-parallel critic actors (default: 1)", "ray")
+    critic_gpus: float = _opt(0.0, "GPUs per critic actor", "ray")
+    critic_cpus: float = _opt(1.0, "CPUs per critic actor", "ray")
+    reward_gpus: float = _opt(0.0, "GPUs for the reward actor (a reward actor of its own is made for reward models, "
+                              "for --reward-gpus > 0 and with --colocate critic_reward; else rewards are scored by "
+                              "rollout worker 0)", "ray")
+    reward_cpus: float = _opt(1.0, "CPUs for the reward actor", "ray")
+    rollout_workers: int | None = _opt(None, "Rollout actors; prompts are split over them (default: 1; one per "
+                                       "policy actor with --colocate all)", "ray")
+    rollout_gpus: float = _opt(0.0, "GPUs per rollout actor", "ray")
+    rollout_cpus: float = _opt(1.0, "CPUs per rollout actor", "ray")
+    ray_timeout_s: float = _opt(1800.0, "Seconds any remote call (model loading, one fit, one generation) may take "
+                                "before the run stops", "ray")
+    ray_env: list[str] = _many("KEY=VALUE environment variable for every Ray worker (repeatable; RLHF_LOAD_PLUGINS "
+                               "and RLHF_DISABLE_PLUGINS are passed on from this process)", "ray")
+
     # --- output -----------------------------------------------------------------------------
     out: str | None = _opt(None, "Run directory (default: runs/<date>-<time>)", "output")
     save_every: int = _opt(0, "Checkpoint every N steps (0: only at the end)", "output")

@@ -260,7 +260,12 @@ class Trainer:
                                                           indent=2))
 
     def _trained_workers(self) -> dict[str, Any]:
-        return {name: getattr(self.w, name) for name in ("policy", "critic") if getattr(self.w, name) is not None}
+        """What a checkpoint holds: the trained workers, and the rollout when it keeps state of its own
+        (the Ray runtime's rollout actors: their sampling RNG)."""
+        chosen = {name: getattr(self.w, name) for name in ("policy", "critic") if getattr(self.w, name) is not None}
+        if hasattr(self.w.rollout, "save"):
+            chosen["rollout"] = self.w.rollout
+        return chosen
 
     def _save_checkpoint(self, done: int) -> Path:
         state = {"loader": self.w.loader.state_dict(), "fingerprint": self.w.fingerprint,

@@ -1,0 +1,53 @@
+"""The Ray runtime (DESIGN §10): the local runtime's workers as Ray actors, the same trainer loop.
+
+``rlhf train --runtime ray ...`` (or `train` here) places the roles (policy, reference, critic,
+rollout, reward) in actor groups with their own resources (placement.py), builds each role
+inside its actor with the local runtime's builders (actors.py), and runs
+`rlhf.runtime.trainer.Trainer` in the driver with group handles in place of the local workers
+(groups.py). Data-parallel policy (and reference, critic) actors form a torch.distributed group
+and follow the launcher scheme of rlhf/runtime/distributed.py, so ``token_mean`` and the other
+aggregations normalise over the whole minibatch across actors.
+
+Weights: rollout actors hold their own copy of the policy and receive policy rank 0's trainable
+parameters through the object store after every step (``time/sync``); with ``--colocate all``
+the engine reads the policy's own weights and nothing travels.
+
+Parity with the local runtime: the same seed and config give the same samples, rewards, losses
+and weights (tests/ray: GRPO on the tiny model with separate actors, and with policy+reference
+colocated across a kill and a resume; checked by hand with LoRA and with ``--colocate all``).
+Each actor seeds itself as the local process does and builds its roles in the local order, so
+the rollout actor samples from the stream the local process samples from. The scope:
+
+* one rollout worker. With N, worker r takes every N-th prompt and samples from ``seed + r``
+  (after building its model from the common seed): deterministic, but other tokens than one
+  process draws;
+* no critic. The local process initialises the critic's value head from its sampling stream
+  before the first generation, the rollout actor does not: a Ray PPO run is deterministic but
+  samples other tokens than a local one;
+* no dropout in training (it draws from the policy actor's stream, not the sampling one);
+* equal thread counts. A Ray actor gets as many threads as CPUs (one for a fraction); a local
+  process with more threads sums floats in another order (differences in the last bits, which
+  the tests tolerate at 1e-5 relative).
+
+Data parallelism changes the order of float sums too: two policy actors match one to ~1e-6.
+
+Checkpoints are the local runtime's plus each rollout actor's RNG states (``rollout/``), so a
+resumed Ray run samples what the uninterrupted run would have. Actors write their own state:
+on a multi-node cluster ``--out`` must be on a filesystem every node sees.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlhf.core.plugins import PluginSet
+    from rlhf.runtime.config import TrainConfig
+
+
+def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
+    """Run training with the Ray runtime; returns the run directory."""
+    from rlhf.runtime.ray.driver import train as run
+
+    return run(config, plugins=plugins)

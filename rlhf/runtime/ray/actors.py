@@ -1,0 +1,213 @@
+"""`WorkerHost`: one Ray actor process holding rank r of one or more roles (placement.py).
+
+A host builds its roles with the local runtime's per-role builders (rlhf/runtime/local.py), in
+the local runtime's order (reward sources, adapter, tokenizer, policy, reference, critic,
+rollout), right after seeding the way the local runtime seeds itself. So the random numbers a
+host draws match the local process's as long as nothing the host does not build drew before it:
+see the parity note in rlhf/runtime/ray/__init__.py. Rollout ranks above 0 then re-seed with
+``seed + rank``: identically seeded workers would draw the same numbers for different prompts.
+
+Every host builds its own plugin set from installed metadata and reports its fingerprint before
+it loads anything heavy; the driver compares (rlhf/runtime/ray/driver.py). Hosts of a group with
+data-parallel roles (policy, reference, critic) and more than one rank form a torch.distributed
+process group (gloo on CPU, nccl on GPU); the roles then shard their passes exactly as under a
+launcher (rlhf/runtime/distributed.py).
+
+Nothing here imports torch, transformers or rlhf's runtime at module import: the host applies
+its environment variables first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_TRAINED = ("policy", "critic")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class WorkerHost:
+    """Rank ``rank`` of every role in ``roles``; methods are called through Ray by groups.py."""
+
+    def __init__(self, group: str, roles: tuple[str, ...], rank: int, world_size: int, *, env: dict[str, str],
+                 cwd: str | None, process_group: bool):
+        os.environ.update(env)
+        if cwd and os.path.isdir(cwd):  # a local cluster: relative paths and module refs as in the driver
+            os.chdir(cwd)
+            if cwd not in sys.path:
+                sys.path.insert(0, cwd)
+        self.group, self.roles, self.rank, self.world_size = group, tuple(roles), rank, world_size
+        self.process_group = process_group
+        self.workers: dict[str, Any] = {}
+        self.plugins: Any = None
+        self.rollout_model: Any = None  # the rollout's own copy of the policy, when the policy lives elsewhere
+
+    def hello(self) -> dict[str, Any]:
+        """Where this host runs and which plugins it has (cheap: nothing is built yet)."""
+        import socket
+
+        import ray
+
+        from rlhf.core.fingerprint import plugin_fingerprint
+        from rlhf.core.plugins import build_plugin_manager
+
+        if self.plugins is None:
+            self.plugins = build_plugin_manager()
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "fingerprint": plugin_fingerprint(self.plugins),
+                "port": free_port() if self.rank == 0 else None}
+
+    def setup(self, config: Any, derived: Any, num_prompts: int, master: tuple[str, int] | None) -> dict[str, Any]:
+        """Join the group's process group, seed, and build every role this host holds."""
+        began = time.perf_counter()
+        from rlhf.runtime import local
+        from rlhf.runtime.distributed import SINGLE, init_from_environment
+
+        self.dist = SINGLE
+        if self.process_group:
+            assert master is not None, "a host group with a process group needs rank 0's address"
+            os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(self.rank),
+                               "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0"})  # Ray shows each its own GPUs
+            self.dist = init_from_environment()
+        _quiet_library_progress_bars()
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # Ray sets it from the actor's CPUs
+            import torch
+
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        local.seed_everything(config.seed)
+        roles, plugins, dist = self.roles, self.plugins, self.dist
+        if "reward" in roles:
+            self.workers["reward"] = local.build_reward(config, plugins)
+        self.plan = plan = local.RunPlan.make(config, derived, plugins, num_prompts)
+        self.adapter = self.tokenizer = None
+        if any(role in roles for role in ("policy", "reference", "critic", "rollout")):
+            self.adapter = local.build_adapter(plan, plugins)
+        if "rollout" in roles or ("policy" in roles and dist.is_main):  # generation, or the final export
+            self.tokenizer = self.adapter.load_tokenizer(config.tokenizer or config.model)
+        if "policy" in roles:
+            self.workers["policy"] = local.build_policy(plan, plugins, self.adapter, dist)
+        if "reference" in roles:
+            self.workers["reference"] = local.build_reference(plan, self.adapter, dist)
+        if "critic" in roles:
+            self.workers["critic"] = local.build_critic(plan, plugins, self.adapter, dist)
+        if "rollout" in roles:
+            synced = {}
+            if "policy" in roles:  # the engine reads the policy's own weights: nothing to sync
+                model = self.workers["policy"].model
+                if getattr(self.workers["policy"].backend, "needs_synced_generation", False):
+                    synced = {"synced_generation": True}  # sharded weights: ranks decode in lockstep
+            else:  # a copy of the policy, loaded like the local runtime loads it (same random draws)
+                model = self.rollout_model = self.adapter.load(config.model, role="policy").requires_grad_(False)
+            self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, **synced)
+            if self.rank > 0:  # every rank built from the same seed (same initial weights); now sample apart
+                local.seed_everything(config.seed + self.rank)
+        return {"setup_s": time.perf_counter() - began, "dist_rank": self.dist.rank,
+                "world_size": self.dist.world_size}
+
+    # --- calls ----------------------------------------------------------------------------------
+
+    def run(self, role: str, method: str, *args: Any, reply: bool = True, **kwargs: Any) -> Any:
+        """``workers[role].method(*args, **kwargs)``; ``reply=False`` returns None (other ranks of a
+        data-parallel call hold the same result as rank 0)."""
+        result = getattr(self.workers[role], method)(*args, **kwargs)
+        return result if reply else None
+
+    def nonfinite(self, role: str) -> int:
+        return self.workers[role].nonfinite_in_a_row
+
+    # --- weights for the rollout ----------------------------------------------------------------
+
+    def policy_weights(self) -> dict[str, Any] | None:
+        """The policy's trainable parameters on the CPU from rank 0 (frozen ones never change, so never
+        travel); called on every rank, as a backend that shards the weights gathers them collectively."""
+        policy = self.workers["policy"]
+        with _full_weights(policy):
+            if not self.dist.is_main:
+                return None
+            return {name: p.detach().cpu().clone() for name, p in policy.model.named_parameters() if p.requires_grad}
+
+    def load_policy_weights(self, weights: dict[str, Any]) -> int:
+        """Load the policy's parameters into the rollout's copy; returns the bytes loaded."""
+        if self.rollout_model is None:
+            return 0  # the engine reads the policy's own weights
+        result = self.rollout_model.load_state_dict(weights, strict=False)
+        assert not result.unexpected_keys, f"the rollout model has no parameters {result.unexpected_keys[:5]}"
+        return sum(t.numel() * t.element_size() for t in weights.values())
+
+    # --- checkpoints and outputs ----------------------------------------------------------------
+
+    def save(self, role: str, directory: str) -> int | None:
+        """The role's state (trained roles) and this process's RNG states into ``directory``."""
+        import torch
+
+        from rlhf.runtime.checkpoint import rng_state
+
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        if role in _TRAINED:
+            self.workers[role].save(path)
+        torch.save(rng_state(), path / f"rng_{self.rank}.pt")
+        return self.workers[role].nonfinite_in_a_row if role in _TRAINED else None
+
+    def load(self, role: str, directory: str) -> int | None:
+        import torch
+
+        from rlhf.runtime.checkpoint import set_rng_state
+
+        path = Path(directory)
+        if role in _TRAINED:
+            self.workers[role].load(path)
+        rng = path / f"rng_{self.rank}.pt"
+        if rng.is_file():
+            set_rng_state(torch.load(rng, weights_only=False))
+        else:  # e.g. a checkpoint of the local runtime: sampling continues from this host's seed
+            log.warning("%s has no RNG state for %s rank %d; its random numbers restart from the seed",
+                        path, role, self.rank)
+        return self.workers[role].nonfinite_in_a_row if role in _TRAINED else None
+
+    def export_policy(self, out_dir: str) -> None:
+        from rlhf.runtime.local import export_final
+
+        export_final(self.plan, self.adapter, self.tokenizer, self.workers["policy"], None, Path(out_dir), self.dist)
+
+    def export_critic(self, out_dir: str) -> None:
+        """The critic as the local runtime saves it (``--save-critic``); called on every rank."""
+        critic = self.workers["critic"]
+        with _full_weights(critic):
+            if not self.dist.is_main:
+                return
+            config = self.plan.config
+            tokenizer = self.tokenizer or self.adapter.load_tokenizer(config.tokenizer or config.model)
+            if hasattr(self.adapter, "save_critic"):
+                self.adapter.save_critic(critic.model, tokenizer, Path(out_dir))
+            else:
+                critic.model.save_pretrained(out_dir)
+
+
+def _full_weights(worker: Any) -> Any:
+    """A context in which ``worker.model`` holds its whole weights (a sharding backend gathers them)."""
+    import contextlib
+
+    gather = getattr(worker.backend, "full_weights", None)
+    return gather() if gather is not None else contextlib.nullcontext()
+
+
+def _quiet_library_progress_bars() -> None:
+    """Every actor's 'Loading weights' bar would reach the driver's terminal."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

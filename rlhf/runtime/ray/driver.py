@@ -1,0 +1,231 @@
+"""The Ray runtime's driver: place the actors, check them, run the shared trainer loop, clean up.
+
+The driver holds what the loop itself needs (the prompt loader, the tokenizer for padding, the
+resolved algorithm for advantages) and the lifecycle plugins (loggers); the models live in the
+actors. It refuses to run when a worker's plugins differ from its own, and whatever stops the
+run (a finished run, an error, Ctrl-C) ends with every actor killed, the placement groups removed
+and, when this run started it, the local cluster shut down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rlhf.core.errors import ConfigError, PluginError, RlhfError
+from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
+from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.runtime import checkpoint
+from rlhf.runtime.config import Derived, TrainConfig
+from rlhf.runtime.distributed import SINGLE
+from rlhf.runtime.local import RunPlan, build_adapter, build_loader, seed_everything, total_steps
+from rlhf.runtime.ray.cluster import Cluster, import_ray
+from rlhf.runtime.ray.groups import (CriticGroup, Host, PolicyGroup, ReferenceGroup, RewardGroup, RolloutGroup,
+                                     WorkerFailedError, wait)
+from rlhf.runtime.ray.placement import Layout, create_placement_groups, plan_layout
+from rlhf.runtime.trainer import Trainer, Workers
+
+log = logging.getLogger(__name__)
+
+# Passed on to every worker, so each process selects the same plugins as this one.
+FORWARDED_ENV = ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "RLHF_DEBUG")
+
+
+class PluginMismatchError(PluginError):
+    """A Ray worker resolved a different plugin set than the driver."""
+
+
+def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
+    """Run training with the Ray runtime; returns the run directory."""
+    import_ray()
+    plugins = plugins or build_plugin_manager()
+    if plugins.broken:
+        log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
+                    ", ".join(r.label for r in plugins.broken))
+    derived = config.derived()
+    _validate(config, derived)
+    seed_everything(config.seed)
+    plan, tokenizer, loader = _driver_side(config, derived, plugins)
+    layout = plan_layout(config, needs_reference=plan.algorithm.needs_reference,
+                         needs_critic=plan.algorithm.needs_critic, has_reward=bool(config.reward))
+    if config.save_critic and not plan.algorithm.needs_critic:
+        log.warning("--save-critic: algorithm %r trains no critic; none is saved", config.algo)
+
+    began = time.perf_counter()
+    cluster = Cluster.open(config, cpus_needed=layout.cpus, gpus_needed=layout.gpus, out_dir=derived.out_dir)
+    try:
+        _warn_unused_gpus(layout)
+        hosts = launch(layout, config, derived, len(loader), plugins, cluster)
+        log.info("Ray runtime ready in %.1f s (cluster %.1f s): %s", time.perf_counter() - began, cluster.seconds,
+                 layout.describe())
+        workers = make_workers(config, derived, plan, plugins, hosts, tokenizer, loader)
+        try:
+            return Trainer(config, derived, plugins, workers).run()
+        except WorkerFailedError as exc:
+            raise type(exc)(f"{exc}\n{resume_hint(derived.out_dir)}") from exc
+    finally:
+        cluster.close()
+
+
+def _validate(config: TrainConfig, derived: Derived) -> None:
+    if not config.reward and config.env == "single_turn":
+        raise ConfigError("--reward is required (a reward function, URL or reward model) unless an --env gives "
+                          "rewards; see `rlhf train --help`")
+    out = derived.out_dir
+    if out.exists() and any(out.iterdir()) and not config.resume:  # before paying for a cluster
+        raise RlhfError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    for flag, actors in (("--policy-actors", config.policy_actors), ("--critic-actors", config.critic_actors or 1)):
+        if derived.train_batch_size % actors:
+            raise ConfigError(f"--train-batch-size ({derived.train_batch_size}) must be a multiple of {flag} "
+                              f"({actors}): every data-parallel rank trains the same number of rows")
+    worker_env(config)  # KEY=VALUE syntax
+
+
+def _driver_side(config: TrainConfig, derived: Derived, plugins: PluginSet) -> tuple[RunPlan, Any, Any]:
+    """The resolved algorithm, the tokenizer and the prompt loader (no model is loaded here)."""
+    probe = RunPlan.make(config, derived, plugins, num_prompts=0)
+    # Only the tokenizer is needed here: build the adapter for this machine's CPU, whatever the
+    # actors' devices and attention kernels are.
+    cpu_only = {**probe.values, "device": "cpu", "attn_implementation": "sdpa", "load_in_4bit": False}
+    adapter = build_adapter(dataclasses.replace(probe, values=cpu_only), plugins)
+    tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
+    loader = build_loader(config, tokenizer)
+    steps = total_steps(config, len(loader))
+    plan = dataclasses.replace(probe, optimizer_steps=steps * derived.optimizer_steps_per_step)
+    return plan, tokenizer, loader
+
+
+def _warn_unused_gpus(layout: Layout) -> None:
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus and not layout.gpus:
+        log.warning("the Ray cluster has %g GPUs but no role asks for one, so every actor runs on the CPU: "
+                    "give the roles GPUs with --policy-gpus, --ref-gpus, --critic-gpus, --rollout-gpus", gpus)
+
+
+def worker_env(config: TrainConfig) -> dict[str, str]:
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    env.update({key: os.environ[key] for key in FORWARDED_ENV if key in os.environ})
+    for item in config.ray_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--ray-env expects KEY=VALUE, got {item!r}")
+        env[key.strip()] = value
+    return env
+
+
+def launch(layout: Layout, config: TrainConfig, derived: Derived, num_prompts: int, plugins: PluginSet,
+           cluster: Cluster) -> list[Host]:
+    """Create every host in its placement-group bundle, check plugins, then build the roles."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rlhf.runtime.ray.actors import WorkerHost
+
+    timeout = config.ray_timeout_s
+    groups = create_placement_groups(layout, timeout)
+    cluster.cleanups.append(lambda: [remove_placement_group(pg) for pg in groups])
+    remote_host = ray.remote(max_restarts=0)(WorkerHost)
+    env = worker_env(config)
+    cwd = None if cluster.ships_working_dir else os.getcwd()
+    tag = uuid.uuid4().hex[:8]  # actor names stay unique when several runs share a cluster
+    hosts: list[Host] = []
+    members: list[list[Host]] = []  # per host group, by rank
+    cluster.cleanups.append(lambda: kill(hosts))
+    for index, (group, pg) in enumerate(zip(layout.groups, groups)):
+        members.append([])
+        for rank in range(group.size):
+            handle = remote_host.options(
+                num_cpus=group.resources.cpus, num_gpus=group.resources.gpus,
+                name=f"rlhf-{tag}-{index}-{group.name}-{rank}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+            ).remote(group.name, group.roles_of(rank), rank, group.size, env=env, cwd=cwd,
+                     process_group=group.needs_process_group)
+            members[-1].append(Host(handle=handle, group=group.name, roles=group.roles_of(rank), rank=rank, info={}))
+            hosts.append(members[-1][-1])
+
+    for host, info in zip(hosts, wait([(h, h.handle.hello.remote()) for h in hosts], "start", timeout, hosts)):
+        host.info = info
+    check_fingerprints(plugins, hosts)
+    for host in hosts:
+        log.info("Ray worker %s: %s", host, ", ".join(host.roles))
+
+    calls = []
+    for group, ranks in zip(layout.groups, members):
+        master = (ranks[0].info["ip"], ranks[0].info["port"]) if group.needs_process_group else None
+        calls += [(h, h.handle.setup.remote(config, derived, num_prompts, master)) for h in ranks]
+    for (host, _), built in zip(calls, wait(calls, "setup", timeout, hosts)):
+        host.info.update(built)
+    return hosts
+
+
+def check_fingerprints(plugins: PluginSet, hosts: list[Host]) -> None:
+    """Every worker must resolve the plugins this process loaded from installed metadata (plugins
+    registered in-process, ``source == "inline"``, exist only here: they see the lifecycle events)."""
+    inline = {record.name for record in plugins.records if record.source == "inline"}
+    expected = {"plugins": {name: version for name, version in plugin_fingerprint(plugins)["plugins"].items()
+                            if name not in inline}}
+    problems = []
+    for host in hosts:
+        differences = fingerprint_differences(expected, host.info["fingerprint"])
+        if differences:
+            problems.append(f"{host}:\n    " + "\n    ".join(differences))
+    if problems:
+        raise PluginMismatchError(
+            "the plugins of these Ray workers differ from this process's, so they would run different code:\n  "
+            + "\n  ".join(problems)
+            + "\nInstall the same plugin packages (same versions) on every node, and give every process the same "
+              "RLHF_LOAD_PLUGINS / RLHF_DISABLE_PLUGINS (see --ray-env).")
+
+
+def kill(hosts: list[Host]) -> None:
+    import ray
+
+    for host in hosts:
+        ray.kill(host.handle, no_restart=True)
+
+
+def make_workers(config: TrainConfig, derived: Derived, plan: RunPlan, plugins: PluginSet, hosts: list[Host],
+                 tokenizer: Any, loader: Any) -> Workers:
+    timeout = config.ray_timeout_s
+
+    def holding(role: str) -> list[Host]:
+        return sorted((h for h in hosts if role in h.roles), key=lambda h: h.rank)
+
+    policy = PolicyGroup(holding("policy"), timeout, hosts)
+    reference = ReferenceGroup(holding("reference"), timeout, hosts) if holding("reference") else None
+    critic = CriticGroup(holding("critic"), timeout, hosts) if holding("critic") else None
+    rollout_hosts = holding("rollout")
+    rollout = RolloutGroup(rollout_hosts, timeout, hosts, policy, own_copy="policy" not in rollout_hosts[0].roles)
+    reward = RewardGroup(holding("reward"), timeout, hosts) if holding("reward") else None
+
+    def export(out_dir: Path) -> None:
+        """Every rank takes part (a sharding backend gathers the weights); rank 0 writes."""
+        target = str(Path(out_dir).resolve())
+        calls = [(h, h.handle.export_policy.remote(target)) for h in policy.hosts]
+        if critic is not None and config.save_critic:
+            critic_dir = str(derived.out_dir.resolve() / "critic")
+            calls += [(h, h.handle.export_critic.remote(critic_dir)) for h in critic.hosts]
+        wait(calls, "export", timeout, hosts)
+
+    return Workers(
+        policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, tokenizer=tokenizer,
+        loader=loader, algorithm=plan.algorithm, advantage_config=plan.advantage_config,
+        pad_token_id=tokenizer.pad_token_id, fingerprint=plugin_fingerprint(plugins), export_policy=export,
+        rollout_logprobs=getattr(plan.policy_loss_config, "correction", None) is not None, dist=SINGLE,
+    )
+
+
+def resume_hint(out_dir: Path) -> str:
+    latest = checkpoint.latest_checkpoint(out_dir)
+    if latest is None:
+        return "No checkpoint had been written yet (--save-every N writes one every N steps)."
+    return (f"The last complete checkpoint is {latest} (after step {latest.name.removeprefix('step_')}): run the "
+            "same command with --resume to continue from it.")

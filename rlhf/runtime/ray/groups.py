@@ -1,0 +1,270 @@
+"""Group handles: what the trainer loop calls, fanned out to the Ray actors that hold a role.
+
+Each handle exposes the methods the loop calls on the local workers (`PolicyWorker.fit`,
+`RolloutWorker.generate`, ...), so `rlhf.runtime.trainer.Trainer` runs unchanged. A
+data-parallel role receives the same full batch on every rank (``ray.put`` once, the reference
+passed to each actor); every rank works on its slice and the handle returns rank 0's result,
+which is already gathered or reduced over ranks.
+
+Every remote call has a deadline (``--ray-timeout-s``) and waits on all ranks at once, so the
+first rank that fails is reported at once (its peers may be blocked in a collective on it). A
+dead actor, a timeout or an exception in a worker becomes an `RlhfError` that names the role,
+rank, process and node, and the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf.core.errors import ConfigError, RlhfError
+from rlhf.runtime.distributed import unshard
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailedError(RlhfError):
+    """A Ray worker died, timed out or raised; the run stopped."""
+
+
+class WorkerDiedError(WorkerFailedError):
+    """A Ray worker's process or node went away (killed, out of memory, crashed, node lost)."""
+
+
+class WorkerTimeoutError(WorkerFailedError):
+    """A remote call took longer than --ray-timeout-s."""
+
+
+@dataclass
+class Host:
+    """One actor and where it runs (recorded when it started, for error messages)."""
+
+    handle: Any
+    group: str  # the host group's name, e.g. "policy+reference"
+    roles: tuple[str, ...]  # the roles this host holds
+    rank: int
+    info: dict[str, Any]
+
+    def __str__(self) -> str:
+        info = self.info
+        where = f"pid {info['pid']} on node {info['ip']}" if info else "not started"
+        if info and info.get("hostname"):
+            where += f" ({info['hostname']})"
+        return f"{self.group} rank {self.rank} [{where}]"
+
+
+def wait(calls: list[tuple[Host, Any]], what: str, timeout_s: float, everyone: list[Host] = ()) -> list[Any]:
+    """Results of remote calls in order; the first failure (any rank) raises at once. ``everyone``
+    (all the run's hosts) lets a death be blamed on the actor that died, not on the one whose
+    call needed its output."""
+    import ray
+
+    pending = {ref: index for index, (_, ref) in enumerate(calls)}
+    results: list[Any] = [None] * len(calls)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = [str(calls[i][0]) for i in sorted(pending.values())]
+            raise WorkerTimeoutError(
+                f"{what}: no answer within {timeout_s:g} s (--ray-timeout-s) from {', '.join(late)}; the run "
+                "stopped. Raise --ray-timeout-s if the work is just slow")
+        for ref in ready:
+            index = pending.pop(ref)
+            try:
+                results[index] = ray.get(ref)
+            except Exception as exc:
+                raise failure(exc, calls[index][0], what, everyone) from exc
+    return results
+
+
+def failure(exc: Exception, host: Host, what: str, everyone: list[Host] = ()) -> RlhfError:
+    """The user-facing error for an exception of a remote call."""
+    from ray.exceptions import RayActorError, RayError, RayTaskError
+
+    if isinstance(exc, RayActorError) and (match := re.search(r"\bpid: (\d+)", str(exc))):
+        host = next((h for h in everyone if h.info and h.info["pid"] == int(match.group(1))), host)
+    if isinstance(exc, RayTaskError):  # the worker raised; Ray carries the original exception
+        cause = getattr(exc, "cause", None) or exc
+        if isinstance(cause, RayActorError):
+            return WorkerDiedError(f"{host} died during {what}: {death_cause(cause)}")
+        message = str(cause).strip() if isinstance(cause, RlhfError) else f"{type(cause).__name__}: {cause}"
+        kind = ConfigError if isinstance(cause, ConfigError) else WorkerFailedError
+        return kind(f"{host} failed during {what}: {message}")
+    if isinstance(exc, RayActorError):
+        return WorkerDiedError(f"{host} died during {what}: {death_cause(exc)}")
+    if isinstance(exc, RayError):  # out of memory, lost objects, a lost node
+        return WorkerDiedError(f"{host} failed during {what}: {type(exc).__name__}: {exc}")
+    return WorkerFailedError(f"{host} failed during {what}: {type(exc).__name__}: {exc}")
+
+
+def death_cause(exc: Exception) -> str:
+    """Ray's account of an actor's death, without its id lines (class, actor id, pid, ...)."""
+    base = getattr(type(exc), "BASE_ERROR_MSG", None)
+    useful = [line.strip() for line in str(exc).splitlines()
+              if line.strip() and not line.startswith("\t") and line.strip() != base]
+    return " ".join(useful) or "its process is gone"
+
+
+class RoleGroup:
+    """The actors holding one role; ``hosts[r]`` holds rank r."""
+
+    def __init__(self, role: str, hosts: list[Host], timeout_s: float, everyone: list[Host]):
+        self.role, self.hosts, self.timeout_s, self.everyone = role, hosts, timeout_s, everyone
+
+    def _wait(self, calls: list[tuple[Host, Any]], what: str) -> list[Any]:
+        return wait(calls, what, self.timeout_s, self.everyone)
+
+    @property
+    def size(self) -> int:
+        return len(self.hosts)
+
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of the role on every rank; rank 0's result."""
+        import ray
+
+        args = tuple(ray.put(a) if _is_batch(a) else a for a in args)  # stored once, read by every rank
+        calls = [(host, host.handle.run.remote(self.role, method, *args, reply=host.rank == 0, **kwargs))
+                 for host in self.hosts]
+        return self._wait(calls, f"{self.role}.{method}")[0]
+
+    def _on_hosts(self, method: str, *args: Any) -> list[Any]:
+        calls = [(host, getattr(host.handle, method).remote(*args)) for host in self.hosts]
+        return self._wait(calls, f"{self.role} {method}")
+
+
+class TrainedGroup(RoleGroup):
+    """Policy or critic: updates, and checkpoint state written by each rank."""
+
+    def __init__(self, role: str, hosts: list[Host], timeout_s: float, everyone: list[Host]):
+        super().__init__(role, hosts, timeout_s, everyone)
+        self._nonfinite = 0
+        self.version = 0  # bumped whenever the weights change (fit, load)
+
+    @property
+    def nonfinite_in_a_row(self) -> int:
+        return self._nonfinite
+
+    def fit(self, batch: Any, *, step: int) -> dict[str, float]:
+        metrics = self._on_all("fit", batch, step=step)
+        self.version += 1
+        self._nonfinite = self._wait([(self.hosts[0], self.hosts[0].handle.nonfinite.remote(self.role))],
+                                     f"{self.role}.nonfinite_in_a_row")[0]
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._on_all("state_dict")
+
+    def save(self, directory: Path) -> None:
+        self._nonfinite = self._on_hosts("save", self.role, str(Path(directory).resolve()))[0]
+
+    def load(self, directory: Path) -> None:
+        self._nonfinite = self._on_hosts("load", self.role, str(Path(directory).resolve()))[0]
+        self.version += 1
+
+
+class PolicyGroup(TrainedGroup):
+    def __init__(self, hosts: list[Host], timeout_s: float, everyone: list[Host]):
+        super().__init__("policy", hosts, timeout_s, everyone)
+
+    def logprobs(self, batch: Any) -> Any:
+        return self._on_all("logprobs", batch)
+
+    def weights_refs(self) -> list[tuple[Host, Any]]:
+        """Object-store references to every rank's answer; rank 0's holds the trainable parameters."""
+        return [(host, host.handle.policy_weights.remote()) for host in self.hosts]
+
+
+class CriticGroup(TrainedGroup):
+    def __init__(self, hosts: list[Host], timeout_s: float, everyone: list[Host]):
+        super().__init__("critic", hosts, timeout_s, everyone)
+
+    def values(self, batch: Any) -> Any:
+        return self._on_all("values", batch)
+
+
+class ReferenceGroup(RoleGroup):
+    def __init__(self, hosts: list[Host], timeout_s: float, everyone: list[Host]):
+        super().__init__("reference", hosts, timeout_s, everyone)
+
+    def logprobs(self, batch: Any) -> Any:
+        return self._on_all("logprobs", batch)
+
+
+class RewardGroup(RoleGroup):
+    """The reward sources, in one process: they score the whole batch as the local runtime does."""
+
+    def __init__(self, hosts: list[Host], timeout_s: float, everyone: list[Host]):
+        super().__init__("reward", hosts, timeout_s, everyone)
+
+    def score(self, trajectories: list[Any]) -> Any:
+        host = self.hosts[0]
+        return self._wait([(host, host.handle.run.remote("reward", "score", trajectories))], "reward.score")[0]
+
+
+class RolloutGroup(RoleGroup):
+    """Rollout actors: prompts are split over them (prompt p to actor p mod N, as `DistContext.shard`
+    splits them over launcher ranks) and the trajectories come back in prompt order, groups intact.
+
+    Actors holding their own copy of the policy get its weights from policy rank 0 through the
+    object store (``sync_weights``, after each step), and before a generation whenever the
+    policy changed since the last sync (a resumed run: the policy loaded a checkpoint).
+    """
+
+    def __init__(self, hosts: list[Host], timeout_s: float, everyone: list[Host], policy: PolicyGroup, *,
+                 own_copy: bool):
+        super().__init__("rollout", hosts, timeout_s, everyone)
+        self.policy, self.own_copy = policy, own_copy
+        self.synced_version = 0
+        self.last_sync = {"seconds": 0.0, "bytes": 0}
+
+    def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Any]:
+        if self.own_copy and self.synced_version != self.policy.version:
+            self.sync_weights(None)
+        calls = []
+        for rank, host in enumerate(self.hosts):
+            shard = prompts[rank::self.size]
+            if shard:
+                calls.append((host, host.handle.run.remote("rollout", "generate", shard, n=n, params=params)))
+        per_host = self._wait(calls, "rollout.generate")
+        groups = unshard([[shard[i:i + n] for i in range(0, len(shard), n)] for shard in per_host])
+        assert len(groups) == len(prompts), f"{len(groups)} prompt groups came back for {len(prompts)} prompts"
+        trajectories = []
+        for index, group in enumerate(groups):  # groups numbered over the whole batch, as in one process
+            for trajectory in group:
+                trajectory.group = index
+                trajectories.append(trajectory)
+        return trajectories
+
+    def sync_weights(self, state: Any) -> None:
+        """Push policy rank 0's weights to every rollout actor (``state`` is ignored: they travel
+        through the object store, fetched once per actor)."""
+        if not self.own_copy:
+            return
+        began = time.perf_counter()
+        answers = self.policy.weights_refs()
+        weights = answers[0][1]  # passed by reference: each rollout actor reads it from the object store
+        loads = [(host, host.handle.load_policy_weights.remote(weights)) for host in self.hosts]
+        loaded = self._wait(loads + answers[1:], "rollout load_policy_weights")[: len(loads)]
+        self.synced_version = self.policy.version
+        self.last_sync = {"seconds": time.perf_counter() - began, "bytes": int(loaded[0])}
+        log.debug("synced %d bytes of policy weights to %d rollout actor(s) in %.3f s", loaded[0], self.size,
+                  self.last_sync["seconds"])
+
+    def save(self, directory: Path) -> None:
+        """Each rollout actor's RNG states (its sampling stream), so a resumed run samples the same."""
+        self._on_hosts("save", self.role, str(Path(directory).resolve()))
+
+    def load(self, directory: Path) -> None:
+        self._on_hosts("load", self.role, str(Path(directory).resolve()))
+
+
+def _is_batch(value: Any) -> bool:
+    from rlhf.runtime.batch import ExperienceBatch
+
+    return isinstance(value, ExperienceBatch)
+

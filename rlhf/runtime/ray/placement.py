@@ -1,0 +1,183 @@
+"""Where the roles of a Ray run live: host groups, their resources, and placement groups.
+
+A *host* is one Ray actor process; a *host group* is W hosts holding the same roles, one rank of
+each per host. Colocated roles share a host group, so rank r of each lives in the same process,
+on the same device, in bundle r of the group's placement group (OpenRLHF colocates with separate
+actors that each take a fraction of a GPU; one process instead lets a LoRA reference reuse the
+policy's base weights and costs one CUDA context, not two):
+
+====================  ==========================================================================
+``--colocate``        host groups (``×`` actors)
+====================  ==========================================================================
+``none``              policy ×P, reference ×R, critic ×C, rollout ×N, [reward ×1]
+``policy_ref``        policy+reference ×P, critic ×C, rollout ×N, [reward ×1]
+``critic_reward``     policy ×P, reference ×R, critic+reward ×C (reward on rank 0), rollout ×N
+``all``               policy+reference+critic+rollout ×P (reward on rank 0)
+====================  ==========================================================================
+
+Reward sources are scored by one process, on the whole batch (so per-source metrics and the
+failure policy behave as in the local runtime): by a reward actor of its own when a reward model
+is among them, when ``--reward-gpus`` is set or with ``--colocate critic_reward``; otherwise by
+rollout worker 0, next to the environments. A host requests the resources of the first role it
+holds (``--policy-cpus``/``--policy-gpus`` for policy+reference and for ``all``,
+``--critic-*`` for critic+reward, ``--rollout-*`` for rollout+reward). Only roles that exist
+are placed (no reference when the KL coefficient is 0, no critic without a critic-based
+estimator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf.core.errors import ConfigError
+
+ROLES = ("policy", "reference", "critic", "rollout", "reward")  # also the order a host builds them in
+DP_ROLES = ("policy", "reference", "critic")  # roles whose ranks form a torch.distributed group
+_FLAG_PREFIX = {"policy": "policy", "reference": "ref", "critic": "critic", "rollout": "rollout", "reward": "reward"}
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpus: float
+    gpus: float
+
+    def bundle(self) -> dict[str, float]:
+        """A placement-group bundle (zero amounts left out: Ray rejects them)."""
+        return {key: value for key, value in (("CPU", self.cpus), ("GPU", self.gpus)) if value > 0}
+
+
+@dataclass(frozen=True)
+class HostGroup:
+    roles: tuple[str, ...]  # held by every rank
+    size: int
+    resources: Resources
+    rank0_roles: tuple[str, ...] = ()  # held by rank 0 only (the reward sources)
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.roles + self.rank0_roles)
+
+    def roles_of(self, rank: int) -> tuple[str, ...]:
+        held = self.roles + (self.rank0_roles if rank == 0 else ())
+        return tuple(role for role in ROLES if role in held)
+
+    @property
+    def needs_process_group(self) -> bool:
+        return self.size > 1 and any(role in DP_ROLES for role in self.roles)
+
+
+@dataclass(frozen=True)
+class Layout:
+    groups: tuple[HostGroup, ...]
+
+    def group_of(self, role: str) -> HostGroup | None:
+        return next((g for g in self.groups if role in g.roles + g.rank0_roles), None)
+
+    @property
+    def cpus(self) -> float:
+        return sum(g.size * g.resources.cpus for g in self.groups)
+
+    @property
+    def gpus(self) -> float:
+        return sum(g.size * g.resources.gpus for g in self.groups)
+
+    def describe(self) -> str:
+        return ", ".join(f"{g.name} ×{g.size} ({g.resources.cpus:g} CPU, {g.resources.gpus:g} GPU each)"
+                         for g in self.groups)
+
+
+def role_resources(config: Any, role: str) -> Resources:
+    prefix = _FLAG_PREFIX[role]
+    return Resources(cpus=float(getattr(config, f"{prefix}_cpus")), gpus=float(getattr(config, f"{prefix}_gpus")))
+
+
+def names_reward_model(specs: list[str]) -> bool:
+    """True when a reward SPEC (``[@WEIGHT]`` stripped) is a directory with a model config."""
+    for spec in specs:
+        head, sep, tail = spec.strip().rpartition("@")
+        for text in {spec.strip(), head if sep else spec.strip()}:
+            if text and Path(text).is_dir() and (Path(text) / "config.json").is_file():
+                return True
+    return False
+
+
+def plan_layout(config: Any, *, needs_reference: bool, needs_critic: bool, has_reward: bool) -> Layout:
+    """The host groups of a run (validates the counts and resources against ``--colocate``)."""
+    colocate = config.colocate
+    policy = _count(config.policy_actors, "--policy-actors")
+    for flag, value in (("--ref-actors", config.ref_actors), ("--critic-actors", config.critic_actors),
+                        ("--rollout-workers", config.rollout_workers)):
+        if value is not None:
+            _count(value, flag)
+    if colocate in ("policy_ref", "all") and config.ref_actors not in (None, policy):
+        raise ConfigError(f"--colocate {colocate} puts reference rank r into policy actor r, so --ref-actors must "
+                          f"equal --policy-actors ({policy}) or be left out; got {config.ref_actors}")
+    if colocate == "all":
+        for flag, value in (("--critic-actors", config.critic_actors), ("--rollout-workers", config.rollout_workers)):
+            if value not in (None, policy):
+                raise ConfigError(f"--colocate all puts every role into the {policy} policy actor(s), so {flag} must "
+                                  f"equal --policy-actors or be left out; got {value}")
+    reward_actor = has_reward and (names_reward_model(config.reward) or config.reward_gpus > 0
+                                   or colocate == "critic_reward")
+
+    def group(roles: tuple[str, ...], size: int, rank0: tuple[str, ...] = ()) -> HostGroup:
+        resources = role_resources(config, roles[0])
+        if resources.cpus < 0 or resources.gpus < 0 or not resources.bundle():
+            raise ConfigError(f"the {'+'.join(roles + rank0)} actors request no resources: give them CPUs or GPUs "
+                              f"(e.g. --{_FLAG_PREFIX[roles[0]]}-cpus 1)")
+        return HostGroup(roles=roles, size=size, resources=resources, rank0_roles=rank0)
+
+    reward_role = ("reward",) if has_reward else ()
+    if colocate == "all":
+        roles = ("policy",) + (("reference",) if needs_reference else ()) + (("critic",) if needs_critic else ()) \
+            + ("rollout",)
+        return Layout((group(roles, policy, reward_role),))
+
+    groups = []
+    if colocate == "policy_ref" and needs_reference:
+        groups.append(group(("policy", "reference"), policy))
+    else:
+        groups.append(group(("policy",), policy))
+        if needs_reference:
+            groups.append(group(("reference",), config.ref_actors or 1))
+    critic_size = config.critic_actors or 1
+    with_critic = colocate == "critic_reward" and needs_critic
+    if needs_critic:
+        groups.append(group(("critic",), critic_size, reward_role if with_critic else ()))
+    groups.append(group(("rollout",), config.rollout_workers or 1, () if reward_actor else reward_role))
+    if reward_actor and not with_critic:
+        groups.append(group(("reward",), 1))
+    return Layout(tuple(groups))
+
+
+def _count(value: int, flag: str) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{flag} must be a whole number of at least 1, got {value!r}")
+    return value
+
+
+# --- Ray placement groups ---------------------------------------------------------------------
+
+
+def create_placement_groups(layout: Layout, timeout_s: float) -> list[Any]:
+    """One PACK placement group per host group (one bundle per rank), ready or an error that says
+    what the cluster lacks."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    groups = [placement_group([g.resources.bundle()] * g.size, strategy="PACK") for g in layout.groups]
+    try:
+        ray.get([pg.ready() for pg in groups], timeout=timeout_s)
+    except GetTimeoutError:
+        for pg in groups:
+            remove_placement_group(pg)
+        available = ray.cluster_resources()
+        raise ConfigError(
+            f"the Ray cluster could not place the run's actors within {timeout_s:g} s: they need "
+            f"{layout.cpus:g} CPUs and {layout.gpus:g} GPUs in all ({layout.describe()}); the cluster has "
+            f"{available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs. Lower --*-cpus/--*-gpus, "
+            "use fractions, or colocate roles (--colocate)") from None
+    return groups

@@ -1,0 +1,151 @@
+"""Where the Ray runtime places roles, what it ships to workers, and how worker failures read
+(pure functions; the one Ray-backed test here uses the session cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlhf.core.errors import ConfigError
+from rlhf.runtime.config import TrainConfig
+from rlhf.runtime.ray.cluster import job_runtime_env
+from rlhf.runtime.ray.driver import worker_env
+from rlhf.runtime.ray.groups import (Host, WorkerDiedError, WorkerFailedError, WorkerTimeoutError, death_cause,
+                                     failure, wait)
+from rlhf.runtime.ray.placement import plan_layout
+
+
+def config(**values):
+    return TrainConfig.from_dict({"model": "m", "data": ["d.jsonl"], "reward": ["r.py"], **values})
+
+
+def layout(values=None, *, reference=True, critic=False, reward=True):
+    return [(g.name, g.size, g.resources.cpus, g.resources.gpus)
+            for g in plan_layout(config(**(values or {})), needs_reference=reference, needs_critic=critic,
+                                 has_reward=reward).groups]
+
+
+def test_each_role_gets_its_own_group_and_python_rewards_go_to_rollout_worker_0():
+    assert layout({"policy_actors": 2, "policy_gpus": 1, "rollout_workers": 3, "rollout_cpus": 0.5}, critic=True) == [
+        ("policy", 2, 1.0, 1.0), ("reference", 1, 1.0, 0.0), ("critic", 1, 1.0, 0.0), ("rollout+reward", 3, 0.5, 0.0)]
+    groups = plan_layout(config(rollout_workers=2), needs_reference=False, needs_critic=False, has_reward=True).groups
+    assert [g.roles_of(0) for g in groups] == [("policy",), ("rollout", "reward")]
+    assert groups[1].roles_of(1) == ("rollout",)  # the reward sources live on rank 0 only
+
+
+def test_colocation_puts_roles_into_one_process_per_rank():
+    assert layout({"colocate": "policy_ref", "policy_actors": 2, "policy_cpus": 0.5}) == [
+        ("policy+reference", 2, 0.5, 0.0), ("rollout+reward", 1, 1.0, 0.0)]
+    assert layout({"colocate": "critic_reward", "critic_actors": 2, "critic_gpus": 0.5}, critic=True) == [
+        ("policy", 1, 1.0, 0.0), ("reference", 1, 1.0, 0.0), ("critic+reward", 2, 1.0, 0.5), ("rollout", 1, 1.0, 0.0)]
+    assert layout({"colocate": "all", "policy_actors": 2, "policy_gpus": 1}, critic=True) == [
+        ("policy+reference+critic+rollout+reward", 2, 1.0, 1.0)]
+    assert layout({"colocate": "all"}, reference=False, reward=False) == [("policy+rollout", 1, 1.0, 0.0)]
+
+
+def test_reward_models_and_reward_gpus_get_a_reward_actor(tmp_path):
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "config.json").write_text("{}")
+    expected = [("policy", 1, 1.0, 0.0), ("rollout", 1, 1.0, 0.0), ("reward", 1, 1.0, 0.0)]
+    assert layout({"reward": [f"{tmp_path / 'rm'}@0.5"]}, reference=False) == expected
+    assert layout({"reward_gpus": 1}, reference=False)[-1] == ("reward", 1, 1.0, 1.0)
+    assert layout({"colocate": "critic_reward"}, reference=False)[-1] == ("reward", 1, 1.0, 0.0)  # no critic to share
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"colocate": "policy_ref", "policy_actors": 2, "ref_actors": 1}, "--ref-actors must equal --policy-actors"),
+    ({"colocate": "all", "rollout_workers": 3}, "--rollout-workers must equal --policy-actors"),
+    ({"policy_actors": 0}, "--policy-actors must be a whole number of at least 1"),
+    ({"rollout_cpus": 0}, "request no resources"),
+])
+def test_contradictory_placement_flags_are_config_errors(values, message):
+    with pytest.raises(ConfigError, match=message):
+        layout(values)
+
+
+def test_the_working_directory_is_shipped_only_when_joining_a_cluster(tmp_path):
+    assert job_runtime_env(config(), tmp_path, tmp_path / "runs" / "x") == {}
+    env = job_runtime_env(config(ray_address="10.0.0.1:6379"), tmp_path, tmp_path / "out" / "run1")
+    assert env["working_dir"] == str(tmp_path)
+    assert {".git", ".venv", "runs", str(Path("out") / "run1")} <= set(env["excludes"])
+    outside = job_runtime_env(config(ray_address="auto"), tmp_path / "code", tmp_path / "elsewhere")
+    assert str(Path("..") / "elsewhere") not in outside["excludes"] and outside["working_dir"] == str(tmp_path / "code")
+
+
+def test_worker_environment_passes_plugin_selection_on(monkeypatch):
+    monkeypatch.setenv("RLHF_DISABLE_PLUGINS", "rlhf.runtime.loggers")
+    env = worker_env(config(ray_env=["HF_HOME=/data/hf", "EMPTY="]))
+    assert env == {"TOKENIZERS_PARALLELISM": "false", "RLHF_DISABLE_PLUGINS": "rlhf.runtime.loggers",
+                   "HF_HOME": "/data/hf", "EMPTY": ""}
+    with pytest.raises(ConfigError, match="--ray-env expects KEY=VALUE, got 'HF_HOME'"):
+        worker_env(config(ray_env=["HF_HOME"]))
+
+
+HOST = Host(handle=None, group="rollout+reward", roles=("rollout", "reward"), rank=0,
+            info={"pid": 4242, "ip": "10.0.0.7", "hostname": "gpu-3"})
+
+
+def test_worker_errors_name_the_role_rank_process_and_node():
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    died = failure(ActorDiedError(), HOST, "rollout.generate")
+    assert isinstance(died, WorkerDiedError)
+    assert str(died) == ("rollout+reward rank 0 [pid 4242 on node 10.0.0.7 (gpu-3)] died during rollout.generate: "
+                         "its process is gone")
+    raised = failure(RayTaskError("score", "Traceback ...", ConfigError("reward file missing")), HOST, "reward.score")
+    assert type(raised) is ConfigError  # still a usage error on the command line
+    assert str(raised) == "rollout+reward rank 0 [pid 4242 on node 10.0.0.7 (gpu-3)] failed during reward.score: " \
+                          "reward file missing"
+    bug = failure(RayTaskError("fit", "Traceback ...", KeyError("loss")), HOST, "policy.fit")
+    assert isinstance(bug, WorkerFailedError) and str(bug).endswith("failed during policy.fit: KeyError: 'loss'")
+
+
+def test_death_cause_keeps_rays_explanation_without_the_id_lines():
+    class Died(Exception):
+        BASE_ERROR_MSG = "The actor died unexpectedly before finishing this task."
+
+    message = ("The actor died unexpectedly before finishing this task.\n\tclass_name: WorkerHost\n\tpid: 12\n"
+               "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR")
+    assert death_cause(Died(message)) == ("The actor is dead because its worker process has died. "
+                                          "Worker exit type: SYSTEM_ERROR")
+
+
+@pytest.mark.ray
+def test_a_call_past_its_deadline_stops_with_a_timeout_error(ray_cluster):
+    import time
+
+    import ray
+
+    slow = ray.remote(num_cpus=0.1)(lambda: time.sleep(30))
+    with pytest.raises(WorkerTimeoutError, match=r"policy\.fit: no answer within 0\.2 s \(--ray-timeout-s\) from "
+                                                 r"rollout\+reward rank 0 \[pid 4242"):
+        wait([(HOST, slow.remote())], "policy.fit", 0.2)
+
+
+def test_rlhf_train_shows_the_ray_flags_and_an_address_selects_the_ray_runtime(plugins, monkeypatch, tmp_path):
+    import rlhf.runtime.ray as ray_runtime
+    from tests.helpers import run_cli
+
+    help_text = run_cli(plugins, ["train", "--help"]).output
+    assert "[Ray] Data-parallel policy actors" in help_text and "--colocate [none|policy_ref|critic_reward|all]" \
+        in help_text
+    seen = []
+    monkeypatch.setattr(ray_runtime, "train", lambda config, plugins: seen.append(config) or tmp_path)
+    result = run_cli(plugins, ["train", "--model", "m", "--data", "d.jsonl", "--reward", "r.py", "--ray-address",
+                               "10.0.0.1:6379", "--policy-actors", "2", "--rollout-cpus", "0.5"])
+    assert result.exit_code == 0, result.output
+    assert [(c.runtime, c.ray_address, c.policy_actors, c.rollout_cpus) for c in seen] == [
+        ("ray", "10.0.0.1:6379", 2, 0.5)]
+
+
+def test_a_local_cluster_is_not_started_for_more_gpus_than_the_machine_has(monkeypatch, tmp_path):
+    import ray
+
+    from rlhf.runtime.ray.cluster import Cluster
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `rlhf train` process
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("ray.init must not be called"))
+    with pytest.raises(ConfigError, match=r"the run's actors need 1000 GPUs but this machine has \d+: lower "
+                                          r"--\*-gpus, or join a cluster with --ray-address"):
+        Cluster.open(config(policy_gpus=1000), cpus_needed=1, gpus_needed=1000, out_dir=tmp_path)

@@ -1,0 +1,339 @@
+"""`rlhf train --runtime ray` on a local CPU cluster: it reproduces the local run, two data-parallel
+policy actors update like one, workers with other plugins are refused, a killed worker stops the
+run with a message naming it and a resumable checkpoint, and nothing is left running."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlhf
+from rlhf.core.plugins import build_plugin_manager
+from rlhf.runtime.config import TrainConfig
+from rlhf.runtime.local import train as local_train
+from tests.ray.conftest import actor_processes
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
+REWARD = "def reward_func(completions, labels, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
+ENV = '''\
+from rlhf.core.types import StepResult
+
+
+class LengthEnv:
+    """One turn; 0.05 per character of the answer."""
+
+    def reset(self, prompt, label):
+        return None
+
+    def step(self, action):
+        return StepResult(reward=0.05 * len(action), done=True)
+'''
+FRACTIONS = {"policy_cpus": 0.5, "ref_cpus": 0.5, "rollout_cpus": 0.5}  # the session cluster has 2 CPUs
+TRAINING_KEYS = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "policy/grad_norm",
+                 "policy/clip_frac", "kl/mean")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task")
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    (root / "rewards.py").write_text(REWARD)
+    (root / "envs.py").write_text(ENV)
+    return root
+
+
+def make_config(model_dir, task, out, **overrides):
+    values = dict(model=str(model_dir), data=[str(task / "data.jsonl")], label_key="answer",
+                  reward=[str(task / "rewards.py")], prompts_per_step=2, n_samples=2, max_new_tokens=4,
+                  micro_batch_size=2, steps=2, lr=1e-3, out=str(out), progress=False, seed=7, **FRACTIONS)
+    values.update(overrides)
+    return TrainConfig.from_dict(values)
+
+
+def ray_train(config, plugins=None):
+    from rlhf.runtime.ray import train
+
+    return train(config, plugins=plugins or build_plugin_manager())
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The local process with one thread, like an actor with a fraction of a CPU (same float sums)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def samples(out):
+    return [(s["step"], s["completion"], s["reward"]) for s in read_jsonl(out / "samples.jsonl")]
+
+
+def assert_same_training(ray_out, local_out, keys=TRAINING_KEYS, abs_tol=1e-9):
+    """Same sampled tokens and rewards; losses equal up to float round-off."""
+    assert samples(ray_out) == samples(local_out)
+    ray_metrics, local_metrics = read_jsonl(ray_out / "metrics.jsonl"), read_jsonl(local_out / "metrics.jsonl")
+    assert [m["step"] for m in ray_metrics] == [m["step"] for m in local_metrics]
+    for ray_step, local_step in zip(ray_metrics, local_metrics):
+        for key in keys:
+            assert ray_step[key] == pytest.approx(local_step[key], rel=1e-5, abs=abs_tol), (ray_step["step"], key)
+
+
+def final_weights(out):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+
+
+def assert_no_actors_left(timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while actor_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert actor_processes() == [], "Ray actor processes outlived the run"
+    import ray
+
+    assert [n for n in ray.util.list_named_actors() if n.startswith("rlhf-")] == []
+
+
+def test_the_ray_runtime_reproduces_the_local_run(ray_cluster, tiny_model_dir, task, tmp_path):
+    """One policy actor, one reference actor, one rollout actor holding its own copy of the policy:
+    the same samples, rewards and losses as the local runtime, weights synced every step."""
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", save_every=1),
+                    plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    assert ray_train(make_config(tiny_model_dir, task, ray_out, save_every=1, runtime="ray")) == ray_out
+    assert_no_actors_left()
+
+    assert_same_training(ray_out, tmp_path / "local")
+    metrics = read_jsonl(ray_out / "metrics.jsonl")
+    assert all(m["time/sync"] > 0 for m in metrics)  # the rollout actor's copy was refreshed every step
+    assert metrics[1]["policy/loss"] != metrics[0]["policy/loss"]  # the second step sampled from new weights
+    step = ray_out / "checkpoints" / "step_2"
+    assert sorted(str(p.relative_to(step)) for p in step.rglob("*") if p.is_file()) == [
+        "policy/rng_0.pt", "policy/state.pt", "rng_0.pt", "rollout/rng_0.pt", "trainer_state.json"]
+    for (name, a), b in zip(final_weights(tmp_path / "local").items(), final_weights(ray_out).values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_zero3_over_two_policy_actors_reproduces_the_local_torch_run(ray_cluster, tiny_model_dir, task,
+                                                                                 tmp_path):
+    """One DeepSpeed rank per policy actor: ZeRO-3 shards the policy over the two actors, the
+    rollout actor's copy gets the gathered weights after each step, the final model is consolidated."""
+    pytest.importorskip("deepspeed")
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", kl_coef=0.0),
+                    plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    ray_train(make_config(tiny_model_dir, task, ray_out, kl_coef=0.0, runtime="ray", backend="deepspeed",
+                          zero_stage=3, policy_actors=2))
+    assert_no_actors_left()
+    # Two ranks sum floats in another order: a GRPO loss that is 0 up to round-off (~1e-7) differs there.
+    assert_same_training(ray_out, tmp_path / "local", keys=[k for k in TRAINING_KEYS if k != "kl/mean"], abs_tol=1e-6)
+    shards = sorted(p.name for p in (ray_out / "checkpoints" / "step_2" / "policy" / "deepspeed").iterdir())
+    assert shards == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")]
+    for (name, a), b in zip(final_weights(tmp_path / "local").items(), final_weights(ray_out).values()):
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
+def fixed_batch():
+    """8 trajectories (4 prompts x 2) of different lengths, with GRPO advantages."""
+    from rlhf.algorithms import compute_advantages, resolve_algorithm
+    from rlhf.core.types import Trajectory
+    from rlhf.runtime.batch import collate
+
+    generator = torch.Generator().manual_seed(1)
+    trajectories = []
+    for row in range(8):
+        prompt = torch.randint(5, 300, (3 + row % 3,), generator=generator).tolist()
+        completion = torch.randint(5, 300, (2 + row % 4,), generator=generator).tolist()
+        mask = [0] * len(prompt) + [1] * len(completion)
+        trajectories.append(Trajectory(token_ids=prompt + completion, loss_mask=mask, prompt_length=len(prompt),
+                                       prompt="", prompt_text="", completion_text="", group=row // 2))
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 0.75, 0.5])
+    batch = collate(trajectories, pad_token_id=0, rewards=rewards, sample_mask=torch.ones(8))
+    algorithm = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0)
+    batch.advantages, batch.returns = compute_advantages(algorithm.advantage, rewards=batch.rewards,
+                                                         action_mask=batch.action_mask, group_size=2)
+    return batch
+
+
+def test_two_policy_actors_update_the_policy_like_one(ray_cluster, tiny_model_dir, task, tmp_path):
+    """Each actor trains every other row of each minibatch; token_mean normalises over the whole
+    minibatch and gradients are summed over the actors (gloo), so the update is one actor's."""
+    import dataclasses
+
+    from rlhf.runtime.ray.cluster import Cluster
+    from rlhf.runtime.ray.driver import launch
+    from rlhf.runtime.ray.groups import PolicyGroup
+    from rlhf.runtime.ray.placement import HostGroup, Layout, Resources
+
+    config = make_config(tiny_model_dir, task, tmp_path / "run", kl_coef=0.0, prompts_per_step=4, n_samples=2,
+                         train_batch_size=4, ppo_epochs=2, micro_batch_size=1, lr=1e-2, max_new_tokens=8, seed=3,
+                         runtime="ray")
+    half_cpu = Resources(0.5, 0.0)
+    two_and_one = Layout((HostGroup(("policy",), 2, half_cpu), HostGroup(("policy",), 1, half_cpu)))
+    cluster = Cluster.open(config, cpus_needed=1.5, gpus_needed=0, out_dir=tmp_path / "run")
+    results = {}
+    try:
+        hosts = launch(two_and_one, config, config.derived(), 8, build_plugin_manager(), cluster)
+        assert [(h.info["dist_rank"], h.info["world_size"]) for h in hosts] == [(0, 2), (1, 2), (0, 1)]
+        assert hosts[0].info["pid"] != hosts[1].info["pid"]
+        for name, group in (("two", PolicyGroup(hosts[:2], 120, hosts)), ("one", PolicyGroup(hosts[2:], 120, hosts))):
+            batch = fixed_batch()
+            batch = dataclasses.replace(batch, old_logprobs=group.logprobs(batch))  # (B, A) gathered over ranks
+            metrics = group.fit(batch, step=0)
+            results[name] = (batch.old_logprobs, metrics, group.state_dict()["model"])
+    finally:
+        cluster.close()
+    assert_no_actors_left()
+
+    (old_two, metrics_two, weights_two), (old_one, metrics_one, weights_one) = results["two"], results["one"]
+    assert torch.allclose(old_two, old_one, atol=1e-6)
+    assert metrics_two.keys() == metrics_one.keys() and "policy/loss" in metrics_one
+    for key, value in metrics_one.items():
+        assert metrics_two[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    for name, weight in weights_one.items():
+        assert torch.allclose(weight, weights_two[name], atol=2e-5), name  # float sums in another order
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    changed = sum(not torch.equal(start[name], weight) for name, weight in weights_one.items() if name in start)
+    assert changed > 0, "the update changed nothing"
+
+
+def test_workers_with_other_plugins_are_refused(ray_cluster, tiny_model_dir, task, tmp_path):
+    config = make_config(tiny_model_dir, task, tmp_path / "run", runtime="ray", colocate="all",
+                         ray_env=["RLHF_DISABLE_PLUGINS=rlhf.runtime.loggers"])
+    from rlhf.runtime.ray.driver import PluginMismatchError
+
+    with pytest.raises(PluginMismatchError) as caught:
+        ray_train(config)
+    message = str(caught.value)
+    assert re.search(r"policy\+reference\+rollout\+reward rank 0 \[pid \d+ on node \S+ \(.*\)\]:\n"
+                     r"    plugin 'rlhf\.runtime\.loggers' \(rlhf-core==\S+\) is missing", message), message
+    assert "RLHF_DISABLE_PLUGINS" in message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the run began
+    assert_no_actors_left()
+
+
+class RolloutKiller:
+    """Kills the rollout actor's process (as the OOM killer would) right after the step-1 checkpoint."""
+
+    @rlhf.hookimpl
+    def on_checkpoint(self, step):
+        if step != 1:
+            return
+        import ray
+
+        names = ray.util.list_named_actors()
+        name = next(n for n in names if n.startswith("rlhf-") and n.endswith("-rollout+reward-0"))
+        os.kill(ray.get(ray.get_actor(name).hello.remote())["pid"], signal.SIGKILL)
+
+
+def test_a_killed_worker_stops_the_run_and_resume_finishes_it(ray_cluster, tiny_model_dir, task, tmp_path):
+    """The environment and the reward come from files the actors import; the resumed run restores
+    the policy, its optimizer and the rollout actor's sampling RNG, so it matches an uninterrupted run."""
+    out = tmp_path / "run"
+    values = dict(steps=3, save_every=1, env=f"{task / 'envs.py'}:LengthEnv", colocate="policy_ref")
+    plugins = build_plugin_manager()
+    plugins.register(RolloutKiller(), "rollout_killer")
+    from rlhf.runtime.ray.groups import WorkerDiedError
+
+    with pytest.raises(WorkerDiedError) as caught:
+        ray_train(make_config(tiny_model_dir, task, out, runtime="ray", **values), plugins=plugins)
+    message = str(caught.value)
+    assert re.match(r"rollout\+reward rank 0 \[pid \d+ on node \S+ \(.*\)\] died during rollout\.generate: \S",
+                    message), message
+    assert (f"The last complete checkpoint is {out / 'checkpoints' / 'step_1'} (after step 1): run the same command "
+            "with --resume") in message
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
+    assert_no_actors_left()
+
+    ray_train(make_config(tiny_model_dir, task, out, runtime="ray", resume=True, **values))
+    assert_no_actors_left()
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **values), plugins=build_plugin_manager())
+    assert_same_training(out, tmp_path / "local")
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["env/reward_mean"] > 0 for m in metrics)  # LengthEnv ran in the rollout actor
+    assert (out / "final" / "config.json").is_file()
+
+
+def ray_processes(marker: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if marker in command:
+                    found.append(command[:120])
+    return found
+
+
+def test_rlhf_train_on_ray_with_two_policy_actors_leaves_nothing_running(tiny_model_dir, task):
+    """The command line starts its own cluster (relative paths resolve in the actors as in the
+    driver's directory), trains with two policy and two rollout actors, and stops every process
+    it started."""
+    work = Path(tempfile.mkdtemp(prefix="rlhf-ray-"))  # short: Ray's socket paths live under RAY_TMPDIR
+    try:
+        run_in(work, tiny_model_dir, task)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_in(work, tiny_model_dir, task):
+    for name in ("data.jsonl", "rewards.py"):
+        (work / name).write_text((task / name).read_text())
+    env = {**os.environ, "RAY_TMPDIR": str(work / "ray"), "RLHF_LOAD_PLUGINS": ""}
+    args = ["--runtime", "ray", "--policy-actors", "2", "--colocate", "policy_ref", "--policy-cpus", "0.5",
+            "--rollout-workers", "2", "--rollout-cpus", "0.5", "--model", str(tiny_model_dir),
+            "--data", "data.jsonl", "--label-key", "answer", "--reward", "rewards.py:reward_func",
+            "--prompts-per-step", "2", "--n-samples", "2", "--max-new-tokens", "4", "--micro-batch-size", "2",
+            "--steps", "2", "--lr", "1e-3", "--no-progress", "--out", "run"]
+    result = subprocess.run([sys.executable, "-m", "rlhf", "train", *args], capture_output=True, text=True, env=env,
+                            cwd=work, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "run finished: run" in result.stdout
+    assert [m["step"] for m in read_jsonl(work / "run" / "metrics.jsonl")] == [1, 2]
+    assert (work / "run" / "final" / "config.json").is_file()
+    step = work / "run" / "checkpoints" / "step_2"
+    assert sorted(p.name for p in (step / "policy").iterdir()) == ["rng_0.pt", "rng_1.pt", "state.pt"]  # 2 ranks
+    assert sorted(p.name for p in (step / "rollout").iterdir()) == ["rng_0.pt", "rng_1.pt"]  # 2 rollout workers
+
+    # The two rollout workers each sampled half the prompts; they come back in the loader's order, groups intact.
+    from transformers import AutoTokenizer
+
+    from rlhf.runtime.local import build_loader
+
+    loader = build_loader(TrainConfig.from_dict({"model": str(tiny_model_dir), "data": [str(work / "data.jsonl")],
+                                                 "label_key": "answer"}), AutoTokenizer.from_pretrained(tiny_model_dir))
+    expected = [item.prompt for _ in range(2) for item in loader.next_batch(2)]
+    prompts = [s["prompt"] for s in read_jsonl(work / "run" / "samples.jsonl")]
+    assert prompts[0::2] == prompts[1::2] == expected
+    deadline = time.monotonic() + 30
+    while ray_processes(str(work / "ray")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_processes(str(work / "ray")) == []  # raylet, GCS and workers of the run's cluster are gone
