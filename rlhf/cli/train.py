@@ -110,11 +110,13 @@ def _load_config_file(ctx: click.Context, param: click.Parameter, value: str | N
 
 def _train_command() -> click.Command:
     def command(**kwargs: Any) -> None:
-        """Train a policy with reinforcement learning on the local runtime.
+        """Train a policy with reinforcement learning (this process, torchrun ranks, or Ray actors).
 
         \b
         rlhf train --algo grpo --model ./examples/tiny-model --data examples/data/train.jsonl \\
             --label-key answer --reward examples/rewards.py:exact_match --out runs/quickstart
+        python -m torch.distributed.run --standalone --nproc-per-node 2 -m rlhf train ...
+        rlhf train --runtime ray --policy-actors 2 ...
 
         Every option can also come from --config run.yaml (flags override the file).
         """

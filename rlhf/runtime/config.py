@@ -144,6 +144,9 @@ class TrainConfig:
     # --- runtime ----------------------------------------------------------------------------
     runtime: str = _opt("local", "local: every worker in this process (or one data-parallel rank per process "
                         "under torchrun); ray: worker groups as Ray actors", "runtime", choices=("local", "ray"))
+    threads: int | None = _opt(None, "CPU threads for torch in each process (default: torch's choice). On a machine "
+                               "other jobs share, 1, or start with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads "
+                               "make steps 20-50x slower there)", "runtime")
 
     # --- ray (--runtime ray) ----------------------------------------------------------------
     ray_address: str | None = _opt(None, "Join this Ray cluster (host:6379, ray://host:10001 or auto; implies "

@@ -236,6 +236,10 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
         logging.getLogger(__name__).warning(
             "some plugins failed to load (see `rlhf plugins list`): %s", ", ".join(r.label for r in plugins.broken))
     derived = config.derived()
+    if config.threads is not None:
+        if config.threads < 1:
+            raise ConfigError(f"--threads must be at least 1; got {config.threads}")
+        torch.set_num_threads(config.threads)
     dist = init_from_environment()
     for name, size in (("--prompts-per-step", config.prompts_per_step),
                        ("--train-batch-size", derived.train_batch_size)):

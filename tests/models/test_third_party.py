@@ -54,3 +54,12 @@ def test_plugins_list_shows_builtin_and_plugin_adapters(plugins):
     provided = {row["name"]: row["provides"]["model"] for row in json.loads(result.output)}
     assert provided["rlhf.plugins.models.plugin"] == ["hf", "lora"]
     assert provided[freeze_plugin.__name__] == ["freeze_last"]
+
+
+def test_the_readme_example_is_the_code_the_tests_run():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = readme.split("# rlhf_freeze.py\n", 1)[1].split("```", 1)[0].strip()
+    source = Path(freeze_plugin.__file__).read_text()
+    assert source.rstrip().endswith(example), "README's rlhf_freeze.py and tests/models/freeze_plugin.py differ"

@@ -210,3 +210,31 @@ def test_mismatch_correction_uses_the_engines_logprobs(tiny_model_dir, task, tmp
     metrics = read_jsonl(out / "metrics.jsonl")[-1]
     assert metrics["policy/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert abs(metrics["policy/mismatch_kl"]) < 1e-3
+
+
+def test_tensorboard_gets_every_step_and_threads_sets_torchs_thread_count(tiny_model_dir, task, tmp_path, plugins,
+                                                                            make_plugin):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    seen = []
+    plugins.register(make_plugin("threads", on_run_start=lambda run: seen.append(torch.get_num_threads())))
+    before = torch.get_num_threads()
+    try:
+        train(small_config(tiny_model_dir, task, tmp_path / "run", tensorboard=True, threads=1), plugins=plugins)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    expected = [(m["step"], m["reward/mean"]) for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert [s for s, _ in logged] == [1, 2]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected])
+
+
+def test_threads_below_one_is_a_config_error(tiny_model_dir, task, tmp_path, plugins):
+    from rlhf.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--threads"):
+        train(small_config(tiny_model_dir, task, tmp_path / "run", threads=0), plugins=plugins)

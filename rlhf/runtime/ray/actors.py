@@ -84,10 +84,11 @@ class WorkerHost:
                                "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0"})  # Ray shows each its own GPUs
             self.dist = init_from_environment()
         _quiet_library_progress_bars()
-        if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # Ray sets it from the actor's CPUs
+        threads = config.threads or os.environ.get("OMP_NUM_THREADS", "")  # Ray sets it from the actor's CPUs
+        if str(threads).isdigit():
             import torch
 
-            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+            torch.set_num_threads(int(threads))
         local.seed_everything(config.seed)
         roles, plugins, dist = self.roles, self.plugins, self.dist
         if "reward" in roles:
