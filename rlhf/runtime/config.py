@@ -107,6 +107,8 @@ class TrainConfig:
     env: str = _opt("single_turn", "Environment for each trajectory: a registered name or module:Class "
                     "(a label with an env_func key picks one per sample)", "rollout", component="env")
     env_config: list[str] = _many("KEY=VALUE for the environment's own config field (repeatable)", "rollout")
+    engine_config: list[str] = _many("KEY=VALUE for the rollout engine's own config field, e.g. "
+                                     "gpu_memory_utilization=0.4 for --engine vllm (repeatable)", "rollout")
     max_turns: int = _opt(8, "Model turns per trajectory at most (multi-turn environments)", "rollout")
     max_total_tokens: int | None = _opt(None, "Token budget per trajectory: prompt + turns + observations "
                                         "(default: --max-prompt-length + --max-turns x --max-new-tokens)", "rollout")
@@ -261,7 +263,7 @@ def unflatten(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_key_values(items: list[str]) -> dict[str, Any]:
+def parse_key_values(items: list[str], flag: str = "--algo-config") -> dict[str, Any]:
     """``["clip=0.3", "mode=tis"]`` -> ``{"clip": 0.3, "mode": "tis"}`` (values parsed as YAML scalars)."""
     import yaml
 
@@ -269,6 +271,6 @@ def parse_key_values(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--algo-config expects KEY=VALUE, got {item!r}")
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
         values[key.strip().replace("-", "_")] = yaml.safe_load(raw)
     return values

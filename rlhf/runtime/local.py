@@ -142,8 +142,16 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
                           "must make the same generate calls; use --zero-stage 2, or one process")
     engines = plugins.registry("rollout_engine").component(config.engine)
     values = {**plan.values, "synced_gpus": synced_generation}
-    engine = engines.load()(model, tokenizer, component_config(engines.load_config_cls(), values))
-    env_values = {**plan.values, **parse_key_values(config.env_config)}
+    config_cls = engines.load_config_cls()
+    overrides = parse_key_values(config.engine_config, "--engine-config")
+    known = [f.name for f in dataclasses.fields(config_cls)] if config_cls is not None else []
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        fields = ", ".join(known) or "none"
+        raise ConfigError(f"--engine-config: the {config.engine!r} engine has no option {', '.join(unknown)}; "
+                          f"its options: {fields}")
+    engine = engines.load()(model, tokenizer, component_config(config_cls, values, overrides))
+    env_values = {**plan.values, **parse_key_values(config.env_config, "--env-config")}
     budget = config.max_total_tokens or config.max_prompt_length + config.max_turns * config.max_new_tokens
     return RolloutWorker(engine, tokenizer, EnvFactory(plugins.registry("env"), env_values),
                          RolloutSettings(env=config.env, max_turns=config.max_turns, max_total_tokens=budget))

@@ -238,3 +238,17 @@ def test_threads_below_one_is_a_config_error(tiny_model_dir, task, tmp_path, plu
 
     with pytest.raises(ConfigError, match="--threads"):
         train(small_config(tiny_model_dir, task, tmp_path / "run", threads=0), plugins=plugins)
+
+
+def test_engine_config_reaches_the_engine_and_unknown_keys_are_refused(tiny_model_dir, task, tmp_path, plugins):
+    from rlhf.core.errors import ConfigError
+    from rlhf.runtime.local import build_workers
+
+    config = small_config(tiny_model_dir, task, tmp_path / "run", engine_config=["decoder=generate",
+                                                                                  "generation_batch_size=3"])
+    workers = build_workers(config, config.derived(), plugins)
+    assert workers.rollout.engine.config.decoder == "generate"
+    assert workers.rollout.engine.config.generation_batch_size == 3
+    config = small_config(tiny_model_dir, task, tmp_path / "run", engine_config=["decodr=generate"])
+    with pytest.raises(ConfigError, match=r"no option decodr; its options: generation_batch_size, decoder"):
+        build_workers(config, config.derived(), plugins)
