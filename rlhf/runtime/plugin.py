@@ -8,6 +8,9 @@ import rlhf
 def register_rollout_engines(register):
     register("hf", "rlhf.runtime.engines.hf:HFEngine", config_cls="rlhf.runtime.engines.hf:HFEngineConfig",
              description="transformers generate with a KV cache, in-process on the policy's own weights")
+    register("vllm", "rlhf.runtime.engines.vllm_engine:VLLMEngine", needs_gpu=True,
+             config_cls="rlhf.runtime.engines.vllm_engine:VLLMEngineConfig",
+             description="vLLM in-process (extra: rlhf-core[vllm], CUDA); policy weights pushed after each step")
 
 
 @rlhf.hookimpl

@@ -147,6 +147,7 @@ class WorkerHost:
             return 0  # the engine reads the policy's own weights
         result = self.rollout_model.load_state_dict(weights, strict=False)
         assert not result.unexpected_keys, f"the rollout model has no parameters {result.unexpected_keys[:5]}"
+        self.workers["rollout"].sync_weights(None)  # an engine with weights of its own (vllm) takes them now
         return sum(t.numel() * t.element_size() for t in weights.values())
 
     # --- checkpoints and outputs ----------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""Policy weights for the ``vllm`` engine: names vLLM accepts, merged LoRA, bounded chunks, transport.
+
+vLLM's models load weights with ``model.load_weights(iterable of (name, tensor))`` under the
+names of the Hugging Face checkpoint (``model.layers.0.self_attn.q_proj.weight``); they fuse
+q/k/v and gate/up themselves and shard for tensor parallelism. So a sync sends the policy's
+weights under its checkpoint names:
+
+* wrappers are stripped from names: DeepSpeed/DDP ``module.``, ``torch.compile``'s ``_orig_mod.``,
+  peft's ``base_model.model.``, activation-checkpoint and FSDP wrapper segments;
+* a peft LoRA layer is sent as one merged weight ``W + (α/r)·B A`` (peft's own
+  ``get_delta_weight``, computed on the fly; the policy module is never modified), under the
+  layer's name without ``base_layer``; adapter tensors (``lora_A``, ``lora_B``) are not sent;
+* peft ``modules_to_save`` copies are sent under the wrapped module's name (the active copy);
+* DeepSpeed ZeRO-3 parameters are gathered one module at a time (a collective: every rank
+  of the policy must sync) and copied out before their partition is released.
+
+Tensors travel in buckets of bounded bytes (`bucket_by_bytes`), so a sync never holds more
+than one bucket of merged or gathered copies. `send_weights`/`receive_weights` move the same
+buckets over an already initialised ``torch.distributed`` group, for an engine in another
+process than the trainer (not exercised on a GPU yet).
+
+Deviations: mixture-of-experts models whose transformers module layout differs from their
+checkpoint (transformers 5 fuses some expert weights) and quantized policies (QLoRA's 4-bit
+base) are not mapped; DoRA adapters are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rlhf.core.errors import ConfigError
+
+Named = tuple[str, torch.Tensor]
+
+_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")  # wrappers in front of the model's own names
+_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "base_layer.")  # wrappers inside
+_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
+def vllm_weight_name(name: str) -> str | None:
+    """The checkpoint name vLLM's ``load_weights`` expects for a policy parameter name, or None
+    for a tensor that is not part of the checkpoint (an inactive ``modules_to_save`` original).
+
+    ``module.base_model.model.model.layers.0.q_proj.base_layer.weight`` -> ``model.layers.0.q_proj.weight``.
+    Raises ConfigError for LoRA adapter tensors: they have to be merged (`policy_weights`).
+    """
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    for segment in _SEGMENTS:
+        name = name.replace(segment, "")
+    parts = name.split(".")
+    if any(part in _ADAPTER_PARTS for part in parts):
+        raise ConfigError(f"{name!r} is a LoRA adapter tensor: vLLM needs merged weights. Let the engine read the "
+                          "policy module (load_weights(None)), which merges W + (alpha/r) B A per layer")
+    if "original_module" in parts:
+        return None
+    if "modules_to_save" in parts:  # X.modules_to_save.<adapter>.weight -> X.weight
+        at = parts.index("modules_to_save")
+        parts = parts[:at] + parts[at + 2:]
+    return ".".join(parts)
+
+
+def map_state_dict(state: dict[str, torch.Tensor]) -> Iterator[Named]:
+    """``(vLLM name, tensor)`` for each entry of a state dict, in its order."""
+    for name, tensor in state.items():
+        mapped = vllm_weight_name(name)
+        if mapped is not None:
+            yield mapped, tensor.detach()
+
+
+def policy_weights(model: torch.nn.Module) -> Iterator[Named]:
+    """``(vLLM name, tensor)`` for every weight of the policy module, LoRA layers merged, each
+    parameter once (tied weights: the first name, like ``named_parameters``), in module order."""
+    for name, tensor in _walk(model, "", set()):
+        mapped = vllm_weight_name(name)
+        if mapped is not None:
+            yield mapped, tensor
+
+
+def _walk(module: torch.nn.Module, prefix: str, seen: set[int]) -> Iterator[Named]:
+    if _is_lora_layer(module):
+        yield from _merged_lora(module, prefix, seen)
+        return
+    if _is_modules_to_save(module):
+        yield from _walk(_active_copy(module), prefix, seen)
+        return
+    own = [(name, p) for name, p in module.named_parameters(recurse=False) if id(p) not in seen]
+    seen.update(id(p) for _, p in own)
+    with _gathered([p for _, p in own]) as gathered:  # ZeRO-3: copied out before the partition returns
+        tensors = [(prefix + name, p.detach().clone() if gathered else p.detach()) for name, p in own]
+    yield from tensors
+    for name, child in module.named_children():
+        yield from _walk(child, f"{prefix}{name}.", seen)
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")
+
+
+def _is_modules_to_save(module: torch.nn.Module) -> bool:
+    return hasattr(module, "original_module") and hasattr(module, "modules_to_save")
+
+
+def _active_copy(wrapper: Any) -> torch.nn.Module:
+    if getattr(wrapper, "disable_adapters", False):
+        return wrapper.original_module
+    active = wrapper.active_adapters if hasattr(wrapper, "active_adapters") else [wrapper.active_adapter]
+    active = [active] if isinstance(active, str) else list(active)
+    return wrapper.modules_to_save[active[0]] if active and active[0] in wrapper.modules_to_save \
+        else wrapper.original_module
+
+
+def _merged_lora(layer: Any, prefix: str, seen: set[int]) -> Iterator[Named]:
+    """The layer's base weight plus each active adapter's (α/r)·B A, and its bias, under ``prefix``."""
+    if any(getattr(layer, "use_dora", {}).get(a, False) for a in layer.lora_A.keys()):
+        raise ConfigError("DoRA adapters cannot be merged for the vllm engine yet; use plain LoRA")
+    base = layer.base_layer
+    seen.update(id(p) for p in layer.parameters())
+    with _gathered(list(layer.parameters())), torch.no_grad():
+        weight = base.weight.detach().to(torch.float32, copy=True)  # (out, in) a copy: the policy is not modified
+        if not getattr(layer, "merged", False) and not getattr(layer, "disable_adapters", False):
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A.keys() or adapter in getattr(layer, "lora_embedding_A", {}):
+                    weight += layer.get_delta_weight(adapter).float()  # (out, in) (α/r)·B A
+        weight = weight.to(base.weight.dtype)  # one rounding of W + ΔW
+        bias = base.bias.detach().clone() if getattr(base, "bias", None) is not None else None
+    yield prefix + "weight", weight
+    if bias is not None:
+        yield prefix + "bias", bias
+
+
+@contextlib.contextmanager
+def _gathered(params: list[torch.nn.Parameter]) -> Iterator[bool]:
+    """Full values of ZeRO-3 partitioned parameters inside the block (yields True then); else nothing to do."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        yield False
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield True
+
+
+def policy_version(model: torch.nn.Module) -> tuple[int, ...]:
+    """Changes whenever a parameter is modified in place (optimizer step, ``load_state_dict``):
+    torch counts in-place writes per tensor, views included."""
+    return tuple(p._version for p in model.parameters())
+
+
+def bucket_by_bytes(named: Iterable[Named], max_bytes: int) -> Iterator[list[Named]]:
+    """Consecutive chunks of ``named``, in order, each at most ``max_bytes`` (a larger tensor alone).
+
+    Consumes ``named`` lazily, so merged or gathered copies exist for one bucket at a time.
+    """
+    assert max_bytes > 0, f"max_bytes must be positive, got {max_bytes}"
+    bucket: list[Named] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+# --- across processes: an already initialised torch.distributed group ----------------------
+
+
+def send_weights(named: Iterable[Named], *, group: Any, src: int, max_bytes: int) -> int:
+    """Broadcast ``named`` from rank ``src`` of ``group`` bucket by bucket (the receivers run
+    `receive_weights`); returns the bytes sent. Tensors must be on the group's device (CUDA for NCCL)."""
+    import torch.distributed as dist
+
+    sent = 0
+    for bucket in bucket_by_bytes(named, max_bytes):
+        header = [[(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]]
+        dist.broadcast_object_list(header, src=src, group=group)
+        for _, tensor in bucket:
+            dist.broadcast(tensor.contiguous(), src=src, group=group)
+            sent += tensor.numel() * tensor.element_size()
+    dist.broadcast_object_list([None], src=src, group=group)  # the end
+    return sent
+
+
+def receive_weights(*, group: Any, src: int, device: torch.device | str) -> Iterator[list[Named]]:
+    """The buckets `send_weights` broadcasts from rank ``src``, received into tensors on ``device``."""
+    import torch.distributed as dist
+
+    while True:
+        header: list[Any] = [None]
+        dist.broadcast_object_list(header, src=src, group=group)
+        if header[0] is None:
+            return
+        bucket = []
+        for name, shape, dtype in header[0]:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            dist.broadcast(tensor, src=src, group=group)
+            bucket.append((name, tensor))
+        yield bucket

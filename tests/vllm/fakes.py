@@ -1,0 +1,127 @@
+"""A stand-in for the parts of vLLM the ``vllm`` engine touches, to test it without a GPU.
+
+`install(monkeypatch)` puts a fake ``vllm`` module in ``sys.modules``, reports a supported
+installed version and a CUDA device, and returns the module; every `FakeLLM` it builds records
+its constructor arguments and each call, and its worker's model keeps the weights it was given.
+Completions are scripted: each row gets ``script(prompt_ids, sampling_kwargs)``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import random
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: Any = None
+    index: int = 0
+    text: str = ""
+
+
+@dataclass
+class RequestOutput:
+    outputs: list[Completion]
+
+
+class FakeSamplingParams:
+    def __init__(self, **kwargs: Any):
+        self.kwargs = kwargs
+
+
+class FakeModel:
+    """vLLM's model inside the worker: ``load_weights`` keeps copies under the names it got."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.batches: list[list[str]] = []
+
+    def load_weights(self, weights):
+        weights = list(weights)
+        self.batches.append([name for name, _ in weights])
+        for name, tensor in weights:
+            self.loaded[name] = tensor.detach().clone()
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.model = FakeModel()
+
+    def get_model(self) -> FakeModel:
+        return self.model
+
+
+def echo_script(prompt: list[int], sampling: dict[str, Any]) -> Completion:
+    """Two tokens, the prompt's length then the first stop token id (EOS), log-probs -0.5 and -0.25."""
+    eos = sampling["stop_token_ids"][0]
+    ids = [len(prompt), eos]
+    logprobs = [{ids[0]: Logprob(-0.5)}, {ids[1]: Logprob(-0.25)}] if sampling["logprobs"] is not None else None
+    return Completion(token_ids=ids, finish_reason="stop", logprobs=logprobs)
+
+
+class FakeLLM:
+    instances: list[FakeLLM] = []
+    script = staticmethod(echo_script)
+
+    def __init__(self, **kwargs: Any):
+        self.kwargs = kwargs
+        self.calls: list[Any] = []
+        self.worker = FakeWorker()
+        self.prompts: list[list[int]] = []
+        # vLLM seeds the process's global generators when its engine core runs in-process
+        random.seed(kwargs.get("seed", 0))
+        torch.manual_seed(kwargs.get("seed", 0))
+        FakeLLM.instances.append(self)
+
+    def generate(self, prompts, sampling, *, use_tqdm=True):
+        self.calls.append("generate")
+        self.sampling = sampling
+        self.prompts = [p["prompt_token_ids"] for p in prompts]
+        return [RequestOutput(outputs=[self.script(p, sampling.kwargs)]) for p in self.prompts]
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append("collective_rpc")
+        return [method(self.worker, *args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return True
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+
+def install(monkeypatch, version: str = "0.11.0") -> types.ModuleType:
+    module = types.ModuleType("vllm")
+    module.LLM = FakeLLM
+    module.SamplingParams = FakeSamplingParams
+    module.__version__ = version
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: version if name == "vllm" else real_version(name))
+    from rlhf.runtime.engines import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "require_cuda", lambda: None)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine sets 0; monkeypatch puts it back
+    FakeLLM.instances = []
+    FakeLLM.script = staticmethod(echo_script)
+    return module
