@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import textwrap
 import types
@@ -72,6 +73,25 @@ def make_plugin() -> Callable[..., types.ModuleType]:
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# A toy task for short training runs: 12 addition prompts with labels, and a reward that grows
+# with the completion's length (so every run has signal, whatever the random model writes).
+ADDITION_PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
+LENGTH_REWARD = "def reward_func(completions, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
+
+
+def write_task(root: Path) -> Path:
+    """``root/data.jsonl`` (ADDITION_PROMPTS) and ``root/rewards.py`` (LENGTH_REWARD as ``reward_func``)."""
+    (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ADDITION_PROMPTS))
+    (root / "rewards.py").write_text(LENGTH_REWARD)
+    return root
+
+
+@pytest.fixture(scope="session")
+def task(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy task's files, written once per session (tests must not write into it)."""
+    return write_task(tmp_path_factory.mktemp("task"))
 
 
 @pytest.fixture(scope="session")

@@ -31,16 +31,6 @@ pytestmark = pytest.mark.deepspeed
 HERE = Path(__file__).parent
 LR = 1e-3
 CPU_ADAM_BUILD_S = 300
-PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
-REWARD = "def reward_func(completions, labels, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("task")
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-    (root / "rewards.py").write_text(REWARD)
-    return root
 
 
 def run_values(model_dir, task, out, **overrides):

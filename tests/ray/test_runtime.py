@@ -23,12 +23,11 @@ import rlhf
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train as local_train
+from tests.helpers import write_task
 from tests.ray.conftest import actor_processes
 
 pytestmark = pytest.mark.ray
 
-PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
-REWARD = "def reward_func(completions, labels, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
 ENV = '''\
 from rlhf.core.types import StepResult
 
@@ -49,9 +48,7 @@ TRAINING_KEYS = ("reward/mean", "reward/std", "response/length_mean", "policy/lo
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("task")
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-    (root / "rewards.py").write_text(REWARD)
+    root = write_task(tmp_path_factory.mktemp("task"))
     (root / "envs.py").write_text(ENV)
     return root
 

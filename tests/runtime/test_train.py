@@ -18,17 +18,6 @@ from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train
 from tests.helpers import run_cli
 
-PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
-REWARD = "def reward_func(completions, labels, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("task")
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-    (root / "rewards.py").write_text(REWARD)
-    return root
-
 
 def small_config(model_dir, task, out, **overrides):
     values = dict(model=str(model_dir), data=[str(task / "data.jsonl")], label_key="answer",
