@@ -49,6 +49,10 @@ class PolicyObjective:
     temperature: float = 1.0
 
 
+# A micro-batch's share of the minibatch loss, its metrics and their weight (its loss tokens).
+MicroLoss = Callable[[ExperienceBatch, LossNorm], tuple[torch.Tensor, dict[str, Any], float]]
+
+
 class MetricMean:
     """Averages per-micro-batch metrics, weighting each by its number of loss tokens."""
 
@@ -163,6 +167,36 @@ class _TrainedWorker:
             self.load_state_dict(extra)
         self.nonfinite_in_a_row = extra.get("nonfinite_in_a_row", 0)
 
+    def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss) -> MetricMean:
+        """The update loop of every trained role: epochs over shuffled minibatches, one optimizer
+        step per minibatch, gradients accumulated over this rank's micro-batches.
+
+        ``micro_loss(micro, norm) -> (loss, metrics, weight)`` gives a micro-batch's share of the
+        minibatch loss (normalised by minibatch-wide counts, so accumulation reproduces the
+        full-batch gradient). A non-finite loss on any rank skips the step on every rank: each rank
+        still runs all its forwards and backwards (collectives under DeepSpeed ZeRO), then the
+        ranks agree on whether to step, as a rank stepping alone would wait forever in the gradient
+        all-reduce.
+        """
+        self.model.train()
+        metrics = MetricMean()
+        for minibatch in minibatches(batch, self.settings, step):
+            norm = loss_norm(minibatch, self.settings.max_new_tokens)
+            if norm.num_tokens == 0:
+                continue
+            finite, step_loss = True, 0.0
+            for micro in self._my_micro_batches(minibatch):
+                loss, loss_metrics, weight = micro_loss(micro.to(self.device), norm)
+                self.backend.backward(loss)
+                if not torch.isfinite(loss):
+                    finite = False
+                elif finite:
+                    step_loss += float(loss.detach())
+                    metrics.add(loss_metrics, weight=weight)
+            finite = all(self.dist.all_gather(finite))
+            metrics.add(self._step_metrics(step_loss, finite))
+        return metrics
+
     def _step_metrics(self, my_loss: float, finite: bool) -> dict[str, float]:
         """Take the optimizer step; its metrics. Each rank holds a share of the step loss, and the
         metric mean runs over ranks, so the share is scaled by the world size: the mean is the sum."""
@@ -203,49 +237,31 @@ class PolicyWorker(_TrainedWorker):
             temperature=self.objective.temperature)[0])
 
     def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
-        """PPO epochs over shuffled minibatches; one optimizer step per minibatch.
-
-        Each micro-batch loss is its share of the minibatch loss (aggregations normalise by
-        minibatch-wide counts), so gradient accumulation reproduces the full-batch gradient.
-        ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1.
-        """
-        self.model.train()
-        objective, metrics = self.objective, MetricMean()
-        for minibatch in minibatches(batch, self.settings, step):
-            norm = loss_norm(minibatch, self.settings.max_new_tokens)
-            if norm.num_tokens == 0:
-                continue
-            finite, step_loss = True, 0.0
-            for micro in self._my_micro_batches(minibatch):
-                micro = micro.to(self.device)
-                mask = micro.loss_mask  # (b, A)
-                logprobs, entropy = token_logprobs(self.train_model, micro.input_ids, micro.attention_mask,
-                                                   micro.action_mask, temperature=objective.temperature,
-                                                   with_entropy=objective.entropy_coef > 0)
-                old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
-                per_token, loss_metrics = objective.policy_loss(
-                    PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
-                                     action_mask=mask, rollout_logprobs=micro.rollout_logprobs),
-                    objective.policy_loss_config)
-                loss = objective.aggregate(per_token, mask, norm)
-                extra = {}
-                if objective.kl_in_loss:
-                    kl = objective.kl_estimator(logprobs, micro.ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)  # (b, A)
-                    kl_loss = objective.aggregate(kl, mask, norm)
-                    loss = loss + objective.kl_coef * kl_loss
-                    extra["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-                if objective.entropy_coef > 0:
-                    entropy_term = objective.aggregate(entropy, mask, norm)
-                    loss = loss - objective.entropy_coef * entropy_term
-                    extra["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                self.backend.backward(loss)
-                step_loss += float(loss.detach())
-                metrics.add({**loss_metrics, **extra}, weight=float(mask.sum()))
-            metrics.add(self._step_metrics(step_loss, finite))
+        """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
+        ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1."""
+        metrics = self._fit(batch, step, self._micro_loss)
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
+
+    def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
+        objective, mask = self.objective, micro.loss_mask  # (b, A)
+        logprobs, entropy = token_logprobs(self.train_model, micro.input_ids, micro.attention_mask,
+                                           micro.action_mask, temperature=objective.temperature,
+                                           with_entropy=objective.entropy_coef > 0)
+        old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+        per_token, loss_metrics = objective.policy_loss(
+            PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
+                             action_mask=mask, rollout_logprobs=micro.rollout_logprobs),
+            objective.policy_loss_config)
+        loss = objective.aggregate(per_token, mask, norm)
+        extra = {}
+        if objective.kl_in_loss:
+            kl = objective.kl_estimator(logprobs, micro.ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)  # (b, A)
+            loss = loss + objective.kl_coef * objective.aggregate(kl, mask, norm)
+            extra["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+        if objective.entropy_coef > 0:
+            loss = loss - objective.entropy_coef * objective.aggregate(entropy, mask, norm)
+            extra["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+        return loss, {**loss_metrics, **extra}, float(mask.sum())
 
 
 class CriticWorker(_TrainedWorker):
@@ -266,27 +282,16 @@ class CriticWorker(_TrainedWorker):
         return values * batch.action_mask  # masked positions carry V = 0
 
     def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
-        self.model.train()
-        metrics = MetricMean()
-        for minibatch in minibatches(batch, self.settings, step):
-            norm = loss_norm(minibatch, self.settings.max_new_tokens)
-            if norm.num_tokens == 0:
-                continue
-            finite, step_loss = True, 0.0
-            for micro in self._my_micro_batches(minibatch):
-                micro = micro.to(self.device)
-                values = self.train_model(micro.input_ids, micro.attention_mask)[:, :-1]  # (b, A)
-                loss, loss_metrics = self.value_loss(values=values, old_values=micro.values, returns=micro.returns,
-                                                     action_mask=micro.loss_mask, clip=self.value_clip,
-                                                     num_tokens=norm.num_tokens)
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                self.backend.backward(loss)
-                step_loss += float(loss.detach())
-                metrics.add(loss_metrics, weight=float(micro.loss_mask.sum()))
-            metrics.add(self._step_metrics(step_loss, finite))
+        """Value-loss epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`)."""
+        metrics = self._fit(batch, step, self._micro_loss)
         return {k if "/" in k else f"critic/{k}": v for k, v in metrics.result(self.dist).items()}
+
+    def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
+        values = self.train_model(micro.input_ids, micro.attention_mask)[:, :-1]  # (b, A)
+        loss, loss_metrics = self.value_loss(values=values, old_values=micro.values, returns=micro.returns,
+                                             action_mask=micro.loss_mask, clip=self.value_clip,
+                                             num_tokens=norm.num_tokens)
+        return loss, loss_metrics, float(micro.loss_mask.sum())
 
 
 class ReferenceWorker:

@@ -1,6 +1,7 @@
 """Run by tests/runtime/test_data_parallel.py under torchrun: one PolicyWorker.fit on a fixed batch.
 
 Every rank builds the same model and batch; the main rank saves the updated weights to argv[2].
+With argv[3] = "nan", row 5 gets a NaN advantage: only the rank that trains row 5 sees a NaN loss.
 """
 
 import sys
@@ -15,7 +16,7 @@ from rlhf.runtime.distributed import init_from_environment
 from rlhf.runtime.workers import PolicyObjective, PolicyWorker, UpdateSettings
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, poison: str = "") -> None:
     from transformers import AutoModelForCausalLM
 
     dist = init_from_environment("gloo")
@@ -36,6 +37,8 @@ def main(model_dir: str, out: str) -> None:
 
     advantages, returns = compute_advantages(algo.advantage, rewards=batch.rewards, action_mask=batch.action_mask,
                                              group_size=2)
+    if poison == "nan":
+        advantages[5] = float("nan")  # (A,): row 5 is trained by rank 1 of 2
     batch.advantages, batch.returns = advantages, returns
     settings = UpdateSettings(ppo_epochs=2, train_batch_size=4, micro_batch_size=1, max_new_tokens=8, seed=3)
     objective = PolicyObjective(policy_loss=algo.policy_loss_fn, policy_loss_config=None, aggregate=algo.aggregate_fn)
@@ -48,4 +51,4 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -15,10 +15,10 @@ import torch
 HERE = Path(__file__).parent
 
 
-def torchrun(nproc: int, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -35,6 +35,25 @@ def test_two_ranks_update_the_policy_exactly_like_one(tiny_model_dir, tmp_path):
         assert two["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     for name, weight in one["weights"].items():  # float sums in another order: ~1e-6 apart
         assert torch.allclose(weight, two["weights"][name], atol=2e-5), name
+
+
+@pytest.mark.slow
+def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tiny_model_dir, tmp_path):
+    """Row 5's NaN advantage reaches only rank 1 of 2. Both ranks must skip the two optimizer steps
+    whose minibatch holds it (a rank stepping alone would wait forever in the gradient all-reduce)
+    and take the other two, exactly as one rank does with the same batch."""
+    script = str(HERE / "dp_fit.py")
+    torchrun(1, script, str(tiny_model_dir), str(tmp_path / "one.pt"), "nan", timeout=180)
+    torchrun(2, script, str(tiny_model_dir), str(tmp_path / "two.pt"), "nan", timeout=180)
+    one = torch.load(tmp_path / "one.pt", weights_only=False)
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    assert one["metrics"]["policy/skipped_steps"] == two["metrics"]["policy/skipped_steps"] == 0.5  # 2 of 4
+    for name, weight in one["weights"].items():
+        assert torch.allclose(weight, two["weights"][name], atol=2e-5), name
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.allclose(start[n], w, atol=1e-4) for n, w in two["weights"].items())  # 2 steps were taken
 
 
 @pytest.mark.slow
