@@ -130,7 +130,9 @@ class RewardSource:
     # --- to implement -------------------------------------------------------------------------
 
     def _score_inline(self, batch: RewardBatch) -> SourceOutput:
-        raise NotImplementedError
+        """Score ``batch`` in the calling thread. Sources that score in the event loop override
+        `_ascore` instead and never reach this."""
+        raise NotImplementedError(f"{type(self).__name__} overrides neither _score_inline nor _ascore")
 
     async def _ascore(self, batch: RewardBatch) -> SourceOutput:
         """Default for inline sources: the whole batch in a worker thread, so the loop never blocks."""
