@@ -30,6 +30,23 @@ REWARD_SOURCE = (
 )
 
 
+def add_step_arguments(parser: Any, *, rounds: int, other: str, kl_help: str) -> None:
+    """The options every step benchmark shares: the model, the step's shape, the runs."""
+    parser.add_argument("--model", default="tiny",
+                        help="tiny (h64/L2), small (h256/L4), small32k (h256/L4, 32k vocabulary) or a model directory")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (G)")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--kl-coef", type=float, default=0.0, help=kl_help)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"alternating rounds of ours, {other}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", default=None, help="models, task and run folders (default: a temp folder)")
+
+
 def setup_environment(threads: int | None) -> int:
     """Offline settings before torch/transformers are imported; returns the torch thread count."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -118,19 +118,7 @@ class BareLoop:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny",
-                        help="tiny (h64/L2), small (h256/L4), small32k (h256/L4, 32k vocabulary) or a model directory")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (G)")
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--kl-coef", type=float, default=0.0, help="β; > 0 adds the reference forward on both sides")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of ours, bare")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", default=None, help="models, task and run folders (default: a temp folder)")
+    benchlib.add_step_arguments(parser, rounds=2, other="bare", kl_help="β; > 0 adds the reference forward on both sides")
     args = parser.parse_args()
 
     threads = benchlib.setup_environment(args.threads)

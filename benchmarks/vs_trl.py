@@ -106,19 +106,7 @@ def run_trl(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny",
-                        help="tiny (h64/L2), small (h256/L4), small32k (h256/L4, 32k vocabulary) or a model directory")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (G)")
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--kl-coef", type=float, default=0.0, help="β on both sides (> 0 loads a reference model)")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours, TRL")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", default=None, help="models, task and run folders (default: a temp folder)")
+    benchlib.add_step_arguments(parser, rounds=3, other="TRL", kl_help="β on both sides (> 0 loads a reference model)")
     args = parser.parse_args()
     try:
         import trl  # noqa: F401

@@ -4,34 +4,24 @@ pass read at the last real token, whatever the padding."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from rlhf.core.references import import_object
 from rlhf.plugins.rewards.options import RewardOptions
 from rlhf.plugins.rewards.reward_model import RewardModelSource, RewardModelWorker
 from rlhf.rewards import RewardConfigError, load_reward
+from tests.models import checkpoints
+from tests.models.checkpoints import llama_config, save_openrlhf_layout
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["What is 12 + 7?", "Say hello to the world."]
 COMPLETIONS = [" The answer is 19.", " hello"]
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_tokenizer")()
-
-
-def llama_config(tokenizer, **extra):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, **extra)
+    return checkpoints.tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -41,29 +31,6 @@ def classifier_dir(tmp_path_factory, tokenizer):
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(llama_config(tokenizer, num_labels=1))
     out = tmp_path_factory.mktemp("rm-classifier")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def save_openrlhf_layout(out: Path, tokenizer, prefix: str, in_config: bool) -> Path:
-    """What OpenRLHF's get_llm_for_sequence_regression saves: base model + Linear head under `prefix`."""
-    from transformers import LlamaModel, LlamaPreTrainedModel
-
-    class RewardModel(LlamaPreTrainedModel):
-        def __init__(self, config):
-            super().__init__(config)
-            setattr(self, self.base_model_prefix, LlamaModel(config))
-            setattr(self, prefix, nn.Linear(config.hidden_size, 1, bias=False))
-            self.post_init()
-
-    torch.manual_seed(1)
-    config = llama_config(tokenizer)
-    if in_config:
-        config.value_head_prefix = prefix
-    model = RewardModel(config)
-    with torch.no_grad():
-        getattr(model, prefix).weight.normal_(0, 1)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
