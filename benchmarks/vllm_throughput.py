@@ -95,7 +95,7 @@ def run_ours(args: argparse.Namespace, model: Path, prompts: list[list[int]]) ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.core.rollout import SamplingParams
-    from rlhf.runtime.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from rlhf.plugins.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype)).cuda()
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -7,29 +7,16 @@ the traceback.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import click
 
 from rlhf import __version__
 from rlhf.core.errors import ConfigError, RlhfError
+from rlhf.cli.state import CliState, debug_enabled
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 
-
-class CliState:
-    """What every command can reach through ``@click.pass_obj``."""
-
-    def __init__(self, plugins: PluginSet, verbose: bool = False):
-        self.plugins = plugins
-        self.verbose = verbose
-
-
-def debug_enabled(ctx: click.Context | None = None) -> bool:
-    if os.environ.get("RLHF_DEBUG", "") not in ("", "0"):
-        return True
-    state = ctx.find_object(CliState) if ctx is not None else None
-    return bool(state and state.verbose)
+__all__ = ["CliState", "debug_enabled", "main", "make_cli"]
 
 
 class RootGroup(click.Group):
@@ -46,7 +33,6 @@ class RootGroup(click.Group):
 
 def make_cli(plugins: PluginSet) -> click.Group:
     """A fresh ``rlhf`` group with the built-in commands and the plugins' commands."""
-    from rlhf.cli.models import merge_lora_command
     from rlhf.cli.plugins import plugins_group
     from rlhf.cli.reward import reward_group
     from rlhf.cli.train import train_command
@@ -68,7 +54,6 @@ def make_cli(plugins: PluginSet) -> click.Group:
     cli.add_command(plugins_group)
     cli.add_command(reward_group)
     cli.add_command(train_command)
-    cli.add_command(merge_lora_command)
     plugins.add_commands(cli)
     return cli
 

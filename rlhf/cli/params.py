@@ -26,7 +26,7 @@ class ComponentParam(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Resolved:
         if isinstance(value, Resolved):
             return value
-        from rlhf.cli.main import CliState
+        from rlhf.cli.state import CliState
 
         state = ctx.find_object(CliState) if ctx is not None else None
         if state is None:

@@ -57,8 +57,8 @@ def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | 
     rlhf reward serve my_rewards.py:accuracy --port 8000
     rlhf reward serve ./reward-model --host 0.0.0.0 --token-env RM_TOKEN
     """
-    from rlhf.plugins.rewards.remote import read_token
-    from rlhf.plugins.rewards.server import RewardServer
+    from rlhf.rewards.remote import read_token
+    from rlhf.rewards.server import RewardServer
     from rlhf.rewards import load_reward
 
     token = read_token(token_env, flag="--token-env")

@@ -120,7 +120,7 @@ def _train_command() -> click.Command:
 
         Every option can also come from --config run.yaml (flags override the file).
         """
-        from rlhf.cli.main import CliState
+        from rlhf.cli.state import CliState
         from rlhf.runtime.config import TrainConfig
 
         kwargs.pop("config_file")

@@ -1,6 +1,6 @@
 """Reading weights and head layouts out of a saved Hugging Face model directory.
 
-Shared by the reward-model source (`rlhf.plugins.rewards`) and the critic (`rlhf.plugins.models`),
+Shared by the reward-model source (`rlhf.rewards`) and the critic (`rlhf.plugins.models`),
 which load the same two checkpoint layouts (DESIGN §7):
 
 * ``classifier``: a ``*ForSequenceClassification`` directory with one label; its linear head is

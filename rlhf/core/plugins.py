@@ -37,8 +37,9 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf.plugins.models.plugin",
     "rlhf.plugins.rewards.plugin",
     "rlhf.plugins.envs.plugin",
-    "rlhf.runtime.plugin",
-    "rlhf.runtime.loggers",
+    "rlhf.plugins.engines.plugin",
+    "rlhf.plugins.backends.plugin",
+    "rlhf.plugins.loggers.plugin",
 )
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import BadReferenceError, close_matches
-from rlhf.core.registry import normalize_name
 
 if TYPE_CHECKING:
     from rlhf.core.registry import Registry
@@ -92,7 +92,8 @@ def _load_file(path_text: str) -> Any:
         raise BadReferenceError(f"file {path_text!r} does not exist (looked at {path})")
     # One module per file path, kept in sys.modules so pickling and dataclasses work.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    module_name = f"rlhf_user_{normalize_name(path.stem).replace('.', '_')}_{digest}"
+    stem = re.sub(r"\W", "_", path.stem.lower())
+    module_name = f"rlhf_user_{stem}_{digest}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlhf.runtime.distributed import SINGLE, DistContext
+from rlhf.core.distributed import SINGLE, DistContext
 
 _NAME = re.compile(r"^step_(\d+)$")
 

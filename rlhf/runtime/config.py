@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.plugins.rewards.options import RewardOptions
+from rlhf.rewards.options import RewardOptions
 
 # Nested option groups: their fields become flags with a prefix (RewardOptions.on_error -> --reward-on-error).
 NESTED = {"reward_options": ("reward", RewardOptions)}

@@ -2,7 +2,7 @@
 
 `train(config)` is what ``rlhf train`` calls; tests and notebooks call it directly too. Started
 by a launcher (``torchrun --nproc-per-node N -m rlhf train ...``), each process is one
-data-parallel rank running the same loop (rlhf/runtime/distributed.py).
+data-parallel rank running the same loop (rlhf/core/distributed.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rlhf.core.fingerprint import plugin_fingerprint
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.config import Derived, TrainConfig, parse_key_values
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
-from rlhf.runtime.distributed import SINGLE, DistContext, init_from_environment
+from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.runtime.trainer import Trainer, Workers
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
 from rlhf.runtime.workers import (CriticWorker, PolicyObjective, PolicyWorker, ReferenceWorker, RewardWorker,

@@ -10,17 +10,11 @@ Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions, ``V
 
 from __future__ import annotations
 
-import inspect
-from functools import lru_cache
-
 import torch
 
+from rlhf.core.modeling import accepts_logits_to_keep, base_model
+
 _ROWS_PER_CHUNK = 8
-
-
-@lru_cache(maxsize=None)
-def accepts_logits_to_keep(forward_cls: type) -> bool:
-    return "logits_to_keep" in inspect.signature(forward_cls.forward).parameters
 
 
 def first_action_position(action_mask: torch.Tensor) -> int:
@@ -39,8 +33,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     batch_size, length = input_ids.shape  # (B, T)
     start = first_action_position(action_mask)  # logits at positions start..T-2 predict tokens start+1..T-1
     keep = length - start
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes kwargs through
-    kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(inner)) else {}
+    kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(base_model(model))) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
     logits = logits[:, -keep:-1, :]  # (B, A - start, V): the last position predicts nothing
     targets = input_ids[:, start + 1:]  # (B, A - start)

@@ -22,9 +22,9 @@ from rlhf.core.plugins import PluginSet
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import RunInfo
 from rlhf.runtime import checkpoint
-from rlhf.runtime.batch import ExperienceBatch, collate
+from rlhf.core.batch import ExperienceBatch, collate
 from rlhf.runtime.config import Derived, TrainConfig
-from rlhf.runtime.distributed import SINGLE, DistContext, unshard
+from rlhf.core.distributed import SINGLE, DistContext, unshard
 from rlhf.runtime.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Workers:
 class Trainer:
     """Runs the loop. Under a launcher every rank runs it: prompts are split over the ranks for
     generation, rewards are scored and lifecycle events fired on the main rank, and every rank
-    trains on its slice of each minibatch (rlhf/runtime/distributed.py)."""
+    trains on its slice of each minibatch (rlhf/core/distributed.py)."""
 
     def __init__(self, config: TrainConfig, derived: Derived, plugins: PluginSet, workers: Workers):
         self.config, self.derived, self.plugins, self.w = config, derived, plugins, workers

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from rlhf.core.types import LossNorm, PolicyLossInputs, Trajectory
-from rlhf.runtime.batch import ExperienceBatch
-from rlhf.runtime.distributed import SINGLE, DistContext
+from rlhf.core.batch import ExperienceBatch
+from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.runtime.logprobs import token_logprobs
 
 KL_CLAMP = 10.0

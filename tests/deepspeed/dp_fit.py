@@ -10,9 +10,9 @@ import torch
 
 from rlhf.algorithms import compute_advantages, resolve_algorithm
 from rlhf.core.types import Trajectory
-from rlhf.runtime.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedConfig
-from rlhf.runtime.batch import collate
-from rlhf.runtime.distributed import init_from_environment
+from rlhf.plugins.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedConfig
+from rlhf.core.batch import collate
+from rlhf.core.distributed import init_from_environment
 from rlhf.runtime.workers import PolicyObjective, PolicyWorker, UpdateSettings
 
 

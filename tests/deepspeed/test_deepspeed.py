@@ -124,7 +124,7 @@ def test_ppo_critic_trains_and_exports_under_zero3(tiny_model_dir, task, tmp_pat
 def make_backend(model_dir, stage, dtype=torch.float32, **options):
     from transformers import AutoModelForCausalLM
 
-    from rlhf.runtime.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedConfig
+    from rlhf.plugins.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model, DeepSpeedBackend(model, DeepSpeedConfig(lr=1e-2, zero_stage=stage, micro_batch_size=2,

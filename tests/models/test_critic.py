@@ -12,8 +12,8 @@ from safetensors import safe_open
 from rlhf.core.errors import ConfigError
 from rlhf.plugins.models.critic import CriticModel
 from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.reward_model import RewardModelWorker
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.reward_model import RewardModelWorker
 from tests.models import checkpoints
 
 REWARD = "def reward_func(completions):\n    return [len(c) / 10 for c in completions]\n"

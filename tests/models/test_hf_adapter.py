@@ -11,6 +11,7 @@ import torch
 
 from rlhf.core.errors import ConfigError
 from rlhf.plugins.models import hf as hf_module
+from rlhf.plugins.models import loading as loading_module
 from rlhf.plugins.models import lora as lora_module
 from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
 from rlhf.runtime.logprobs import token_logprobs
@@ -55,10 +56,10 @@ def test_attention_defaults_to_sdpa_and_eager_gives_the_same_logits(tiny_model_d
 
 
 def test_flash_attention_without_the_package_or_a_gpu_is_a_config_error(monkeypatch):
-    monkeypatch.setattr(hf_module, "is_installed", lambda package: False)
+    monkeypatch.setattr(loading_module, "is_installed", lambda package: False)
     with pytest.raises(ConfigError, match="needs the flash-attn package"):
         adapter(attn_implementation="flash_attention_2")
-    monkeypatch.setattr(hf_module, "is_installed", lambda package: True)
+    monkeypatch.setattr(loading_module, "is_installed", lambda package: True)
     with pytest.raises(ConfigError, match="runs on a CUDA GPU only"):
         adapter(attn_implementation="flash_attention_2")
     with pytest.raises(ConfigError, match="must be one of sdpa, eager, flash_attention_2"):

@@ -14,7 +14,8 @@ import torch
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
-from rlhf.plugins.models.lora import AdapterDisabledModel, LoRAModelAdapter
+from rlhf.plugins.models.hf import LoRAModelAdapter
+from rlhf.plugins.models.lora import AdapterDisabledModel
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train
 from rlhf.runtime.logprobs import token_logprobs

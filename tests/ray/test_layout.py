@@ -74,9 +74,9 @@ def test_the_working_directory_is_shipped_only_when_joining_a_cluster(tmp_path):
 
 
 def test_worker_environment_passes_plugin_selection_on(monkeypatch):
-    monkeypatch.setenv("RLHF_DISABLE_PLUGINS", "rlhf.runtime.loggers")
+    monkeypatch.setenv("RLHF_DISABLE_PLUGINS", "rlhf.plugins.loggers.plugin")
     env = worker_env(config(ray_env=["HF_HOME=/data/hf", "EMPTY="]))
-    assert env == {"TOKENIZERS_PARALLELISM": "false", "RLHF_DISABLE_PLUGINS": "rlhf.runtime.loggers",
+    assert env == {"TOKENIZERS_PARALLELISM": "false", "RLHF_DISABLE_PLUGINS": "rlhf.plugins.loggers.plugin",
                    "HF_HOME": "/data/hf", "EMPTY": ""}
     with pytest.raises(ConfigError, match="--ray-env expects KEY=VALUE, got 'HF_HOME'"):
         worker_env(config(ray_env=["HF_HOME"]))

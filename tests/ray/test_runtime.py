@@ -158,7 +158,7 @@ def fixed_batch():
     """8 trajectories (4 prompts x 2) of different lengths, with GRPO advantages."""
     from rlhf.algorithms import compute_advantages, resolve_algorithm
     from rlhf.core.types import Trajectory
-    from rlhf.runtime.batch import collate
+    from rlhf.core.batch import collate
 
     generator = torch.Generator().manual_seed(1)
     trajectories = []
@@ -222,14 +222,14 @@ def test_two_policy_actors_update_the_policy_like_one(ray_cluster, tiny_model_di
 
 def test_workers_with_other_plugins_are_refused(ray_cluster, tiny_model_dir, task, tmp_path):
     config = make_config(tiny_model_dir, task, tmp_path / "run", runtime="ray", colocate="all",
-                         ray_env=["RLHF_DISABLE_PLUGINS=rlhf.runtime.loggers"])
+                         ray_env=["RLHF_DISABLE_PLUGINS=rlhf.plugins.loggers.plugin"])
     from rlhf.runtime.ray.driver import PluginMismatchError
 
     with pytest.raises(PluginMismatchError) as caught:
         ray_train(config)
     message = str(caught.value)
     assert re.search(r"policy\+reference\+rollout\+reward rank 0 \[pid \d+ on node \S+ \(.*\)\]:\n"
-                     r"    plugin 'rlhf\.runtime\.loggers' \(rlhf-core==\S+\) is missing", message), message
+                     r"    plugin 'rlhf\.plugins\.loggers\.plugin' \(rlhf-core==\S+\) is missing", message), message
     assert "RLHF_DISABLE_PLUGINS" in message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the run began
     assert_no_actors_left()

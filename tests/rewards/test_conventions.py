@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from rlhf.core.types import Trajectory
-from rlhf.plugins.rewards.calling import FunctionSource
-from rlhf.plugins.rewards.loading import build_set
-from rlhf.plugins.rewards.options import RewardOptions
+from rlhf.rewards.calling import FunctionSource
+from rlhf.rewards.loading import build_set
+from rlhf.rewards.options import RewardOptions
 from rlhf.rewards import RewardConfigError, load_reward, load_rewards
 
 STYLE = Path(__file__).with_name("style_functions.py")
@@ -69,7 +69,7 @@ def test_trl_conversational_completions_and_label_column_by_name(plugins):
 
 
 def build_batch(trajs):
-    from rlhf.plugins.rewards.source import RewardBatch
+    from rlhf.rewards.source import RewardBatch
 
     return RewardBatch.from_trajectories(trajs)
 

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from rlhf.plugins.rewards.calling import FunctionSource
-from rlhf.plugins.rewards.combine import RewardSet
-from rlhf.plugins.rewards.options import RewardOptions
+from rlhf.rewards.calling import FunctionSource
+from rlhf.rewards.combine import RewardSet
+from rlhf.rewards.options import RewardOptions
 from rlhf.rewards import RewardError
 
 PROMPTS = ["first prompt", "second prompt", "third prompt"]

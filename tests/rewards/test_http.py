@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from rlhf.plugins.rewards.combine import RewardSet
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.remote import HttpSource
+from rlhf.rewards.combine import RewardSet
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.remote import HttpSource
 from rlhf.rewards import RewardConfigError, RewardError, load_reward
 
 FAST = dict(retries=2, backoff_s=0.01, backoff_max_s=0.02, timeout_s=0.5)

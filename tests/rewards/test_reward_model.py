@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.reward_model import RewardModelSource, RewardModelWorker
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.reward_model import RewardModelSource, RewardModelWorker
 from rlhf.rewards import RewardConfigError, load_reward
 from tests.models import checkpoints
 from tests.models.checkpoints import llama_config, save_openrlhf_layout

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from rlhf.plugins.rewards.calling import FunctionSource
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.server import RewardServer
+from rlhf.rewards.calling import FunctionSource
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.server import RewardServer
 from rlhf.rewards import RewardError, load_reward, load_rewards
 from tests.helpers import run_cli
 

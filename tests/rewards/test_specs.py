@@ -7,11 +7,11 @@ import json
 import pytest
 
 from rlhf.core.errors import BadReferenceError, UnknownComponentError
-from rlhf.plugins.rewards.calling import FunctionSource
-from rlhf.plugins.rewards.loading import split_weight
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.remote import HttpSource
-from rlhf.plugins.rewards.reward_model import RewardModelSource
+from rlhf.rewards.calling import FunctionSource
+from rlhf.rewards.loading import split_weight
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.remote import HttpSource
+from rlhf.rewards.reward_model import RewardModelSource
 from rlhf.rewards import RewardConfigError, RewardError, load_reward, load_rewards
 
 

@@ -10,9 +10,9 @@ import torch
 
 from rlhf.algorithms import resolve_algorithm
 from rlhf.core.types import Trajectory
-from rlhf.runtime.backends.torch_backend import BackendConfig, TorchBackend
-from rlhf.runtime.batch import collate
-from rlhf.runtime.distributed import init_from_environment
+from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend
+from rlhf.core.batch import collate
+from rlhf.core.distributed import init_from_environment
 from rlhf.runtime.workers import PolicyObjective, PolicyWorker, UpdateSettings
 
 

@@ -11,9 +11,9 @@ import torch
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import Trajectory
 from rlhf.runtime import checkpoint
-from rlhf.runtime.backends.torch_backend import BackendConfig, TorchBackend, lr_factor
-from rlhf.runtime.batch import collate
-from rlhf.runtime.engines.hf import HFEngine
+from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend, lr_factor
+from rlhf.core.batch import collate
+from rlhf.plugins.engines.hf import HFEngine
 from rlhf.runtime.logprobs import token_logprobs
 
 
@@ -168,7 +168,7 @@ def test_checkpoints_are_atomic_rotated_and_carry_rng(tmp_path):
 
 
 def test_length_sorted_micro_batches_cover_every_row_once_and_results_keep_row_order(model_and_tokenizer):
-    from rlhf.runtime.distributed import SINGLE
+    from rlhf.core.distributed import SINGLE
     from rlhf.runtime.workers import forward_rows, micro_batches
 
     model, _ = model_and_tokenizer

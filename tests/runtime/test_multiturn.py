@@ -11,7 +11,7 @@ import torch
 from rlhf.algorithms import compute_advantages, policy_loss
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.types import StepResult
-from rlhf.runtime.batch import collate
+from rlhf.core.batch import collate
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import PromptItem
 from rlhf.runtime.local import train

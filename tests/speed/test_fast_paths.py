@@ -18,9 +18,9 @@ import torch
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import Trajectory
 from rlhf.plugins.algorithms.returns import discounted_returns
-from rlhf.runtime.backends.torch_backend import BackendConfig, TorchBackend
-from rlhf.runtime.batch import collate
-from rlhf.runtime.engines.hf import HFEngine, HFEngineConfig, sample_categorical
+from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend
+from rlhf.core.batch import collate
+from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig, sample_categorical
 from rlhf.runtime.logprobs import token_logprobs
 
 

@@ -118,7 +118,7 @@ def install(monkeypatch, version: str = "0.11.0") -> types.ModuleType:
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version",
                         lambda name: version if name == "vllm" else real_version(name))
-    from rlhf.runtime.engines import vllm_engine
+    from rlhf.plugins.engines import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "require_cuda", lambda: None)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine sets 0; monkeypatch puts it back

@@ -13,10 +13,10 @@ import torch
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.rollout import SamplingParams
-from rlhf.runtime.engines import vllm_engine
-from rlhf.runtime.engines.vllm_engine import (VLLMEngine, VLLMEngineConfig, VLLMSetupError, check_version,
+from rlhf.plugins.engines import vllm_engine
+from rlhf.plugins.engines.vllm_engine import (VLLMEngine, VLLMEngineConfig, VLLMSetupError, check_version,
                                               require_cuda, require_single_rank, require_vllm)
-from rlhf.runtime.engines.vllm_weights import bucket_by_bytes, policy_weights
+from rlhf.plugins.engines.vllm_weights import bucket_by_bytes, policy_weights
 from tests.vllm import fakes
 
 

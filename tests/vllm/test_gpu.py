@@ -40,7 +40,7 @@ def gpu_model_dir(tmp_path_factory):
 def setup(gpu_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.runtime.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from rlhf.plugins.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda()
     tokenizer = AutoTokenizer.from_pretrained(gpu_model_dir)

@@ -26,7 +26,7 @@ for args in (["--help"], ["plugins", "list", "--all"], ["plugins", "show", "vllm
     result = CliRunner().invoke(make_cli(plugins), args)
     assert result.exit_code == 0, (args, result.output)
     outputs[" ".join(args)] = result.output
-import rlhf.runtime.engines.vllm_engine, rlhf.runtime.engines.vllm_weights, rlhf.runtime.local
+import rlhf.plugins.engines.vllm_engine, rlhf.plugins.engines.vllm_weights, rlhf.runtime.local
 print(json.dumps({"imported": "vllm" in sys.modules, "outputs": outputs}))
 """
 

@@ -11,7 +11,7 @@ import torch
 from rlhf.core.errors import ConfigError
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.engines.vllm_engine import (VLLMEngineConfig, eos_token_ids, expand_prompts, llm_kwargs,
+from rlhf.plugins.engines.vllm_engine import (VLLMEngineConfig, eos_token_ids, expand_prompts, llm_kwargs,
                                               sampled_logprobs, sampling_kwargs, to_generation, validate)
 from rlhf.runtime.local import component_config
 from tests.vllm.fakes import Completion, Logprob

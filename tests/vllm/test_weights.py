@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.engines.vllm_weights import (bucket_by_bytes, map_state_dict, policy_version, policy_weights,
+from rlhf.plugins.engines.vllm_weights import (bucket_by_bytes, map_state_dict, policy_version, policy_weights,
                                                receive_weights, send_weights, vllm_weight_name)
 
 

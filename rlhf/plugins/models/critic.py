@@ -28,6 +28,7 @@ import torch
 
 from rlhf.core.checkpoints import read_weight, scalar_head_layout
 from rlhf.core.errors import ConfigError
+from rlhf.plugins.models.lora import merged_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,6 @@ class CriticModel(torch.nn.Module):
         out = Path(out_dir)
         backbone = self.backbone
         if hasattr(backbone, "peft_config"):
-            from rlhf.plugins.models.lora import merged_state_dict
-
             state, backbone = merged_state_dict(backbone), backbone.get_base_model()
         else:
             state = dict(backbone.state_dict())

@@ -19,114 +19,24 @@ scalar value head, see `critic.py`). Options, each one flag of ``rlhf train``:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlhf.core.errors import ConfigError
+from rlhf.plugins.models.config import HFModelConfig
+from rlhf.plugins.models.critic import CriticModel
+from rlhf.plugins.models.loading import (ATTENTION, DTYPES, check_attention, enable_activation_checkpointing,
+                                         is_installed, quiet_transformers, read_chat_template, resolve_device,
+                                         resolve_dtype, set_pad_token)
+from rlhf.plugins.models.lora import DEFAULT_RANK, LoRA
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-ATTENTION = ("sdpa", "eager", "flash_attention_2")
+__all__ = ["ATTENTION", "DTYPES", "HFModelAdapter", "HFModelConfig", "LoRAModelAdapter", "check_attention",
+           "enable_activation_checkpointing", "is_installed", "quiet_transformers", "read_chat_template",
+           "resolve_device", "resolve_dtype", "set_pad_token"]
 ROLES = ("policy", "reference", "critic")
-
-
-@dataclass(kw_only=True)
-class HFModelConfig:
-    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward"})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
-    chat_template: str | None = field(default=None, metadata={"help": "Jinja file replacing the chat template"})
-    value_head_prefix: str = field(default="score", metadata={
-        "help": "Name of the critic's value head (read from reward-model checkpoints, used when saving)"})
-    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r (0: train every weight)"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA α: the update B·A is scaled by α / r"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input"})
-    target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "Module names given adapters (default: every linear layer but the output head)"})
-    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: frozen weights in 4-bit NF4 (GPU)"})
-    merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model to <final>/merged"})
-    save_critic: bool = field(default=False, metadata={"help": "The run saves the critic (<out>/critic)"})
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def is_installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
-
-
-def check_attention(name: str, device: torch.device) -> None:
-    """flash_attention_2 needs the flash-attn package and a CUDA device; say so before loading anything."""
-    if name not in ATTENTION:
-        raise ConfigError(f"--attn-implementation must be one of {', '.join(ATTENTION)}; got {name!r}")
-    if name != "flash_attention_2":
-        return
-    if not is_installed("flash_attn"):
-        raise ConfigError("--attn-implementation flash_attention_2 needs the flash-attn package "
-                          "(pip install flash-attn --no-build-isolation); or use --attn-implementation sdpa")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ConfigError("--attn-implementation flash_attention_2 runs on a CUDA GPU only; "
-                          f"this run's device is {device}. Use --attn-implementation sdpa")
-
-
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant checkpointing: gradients reach adapters even when the inputs need none."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.config.use_cache = False
-
-
-def set_pad_token(tokenizer: Any, ref: str) -> None:
-    """Padding needs a token id; many causal LMs ship without one. EOS is masked out wherever it pads."""
-    if tokenizer.pad_token_id is not None:
-        return
-    for fallback in (tokenizer.eos_token, tokenizer.unk_token):
-        if fallback is not None:
-            tokenizer.pad_token = fallback
-            return
-    raise ConfigError(f"the tokenizer of {ref} has no pad, EOS or UNK token to pad with; "
-                      "pass --tokenizer with a tokenizer that defines one")
-
-
-def read_chat_template(path: str) -> str:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--chat-template {path}: no such file (expected a Jinja template)")
-    return file.read_text()
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence load reports that are expected (a causal LM checkpoint's lm_head when loading a backbone)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 class HFModelAdapter:
@@ -139,8 +49,6 @@ class HFModelAdapter:
         check_attention(self.config.attn_implementation, self.device)
         self.lora: Any = None
         if self.config.lora_rank > 0:
-            from rlhf.plugins.models.lora import LoRA
-
             self.lora = LoRA(self.config, self.device)
         elif self.config.load_in_4bit:
             raise ConfigError("--load-in-4bit freezes the weights in 4 bits, so only adapters can train: "
@@ -168,8 +76,6 @@ class HFModelAdapter:
                 return self.lora.reference_view(self._policy[1])  # the base weights, held once
             return self._from_pretrained("AutoModelForCausalLM", ref).eval().requires_grad_(False)
         if role == "critic":
-            from rlhf.plugins.models.critic import CriticModel
-
             backbone = self._from_pretrained("AutoModel", ref, quiet=True)
             critic = CriticModel.from_backbone(backbone, ref, value_head_prefix=self.config.value_head_prefix,
                                                trust_remote_code=self.config.trust_remote_code)
@@ -230,3 +136,11 @@ class HFModelAdapter:
         """The critic in OpenRLHF's layout (backbone + ``<value_head_prefix>.weight``), LoRA merged in."""
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
+
+
+class LoRAModelAdapter(HFModelAdapter):
+    """The hf adapter with LoRA always on: rank ``--lora-rank``, or 8 when it is 0."""
+
+    def __init__(self, config: HFModelConfig | None = None):
+        config = config or HFModelConfig()
+        super().__init__(dataclasses.replace(config, lora_rank=config.lora_rank or DEFAULT_RANK))

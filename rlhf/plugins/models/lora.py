@@ -20,7 +20,6 @@ Deviations: the reference view returns full-length logits (peft's forward does n
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +28,8 @@ from typing import Any
 import torch
 
 from rlhf.core.errors import ConfigError
-from rlhf.plugins.models.hf import (HFModelAdapter, HFModelConfig, enable_activation_checkpointing, is_installed,
-                                    quiet_transformers)
+from rlhf.plugins.models.config import HFModelConfig
+from rlhf.plugins.models.loading import enable_activation_checkpointing, is_installed, quiet_transformers
 
 DEFAULT_RANK = 8
 
@@ -213,11 +212,3 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if ".lora_" not in key:
             merged.setdefault(key.replace(".base_layer.", "."), tensor)
     return merged
-
-
-class LoRAModelAdapter(HFModelAdapter):
-    """The hf adapter with LoRA always on: rank ``--lora-rank``, or 8 when it is 0."""
-
-    def __init__(self, config: HFModelConfig | None = None):
-        config = config or HFModelConfig()
-        super().__init__(dataclasses.replace(config, lora_rank=config.lora_rank or DEFAULT_RANK))

@@ -1,4 +1,5 @@
-"""Registers the built-in model adapters (imported lazily: this module stays torch-free)."""
+"""Registers the built-in model adapters (imported lazily: this module stays torch-free) and the
+``rlhf merge-lora`` command."""
 
 import rlhf
 
@@ -7,9 +8,16 @@ ROLES = ("policy", "reference", "critic")
 
 @rlhf.hookimpl
 def register_models(register):
-    register("hf", "rlhf.plugins.models.hf:HFModelAdapter", config_cls="rlhf.plugins.models.hf:HFModelConfig",
+    register("hf", "rlhf.plugins.models.hf:HFModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
              roles=ROLES, description="Any AutoModelForCausalLM directory or hub name (LoRA when --lora-rank > 0); "
                                       "critic = backbone + value head")
-    register("lora", "rlhf.plugins.models.lora:LoRAModelAdapter", config_cls="rlhf.plugins.models.hf:HFModelConfig",
+    register("lora", "rlhf.plugins.models.hf:LoRAModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
              roles=ROLES, description="The hf adapter with peft LoRA always on (rank 8 unless --lora-rank); "
                                       "reference = the base weights with the adapter off")
+
+
+@rlhf.hookimpl
+def register_commands(cli):
+    from rlhf.plugins.models.commands import merge_lora_command
+
+    cli.add_command(merge_lora_command)

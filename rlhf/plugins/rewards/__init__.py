@@ -1,6 +1,6 @@
-"""Reward sources (DESIGN §7): Python functions called by signature, remote HTTP servers speaking
-OpenRLHF's protocol, reward models, their weighted combination and the failure policy.
+"""Built-in reward functions (``--reward exact_match``, ``regex_match``, ``think_format``,
+``boxed_math``), registered by `rlhf.plugins.rewards.plugin` through the public hook.
 
-The public entry point is ``rlhf.rewards`` (``load_reward``, ``load_rewards``). This package stays
-light to import: torch and aiohttp are imported only when a source that needs them scores.
+The machinery that resolves a reward SPEC, calls functions by signature, talks to reward servers,
+scores with reward models and combines sources is the host's: ``rlhf.rewards``.
 """

@@ -5,7 +5,7 @@ rollout, reward) in actor groups with their own resources (placement.py), builds
 inside its actor with the local runtime's builders (actors.py), and runs
 `rlhf.runtime.trainer.Trainer` in the driver with group handles in place of the local workers
 (groups.py). Data-parallel policy (and reference, critic) actors form a torch.distributed group
-and follow the launcher scheme of rlhf/runtime/distributed.py, so ``token_mean`` and the other
+and follow the launcher scheme of rlhf/core/distributed.py, so ``token_mean`` and the other
 aggregations normalise over the whole minibatch across actors.
 
 Weights: rollout actors hold their own copy of the policy and receive policy rank 0's trainable

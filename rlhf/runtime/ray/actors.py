@@ -11,7 +11,7 @@ Every host builds its own plugin set from installed metadata and reports its fin
 it loads anything heavy; the driver compares (rlhf/runtime/ray/driver.py). Hosts of a group with
 data-parallel roles (policy, reference, critic) and more than one rank form a torch.distributed
 process group (gloo on CPU, nccl on GPU); the roles then shard their passes exactly as under a
-launcher (rlhf/runtime/distributed.py).
+launcher (rlhf/core/distributed.py).
 
 Nothing here imports torch, transformers or rlhf's runtime at module import: the host applies
 its environment variables first.
@@ -75,7 +75,7 @@ class WorkerHost:
         """Join the group's process group, seed, and build every role this host holds."""
         began = time.perf_counter()
         from rlhf.runtime import local
-        from rlhf.runtime.distributed import SINGLE, init_from_environment
+        from rlhf.core.distributed import SINGLE, init_from_environment
 
         self.dist = SINGLE
         if self.process_group:

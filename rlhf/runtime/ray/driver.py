@@ -22,7 +22,7 @@ from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime import checkpoint
 from rlhf.runtime.config import Derived, TrainConfig
-from rlhf.runtime.distributed import SINGLE
+from rlhf.core.distributed import SINGLE
 from rlhf.runtime.local import RunPlan, build_adapter, build_loader, seed_everything, total_steps
 from rlhf.runtime.ray.cluster import Cluster, import_ray
 from rlhf.runtime.ray.groups import (CriticGroup, Host, PolicyGroup, ReferenceGroup, RewardGroup, RolloutGroup,

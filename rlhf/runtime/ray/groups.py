@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError, RlhfError
-from rlhf.runtime.distributed import unshard
+from rlhf.core.distributed import unshard
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class RolloutGroup(RoleGroup):
 
 
 def _is_batch(value: Any) -> bool:
-    from rlhf.runtime.batch import ExperienceBatch
+    from rlhf.core.batch import ExperienceBatch
 
     return isinstance(value, ExperienceBatch)
 

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlhf.plugins.rewards.failures import RewardFailure, apply_policy
-from rlhf.plugins.rewards.options import ON_ERROR_CHOICES
-from rlhf.plugins.rewards.source import RewardBatch, RewardSource, SourceOutput
-from rlhf.plugins.rewards.threads import start_in_background
+from rlhf.rewards.failures import RewardFailure, apply_policy
+from rlhf.rewards.options import ON_ERROR_CHOICES
+from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
+from rlhf.rewards.threads import start_in_background
 
 if TYPE_CHECKING:
     from rlhf.core.types import Trajectory

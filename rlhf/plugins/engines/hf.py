@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from rlhf.core.rollout import Generation, SamplingParams
-from rlhf.runtime.logprobs import accepts_logits_to_keep
+from rlhf.core.modeling import accepts_logits_to_keep, base_model
 
 DECODERS = ("auto", "direct", "generate")
 
@@ -123,7 +123,7 @@ class HFEngine:
             return self.config.decoder == "direct"
         from transformers import GenerationMixin
 
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        base = base_model(self.model)  # PEFT
         plain = type(base).prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
         return not params.stop and plain and not base.config.is_encoder_decoder
 
@@ -133,7 +133,7 @@ class HFEngine:
         from transformers import DynamicCache
 
         batch_size = input_ids.shape[0]
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = base_model(self.model)
         cache = DynamicCache(config=base.config)
         mask = torch.cat([attention_mask, attention_mask.new_ones((batch_size, params.max_new_tokens))], dim=1)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P), left padding starts at 0

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlhf.plugins.rewards.failures import RewardConfigError, RewardFailure, apply_policy, excerpt
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.threads import run_in_thread, start_in_background
+from rlhf.rewards.failures import RewardConfigError, RewardFailure, apply_policy, excerpt
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.threads import run_in_thread, start_in_background
 
 if TYPE_CHECKING:
     from rlhf.core.types import Trajectory

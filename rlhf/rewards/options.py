@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from rlhf.plugins.rewards.failures import RewardConfigError
+from rlhf.rewards.failures import RewardConfigError
 
 OnError = Literal["raise", "zero", "skip"]
 ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "zero", "skip")

@@ -17,7 +17,7 @@ Install with ``pip install "rlhf-core[vllm]"`` on a machine with a CUDA GPU; sel
 * **Layout.** Each prompt is sent ``n`` times (rows ``[p0s0 .. p0s(n-1), p1s0, ...]``; prefix
   caching shares the prompt's KV cache); prompts go in as token ids.
 * **Weights** (`load_weights`): the policy module's weights under checkpoint names (LoRA merged;
-  rlhf/runtime/engines/vllm_weights.py), in buckets of ``sync_bucket_mb``, loaded into vLLM's
+  rlhf/plugins/engines/vllm_weights.py), in buckets of ``sync_bucket_mb``, loaded into vLLM's
   model in this process through ``collective_rpc``; then the prefix cache is reset (cached
   keys/values belong to the old weights). ``last_sync_seconds``/``last_sync_bytes`` record the
   last sync. Before a generation the engine also pushes the weights itself when the policy's
@@ -49,7 +49,7 @@ import torch
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.rollout import Generation, SamplingParams
-from rlhf.runtime.engines.vllm_weights import (Named, bucket_by_bytes, map_state_dict, policy_version,
+from rlhf.plugins.engines.vllm_weights import (Named, bucket_by_bytes, map_state_dict, policy_version,
                                                policy_weights, receive_weights)
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,7 @@
-"""``rlhf merge-lora``: turn a LoRA adapter saved by a run into a plain Hugging Face model."""
+"""``rlhf merge-lora``: turn a LoRA adapter saved by a run into a plain Hugging Face model.
+
+A command of the models plugin (``register_commands``): the LoRA code it runs is this plugin's.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import click
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 
 
-@click.command("merge-lora")
+@click.command("merge-lora", short_help="Merge a LoRA adapter into its base model.")
 @click.argument("adapter_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--base", default=None, metavar="MODEL",
               help="Base model directory or hub name (default: the adapter's base_model_name_or_path)")
@@ -24,7 +27,7 @@ def merge_lora_command(adapter_dir: Path, base: str | None, out_dir: Path, dtype
     The result loads with AutoModelForCausalLM.from_pretrained and vLLM, without peft.
     """
     from rlhf.core.errors import ConfigError
-    from rlhf.plugins.models.hf import DTYPES
+    from rlhf.plugins.models.loading import DTYPES
     from rlhf.plugins.models.lora import merge_lora
 
     if out_dir.exists() and any(out_dir.iterdir()):

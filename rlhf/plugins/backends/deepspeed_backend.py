@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from rlhf.core.errors import ConfigError, RlhfError
-from rlhf.runtime.backends.torch_backend import BackendConfig, lr_factor
+from rlhf.plugins.backends.torch_backend import BackendConfig, lr_factor
 
 CHECKPOINT_TAG = "deepspeed"  # the folder DeepSpeed writes inside a worker's checkpoint folder
 MIN_VERSION = "0.19.5"  # managed_gradient_accumulation=false for stages 0-3 and offload
@@ -149,7 +149,7 @@ def join_process_group() -> None:
     import deepspeed.ops
     import torch.distributed as dist
 
-    from rlhf.runtime.distributed import init_from_environment
+    from rlhf.core.distributed import init_from_environment
 
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

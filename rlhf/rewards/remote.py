@@ -24,10 +24,10 @@ import random
 from typing import Any
 from urllib.parse import urlsplit
 
-from rlhf.plugins.rewards.failures import RewardConfigError, excerpt
-from rlhf.plugins.rewards.options import DEFAULT_TOKEN_ENV, RewardOptions
-from rlhf.plugins.rewards.returns import BadReturn, batched_return, to_number
-from rlhf.plugins.rewards.source import RewardBatch, RewardSource, SourceOutput
+from rlhf.rewards.failures import RewardConfigError, excerpt
+from rlhf.rewards.options import DEFAULT_TOKEN_ENV, RewardOptions
+from rlhf.rewards.returns import BadReturn, batched_return, to_number
+from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
 
 
 def read_token(token_env: str | None, flag: str = "--reward-token-env") -> str | None:

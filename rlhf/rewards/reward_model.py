@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.checkpoints import MissingWeightsError, read_weight, top_level_weights
-from rlhf.plugins.rewards.failures import RewardConfigError
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.source import RewardBatch, RewardSource, SourceOutput
+from rlhf.rewards.failures import RewardConfigError
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
 
 
 def is_model_dir(path: str | Path) -> bool:

@@ -22,13 +22,13 @@ from urllib.parse import urlsplit
 from rlhf.core.errors import UnknownComponentError
 from rlhf.core.references import import_object, is_reference
 from rlhf.core.registry import Registry
-from rlhf.plugins.rewards.calling import FunctionSource
-from rlhf.plugins.rewards.combine import RESERVED_NAMES, RewardSet
-from rlhf.plugins.rewards.failures import RewardConfigError
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.remote import HttpSource, parse_urls
-from rlhf.plugins.rewards.reward_model import RewardModelSource, is_model_dir
-from rlhf.plugins.rewards.source import RewardSource
+from rlhf.rewards.calling import FunctionSource
+from rlhf.rewards.combine import RESERVED_NAMES, RewardSet
+from rlhf.rewards.failures import RewardConfigError
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.remote import HttpSource, parse_urls
+from rlhf.rewards.reward_model import RewardModelSource, is_model_dir
+from rlhf.rewards.source import RewardSource
 
 SPEC_FORMS = ("an http(s):// URL, a registered reward name, file.py[:func] (default func reward_func), "
               "module:attr, or a directory holding a reward model's config.json")

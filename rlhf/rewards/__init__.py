@@ -1,4 +1,10 @@
-"""Reward sources from Python: the same path ``rlhf train --reward`` uses (DESIGN §7).
+"""Reward sources (DESIGN §7): the host machinery that ``rlhf train --reward`` uses, and its public API.
+
+Python functions called by signature (``calling.py``), remote HTTP servers speaking OpenRLHF's
+protocol (``remote.py``, and ``server.py`` for ``rlhf reward serve``), reward models
+(``reward_model.py``), their weighted combination and the failure policy (``combine.py``,
+``failures.py``). Built-in reward functions are a plugin (``rlhf.plugins.rewards``). Light to
+import: torch and aiohttp load only when a source that needs them scores.
 
     from rlhf.rewards import load_reward, load_rewards
 
@@ -20,11 +26,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf.core.plugins import PluginSet, build_plugin_manager
-from rlhf.plugins.rewards.combine import RewardResult, RewardSet
-from rlhf.plugins.rewards.failures import RewardConfigError, RewardError, RewardFailure
-from rlhf.plugins.rewards.loading import build_set, build_source, split_weight
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.source import RewardBatch, RewardSource
+from rlhf.rewards.combine import RewardResult, RewardSet
+from rlhf.rewards.failures import RewardConfigError, RewardError, RewardFailure
+from rlhf.rewards.loading import build_set, build_source, split_weight
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.source import RewardBatch, RewardSource
 
 __all__ = [
     "RewardBatch", "RewardConfigError", "RewardError", "RewardFailure", "RewardOptions", "RewardResult",

@@ -5,7 +5,7 @@ A backend owns one model's optimizer. The caller runs ``backward(loss)`` once pe
 (each micro-batch loss is already its share of the step loss, so gradients simply add up) and
 ``step()`` once per optimizer step. Under data parallelism (an initialised torch.distributed
 group) ``step()`` first sums the gradients of all ranks: each rank's losses are its share of the
-step loss (rlhf/runtime/distributed.py), so the sum is the full step gradient.
+step loss (rlhf/core/distributed.py), so the sum is the full step gradient.
 """
 
 from __future__ import annotations

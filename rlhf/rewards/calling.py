@@ -31,11 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.plugins.rewards.failures import RewardConfigError
-from rlhf.plugins.rewards.options import RewardOptions
-from rlhf.plugins.rewards.returns import BadReturn, batched_return, sample_return, to_number
-from rlhf.plugins.rewards.source import RewardBatch, RewardSource, SourceOutput
-from rlhf.plugins.rewards.threads import run_in_thread, run_sync
+from rlhf.rewards.failures import RewardConfigError
+from rlhf.rewards.options import RewardOptions
+from rlhf.rewards.returns import BadReturn, batched_return, sample_return, to_number
+from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
+from rlhf.rewards.threads import run_in_thread, run_sync
 
 BATCH_MARKERS = ("prompts", "completions", "labels", "queries")
 SAMPLE_MARKERS = ("prompt", "completion", "label", "query", "solution_str", "ground_truth")

@@ -27,8 +27,8 @@ import socket
 import threading
 from typing import Any
 
-from rlhf.plugins.rewards.failures import RewardError, apply_policy
-from rlhf.plugins.rewards.source import RewardBatch, RewardSource, SourceOutput
+from rlhf.rewards.failures import RewardError, apply_policy
+from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 

@@ -14,7 +14,7 @@ import math
 import numbers
 from typing import Any
 
-from rlhf.plugins.rewards.failures import excerpt
+from rlhf.rewards.failures import excerpt
 
 
 class BadReturn(Exception):

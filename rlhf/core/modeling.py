@@ -1,0 +1,23 @@
+"""Small facts about transformers models that the runtime and plugins both need. No torch here.
+
+* `base_model`: the transformers model inside a PEFT wrapper (or the model itself). PEFT's
+  forward passes keyword arguments through, but its signature hides the inner model's.
+* `accepts_logits_to_keep`: whether a model class's forward takes ``logits_to_keep`` (project
+  only the last positions to the vocabulary), cached per class.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+from typing import Any
+
+
+def base_model(model: Any) -> Any:
+    """The model a PEFT wrapper holds, or ``model`` when it is not wrapped."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@lru_cache(maxsize=None)
+def accepts_logits_to_keep(forward_cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(forward_cls.forward).parameters

@@ -1,0 +1,25 @@
+"""Settings of the ``hf`` and ``lora`` model adapters (no torch here: the command line reads them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class HFModelConfig:
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
+    chat_template: str | None = field(default=None, metadata={"help": "Jinja file replacing the chat template"})
+    value_head_prefix: str = field(default="score", metadata={
+        "help": "Name of the critic's value head (read from reward-model checkpoints, used when saving)"})
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r (0: train every weight)"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA α: the update B·A is scaled by α / r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "Module names given adapters (default: every linear layer but the output head)"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: frozen weights in 4-bit NF4 (GPU)"})
+    merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model to <final>/merged"})
+    save_critic: bool = field(default=False, metadata={"help": "The run saves the critic (<out>/critic)"})
