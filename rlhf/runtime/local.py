@@ -25,8 +25,7 @@ from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.runtime.trainer import Trainer, Workers
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
-from rlhf.runtime.workers import (CriticWorker, PolicyObjective, PolicyWorker, ReferenceWorker, RewardWorker,
-                                  UpdateSettings)
+from rlhf.runtime.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, UpdateSettings
 
 
 def seed_everything(seed: int) -> None:
@@ -108,12 +107,8 @@ def build_backend(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, lr:
 def build_policy(plan: RunPlan, plugins: PluginSet, adapter: Any, dist: DistContext = SINGLE) -> PolicyWorker:
     config, algorithm = plan.config, plan.algorithm
     model = adapter.load(config.model, role="policy")
-    objective = PolicyObjective(
-        policy_loss=algorithm.policy_loss_fn, policy_loss_config=plan.policy_loss_config,
-        aggregate=algorithm.aggregate_fn, kl_estimator=algorithm.kl_estimator_fn,
-        kl_in_loss=algorithm.kl_in == "loss" and algorithm.kl_coef > 0, kl_coef=algorithm.kl_coef,
-        entropy_coef=config.entropy_coef, temperature=config.temperature,
-    )
+    objective = algorithm.policy_objective(plan.policy_loss_config, entropy_coef=config.entropy_coef,
+                                           temperature=config.temperature)
     return PolicyWorker(model, build_backend(plan, plugins, model, config.lr), plan.update, objective, dist)
 
 
@@ -124,12 +119,10 @@ def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> 
 
 
 def build_critic(plan: RunPlan, plugins: PluginSet, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:
-    from rlhf.algorithms import value_loss
-
     config = plan.config
     model = adapter.load(config.critic_model or config.model, role="critic")
     return CriticWorker(model, build_backend(plan, plugins, model, config.critic_lr), plan.update,
-                        value_loss=value_loss, value_clip=config.value_clip, dist=dist)
+                        plan.algorithm.value_objective(config.value_clip), dist)
 
 
 def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tokenizer: Any, *,

@@ -73,10 +73,7 @@ class Trainer:
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                        top_p=config.top_p, return_logprobs=workers.rollout_logprobs)
         self.start_step = 0
-        algo = workers.algorithm
-        # On-policy with one optimizer step per rollout: the old log-probs equal the current ones,
-        # so the extra forward pass is skipped (unless KL goes into the reward, which needs them first).
-        self.recompute_old = derived.optimizer_steps_per_step > 1 or algo.kl_in == "reward"
+        self.recompute_old = workers.algorithm.needs_old_logprobs(derived.optimizer_steps_per_step)
 
     # --- run --------------------------------------------------------------------------------
 

@@ -16,12 +16,11 @@ from typing import Any, Callable
 
 import torch
 
-from rlhf.core.types import LossNorm, PolicyLossInputs, Trajectory
+from rlhf.algorithms import PolicyObjective, ValueObjective, step_norm
 from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import SINGLE, DistContext
+from rlhf.core.types import LossNorm, Trajectory
 from rlhf.runtime.logprobs import token_logprobs
-
-KL_CLAMP = 10.0
 
 
 @dataclass(kw_only=True)
@@ -33,20 +32,6 @@ class UpdateSettings:
     micro_batch_size: int  # samples per forward/backward
     max_new_tokens: int  # Dr. GRPO's constant normaliser
     seed: int = 0
-
-
-@dataclass(kw_only=True)
-class PolicyObjective:
-    """The resolved pieces of the policy loss (callables from the registries)."""
-
-    policy_loss: Callable[[PolicyLossInputs, Any], tuple[torch.Tensor, dict[str, Any]]]
-    policy_loss_config: Any
-    aggregate: Callable[[torch.Tensor, torch.Tensor, LossNorm], torch.Tensor]
-    kl_estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    kl_in_loss: bool = False
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
 
 
 # A micro-batch's share of the minibatch loss, its metrics and their weight (its loss tokens).
@@ -85,12 +70,6 @@ def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> 
         for begin in range(0, batch.size, settings.train_batch_size):
             out.append(batch.select(order[begin:begin + settings.train_batch_size]))
     return out
-
-
-def loss_norm(minibatch: ExperienceBatch, max_new_tokens: int) -> LossNorm:
-    mask = minibatch.loss_mask  # (b, A)
-    return LossNorm(num_tokens=float(mask.sum()), num_sequences=float((mask.sum(dim=1) > 0).sum()),
-                    max_new_tokens=max_new_tokens)
 
 
 def micro_batches(minibatch: ExperienceBatch, size: int) -> list[tuple[torch.Tensor, ExperienceBatch]]:
@@ -181,7 +160,7 @@ class _TrainedWorker:
         self.model.train()
         metrics = MetricMean()
         for minibatch in minibatches(batch, self.settings, step):
-            norm = loss_norm(minibatch, self.settings.max_new_tokens)
+            norm = step_norm(minibatch, self.settings.max_new_tokens)
             if norm.num_tokens == 0:
                 continue
             finite, step_loss = True, 0.0
@@ -243,35 +222,20 @@ class PolicyWorker(_TrainedWorker):
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
     def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
-        objective, mask = self.objective, micro.loss_mask  # (b, A)
         logprobs, entropy = token_logprobs(self.train_model, micro.input_ids, micro.attention_mask,
-                                           micro.action_mask, temperature=objective.temperature,
-                                           with_entropy=objective.entropy_coef > 0)
-        old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
-        per_token, loss_metrics = objective.policy_loss(
-            PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=micro.advantages,
-                             action_mask=mask, rollout_logprobs=micro.rollout_logprobs),
-            objective.policy_loss_config)
-        loss = objective.aggregate(per_token, mask, norm)
-        extra = {}
-        if objective.kl_in_loss:
-            kl = objective.kl_estimator(logprobs, micro.ref_logprobs).clamp(-KL_CLAMP, KL_CLAMP)  # (b, A)
-            loss = loss + objective.kl_coef * objective.aggregate(kl, mask, norm)
-            extra["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-        if objective.entropy_coef > 0:
-            loss = loss - objective.entropy_coef * objective.aggregate(entropy, mask, norm)
-            extra["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-        return loss, {**loss_metrics, **extra}, float(mask.sum())
+                                           micro.action_mask, temperature=self.objective.temperature,
+                                           with_entropy=self.objective.needs_entropy)  # (b, A), (b, A) or None
+        loss, metrics = self.objective.loss(logprobs, micro, norm, entropy=entropy)
+        return loss, metrics, float(micro.loss_mask.sum())
 
 
 class CriticWorker(_TrainedWorker):
     """Computes values and fits them to the returns with the clipped value loss."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings,
-                 value_loss: Callable[..., tuple[torch.Tensor, dict[str, Any]]], value_clip: float | None,
+    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, objective: ValueObjective,
                  dist: DistContext = SINGLE):
         super().__init__(model, backend, settings, dist)
-        self.value_loss, self.value_clip = value_loss, value_clip
+        self.objective = objective
 
     @torch.no_grad()
     def values(self, batch: ExperienceBatch) -> torch.Tensor:
@@ -288,10 +252,8 @@ class CriticWorker(_TrainedWorker):
 
     def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
         values = self.train_model(micro.input_ids, micro.attention_mask)[:, :-1]  # (b, A)
-        loss, loss_metrics = self.value_loss(values=values, old_values=micro.values, returns=micro.returns,
-                                             action_mask=micro.loss_mask, clip=self.value_clip,
-                                             num_tokens=norm.num_tokens)
-        return loss, loss_metrics, float(micro.loss_mask.sum())
+        loss, metrics = self.objective.loss(values, micro, norm)
+        return loss, metrics, float(micro.loss_mask.sum())
 
 
 class ReferenceWorker:

@@ -13,7 +13,7 @@ from rlhf.core.types import Trajectory
 from rlhf.plugins.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedConfig
 from rlhf.core.batch import collate
 from rlhf.core.distributed import init_from_environment
-from rlhf.runtime.workers import PolicyObjective, PolicyWorker, UpdateSettings
+from rlhf.runtime.workers import PolicyWorker, UpdateSettings
 
 
 def fixed_batch():
@@ -40,7 +40,7 @@ def fit(model_dir: str, stage: int, dist) -> dict:
     batch.advantages, batch.returns = compute_advantages(algo.advantage, rewards=batch.rewards,
                                                          action_mask=batch.action_mask, group_size=2)
     settings = UpdateSettings(ppo_epochs=2, train_batch_size=4, micro_batch_size=1, max_new_tokens=8, seed=3)
-    objective = PolicyObjective(policy_loss=algo.policy_loss_fn, policy_loss_config=None, aggregate=algo.aggregate_fn)
+    objective = algo.policy_objective(None)
     backend = DeepSpeedBackend(model, DeepSpeedConfig(lr=1e-2, zero_stage=stage, micro_batch_size=1))
     worker = PolicyWorker(model, backend, settings, objective, dist)
     batch.old_logprobs = worker.logprobs(batch)

@@ -13,7 +13,7 @@ from rlhf.core.types import Trajectory
 from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend
 from rlhf.core.batch import collate
 from rlhf.core.distributed import init_from_environment
-from rlhf.runtime.workers import PolicyObjective, PolicyWorker, UpdateSettings
+from rlhf.runtime.workers import PolicyWorker, UpdateSettings
 
 
 def main(model_dir: str, out: str, poison: str = "") -> None:
@@ -41,7 +41,7 @@ def main(model_dir: str, out: str, poison: str = "") -> None:
         advantages[5] = float("nan")  # (A,): row 5 is trained by rank 1 of 2
     batch.advantages, batch.returns = advantages, returns
     settings = UpdateSettings(ppo_epochs=2, train_batch_size=4, micro_batch_size=1, max_new_tokens=8, seed=3)
-    objective = PolicyObjective(policy_loss=algo.policy_loss_fn, policy_loss_config=None, aggregate=algo.aggregate_fn)
+    objective = algo.policy_objective(None)
     worker = PolicyWorker(model, TorchBackend(model, BackendConfig(lr=1e-2)), settings, objective, dist)
     batch.old_logprobs = worker.logprobs(batch)
     metrics = worker.fit(batch, step=0)

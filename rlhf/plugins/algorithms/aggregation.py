@@ -25,7 +25,7 @@ import torch
 
 from rlhf.core.errors import RlhfError
 from rlhf.core.types import LossNorm
-from rlhf.plugins.algorithms.masked import masked_sum
+from rlhf.core.masked import masked_sum
 
 
 def _at_least_one(count: Any) -> Any:

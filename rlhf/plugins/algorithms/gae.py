@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.core.types import AdvantageConfig, AdvantageInputs
-from rlhf.plugins.algorithms.masked import as_float, masked
+from rlhf.core.masked import as_float, masked
 from rlhf.plugins.algorithms.returns import effective_action_mask, gae, token_rewards, whiten
 
 

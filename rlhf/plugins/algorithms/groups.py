@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.core.types import AdvantageInputs
-from rlhf.plugins.algorithms.masked import as_float
+from rlhf.core.masked import as_float
 
 
 def grouped(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:

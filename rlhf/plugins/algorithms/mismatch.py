@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.plugins.algorithms.masked import as_float
+from rlhf.core.masked import as_float
 
 CORRECTIONS = ("tis", "icepop")
 

@@ -33,7 +33,7 @@ import torch
 
 from rlhf.core.errors import RlhfError
 from rlhf.core.types import PolicyLossInputs
-from rlhf.plugins.algorithms.masked import masked, masked_mean
+from rlhf.core.masked import masked, masked_mean
 from rlhf.plugins.algorithms.mismatch import CORRECTIONS, correction_weights
 
 LOG_RATIO_CLAMP = 20.0

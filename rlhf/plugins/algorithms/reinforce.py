@@ -22,7 +22,7 @@ import torch
 
 from rlhf.core.types import AdvantageConfig, AdvantageInputs
 from rlhf.plugins.algorithms.groups import group_mean, grouped, ungrouped
-from rlhf.plugins.algorithms.masked import as_float
+from rlhf.core.masked import as_float
 from rlhf.plugins.algorithms.returns import returns_from_sequence_rewards, unit_gamma
 
 

@@ -1,7 +1,9 @@
-"""Masked sums and means shared by the algorithm files.
+"""Masked sums and means, shared by the algorithm plugins and the host's objectives.
 
 Masks select with ``torch.where`` rather than multiply, so whatever sits at masked positions
 (padding, prompt tokens, a NaN reward of a skipped sample) cannot leak into a result.
+
+Imports torch: import this module only where tensors are used (``rlhf.core`` itself does not).
 
 Shape legend: ``B`` sequences, ``A`` action positions.
 """

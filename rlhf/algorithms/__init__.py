@@ -1,0 +1,49 @@
+"""The algorithm math as plain functions, for the trainer, plugins, notebooks and tests (DESIGN §6).
+
+Training calls `PolicyObjective` / `ValueObjective` (``objective.py``), which are
+`policy_objective` / `value_loss` with the run's components: what these functions compute is
+what a run optimises.
+
+Every function takes the component to use as its first argument: a registered name (``"grpo"``,
+``"k3"``, ``"ppo"``, ``"token_mean"``), a ``"module.path:attr"`` or ``"file.py:attr"`` reference,
+a `LoadedComponent` (what `resolve_algorithm` returns, so a run resolves names once), or the
+function itself. Names resolve through the registries, so a third-party estimator registered by
+a plugin is usable here by its name. ``plugins`` is the `PluginSet` to resolve names in; when
+None, one built with ``build_plugin_manager()`` on first use (never at import) is kept for the
+process.
+
+Example::
+
+    import torch
+    from rlhf.algorithms import compute_advantages, policy_loss, policy_objective
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])            # (B,) one prompt, n = 4 samples
+    action_mask = torch.ones(4, 3)                          # (B, A)
+    advantages, returns = compute_advantages("grpo", rewards=rewards, action_mask=action_mask,
+                                             group_size=4)  # advantages[:, 0] = [1.5, -.5, -.5, -.5]
+    logprobs = torch.zeros(4, 3, requires_grad=True)
+    loss, metrics = policy_loss("ppo", logp=logprobs, logp_old=logprobs.detach(),
+                                advantages=advantages, action_mask=action_mask)
+    ref = torch.full((4, 3), -0.5)                          # (B, A) reference log-probs
+    loss, metrics = policy_objective("ppo", logp=logprobs, logp_old=logprobs.detach(), advantages=advantages,
+                                     action_mask=action_mask, ref_logp=ref, kl_estimator="k3", kl_coef=0.001)
+
+Shape legend: ``B`` sequences (the n samples of a prompt are contiguous rows), ``A`` action
+positions (``T - 1``: position t holds the log-prob of token t+1), ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from rlhf.algorithms.advantages import compute_advantages
+from rlhf.algorithms.components import AlgorithmConfigError, ComponentRef, LoadedComponent, load_component
+from rlhf.algorithms.losses import (KL_CLAMP, aggregate_loss, clipped_value_error, entropy_from_logits,
+                                    kl_divergence, policy_loss, value_loss)
+from rlhf.algorithms.objective import PolicyObjective, ValueObjective, policy_objective, step_norm
+from rlhf.algorithms.presets import KL_PLACEMENTS, ResolvedAlgorithm, resolve_algorithm
+
+__all__ = [
+    "KL_CLAMP", "KL_PLACEMENTS", "AlgorithmConfigError", "ComponentRef", "LoadedComponent", "PolicyObjective",
+    "ResolvedAlgorithm", "ValueObjective", "aggregate_loss", "clipped_value_error", "compute_advantages",
+    "entropy_from_logits", "kl_divergence", "load_component", "policy_loss", "policy_objective",
+    "resolve_algorithm", "step_norm", "value_loss",
+]

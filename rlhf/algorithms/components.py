@@ -1,0 +1,123 @@
+"""Resolving the components the algorithm functions take: a registered name, a ``module:attr`` or
+``file.py:attr`` reference, a `LoadedComponent`, or the object itself.
+
+Names resolve through the registries of a `PluginSet`: the one passed as ``plugins=``, or one
+built with ``build_plugin_manager()`` on first use (never at import) and kept for the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Union
+
+from rlhf.core.errors import ConfigError, PluginError
+from rlhf.core.kinds import get_kind
+from rlhf.core.references import import_object, is_reference
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlhf.core.plugins import PluginSet
+
+
+class AlgorithmConfigError(ConfigError):
+    """An algorithm setting that cannot work (wrong value, or a combination that contradicts itself)."""
+
+
+@dataclass(frozen=True)
+class LoadedComponent:
+    """One resolved component: its name, the object, its config class and capability flags.
+
+    Calling it calls the object, so ``component(inputs, config)`` works for an estimator.
+    """
+
+    kind: str  # "advantage_estimator", "policy_loss", "kl_estimator", "loss_aggregation", "algorithm"
+    name: str  # the registered name, or the reference the user typed
+    obj: Any
+    config_cls: type | None = None
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.obj(*args, **kwargs)
+
+
+ComponentRef = Union[str, LoadedComponent, Callable[..., Any]]
+
+_default_plugins: PluginSet | None = None
+
+
+def plugin_set(plugins: PluginSet | None) -> PluginSet:
+    """``plugins``, or the process-wide set built on first use."""
+    global _default_plugins
+    if plugins is not None:
+        return plugins
+    if _default_plugins is None:
+        from rlhf.core.plugins import build_plugin_manager
+
+        _default_plugins = build_plugin_manager()
+    return _default_plugins
+
+
+def load_component(kind: str, ref: ComponentRef, *, plugins: PluginSet | None = None) -> LoadedComponent:
+    """Resolve a name, a ``module:attr`` / ``file.py:attr`` reference or an object to a `LoadedComponent`.
+
+    Raises `UnknownComponentError` (with close names) for an unknown name. An object or reference
+    that is not registered declares its flags and config class as attributes (``needs_critic``,
+    ``needs_groups``, ``config_cls``), or gets the kind's defaults.
+    """
+    spec = get_kind(kind)
+    if isinstance(ref, LoadedComponent):
+        if ref.kind != kind:
+            raise AlgorithmConfigError(f"{ref.name!r} is a {ref.kind.replace('_', ' ')}, not a {spec.title}")
+        return ref
+    if isinstance(ref, str) and not is_reference(ref):
+        component = plugin_set(plugins).registry(kind).component(ref)
+        return LoadedComponent(kind, component.name, component.load(), component.load_config_cls(),
+                               dict(component.capabilities))
+    obj = import_object(ref) if isinstance(ref, str) else ref
+    problem = spec.check(obj)
+    if problem:
+        raise PluginError(f"{spec.title} {ref!r} should be {problem}, got {type(obj).__name__}")
+    name = ref if isinstance(ref, str) else getattr(obj, "__name__", type(obj).__name__)
+    capabilities = {flag: getattr(obj, flag, default) for flag, default in spec.capabilities.items()}
+    return LoadedComponent(kind, name, obj, getattr(obj, "config_cls", None), capabilities)
+
+
+def build_config(component: LoadedComponent, base: type | None, settings: dict[str, Any],
+                 defaults: dict[str, Any], config: Any) -> Any:
+    """The config object for one call: ``config`` as given, or the component's config class built
+    from ``settings``. A setting the class lacks is an error unless it is left at its default."""
+    if config is not None:
+        changed = [k for k, v in settings.items() if v != defaults[k]]
+        if changed:
+            raise AlgorithmConfigError(f"pass either config= or {', '.join(changed)}, not both")
+        return config
+    config_cls = component.config_cls or base
+    fields = {f.name for f in dataclasses.fields(config_cls)} if config_cls is not None else set()
+    unsupported = [k for k, v in settings.items() if k not in fields and v != defaults[k]]
+    if unsupported:
+        raise AlgorithmConfigError(
+            f"{component.kind.replace('_', ' ')} {component.name!r} has no setting "
+            f"{', '.join(unsupported)}; its settings: {', '.join(sorted(fields)) or 'none'}"
+        )
+    if config_cls is None:
+        return None
+    return config_cls(**{k: v for k, v in settings.items() if k in fields})
+
+
+def check_shape(name: str, tensor: Any, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
+
+
+def float_dtype(*tensors: Any) -> torch.dtype:
+    """float64 when any input is float64, else float32 (half precision is too coarse for these sums)."""
+    import torch
+
+    dtype = torch.float32
+    for tensor in tensors:
+        if tensor is not None and tensor.dtype == torch.float64:
+            dtype = torch.float64
+    return dtype
