@@ -58,6 +58,12 @@ class ResolvedAlgorithm:
         before any training forward."""
         return optimizer_steps_per_rollout > 1 or self.kl_in_reward
 
+    def needs_rollout_logprobs(self, policy_loss_config: Any) -> bool:
+        """Whether the policy loss reads the rollout engine's log-probs with this config (the loss's
+        ``needs_rollout_logprobs`` flag: a bool, or a function of its config)."""
+        flag = self.policy_loss.capabilities.get("needs_rollout_logprobs", False)
+        return bool(flag(policy_loss_config) if callable(flag) else flag)
+
     def policy_objective(self, policy_loss_config: Any, *, entropy_coef: float = 0.0,
                          temperature: float = 1.0) -> PolicyObjective:
         """The run's policy objective; ``policy_loss_config`` is the policy loss's own config object."""

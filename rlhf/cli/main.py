@@ -53,7 +53,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
 
     cli.add_command(plugins_group)
     cli.add_command(reward_group)
-    cli.add_command(train_command)
+    cli.add_command(train_command(plugins))
     plugins.add_commands(cli)
     return cli
 

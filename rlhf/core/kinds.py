@@ -1,7 +1,10 @@
 """The kinds of component a plugin can register, one registration hook each.
 
 A kind fixes the hook that fills it, the capability flags a registration may carry (with
-their defaults) and what the registered object must be.
+their defaults) and what the registered object must be: for engines, backends and model
+adapters, a class implementing the written protocol (``rlhf.core.rollout.RolloutEngine``,
+``rlhf.core.backend.TrainBackend``, ``rlhf.core.adapter.ModelAdapter``), checked when the class
+is registered (or first used, when registered by ``"module:attr"`` reference).
 """
 
 from __future__ import annotations
@@ -17,6 +20,27 @@ def _callable(obj: Any) -> str | None:
 
 def _class(obj: Any) -> str | None:
     return None if inspect.isclass(obj) else "a class"
+
+
+def _engine(obj: Any) -> str | None:
+    from rlhf.core.contracts import describe_missing
+    from rlhf.core.rollout import RolloutEngine
+
+    return _class(obj) or describe_missing(obj, RolloutEngine)
+
+
+def _backend(obj: Any) -> str | None:
+    from rlhf.core.backend import TrainBackend, sharded_but_not_saved
+    from rlhf.core.contracts import describe_missing
+
+    return _class(obj) or describe_missing(obj, TrainBackend) or sharded_but_not_saved(obj)
+
+
+def _adapter(obj: Any) -> str | None:
+    from rlhf.core.adapter import ModelAdapter
+    from rlhf.core.contracts import describe_missing
+
+    return _class(obj) or describe_missing(obj, ModelAdapter)
 
 
 def _preset(obj: Any) -> str | None:
@@ -43,16 +67,16 @@ KINDS: dict[str, Kind] = {
     for kind in (
         Kind("advantage_estimator", "register_advantage_estimators", "--advantage",
              {"needs_critic": False, "needs_groups": False}),
-        Kind("policy_loss", "register_policy_losses", "--policy-loss"),
+        Kind("policy_loss", "register_policy_losses", "--policy-loss", {"needs_rollout_logprobs": False}),
         Kind("kl_estimator", "register_kl_estimators", "--kl-estimator"),
         Kind("loss_aggregation", "register_loss_aggregations", "--loss-agg"),
         Kind("algorithm", "register_algorithms", "--algo", check=_preset),
         Kind("reward", "register_rewards", "--reward", {"batched": None, "is_async": None}),
-        Kind("env", "register_envs", "--env", check=_class),
+        Kind("env", "register_envs", "--env", {"multi_turn": True, "gives_rewards": True}, check=_class),
         Kind("model", "register_models", "--model-adapter",
-             {"roles": ("policy", "reference", "critic", "reward")}, check=_class),
-        Kind("rollout_engine", "register_rollout_engines", "--engine", {"needs_gpu": False}, check=_class),
-        Kind("train_backend", "register_train_backends", "--backend", {"needs_gpu": False}, check=_class),
+             {"roles": ("policy", "reference", "critic", "reward")}, check=_adapter),
+        Kind("rollout_engine", "register_rollout_engines", "--engine", {"needs_gpu": False}, check=_engine),
+        Kind("train_backend", "register_train_backends", "--backend", {"needs_gpu": False}, check=_backend),
     )
 }
 

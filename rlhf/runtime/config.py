@@ -1,9 +1,16 @@
 """The configuration of a training run: one dataclass, the single source of truth.
 
-Every field becomes an ``rlhf train`` flag (``n_samples`` -> ``--n-samples``) with the field's
-help text; ``--config run.yaml`` fills the same fields (flags override the file); the resolved
-config is written to the run directory. Derived values are computed in `derived()`, never by
-mutating fields.
+`TrainConfig` holds what is cross-cutting (model, data, batch sizes, the components chosen, output).
+Every field becomes an ``rlhf train`` flag (``n_samples`` -> ``--n-samples``) with the field's help
+text; ``--config run.yaml`` fills the same fields (flags override the file); the resolved config
+is written to the run directory. Derived values are computed in `derived()`, never by mutating
+fields.
+
+A component's own settings (its ``config_cls`` fields, ``rlhf.core.settings``) live in
+``components``, keyed by the slot that selects the component (`SLOTS`): ``--backend.zero-stage 3``
+is ``components["backend"]["zero_stage"] = 3``. The flags these fields had before they moved to
+their components stay as aliases (`ALIASES`: ``--zero-stage 3``, ``--lora-rank 16``, ...), in
+flags and in config files, so no documented command changes meaning.
 """
 
 from __future__ import annotations
@@ -21,6 +28,40 @@ from rlhf.rewards.options import RewardOptions
 NESTED = {"reward_options": ("reward", RewardOptions)}
 
 
+@dataclass(frozen=True)
+class Slot:
+    """A place in a run that one component fills: the field naming it and the component's kind."""
+
+    field: str  # the TrainConfig field that selects the component, and the key in ``components``
+    kind: str  # the component kind (rlhf.core.kinds)
+
+    @property
+    def flag(self) -> str:
+        """The selecting flag, also the namespace of the component's own flags (``--backend.zero-stage``)."""
+        return "--" + self.field.replace("_", "-")
+
+
+SLOTS: dict[str, Slot] = {slot.field: slot for slot in (
+    Slot("model_adapter", "model"), Slot("advantage", "advantage_estimator"), Slot("policy_loss", "policy_loss"),
+    Slot("kl_estimator", "kl_estimator"), Slot("loss_agg", "loss_aggregation"), Slot("engine", "rollout_engine"),
+    Slot("env", "env"), Slot("backend", "train_backend"),
+)}
+
+# Flags that were TrainConfig fields before they moved to their components: field -> slot.
+ALIASES: dict[str, str] = {
+    **dict.fromkeys(("gamma", "lambd", "std_norm", "reward_clip"), "advantage"),
+    **dict.fromkeys(("clip_low", "clip_high", "dual_clip"), "policy_loss"),
+    **dict.fromkeys(("attn_implementation", "gradient_checkpointing", "chat_template", "lora_rank", "lora_alpha",
+                     "lora_dropout", "target_modules", "load_in_4bit", "merge_lora", "value_head_prefix"),
+                    "model_adapter"),
+    "generation_batch_size": "engine",
+    **dict.fromkeys(("weight_decay", "adam_betas", "max_grad_norm", "lr_scheduler", "warmup_ratio", "zero_stage",
+                     "offload_optimizer", "offload_params"), "backend"),
+}
+# --algo-config KEY=VALUE looks KEY up in these slots' components (exactly one must have it).
+ALGO_CONFIG_SLOTS = ("policy_loss", "advantage", "kl_estimator", "loss_agg", "model_adapter")
+
+
 def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, "group": group, **extra})
 
@@ -34,28 +75,14 @@ class TrainConfig:
     # --- model ------------------------------------------------------------------------------
     model: str = _opt("", "Policy model: a local HF directory or a hub name", "model", required=True)
     tokenizer: str | None = _opt(None, "Tokenizer directory or hub name (default: the model's)", "model")
-    model_adapter: str = _opt("hf", "Model adapter plugin that builds policy, reference and critic", "model")
+    model_adapter: str = _opt("hf", "Model adapter plugin that builds policy, reference and critic (its options: "
+                              "--model-adapter.NAME, e.g. --lora-rank)", "model", component="model")
     critic_model: str | None = _opt(None, "Critic initialisation: a reward model (its score head becomes the value "
                                     "head) or any model (default: the policy model)", "model")
     dtype: str = _opt("auto", "Weights dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32", "model",
                       choices=("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"))
     device: str = _opt("auto", "Device for the local runtime: auto, cpu, cuda, cuda:N", "model")
     trust_remote_code: bool = _opt(False, "Allow model code from the checkpoint (only for models you trust)", "model")
-    gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory", "model")
-    attn_implementation: str = _opt("sdpa", "Attention kernel (flash_attention_2 needs flash-attn and a GPU)", "model",
-                                    choices=("sdpa", "eager", "flash_attention_2"))
-    chat_template: str | None = _opt(None, "A Jinja file that replaces the tokenizer's chat template", "model")
-    lora_rank: int = _opt(0, "LoRA rank r (0: train every weight); the reference is then the base weights with the "
-                             "adapter off, not a second copy", "model")
-    lora_alpha: int = _opt(16, "LoRA α: the adapter update is scaled by α / r", "model")
-    lora_dropout: float = _opt(0.0, "Dropout on the LoRA branch's input", "model")
-    target_modules: list[str] = _many("Module names that get LoRA adapters, e.g. q_proj,v_proj (repeatable; default: "
-                                      "every linear layer but the output head)", "model")
-    load_in_4bit: bool = _opt(False, "QLoRA: hold the frozen weights in 4-bit NF4 (needs --lora-rank, bitsandbytes "
-                                     "and a GPU)", "model")
-    merge_lora: bool = _opt(False, "With LoRA, also write the merged full model to <out>/final/merged", "model")
-    value_head_prefix: str = _opt("score", "Name of the critic's value head, in --critic-model checkpoints and the "
-                                           "saved critic (the reward model's: --reward-value-head-prefix)", "model")
     save_critic: bool = _opt(False, "Write the trained critic to <out>/critic at the end (algorithms with a critic)",
                              "model")
 
@@ -85,29 +112,23 @@ class TrainConfig:
                                  "algorithm")
     loss_agg: str | None = _opt(None, "Override the preset's loss aggregation", "algorithm",
                                 component="loss_aggregation")
-    gamma: float = _opt(1.0, "γ, discount (forced to 1 by group estimators)", "algorithm")
-    lambd: float = _opt(1.0, "λ, GAE trace decay", "algorithm")
-    std_norm: bool = _opt(True, "Divide whitened advantages by their std (estimators that whiten)", "algorithm")
-    reward_clip: float = _opt(10.0, "Clip shaped rewards to [-c, c]", "algorithm")
-    clip_low: float = _opt(0.2, "ε_low, PPO ratio clip below 1", "algorithm")
-    clip_high: float = _opt(0.2, "ε_high, PPO ratio clip above 1 (clip-higher: larger than ε_low)", "algorithm")
-    dual_clip: float | None = _opt(None, "c > 1 enables dual clip for negative advantages", "algorithm")
     value_clip: float | None = _opt(0.5, "Critic value clip around the old values", "algorithm")
     entropy_coef: float = _opt(0.0, "Entropy bonus coefficient (0: off)", "algorithm")
-    algo_config: list[str] = _many("KEY=VALUE for a plugin component's own config field (repeatable)", "algorithm")
+    algo_config: list[str] = _many("KEY=VALUE for an option of the policy loss, advantage estimator, KL estimator, "
+                                   "loss aggregation or model adapter, whichever has it (repeatable)", "algorithm")
 
     # --- rollout ----------------------------------------------------------------------------
-    engine: str = _opt("hf", "Rollout engine plugin", "rollout", component="rollout_engine")
+    engine: str = _opt("hf", "Rollout engine plugin (its options: --engine.NAME)", "rollout", component="rollout_engine")
     prompts_per_step: int = _opt(8, "Prompts sampled per training step", "rollout")
     n_samples: int = _opt(8, "Completions per prompt (n, the group size)", "rollout")
     max_new_tokens: int = _opt(256, "Generation budget per completion, in tokens", "rollout")
     temperature: float = _opt(1.0, "Sampling temperature (log-probs are computed at the same temperature)", "rollout")
     top_p: float = _opt(1.0, "Nucleus sampling threshold (1: off)", "rollout")
-    generation_batch_size: int | None = _opt(None, "Prompts per generate call (default: all of a step)", "rollout")
     env: str = _opt("single_turn", "Environment for each trajectory: a registered name or module:Class "
                     "(a label with an env_func key picks one per sample)", "rollout", component="env")
-    env_config: list[str] = _many("KEY=VALUE for the environment's own config field (repeatable)", "rollout")
-    engine_config: list[str] = _many("KEY=VALUE for the rollout engine's own config field, e.g. "
+    env_config: list[str] = _many("KEY=VALUE for an option of the environment, like --env.KEY (repeatable)",
+                                  "rollout")
+    engine_config: list[str] = _many("KEY=VALUE for an option of the rollout engine, like --engine.KEY, e.g. "
                                      "gpu_memory_utilization=0.4 for --engine vllm (repeatable)", "rollout")
     max_turns: int = _opt(8, "Model turns per trajectory at most (multi-turn environments)", "rollout")
     max_total_tokens: int | None = _opt(None, "Token budget per trajectory: prompt + turns + observations "
@@ -126,19 +147,8 @@ class TrainConfig:
     micro_batch_size: int = _opt(8, "Samples per forward/backward (gradient accumulation inside a step)", "train")
     lr: float = _opt(1e-6, "Policy learning rate", "train")
     critic_lr: float = _opt(9e-6, "Critic learning rate", "train")
-    weight_decay: float = _opt(0.0, "AdamW weight decay", "train")
-    adam_betas: str = _opt("0.9,0.95", "AdamW betas", "train")
-    lr_scheduler: str = _opt("constant", "LR schedule after warmup: constant or cosine (decays to 0.1 x lr)",
-                             "train", choices=("constant", "cosine"))
-    warmup_ratio: float = _opt(0.0, "Fraction of optimizer steps spent warming up the LR linearly", "train")
-    max_grad_norm: float = _opt(1.0, "Clip the global gradient norm (0: off)", "train")
-    backend: str = _opt("torch", "Training backend plugin", "train", component="train_backend")
-    zero_stage: int = _opt(2, "--backend deepspeed: ZeRO stage, 0 (plain data parallel), 1 (optimizer states "
-                           "sharded over ranks), 2 (+ gradients) or 3 (+ parameters)", "train", choices=(0, 1, 2, 3))
-    offload_optimizer: bool = _opt(False, "--backend deepspeed: optimizer states and fp32 master weights in CPU "
-                                   "memory, stepped by DeepSpeedCPUAdam (ZeRO stages 1-3)", "train")
-    offload_params: bool = _opt(False, "--backend deepspeed: parameters in CPU memory between uses (ZeRO stage 3)",
-                                "train")
+    backend: str = _opt("torch", "Training backend plugin (its options: --backend.NAME, e.g. --zero-stage)", "train",
+                        component="train_backend")
     max_nonfinite_steps: int = _opt(3, "Stop after this many NaN/inf optimizer steps in a row (each is skipped)",
                                     "train")
     seed: int = _opt(42, "Random seed (data order, sampling, initialisation)", "train")
@@ -190,13 +200,21 @@ class TrainConfig:
     wandb_project: str | None = _opt(None, "Also log to this Weights & Biases project (needs wandb)", "output")
     progress: bool = _opt(True, "Show a progress bar (a plain line per step when not a terminal)", "output")
 
+    # --- components' own settings -------------------------------------------------------------
+    components: dict[str, dict[str, Any]] = field(default_factory=dict, metadata={
+        "help": "Settings of the chosen components, by slot: {backend: {zero_stage: 3}, ...} (flags "
+                "--<slot>.<option>)", "group": "components"})
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """From a mapping of field names (nested groups as mappings or as prefixed flat keys)."""
-        values = unflatten(values)
+        """From a mapping of field names. Nested groups may be mappings or prefixed flat keys;
+        component settings may be ``components: {slot: {...}}``, dotted keys (``backend.zero_stage``)
+        or the short aliases (``zero_stage``)."""
+        values = unflatten(dict(values))
+        values["components"] = gather_components(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -219,15 +237,9 @@ class TrainConfig:
         if rollout % train_batch:
             raise ConfigError(f"--train-batch-size {train_batch} must divide the rollout batch "
                             f"(--prompts-per-step x --n-samples = {rollout})")
-        try:
-            betas = tuple(float(b) for b in self.adam_betas.split(","))
-            assert len(betas) == 2
-        except (ValueError, AssertionError):
-            raise ConfigError(f"--adam-betas must be two numbers like 0.9,0.95, got {self.adam_betas!r}") from None
         out = Path(self.out) if self.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         return Derived(rollout_batch_size=rollout, train_batch_size=train_batch,
-                       optimizer_steps_per_step=self.ppo_epochs * (rollout // train_batch),
-                       adam_betas=betas, out_dir=out)
+                       optimizer_steps_per_step=self.ppo_epochs * (rollout // train_batch), out_dir=out)
 
 
 @dataclass(frozen=True)
@@ -235,16 +247,37 @@ class Derived:
     rollout_batch_size: int  # samples generated per step
     train_batch_size: int  # samples per optimizer step
     optimizer_steps_per_step: int
-    adam_betas: tuple[float, float]
     out_dir: Path
 
 
-def flat_field_names() -> set[str]:
-    """Every name a flag or config key may use: plain fields plus prefixed nested ones."""
-    names = {f.name for f in dataclasses.fields(TrainConfig) if f.name not in NESTED}
-    for prefix, group_cls in NESTED.values():
-        names |= {f"{prefix}_{f.name}" for f in dataclasses.fields(group_cls)}
-    return names
+def gather_components(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Pop every component setting out of ``values`` (aliases, dotted keys, the ``components``
+    mapping) into ``{slot: {field: value}}``; the same setting given twice with two values is an error."""
+    found: dict[str, dict[str, Any]] = {}
+
+    def put(slot: str, name: str, value: Any, how: str) -> None:
+        slot, name = slot.replace("-", "_"), name.replace("-", "_")
+        if slot not in SLOTS:
+            raise ConfigError(f"{how}: no component slot {slot!r}; slots: {', '.join(SLOTS)}")
+        settings = found.setdefault(slot, {})
+        if name in settings and settings[name] != value:
+            raise ConfigError(f"{SLOTS[slot].flag}.{name.replace('_', '-')} is given twice, as {settings[name]!r} "
+                              f"and {value!r}")
+        settings[name] = value
+
+    nested = values.pop("components", None) or {}
+    if not isinstance(nested, dict):
+        raise ConfigError(f"components must map slots to settings, got {nested!r}")
+    for slot, settings in nested.items():
+        if not isinstance(settings, dict):
+            raise ConfigError(f"components.{slot} must map option names to values, got {settings!r}")
+        for name, value in settings.items():
+            put(slot, name, value, f"components.{slot}")
+    for key in [k for k in values if "." in k or k in ALIASES]:
+        value = values.pop(key)
+        slot, _, name = key.partition(".") if "." in key else (ALIASES[key], "", key)
+        put(slot, name, value, key)
+    return found
 
 
 def unflatten(values: dict[str, Any]) -> dict[str, Any]:

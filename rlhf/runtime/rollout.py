@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rlhf.core.environment import AsyncEnv, create_env, route_env
 from rlhf.core.errors import RlhfError
 from rlhf.core.references import resolve
+from rlhf.core.settings import build_component_config
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.types import Trajectory
 
@@ -31,21 +34,40 @@ class RolloutSettings:
 
 
 class EnvFactory:
-    """Resolves environment names once (registered names and ``module:Class``) and builds instances."""
+    """Resolves environment names once (registered names and ``module:Class``) and builds instances.
 
-    def __init__(self, registry: Any, config_values: dict[str, Any]):
-        self.registry, self.config_values = registry, config_values
-        self._resolved: dict[str, tuple[type, Any]] = {}
+    ``settings_for(name, config_cls)`` gives the user's settings for an environment's config class;
+    ``run_values`` are the run's values for its run fields (``rlhf.core.settings``).
+    """
+
+    def __init__(self, registry: Any, settings_for: Callable[[str, type | None], dict[str, Any]],
+                 run_values: dict[str, Any]):
+        self.registry, self.settings_for, self.run_values = registry, settings_for, run_values
+        self._resolved: dict[str, tuple[type, Any, dict[str, Any]]] = {}
+
+    def capabilities(self, name: str) -> dict[str, Any]:
+        """The environment's capability flags (``multi_turn``, ``gives_rewards``): a registered env's
+        registration flags, or a ``module:Class``'s own class attributes, else the kind's defaults."""
+        return self._resolve(name)[2]
 
     def __call__(self, name: str) -> AsyncEnv:
-        if name not in self._resolved:
-            from rlhf.runtime.local import component_config
-
-            found = resolve(name, self.registry)
-            config_cls = self.registry.component(name).load_config_cls() if found.registered else None
-            self._resolved[name] = (found.obj, component_config(config_cls, self.config_values))
-        env_cls, config = self._resolved[name]
+        env_cls, config, _ = self._resolve(name)
         return AsyncEnv(create_env(env_cls, config), name=name)
+
+    def _resolve(self, name: str) -> tuple[type, Any, dict[str, Any]]:
+        if name not in self._resolved:
+            found = resolve(name, self.registry)
+            if found.registered:
+                component = self.registry.component(name)
+                config_cls, capabilities = component.load_config_cls(), dict(component.capabilities)
+            else:
+                config_cls = getattr(found.obj, "config_cls", None)
+                capabilities = {flag: getattr(found.obj, flag, default)
+                                for flag, default in self.registry.kind.capabilities.items()}
+            config = build_component_config(config_cls, settings=self.settings_for(name, config_cls),
+                                            run_values=self.run_values, who=f"the {name!r} env", flag="--env")
+            self._resolved[name] = (found.obj, config, capabilities)
+        return self._resolved[name]
 
 
 @dataclass(eq=False)
@@ -75,7 +97,9 @@ class _Episode:
 
 
 class RolloutWorker:
-    """Turns prompts into trajectories with a rollout engine and environments."""
+    """Turns prompts into trajectories with a rollout engine and environments (`RolloutRole`)."""
+
+    stateful = False  # its random numbers are this process's, which every checkpoint saves
 
     def __init__(self, engine: Any, tokenizer: Any, env_factory: Any, settings: RolloutSettings):
         self.engine, self.tokenizer = engine, tokenizer
@@ -92,10 +116,16 @@ class RolloutWorker:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(asyncio.run, self._rollout(prompts, n, params)).result()
 
-    def sync_weights(self, state: dict | None) -> None:
-        """Engines that share the policy's weights need nothing; others load ``state``."""
-        if not getattr(self.engine, "shares_weights", False):
-            self.engine.load_weights(state)
+    def sync_weights(self) -> None:
+        """Engines that sample from the policy module in place need nothing; others take its weights."""
+        if not self.engine.shares_weights:
+            self.engine.load_weights()
+
+    def save(self, directory: Path) -> None:
+        """Nothing of its own to save (not ``stateful``)."""
+
+    def load(self, directory: Path) -> None:
+        """Nothing of its own to load (not ``stateful``)."""
 
     # --- the episode loop ---------------------------------------------------------------------
 
@@ -220,6 +250,7 @@ class RolloutWorker:
             completion_text=self.tokenizer.decode(episode.tokens[prompt_len:], skip_special_tokens=True),
             group=episode.group, label=item.label, columns=dict(item.columns), rollout_logprobs=episode.logprobs,
             finish_reason=episode.finish_reason, num_turns=episode.turns,
-            info={"env": episode.env.name, "env_reward": episode.env_reward, "env_time_s": episode.env_time,
+            info={"env": episode.env.name, "multi_turn": self.make_env.capabilities(episode.env.name)["multi_turn"],
+                  "env_reward": episode.env_reward, "env_time_s": episode.env_time,
                   **({"env_steps": episode.step_infos} if episode.step_infos else {})},
         )

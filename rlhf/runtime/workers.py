@@ -20,6 +20,7 @@ from rlhf.algorithms import PolicyObjective, ValueObjective, step_norm
 from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.types import LossNorm, Trajectory
+from rlhf.rewards.combine import RewardResult, RewardSet
 from rlhf.runtime.logprobs import token_logprobs
 
 
@@ -115,9 +116,7 @@ class _TrainedWorker:
 
     def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, dist: DistContext = SINGLE):
         self.model, self.backend, self.settings, self.dist = model, backend, settings, dist
-        # Training forwards go through the backend's wrapper when it has one (DeepSpeed's engine
-        # hooks the backward that follows); other forwards may call the model itself.
-        self.train_model = getattr(backend, "train_module", model)
+        self.train_model = backend.train_module  # what training forwards call (DeepSpeed hooks its backward there)
         self.device = next(model.parameters()).device
         self.nonfinite_in_a_row = 0
 
@@ -130,7 +129,7 @@ class _TrainedWorker:
     def save(self, directory: Path) -> None:
         """Write this worker's state into ``directory`` (called on every rank)."""
         directory.mkdir(parents=True, exist_ok=True)
-        if hasattr(self.backend, "save_checkpoint"):  # sharded states (DeepSpeed): every rank writes its part
+        if self.backend.shards_state:  # every rank writes its part
             self.backend.save_checkpoint(directory)
             if self.dist.is_main:
                 torch.save({"nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "worker.pt")
@@ -138,7 +137,7 @@ class _TrainedWorker:
             torch.save({**self.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "state.pt")
 
     def load(self, directory: Path) -> None:
-        if hasattr(self.backend, "load_checkpoint"):
+        if self.backend.shards_state:
             self.backend.load_checkpoint(directory)
             extra = torch.load(directory / "worker.pt", map_location="cpu", weights_only=False)
         else:
@@ -272,10 +271,19 @@ class ReferenceWorker:
 
 
 class RewardWorker:
-    """Scores trajectories with the run's reward sources."""
+    """Scores trajectories (`RewardRole`): the run's reward sources, plus each trajectory's
+    environment reward (the sum of its step rewards)."""
 
-    def __init__(self, reward_set: Any):
-        self.reward_set = reward_set
+    def __init__(self, reward_set: RewardSet | None):
+        self.reward_set = reward_set  # None: the environment gives every reward
 
-    def score(self, trajectories: list[Trajectory]) -> Any:
-        return self.reward_set.score_trajectories(trajectories)
+    def score(self, trajectories: list[Trajectory]) -> RewardResult:
+        env_rewards = [float(t.info.get("env_reward", 0.0)) for t in trajectories]
+        if self.reward_set is None:
+            result = RewardResult(total=list(env_rewards), per_source={}, metrics={})
+        else:
+            result = self.reward_set.score_trajectories(trajectories)
+            result.total = [t + e if t is not None else None for t, e in zip(result.total, env_rewards)]
+        if any("env" in t.info for t in trajectories):
+            result.per_source["env"] = env_rewards
+        return result

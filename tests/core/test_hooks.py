@@ -89,9 +89,17 @@ def test_hook_register_envs(bare_plugins, make_plugin):
 
 
 def test_hook_register_models(bare_plugins, make_plugin):
-    class Frozen:
+    from rlhf.core.adapter import ModelAdapterBase
+
+    class Frozen(ModelAdapterBase):
         def __init__(self, config):
             self.config = config
+
+        def load_tokenizer(self, ref):
+            return None
+
+        def load(self, ref, *, role):
+            return None
 
     component = _register_one(bare_plugins, make_plugin, "register_models", Frozen, roles=("policy",))
     assert component.capabilities["roles"] == ("policy",)
@@ -99,17 +107,65 @@ def test_hook_register_models(bare_plugins, make_plugin):
 
 def test_hook_register_rollout_engines(bare_plugins, make_plugin):
     class Engine:
-        pass
+        shares_weights = True
+
+        def generate(self, prompts, *, n, params):
+            return []
+
+        def load_weights(self, state=None):
+            pass
 
     component = _register_one(bare_plugins, make_plugin, "register_rollout_engines", Engine, needs_gpu=True)
     assert component.capabilities == {"needs_gpu": True}
 
 
 def test_hook_register_train_backends(bare_plugins, make_plugin):
-    class Backend:
-        pass
+    from rlhf.core.backend import TrainBackendBase
+
+    class Backend(TrainBackendBase):
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self):
+            return {"grad_norm": 0.0, "lr": 0.0, "skipped": 0.0}
+
+        def zero_grad(self):
+            pass
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
 
     assert _register_one(bare_plugins, make_plugin, "register_train_backends", Backend).capabilities == {"needs_gpu": False}
+
+
+@pytest.mark.parametrize("hook, missing", [
+    ("register_models", "load, load_tokenizer, save, save_critic"),
+    ("register_rollout_engines", "generate, load_weights, shares_weights"),
+    ("register_train_backends", "backward, full_weights, load_checkpoint, load_state_dict, save_checkpoint, "
+                                "shards_state, shards_weights, state_dict, step, train_module, zero_grad"),
+])
+def test_classes_that_break_their_protocol_are_refused_at_registration(bare_plugins, make_plugin, hook, missing):
+    class Nothing:
+        pass
+
+    record = bare_plugins.register(make_plugin(**{hook: lambda register: register("thing", Nothing)}))
+    bare_plugins.registries()
+    assert record.status == "error" and f"(missing: {missing})" in record.error, record.error
+
+
+def test_a_backend_that_shards_its_state_must_write_its_own_checkpoints(bare_plugins, make_plugin):
+    from rlhf.core.backend import TrainBackendBase
+
+    class Sharded(TrainBackendBase):
+        shards_state = True
+        backward = step = zero_grad = state_dict = load_state_dict = None
+
+    record = bare_plugins.register(make_plugin(register_train_backends=lambda register: register("s", Sharded)))
+    bare_plugins.registries()
+    assert record.status == "error" and "overrides save_checkpoint and load_checkpoint" in record.error
 
 
 def test_hook_register_commands(bare_plugins, make_plugin):

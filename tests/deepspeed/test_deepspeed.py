@@ -98,7 +98,7 @@ def test_rlhf_train_cli_with_zero3_in_one_process_matches_torch(tiny_model_dir, 
             "--out", str(tmp_path / "run"), "--backend", "deepspeed", "--zero-stage", "3"]
     result = run_cli(plugins, args)
     assert result.exit_code == 0, result.output
-    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["zero_stage"] == 3
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["components"]["backend"]["zero_stage"] == 3
     assert_same_run(tmp_path / "run", torch_run)
 
 

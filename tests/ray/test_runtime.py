@@ -194,7 +194,7 @@ def test_two_policy_actors_update_the_policy_like_one(ray_cluster, tiny_model_di
     cluster = Cluster.open(config, cpus_needed=1.5, gpus_needed=0, out_dir=tmp_path / "run")
     results = {}
     try:
-        hosts = launch(two_and_one, config, config.derived(), 8, build_plugin_manager(), cluster)
+        hosts = launch(two_and_one, config, 8, build_plugin_manager(), cluster)
         assert [(h.info["dist_rank"], h.info["world_size"]) for h in hosts] == [(0, 2), (1, 2), (0, 1)]
         assert hosts[0].info["pid"] != hosts[1].info["pid"]
         for name, group in (("two", PolicyGroup(hosts[:2], 120, hosts)), ("one", PolicyGroup(hosts[2:], 120, hosts))):

@@ -51,6 +51,9 @@ class ScriptedEngine:
                                           stop_string=params.stop[0] if params.stop else None))
         return out
 
+    def load_weights(self, state=None):
+        """The script has no weights."""
+
 
 class EchoEnv:
     """Two observations, then done; records what it saw."""
@@ -73,15 +76,24 @@ def _item(tokenizer, text="Q: 6*7?", label="42"):
                       columns={}, origin="test row 1")
 
 
+class _Envs:
+    """An environment factory for one class, under the name "echo" (what EnvFactory offers the rollout)."""
+
+    def __init__(self, env_cls):
+        self.env_cls = env_cls
+
+    def __call__(self, name):
+        from rlhf.core.environment import AsyncEnv
+
+        return AsyncEnv(self.env_cls(), name="echo")
+
+    def capabilities(self, name):
+        return {"multi_turn": True, "gives_rewards": True}
+
+
 def _worker(tokenizer, env_cls=EchoEnv, **settings):
-    return RolloutWorker(ScriptedEngine(None, tokenizer), tokenizer, lambda name: _async(env_cls()),
+    return RolloutWorker(ScriptedEngine(None, tokenizer), tokenizer, _Envs(env_cls),
                          RolloutSettings(env="echo", **{"max_turns": 4, "max_total_tokens": 512, **settings}))
-
-
-def _async(env):
-    from rlhf.core.environment import AsyncEnv
-
-    return AsyncEnv(env, name="echo")
 
 
 def test_token_layout_and_masks_keep_environment_tokens_out_of_the_loss(tokenizer):

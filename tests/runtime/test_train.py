@@ -232,12 +232,14 @@ def test_threads_below_one_is_a_config_error(tiny_model_dir, task, tmp_path, plu
 def test_engine_config_reaches_the_engine_and_unknown_keys_are_refused(tiny_model_dir, task, tmp_path, plugins):
     from rlhf.core.errors import ConfigError
     from rlhf.runtime.local import build_workers
+    from rlhf.runtime.plan import RunPlan
 
     config = small_config(tiny_model_dir, task, tmp_path / "run", engine_config=["decoder=generate",
                                                                                   "generation_batch_size=3"])
-    workers = build_workers(config, config.derived(), plugins)
+    workers, _ = build_workers(RunPlan.make(config, plugins), plugins)
     assert workers.rollout.engine.config.decoder == "generate"
     assert workers.rollout.engine.config.generation_batch_size == 3
     config = small_config(tiny_model_dir, task, tmp_path / "run", engine_config=["decodr=generate"])
-    with pytest.raises(ConfigError, match=r"no option decodr; its options: generation_batch_size, decoder"):
-        build_workers(config, config.derived(), plugins)
+    with pytest.raises(ConfigError, match=r"the 'hf' rollout engine has no option decodr \(--engine.decodr\); "
+                                          r"its options: generation_batch_size, decoder"):
+        RunPlan.make(config, plugins)

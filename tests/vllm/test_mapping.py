@@ -13,7 +13,7 @@ from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.runtime.config import TrainConfig
 from rlhf.plugins.engines.vllm_engine import (VLLMEngineConfig, eos_token_ids, expand_prompts, llm_kwargs,
                                               sampled_logprobs, sampling_kwargs, to_generation, validate)
-from rlhf.runtime.local import component_config
+from rlhf.runtime.plan import RunPlan
 from tests.vllm.fakes import Completion, Logprob
 
 # --- sampling parameters ---------------------------------------------------------------------
@@ -101,18 +101,17 @@ def test_logprob_positions_must_match_the_tokens():
 # --- construction ----------------------------------------------------------------------------
 
 
-def test_config_is_filled_from_the_run_settings_of_the_same_names():
-    run = TrainConfig(model="m", data=["d"], dtype="bf16", seed=3, tokenizer="tok", max_prompt_length=100,
-                      max_new_tokens=20, max_turns=2, trust_remote_code=True)
-    config = component_config(VLLMEngineConfig, {**run.to_dict(), "synced_gpus": False})
+def test_config_receives_the_run_values_its_run_fields_declare(plugins):
+    run = TrainConfig(model="m", data=["d"], engine="vllm", dtype="bf16", seed=3, tokenizer="tok",
+                      max_prompt_length=100, max_new_tokens=20, max_turns=2, trust_remote_code=True)
+    config = RunPlan.make(run, plugins).component_config("engine")
     assert (config.dtype, config.seed, config.tokenizer, config.trust_remote_code) == ("bf16", 3, "tok", True)
     assert (config.max_prompt_length, config.max_new_tokens, config.max_turns, config.max_total_tokens) == \
-        (100, 20, 2, None)
-    # every engine field that shares a name with a run flag keeps its meaning and its default
-    run_fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    for f in dataclasses.fields(VLLMEngineConfig):
-        if f.name in run_fields:
-            assert f.default == run_fields[f.name].default, f.name
+        (100, 20, 2, 100 + 2 * 20)  # the trajectory token budget, resolved
+    # the engine's own settings keep their defaults; run fields have no flag of their own
+    assert config.gpu_memory_utilization == VLLMEngineConfig().gpu_memory_utilization
+    with pytest.raises(Exception, match=r"receives seed from the run"):
+        RunPlan.make(dataclasses.replace(run, engine_config=["seed=5"]), plugins)
 
 
 def tiny_policy(name_or_path: str = "/models/tiny", dtype=torch.bfloat16):

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from rlhf.core.masked import as_float
+from rlhf.plugins.algorithms.ppo_config import CORRECTIONS
 
-CORRECTIONS = ("tis", "icepop")
 
 
 def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, *, kind: str,

@@ -48,11 +48,16 @@ def register_kl_estimators(register):
     register("k3", f"{_HERE}.kl:k3", description="k3 = exp(-δ) - 1 + δ (unbiased, non-negative)")
 
 
+def corrects_mismatch(config) -> bool:
+    """The ppo loss reads the rollout engine's log-probs when a mismatch correction is set."""
+    return config is not None and config.correction is not None
+
+
 @rlhf.hookimpl
 def register_policy_losses(register):
     register("ppo", f"{_HERE}.ppo_loss:ppo_policy_loss",
              description="PPO clipped surrogate (asymmetric clip, dual clip, TIS/ICEPOP correction)",
-             config_cls=f"{_HERE}.ppo_loss:PPOLossConfig")
+             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", needs_rollout_logprobs=corrects_mismatch)
 
 
 @rlhf.hookimpl

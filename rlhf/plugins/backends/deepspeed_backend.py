@@ -23,7 +23,7 @@ How the contract maps onto DeepSpeed:
 * training forwards must go through the engine (`train_module`): DeepSpeed hooks the start of
   each backward there. Other forwards (log-probs, generation) may call the model itself; under
   ZeRO-3 with several ranks each forward is a collective, so generation runs in lockstep
-  (`needs_synced_generation`);
+  (``shards_weights``);
 * ``zero_grad`` after some backwards (a non-finite micro-batch loss ends the step) cannot reach
   DeepSpeed's reduced gradient buffers, so it poisons them and lets DeepSpeed skip the step.
 
@@ -38,40 +38,18 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlhf.core.backend import TrainBackendBase
 from rlhf.core.errors import ConfigError, RlhfError
-from rlhf.plugins.backends.torch_backend import BackendConfig, lr_factor
+from rlhf.plugins.backends.config import DeepSpeedConfig
+from rlhf.plugins.backends.torch_backend import lr_factor
 
 CHECKPOINT_TAG = "deepspeed"  # the folder DeepSpeed writes inside a worker's checkpoint folder
 MIN_VERSION = "0.19.5"  # managed_gradient_accumulation=false for stages 0-3 and offload
-
-
-@dataclass(kw_only=True)
-class DeepSpeedConfig(BackendConfig):
-    zero_stage: int = field(default=2, metadata={
-        "help": "ZeRO stage: 0 none, 1 optimizer states sharded over ranks, 2 + gradients, 3 + parameters"})
-    offload_optimizer: bool = field(default=False, metadata={
-        "help": "Optimizer states and fp32 master weights in CPU memory, stepped by DeepSpeedCPUAdam (stages 1-3)"})
-    offload_params: bool = field(default=False, metadata={
-        "help": "Parameters in CPU memory between uses (stage 3)"})
-    micro_batch_size: int = field(default=1, metadata={
-        "help": "Samples per forward/backward on one rank (DeepSpeed's train_micro_batch_size_per_gpu)"})
-
-
-def check_config(config: DeepSpeedConfig) -> None:
-    if config.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3; got {config.zero_stage}")
-    if config.offload_optimizer and config.zero_stage == 0:
-        raise ConfigError("--offload-optimizer needs ZeRO: add --zero-stage 1, 2 or 3")
-    if config.offload_params and config.zero_stage != 3:
-        raise ConfigError("--offload-params needs the parameters sharded: add --zero-stage 3")
-    if config.lr_scheduler not in ("constant", "cosine"):
-        raise ConfigError(f"--lr-scheduler must be constant or cosine; got {config.lr_scheduler!r}")
 
 
 def check_precision(dtype: torch.dtype) -> None:
@@ -178,15 +156,17 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(TrainBackendBase):
     """Optimizer steps for one model through a DeepSpeed engine (every rank holds one)."""
 
+    shards_state = True  # DeepSpeed's checkpoints: every rank writes its partition (at every stage)
+
     def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig):
-        check_config(config)
         deepspeed = _import_deepspeed()
         import torch.distributed as dist
 
-        self.model, self.config = model, config
+        super().__init__(model)
+        self.config = config
         params = [p for p in model.parameters() if p.requires_grad]
         assert params, "the model has no trainable parameters"
         dtype = params[0].dtype
@@ -219,10 +199,10 @@ class DeepSpeedBackend:
         return self.engine
 
     @property
-    def needs_synced_generation(self) -> bool:
-        """ZeRO-3 gathers parameters inside every forward, a collective: ranks that finish
-        generating early must keep stepping until all have finished."""
-        return self.config.zero_stage == 3 and self.world_size > 1
+    def shards_weights(self) -> bool:
+        """ZeRO-3 partitions the parameters and gathers them inside every forward, a collective:
+        ranks that finish generating early must keep stepping until all have finished."""
+        return self.config.zero_stage == 3
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages over ranks; each rank's loss is its share of the step loss, so
@@ -258,6 +238,13 @@ class DeepSpeedBackend:
         first = output.logits if hasattr(output, "logits") else output
         self.engine.backward(first.float().sum() * math.nan, scale_wrt_gas=False)
         self.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing replicated: the whole state is in DeepSpeed's checkpoints (``shards_state``)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing replicated to load (``shards_state``)."""
 
     def save_checkpoint(self, directory: Path) -> None:
         """Module, optimizer and schedule, each rank writing its own shards (all ranks call this)."""

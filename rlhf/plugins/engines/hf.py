@@ -24,27 +24,16 @@ Shape legend: ``B`` rows (prompts x n), ``P`` prompt positions (left padded), ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.modeling import accepts_logits_to_keep, base_model
+from rlhf.plugins.engines.config import DECODERS, HFEngineConfig
 
-DECODERS = ("auto", "direct", "generate")
-
-
-@dataclass(kw_only=True)
-class HFEngineConfig:
-    generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Prompts per generate call (None: all at once)"})
-    decoder: str = field(default="auto", metadata={
-        "help": "auto (direct when the model and the request allow it), direct, or generate (model.generate)"})
-    synced_gpus: bool = field(default=False, metadata={
-        "help": "Ranks decode in lockstep until every rank has finished (set by the runtime when the policy's "
-                "weights are sharded over ranks, e.g. DeepSpeed ZeRO-3: each forward is a collective)"})
-
+__all__ = ["HFEngine", "HFEngineConfig", "sample_categorical"]
 
 def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` (B, V), drawn with probability ``probs[b, v]``. Returns (B,).
@@ -80,6 +69,11 @@ class HFEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def load_weights(self, state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Nothing to do for the policy's own weights (sampled in place); ``state``: load it into the module."""
+        if state is not None:
+            self.model.load_state_dict(dict(state), strict=False)
 
     def generate(self, prompts: list[list[int]], *, n: int, params: SamplingParams) -> list[Generation]:
         """``n`` completions per prompt, as ``[p0s0 .. p0s(n-1), p1s0, ...]``."""

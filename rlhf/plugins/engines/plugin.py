@@ -6,8 +6,8 @@ import rlhf
 
 @rlhf.hookimpl
 def register_rollout_engines(register):
-    register("hf", "rlhf.plugins.engines.hf:HFEngine", config_cls="rlhf.plugins.engines.hf:HFEngineConfig",
+    register("hf", "rlhf.plugins.engines.hf:HFEngine", config_cls="rlhf.plugins.engines.config:HFEngineConfig",
              description="transformers generate with a KV cache, in-process on the policy's own weights")
     register("vllm", "rlhf.plugins.engines.vllm_engine:VLLMEngine", needs_gpu=True,
-             config_cls="rlhf.plugins.engines.vllm_engine:VLLMEngineConfig",
+             config_cls="rlhf.plugins.engines.config:VLLMEngineConfig",
              description="vLLM in-process (extra: rlhf-core[vllm], CUDA); policy weights pushed after each step")

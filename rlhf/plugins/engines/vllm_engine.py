@@ -42,13 +42,13 @@ import os
 import random
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.rollout import Generation, SamplingParams
+from rlhf.plugins.engines.config import VLLMEngineConfig
 from rlhf.plugins.engines.vllm_weights import (Named, bucket_by_bytes, map_state_dict, policy_version,
                                                policy_weights, receive_weights)
 
@@ -65,44 +65,6 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 
 class VLLMSetupError(ConfigError):
     """vLLM cannot run here: not installed, an unsupported version, no CUDA GPU, or several ranks."""
-
-
-@dataclass(kw_only=True)
-class VLLMEngineConfig:
-    vllm_model_path: str | None = field(default=None, metadata={
-        "help": "Checkpoint directory vLLM starts from (default: the one the policy was loaded from); the "
-                "policy's weights are pushed over it before the first generation"})
-    tokenizer: str | None = field(default=None, metadata={
-        "help": "Tokenizer directory for vLLM's detokenizer (stop strings): the run's --tokenizer, else the model's"})
-    dtype: str = field(default="auto", metadata={
-        "help": "Weights dtype in vLLM (the run's --dtype): auto (the policy's parameter dtype), bf16, fp16, fp32"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the checkpoint"})
-    seed: int = field(default=42, metadata={"help": "vLLM's random seed (the run's --seed)"})
-    tensor_parallel_size: int = field(default=1, metadata={
-        "help": "GPUs vLLM shards the model over (> 1 is unverified: weights then travel pickled)"})
-    gpu_memory_utilization: float = field(default=0.5, metadata={
-        "help": "Fraction of the GPU's memory vLLM takes for weights and KV cache; the training process "
-                "must fit in the rest"})
-    max_model_len: int | None = field(default=None, metadata={
-        "help": "Longest prompt + completion in tokens (default: the run's token budget, --max-total-tokens "
-                "or --max-prompt-length + --max-turns x --max-new-tokens)"})
-    max_total_tokens: int | None = field(default=None, metadata={"help": "The run's --max-total-tokens"})
-    max_prompt_length: int = field(default=1024, metadata={"help": "The run's --max-prompt-length"})
-    max_new_tokens: int = field(default=256, metadata={"help": "The run's --max-new-tokens"})
-    max_turns: int = field(default=8, metadata={"help": "The run's --max-turns"})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "Share the KV cache of common prompt prefixes (the n samples of a prompt)"})
-    enforce_eager: bool = field(default=False, metadata={
-        "help": "No CUDA graphs: slower decoding, faster start, less memory"})
-    enable_sleep_mode: bool = field(default=False, metadata={
-        "help": "Build vLLM with sleep mode, so sleep()/wake_up() can free its GPU memory between generations"})
-    sleep_level: int = field(default=1, metadata={
-        "help": "1: weights to CPU memory and KV cache dropped; 2: both dropped (the next sync reloads the "
-                "weights, so no CPU copy is kept)"})
-    auto_sleep: bool = field(default=False, metadata={
-        "help": "Sleep after every generation and wake for the next sync or generation (needs enable_sleep_mode)"})
-    sync_bucket_mb: float = field(default=512.0, metadata={
-        "help": "Weight sync chunk size in MiB (bounds the extra memory of merged/gathered copies)"})
 
 
 def validate(config: VLLMEngineConfig) -> None:

@@ -1,15 +1,21 @@
-"""Settings of the ``hf`` and ``lora`` model adapters (no torch here: the command line reads them)."""
+"""Settings of the ``hf`` and ``lora`` model adapters (no torch here: the command line reads them).
+
+``dtype``, ``device``, ``trust_remote_code`` and ``save_critic`` are the run's (``--dtype``, ...);
+the others are settings, ``--model-adapter.<name>`` or their short aliases (``--lora-rank``, ...).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlhf.core.settings import run_field
+
 
 @dataclass(kw_only=True)
 class HFModelConfig:
-    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint"})
+    dtype: str = run_field("dtype", "auto", "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32")
+    device: str = run_field("device", "auto", "auto, cpu, cuda or cuda:N")
+    trust_remote_code: bool = run_field("trust_remote_code", False, "Run model code shipped with the checkpoint")
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
     chat_template: str | None = field(default=None, metadata={"help": "Jinja file replacing the chat template"})
@@ -22,4 +28,4 @@ class HFModelConfig:
         "help": "Module names given adapters (default: every linear layer but the output head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: frozen weights in 4-bit NF4 (GPU)"})
     merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model to <final>/merged"})
-    save_critic: bool = field(default=False, metadata={"help": "The run saves the critic (<out>/critic)"})
+    save_critic: bool = run_field("save_critic", False, "The run saves the critic (<out>/critic)")

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from rlhf.core.adapter import ModelAdapterBase
 from rlhf.core.errors import ConfigError
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.critic import CriticModel
@@ -39,7 +40,7 @@ __all__ = ["ATTENTION", "DTYPES", "HFModelAdapter", "HFModelConfig", "LoRAModelA
 ROLES = ("policy", "reference", "critic")
 
 
-class HFModelAdapter:
+class HFModelAdapter(ModelAdapterBase):
     """Loads policy, reference and critic models with transformers' Auto classes (LoRA when lora_rank > 0)."""
 
     def __init__(self, config: HFModelConfig | None = None):

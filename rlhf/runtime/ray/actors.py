@@ -71,11 +71,12 @@ class WorkerHost:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "fingerprint": plugin_fingerprint(self.plugins),
                 "port": free_port() if self.rank == 0 else None}
 
-    def setup(self, config: Any, derived: Any, num_prompts: int, master: tuple[str, int] | None) -> dict[str, Any]:
+    def setup(self, config: Any, num_prompts: int, master: tuple[str, int] | None) -> dict[str, Any]:
         """Join the group's process group, seed, and build every role this host holds."""
         began = time.perf_counter()
-        from rlhf.runtime import local
         from rlhf.core.distributed import SINGLE, init_from_environment
+        from rlhf.runtime import local
+        from rlhf.runtime.plan import RunPlan
 
         self.dist = SINGLE
         if self.process_group:
@@ -93,23 +94,23 @@ class WorkerHost:
         roles, plugins, dist = self.roles, self.plugins, self.dist
         if "reward" in roles:
             self.workers["reward"] = local.build_reward(config, plugins)
-        self.plan = plan = local.RunPlan.make(config, derived, plugins, num_prompts)
+        self.plan = plan = RunPlan.make(config, plugins).with_prompts(num_prompts)
         self.adapter = self.tokenizer = None
         if any(role in roles for role in ("policy", "reference", "critic", "rollout")):
-            self.adapter = local.build_adapter(plan, plugins)
+            self.adapter = local.build_adapter(plan)
         if "rollout" in roles or ("policy" in roles and dist.is_main):  # generation, or the final export
             self.tokenizer = self.adapter.load_tokenizer(config.tokenizer or config.model)
         if "policy" in roles:
-            self.workers["policy"] = local.build_policy(plan, plugins, self.adapter, dist)
+            self.workers["policy"] = local.build_policy(plan, self.adapter, dist)
         if "reference" in roles:
             self.workers["reference"] = local.build_reference(plan, self.adapter, dist)
         if "critic" in roles:
-            self.workers["critic"] = local.build_critic(plan, plugins, self.adapter, dist)
+            self.workers["critic"] = local.build_critic(plan, self.adapter, dist)
         if "rollout" in roles:
             synced = {}
             if "policy" in roles:  # the engine reads the policy's own weights: nothing to sync
                 model = self.workers["policy"].model
-                if getattr(self.workers["policy"].backend, "needs_synced_generation", False):
+                if self.workers["policy"].backend.shards_weights and dist.active:
                     synced = {"synced_generation": True}  # sharded weights: ranks decode in lockstep
             else:  # a copy of the policy, loaded like the local runtime loads it (same random draws)
                 model = self.rollout_model = self.adapter.load(config.model, role="policy").requires_grad_(False)
@@ -136,7 +137,7 @@ class WorkerHost:
         """The policy's trainable parameters on the CPU from rank 0 (frozen ones never change, so never
         travel); called on every rank, as a backend that shards the weights gathers them collectively."""
         policy = self.workers["policy"]
-        with _full_weights(policy):
+        with policy.backend.full_weights():
             if not self.dist.is_main:
                 return None
             return {name: p.detach().cpu().clone() for name, p in policy.model.named_parameters() if p.requires_grad}
@@ -147,7 +148,7 @@ class WorkerHost:
             return 0  # the engine reads the policy's own weights
         result = self.rollout_model.load_state_dict(weights, strict=False)
         assert not result.unexpected_keys, f"the rollout model has no parameters {result.unexpected_keys[:5]}"
-        self.workers["rollout"].sync_weights(None)  # an engine with weights of its own (vllm) takes them now
+        self.workers["rollout"].sync_weights()  # an engine with weights of its own (vllm) takes them now
         return sum(t.numel() * t.element_size() for t in weights.values())
 
     # --- checkpoints and outputs ----------------------------------------------------------------
@@ -182,30 +183,17 @@ class WorkerHost:
         return self.workers[role].nonfinite_in_a_row if role in _TRAINED else None
 
     def export_policy(self, out_dir: str) -> None:
-        from rlhf.runtime.local import export_final
+        from rlhf.runtime.export import export_policy
 
-        export_final(self.plan, self.adapter, self.tokenizer, self.workers["policy"], None, Path(out_dir), self.dist)
+        export_policy(self.adapter, self.tokenizer, self.workers["policy"], Path(out_dir), self.dist)
 
     def export_critic(self, out_dir: str) -> None:
         """The critic as the local runtime saves it (``--save-critic``); called on every rank."""
-        critic = self.workers["critic"]
-        with _full_weights(critic):
-            if not self.dist.is_main:
-                return
-            config = self.plan.config
-            tokenizer = self.tokenizer or self.adapter.load_tokenizer(config.tokenizer or config.model)
-            if hasattr(self.adapter, "save_critic"):
-                self.adapter.save_critic(critic.model, tokenizer, Path(out_dir))
-            else:
-                critic.model.save_pretrained(out_dir)
+        from rlhf.runtime.export import export_critic
 
-
-def _full_weights(worker: Any) -> Any:
-    """A context in which ``worker.model`` holds its whole weights (a sharding backend gathers them)."""
-    import contextlib
-
-    gather = getattr(worker.backend, "full_weights", None)
-    return gather() if gather is not None else contextlib.nullcontext()
+        config = self.plan.config
+        tokenizer = self.tokenizer or self.adapter.load_tokenizer(config.tokenizer or config.model)
+        export_critic(self.adapter, tokenizer, self.workers["critic"], Path(out_dir), self.dist)
 
 
 def _quiet_library_progress_bars() -> None:

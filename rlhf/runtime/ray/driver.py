@@ -9,7 +9,6 @@ and, when this run started it, the local cluster shut down.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -17,13 +16,17 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.errors import ConfigError, PluginError, RlhfError
+from rlhf.core.distributed import SINGLE
+from rlhf.core.errors import ConfigError, PluginError
 from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.core.settings import setting_fields
 from rlhf.runtime import checkpoint
-from rlhf.runtime.config import Derived, TrainConfig
-from rlhf.core.distributed import SINGLE
-from rlhf.runtime.local import RunPlan, build_adapter, build_loader, seed_everything, total_steps
+from rlhf.runtime.config import TrainConfig
+from rlhf.runtime.local import build_loader, seed_everything
+from rlhf.runtime.plan import RunPlan, check_run, warn_about
+from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.workers import RewardWorker
 from rlhf.runtime.ray.cluster import Cluster, import_ray
 from rlhf.runtime.ray.groups import (CriticGroup, Host, PolicyGroup, ReferenceGroup, RewardGroup, RolloutGroup,
                                      WorkerFailedError, wait)
@@ -44,41 +47,34 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     """Run training with the Ray runtime; returns the run directory."""
     import_ray()
     plugins = plugins or build_plugin_manager()
-    if plugins.broken:
-        log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
-                    ", ".join(r.label for r in plugins.broken))
-    derived = config.derived()
-    _validate(config, derived)
+    plan = RunPlan.make(config, plugins)
+    check_run(plan, world_size=1)  # the trainer loop runs once, here; the actors shard within each call
+    _check_actor_counts(plan)
+    RunDirectory(plan.derived.out_dir).check_free(resume=config.resume)  # before paying for a cluster
+    warn_about(plan, plugins, log)
     seed_everything(config.seed)
-    plan, tokenizer, loader = _driver_side(config, derived, plugins)
+    plan, tokenizer, loader = _driver_side(plan)
     layout = plan_layout(config, needs_reference=plan.algorithm.needs_reference,
                          needs_critic=plan.algorithm.needs_critic, has_reward=bool(config.reward))
-    if config.save_critic and not plan.algorithm.needs_critic:
-        log.warning("--save-critic: algorithm %r trains no critic; none is saved", config.algo)
 
     began = time.perf_counter()
-    cluster = Cluster.open(config, cpus_needed=layout.cpus, gpus_needed=layout.gpus, out_dir=derived.out_dir)
+    cluster = Cluster.open(config, cpus_needed=layout.cpus, gpus_needed=layout.gpus, out_dir=plan.derived.out_dir)
     try:
         _warn_unused_gpus(layout)
-        hosts = launch(layout, config, derived, len(loader), plugins, cluster)
+        hosts = launch(layout, config, len(loader), plugins, cluster)
         log.info("Ray runtime ready in %.1f s (cluster %.1f s): %s", time.perf_counter() - began, cluster.seconds,
                  layout.describe())
-        workers = make_workers(config, derived, plan, plugins, hosts, tokenizer, loader)
+        workers = make_workers(plan, hosts, tokenizer, loader)
         try:
-            return Trainer(config, derived, plugins, workers).run()
+            return Trainer(plan, plugins, workers).run()
         except WorkerFailedError as exc:
-            raise type(exc)(f"{exc}\n{resume_hint(derived.out_dir)}") from exc
+            raise type(exc)(f"{exc}\n{resume_hint(plan.derived.out_dir)}") from exc
     finally:
         cluster.close()
 
 
-def _validate(config: TrainConfig, derived: Derived) -> None:
-    if not config.reward and config.env == "single_turn":
-        raise ConfigError("--reward is required (a reward function, URL or reward model) unless an --env gives "
-                          "rewards; see `rlhf train --help`")
-    out = derived.out_dir
-    if out.exists() and any(out.iterdir()) and not config.resume:  # before paying for a cluster
-        raise RlhfError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+def _check_actor_counts(plan: RunPlan) -> None:
+    config, derived = plan.config, plan.derived
     for flag, actors in (("--policy-actors", config.policy_actors), ("--critic-actors", config.critic_actors or 1)):
         if derived.train_batch_size % actors:
             raise ConfigError(f"--train-batch-size ({derived.train_batch_size}) must be a multiple of {flag} "
@@ -86,18 +82,21 @@ def _validate(config: TrainConfig, derived: Derived) -> None:
     worker_env(config)  # KEY=VALUE syntax
 
 
-def _driver_side(config: TrainConfig, derived: Derived, plugins: PluginSet) -> tuple[RunPlan, Any, Any]:
-    """The resolved algorithm, the tokenizer and the prompt loader (no model is loaded here)."""
-    probe = RunPlan.make(config, derived, plugins, num_prompts=0)
-    # Only the tokenizer is needed here: build the adapter for this machine's CPU, whatever the
-    # actors' devices and attention kernels are.
-    cpu_only = {**probe.values, "device": "cpu", "attn_implementation": "sdpa", "load_in_4bit": False}
-    adapter = build_adapter(dataclasses.replace(probe, values=cpu_only), plugins)
+def _driver_side(plan: RunPlan) -> tuple[RunPlan, Any, Any]:
+    """The plan with the data's size, the tokenizer and the prompt loader (no model is loaded here).
+
+    Only the tokenizer is needed: the adapter is built for this machine's CPU, whatever the
+    actors' devices, attention kernels and quantization are."""
+    fields = {f.name for f in setting_fields(plan.choices["model_adapter"].config_cls)}
+    cpu_only = {key: value for key, value in (("attn_implementation", "sdpa"), ("load_in_4bit", False))
+                if key in fields}
+    adapter_config = plan.component_config("model_adapter", settings={**plan.settings.get("model_adapter", {}),
+                                                                       **cpu_only}, device="cpu")
+    adapter = plan.choices["model_adapter"].load()(adapter_config)
+    config = plan.config
     tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
     loader = build_loader(config, tokenizer)
-    steps = total_steps(config, len(loader))
-    plan = dataclasses.replace(probe, optimizer_steps=steps * derived.optimizer_steps_per_step)
-    return plan, tokenizer, loader
+    return plan.with_prompts(len(loader)), tokenizer, loader
 
 
 def _warn_unused_gpus(layout: Layout) -> None:
@@ -120,8 +119,7 @@ def worker_env(config: TrainConfig) -> dict[str, str]:
     return env
 
 
-def launch(layout: Layout, config: TrainConfig, derived: Derived, num_prompts: int, plugins: PluginSet,
-           cluster: Cluster) -> list[Host]:
+def launch(layout: Layout, config: TrainConfig, num_prompts: int, plugins: PluginSet, cluster: Cluster) -> list[Host]:
     """Create every host in its placement-group bundle, check plugins, then build the roles."""
     import ray
     from ray.util.placement_group import remove_placement_group
@@ -160,7 +158,7 @@ def launch(layout: Layout, config: TrainConfig, derived: Derived, num_prompts: i
     calls = []
     for group, ranks in zip(layout.groups, members):
         master = (ranks[0].info["ip"], ranks[0].info["port"]) if group.needs_process_group else None
-        calls += [(h, h.handle.setup.remote(config, derived, num_prompts, master)) for h in ranks]
+        calls += [(h, h.handle.setup.remote(config, num_prompts, master)) for h in ranks]
     for (host, _), built in zip(calls, wait(calls, "setup", timeout, hosts)):
         host.info.update(built)
     return hosts
@@ -192,8 +190,8 @@ def kill(hosts: list[Host]) -> None:
         ray.kill(host.handle, no_restart=True)
 
 
-def make_workers(config: TrainConfig, derived: Derived, plan: RunPlan, plugins: PluginSet, hosts: list[Host],
-                 tokenizer: Any, loader: Any) -> Workers:
+def make_workers(plan: RunPlan, hosts: list[Host], tokenizer: Any, loader: Any) -> Workers:
+    config = plan.config
     timeout = config.ray_timeout_s
 
     def holding(role: str) -> list[Host]:
@@ -204,23 +202,20 @@ def make_workers(config: TrainConfig, derived: Derived, plan: RunPlan, plugins: 
     critic = CriticGroup(holding("critic"), timeout, hosts) if holding("critic") else None
     rollout_hosts = holding("rollout")
     rollout = RolloutGroup(rollout_hosts, timeout, hosts, policy, own_copy="policy" not in rollout_hosts[0].roles)
-    reward = RewardGroup(holding("reward"), timeout, hosts) if holding("reward") else None
+    # No reward actor: the environment gives every reward, scored here like in the local runtime.
+    reward = RewardGroup(holding("reward"), timeout, hosts) if holding("reward") else RewardWorker(None)
 
     def export(out_dir: Path) -> None:
         """Every rank takes part (a sharding backend gathers the weights); rank 0 writes."""
         target = str(Path(out_dir).resolve())
         calls = [(h, h.handle.export_policy.remote(target)) for h in policy.hosts]
         if critic is not None and config.save_critic:
-            critic_dir = str(derived.out_dir.resolve() / "critic")
+            critic_dir = str(plan.derived.out_dir.resolve() / "critic")
             calls += [(h, h.handle.export_critic.remote(critic_dir)) for h in critic.hosts]
         wait(calls, "export", timeout, hosts)
 
-    return Workers(
-        policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, tokenizer=tokenizer,
-        loader=loader, algorithm=plan.algorithm, advantage_config=plan.advantage_config,
-        pad_token_id=tokenizer.pad_token_id, fingerprint=plugin_fingerprint(plugins), export_policy=export,
-        rollout_logprobs=getattr(plan.policy_loss_config, "correction", None) is not None, dist=SINGLE,
-    )
+    return Workers(policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
+                   pad_token_id=tokenizer.pad_token_id, export=export, dist=SINGLE)
 
 
 def resume_hint(out_dir: Path) -> str:

@@ -215,6 +215,8 @@ class RolloutGroup(RoleGroup):
     policy changed since the last sync (a resumed run: the policy loaded a checkpoint).
     """
 
+    stateful = True  # each actor's sampling RNG
+
     def __init__(self, hosts: list[Host], timeout_s: float, everyone: list[Host], policy: PolicyGroup, *,
                  own_copy: bool):
         super().__init__("rollout", hosts, timeout_s, everyone)
@@ -224,7 +226,7 @@ class RolloutGroup(RoleGroup):
 
     def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Any]:
         if self.own_copy and self.synced_version != self.policy.version:
-            self.sync_weights(None)
+            self.sync_weights()
         calls = []
         for rank, host in enumerate(self.hosts):
             shard = prompts[rank::self.size]
@@ -240,9 +242,9 @@ class RolloutGroup(RoleGroup):
                 trajectories.append(trajectory)
         return trajectories
 
-    def sync_weights(self, state: Any) -> None:
-        """Push policy rank 0's weights to every rollout actor (``state`` is ignored: they travel
-        through the object store, fetched once per actor)."""
+    def sync_weights(self) -> None:
+        """Push policy rank 0's weights to every rollout actor (through the object store, fetched
+        once per actor)."""
         if not self.own_copy:
             return
         began = time.perf_counter()

@@ -1,0 +1,188 @@
+"""click options generated from config dataclasses, so each option is defined once, where its
+field is, and commands share them.
+
+* `config_options(cls)`: one flag per field of a config dataclass (``n_samples`` -> ``--n-samples``),
+  with the field's help, type, choices and default; nested option groups flattened with their
+  prefix (``RewardOptions.on_error`` -> ``--reward-on-error``);
+* `component_options(plugins, slots)`: for every slot (``--backend``, ``--policy-loss``, ...), one
+  flag per setting of any registered component of that kind, ``--backend.zero-stage``, typed from
+  the config class; the short alias (``--zero-stage``) when the setting has one. They default to
+  "unset": the component's own default applies, and a setting the chosen component lacks is an
+  error when the run is planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from rlhf.cli.params import ComponentParam
+from rlhf.core.settings import setting_fields
+
+SLOT_SEPARATOR = "__"  # click parameter name of --backend.zero-stage: backend__zero_stage
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One generated option."""
+
+    dest: str  # the click parameter name
+    names: tuple[str, ...]  # --long-name (and aliases), without the --no- forms
+    hint: Any  # the field's type
+    help: str
+    default: Any = None
+    show_default: bool = False
+    multiple: bool = False
+    choices: tuple[Any, ...] | None = None
+    component: str | None = None  # the kind whose registered names the value must be
+
+    def option(self) -> Any:
+        base = _base_type(self.hint)
+        if base is bool:
+            decls = [f"{name}/--no-{name[2:]}" for name in self.names]
+            return click.option(*decls, self.dest, default=self.default, show_default=self.show_default,
+                                help=self.help)
+        if self.multiple:
+            return click.option(*self.names, self.dest, multiple=True, help=self.help, type=click.UNPROCESSED)
+        if self.component is not None:
+            kind: Any = ComponentParam(self.component)
+        elif self.choices:
+            kind = click.Choice([str(c) for c in self.choices])
+        elif typing.get_origin(base) is typing.Literal:
+            kind = click.Choice(typing.get_args(base))
+        elif base in (int, float):
+            kind = base
+        elif base is str:
+            kind = str
+        else:  # tuples, lists, mappings: converted (from text or from a config file) when the run is planned
+            kind = click.UNPROCESSED
+        return click.option(*self.names, self.dest, type=kind, default=self.default,
+                            show_default=self.show_default, help=self.help, metavar=_metavar(base, kind))
+
+
+def _metavar(base: Any, kind: Any) -> str | None:
+    if kind is not click.UNPROCESSED:
+        return None
+    return "A,B" if typing.get_origin(base) in (tuple, list) or base in (tuple, list) else "VALUE"
+
+
+def _base_type(hint: Any) -> Any:
+    """``int | None`` -> int, ``list[str]`` -> list[str]; unions of several types -> Any."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        others = [a for a in typing.get_args(hint) if a is not type(None)]
+        return others[0] if len(others) == 1 else Any
+    return hint
+
+
+def _flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# --- config dataclasses -------------------------------------------------------------------------
+
+
+def config_flags(config_cls: type, *, nested: Mapping[str, tuple[str, type]] = (), titles: Mapping[str, str] = (),
+                 skip: Iterable[str] = ()) -> list[Flag]:
+    """One `Flag` per field of ``config_cls`` (fields in ``nested`` expanded with their prefix)."""
+    nested, titles, skip = dict(nested), dict(titles), set(skip)
+    hints = typing.get_type_hints(config_cls)
+    flags = []
+    for f in dataclasses.fields(config_cls):
+        if f.name in skip:
+            continue
+        group = f.metadata.get("group", "")
+        if f.name in nested:
+            prefix, group_cls = nested[f.name]
+            sub_hints = typing.get_type_hints(group_cls)
+            flags += [_field_flag(f"{prefix}_{sub.name}", sub, sub_hints[sub.name], titles.get(group, group))
+                      for sub in dataclasses.fields(group_cls)]
+        else:
+            flags.append(_field_flag(f.name, f, hints[f.name], titles.get(group, group)))
+    return flags
+
+
+def _field_flag(name: str, f: dataclasses.Field, hint: Any, title: str) -> Flag:
+    meta = f.metadata
+    default = None if f.default is dataclasses.MISSING or f.default == "" else f.default
+    if _base_type(hint) is bool:
+        default = f.default
+    return Flag(dest=name, names=(_flag_name(name),), hint=hint, help=f"[{title}] {meta.get('help', '')}",
+                default=default, show_default=default is not None, multiple=bool(meta.get("multiple")),
+                choices=meta.get("choices"), component=meta.get("component"))
+
+
+def nullable_fields(config_cls: type) -> set[str]:
+    """Fields whose type admits None (a flag left unset means None for them, not "absent")."""
+    hints = typing.get_type_hints(config_cls)
+    return {name for name, hint in hints.items() if type(None) in typing.get_args(hint)}
+
+
+# --- component settings -------------------------------------------------------------------------
+
+
+def component_flags(plugins: Any, slots: Mapping[str, Any], aliases: Mapping[str, str],
+                    default_config: Mapping[str, type] = ()) -> list[Flag]:
+    """``--<slot>.<setting>`` for every setting of every registered component of each slot's kind.
+
+    ``slots``: field -> `Slot`; ``aliases``: setting -> slot, the short flag a setting also has;
+    ``default_config``: slot -> the config class components without one receive (estimators get
+    ``AdvantageConfig``). A component whose config class cannot be imported is left out here
+    (``rlhf plugins list`` shows why).
+    """
+    default_config = dict(default_config)
+    flags = []
+    for slot in slots.values():
+        by_field: dict[str, list[tuple[str, dataclasses.Field, Any]]] = {}
+        for component in plugins.registry(slot.kind).components():
+            try:
+                config_cls = component.load_config_cls() or default_config.get(slot.field)
+            except Exception:  # noqa: BLE001 - a broken plugin never breaks the command line
+                continue
+            if config_cls is None:
+                continue
+            hints = typing.get_type_hints(config_cls)
+            for f in setting_fields(config_cls):
+                by_field.setdefault(f.name, []).append((component.name, f, hints[f.name]))
+        for name, owners in by_field.items():
+            flags.append(_setting_flag(slot, name, owners, aliases.get(name) == slot.field))
+    return flags
+
+
+def _setting_flag(slot: Any, name: str, owners: list[tuple[str, dataclasses.Field, Any]], alias: bool) -> Flag:
+    components = sorted({component for component, _, _ in owners})
+    first = owners[0][1]
+    hints = {repr(hint) for _, _, hint in owners}
+    hint = owners[0][2] if len(hints) == 1 else Any
+    defaults = {repr(_default(f)) for _, f, _ in owners}
+    default = _default(first)
+    shown = f" [default: {default if isinstance(default, str) else repr(default)}]" if len(defaults) == 1 else ""
+    names = (f"{slot.flag}.{name.replace('_', '-')}",) + ((_flag_name(name),) if alias else ())
+    help_text = f"[{slot.flag[2:]} option of {', '.join(components)}] {first.metadata.get('help', '')}{shown}"
+    multiple = typing.get_origin(_base_type(hint)) is list
+    return Flag(dest=f"{slot.field}{SLOT_SEPARATOR}{name}", names=names, hint=hint, help=help_text, multiple=multiple)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def split_settings(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Pop the set ``<slot>__<setting>`` values out of parsed options into ``{slot: {setting: value}}``."""
+    components: dict[str, dict[str, Any]] = {}
+    for dest in [k for k in values if SLOT_SEPARATOR in k]:
+        value = values.pop(dest)
+        if value is None or value == ():
+            continue
+        slot, _, name = dest.partition(SLOT_SEPARATOR)
+        components.setdefault(slot, {})[name] = list(value) if isinstance(value, tuple) else value
+    return components

@@ -1,0 +1,48 @@
+"""Experience: a collated rollout batch completed with what the updates need (DESIGN §5).
+
+    old = policy log-probs          (only when several optimizer steps share the rollout, or KL is in the reward)
+    ref = reference log-probs       (when KL is used with β > 0)
+    V   = critic values             (estimators with a critic)
+    kl  = clamp(kl_est(old, ref))   masked to action tokens
+    Â, G = estimator(rewards, masks, V, -β·kl in the reward when KL goes there, sample_mask)
+
+Shape legend: ``B`` sequences, ``A`` action positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from rlhf.algorithms import compute_advantages, kl_divergence
+from rlhf.core.batch import ExperienceBatch
+
+if TYPE_CHECKING:
+    from rlhf.algorithms import ResolvedAlgorithm
+    from rlhf.core.plugins import PluginSet
+
+
+@dataclass(frozen=True)
+class ExperienceMaker:
+    algorithm: ResolvedAlgorithm
+    advantage_config: Any  # the estimator's config object
+    n_samples: int
+    recompute_old: bool  # old log-probs need a forward of their own (ResolvedAlgorithm.needs_old_logprobs)
+    plugins: PluginSet
+
+    def make(self, batch: ExperienceBatch, policy: Any, reference: Any = None, critic: Any = None) -> ExperienceBatch:
+        algo = self.algorithm
+        old = policy.logprobs(batch) if self.recompute_old else None  # (B, A)
+        ref = reference.logprobs(batch) if reference is not None else None  # (B, A)
+        values = critic.values(batch) if critic is not None else None  # (B, A)
+        kl = None
+        if old is not None and ref is not None:
+            kl = kl_divergence(algo.kl_estimator, old, ref, action_mask=batch.action_mask)  # (B, A)
+        in_reward = algo.kl_in_reward
+        advantages, returns = compute_advantages(
+            algo.advantage, rewards=batch.rewards, action_mask=batch.action_mask, group_size=self.n_samples,
+            values=values, kl=kl if in_reward else None, kl_coef=algo.kl_coef if in_reward else 0.0,
+            sample_mask=batch.sample_mask.bool(), config=self.advantage_config, plugins=self.plugins,
+        )  # (B, A), (B, A)
+        return replace(batch, old_logprobs=old, ref_logprobs=ref, values=values, kl=kl, advantages=advantages,
+                       returns=returns)

@@ -1,0 +1,223 @@
+"""`RunPlan`: everything the role builders of a run must agree on, resolved once and validated
+before any model loads, the same for the local and the Ray runtime.
+
+* the algorithm (``rlhf.algorithms.resolve_algorithm``);
+* for every slot (`rlhf.runtime.config.SLOTS`) the chosen component and its config object, built
+  from the user's settings for that slot (``--backend.zero-stage``, aliases, ``--algo-config``,
+  ``--engine-config``, ``--env-config``) and the run values its config class asks for
+  (``rlhf.core.settings``): nothing reaches a component by a matching field name;
+* the checks both runtimes share (`check_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlhf.core.errors import ConfigError
+from rlhf.core.references import is_reference, resolve
+from rlhf.core.settings import build_component_config, setting_fields
+from rlhf.core.types import AdvantageConfig
+from rlhf.runtime.config import ALGO_CONFIG_SLOTS, SLOTS, Derived, TrainConfig, parse_key_values
+
+if TYPE_CHECKING:
+    from rlhf.algorithms import ResolvedAlgorithm
+    from rlhf.core.plugins import PluginSet
+
+_KEY_VALUE_FLAGS = {"engine": ("engine_config", "--engine-config"), "env": ("env_config", "--env-config")}
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """The component chosen for one slot: its name, how to get the object, its config class."""
+
+    name: str
+    config_cls: type | None
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    component: Any = None  # the registry's Component (None for a module:Class reference)
+    obj: Any = None  # the object itself, when already loaded
+
+    def load(self) -> Any:
+        return self.obj if self.obj is not None else self.component.load()
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: TrainConfig
+    derived: Derived
+    algorithm: ResolvedAlgorithm
+    choices: dict[str, SlotChoice]  # slot -> chosen component
+    settings: dict[str, dict[str, Any]]  # slot -> the user's settings for its component
+    optimizer_steps: int = 1  # over the whole run (LR schedules); see `with_prompts`
+
+    @classmethod
+    def make(cls, config: TrainConfig, plugins: PluginSet) -> RunPlan:
+        """Resolve and check everything that needs no data and no model."""
+        from rlhf.algorithms import resolve_algorithm
+
+        derived = config.derived()
+        algorithm = resolve_algorithm(config.algo, advantage=config.advantage, policy_loss=config.policy_loss,
+                                      kl_estimator=config.kl_estimator, kl_coef=config.kl_coef, kl_in=config.kl_in,
+                                      loss_agg=config.loss_agg, n_samples=config.n_samples, plugins=plugins)
+        choices = _choices(config, algorithm, plugins)
+        plan = cls(config=config, derived=derived, algorithm=algorithm, choices=choices,
+                   settings=_settings(config, choices))
+        for slot in SLOTS:  # a bad or unknown setting stops the run before any model loads
+            plan.component_config(slot)
+        return plan
+
+    def with_prompts(self, num_prompts: int) -> RunPlan:
+        """The plan once the data is known: the run's length in optimizer steps."""
+        return dataclasses.replace(self, optimizer_steps=self.total_steps(num_prompts) *
+                                   self.derived.optimizer_steps_per_step)
+
+    def total_steps(self, num_prompts: int) -> int:
+        config = self.config
+        return config.steps if config.steps is not None else max(1, num_prompts // config.prompts_per_step)
+
+    # --- component configs --------------------------------------------------------------------
+
+    def run_values(self, **changes: Any) -> dict[str, Any]:
+        """The values this run offers to components' run fields (``rlhf.core.settings.RUN_VALUES``)."""
+        config = self.config
+        values = {
+            "seed": config.seed, "model": config.model, "tokenizer": config.tokenizer or config.model,
+            "dtype": config.dtype, "device": config.device, "trust_remote_code": config.trust_remote_code,
+            "max_prompt_length": config.max_prompt_length, "max_new_tokens": config.max_new_tokens,
+            "max_turns": config.max_turns, "max_total_tokens": self.token_budget, "temperature": config.temperature,
+            "lr": config.lr, "total_steps": self.optimizer_steps, "micro_batch_size": config.micro_batch_size,
+            "synced_generation": False, "save_critic": config.save_critic,
+        }
+        unknown = set(changes) - set(values)
+        assert not unknown, f"not run values: {sorted(unknown)}"
+        return {**values, **changes}
+
+    def component_config(self, slot: str, *, settings: dict[str, Any] | None = None, **run_values: Any) -> Any:
+        """The config object of the component in ``slot`` (None when it has no config class)."""
+        choice = self.choices[slot]
+        if slot == "env" and choice.config_cls is None:
+            return None  # --env.* settings are then for environments picked per sample (`env_settings`)
+        kind = SLOTS[slot].kind.replace("_", " ")
+        return build_component_config(choice.config_cls, settings=self.settings.get(slot, {}) if settings is None
+                                      else settings, run_values=self.run_values(**run_values),
+                                      who=f"the {choice.name!r} {kind}", flag=SLOTS[slot].flag)
+
+    @property
+    def policy_loss_config(self) -> Any:
+        return self.component_config("policy_loss")
+
+    @property
+    def advantage_config(self) -> Any:
+        return self.component_config("advantage")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens per trajectory: prompt + every turn + observations."""
+        config = self.config
+        return config.max_total_tokens or config.max_prompt_length + config.max_turns * config.max_new_tokens
+
+    def resolved_settings(self) -> dict[str, dict[str, Any]]:
+        """Every setting of every chosen component as the run uses it (for config.yaml)."""
+        out = {}
+        for slot in SLOTS:
+            config = self.component_config(slot)
+            fields = setting_fields(type(config)) if config is not None else []
+            out[slot] = {f.name: _plain(getattr(config, f.name)) for f in fields}
+        return out
+
+    def env_settings(self, name: str, config_cls: type | None) -> dict[str, Any]:
+        """The ``--env.*`` settings for environment ``name``: all of them for the run's ``--env``; for
+        an environment a label picks (``env_func``), those its config class declares."""
+        given = self.settings.get("env", {})
+        if config_cls is None:
+            return {}
+        if name == self.config.env:
+            return dict(given)
+        declared = {f.name for f in setting_fields(config_cls)}
+        return {k: v for k, v in given.items() if k in declared}
+
+    # --- what the run builds ------------------------------------------------------------------
+
+    def env_capability(self, flag: str) -> Any:
+        return self.choices["env"].capabilities[flag]
+
+    @property
+    def rollout_logprobs(self) -> bool:
+        """Ask the engine for the sampled tokens' log-probs (the policy loss reads them)."""
+        return self.algorithm.needs_rollout_logprobs(self.policy_loss_config)
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _choices(config: TrainConfig, algorithm: ResolvedAlgorithm, plugins: PluginSet) -> dict[str, SlotChoice]:
+    choices = {}
+    for slot, loaded in (("advantage", algorithm.advantage), ("policy_loss", algorithm.policy_loss),
+                         ("kl_estimator", algorithm.kl_estimator), ("loss_agg", algorithm.loss_agg)):
+        config_cls = loaded.config_cls or (AdvantageConfig if slot == "advantage" else None)
+        choices[slot] = SlotChoice(loaded.name, config_cls, dict(loaded.capabilities), obj=loaded.obj)
+    for slot in ("model_adapter", "engine", "backend", "env"):
+        name = getattr(config, slot)
+        registry = plugins.registry(SLOTS[slot].kind)
+        if slot == "env" and is_reference(name):  # --env module:Class needs no plugin
+            env_cls = resolve(name).obj
+            capabilities = {flag: getattr(env_cls, flag, default) for flag, default in registry.kind.capabilities.items()}
+            choices[slot] = SlotChoice(name, getattr(env_cls, "config_cls", None), capabilities, obj=env_cls)
+            continue
+        component = registry.component(name)
+        choices[slot] = SlotChoice(component.name, component.load_config_cls(), dict(component.capabilities),
+                                   component=component)
+    return choices
+
+
+def _settings(config: TrainConfig, choices: dict[str, SlotChoice]) -> dict[str, dict[str, Any]]:
+    """Each slot's settings: the namespaced ones, then KEY=VALUE flags routed to their slot."""
+    settings = {slot: dict(values) for slot, values in config.components.items()}
+    for slot, (field_name, flag) in _KEY_VALUE_FLAGS.items():
+        for key, value in parse_key_values(getattr(config, field_name), flag).items():
+            _put(settings, slot, key, value, f"{flag} {key}")
+    for key, value in parse_key_values(config.algo_config, "--algo-config").items():
+        owners = [slot for slot in ALGO_CONFIG_SLOTS
+                  if key in {f.name for f in setting_fields(choices[slot].config_cls)}]
+        if not owners:
+            options = sorted({f.name for slot in ALGO_CONFIG_SLOTS for f in setting_fields(choices[slot].config_cls)})
+            raise ConfigError(f"--algo-config {key}: none of the run's policy loss, advantage estimator, KL estimator, "
+                              f"loss aggregation or model adapter has an option {key}; their options: "
+                              f"{', '.join(options)}")
+        if len(owners) > 1:
+            raise ConfigError(f"--algo-config {key}: several components have an option {key}; use "
+                              + " or ".join(f"{SLOTS[s].flag}.{key.replace('_', '-')}" for s in owners))
+        _put(settings, owners[0], key, value, f"--algo-config {key}")
+    return settings
+
+
+def _put(settings: dict[str, dict[str, Any]], slot: str, key: str, value: Any, how: str) -> None:
+    current = settings.setdefault(slot, {})
+    if key in current and current[key] != value:
+        raise ConfigError(f"{how}: {SLOTS[slot].flag}.{key.replace('_', '-')} is already {current[key]!r}")
+    current[key] = value
+
+
+def check_run(plan: RunPlan, *, world_size: int) -> None:
+    """The checks both runtimes make before starting anything (``world_size``: data-parallel ranks)."""
+    config, derived = plan.config, plan.derived
+    if not config.reward and not plan.env_capability("gives_rewards"):
+        raise ConfigError(f"--reward is required (a reward function, URL or reward model): the {config.env!r} "
+                          "environment gives no rewards; see `rlhf train --help`")
+    for name, size in (("--prompts-per-step", config.prompts_per_step),
+                       ("--train-batch-size", derived.train_batch_size)):
+        if size % world_size:
+            raise ConfigError(f"{name} ({size}) must be a multiple of the number of processes ({world_size})")
+    if config.threads is not None and config.threads < 1:
+        raise ConfigError(f"--threads must be at least 1; got {config.threads}")
+
+
+def warn_about(plan: RunPlan, plugins: PluginSet, log: Any) -> None:
+    """Warnings both runtimes print before a run: broken plugins, options that will do nothing."""
+    if plugins.broken:
+        log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
+                    ", ".join(r.label for r in plugins.broken))
+    if plan.config.save_critic and not plan.algorithm.needs_critic:
+        log.warning("--save-critic: algorithm %r trains no critic; none is saved", plan.config.algo)

@@ -1,0 +1,67 @@
+"""The run directory (DESIGN §11): what a run writes, and how it continues.
+
+    <out>/config.yaml        the resolved config (rerun it with --config)
+    <out>/plugins.json       the plugin set and its fingerprint
+    <out>/metrics.jsonl, samples.jsonl, tensorboard/   (written by the logger plugins)
+    <out>/checkpoints/step_N/                          (checkpoint.py: atomic, rotated)
+    <out>/final/             the trained policy (the model adapter's layout)
+
+Every rank of a data-parallel run holds a `RunDirectory`; only the main rank writes files of its
+own, while checkpoints are written by every rank (sharded state) and finished by the main rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from rlhf.core.distributed import SINGLE, DistContext
+from rlhf.core.errors import RlhfError
+from rlhf.runtime import checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class RunDirectory:
+    def __init__(self, path: Path, dist: DistContext = SINGLE):
+        self.path, self.dist = Path(path), dist
+
+    @property
+    def final(self) -> Path:
+        return self.path / "final"
+
+    def check_free(self, *, resume: bool) -> None:
+        """Refuse to start a new run over an existing one (before anything is built)."""
+        if self.path.exists() and any(self.path.iterdir()) and not resume:
+            raise RlhfError(f"{self.path} already holds a run: pass --resume to continue it, or choose another --out")
+
+    def prepare(self, *, config: dict[str, Any], plugins: dict[str, Any], resume: bool) -> None:
+        """Create the directory and write config.yaml and plugins.json (main rank; every rank waits)."""
+        if self.dist.is_main:
+            import yaml
+
+            self.check_free(resume=resume)
+            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            (self.path / "plugins.json").write_text(json.dumps(plugins, indent=2))
+        self.dist.barrier()
+
+    def save_checkpoint(self, step: int, roles: dict[str, Any], state: dict[str, Any], *, keep: int) -> Path:
+        """``checkpoints/step_<step>``: each role's state, every rank's RNG and the trainer's ``state``."""
+        return checkpoint.save_checkpoint(self.path, step, workers=roles, trainer_state=state, keep=keep,
+                                          dist=self.dist)
+
+    def resume(self, roles: dict[str, Any]) -> dict[str, Any] | None:
+        """Load the latest complete checkpoint into ``roles``; its trainer state (None: there is none)."""
+        path = checkpoint.latest_checkpoint(self.path)
+        if path is None:
+            log.warning("--resume: no complete checkpoint in %s; starting from step 0", self.path)
+            return None
+        state = checkpoint.load_checkpoint(path, roles, self.dist)
+        if state.get("world_size", 1) != self.dist.world_size:
+            raise RlhfError(f"{path} was written by {state.get('world_size', 1)} processes; resume it with "
+                            f"the same number (this run has {self.dist.world_size})")
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return state

@@ -1,0 +1,49 @@
+"""The metrics of one training step (``metrics.jsonl``, the progress bar, loggers): rewards as the
+loss used them, lengths, KL, environment figures for multi-turn runs, the roles' training
+metrics, time per phase and throughput."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhf.core.batch import ExperienceBatch
+from rlhf.core.types import Trajectory
+
+
+def step_metrics(trajectories: list[Trajectory], batch: ExperienceBatch, reward_metrics: dict[str, float],
+                 train: dict[str, float], timings: dict[str, float]) -> dict[str, float]:
+    mask = batch.sample_mask.bool()
+    scored = batch.rewards[mask]
+    lengths = torch.tensor([t.num_policy_tokens for t in trajectories], dtype=torch.float32)
+    metrics: dict[str, float] = dict(reward_metrics)  # per source; the totals below are what the loss used
+    metrics.update({
+        "reward/mean": float(scored.mean()) if scored.numel() else float("nan"),
+        "reward/std": float(scored.std()) if scored.numel() > 1 else 0.0,
+        "reward/skipped": float((~mask).sum()),
+        "response/length_mean": float(lengths.mean()),
+        "response/truncated_rate": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
+    })
+    if batch.kl is not None:
+        metrics["kl/mean"] = float(batch.kl.sum() / batch.action_mask.sum().clamp(min=1))
+    elif "policy/kl" in train:
+        metrics["kl/mean"] = train["policy/kl"]
+    if any(t.num_turns > 1 or t.info.get("multi_turn") for t in trajectories):
+        metrics.update(_env_metrics(trajectories))
+    metrics.update(train)
+    metrics.update({f"time/{k}": v for k, v in timings.items()})
+    metrics["throughput/tokens_per_s"] = float(lengths.sum()) / max(timings["step"], 1e-9)
+    return metrics
+
+
+def _env_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
+    count = len(trajectories)
+    return {
+        "env/reward_mean": sum(t.info.get("env_reward", 0.0) for t in trajectories) / count,
+        "env/turns_mean": sum(t.num_turns for t in trajectories) / count,
+        "env/time_s": sum(t.info.get("env_time_s", 0.0) for t in trajectories),
+        "env/budget_rate": sum(t.finish_reason == "budget" for t in trajectories) / count,
+        "env/env_tokens_mean": sum(len(t.token_ids) - t.prompt_length - t.num_policy_tokens
+                                   for t in trajectories) / count,
+    }
