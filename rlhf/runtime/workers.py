@@ -112,7 +112,9 @@ def gather_rows(local: torch.Tensor, dist: DistContext, total: int) -> torch.Ten
 
 
 class _TrainedWorker:
-    """Shared by the policy and the critic: a model, its backend, and checkpoint state."""
+    """Shared by the policy and the critic: a model, its backend, and checkpoint state (`TrainedRole`)."""
+
+    nonfinite_in_a_row: int  # optimizer steps skipped in a row for a NaN/inf loss or gradient
 
     def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, dist: DistContext = SINGLE):
         self.model, self.backend, self.settings, self.dist = model, backend, settings, dist
@@ -199,7 +201,7 @@ class _TrainedWorker:
 
 
 class PolicyWorker(_TrainedWorker):
-    """Computes the policy's log-probs and runs its PPO-style updates."""
+    """Computes the policy's log-probs and runs its PPO-style updates (`PolicyRole`)."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, objective: PolicyObjective,
                  dist: DistContext = SINGLE):
@@ -229,7 +231,7 @@ class PolicyWorker(_TrainedWorker):
 
 
 class CriticWorker(_TrainedWorker):
-    """Computes values and fits them to the returns with the clipped value loss."""
+    """Computes values and fits them to the returns with the clipped value loss (`CriticRole`)."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, objective: ValueObjective,
                  dist: DistContext = SINGLE):
@@ -256,7 +258,7 @@ class CriticWorker(_TrainedWorker):
 
 
 class ReferenceWorker:
-    """A frozen copy of the initial policy: log-probs for the KL term."""
+    """The frozen initial policy: log-probs for the KL term (`ReferenceRole`)."""
 
     def __init__(self, model: torch.nn.Module, micro_batch_size: int, temperature: float,
                  dist: DistContext = SINGLE):

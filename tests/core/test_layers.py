@@ -1,0 +1,196 @@
+"""The layers of DESIGN §2, machine-checked: ``cli -> runtime -> core <- plugins``.
+
+* no import circle between rlhf's modules (imports inside functions count; those under
+  ``if TYPE_CHECKING:`` do not run, so they do not);
+* the host (core, runtime, cli, algorithms, rewards) never imports a plugin module: it reaches
+  plugins only through registries;
+* every built-in plugin module, and every object a built-in registers (lazy ``"module:attr"``
+  targets and config classes included), lives under ``rlhf/plugins/`` (or is a public type of
+  ``rlhf.core``) and imports only the public API: ``rlhf``, ``rlhf.core`` and its own plugin
+  package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from rlhf.core.plugins import DEFAULT_PLUGINS
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "rlhf"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _owner(name: str) -> str | None:
+    """The rlhf module an imported name lives in (``rlhf.core.types.Trajectory`` -> ``rlhf.core.types``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+class _Imports(ast.NodeVisitor):
+    """Every rlhf module a file imports, at any depth, except under ``if TYPE_CHECKING:``."""
+
+    def __init__(self, module: str, is_package: bool):
+        self.module, self.is_package = module, is_package
+        self.found: set[str] = set()
+
+    def visit_If(self, node: ast.If) -> None:
+        test = node.test
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+                (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            for child in node.orelse:
+                self.visit(child)
+            return
+        self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:
+            parts = self.module.split(".")[: len(self.module.split(".")) - node.level + (1 if self.is_package else 0)]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        for alias in node.names:
+            self._add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+
+    def _add(self, name: str) -> None:
+        owner = _owner(name) if name.startswith("rlhf") else None
+        if owner and owner != self.module:
+            self.found.add(owner)
+
+
+def imports_of(module: str) -> set[str]:
+    path = MODULES[module]
+    visitor = _Imports(module, path.name == "__init__.py")
+    visitor.visit(ast.parse(path.read_text()))
+    return visitor.found
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_between_modules():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_finder_finds_a_function_level_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_a_function_level_import_is_an_edge_and_a_type_checking_one_is_not():
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rlhf.runtime.trainer\n"
+              "def f():\n    from rlhf.core import types\n")
+    visitor = _Imports("rlhf.core.example", False)
+    visitor.visit(ast.parse(source))
+    assert visitor.found == {"rlhf.core.types"}
+
+
+HOST = [m for m in MODULES if not m.startswith("rlhf.plugins")]
+
+
+@pytest.mark.parametrize("module", HOST)
+def test_the_host_reaches_plugins_only_through_registries(module):
+    plugin_imports = sorted(name for name in GRAPH[module] if name.startswith("rlhf.plugins"))
+    assert plugin_imports == [], f"{module} imports {plugin_imports}"
+
+
+def allowed_for(module: str) -> tuple[str, ...]:
+    package = ".".join(module.split(".")[:3])  # rlhf.plugins.<package>
+    return ("rlhf", "rlhf.plugins", "rlhf.core", package)
+
+
+def public_api_violations(module: str) -> list[str]:
+    allowed = allowed_for(module)
+    return sorted(name for name in GRAPH[module]
+                  if not (name in ("rlhf", "rlhf.plugins") or any(name == a or name.startswith(a + ".")
+                                                                  for a in allowed[2:])))
+
+
+def _registered_targets() -> list[tuple[str, str]]:
+    """(component, module) for every object and config class the built-in plugins register."""
+    from rlhf.core.plugins import build_plugin_manager
+
+    plugins = build_plugin_manager(load_entrypoints=False)
+    targets = []
+    for registry in plugins.registries().values():
+        for component in registry.components():
+            for target in (component.target, component.config_cls):
+                if target is None:
+                    continue
+                module = target.partition(":")[0] if isinstance(target, str) else target.__module__
+                targets.append((f"{registry.kind.name} {component.name}", module))
+    return targets
+
+
+TARGETS = _registered_targets()
+
+
+@pytest.mark.parametrize("module", list(DEFAULT_PLUGINS))
+def test_builtin_plugin_modules_live_under_plugins_and_use_the_public_api(module):
+    assert module.startswith("rlhf.plugins."), f"{module} is a built-in plugin outside rlhf/plugins/"
+    assert public_api_violations(module) == []
+
+
+@pytest.mark.parametrize("component, module", TARGETS, ids=[c for c, _ in TARGETS])
+def test_registered_objects_live_under_plugins_and_use_the_public_api(component, module):
+    if module.startswith("rlhf.core."):  # a public type itself (AdvantageConfig, an AlgorithmPreset)
+        return
+    assert module.startswith("rlhf.plugins."), f"{component} is registered from {module}, outside rlhf/plugins/"
+    assert public_api_violations(module) == [], f"{component} ({module})"
+
+
+def test_the_public_api_check_catches_a_plugin_that_imports_the_runtime():
+    GRAPH["rlhf.plugins.example.thing"] = {"rlhf.core.types", "rlhf.runtime.trainer", "rlhf.plugins.other.x"}
+    try:
+        assert public_api_violations("rlhf.plugins.example.thing") == ["rlhf.plugins.other.x", "rlhf.runtime.trainer"]
+    finally:
+        del GRAPH["rlhf.plugins.example.thing"]
