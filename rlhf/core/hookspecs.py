@@ -12,6 +12,17 @@ match the specs below. Two families:
   fields carry ``metadata={"help": ...}`` and which ``rlhf plugins show NAME`` prints.
   Names are case-insensitive and ``-`` equals ``_``. A name provided by two plugins is an error
   that names both packages: nothing is ever silently overridden.
+* A config class's fields are the user's **settings**: each gets a command-line flag named after
+  the slot that selects the component, ``--<slot>.<field>`` (``--policy-loss.clip-high``,
+  ``--backend.zero-stage``, ``--env.timeout-s``), a key under ``components`` in a ``--config``
+  file, and ``--algo-config`` / ``--engine-config`` / ``--env-config KEY=VALUE``. A field that
+  needs a value of the run declares it, ``rlhf.core.settings.run_field("seed", default, help)``
+  (the run values: ``rlhf.core.settings.RUN_VALUES``); nothing else of the run reaches a config,
+  whatever its fields are called.
+* Engines, backends and model adapters are classes implementing a written protocol
+  (``rlhf.core.rollout.RolloutEngine``, ``rlhf.core.backend.TrainBackend``,
+  ``rlhf.core.adapter.ModelAdapter``), checked when registered (when first used, for a
+  ``"module:attr"`` reference); a class missing a member is refused with the list of what it lacks.
 * Lifecycle hooks, ``on_*``: events the trainer fires during a run; every plugin that
   implements one is called (loggers are plugins on these hooks).
 
@@ -72,7 +83,10 @@ def register_advantage_estimators(register: Register) -> None:
 def register_policy_losses(register: Register) -> None:
     """Register per-token policy losses (``--policy-loss NAME``).
 
-    ``register(name, loss, *, config_cls=None)``.
+    ``register(name, loss, *, config_cls=None, needs_rollout_logprobs=False)``.
+    ``needs_rollout_logprobs``: the loss reads ``inputs.rollout_logprobs`` (the engine is then asked
+    for them); a bool, or a function of the loss's config object (``ppo`` needs them only with a
+    mismatch ``correction``).
 
     ``loss(inputs, config) -> (per_token_loss, metrics)`` with ``inputs`` an
     ``rlhf.core.types.PolicyLossInputs``: ``logprobs (B, A)`` (with grad), ``old_logprobs``,
@@ -81,7 +95,8 @@ def register_policy_losses(register: Register) -> None:
     ``config_cls`` or ``None``. Returns the loss per token ``(B, A)``, 0 where ``action_mask``
     is 0 (the host aggregates it with the run's loss aggregation), and a dict of detached
     scalars under namespaced keys (``policy/clip_frac``, ``policy/approx_kl``, ...). Called
-    once per micro-batch; ``rlhf.algorithms.policy_loss`` calls it by name.
+    once per micro-batch by ``rlhf.algorithms.policy_objective``, which training uses: the host
+    adds the KL and entropy terms and the aggregation.
     """
 
 
@@ -141,7 +156,11 @@ def register_rewards(register: Register) -> None:
 def register_envs(register: Register) -> None:
     """Register rollout environments (``--env NAME``; ``--env module:Class`` needs no plugin).
 
-    ``register(name, env_cls, *, config_cls=None)``. The contract (in full:
+    ``register(name, env_cls, *, config_cls=None, multi_turn=True, gives_rewards=True)``.
+    ``multi_turn``: episodes may take several model turns (``single_turn`` declares False);
+    ``gives_rewards``: step rewards can train a model without ``--reward`` (a run with an env that
+    declares False must have a reward source). A ``module:Class`` env may declare both (and
+    ``config_cls``) as class attributes. The contract (in full:
     ``rlhf.core.environment``): the runtime creates one instance per trajectory, ``env_cls()``,
     or ``env_cls(config)`` when registered with a ``config_cls``; calls
     ``reset(prompt, label, **columns) -> str | None`` (text appended after the prompt, or
@@ -166,15 +185,16 @@ def register_models(register: Register) -> None:
     """Register model adapters (``--model-adapter NAME``).
 
     ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"),
-    config_cls=None)``. The runtime creates ``adapter_cls(config)`` once per run (``config``:
-    an instance of ``config_cls`` filled from the run's settings of the same names, and from
-    ``--algo-config KEY=VALUE`` for fields of its own; or None) and calls
+    config_cls=None)``; ``adapter_cls`` implements ``rlhf.core.adapter.ModelAdapter``
+    (``ModelAdapterBase`` gives ``save`` and ``save_critic``). The runtime creates
+    ``adapter_cls(config)`` once per process (``config``: an instance of ``config_cls`` with the
+    user's ``--model-adapter.NAME`` settings and its run fields, or None) and calls
     ``adapter.load_tokenizer(ref)``, then ``adapter.load(ref, role=ROLE)`` for each role it
     needs, ``policy`` first, on the same instance; ``ref`` is a local directory or a hub name.
     ``policy`` and ``reference`` return a causal LM (``model(input_ids, attention_mask).logits``
     and ``generate``); the reference is frozen and may share the policy's weights (LoRA: the
     policy with its adapter switched off), so it must not change the policy's trainability or
-    mode. ``critic`` returns a module with ``forward(input_ids, attention_mask) -> values (B, T)``
+    mode, and training the policy must not change the reference's outputs. ``critic`` returns a module with ``forward(input_ids, attention_mask) -> values (B, T)``
     float32, the value of the state ending at each token. At the end of a run,
     ``adapter.save(model, tokenizer, out_dir)`` (optional; default ``save_pretrained``) writes
     the final policy, and with ``--save-critic`` ``adapter.save_critic(model, tokenizer,
@@ -186,15 +206,17 @@ def register_models(register: Register) -> None:
 def register_rollout_engines(register: Register) -> None:
     """Register rollout (generation) engines (``--engine NAME``).
 
-    ``register(name, engine_cls, *, needs_gpu=False, config_cls=None)``. The runtime creates
-    ``engine_cls(model, tokenizer, config)`` with the policy model and calls
+    ``register(name, engine_cls, *, needs_gpu=False, config_cls=None)``; ``engine_cls`` implements
+    ``rlhf.core.rollout.RolloutEngine``. The runtime creates ``engine_cls(model, tokenizer,
+    config)`` with the policy model and calls
     ``generate(prompts, *, n, params) -> list[Generation]``: ``prompts`` are token-id lists,
     ``params`` an ``rlhf.core.rollout.SamplingParams``; the result has ``n`` completions per
     prompt, contiguous (``[p0s0 .. p0s(n-1), p1s0, ...]``), each an
     ``rlhf.core.rollout.Generation`` (tokens with EOS when generated, finish reason, and
     per-token log-probs when ``params.return_logprobs``). An engine whose ``shares_weights``
     attribute is True reads the policy's weights in place; otherwise the runtime calls
-    ``load_weights(state_dict)`` after each optimizer step.
+    ``load_weights()`` after each optimizer step: take the weights from the policy module the
+    engine was built with (``load_weights(state)`` loads the given full weights instead).
     """
 
 
@@ -202,12 +224,18 @@ def register_rollout_engines(register: Register) -> None:
 def register_train_backends(register: Register) -> None:
     """Register training backends (``--backend NAME``).
 
-    ``register(name, backend_cls, *, needs_gpu=False, config_cls=None)``. The runtime creates
-    ``backend_cls(model, config)`` per trained model. Per micro-batch it calls
-    ``backward(loss)`` (each micro-batch loss is already its share of the step loss, so
-    gradients add up); per optimizer step ``step() -> {"grad_norm", "lr", "skipped"}``
-    (clip, then step unless the gradient is NaN/inf; gradients are cleared either way);
-    ``zero_grad()`` to drop a step; ``state_dict()`` / ``load_state_dict()`` for checkpoints.
+    ``register(name, backend_cls, *, needs_gpu=False, config_cls=None)``; ``backend_cls``
+    implements ``rlhf.core.backend.TrainBackend`` (subclass ``TrainBackendBase`` for the
+    defaults). The runtime creates ``backend_cls(model, config)`` per trained model (the config's
+    run fields ``lr``, ``total_steps``, ``micro_batch_size`` are that model's). Per micro-batch
+    it calls ``backward(loss)`` on a loss from a forward through ``train_module`` (each
+    micro-batch loss is already its share of the step loss, so gradients add up; over ranks the
+    backend sums them); per optimizer step ``step() -> {"grad_norm", "lr", "skipped"}`` (clip,
+    then step unless the gradient is NaN/inf; gradients are cleared either way); ``zero_grad()``
+    to drop a step. Checkpoints: ``state_dict()`` / ``load_state_dict()`` (main rank), or with
+    ``shards_state`` ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` on every rank. With
+    ``shards_weights`` every forward is a collective (ranks generate in lockstep) and exports
+    gather the weights inside ``full_weights()``.
     """
 
 

@@ -201,6 +201,29 @@ def test_sample_mask_leaves_invalid_samples_out_of_group_statistics(plugins):
     assert dr[:, 0].tolist() == pytest.approx([2 / 3, -1 / 3, 0.0, -1 / 3])
 
 
+def test_the_objective_refuses_negative_coefficients_and_missing_inputs(plugins):
+    from rlhf.algorithms import AlgorithmConfigError, policy_objective
+
+    kwargs = dict(logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
+                  action_mask=torch.ones(1, 2), plugins=plugins)
+    for bad in ({"kl_coef": -0.1, "ref_logp": torch.zeros(1, 2)}, {"entropy_coef": -0.1, "entropy": torch.ones(1, 2)}):
+        with pytest.raises(AlgorithmConfigError, match="must be >= 0"):
+            policy_objective("ppo", **kwargs, **bad)
+    with pytest.raises(AlgorithmConfigError, match="needs the reference log-probs"):
+        policy_objective("ppo", kl_coef=0.1, **kwargs)
+    with pytest.raises(AlgorithmConfigError, match="needs the per-token entropy"):
+        policy_objective("ppo", entropy_coef=0.1, **kwargs)
+
+
+def test_a_group_left_with_two_valid_samples_uses_the_n_minus_one_std(plugins):
+    rewards = torch.tensor([1.0, 0.0, 7.0])  # the third reward failed (skip)
+    valid = torch.tensor([True, True, False])
+    grpo, _ = compute_advantages("grpo", rewards=rewards, action_mask=torch.ones(3, 1), group_size=3,
+                                 sample_mask=valid, plugins=plugins)
+    # valid [1, 0]: mean 0.5, unbiased std sqrt((0.25 + 0.25) / 1) = 1/√2
+    assert grpo[:, 0].tolist() == pytest.approx([0.5 * math.sqrt(2), -0.5 * math.sqrt(2), 0.0], abs=1e-6)
+
+
 def test_sample_mask_leaves_invalid_samples_out_of_whitening(plugins):
     rewards = torch.tensor([1.0, 0.0, 123.0])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])

@@ -51,6 +51,16 @@ def test_group_estimators_reproduce_design_values(plugins, estimator):
     torch.testing.assert_close(returns, expected)  # no whitening: advantages = returns
 
 
+def test_each_group_has_its_own_statistics(plugins):
+    # groups [1, 0] (mean 0.5, std 1/√2) and [5, 1] (mean 3, std 2√2)
+    rewards = torch.tensor([1.0, 0.0, 5.0, 1.0])
+    grpo, _ = compute_advantages("grpo", rewards=rewards, action_mask=torch.ones(4, 1), group_size=2, plugins=plugins)
+    root = math.sqrt(2)
+    assert grpo[:, 0].tolist() == approx([0.5 * root, -0.5 * root, 2 / (2 * root), -2 / (2 * root)], abs=1e-6)
+    rloo, _ = compute_advantages("rloo", rewards=rewards, action_mask=torch.ones(4, 1), group_size=2, plugins=plugins)
+    assert rloo[:, 0].tolist() == approx([1.0, -1.0, 4.0, -4.0])
+
+
 def test_reinforce_pp_baseline_before_whitening_is_the_group_mean_baseline(plugins):
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
     advantages, returns = compute_advantages("reinforce_pp_baseline", rewards=rewards, action_mask=torch.ones(4, 3),
@@ -201,6 +211,12 @@ def test_ppo_dual_clip(plugins):
     assert plain.item() == approx((5 + 2 - 1.2) / 3, abs=1e-5)
 
 
+def test_ppo_dual_clip_leaves_small_positive_advantages_alone(plugins):
+    # c = 3, ρ 5, Â 0.5: min(2.5, 1.2·0.5) = 0.6 → ℓ -0.6 with or without dual clip (Â ≥ 0)
+    loss, metrics, _ = _ppo(plugins, [5.0], [0.5], dual_clip=3.0)
+    assert loss.item() == approx(-0.6, abs=1e-6) and metrics["policy/dual_clip_frac"].item() == 0.0
+
+
 def test_ppo_log_ratio_is_clamped_before_exp(plugins):
     loss, _ = policy_loss("ppo", logp=torch.tensor([[100.0]]), logp_old=torch.zeros(1, 1),
                              advantages=torch.tensor([[-1.0]]), action_mask=torch.ones(1, 1), plugins=plugins)
@@ -271,8 +287,20 @@ def test_seq_mean_token_sum_norm_divides_by_max_new_tokens(plugins):
     mask = _mask([2, 4], width=5)
     # (2/8 + 4/8)/2 = 0.375, whatever the padded width
     assert aggregate_loss("seq_mean_token_sum_norm", loss, mask, max_new_tokens=8, plugins=plugins).item() == 0.375
-    with pytest.raises(Exception, match="max_new_tokens"):
-        aggregate_loss("seq_mean_token_sum_norm", loss, mask, plugins=plugins)
+    for budget in (None, 0):
+        with pytest.raises(Exception, match="max_new_tokens"):
+            aggregate_loss("seq_mean_token_sum_norm", loss, mask, max_new_tokens=budget, plugins=plugins)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                         "seq_mean_token_sum_norm"])
+def test_a_step_of_one_token_is_that_tokens_loss(plugins, aggregation):
+    # one action token of loss 3: every aggregation divides by 1 (token, sequence, budget 1)
+    loss = torch.tensor([[3.0, 5.0]])
+    value = aggregate_loss(aggregation, loss, torch.tensor([[1.0, 0.0]]), max_new_tokens=1, plugins=plugins)
+    assert value.item() == 3.0
+    empty = aggregate_loss(aggregation, loss, torch.zeros(1, 2), max_new_tokens=1, plugins=plugins)
+    assert empty.item() == 0.0  # no action token: nothing to learn, and no division by zero
 
 
 def test_policy_loss_uses_the_chosen_aggregation(plugins):

@@ -118,3 +118,24 @@ def test_loader_order_is_seeded_covers_every_prompt_and_resumes(tmp_path, tokeni
     again = loader()
     again.load_state_dict(state)
     assert head + [p.prompt for p in again.next_batch(12)] == full
+
+
+def test_the_runs_data_options_reach_the_loader(tmp_path, tokenizer):
+    from rlhf.runtime.config import TrainConfig
+    from rlhf.runtime.local import build_loader
+
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4", "level": 1}) + "\n")
+    path.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4", "level": 1}) + "\n"
+                    + json.dumps({"question": "What is 3 + 3?", "answer": "6", "level": 2}) + "\n")
+    config = TrainConfig(model="m", data=[str(path)], input_key="question", label_key="answer",
+                         input_template="Q: {}\nA:", max_prompt_length=64, seed=3, max_samples=1)
+    loader = build_loader(config, tokenizer)
+    assert len(loader) == 1
+    (item,) = loader.next_batch(1)
+    assert item.prompt_text == "Q: What is 2 + 2?\nA:" and item.label == "4" and item.columns["level"] == 1
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}]}) + "\n")
+    (item,) = build_loader(TrainConfig(model="m", data=[str(chat)], apply_chat_template=True), tokenizer).next_batch(1)
+    assert item.prompt_text == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                             add_generation_prompt=True)

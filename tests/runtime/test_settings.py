@@ -151,3 +151,80 @@ def test_the_legacy_flat_keys_of_an_older_config_file_still_load(tiny_model_dir,
     assert result.exit_code == 0, result.output
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["components"]
     assert saved["policy_loss"]["clip_high"] == 0.28 and saved["model_adapter"]["lora_rank"] == 2
+
+
+def test_options_that_would_do_nothing_are_warned_about(plugins, caplog):
+    import logging
+
+    from rlhf.runtime.plan import warn_about
+
+    log = logging.getLogger("test")
+    with caplog.at_level(logging.WARNING):
+        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="grpo", save_critic=True), plugins), plugins, log)
+    assert "--save-critic: algorithm 'grpo' trains no critic" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="ppo", save_critic=True), plugins), plugins, log)
+        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="grpo"), plugins), plugins, log)
+    assert caplog.text == ""
+
+
+def test_the_algorithm_overrides_reach_the_plan(plugins):
+    config = TrainConfig(model="m", data=["d"], algo="grpo", advantage="rloo", policy_loss="ppo", kl_estimator="k2",
+                         kl_in="reward", kl_coef=0.2, loss_agg="seq_mean_token_mean", n_samples=4)
+    algo = RunPlan.make(config, plugins).algorithm
+    assert algo.names() == {"algo": "grpo", "advantage": "rloo", "policy_loss": "ppo", "kl_estimator": "k2",
+                            "kl_in": "reward", "kl_coef": 0.2, "loss_agg": "seq_mean_token_mean"}
+
+
+def test_the_token_budget_per_trajectory(plugins):
+    plan = RunPlan.make(TrainConfig(model="m", data=["d"], max_prompt_length=100, max_turns=3, max_new_tokens=20), plugins)
+    assert plan.token_budget == 100 + 3 * 20 and plan.run_values()["max_total_tokens"] == 160
+    plan = RunPlan.make(TrainConfig(model="m", data=["d"], max_total_tokens=77), plugins)
+    assert plan.token_budget == 77
+
+
+def test_one_pass_over_the_data_by_default(plugins):
+    plan = RunPlan.make(TrainConfig(model="m", data=["d"], prompts_per_step=8), plugins)
+    assert [plan.total_steps(n) for n in (3, 8, 12, 24)] == [1, 1, 1, 3]
+    assert plan.with_prompts(24).optimizer_steps == 3
+    plan = RunPlan.make(TrainConfig(model="m", data=["d"], steps=5, ppo_epochs=2, train_batch_size=32), plugins)
+    assert plan.total_steps(1000) == 5 and plan.with_prompts(1000).optimizer_steps == 5 * 2 * 2  # 64 / 32 per epoch
+
+
+def test_a_run_needs_a_reward_unless_its_environment_gives_them(plugins):
+    from rlhf.runtime.plan import check_run
+
+    with pytest.raises(ConfigError, match=r"--reward is required .* the 'single_turn' environment gives no rewards"):
+        check_run(RunPlan.make(TrainConfig(model="m", data=["d"]), plugins), world_size=1)
+    check_run(RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins), world_size=1)
+    rewarding = "tests.runtime.test_settings:RewardingEnv"
+    check_run(RunPlan.make(TrainConfig(model="m", data=["d"], env=rewarding), plugins), world_size=1)
+    with pytest.raises(ConfigError, match=r"--prompts-per-step \(8\) must be a multiple of the number of processes"):
+        check_run(RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins), world_size=3)
+
+
+class RewardingEnv:
+    """An environment whose step rewards train the model (``gives_rewards`` by default)."""
+
+    def reset(self, prompt, label):
+        return None
+
+    def step(self, action_text):
+        from rlhf.core.types import StepResult
+
+        return StepResult(reward=1.0, done=True)
+
+
+def test_the_engine_is_asked_for_logprobs_only_when_the_loss_reads_them(plugins, make_plugin):
+    base = TrainConfig(model="m", data=["d"])
+    assert not RunPlan.make(base, plugins).rollout_logprobs
+    assert RunPlan.make(dataclasses.replace(base, algo_config=["correction=tis"]), plugins).rollout_logprobs
+
+    def reads_them(inputs, config):
+        return inputs.logprobs * 0, {}
+
+    plugins.register(make_plugin("readers", register_policy_losses=lambda register: (
+        register("reads", reads_them, needs_rollout_logprobs=True), register("ignores", reads_them))))
+    assert RunPlan.make(dataclasses.replace(base, policy_loss="reads"), plugins).rollout_logprobs
+    assert not RunPlan.make(dataclasses.replace(base, policy_loss="ignores"), plugins).rollout_logprobs

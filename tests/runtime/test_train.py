@@ -105,6 +105,13 @@ def test_lifecycle_hooks_fire_in_order(tiny_model_dir, task, tmp_path, plugins, 
     ]
 
 
+def test_no_progress_prints_no_progress(tiny_model_dir, task, tmp_path, plugins, capsys):
+    train(small_config(tiny_model_dir, task, tmp_path / "quiet", steps=1), plugins=plugins)  # progress=False
+    assert "step 1/1" not in capsys.readouterr().err
+    train(small_config(tiny_model_dir, task, tmp_path / "loud", steps=1, progress=True), plugins=plugins)
+    assert "step 1/1" in capsys.readouterr().err
+
+
 def test_reward_edits_in_on_rewards_reach_the_loss(tiny_model_dir, task, tmp_path, plugins, make_plugin):
     def zero_all(rewards):
         rewards.zero_()
@@ -121,7 +128,6 @@ def _final_weights(out):
     return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
 
 
-@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
     straight = tmp_path / "straight"
     train(small_config(tiny_model_dir, task, straight, steps=4, save_every=2), plugins=build_plugin_manager())

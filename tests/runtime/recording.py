@@ -1,0 +1,62 @@
+"""A training backend for tests: plain SGD that keeps every optimizer step's gradient.
+
+Registered as ``recording`` by `recording_plugin`, it lets a test run the real training path
+(``rlhf train`` or a worker's ``fit``) and compare the gradient it produced with one computed
+independently from the formula.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import torch
+
+import rlhf
+from rlhf.core.backend import TrainBackendBase
+
+
+class RecordingBackend(TrainBackendBase):
+    steps: list[dict[str, torch.Tensor]] = []  # every instance's steps, in order: {parameter name: gradient}
+
+    def __init__(self, model: torch.nn.Module, config: Any = None, lr: float = 0.0):
+        super().__init__(model)
+        self.lr = lr if config is None else config.lr
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> dict[str, float]:
+        grads = {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                 for name, p in self.params.items()}
+        RecordingBackend.steps.append(grads)
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p -= self.lr * grads[name]
+                p.grad = None
+        return {"grad_norm": norm, "lr": self.lr, "skipped": 0.0}
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def recording_plugin() -> types.ModuleType:
+    from rlhf.plugins.backends.config import BackendConfig
+
+    module = types.ModuleType("recording_backend_plugin")
+
+    def register_train_backends(register):
+        register("recording", RecordingBackend, config_cls=BackendConfig)
+
+    module.register_train_backends = rlhf.hookimpl(register_train_backends)
+    return module

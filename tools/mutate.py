@@ -1,0 +1,302 @@
+"""Mutation testing of the math and the training wiring: would the fast tests notice a bug?
+
+    python tools/mutate.py                      # curated mutants + 120 drawn from the operators below
+    python tools/mutate.py --sample 0           # only the curated ones (the wiring bugs of issue 14)
+    python tools/mutate.py --sample 400 --jobs 2 --seed 3 --json mutants.json
+
+Each mutant changes one spot of one file in a copy of the repository (never this checkout) and
+runs the fast tests there (`FAST_TESTS`, ``-x``); a mutant is *killed* when they fail (or time
+out), and *survives* when they pass. Survivors are printed with file, line and change: each is a
+missing test or an equivalent mutant. The kill rate is killed / (killed + survived).
+
+Operators (applied to the `TARGETS` files, outside docstrings, asserts, f-strings, annotations
+and ``raise`` statements): arithmetic and comparison operators swapped, unary minus and ``not``
+dropped, ``and``/``or`` swapped, numeric and boolean constants changed, ``.detach()`` /
+``.clamp()`` / ``.float()`` removed, one keyword argument of a call dropped, confusable names
+swapped (``loss_mask``/``action_mask``, ...), ``[:-1]`` slices shifted, ``if`` conditions negated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TARGETS = [
+    "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/objective.py",
+    "rlhf/algorithms/presets.py", "rlhf/core/masked.py", "rlhf/core/batch.py",
+    "rlhf/plugins/algorithms/aggregation.py", "rlhf/plugins/algorithms/gae.py", "rlhf/plugins/algorithms/groups.py",
+    "rlhf/plugins/algorithms/grpo.py", "rlhf/plugins/algorithms/kl.py", "rlhf/plugins/algorithms/mismatch.py",
+    "rlhf/plugins/algorithms/ppo_loss.py", "rlhf/plugins/algorithms/reinforce.py",
+    "rlhf/plugins/algorithms/returns.py", "rlhf/plugins/algorithms/rloo.py",
+    "rlhf/runtime/workers.py", "rlhf/runtime/experience.py", "rlhf/runtime/trainer.py", "rlhf/runtime/logprobs.py",
+    "rlhf/runtime/local.py", "rlhf/runtime/plan.py", "rlhf/rewards/combine.py",
+]
+FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
+              "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
+              "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py"]
+
+# (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
+CURATED = [
+    ("rlhf/algorithms/objective.py", "loss = loss - entropy_coef * aggregate_loss",
+     "loss = loss + entropy_coef * aggregate_loss", "entropy bonus with the wrong sign"),
+    ("rlhf/algorithms/objective.py", "kl = kl_divergence(kl_estimator, logp, ref_logp,",
+     "kl = kl_divergence(kl_estimator, logp.detach(), ref_logp,", "KL in the loss on detached log-probs"),
+    ("rlhf/algorithms/objective.py", "advantages=batch.advantages, action_mask=batch.loss_mask,",
+     "advantages=batch.advantages, action_mask=batch.action_mask,", "loss masked with action_mask, not loss_mask"),
+    ("rlhf/runtime/workers.py", "micro.action_mask, temperature=self.objective.temperature,",
+     "micro.action_mask,", "temperature not passed to the training log-probs"),
+    ("rlhf/algorithms/presets.py", "return optimizer_steps_per_rollout > 1 or self.kl_in_reward",
+     "return self.kl_in_reward", "old log-probs not recomputed for several optimizer steps"),
+    ("rlhf/runtime/experience.py", "sample_mask=batch.sample_mask.bool(), config=",
+     "config=", "sample_mask dropped before the advantages"),
+    ("rlhf/runtime/workers.py", "mb.attention_mask.to(self.device))[:, :-1])",
+     "mb.attention_mask.to(self.device))[:, 1:])", "critic values read one position late"),
+    ("rlhf/runtime/workers.py", "values = self.train_model(micro.input_ids, micro.attention_mask)[:, :-1]",
+     "values = self.train_model(micro.input_ids, micro.attention_mask)[:, 1:]", "critic trained one position late"),
+    ("rlhf/plugins/models/hf.py", 'return self._from_pretrained("AutoModelForCausalLM", ref).eval().requires_grad_(False)',
+     "return self._policy[1]", "the reference is the policy module"),
+    ("rlhf/runtime/workers.py", "temperature=self.temperature)[0])", "temperature=1.0)[0])",
+     "reference log-probs at temperature 1"),
+    ("rlhf/algorithms/losses.py", "kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)", "kl = kl",
+     "KL not clamped"),
+    ("rlhf/runtime/workers.py", "norm = step_norm(minibatch, self.settings.max_new_tokens)",
+     "norm = step_norm(micro_batches(minibatch, self.settings.micro_batch_size)[0][1], self.settings.max_new_tokens)",
+     "loss normalised per micro-batch instead of per step"),
+]
+
+SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,
+            ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
+            ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.And: ast.Or, ast.Or: ast.And}
+CONFUSABLE = {"loss_mask": "action_mask", "action_mask": "loss_mask", "old_logprobs": "rollout_logprobs",
+              "ref_logprobs": "old_logprobs", "num_tokens": "num_sequences", "num_sequences": "num_tokens",
+              "values": "returns", "returns": "values", "advantages": "returns"}
+DROPPED_CALLS = ("detach", "clamp", "float", "clamp_min")
+
+
+@dataclass
+class Mutant:
+    file: str
+    line: int
+    what: str
+    source: str  # the whole mutated file
+    status: str = "pending"  # killed, survived, timeout, invalid
+    seconds: float = 0.0
+
+
+# --- generating mutants ---------------------------------------------------------------------------
+
+
+class _Spots(ast.NodeVisitor):
+    """Nodes worth mutating, with the text that replaces each one."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[ast.AST, str, str]] = []  # (node, replacement source, description)
+
+    def generic_visit(self, node: ast.AST) -> None:
+        if isinstance(node, (ast.Assert, ast.Raise, ast.JoinedStr, ast.Import, ast.ImportFrom)):
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body[1:] if ast.get_docstring(node) else node.body
+            for child in body:
+                self.visit(child)
+            return
+        if isinstance(node, ast.AnnAssign):
+            if node.value is not None:
+                self.visit(node.value)
+            return
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            return  # a docstring
+        self._mutations(node)
+        super().generic_visit(node)
+
+    def _add(self, node: ast.AST, new: ast.AST, what: str) -> None:
+        self.found.append((node, f"({ast.unparse(new)})", what))
+
+    def _mutations(self, node: ast.AST) -> None:
+        import copy
+
+        if isinstance(node, ast.BinOp) and type(node.op) in SWAP_OPS:
+            new = copy.deepcopy(node)
+            new.op = SWAP_OPS[type(node.op)]()
+            self._add(node, new, f"{type(node.op).__name__} -> {type(new.op).__name__}")
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in SWAP_OPS:
+            new = copy.deepcopy(node)
+            new.ops = [SWAP_OPS[type(node.ops[0])]()]
+            self._add(node, new, f"{type(node.ops[0]).__name__} -> {type(new.ops[0]).__name__}")
+        elif isinstance(node, ast.BoolOp):
+            new = copy.deepcopy(node)
+            new.op = SWAP_OPS[type(node.op)]()
+            self._add(node, new, f"{type(node.op).__name__} -> {type(new.op).__name__}")
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.Not)):
+            self._add(node, node.operand, f"drop unary {type(node.op).__name__}")
+        elif isinstance(node, ast.Constant) and type(node.value) in (int, float, bool):
+            value = node.value
+            new_value = (not value) if isinstance(value, bool) else (value + 1 if isinstance(value, int) else
+                                                                      (value * 2 if value else 1.0))
+            self._add(node, ast.Constant(new_value), f"constant {value!r} -> {new_value!r}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in DROPPED_CALLS:
+                self._add(node, func.value, f"drop .{func.attr}()")
+            for index, keyword in enumerate(node.keywords):
+                if keyword.arg is not None:
+                    new = copy.deepcopy(node)
+                    del new.keywords[index]
+                    self._add(node, new, f"drop keyword {keyword.arg}=")
+        elif isinstance(node, ast.Attribute) and node.attr in CONFUSABLE and isinstance(node.ctx, ast.Load):
+            new = copy.deepcopy(node)
+            new.attr = CONFUSABLE[node.attr]
+            self._add(node, new, f".{node.attr} -> .{new.attr}")
+        elif isinstance(node, ast.Slice):
+            new = None
+            if isinstance(node.upper, ast.UnaryOp) and ast.unparse(node.upper) == "-1" and node.lower is None:
+                new = ast.Slice(lower=ast.Constant(1), upper=None)
+            elif isinstance(node.lower, ast.Constant) and node.lower.value == 1 and node.upper is None:
+                new = ast.Slice(lower=None, upper=ast.UnaryOp(ast.USub(), ast.Constant(1)))
+            if new is not None:
+                self.found.append((node, ast.unparse(new), f"slice {ast.unparse(node)} -> {ast.unparse(new)}"))
+        elif isinstance(node, (ast.If, ast.IfExp, ast.While)) and not _is_type_checking(node.test):
+            self.found.append((node.test, f"(not ({ast.unparse(node.test)}))", "negate the condition"))
+
+
+def _is_type_checking(test: ast.AST) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(test)
+
+
+def mutants_of(file: str) -> list[Mutant]:
+    source = (ROOT / file).read_text()
+    lines = source.splitlines(keepends=True)
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    spots = _Spots()
+    spots.visit(ast.parse(source))
+    out = []
+    for node, replacement, what in spots.found:
+        start = offsets[node.lineno - 1] + _char_offset(lines[node.lineno - 1], node.col_offset)
+        end = offsets[node.end_lineno - 1] + _char_offset(lines[node.end_lineno - 1], node.end_col_offset)
+        mutated = source[:start] + replacement + source[end:]
+        try:
+            ast.parse(mutated)
+        except SyntaxError:
+            continue
+        out.append(Mutant(file, node.lineno, what, mutated))
+    return out
+
+
+def _char_offset(line: str, byte_offset: int) -> int:
+    """ast columns count UTF-8 bytes; the source string counts characters."""
+    return len(line.encode()[:byte_offset].decode(errors="ignore"))
+
+
+def curated_mutants() -> list[Mutant]:
+    out = []
+    for file, text, replacement, what in CURATED:
+        source = (ROOT / file).read_text()
+        if source.count(text) != 1:
+            raise SystemExit(f"curated mutant {what!r}: {text!r} occurs {source.count(text)} times in {file}")
+        line = source[: source.index(text)].count("\n") + 1
+        out.append(Mutant(file, line, f"[curated] {what}", source.replace(text, replacement)))
+    return out
+
+
+# --- running them -------------------------------------------------------------------------------
+
+
+def make_copy() -> Path:
+    """A copy of the repository for one worker (the tests and what they read, not .git or .venv)."""
+    copy = Path(tempfile.mkdtemp(prefix="rlhf-mutants-"))
+    for name in ("rlhf", "tests", "examples", "pyproject.toml", "README.md", ".ci", "docs", "benchmarks"):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, copy / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif source.exists():
+            shutil.copy2(source, copy / name)
+    return copy
+
+
+def run_tests(copy: Path, timeout: float) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *FAST_TESTS]
+    try:
+        result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    return "survived" if result.returncode == 0 else "killed"
+
+
+def run(mutants: list[Mutant], jobs: int, timeout: float) -> None:
+    copies = [make_copy() for _ in range(jobs)]
+    try:
+        for copy in copies:
+            if run_tests(copy, timeout * 3) != "survived":
+                raise SystemExit(f"the fast tests fail on the unmutated code (in {copy}); fix that first")
+        free = list(copies)
+
+        def one(mutant: Mutant) -> Mutant:
+            copy = free.pop()
+            target = copy / mutant.file
+            original = target.read_text()
+            began = time.perf_counter()
+            try:
+                target.write_text(mutant.source)
+                mutant.status = run_tests(copy, timeout)
+            finally:
+                target.write_text(original)
+                free.append(copy)
+            mutant.seconds = time.perf_counter() - began
+            print(f"{mutant.status:9s} {mutant.seconds:5.1f}s  {mutant.file}:{mutant.line}  {mutant.what}", flush=True)
+            return mutant
+
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(one, mutants))
+    finally:
+        for copy in copies:
+            shutil.rmtree(copy, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sample", type=int, default=120, help="operator mutants drawn at random (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once (one repository copy each)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant before it counts as killed")
+    parser.add_argument("--files", nargs="*", default=TARGETS, help="files to mutate (default: the math and wiring)")
+    parser.add_argument("--json", type=Path, help="write every mutant's result here")
+    args = parser.parse_args()
+
+    drawn = [m for file in args.files for m in mutants_of(file)]
+    random.Random(args.seed).shuffle(drawn)
+    mutants = curated_mutants() + drawn[: args.sample]
+    print(f"{len(drawn)} operator mutants in {len(args.files)} files; running {len(mutants)} "
+          f"({len(mutants) - min(args.sample, len(drawn))} curated)", flush=True)
+    run(mutants, args.jobs, args.timeout)
+    killed = [m for m in mutants if m.status in ("killed", "timeout")]
+    survived = [m for m in mutants if m.status == "survived"]
+    curated = [m for m in mutants if m.what.startswith("[curated]")]
+    print(f"\nkill rate: {len(killed)}/{len(killed) + len(survived)} = "
+          f"{len(killed) / max(1, len(killed) + len(survived)):.1%}  "
+          f"(curated: {sum(m.status != 'survived' for m in curated)}/{len(curated)} killed)")
+    for mutant in survived:
+        print(f"  survived: {mutant.file}:{mutant.line}  {mutant.what}")
+    if args.json:
+        args.json.write_text(json.dumps([{k: v for k, v in asdict(m).items() if k != "source"} for m in mutants],
+                                        indent=2))
+    sys.exit(1 if any(m.status == "survived" for m in curated) else 0)
+
+
+if __name__ == "__main__":
+    main()
