@@ -81,8 +81,8 @@ def load_component(kind: str, ref: ComponentRef, *, plugins: PluginSet | None = 
     if problem:
         raise PluginError(f"{spec.title} {ref!r} should be {problem}, got {type(obj).__name__}")
     name = ref if isinstance(ref, str) else getattr(obj, "__name__", type(obj).__name__)
-    capabilities = {flag: getattr(obj, flag, default) for flag, default in spec.capabilities.items()}
-    return LoadedComponent(kind, name, obj, getattr(obj, "config_cls", None), capabilities)
+    config_cls, capabilities = spec.declared_by(obj)
+    return LoadedComponent(kind, name, obj, config_cls, capabilities)
 
 
 def build_config(component: LoadedComponent, base: type | None, settings: dict[str, Any],

@@ -59,5 +59,15 @@ def make_cli(plugins: PluginSet) -> click.Group:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rlhf.core.distributed import exit_process, launched_with_ranks
+
     plugins = build_plugin_manager()
-    make_cli(plugins)(args=argv, prog_name="rlhf")
+    if not launched_with_ranks():
+        make_cli(plugins)(args=argv, prog_name="rlhf")
+        return
+    try:  # one rank of a launcher: end the process without the interpreter's teardown (exit_process)
+        make_cli(plugins)(args=argv, prog_name="rlhf")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    exit_process(code)

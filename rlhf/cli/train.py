@@ -90,12 +90,13 @@ def build_train_command(plugins: Any) -> click.Command:
         `rlhf plugins show NAME` lists them.
         """
         from rlhf.cli.state import CliState
+        from rlhf.core.references import Resolved
         from rlhf.runtime.config import TrainConfig
 
         kwargs.pop("config_file")
         components = split_settings(kwargs)
         values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
-        values = {k: (v.ref if hasattr(v, "ref") else v) for k, v in values.items()}  # components: keep names
+        values = {k: (v.ref if isinstance(v, Resolved) else v) for k, v in values.items()}  # components: keep names
         values = {k: v for k, v in values.items() if v is not None or k in nullable_fields(TrainConfig)}
         if not values.get("model"):
             raise click.UsageError("--model is required (a local HF model directory or a hub name)")

@@ -61,6 +61,12 @@ class Kind:
     def title(self) -> str:
         return self.name.replace("_", " ")
 
+    def declared_by(self, obj: Any) -> tuple[Any, dict[str, Any]]:
+        """``(config_cls, capabilities)`` of an object used without registration (a ``module:attr``
+        reference): what it declares as class attributes, else no config and the kind's defaults."""
+        return getattr(obj, "config_cls", None), {flag: getattr(obj, flag, default)
+                                                  for flag, default in self.capabilities.items()}
+
 
 KINDS: dict[str, Kind] = {
     kind.name: kind

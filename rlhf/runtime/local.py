@@ -150,6 +150,7 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     plugins = plugins or build_plugin_manager()
     plan = RunPlan.make(config, plugins)
     dist = init_from_environment()
+    workers = None
     try:
         check_run(plan, world_size=dist.world_size)
         if dist.is_main:
@@ -160,4 +161,5 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()
     finally:
+        del workers  # the models and their backends (which hold process groups) go before the group does
         dist.close()

@@ -163,8 +163,8 @@ def _choices(config: TrainConfig, algorithm: ResolvedAlgorithm, plugins: PluginS
         registry = plugins.registry(SLOTS[slot].kind)
         if slot == "env" and is_reference(name):  # --env module:Class needs no plugin
             env_cls = resolve(name).obj
-            capabilities = {flag: getattr(env_cls, flag, default) for flag, default in registry.kind.capabilities.items()}
-            choices[slot] = SlotChoice(name, getattr(env_cls, "config_cls", None), capabilities, obj=env_cls)
+            config_cls, capabilities = registry.kind.declared_by(env_cls)
+            choices[slot] = SlotChoice(name, config_cls, capabilities, obj=env_cls)
             continue
         component = registry.component(name)
         choices[slot] = SlotChoice(component.name, component.load_config_cls(), dict(component.capabilities),

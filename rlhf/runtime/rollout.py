@@ -61,9 +61,7 @@ class EnvFactory:
                 component = self.registry.component(name)
                 config_cls, capabilities = component.load_config_cls(), dict(component.capabilities)
             else:
-                config_cls = getattr(found.obj, "config_cls", None)
-                capabilities = {flag: getattr(found.obj, flag, default)
-                                for flag, default in self.registry.kind.capabilities.items()}
+                config_cls, capabilities = self.registry.kind.declared_by(found.obj)
             config = build_component_config(config_cls, settings=self.settings_for(name, config_cls),
                                             run_values=self.run_values, who=f"the {name!r} env", flag="--env")
             self._resolved[name] = (found.obj, config, capabilities)

@@ -12,7 +12,7 @@ from rlhf.algorithms import compute_advantages, resolve_algorithm
 from rlhf.core.types import Trajectory
 from rlhf.plugins.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedConfig
 from rlhf.core.batch import collate
-from rlhf.core.distributed import init_from_environment
+from rlhf.core.distributed import exit_process, init_from_environment
 from rlhf.runtime.workers import PolicyWorker, UpdateSettings
 
 
@@ -56,6 +56,7 @@ def main(model_dir: str, out: str, stages: str) -> None:
     if dist.is_main:
         torch.save(results, out)
     dist.close()
+    exit_process(0)  # as rlhf commands under a launcher do
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from rlhf.algorithms import resolve_algorithm
 from rlhf.core.types import Trajectory
 from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend
 from rlhf.core.batch import collate
-from rlhf.core.distributed import init_from_environment
+from rlhf.core.distributed import exit_process, init_from_environment
 from rlhf.runtime.workers import PolicyWorker, UpdateSettings
 
 
@@ -48,6 +48,7 @@ def main(model_dir: str, out: str, poison: str = "") -> None:
     if dist.is_main:
         torch.save({"weights": model.state_dict(), "metrics": metrics, "old": batch.old_logprobs}, out)
     dist.close()
+    exit_process(0)  # as rlhf commands under a launcher do
 
 
 if __name__ == "__main__":

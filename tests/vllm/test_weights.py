@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlhf.core.distributed import DistContext, exit_process
 from rlhf.core.errors import ConfigError
 from rlhf.plugins.engines.vllm_weights import (bucket_by_bytes, map_state_dict, policy_version, policy_weights,
                                                receive_weights, send_weights, vllm_weight_name)
@@ -187,7 +188,8 @@ def _exchange(rank: int, init_file: str, out: str) -> None:
             buckets = list(receive_weights(group=None, src=0, device="cpu"))
             torch.save({"buckets": [[(n, t) for n, t in b] for b in buckets]}, out)
     finally:
-        dist.destroy_process_group()
+        DistContext(rank=rank, world_size=2).close()
+    exit_process(0)  # a worker of a process group ends without the interpreter's teardown, as rlhf's do
 
 
 def test_weights_travel_over_a_process_group(tmp_path):

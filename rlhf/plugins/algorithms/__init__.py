@@ -1,5 +1,6 @@
-"""Built-in algorithm math (DESIGN §6): advantage estimators, KL estimators, the PPO policy loss,
-the clipped value loss and loss aggregations, registered by `rlhf.plugins.algorithms.plugin`.
+"""Built-in algorithm math (DESIGN §6): advantage estimators, KL estimators, the PPO policy loss and
+loss aggregations, registered by `rlhf.plugins.algorithms.plugin`. The objective that combines
+them and the critic's clipped value loss are the host's (``rlhf.algorithms``).
 
 Where to look: ``grpo.py`` (grpo, dr_grpo), ``rloo.py``, ``reinforce.py`` (reinforce_pp,
 reinforce_pp_baseline), ``gae.py``; ``returns.py`` holds what they share (reward placement,

@@ -5,8 +5,9 @@ description, so importing this module (``rlhf --help``, ``rlhf plugins list``) i
 
 Where each piece lives, in this package: ``grpo.py`` (grpo, dr_grpo), ``rloo.py``,
 ``reinforce.py`` (reinforce_pp, reinforce_pp_baseline), ``gae.py``, ``returns.py`` (reward
-placement, returns, GAE, whitening), ``groups.py``, ``kl.py``, ``ppo_loss.py``, ``mismatch.py``,
-``value_loss.py``, ``aggregation.py``, ``presets.py``.
+placement, returns, GAE, whitening), ``groups.py``, ``kl.py``, ``ppo_loss.py`` (settings:
+``ppo_config.py``), ``mismatch.py``, ``aggregation.py``, ``presets.py``. The objective that
+combines them, and the critic's value loss, are the host's: ``rlhf.algorithms``.
 """
 
 from __future__ import annotations
