@@ -193,8 +193,15 @@ def mutants_of(file: str) -> list[Mutant]:
             ast.parse(mutated)
         except SyntaxError:
             continue
-        out.append(Mutant(file, node.lineno, what, mutated))
+        out.append(Mutant(file, node.lineno, f"{what}: {_changed_line(source, mutated, node.lineno)}", mutated))
     return out
+
+
+def _changed_line(source: str, mutated: str, line: int) -> str:
+    """The mutated line as it reads now (what a survivor report needs to be understood)."""
+    before = source.splitlines()[line - 1]
+    after = mutated.splitlines()[line - 1] if len(mutated.splitlines()) >= line else ""
+    return f"{before.strip()[:90]!r} -> {after.strip()[:90]!r}" if before != after else after.strip()[:90]
 
 
 def _char_offset(line: str, byte_offset: int) -> int:

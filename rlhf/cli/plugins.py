@@ -165,12 +165,15 @@ def _describe_component(component: Component) -> str:
         lines.append("  settings:    " + ", ".join(f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)))
     if config_cls is not None:
         lines.append(f"  config ({config_cls.__name__}):")
-        lines += [f"    {line}" for line in describe_config(config_cls)]
+        lines += [f"    {line}" for line in describe_config(config_cls, component.kind.flag)]
     return "\n".join(lines)
 
 
-def describe_config(config_cls: type) -> list[str]:
-    """One line per dataclass field: name, type, default and its help text."""
+def describe_config(config_cls: type, namespace: str | None = None) -> list[str]:
+    """One line per dataclass field: name, type, default and help text; then how it is set: its
+    flag ``<namespace>.<field>``, or the run value it receives."""
+    from rlhf.core.settings import RUN_VALUES, run_value_of
+
     lines = []
     for f in dataclasses.fields(config_cls):
         if f.default is not dataclasses.MISSING:
@@ -181,7 +184,12 @@ def describe_config(config_cls: type) -> list[str]:
             default = "required"
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         help_text = f.metadata.get("help", "")
-        lines.append(f"{f.name} ({kind}, default {default})" + (f": {help_text}" if help_text else ""))
+        run = run_value_of(f)
+        if run is not None:
+            how = f" [set by the run: {RUN_VALUES.get(run, run)}]"
+        else:
+            how = f" [{namespace}.{f.name.replace('_', '-')}]" if namespace else ""
+        lines.append(f"{f.name} ({kind}, default {default})" + (f": {help_text}" if help_text else "") + how)
     return lines
 
 

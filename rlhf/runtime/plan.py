@@ -122,8 +122,10 @@ class RunPlan:
         out = {}
         for slot in SLOTS:
             config = self.component_config(slot)
-            fields = setting_fields(type(config)) if config is not None else []
-            out[slot] = {f.name: _plain(getattr(config, f.name)) for f in fields}
+            if config is None:  # no config class; env settings are then for per-sample environments
+                out[slot] = dict(self.settings.get(slot, {})) if slot == "env" else {}
+                continue
+            out[slot] = {f.name: _plain(getattr(config, f.name)) for f in setting_fields(type(config))}
         return out
 
     def env_settings(self, name: str, config_cls: type | None) -> dict[str, Any]:

@@ -228,3 +228,17 @@ def test_the_engine_is_asked_for_logprobs_only_when_the_loss_reads_them(plugins,
         register("reads", reads_them, needs_rollout_logprobs=True), register("ignores", reads_them))))
     assert RunPlan.make(dataclasses.replace(base, policy_loss="reads"), plugins).rollout_logprobs
     assert not RunPlan.make(dataclasses.replace(base, policy_loss="ignores"), plugins).rollout_logprobs
+
+
+def test_reward_names_resolve_in_the_runs_own_plugin_set(tiny_model_dir, task, tmp_path, plugins, make_plugin):
+    def shorter(completions):
+        """1 for a short completion."""
+        return [1.0 if len(c) < 5 else 0.0 for c in completions]
+
+    plugins.register(make_plugin("only_here", register_rewards=lambda register: register("shorter", shorter)))
+    config = TrainConfig(model=str(tiny_model_dir), data=[str(task / "data.jsonl")], reward=["shorter"], steps=1,
+                         prompts_per_step=2, n_samples=2, max_new_tokens=2, progress=False, out=str(tmp_path / "run"))
+    from rlhf.runtime.local import train
+
+    out = train(config, plugins=plugins)
+    assert "reward/shorter" in json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

@@ -304,7 +304,8 @@ def test_the_critic_is_clipped_around_its_old_values_with_the_runs_clip(plugins)
     ids = batch.input_ids[:, :-1].float()  # (B, A)
     offsets = torch.rand(ids.shape, generator=torch.Generator().manual_seed(7)) - 0.5  # (B, A) in [-0.5, 0.5)
     batch.values = (0.5 * ids + offsets) * batch.action_mask  # old values off by up to ±0.5: some clipped
-    batch.returns = batch.values + 3 * offsets
+    # returns past the old values, so where |V - V_old| > clip the clipped error is the larger (no gradient)
+    batch.returns = batch.values - 3 * offsets
     got, _ = fit_once(critic, batch, objective, worker_cls=CriticWorker)
     w = torch.tensor(0.5, requires_grad=True)
     values = w * ids
@@ -312,6 +313,8 @@ def test_the_critic_is_clipped_around_its_old_values_with_the_runs_clip(plugins)
     loss = 0.5 * token_mean(torch.max((clipped - batch.returns) ** 2, (values - batch.returns) ** 2), batch.loss_mask)
     loss.backward()
     assert float(got["w"]) == pytest.approx(float(w.grad), rel=1e-5)
+    unclipped = 0.5 * token_mean((w * ids - batch.returns) ** 2, batch.loss_mask)
+    assert float(torch.autograd.grad(unclipped, w)[0]) != pytest.approx(float(w.grad), rel=1e-2)  # the clip matters
 
 
 # --- through a real run -----------------------------------------------------------------------
@@ -392,6 +395,7 @@ def test_training_the_policy_leaves_the_reference_as_it_was(tiny_model_dir, task
 
 
 SEEN_MASKS: list[list[bool]] = []
+SEEN_REWARDS: list[list[float]] = []
 
 
 def grpo_recording_masks(inputs, config):
@@ -399,6 +403,7 @@ def grpo_recording_masks(inputs, config):
     from rlhf.algorithms import compute_advantages
 
     SEEN_MASKS.append(inputs.sample_mask.tolist())
+    SEEN_REWARDS.append(inputs.rewards.tolist())
     return compute_advantages("grpo", rewards=inputs.rewards, action_mask=inputs.action_mask,
                               group_size=inputs.group_size, sample_mask=inputs.sample_mask)
 
@@ -410,7 +415,9 @@ def test_a_sample_without_a_reward_is_left_out_of_the_group_statistics(tiny_mode
     plugins.register(make_plugin("masks", register_advantage_estimators=lambda register: register(
         "grpo_masks", grpo_recording_masks, needs_groups=True)))
     SEEN_MASKS.clear()
+    SEEN_REWARDS.clear()
     out = train(config(tiny_model_dir, task, tmp_path / "run", advantage="grpo_masks",
                        reward=[str(tmp_path / "rewards.py")]), plugins=plugins)
     assert SEEN_MASKS == [[True, False, True, True, True, True, True, True]]
+    assert SEEN_REWARDS == [[0.0, 0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]  # the dropped sample's reward is a plain 0
     assert metrics_of(out)[0]["reward/skipped"] == 1.0
