@@ -201,6 +201,19 @@ def test_sample_mask_leaves_invalid_samples_out_of_group_statistics(plugins):
     assert dr[:, 0].tolist() == pytest.approx([2 / 3, -1 / 3, 0.0, -1 / 3])
 
 
+@pytest.mark.parametrize("returned", [
+    "a tensor", (torch.zeros(1, 2),), [torch.zeros(1, 2), {}], (torch.zeros(2, 2), {}), ("loss", {}),
+])
+def test_a_policy_loss_that_returns_the_wrong_thing_is_named(plugins, make_plugin, returned):
+    from rlhf.core.errors import PluginError
+
+    plugins.register(make_plugin("bad_loss", register_policy_losses=lambda register: register(
+        "bad", lambda inputs, config: returned)))
+    with pytest.raises(PluginError, match=r"policy loss 'bad' must return \(per_token_loss, metrics\)"):
+        policy_loss("bad", logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
+                    action_mask=torch.ones(1, 2), plugins=plugins)
+
+
 def test_the_objective_refuses_negative_coefficients_and_missing_inputs(plugins):
     from rlhf.algorithms import AlgorithmConfigError, policy_objective
 

@@ -334,3 +334,18 @@ def test_entropy_from_logits():
     uniform = entropy_from_logits(torch.zeros(2, 3, 4, dtype=torch.bfloat16))
     assert uniform.dtype == torch.float32 and uniform.shape == (2, 3)
     assert uniform.flatten().tolist() == approx([math.log(4)] * 6, abs=1e-6)
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))  # (B, A, V): the sum runs over V
+    p = torch.softmax(logits, dim=-1)
+    torch.testing.assert_close(entropy_from_logits(logits), -(p * p.log()).sum(dim=-1))
+
+
+def test_half_precision_log_probs_are_computed_in_float32(plugins):
+    logp = torch.tensor([[-1.0, -2.5, -0.3]])
+    ref = torch.tensor([[-1.2, -2.0, -0.3]])
+    for estimator in ("k1", "k2", "k3"):
+        full = kl_divergence(estimator, logp, ref, plugins=plugins)
+        half = kl_divergence(estimator, logp.bfloat16(), ref.bfloat16(), plugins=plugins)
+        assert half.dtype == torch.float32, estimator
+        torch.testing.assert_close(half, kl_divergence(estimator, logp.bfloat16().float(), ref.bfloat16().float(),
+                                                       plugins=plugins))
+        assert full.dtype == torch.float32

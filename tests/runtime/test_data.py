@@ -139,3 +139,21 @@ def test_the_runs_data_options_reach_the_loader(tmp_path, tokenizer):
     (item,) = build_loader(TrainConfig(model="m", data=[str(chat)], apply_chat_template=True), tokenizer).next_batch(1)
     assert item.prompt_text == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                                              add_generation_prompt=True)
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(20)))
+
+    def order(seed):
+        return [item.prompt for item in build_loader(TrainConfig(model="m", data=[str(many)], seed=seed),
+                                                     tokenizer).next_batch(20)]
+
+    assert order(3) == order(3) and order(3) != order(4)  # the run's --seed shuffles the prompts
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "one two three four five six seven eight nine ten"}) + "\n")
+    (item,) = build_loader(TrainConfig(model="m", data=[str(long)], max_prompt_length=4), tokenizer).next_batch(1)
+    assert len(item.prompt_ids) == 4
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "from train"}]),
+                          "test": datasets.Dataset.from_list([{"prompt": "from test"}])}).save_to_disk(str(tmp_path / "d"))
+    (item,) = build_loader(TrainConfig(model="m", data=[str(tmp_path / "d")], data_split="test"), tokenizer).next_batch(1)
+    assert item.prompt == "from test"

@@ -56,6 +56,20 @@ def test_token_logprobs_match_a_full_manual_computation(model_and_tokenizer):
     assert torch.allclose(entropy[mask], expected_entropy[mask], atol=1e-4)
 
 
+def test_half_precision_logits_are_turned_into_log_probs_in_float32(model_and_tokenizer):
+    import copy
+
+    model = copy.deepcopy(model_and_tokenizer[0]).to(torch.bfloat16)
+    batch = collate([_trajectory([3, 4, 5], [6, 7, 8])], pad_token_id=0, rewards=torch.zeros(1), sample_mask=torch.ones(1))
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]  # bf16
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    mask = batch.action_mask.bool()
+    assert logprobs.dtype == torch.float32
+    assert torch.allclose(logprobs[mask], expected[mask], atol=1e-6)
+
+
 def test_engine_samples_from_exactly_the_distribution_the_trainer_scores(model_and_tokenizer):
     """top-k must be off: the engine's own (processed) log-probs equal the trainer's."""
     model, tokenizer = model_and_tokenizer

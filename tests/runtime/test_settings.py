@@ -98,6 +98,43 @@ def test_algo_config_finds_the_component_with_that_option(plugins):
             "policy_loss": {"clip_high": 0.2}}), plugins)
 
 
+def test_a_setting_for_a_component_without_options_is_an_error(plugins):
+    config = TrainConfig(model="m", data=["d"], components={"kl_estimator": {"scale": 2}})
+    with pytest.raises(ConfigError, match=r"the 'k3' kl estimator has no option scale \(--kl-estimator.scale\); its "
+                                          r"options: none"):
+        RunPlan.make(config, plugins)
+    tir = RunPlan.make(TrainConfig(model="m", data=["d"], env="tir", components={"env": {"timeout_s": 9}}), plugins)
+    assert tir.component_config("env").timeout_s == 9.0
+
+
+def test_an_option_two_components_have_must_be_named_with_its_slot(plugins, make_plugin):
+    @dataclass(kw_only=True)
+    class ClippedConfig(AdvantageConfig):
+        clip_low: float = field(default=0.1, metadata={"help": "an estimator option sharing the ppo loss's name"})
+
+    plugins.register(make_plugin("clipped", register_advantage_estimators=lambda register: register(
+        "clipped", scaled, config_cls=ClippedConfig)))
+    base = TrainConfig(model="m", data=["d"], advantage="clipped", algo_config=["clip_low=0.3"])
+    with pytest.raises(ConfigError, match=r"--algo-config clip_low: several components have an option clip_low; use "
+                                          r"--policy-loss.clip-low or --advantage.clip-low"):
+        RunPlan.make(base, plugins)
+    plan = RunPlan.make(dataclasses.replace(base, algo_config=[], components={"advantage": {"clip_low": 0.3}}), plugins)
+    assert plan.advantage_config.clip_low == 0.3 and plan.policy_loss_config.clip_low == 0.2
+
+
+def test_environment_options_reach_the_environment(plugins):
+    from rlhf.runtime.rollout import EnvFactory
+
+    plan = RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"], env="tir",
+                                    components={"env": {"timeout_s": 9}}), plugins)
+    envs = EnvFactory(plugins.registry("env"), plan.env_settings, plan.run_values())
+    assert envs("tir").env.config.timeout_s == 9.0
+    routed = RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"],
+                                      components={"env": {"timeout_s": 7}}), plugins)  # --env single_turn
+    envs = EnvFactory(plugins.registry("env"), routed.env_settings, routed.run_values())
+    assert envs("tir").env.config.timeout_s == 7.0 and envs.capabilities("tir")["multi_turn"]
+
+
 def test_a_setting_for_another_backend_is_an_error_before_any_model_loads(plugins):
     config = TrainConfig(model="missing-model", data=["d"], components={"backend": {"zero_stage": 3}})
     with pytest.raises(ConfigError, match=r"the 'torch' train backend has no option zero_stage \(--backend.zero-stage\)"):

@@ -46,6 +46,10 @@ def test_cli_run_writes_a_complete_run_directory(tiny_model_dir, task, tmp_path)
     for key in ("reward/mean", "kl/mean", "policy/loss", "policy/clip_frac", "time/rollout",
                 "throughput/tokens_per_s", "response/length_mean"):
         assert key in metrics[0], key
+    phases = {k: v for k, v in metrics[0].items() if k.startswith("time/") and k != "time/step"}
+    assert set(phases) == {"time/rollout", "time/reward", "time/experience", "time/train", "time/sync"}
+    assert all(0 <= v <= metrics[0]["time/step"] for v in phases.values()) and sum(phases.values()) <= \
+        metrics[0]["time/step"]
     samples = read_jsonl(out / "samples.jsonl")
     assert len(samples) == 2 * 2 * 3 and {s["step"] for s in samples} == {1, 2}
     assert samples[0]["reward"] == pytest.approx(len(samples[0]["completion"]) / 10)
@@ -90,11 +94,11 @@ def test_lifecycle_hooks_fire_in_order(tiny_model_dir, task, tmp_path, plugins, 
     plugins.register(make_plugin(
         "recorder",
         on_run_start=lambda run: events.append(("start", run.total_steps)),
-        on_rollout_end=lambda step, trajectories: events.append(("rollout", step, len(trajectories))),
-        on_rewards=lambda step, rewards: events.append(("rewards", step, tuple(rewards.shape))),
-        on_step_end=lambda step, metrics: events.append(("step", step, "reward/mean" in metrics)),
-        on_checkpoint=lambda step, path: events.append(("checkpoint", step, path.name)),
-        on_run_end=lambda status: events.append(("end", status)),
+        on_rollout_end=lambda run, step, trajectories: events.append(("rollout", step, len(trajectories))),
+        on_rewards=lambda run, step, rewards, trajectories: events.append(("rewards", step, tuple(rewards.shape))),
+        on_step_end=lambda run, step, metrics: events.append(("step", step, "reward/mean" in metrics)),
+        on_checkpoint=lambda run, step, path: events.append(("checkpoint", step, path.name)),
+        on_run_end=lambda run, status: events.append(("end", status)),
     ))
     train(small_config(tiny_model_dir, task, tmp_path / "run", save_every=1), plugins=plugins)
     assert events == [

@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 
-from rlhf.algorithms import resolve_algorithm
+from rlhf.algorithms import resolve_algorithm, step_norm
 from rlhf.core.batch import collate
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.core.types import Trajectory
@@ -246,6 +246,21 @@ def test_the_reward_is_the_sources_plus_the_environments():
     assert result.per_source == {"judge": [1.0, None, 0.25], "env": [0.5, 2.0, -1.0]}
     alone = RewardWorker(None).score(trajectories)
     assert alone.total == [0.5, 2.0, -1.0] and alone.metrics == {}
+    del trajectories[2].info["env_reward"]  # a trajectory no environment rewarded: 0 from the env
+    assert RewardWorker(Sources()).score(trajectories).total == [1.5, None, 0.25]
+
+
+def test_a_dropped_sample_adds_nothing_to_the_critics_gradient(plugins):
+    batch = make_batch()
+    batch.values = torch.zeros_like(batch.action_mask)
+    batch.returns = torch.rand(batch.action_mask.shape, generator=torch.Generator().manual_seed(9)) * 300
+    batch.returns[2] = 1e4 * batch.action_mask[2]  # a dropped sample with an outlandish return
+    batch.sample_mask[2] = 0.0
+    objective = resolve_algorithm("ppo", n_samples=1, plugins=plugins).value_objective(clip=None)
+    with_dropped, _ = fit_once(PositionCritic(), batch, objective, worker_cls=CriticWorker)
+    without, _ = fit_once(PositionCritic(), batch.select([r for r in range(ROWS) if r != 2]), objective,
+                          worker_cls=CriticWorker)
+    assert float(with_dropped["w"]) == pytest.approx(float(without["w"]), rel=1e-5)
 
 
 class PositionCritic(torch.nn.Module):
@@ -295,6 +310,22 @@ def test_critic_value_t_is_the_output_at_token_t_in_values_and_in_training(plugi
     ids = batch.input_ids[:, :-1].float()
     expected = token_mean((0.5 * ids - batch.returns) * ids, batch.loss_mask)
     assert float(got["w"]) == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_the_critic_loss_uses_the_runs_aggregation_with_the_steps_counts(plugins, aggregation):
+    batch = make_batch()
+    ids = batch.input_ids[:, :-1].float()
+    batch.values = 0.5 * ids * batch.action_mask
+    batch.returns = torch.rand(batch.action_mask.shape, generator=torch.Generator().manual_seed(8)) * 300
+    objective = resolve_algorithm("ppo", n_samples=1, loss_agg=aggregation, plugins=plugins).value_objective(clip=0.5)
+    micro = batch.select([0, 1, 2])  # one micro-batch of a step of 8 rows
+    norm = step_norm(batch, MAX_NEW)
+    loss, _ = objective.loss(0.5 * micro.input_ids[:, :-1].float(), micro, norm)
+    error = (0.5 * micro.input_ids[:, :-1].float() - micro.returns) ** 2 * micro.loss_mask  # (b, A)
+    per_row = error.sum(-1) / (micro.loss_mask.sum(-1) if aggregation == "seq_mean_token_mean" else MAX_NEW)
+    expected = 0.5 * per_row.sum() / (batch.loss_mask.sum(-1) > 0).sum()  # the step's sequences, not the micro's
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_the_critic_is_clipped_around_its_old_values_with_the_runs_clip(plugins):
@@ -350,9 +381,11 @@ def test_micro_batch_size_1_and_4_give_the_same_gradients_and_weights(tiny_model
         assert torch.allclose(weight, weights_four[name], atol=1e-6), name
 
 
-def test_old_logprobs_are_recomputed_when_optimizer_steps_share_a_rollout(tiny_model_dir, task, tmp_path, plugins):
-    out = train(config(tiny_model_dir, task, tmp_path / "run", ppo_epochs=2, train_batch_size=4, lr=5e-3),
-                plugins=plugins)
+@pytest.mark.parametrize("ppo_epochs, train_batch_size", [(2, 8), (1, 4), (2, 4)])  # 2, 2 and 4 optimizer steps
+def test_old_logprobs_are_recomputed_when_optimizer_steps_share_a_rollout(tiny_model_dir, task, tmp_path, plugins,
+                                                                          ppo_epochs, train_batch_size):
+    out = train(config(tiny_model_dir, task, tmp_path / "run", ppo_epochs=ppo_epochs,
+                       train_batch_size=train_batch_size, lr=5e-3), plugins=plugins)
     step = metrics_of(out)[0]
     # Without old log-probs of their own, every step would be on-policy: ratio 1, approx_kl exactly 0.
     assert abs(step["policy/approx_kl"]) > 1e-5 and step["policy/clip_frac"] > 0
