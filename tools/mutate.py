@@ -46,6 +46,7 @@ TARGETS = [
 ]
 FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
               "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
+              "tests/runtime/test_multiturn.py",
               "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py"]
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 import re
 import subprocess
 import sys
@@ -214,6 +215,22 @@ def test_a_policy_loss_that_returns_the_wrong_thing_is_named(plugins, make_plugi
                     action_mask=torch.ones(1, 2), plugins=plugins)
 
 
+@pytest.mark.parametrize("shape", [(3, 4), (4,), (2, 4, 1)])
+def test_advantage_inputs_of_the_wrong_shape_are_refused(plugins, shape):
+    with pytest.raises(ValueError, match=r"action_mask must be \(B, A\) with B = 2"):
+        compute_advantages("grpo", rewards=torch.ones(2), action_mask=torch.ones(*shape), group_size=2, plugins=plugins)
+
+
+@pytest.mark.parametrize("algo, kl_in, in_loss", [("grpo", "loss", 0.02), ("grpo", "reward", 0.0), ("ppo", "reward", 0.0),
+                                                 ("ppo", "loss", 0.02), ("grpo", "none", 0.0)])
+def test_kl_is_in_the_objective_only_when_placed_in_the_loss(plugins, algo, kl_in, in_loss):
+    from rlhf.algorithms import resolve_algorithm
+
+    resolved = resolve_algorithm(algo, kl_in=kl_in, kl_coef=0.02, n_samples=2, plugins=plugins)
+    assert resolved.policy_objective(None).kl_coef == in_loss
+    assert resolved.kl_in_reward == (kl_in == "reward") and resolved.kl_in_loss == (kl_in == "loss")
+
+
 def test_the_objective_refuses_negative_coefficients_and_missing_inputs(plugins):
     from rlhf.algorithms import AlgorithmConfigError, policy_objective
 
@@ -267,7 +284,9 @@ def test_group_estimators_use_unit_gamma_and_warn(plugins):
     kwargs = dict(rewards=torch.tensor([1.0, 0.0]), action_mask=torch.ones(2, 3), group_size=2, plugins=plugins)
     with pytest.warns(UserWarning, match="'rloo' compares the samples of a group and always uses gamma = 1"):
         discounted, _ = compute_advantages("rloo", gamma=0.5, **kwargs)
-    undiscounted, _ = compute_advantages("rloo", **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at gamma 1
+        undiscounted, _ = compute_advantages("rloo", **kwargs)
     assert torch.equal(discounted, undiscounted)
     _, honoured = compute_advantages("reinforce_pp", gamma=0.5, **kwargs)
     assert honoured[0].tolist() == [0.25, 0.5, 1.0]

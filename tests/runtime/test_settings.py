@@ -133,6 +133,8 @@ def test_environment_options_reach_the_environment(plugins):
                                       components={"env": {"timeout_s": 7}}), plugins)  # --env single_turn
     envs = EnvFactory(plugins.registry("env"), routed.env_settings, routed.run_values())
     assert envs("tir").env.config.timeout_s == 7.0 and envs.capabilities("tir")["multi_turn"]
+    resolved = routed.resolved_settings()  # what config.yaml records
+    assert resolved["env"] == {"timeout_s": 7} and resolved["kl_estimator"] == {}
 
 
 def test_a_setting_for_another_backend_is_an_error_before_any_model_loads(plugins):

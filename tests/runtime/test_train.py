@@ -93,7 +93,7 @@ def test_lifecycle_hooks_fire_in_order(tiny_model_dir, task, tmp_path, plugins, 
     events = []
     plugins.register(make_plugin(
         "recorder",
-        on_run_start=lambda run: events.append(("start", run.total_steps)),
+        on_run_start=lambda run: events.append(("start", run.total_steps, len(run.plugins) == 16)),
         on_rollout_end=lambda run, step, trajectories: events.append(("rollout", step, len(trajectories))),
         on_rewards=lambda run, step, rewards, trajectories: events.append(("rewards", step, tuple(rewards.shape))),
         on_step_end=lambda run, step, metrics: events.append(("step", step, "reward/mean" in metrics)),
@@ -102,7 +102,7 @@ def test_lifecycle_hooks_fire_in_order(tiny_model_dir, task, tmp_path, plugins, 
     ))
     train(small_config(tiny_model_dir, task, tmp_path / "run", save_every=1), plugins=plugins)
     assert events == [
-        ("start", 2),
+        ("start", 2, True),  # the plugin fingerprint's hash
         ("rollout", 0, 4), ("rewards", 0, (4,)), ("step", 0, True), ("checkpoint", 1, "step_1"),
         ("rollout", 1, 4), ("rewards", 1, (4,)), ("step", 1, True), ("checkpoint", 2, "step_2"),
         ("end", "completed"),
