@@ -1,0 +1,26 @@
+"""The math of the offline objectives as plain functions (DESIGN §14), for the objective plugins,
+notebooks and tests. Each equals OpenRLHF's loss class of the same purpose on the same inputs:
+
+===========================  =================================================================
+``sft_loss``                  ``GPTLMLoss``: next-token cross-entropy, mean over labelled tokens
+``reward_model_loss``         ``PairWiseLoss`` (sigmoid, optional margin) / ``LogExpLoss``
+``dpo_loss``                  ``DPOLoss``: DPO, cDPO (label smoothing), IPO
+``kto_loss``                  ``KTOLoss`` (uneven sampling, one process)
+``distillation_loss``         ``KDLoss``: token-level forward KL to a teacher, as cross-entropy
+``prm_loss``                  ``PRMLoss``: cross-entropy at placeholder tokens, hard or soft labels
+===========================  =================================================================
+
+Each returns the mean over its batch, as OpenRLHF's do; the fit loop turns a micro-batch's mean
+into its share of the optimizer step (mean × micro-batch count / step count), so a step's gradient
+does not depend on how it is split.
+
+Shape legend: ``B`` sequences (or pairs), ``T`` tokens, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from rlhf.objectives.language import distillation_loss, sequence_logps, sft_loss
+from rlhf.objectives.preference import dpo_loss, kto_loss, reward_model_loss
+from rlhf.objectives.process import prm_loss
+
+__all__ = ["distillation_loss", "dpo_loss", "kto_loss", "prm_loss", "reward_model_loss", "sequence_logps", "sft_loss"]
