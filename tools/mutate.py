@@ -41,7 +41,7 @@ TARGETS = [
     "rlhf/plugins/algorithms/grpo.py", "rlhf/plugins/algorithms/kl.py", "rlhf/plugins/algorithms/mismatch.py",
     "rlhf/plugins/algorithms/ppo_loss.py", "rlhf/plugins/algorithms/reinforce.py",
     "rlhf/plugins/algorithms/returns.py", "rlhf/plugins/algorithms/rloo.py",
-    "rlhf/runtime/workers.py", "rlhf/runtime/experience.py", "rlhf/runtime/trainer.py", "rlhf/runtime/logprobs.py",
+    "rlhf/runtime/workers.py", "rlhf/runtime/experience.py", "rlhf/runtime/trainer.py", "rlhf/core/logprobs.py",
     "rlhf/runtime/local.py", "rlhf/runtime/plan.py", "rlhf/rewards/combine.py",
 ]
 FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",

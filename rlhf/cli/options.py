@@ -89,11 +89,15 @@ def _flag_name(name: str) -> str:
 
 def config_flags(config_cls: type, *, nested: Mapping[str, tuple[str, type]] = (), titles: Mapping[str, str] = (),
                  skip: Iterable[str] = ()) -> list[Flag]:
-    """One `Flag` per field of ``config_cls`` (fields in ``nested`` expanded with their prefix)."""
+    """One `Flag` per field of ``config_cls`` (fields in ``nested`` expanded with their prefix),
+    listed by group in the order of ``titles`` (a config class built from shared option groups
+    holds its fields in the order of its base classes)."""
     nested, titles, skip = dict(nested), dict(titles), set(skip)
     hints = typing.get_type_hints(config_cls)
+    order = {group: index for index, group in enumerate(titles)}
+    fields = sorted(dataclasses.fields(config_cls), key=lambda f: order.get(f.metadata.get("group", ""), len(order)))
     flags = []
-    for f in dataclasses.fields(config_cls):
+    for f in fields:
         if f.name in skip:
             continue
         group = f.metadata.get("group", "")
@@ -166,6 +170,15 @@ def _setting_flag(slot: Any, name: str, owners: list[tuple[str, dataclasses.Fiel
     help_text = f"[{slot.flag[2:]} option of {', '.join(components)}] {first.metadata.get('help', '')}{shown}"
     multiple = typing.get_origin(_base_type(hint)) is list
     return Flag(dest=f"{slot.field}{SLOT_SEPARATOR}{name}", names=names, hint=hint, help=help_text, multiple=multiple)
+
+
+def setting_flags(slot: Any, component: str, config_cls: type | None, *, plain: bool) -> list[Flag]:
+    """``--<slot>.<setting>`` for each setting of one component's config class, and the plain
+    ``--<setting>`` too when ``plain`` (a command dedicated to that component)."""
+    if config_cls is None:
+        return []
+    hints = typing.get_type_hints(config_cls)
+    return [_setting_flag(slot, f.name, [(component, f, hints[f.name])], plain) for f in setting_fields(config_cls)]
 
 
 def _default(f: dataclasses.Field) -> Any:

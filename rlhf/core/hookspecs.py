@@ -240,6 +240,33 @@ def register_train_backends(register: Register) -> None:
 
 
 @hookspec
+def register_objectives(register: Register) -> None:
+    """Register offline training objectives (``rlhf fit --objective NAME``; SFT, DPO, ... are built-ins).
+
+    ``register(name, objective_cls, *, config_cls=None, needs_reference=False, needs_teacher=False,
+    head="lm", default_lr=1e-5, command=False)``; ``objective_cls`` implements
+    ``rlhf.core.objective.Objective`` (subclass ``ObjectiveBase`` for the optional parts). The
+    fit loop creates ``objective_cls(config)`` (``config``: an instance of ``config_cls`` with the
+    user's ``--objective.NAME`` settings, or None) and calls ``columns()``, ``encode(row, text)``
+    per dataset row (an example; raise ``SkipExample`` or ``BadRow``), per optimizer step
+    ``step_examples(examples)``, ``collate(examples, pad_token_id)`` per micro-batch (a dict of
+    tensors), optionally ``step_statistics(models, batch)`` (sums over the whole step, passed on
+    as ``stats``), and ``loss(models, batch, stats) -> (loss, metrics)``: the mean loss over
+    the micro-batch's ``units(batch)``, which the loop scales by units / step units, so the
+    step gradient does not depend on micro-batch size or rank count. ``models`` is an
+    ``rlhf.core.objective.FitModels``: ``model`` (the trained model), ``reference`` (with
+    ``needs_reference``: the frozen start, or with LoRA the adapter switched off), ``teacher``
+    (with ``needs_teacher``: ``--teacher``). ``head``: ``"lm"`` trains a causal LM, ``"score"``
+    a model whose forward returns one value per position ``(B, T)`` and which is saved as a
+    one-label sequence classifier. ``default_lr``: the learning rate without ``--lr``.
+    ``command``: also offer ``rlhf NAME`` with the objective's settings as plain flags (a name
+    that is already a command is refused). At the end, ``final_statistics`` and
+    ``output_config(stats)`` add entries to the saved ``config.json``. The whole contract is in
+    ``rlhf.core.objective``; the math of the built-ins in ``rlhf.objectives``.
+    """
+
+
+@hookspec
 def register_commands(cli: click.Group) -> None:
     """Add click commands to the ``rlhf`` command line.
 

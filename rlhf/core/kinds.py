@@ -1,9 +1,10 @@
 """The kinds of component a plugin can register, one registration hook each.
 
 A kind fixes the hook that fills it, the capability flags a registration may carry (with
-their defaults) and what the registered object must be: for engines, backends and model
-adapters, a class implementing the written protocol (``rlhf.core.rollout.RolloutEngine``,
-``rlhf.core.backend.TrainBackend``, ``rlhf.core.adapter.ModelAdapter``), checked when the class
+their defaults) and what the registered object must be: for engines, backends, model
+adapters and objectives, a class implementing the written protocol
+(``rlhf.core.rollout.RolloutEngine``, ``rlhf.core.backend.TrainBackend``,
+``rlhf.core.adapter.ModelAdapter``, ``rlhf.core.objective.Objective``), checked when the class
 is registered (or first used, when registered by ``"module:attr"`` reference).
 """
 
@@ -41,6 +42,13 @@ def _adapter(obj: Any) -> str | None:
     from rlhf.core.contracts import describe_missing
 
     return _class(obj) or describe_missing(obj, ModelAdapter)
+
+
+def _objective(obj: Any) -> str | None:
+    from rlhf.core.contracts import describe_missing
+    from rlhf.core.objective import Objective
+
+    return _class(obj) or describe_missing(obj, Objective)
 
 
 def _preset(obj: Any) -> str | None:
@@ -83,6 +91,9 @@ KINDS: dict[str, Kind] = {
              {"roles": ("policy", "reference", "critic", "reward")}, check=_adapter),
         Kind("rollout_engine", "register_rollout_engines", "--engine", {"needs_gpu": False}, check=_engine),
         Kind("train_backend", "register_train_backends", "--backend", {"needs_gpu": False}, check=_backend),
+        Kind("objective", "register_objectives", "--objective",
+             {"needs_reference": False, "needs_teacher": False, "head": "lm", "default_lr": 1e-5, "command": False},
+             check=_objective),
     )
 }
 

@@ -40,6 +40,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf.plugins.engines.plugin",
     "rlhf.plugins.backends.plugin",
     "rlhf.plugins.loggers.plugin",
+    "rlhf.plugins.objectives.plugin",
 )
 
 

@@ -45,9 +45,11 @@ class RewardOptions:
     rm_max_length: int | None = field(default=None, metadata={"help": (
         "Truncate reward-model inputs to this many tokens, keeping the end (where the score is read)")})
     rm_append_eos: bool = field(default=False, metadata={"help": (
-        "Append the reward model's EOS token to each text (OpenRLHF reward models are trained with it last)")})
+        "Append the reward model's EOS token to each text (OpenRLHF reward models are trained with it last; "
+        "on without this flag when the model's config.json says reward_append_eos, as `rlhf rm` writes)")})
     rm_normalize: bool = field(default=False, metadata={"help": (
-        "Apply (r - mean) / std with the mean and std stored in the reward model's config.json (OpenRLHF)")})
+        "Apply (r - mean) / std with the mean and std stored in the reward model's config.json (OpenRLHF; on "
+        "without this flag when config.json says normalize_reward)")})
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR_CHOICES:

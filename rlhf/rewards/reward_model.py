@@ -12,9 +12,11 @@ Both are scored the same way, as OpenRLHF does: position ids are ``cumsum(attent
 head runs on every position, and the reward is the value at the last position whose attention mask
 is 1, so left and right padding give the same result. A sequence-classification model whose head
 is not a one-output linear ``score`` (encoders that pool a [CLS] token) uses its own forward.
-Optional ``(r - mean) / std`` with the mean and std in config.json (OpenRLHF's normalize_reward).
 Texts are tokenized without adding special tokens (the prompt text already carries its template),
-like OpenRLHF's ``serve_rm``.
+like OpenRLHF's ``serve_rm``. Conventions the model was trained with are read from its config.json
+(``rlhf rm`` writes them) and can be forced on with options: ``reward_append_eos: true`` appends
+the EOS token to each text (``--reward-rm-append-eos``); ``normalize_reward: true`` with ``mean``
+and ``std`` scores ``(r - mean) / std`` (OpenRLHF's keys; ``--reward-rm-normalize``).
 
 Shape legend: ``B`` texts in a forward batch, ``T`` tokens, ``H`` hidden size.
 
@@ -103,8 +105,9 @@ class RewardModelWorker:
                 self.head.weight.copy_(weight)
             self.base = model
             model = nn.ModuleDict({"base": model, "head": self.head})
+        self.append_eos = opts.rm_append_eos or bool(getattr(config, "reward_append_eos", False))
         self.mean, self.std = 0.0, 1.0
-        if opts.rm_normalize:
+        if opts.rm_normalize or bool(getattr(config, "normalize_reward", False)):
             if not hasattr(config, "mean") or not hasattr(config, "std"):
                 raise RewardConfigError(f"{self.path}/config.json has no mean and std to normalize rewards with")
             self.mean, self.std = float(config.mean), max(float(config.std), 1e-8)
@@ -116,7 +119,7 @@ class RewardModelWorker:
 
         self.load()
         opts = self.options
-        eos = (self.tokenizer.eos_token or "") if opts.rm_append_eos else ""
+        eos = (self.tokenizer.eos_token or "") if self.append_eos else ""
         rewards: list[float] = []
         for start in range(0, len(texts), opts.rm_batch_size):
             chunk = [t + eos for t in texts[start:start + opts.rm_batch_size]]

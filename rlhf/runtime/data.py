@@ -79,30 +79,48 @@ def load_one(path: str, split: str):
 
 
 def load_prompts(settings: DataSettings):
-    """Load, check and mix the datasets; each row remembers its file and row number."""
+    """Load, check and mix the prompt datasets; each row remembers its file and row number."""
+    return load_rows(settings.paths, split=settings.split, columns=[settings.input_key, settings.label_key],
+                     probs=settings.probs, max_samples=settings.max_samples, seed=settings.seed,
+                     hint="set --input-key / --label-key")
+
+
+def load_rows(paths: list[str], *, split: str, columns: list[str | None], probs: list[float] | None = None,
+              max_samples: int | None = None, seed: int = 42, hint: str = ""):
+    """Load, check and mix datasets: every one must have ``columns`` (None entries are ignored);
+    each row remembers its file and 1-based row number (`row_origin`)."""
     import datasets
 
-    if settings.probs is not None and len(settings.probs) != len(settings.paths):
-        raise DataError(f"--data-probs has {len(settings.probs)} values for {len(settings.paths)} datasets")
+    if probs is not None and len(probs) != len(paths):
+        raise DataError(f"--data-probs has {len(probs)} values for {len(paths)} datasets")
     parts = []
-    for path in settings.paths:
-        ds = load_one(path, settings.split)
-        for key in filter(None, (settings.input_key, settings.label_key)):
+    for path in paths:
+        ds = load_one(path, split)
+        for key in filter(None, columns):
             if key not in ds.column_names:
-                raise DataError(f"{path}: no column {key!r} (columns: {', '.join(ds.column_names)}); "
-                                "set --input-key / --label-key")
-        if settings.max_samples is not None:
-            ds = ds.select(range(min(settings.max_samples, len(ds))))
+                raise DataError(f"{path}: no column {key!r} (columns: {', '.join(ds.column_names)})"
+                                + (f"; {hint}" if hint else ""))
+        if max_samples is not None:
+            ds = ds.select(range(min(max_samples, len(ds))))
         if len(ds) == 0:
             raise DataError(f"{path}: the dataset is empty")
         ds = ds.add_column(_SOURCE, [path] * len(ds)).add_column(_ROW, list(range(1, len(ds) + 1)))
         parts.append(ds)
     if len(parts) == 1:
         return parts[0]
-    if settings.probs is None:
+    if probs is None:
         return datasets.concatenate_datasets(parts)
-    return datasets.interleave_datasets(parts, probabilities=settings.probs, seed=settings.seed,
-                                        stopping_strategy="all_exhausted")
+    return datasets.interleave_datasets(parts, probabilities=probs, seed=seed, stopping_strategy="all_exhausted")
+
+
+def row_origin(row: dict[str, Any]) -> str:
+    """``"data.jsonl row 12"`` for a row from `load_rows`."""
+    return f"{row[_SOURCE]} row {row[_ROW]}"
+
+
+def row_values(row: dict[str, Any]) -> dict[str, Any]:
+    """A row from `load_rows` without the columns that remember its origin."""
+    return {k: v for k, v in row.items() if k not in (_SOURCE, _ROW)}
 
 
 class PromptFormatter:
@@ -118,7 +136,7 @@ class PromptFormatter:
 
     def __call__(self, row: dict[str, Any]) -> PromptItem:
         s = self.settings
-        origin = f"{row[_SOURCE]} row {row[_ROW]}"
+        origin = row_origin(row)
         prompt = row.get(s.input_key)
         if prompt is None or prompt == "" or prompt == []:
             raise DataError(f"{origin}: empty or missing {s.input_key!r}")

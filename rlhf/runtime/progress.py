@@ -12,9 +12,14 @@ def _fmt(metrics: dict[str, float], key: str, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+# (label, metric key, format) of the figures shown per step: the RL loop's by default.
+RL_FIELDS = (("reward", "reward/mean", ".3f"), ("kl", "kl/mean", ".4f"), ("tok/s", "throughput/tokens_per_s", ".0f"))
+
+
 class Progress:
-    def __init__(self, total: int, start: int, enabled: bool = True, stream: Any = None):
-        self.total, self.start, self.enabled = total, start, enabled
+    def __init__(self, total: int, start: int, enabled: bool = True, stream: Any = None,
+                 fields: tuple[tuple[str, str, str], ...] = RL_FIELDS):
+        self.total, self.start, self.enabled, self.fields = total, start, enabled, fields
         self.stream = stream or sys.stderr
         self.started = time.monotonic()
         self._bar = None
@@ -33,8 +38,7 @@ class Progress:
     def update(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        stats = (f"reward {_fmt(metrics, 'reward/mean', '.3f')}  kl {_fmt(metrics, 'kl/mean', '.4f')}  "
-                 f"tok/s {_fmt(metrics, 'throughput/tokens_per_s', '.0f')}")
+        stats = "  ".join(f"{label} {_fmt(metrics, key, spec)}" for label, key, spec in self.fields)
         if self._bar is not None:
             self._bar.update(self._task, completed=step + 1, stats=stats)
             return

@@ -8,10 +8,8 @@ Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -21,7 +19,8 @@ from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.rewards.combine import RewardResult, RewardSet
-from rlhf.runtime.logprobs import token_logprobs
+from rlhf.core.logprobs import token_logprobs
+from rlhf.runtime.trained import TrainedModel
 
 
 @dataclass(kw_only=True)
@@ -111,41 +110,18 @@ def gather_rows(local: torch.Tensor, dist: DistContext, total: int) -> torch.Ten
     return out
 
 
-class _TrainedWorker:
-    """Shared by the policy and the critic: a model, its backend, and checkpoint state (`TrainedRole`)."""
-
-    nonfinite_in_a_row: int  # optimizer steps skipped in a row for a NaN/inf loss or gradient
+class _TrainedWorker(TrainedModel):
+    """Shared by the policy and the critic: a trained model (`TrainedModel`) and its RL update loop."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, dist: DistContext = SINGLE):
-        self.model, self.backend, self.settings, self.dist = model, backend, settings, dist
-        self.train_model = backend.train_module  # what training forwards call (DeepSpeed hooks its backward there)
-        self.device = next(model.parameters()).device
-        self.nonfinite_in_a_row = 0
+        super().__init__(model, backend, dist)
+        self.settings = settings
 
     def _forward_rows(self, batch: ExperienceBatch, compute: Callable[[ExperienceBatch], torch.Tensor]) -> torch.Tensor:
         return forward_rows(batch, self.dist, self.settings.micro_batch_size, compute)
 
     def _my_micro_batches(self, minibatch: ExperienceBatch) -> list[ExperienceBatch]:
         return [micro for _, micro in micro_batches(my_rows(minibatch, self.dist), self.settings.micro_batch_size)]
-
-    def save(self, directory: Path) -> None:
-        """Write this worker's state into ``directory`` (called on every rank)."""
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.backend.shards_state:  # every rank writes its part
-            self.backend.save_checkpoint(directory)
-            if self.dist.is_main:
-                torch.save({"nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "worker.pt")
-        elif self.dist.is_main:  # replicated states: one copy
-            torch.save({**self.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "state.pt")
-
-    def load(self, directory: Path) -> None:
-        if self.backend.shards_state:
-            self.backend.load_checkpoint(directory)
-            extra = torch.load(directory / "worker.pt", map_location="cpu", weights_only=False)
-        else:
-            extra = torch.load(directory / "state.pt", map_location="cpu", weights_only=False)
-            self.load_state_dict(extra)
-        self.nonfinite_in_a_row = extra.get("nonfinite_in_a_row", 0)
 
     def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss) -> MetricMean:
         """The update loop of every trained role: epochs over shuffled minibatches, one optimizer
@@ -174,30 +150,8 @@ class _TrainedWorker:
                     step_loss += float(loss.detach())
                     metrics.add(loss_metrics, weight=weight)
             finite = all(self.dist.all_gather(finite))
-            metrics.add(self._step_metrics(step_loss, finite))
+            metrics.add(self.step_metrics(step_loss, finite))
         return metrics
-
-    def _step_metrics(self, my_loss: float, finite: bool) -> dict[str, float]:
-        """Take the optimizer step; its metrics. Each rank holds a share of the step loss, and the
-        metric mean runs over ranks, so the share is scaled by the world size: the mean is the sum."""
-        loss = my_loss * self.dist.world_size if finite else math.nan
-        return {"loss": loss, **self._apply_step(finite)}
-
-    def _apply_step(self, finite: bool) -> dict[str, float]:
-        if not finite:
-            self.backend.zero_grad()
-            self.nonfinite_in_a_row += 1
-            return {"skipped_steps": 1.0}
-        stats = self.backend.step()
-        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if stats["skipped"] else 0
-        return {"grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped_steps": stats["skipped"]}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "backend": self.backend.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.backend.load_state_dict(state["backend"])
 
 
 class PolicyWorker(_TrainedWorker):

@@ -141,8 +141,32 @@ def test_hook_register_train_backends(bare_plugins, make_plugin):
     assert _register_one(bare_plugins, make_plugin, "register_train_backends", Backend).capabilities == {"needs_gpu": False}
 
 
+def test_hook_register_objectives(bare_plugins, make_plugin):
+    from rlhf.core.objective import ObjectiveBase
+
+    class Constant(ObjectiveBase):
+        def columns(self):
+            return ["text"]
+
+        def encode(self, row, text):
+            return text.ids(row["text"])
+
+        def collate(self, examples, pad_token_id):
+            return {"input_ids": examples}
+
+        def loss(self, models, batch, stats):
+            return 0.0, {}
+
+    component = _register_one(bare_plugins, make_plugin, "register_objectives", Constant, needs_reference=True)
+    assert component.load() is Constant
+    assert component.capabilities == {"needs_reference": True, "needs_teacher": False, "head": "lm",
+                                      "default_lr": 1e-5, "command": False}
+
+
 @pytest.mark.parametrize("hook, missing", [
     ("register_models", "load, load_tokenizer, save, save_critic"),
+    ("register_objectives", "collate, columns, encode, final_statistics, loss, output_config, step_examples, "
+                            "step_statistics, units"),
     ("register_rollout_engines", "generate, load_weights, shares_weights"),
     ("register_train_backends", "backward, full_weights, load_checkpoint, load_state_dict, save_checkpoint, "
                                 "shards_state, shards_weights, state_dict, step, train_module, zero_grad"),

@@ -14,7 +14,7 @@ from rlhf.plugins.models import hf as hf_module
 from rlhf.plugins.models import loading as loading_module
 from rlhf.plugins.models import lora as lora_module
 from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
-from rlhf.runtime.logprobs import token_logprobs
+from rlhf.core.logprobs import token_logprobs
 
 
 def adapter(**options) -> HFModelAdapter:
@@ -186,5 +186,5 @@ def test_chat_template_file_replaces_the_tokenizers_template(tmp_path, tiny_mode
 
 
 def test_unknown_role_is_refused(tiny_model_dir):
-    with pytest.raises(ValueError, match="not 'reward'"):
-        adapter().load(str(tiny_model_dir), role="reward")
+    with pytest.raises(ValueError, match="not 'judge'"):
+        adapter().load(str(tiny_model_dir), role="judge")

@@ -18,7 +18,7 @@ from rlhf.plugins.models.hf import LoRAModelAdapter
 from rlhf.plugins.models.lora import AdapterDisabledModel
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train
-from rlhf.runtime.logprobs import token_logprobs
+from rlhf.core.logprobs import token_logprobs
 from tests.helpers import run_cli
 
 

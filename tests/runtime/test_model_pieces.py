@@ -14,7 +14,7 @@ from rlhf.runtime import checkpoint
 from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend, lr_factor
 from rlhf.core.batch import collate
 from rlhf.plugins.engines.hf import HFEngine
-from rlhf.runtime.logprobs import token_logprobs
+from rlhf.core.logprobs import token_logprobs
 
 
 @pytest.fixture(scope="module")

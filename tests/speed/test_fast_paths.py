@@ -21,7 +21,7 @@ from rlhf.plugins.algorithms.returns import discounted_returns
 from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend
 from rlhf.core.batch import collate
 from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig, sample_categorical
-from rlhf.runtime.logprobs import token_logprobs
+from rlhf.core.logprobs import token_logprobs
 
 
 def loop_returns(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

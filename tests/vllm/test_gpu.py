@@ -3,7 +3,7 @@
 One bf16 engine serves the module. The model is a random Llama (head size 64, which every vLLM
 attention backend takes) whose output head is scaled up, so next-token distributions are peaked
 and bf16 kernels (ours and vLLM's) rarely disagree on an argmax. Log-probs are compared with the
-trainer's (rlhf/runtime/logprobs.py) within bf16 tolerance.
+trainer's (rlhf/core/logprobs.py) within bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def setup(gpu_model_dir):
 
 def trainer_logprobs(model, prompt, completion, temperature):
     """The trainer's log-prob of each completion token, one row, no padding: (N,)."""
-    from rlhf.runtime.logprobs import token_logprobs
+    from rlhf.core.logprobs import token_logprobs
 
     ids = torch.tensor([prompt + completion], device="cuda")  # (1, T)
     action_mask = torch.zeros(1, ids.shape[1] - 1, device="cuda")  # (1, T-1)

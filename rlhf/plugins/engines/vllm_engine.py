@@ -11,7 +11,7 @@ Install with ``pip install "rlhf-core[vllm]"`` on a machine with a CUDA GPU; sel
 * **Log-probs.** ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under
   the distribution it was sampled from, i.e. ``log softmax(z / τ)`` renormalised over the top-p
   nucleus (vLLM >= 0.10.2; 0.10.0 reported them before the temperature). At ``top_p = 1``
-  this is the trainer's ``log softmax(z / τ)`` (rlhf/runtime/logprobs.py) up to numerics; with
+  this is the trainer's ``log softmax(z / τ)`` (rlhf/core/logprobs.py) up to numerics; with
   top-p it is the nucleus-renormalised value the ``hf`` engine reports too. Greedy: log softmax
   of the raw logits. This mode turns off vLLM's FlashInfer top-p sampler (PyTorch's is used).
 * **Layout.** Each prompt is sent ``n`` times (rows ``[p0s0 .. p0s(n-1), p1s0, ...]``; prefix

@@ -1,7 +1,8 @@
 """The ``hf`` model adapter: any ``AutoModelForCausalLM`` directory or hub name (DESIGN §9).
 
 Roles: ``policy`` (trainable), ``reference`` (frozen, eval mode), ``critic`` (a backbone with a
-scalar value head, see `critic.py`). Options, each one flag of ``rlhf train``:
+scalar value head, see `critic.py`), ``reward`` (the same, saved as a one-label sequence
+classifier, see `reward.py`). Options, each one flag of ``rlhf train``:
 
 * ``dtype``: ``auto`` (bfloat16 on a GPU, float32 on a CPU), ``bf16``/``fp16``/``fp32`` or the
   long torch names;
@@ -33,11 +34,12 @@ from rlhf.plugins.models.loading import (ATTENTION, DTYPES, check_attention, ena
                                          is_installed, quiet_transformers, read_chat_template, resolve_device,
                                          resolve_dtype, set_pad_token)
 from rlhf.plugins.models.lora import DEFAULT_RANK, LoRA
+from rlhf.plugins.models.reward import RewardModel
 
 __all__ = ["ATTENTION", "DTYPES", "HFModelAdapter", "HFModelConfig", "LoRAModelAdapter", "check_attention",
            "enable_activation_checkpointing", "is_installed", "quiet_transformers", "read_chat_template",
            "resolve_device", "resolve_dtype", "set_pad_token"]
-ROLES = ("policy", "reference", "critic")
+ROLES = ("policy", "reference", "critic", "reward")
 
 
 class HFModelAdapter(ModelAdapterBase):
@@ -76,10 +78,11 @@ class HFModelAdapter(ModelAdapterBase):
             if self.lora is not None and self._policy is not None and self._policy[0] == ref:
                 return self.lora.reference_view(self._policy[1])  # the base weights, held once
             return self._from_pretrained("AutoModelForCausalLM", ref).eval().requires_grad_(False)
-        if role == "critic":
+        if role in ("critic", "reward"):
             backbone = self._from_pretrained("AutoModel", ref, quiet=True)
-            critic = CriticModel.from_backbone(backbone, ref, value_head_prefix=self.config.value_head_prefix,
-                                               trust_remote_code=self.config.trust_remote_code)
+            model_cls = CriticModel if role == "critic" else RewardModel
+            critic = model_cls.from_backbone(backbone, ref, value_head_prefix=self.config.value_head_prefix,
+                                             trust_remote_code=self.config.trust_remote_code)
             critic.backbone = self._trainable(critic.backbone, causal_lm=False)
             critic.head.to(device=self.device, dtype=self.dtype)  # the backbone is already placed
             return critic
@@ -124,8 +127,13 @@ class HFModelAdapter(ModelAdapterBase):
         """The trained policy as an HF directory that ``from_pretrained`` (and vLLM) load.
 
         With LoRA: the PEFT adapter (``PeftModel.from_pretrained(base, out_dir)``), and the merged
-        full model in ``out_dir/merged`` when ``merge_lora`` is set.
+        full model in ``out_dir/merged`` when ``merge_lora`` is set. A reward model (role
+        ``reward``) is written whole, LoRA merged in, as a one-label sequence classifier.
         """
+        if isinstance(model, RewardModel):
+            model.save_pretrained(out_dir, pad_token_id=tokenizer.pad_token_id)
+            tokenizer.save_pretrained(out_dir)
+            return
         if self.lora is not None:
             self.lora.save(model, tokenizer, Path(out_dir), base=self._policy[0] if self._policy else None,
                            dtype=self.dtype)

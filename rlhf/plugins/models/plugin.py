@@ -3,14 +3,14 @@
 
 import rlhf
 
-ROLES = ("policy", "reference", "critic")
+ROLES = ("policy", "reference", "critic", "reward")
 
 
 @rlhf.hookimpl
 def register_models(register):
     register("hf", "rlhf.plugins.models.hf:HFModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
              roles=ROLES, description="Any AutoModelForCausalLM directory or hub name (LoRA when --lora-rank > 0); "
-                                      "critic = backbone + value head")
+                                      "critic and reward model = backbone + scalar head")
     register("lora", "rlhf.plugins.models.hf:LoRAModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
              roles=ROLES, description="The hf adapter with peft LoRA always on (rank 8 unless --lora-rank); "
                                       "reference = the base weights with the adapter off")

@@ -1,0 +1,110 @@
+"""What every training command shares: built on first use (`LazyCommand`), ``--config run.yaml``
+(`config_file_option`), parsed options turned into a config's values (`config_values`), and
+quiet library progress bars.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from rlhf.cli.options import SLOT_SEPARATOR, Flag, nullable_fields, split_settings
+
+
+class LazyCommand(click.Command):
+    """A command built on first use: listing it in ``rlhf --help`` needs only its short help."""
+
+    def __init__(self, name: str, short_help: str, build: Any):
+        super().__init__(name, short_help=short_help)
+        self._build, self._command = build, None
+
+    @property
+    def command(self) -> click.Command:
+        if self._command is None:
+            self._command = self._build()
+        return self._command
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        return self.command.make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        return self.command.invoke(ctx)
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        return self.command.get_params(ctx)
+
+    def get_help(self, ctx: click.Context) -> str:
+        return self.command.get_help(ctx)
+
+
+def config_file_option(flags: list[Flag], config_cls: Any, aliases: dict[str, str] | None = None) -> Any:
+    """``--config run.yaml``: the file's values become click's defaults, so explicit flags win.
+
+    Keys are the flags' names (``_`` or ``-``); component settings may be ``components: {slot:
+    {...}}``, dotted keys (``backend.zero_stage``) or a short alias (``zero_stage``; ``aliases``
+    overrides the config class's). Nested groups may be mappings."""
+    aliases = config_cls.ALIASES if aliases is None else aliases
+
+    def load(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
+        import yaml
+
+        from rlhf.core.errors import ConfigError
+        from rlhf.runtime.options import gather_components
+
+        try:
+            loaded = yaml.safe_load(Path(value).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise click.BadParameter(f"cannot read {value}: {exc}", ctx, param) from None
+        if not isinstance(loaded, dict):
+            raise click.BadParameter(f"{value} must hold a mapping of option names to values", ctx, param)
+        mapping = {str(key).replace("-", "_"): item for key, item in loaded.items()}
+        for key in [k for k in mapping if k in config_cls.NESTED and isinstance(mapping[k], dict)]:
+            prefix = config_cls.NESTED[key][0]
+            mapping.update({f"{prefix}_{str(k).replace('-', '_')}": v for k, v in mapping.pop(key).items()})
+        try:
+            components = gather_components(mapping, config_cls.SLOTS, aliases)
+        except ConfigError as exc:
+            raise click.BadParameter(f"{value}: {exc}", ctx, param) from None
+        for slot, settings in components.items():
+            mapping.update({f"{slot}{SLOT_SEPARATOR}{name}": item for name, item in settings.items()})
+        names = {flag.dest for flag in flags}
+        unknown = sorted(set(mapping) - names)
+        if unknown:
+            shown = [u.replace(SLOT_SEPARATOR, ".") for u in unknown]
+            raise click.BadParameter(f"{value}: unknown option(s) {', '.join(shown)}", ctx, param)
+        for flag in flags:
+            if flag.multiple and isinstance(mapping.get(flag.dest), (str, int, float)):
+                mapping[flag.dest] = [mapping[flag.dest]]
+        ctx.default_map = {**(ctx.default_map or {}), **mapping}
+        return value
+
+    return click.option("--config", "config_file", type=click.Path(dir_okay=False), callback=load, is_eager=True,
+                        expose_value=True, help="YAML file with option values (flags override it)")
+
+
+def config_values(kwargs: dict[str, Any], config_cls: type) -> dict[str, Any]:
+    """Parsed options -> the values of ``config_cls.from_dict``: component settings gathered into
+    ``components``, unset options left out (except those that may be None)."""
+    from rlhf.core.references import Resolved
+
+    kwargs = dict(kwargs)
+    kwargs.pop("config_file", None)
+    components = split_settings(kwargs)
+    values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
+    values = {k: (v.ref if isinstance(v, Resolved) else v) for k, v in values.items()}  # components: keep names
+    values = {k: v for k, v in values.items() if v is not None or k in nullable_fields(config_cls)}
+    return {**values, "components": components}
+
+
+def quiet_library_progress_bars() -> None:
+    """transformers and datasets draw their own bars (weights loading, splits); ours is the one that counts."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()

@@ -1,0 +1,158 @@
+"""``rlhf fit --objective NAME`` and one command per objective registered with ``command=True``
+(``rlhf sft``, ``rlhf rm``, ``rlhf dpo``, ``rlhf kto``, ``rlhf prm``, ``rlhf distill``).
+
+Flags come from `rlhf.runtime.fit.config.FitConfig` (one per field) and the components'
+settings: ``--backend.zero-stage`` and the model adapter's (with their short aliases, as in
+``rlhf train``), and the objective's, ``--objective.<setting>``. A dedicated command fixes the
+objective and gives its settings plain flags too (``rlhf dpo --beta 0.1``). A setting that holds
+a list takes one value or several (``--reward-tokens + -``).
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import click
+
+from rlhf.cli.commands import LazyCommand, config_file_option, config_values, quiet_library_progress_bars
+from rlhf.cli.options import SLOT_SEPARATOR, Flag, component_flags, config_flags, setting_flags
+
+FIT_HELP = "Train a model offline with any objective plugin (rlhf plugins list --kind objective)."
+_GROUP_TITLES = {"objective": "Objective", "model": "Model", "data": "Data", "train": "Optimisation",
+                 "runtime": "Runtime", "output": "Output"}
+_EXAMPLES = {
+    "sft": "rlhf sft --model ./base --data sft.jsonl --input-key prompt --output-key response --out runs/sft",
+    "rm": "rlhf rm --model runs/sft/final --data pairs.jsonl --chosen-key chosen --rejected-key rejected "
+          "--out runs/rm",
+    "dpo": "rlhf dpo --model runs/sft/final --data pairs.jsonl --beta 0.1 --out runs/dpo",
+    "kto": "rlhf kto --model runs/sft/final --data kto.jsonl --output-key completion --label-key label "
+           "--out runs/kto",
+    "prm": "rlhf prm --model ./base --data steps.jsonl --placeholder-token 'ки' --reward-tokens + - --out runs/prm",
+    "distill": "rlhf distill --model ./student --teacher runs/sft/final --data sft.jsonl --out runs/kd",
+}
+
+
+def fit_flags(plugins: Any, objective: Any = None) -> list[Flag]:
+    """The flags of ``rlhf fit`` (``objective`` None) or of one objective's command."""
+    from rlhf.runtime.fit.config import FIT_SLOTS, FitConfig
+    from rlhf.runtime.options import MODEL_ALIASES, MODEL_SLOTS
+
+    skip = ("components",) + (("objective",) if objective is not None else ())
+    flags = config_flags(FitConfig, titles=_GROUP_TITLES, skip=skip) + component_flags(plugins, MODEL_SLOTS,
+                                                                                          MODEL_ALIASES)
+    if objective is None:
+        return flags + component_flags(plugins, {"objective": FIT_SLOTS["objective"]}, {})
+    taken = {name for flag in flags for name in flag.names}
+    own = setting_flags(FIT_SLOTS["objective"], objective.name, objective.load_config_cls(), plain=True)
+    return flags + [Flag(**{**vars(flag), "names": tuple(n for n in flag.names if n not in taken)}) for flag in own]
+
+
+def plain_aliases(flags: list[Flag]) -> dict[str, str]:
+    """Setting -> slot of the objective settings that have a plain flag (for config files)."""
+    from rlhf.runtime.options import MODEL_ALIASES
+
+    own = {flag.dest.partition(SLOT_SEPARATOR)[2]: "objective" for flag in flags
+           if flag.dest.startswith("objective" + SLOT_SEPARATOR) and len(flag.names) > 1}
+    return {**MODEL_ALIASES, **own}
+
+
+class VariadicCommand(click.Command):
+    """A command whose list settings take several values after one flag: ``--reward-tokens + -``
+    is ``--reward-tokens + --reward-tokens -`` (values run until the next ``--flag``)."""
+
+    variadic: frozenset[str] = frozenset()
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        out: list[str] = []
+        current: str | None = None
+        for arg in args:
+            if arg == "--":
+                current = None
+            elif arg.startswith("--"):
+                current = arg if arg in self.variadic else None
+                out.append(arg)
+                continue
+            elif current is not None and out and out[-1] != current:
+                out.append(current)
+            out.append(arg)
+        return super().parse_args(ctx, out)
+
+
+def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
+    flags = fit_flags(plugins, objective)
+    name = "fit" if objective is None else objective.name
+
+    def command(**kwargs: Any) -> None:
+        from rlhf.cli.state import CliState
+        from rlhf.runtime.fit.config import FitConfig
+        from rlhf.runtime.fit.local import fit
+
+        values = config_values(kwargs, FitConfig)
+        if objective is not None:
+            values["objective"] = objective.name
+        if not values.get("objective"):
+            raise click.UsageError("--objective is required (see `rlhf plugins list --kind objective`)")
+        if not values.get("model"):
+            raise click.UsageError("--model is required (a local HF model directory or a hub name)")
+        if not values.get("data"):
+            raise click.UsageError("--data is required (a dataset file, folder or hub name)")
+        config = FitConfig.from_dict(values)
+        quiet_library_progress_bars()
+        state = click.get_current_context().find_object(CliState)
+        out = fit(config, plugins=state.plugins)
+        click.echo(f"run finished: {out}")
+
+    command.__doc__ = _help(objective)
+    from rlhf.runtime.fit.config import FitConfig
+
+    for flag in reversed(flags):
+        command = flag.option()(command)
+    command = config_file_option(flags, FitConfig, plain_aliases(flags))(command)
+    cls = type("FitCommand", (VariadicCommand,), {"variadic": frozenset(
+        n for flag in flags if flag.multiple and SLOT_SEPARATOR in flag.dest and _is_list(flag.hint)
+        for n in flag.names)})
+    short_help = FIT_HELP if objective is None else objective.description
+    return click.command(name, cls=cls, short_help=short_help, context_settings={"max_content_width": 120})(command)
+
+
+def _is_list(hint: Any) -> bool:
+    return any(typing.get_origin(arg) is list for arg in (hint, *typing.get_args(hint)))
+
+
+def _help(objective: Any) -> str:
+    if objective is None:
+        return """Train a model offline with an objective plugin (this process, or torchrun ranks).
+
+        \b
+        rlhf fit --objective dpo --model runs/sft/final --data pairs.jsonl --out runs/dpo
+        rlhf fit --objective my_pkg.objectives:SimPO --model ... --data ...
+        python -m torch.distributed.run --standalone --nproc-per-node 2 -m rlhf fit ...
+
+        The objective's own options are --objective.<option> (`rlhf plugins show NAME` lists
+        them). Every option can also come from --config run.yaml (flags override the file).
+        """
+    example = _EXAMPLES.get(objective.name, f"rlhf {objective.name} --model ... --data ... --out runs/{objective.name}")
+    return f"""{objective.description} (the {objective.name!r} objective of `rlhf fit`).
+
+        \b
+        {example}
+        python -m torch.distributed.run --standalone --nproc-per-node 2 -m rlhf {objective.name} ...
+
+        The objective's options also answer to --objective.<option>. Every option can also come
+        from --config run.yaml (flags override the file). See docs/objectives.md.
+        """
+
+
+def fit_commands(plugins: Any, taken: set[str]) -> list[click.Command]:
+    """``rlhf fit``, and a command for each objective registered with ``command=True`` whose name is
+    free (a clashing one stays reachable as ``rlhf fit --objective NAME``)."""
+    commands: list[click.Command] = [LazyCommand("fit", FIT_HELP, lambda: build_fit_command(plugins))]
+    names = set(taken) | {"fit"}
+    for component in plugins.registry("objective").components():
+        if not component.capabilities.get("command") or component.name in names:
+            continue
+        names.add(component.name)
+        commands.append(LazyCommand(component.name, component.description or f"Train with {component.name}.",
+                                    lambda c=component: build_fit_command(plugins, c)))
+    return commands

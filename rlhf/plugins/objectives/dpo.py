@@ -1,0 +1,76 @@
+"""``dpo``: Direct Preference Optimization and its variants, against a frozen reference.
+
+With h = (log π(y_c) − log π(y_r)) − (log π_ref(y_c) − log π_ref(y_r)) over the summed log-probs
+of each response's tokens (EOS included): DPO −log σ(βh) (Rafailov et al. 2023); cDPO with label
+smoothing ε, −(1 − ε) log σ(βh) − ε log σ(−βh); IPO (h − 1/(2β))² (Azar et al. 2023)
+(``rlhf.objectives.dpo_loss``, OpenRLHF's ``DPOLoss``). ``--nll-coef c`` adds c × the chosen
+responses' NLL (per-token mean, averaged over pairs, as OpenRLHF). Mean over pairs; one unit
+per pair. The reference is the starting model (with LoRA: the same weights, adapter off).
+Metrics: ``accuracy`` (share of pairs whose implicit reward β(log π − log π_ref) is higher for
+the chosen), ``margin`` (mean reward gap), ``chosen_reward``, ``rejected_reward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rlhf.core.objective import FitModels, ObjectiveBase, TextFormat
+from rlhf.objectives import dpo_loss, response_mask, sequence_logps, token_batch, token_logps
+from rlhf.plugins.objectives.config import DPOConfig
+from rlhf.plugins.objectives.pairs import pair_columns, pair_texts
+
+
+class DPOObjective(ObjectiveBase):
+    """DPO on preference pairs against a frozen reference; IPO, cDPO label smoothing, NLL term."""
+
+    config: DPOConfig
+
+    def __init__(self, config: DPOConfig | None = None):
+        super().__init__(config or DPOConfig())
+
+    def columns(self) -> list[str]:
+        return pair_columns(self.config)
+
+    def encode(self, row: Mapping[str, Any], text: TextFormat) -> tuple[tuple[list[int], list[int]], ...]:
+        prompt_text, chosen_text, rejected_text = pair_texts(row, self.config, text)
+        prompt_ids = text.prompt_ids(prompt_text) if prompt_text else []
+        pair = []
+        for response_text in (chosen_text, rejected_text):
+            ids, prompt_len = text.join(prompt_ids, text.ids(response_text))
+            pair.append((ids, response_mask(len(ids), prompt_len)))
+        return tuple(pair)
+
+    def collate(self, examples: list[tuple[tuple[list[int], list[int]], ...]], pad_token_id: int) -> dict[str, Any]:
+        # rows: chosen 0..P-1, then rejected P..2P-1 (one forward for both)
+        return token_batch([chosen for chosen, _ in examples] + [rejected for _, rejected in examples], pad_token_id)
+
+    def units(self, batch: dict[str, Any]) -> float:
+        return len(batch["input_ids"]) / 2
+
+    def loss(self, models: FitModels, batch: dict[str, Any], stats: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
+        import torch
+
+        pairs = len(batch["input_ids"]) // 2
+        inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+        mask = batch["loss_mask"][:, 1:]  # (2P, A)
+        sums, means = sequence_logps(token_logps(models.model, *inputs), mask)  # (2P,), (2P,)
+        with torch.no_grad():
+            ref_sums, _ = sequence_logps(token_logps(models.reference, *inputs), mask)  # (2P,)
+        config = self.config
+        loss, chosen_rewards, rejected_rewards = dpo_loss(sums[:pairs], sums[pairs:], ref_sums[:pairs],
+                                                          ref_sums[pairs:], beta=config.beta,
+                                                          label_smoothing=config.label_smoothing, ipo=config.ipo)
+        metrics = preference_metrics(chosen_rewards, rejected_rewards)
+        if config.nll_coef > 0:
+            nll = -means[:pairs].mean()
+            loss = loss + config.nll_coef * nll
+            metrics["nll"] = float(nll.detach())
+        return loss, metrics
+
+
+def preference_metrics(chosen_rewards: Any, rejected_rewards: Any) -> dict[str, float]:
+    """Accuracy, margin and mean rewards of implicit rewards (P,) of chosen and rejected responses."""
+    gap = chosen_rewards - rejected_rewards  # (P,)
+    return {"accuracy": float((gap > 0).float().mean()), "margin": float(gap.mean()),
+            "chosen_reward": float(chosen_rewards.mean()), "rejected_reward": float(rejected_rewards.mean())}

@@ -1,0 +1,26 @@
+"""Registers the built-in objectives of the fit loop (imported lazily: this module stays
+torch-free). Each also gets its own command (``rlhf sft``, ``rlhf dpo``, ...)."""
+
+import rlhf
+
+_CONFIG = "rlhf.plugins.objectives.config:"
+
+
+@rlhf.hookimpl
+def register_objectives(register):
+    register("sft", "rlhf.plugins.objectives.sft:SFTObjective", config_cls=_CONFIG + "SFTConfig", default_lr=5e-6,
+             command=True, description="Supervised fine-tuning: next-token loss on the responses")
+    register("rm", "rlhf.plugins.objectives.reward_model:RewardModelObjective", config_cls=_CONFIG + "RewardModelConfig",
+             head="score", default_lr=9e-6, command=True,
+             description="Reward model on preference pairs (pairwise sigmoid or logexp loss)")
+    register("dpo", "rlhf.plugins.objectives.dpo:DPOObjective", config_cls=_CONFIG + "DPOConfig",
+             needs_reference=True, default_lr=5e-7, command=True,
+             description="Direct Preference Optimization against a frozen reference (IPO, cDPO, NLL term)")
+    register("kto", "rlhf.plugins.objectives.kto:KTOObjective", config_cls=_CONFIG + "KTOConfig",
+             needs_reference=True, default_lr=5e-7, command=True,
+             description="Kahneman-Tversky Optimization on unpaired desirable / undesirable completions")
+    register("prm", "rlhf.plugins.objectives.prm:PRMObjective", config_cls=_CONFIG + "PRMConfig", default_lr=1e-6,
+             command=True, description="Process reward model: a label per solution step at placeholder tokens")
+    register("distill", "rlhf.plugins.objectives.distill:DistillObjective", config_cls=_CONFIG + "DistillConfig",
+             needs_teacher=True, default_lr=5e-6, command=True,
+             description="Knowledge distillation from --teacher (token-level KL) plus the SFT loss")

@@ -1,0 +1,116 @@
+"""`fit(config)`: an offline training run in this process (what ``rlhf fit``, ``rlhf sft``, ``rlhf dpo``,
+... call). Started by a launcher (``torchrun --nproc-per-node N -m rlhf sft ...``), each process
+is one data-parallel rank running the same loop (rlhf/core/distributed.py).
+
+The builders: the model adapter and tokenizer, the objective, the data (loaded, checked and
+encoded once, before any model loads), the trained model (a causal LM, or a scalar-head reward
+model for ``head="score"``) with its backend, the frozen reference (with LoRA: the trained
+model with its adapter switched off) and teacher when the objective needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
+from rlhf.core.errors import ConfigError
+from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.runtime.data import load_rows
+from rlhf.runtime.fit.config import FitConfig
+from rlhf.runtime.fit.data import encode_rows
+from rlhf.runtime.fit.loop import FitLoop, FitRun
+from rlhf.runtime.fit.plan import FitPlan
+from rlhf.runtime.fit.text import TextFormatter
+from rlhf.runtime.local import seed_everything
+from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.trained import TrainedModel
+
+log = logging.getLogger(__name__)
+
+
+def encode_data(plan: FitPlan, objective: Any, text: TextFormatter, paths: list[str], *, split: str,
+                what: str, probs: list[float] | None = None) -> list[Any]:
+    config = plan.config
+    rows = load_rows(paths, split=split, columns=list(objective.columns()), probs=probs,
+                     max_samples=config.max_samples, seed=config.seed,
+                     hint=f"set the {config.objective} objective's column options (see `rlhf {config.objective} --help`)")
+    return encode_rows(rows, objective, text, what=what)
+
+
+def export_model(adapter: Any, tokenizer: Any, trained: TrainedModel, out_dir: Path, extra: dict[str, Any],
+                 dist: DistContext) -> None:
+    """The trained model as the adapter lays it out, ``extra`` merged into its config.json."""
+    with trained.backend.full_weights():
+        if dist.is_main:
+            adapter.save(trained.model, tokenizer, Path(out_dir))
+    if dist.is_main and extra:
+        path = Path(out_dir) / "config.json"
+        values = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**values, **extra}, indent=2, sort_keys=True))
+
+
+def build_run(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitRun, FitPlan]:
+    """Everything the loop drives, and the plan completed with the data's size."""
+    config = plan.config
+    seed_everything(config.seed)
+    adapter = plan.choices["model_adapter"].load()(plan.component_config("model_adapter"))
+    tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
+    objective = plan.choices["objective"].load()(plan.objective_config)
+    text = TextFormatter(tokenizer, apply_chat_template=config.apply_chat_template,
+                         input_template=config.input_template, max_len=config.max_len)
+    train_examples = encode_data(plan, objective, text, config.data, split=config.data_split, what="--data",
+                                 probs=config.mixing_probs)
+    truncated = text.truncated
+    eval_examples = (encode_data(plan, objective, text, config.eval_data, split=config.eval_split,
+                                 what="--eval-data") if config.eval_data else [])
+    if text.truncated and dist.is_main:
+        log.warning("%d sequence(s) were longer than --max-len %d and lost the end of their response "
+                    "(%d in --data)", text.truncated, config.max_len, truncated)
+    plan = plan.with_examples(len(train_examples))
+
+    model = adapter.load(config.model, role="reward" if plan.head == "score" else "policy")
+    backend = plan.choices["backend"].load()(model, plan.component_config("backend"))
+    trained = TrainedModel(model, backend, dist)
+    reference = adapter.load(config.model, role="reference") if plan.needs_reference else None
+    teacher = adapter.load(config.teacher, role="reference") if plan.needs_teacher else None
+    run = FitRun(objective=objective, trained=trained, reference=reference, teacher=teacher,
+                 train_examples=train_examples, eval_examples=eval_examples, pad_token_id=tokenizer.pad_token_id,
+                 export=lambda out_dir, extra: export_model(adapter, tokenizer, trained, out_dir, extra, dist),
+                 dist=dist)
+    return run, plan
+
+
+def check_fit(plan: FitPlan, *, world_size: int) -> None:
+    config = plan.config
+    if config.batch_size % world_size:
+        raise ConfigError(f"--batch-size ({config.batch_size}) must be a multiple of the number of processes "
+                          f"({world_size})")
+    if config.threads is not None and config.threads < 1:
+        raise ConfigError(f"--threads must be at least 1; got {config.threads}")
+
+
+def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
+    """Run offline training with the local runtime; returns the run directory."""
+    plugins = plugins or build_plugin_manager()
+    plan = FitPlan.make(config, plugins)
+    dist = init_from_environment()
+    run = None
+    try:
+        check_fit(plan, world_size=dist.world_size)
+        if dist.is_main:
+            RunDirectory(config.out_dir).check_free(resume=config.resume)
+        if plugins.broken:
+            log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
+                        ", ".join(r.label for r in plugins.broken))
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        run, plan = build_run(plan, dist)
+        return FitLoop(plan, plugins, run).run()
+    finally:
+        del run  # the models and their backends (which hold process groups) go before the group does
+        dist.close()

@@ -1,0 +1,335 @@
+"""The fit loop (DESIGN §14): one loop for every offline objective (SFT, RM, DPO, KTO, PRM, KD, ...).
+
+One optimizer step:
+
+1. its examples (`StepOrder`: a reshuffle per epoch, the same on every rank), through the
+   objective's ``step_examples``;
+2. split over ranks (rank r takes examples r, r + W, ...) and into micro-batches of
+   ``--micro-batch-size`` examples (``collate``);
+3. the step's units (tokens, pairs, ...: ``units``) summed over every micro-batch of every rank,
+   and, when the objective has them, its step statistics (a no-grad pass, summed likewise);
+4. per micro-batch, ``loss`` (a mean over its units) scaled by ``units / step units`` and handed
+   to the backend's ``backward``: the accumulated gradient is that of the mean over the whole
+   step, whatever the micro-batch size or the number of ranks (backends sum the ranks' shares);
+5. the optimizer step, skipped on every rank when any rank's loss was NaN/inf;
+6. metrics (weighted means over ranks), eval on ``--eval-data`` when due, ``--save-best``,
+   lifecycle events and checkpoints, as in the RL loop.
+
+Everything the loop needs from the objective is the contract of ``rlhf.core.objective``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.core.distributed import SINGLE, DistContext
+from rlhf.core.errors import RlhfError
+from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
+from rlhf.core.objective import FitModels, Objective
+from rlhf.core.plugins import PluginSet
+from rlhf.core.types import RunInfo
+from rlhf.runtime.fit.config import best_metric
+from rlhf.runtime.fit.data import StepOrder
+from rlhf.runtime.fit.plan import FitPlan
+from rlhf.runtime.progress import Progress
+from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.trained import TrainedModel
+
+log = logging.getLogger(__name__)
+
+PROGRESS_FIELDS = (("loss", "train/loss", ".4f"), ("eval", "eval/loss", ".4f"), ("lr", "train/lr", ".2e"))
+
+
+@dataclass(kw_only=True)
+class FitRun:
+    """Everything the fit loop drives, built by the runtime (``rlhf.runtime.fit.local``)."""
+
+    objective: Objective
+    trained: TrainedModel  # the model being trained, with its backend
+    reference: torch.nn.Module | None = None
+    teacher: torch.nn.Module | None = None
+    train_examples: list[Any]
+    eval_examples: list[Any]
+    pad_token_id: int
+    export: Callable[[Path, dict[str, Any]], None]  # (directory, config.json entries); called on every rank
+    dist: DistContext = SINGLE
+
+
+class WeightedMeans:
+    """Weighted means of metrics over micro-batches and ranks. A value is a float (weighted by the
+    micro-batch's units) or a ``(mean, weight)`` pair."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+
+    def add(self, metrics: dict[str, Any], units: float) -> None:
+        for key, value in metrics.items():
+            mean, weight = value if isinstance(value, tuple) else (value, units)
+            mean = float(mean.detach()) if isinstance(mean, torch.Tensor) else float(mean)
+            if weight > 0:
+                self.sums[key] += mean * float(weight)
+                self.weights[key] += float(weight)
+
+    def result(self, dist: DistContext) -> dict[str, float]:
+        sums: dict[str, float] = defaultdict(float)
+        weights: dict[str, float] = defaultdict(float)
+        for rank_sums, rank_weights in dist.all_gather((dict(self.sums), dict(self.weights))):
+            for key, value in rank_sums.items():
+                sums[key] += value
+                weights[key] += rank_weights[key]
+        return {key: sums[key] / weights[key] for key in sums if weights[key] > 0}
+
+
+def sum_over_ranks(values: dict[str, float] | None, dist: DistContext) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    for part in dist.all_gather(values or {}):
+        for key, value in part.items():
+            totals[key] += value
+    return dict(totals)
+
+
+class FitLoop:
+    def __init__(self, plan: FitPlan, plugins: PluginSet, run: FitRun):
+        self.plan, self.config, self.plugins, self.run_ = plan, plan.config, plugins, run
+        self.dist = run.dist
+        self.objective = run.objective
+        self.trained = run.trained
+        self.run_dir = RunDirectory(self.config.out_dir, self.dist)
+        self.order = StepOrder(len(run.train_examples), self.config.batch_size, self.config.seed)
+        self.total_steps = plan.total_steps
+        self.fingerprint = plugin_fingerprint(plugins)
+        self.best_spec = best_metric(self.config.save_best)
+        self.best: dict[str, Any] | None = None  # {"metric", "value", "step"} of the model in <out>/best
+        self.start_step = 0
+
+    @property
+    def models(self) -> FitModels:
+        """The models as the objective's training forwards call them."""
+        return FitModels(model=self.trained.train_model, reference=self.run_.reference, teacher=self.run_.teacher)
+
+    # --- the run --------------------------------------------------------------------------------
+
+    def run(self) -> Path:
+        config = {**self.config.to_dict(), "lr": self.plan.lr, "components": self.plan.resolved_settings()}
+        self.run_dir.prepare(config=config, resume=self.config.resume, plugins={
+            "fingerprint": self.fingerprint, "plugins": [r.to_json() for r in self.plugins.records if r.loaded]})
+        if self.config.resume:
+            self._resume()
+        info = RunInfo(config=config, out_dir=self.run_dir.path, start_step=self.start_step,
+                       total_steps=self.total_steps, plugins=self.fingerprint.get("hash", ""))
+        progress = Progress(self.total_steps, self.start_step, enabled=self.config.progress and self.dist.is_main,
+                            fields=PROGRESS_FIELDS)
+        self._emit("on_run_start", run=info)
+        status = "failed"
+        try:
+            for step in range(self.start_step, self.total_steps):
+                metrics = self.step(step)
+                done = step + 1
+                if self._eval_due(done):
+                    metrics.update(self.evaluate())
+                    self._keep_if_best(metrics, done)
+                self._emit("on_step_end", run=info, step=step, metrics=metrics)
+                progress.update(step, metrics)
+                if done == self.total_steps or (self.config.save_every and done % self.config.save_every == 0):
+                    path = self.run_dir.save_checkpoint(done, {"model": self.trained}, self._trainer_state(),
+                                                        keep=self.config.keep_checkpoints)
+                    self._emit("on_checkpoint", run=info, step=done, path=path)
+            self._export(self.run_dir.final)
+            status = "completed"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            progress.close()
+            self._emit("on_run_end", run=info, status=status)
+        return self.run_dir.path
+
+    def step(self, step: int) -> dict[str, float]:
+        started = time.perf_counter()
+        examples = self.objective.step_examples([self.run_.train_examples[i] for i in self.order.indices(step)])
+        micros = self._micro_batches(self.dist.shard(examples))
+        units = [float(self.objective.units(batch)) for batch in micros]
+        step_units = sum(sum(part) for part in self.dist.all_gather(units))
+        stats = self._statistics(micros, self.objective.step_statistics)
+        trained, means = self.trained, WeightedMeans()
+        trained.model.train()
+        finite = True
+        for batch, batch_units in zip(micros, units):
+            loss, metrics = self.objective.loss(self.models, batch, stats)
+            share = loss * (batch_units / step_units) if step_units > 0 else loss * 0.0
+            trained.backend.backward(share)  # every rank runs every backward (collectives under ZeRO)
+            if not torch.isfinite(loss.detach()):
+                finite = False
+            elif finite:
+                means.add({"loss": loss.detach(), **metrics}, batch_units)
+        finite = all(self.dist.all_gather(finite))
+        optimizer = trained.apply_step(finite)
+        if not finite:
+            if trained.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+                raise RlhfError(f"the loss was NaN/inf for {trained.nonfinite_in_a_row} optimizer steps in a row "
+                                "(each was skipped); lower --lr, check the data, or raise --max-nonfinite-steps")
+            log.warning("step %d: the loss was NaN/inf; the optimizer step was skipped", step + 1)
+        metrics = {f"train/{k}": v for k, v in means.result(self.dist).items()}
+        metrics.update({f"train/{k}": float(v) for k, v in optimizer.items()})
+        metrics["train/epoch"] = (step + 1) / self.order.steps_per_epoch
+        metrics["train/units"] = step_units
+        metrics["time/step"] = time.perf_counter() - started
+        return metrics
+
+    # --- passes over examples -------------------------------------------------------------------
+
+    def _micro_batches(self, examples: list[Any]) -> list[dict[str, Any]]:
+        size = self.config.micro_batch_size
+        device = self.trained.device
+        return [_to_device(self.objective.collate(examples[i:i + size], self.run_.pad_token_id), device)
+                for i in range(0, len(examples), size)]
+
+    def _statistics(self, micros: list[dict[str, Any]], compute: Callable[..., dict[str, float] | None]
+                    ) -> dict[str, float]:
+        """``compute(models, batch)`` summed over the micro-batches and the ranks, no grad, eval
+        mode; empty when the objective has no such pass (its first answer is None)."""
+        sums: dict[str, float] | None = None
+        self.trained.model.eval()
+        with torch.no_grad():
+            for batch in micros:
+                part = compute(self.models, batch)
+                if part is None:
+                    break
+                sums = {k: (sums or {}).get(k, 0.0) + float(v) for k, v in part.items()}
+        return sum_over_ranks(sums, self.dist)
+
+    def _passes(self, examples: list[Any]) -> Iterator[tuple[dict[str, Any], bool]]:
+        """This rank's share of ``examples`` in micro-batches, as ``(batch, counted)``. Ranks may
+        hold one example fewer; when the backend shards the weights (every forward is a collective)
+        a rank short of micro-batches repeats one, uncounted, so all ranks run as many forwards."""
+        mine = self.dist.shard(examples)
+        micros = self._micro_batches(mine)
+        rounds = len(micros)
+        if self.trained.backend.shards_weights and self.dist.active:
+            rounds = max(self.dist.all_gather(len(micros)))
+        for index in range(rounds):
+            if index < len(micros):
+                yield micros[index], True
+            else:
+                yield self._micro_batches(examples[:1])[0], False
+
+    def evaluate(self) -> dict[str, float]:
+        """The objective's loss and metrics on the eval examples (no grad, eval mode): ``eval/*``."""
+        if not self.run_.eval_examples:
+            return {}
+        examples = self.objective.step_examples(list(self.run_.eval_examples))
+        passes = list(self._passes(examples))
+        stats: dict[str, float] | None = None
+        self.trained.model.eval()
+        means = WeightedMeans()
+        with torch.no_grad():
+            for batch, counted in passes:
+                part = self.objective.step_statistics(self.models, batch)
+                if part is None:
+                    break
+                if counted:
+                    stats = {k: (stats or {}).get(k, 0.0) + float(v) for k, v in part.items()}
+            stats = sum_over_ranks(stats, self.dist)
+            for batch, counted in passes:
+                loss, metrics = self.objective.loss(self.models, batch, stats)
+                if counted:
+                    means.add({"loss": loss, **metrics}, float(self.objective.units(batch)))
+        return {f"eval/{k}": v for k, v in means.result(self.dist).items()}
+
+    def final_statistics(self) -> dict[str, float]:
+        """The objective's ``final_statistics`` over the training examples (no grad, eval mode)."""
+        sums: dict[str, float] | None = None
+        self.trained.model.eval()
+        with torch.no_grad():
+            for batch, counted in self._passes(list(self.run_.train_examples)):
+                part = self.objective.final_statistics(self.models, batch)
+                if part is None:
+                    break
+                if counted:
+                    sums = {k: (sums or {}).get(k, 0.0) + float(v) for k, v in part.items()}
+        return sum_over_ranks(sums, self.dist)
+
+    # --- eval schedule, best model, outputs ------------------------------------------------------
+
+    def _eval_due(self, done: int) -> bool:
+        if not self.run_.eval_examples:
+            return False
+        every = self.config.eval_every or self.order.steps_per_epoch
+        return done % every == 0 or done == self.total_steps
+
+    def _keep_if_best(self, metrics: dict[str, float], done: int) -> None:
+        if self.best_spec is None:
+            return
+        name, direction = self.best_spec
+        if name not in metrics:
+            raise RlhfError(f"--save-best {self.config.save_best}: the eval reports no {name}; it reports "
+                            f"{', '.join(sorted(k for k in metrics if k.startswith('eval/')))}")
+        value = metrics[name]
+        if not math.isfinite(value):
+            return
+        if self.best is not None and not (value < self.best["value"] if direction == "min"
+                                          else value > self.best["value"]):
+            return
+        self.best = {"metric": name, "value": value, "step": done}
+        self._export(self.run_dir.path / "best", record=self.best)
+
+    def _export(self, directory: Path, record: dict[str, Any] | None = None) -> None:
+        """The trained model to ``directory`` (written beside it, then renamed into place), with the
+        objective's entries in its config.json (and ``record`` as best.json)."""
+        extra = self.objective.output_config(self.final_statistics())
+        tmp = directory.with_name(f".{directory.name}.tmp")
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.dist.barrier()
+        self.run_.export(tmp, extra)
+        if self.dist.is_main:
+            if record is not None:
+                (tmp / "best.json").write_text(json.dumps(record, indent=2))
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if directory.exists():
+                os.rename(directory, old)
+            os.rename(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        self.dist.barrier()
+
+    def _emit(self, event: str, **kwargs: Any) -> None:
+        if self.dist.is_main:
+            self.plugins.emit(event, **kwargs)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "world_size": self.dist.world_size, "best": self.best,
+                "num_examples": self.order.num_examples}
+
+    def _resume(self) -> None:
+        state = self.run_dir.resume({"model": self.trained})
+        if state is None:
+            return
+        if state.get("num_examples") != self.order.num_examples:
+            raise RlhfError(f"--resume: the checkpoint was trained on {state.get('num_examples')} examples, this run "
+                            f"has {self.order.num_examples}; resume with the same data and options")
+        differences = fingerprint_differences(state["fingerprint"], self.fingerprint)
+        if differences and self.dist.is_main:
+            log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
+                        "\n  ".join(differences))
+        self.best = state.get("best")
+        self.start_step = state["step"]
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

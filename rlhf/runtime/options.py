@@ -1,0 +1,214 @@
+"""Options shared by every training command, defined once: ``rlhf train`` (`TrainConfig`) and
+``rlhf fit`` / ``sft`` / ``rm`` / ... (`FitConfig`) are built from these groups.
+
+Every field of a config becomes a flag of its command (``micro_batch_size`` -> ``--micro-batch-size``)
+with the field's help text, and a key of ``--config run.yaml``. A component's own settings (its
+``config_cls`` fields, ``rlhf.core.settings``) live in ``components``, keyed by the slot that
+selects the component (a config class's ``SLOTS``): ``--backend.zero-stage 3`` is
+``components["backend"]["zero_stage"] = 3``. A config class's ``ALIASES`` give some settings a
+short flag too (``--zero-stage 3``, ``--lora-rank 16``), in flags and in config files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from rlhf.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A place in a run that one component fills: the field naming it and the component's kind."""
+
+    field: str  # the config field that selects the component, and the key in ``components``
+    kind: str  # the component kind (rlhf.core.kinds)
+
+    @property
+    def flag(self) -> str:
+        """The selecting flag, also the namespace of the component's own flags (``--backend.zero-stage``)."""
+        return "--" + self.field.replace("_", "-")
+
+
+MODEL_SLOTS = {slot.field: slot for slot in (Slot("model_adapter", "model"), Slot("backend", "train_backend"))}
+
+# Short flags of the model adapter's and the backend's settings (they were run fields once): setting -> slot.
+MODEL_ALIASES: dict[str, str] = {
+    **dict.fromkeys(("attn_implementation", "gradient_checkpointing", "chat_template", "lora_rank", "lora_alpha",
+                     "lora_dropout", "target_modules", "load_in_4bit", "merge_lora", "value_head_prefix"),
+                    "model_adapter"),
+    **dict.fromkeys(("weight_decay", "adam_betas", "max_grad_norm", "lr_scheduler", "warmup_ratio", "zero_stage",
+                     "offload_optimizer", "offload_params"), "backend"),
+}
+
+
+def opt(default: Any, help: str, group: str, **extra: Any) -> Any:
+    """A config field: its default, its help text, and the help section (``group``) it is listed in."""
+    return field(default=default, metadata={"help": help, "group": group, **extra})
+
+
+def many(help: str, group: str) -> Any:
+    """A repeatable option (a list)."""
+    return field(default_factory=list, metadata={"help": help, "group": group, "multiple": True})
+
+
+# --- the groups -----------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ModelOptions:
+    model: str = opt("", "Model to train: a local HF directory or a hub name", "model", required=True)
+    tokenizer: str | None = opt(None, "Tokenizer directory or hub name (default: the model's)", "model")
+    model_adapter: str = opt("hf", "Model adapter plugin that builds the models (its options: "
+                             "--model-adapter.NAME, e.g. --lora-rank)", "model", component="model")
+    dtype: str = opt("auto", "Weights dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32", "model",
+                     choices=("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"))
+    device: str = opt("auto", "Device for the local runtime: auto, cpu, cuda, cuda:N", "model")
+    trust_remote_code: bool = opt(False, "Allow model code from the checkpoint (only for models you trust)", "model")
+
+
+@dataclass(kw_only=True)
+class DataOptions:
+    data: list[str] = many("Dataset: .jsonl/.json/.parquet/.csv file, save_to_disk dir or hub name (repeatable)",
+                           "data")
+    data_split: str = opt("train", "Split to use from folders with several splits and from hub datasets", "data")
+    data_probs: str | None = opt(None, "Mixing probabilities for several --data, e.g. 0.7,0.3", "data")
+    apply_chat_template: bool = opt(False, "Format prompts with the tokenizer's chat template", "data")
+    input_template: str | None = opt(None, "Template for string prompts, with {} for the prompt", "data")
+    max_samples: int | None = opt(None, "Use at most this many rows from each dataset", "data")
+
+    @property
+    def mixing_probs(self) -> list[float] | None:
+        if not self.data_probs:
+            return None
+        try:
+            return [float(p) for p in self.data_probs.split(",")]
+        except ValueError:
+            raise ConfigError(f"--data-probs expects numbers separated by commas, got {self.data_probs!r}") from None
+
+
+@dataclass(kw_only=True)
+class OptimOptions:
+    micro_batch_size: int = opt(8, "Samples per forward/backward (gradient accumulation inside a step)", "train")
+    backend: str = opt("torch", "Training backend plugin (its options: --backend.NAME, e.g. --zero-stage)", "train",
+                       component="train_backend")
+    max_nonfinite_steps: int = opt(3, "Stop after this many NaN/inf optimizer steps in a row (each is skipped)",
+                                   "train")
+    seed: int = opt(42, "Random seed (data order, sampling, initialisation)", "train")
+
+
+@dataclass(kw_only=True)
+class RuntimeOptions:
+    threads: int | None = opt(None, "CPU threads for torch in each process (default: torch's choice). On a machine "
+                              "other jobs share, 1, or start with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads "
+                              "make steps 20-50x slower there)", "runtime")
+
+
+@dataclass(kw_only=True)
+class OutputOptions:
+    out: str | None = opt(None, "Run directory (default: runs/<date>-<time>)", "output")
+    save_every: int = opt(0, "Checkpoint every N steps (0: only at the end)", "output")
+    keep_checkpoints: int = opt(2, "Checkpoints kept (oldest removed first)", "output")
+    resume: bool = opt(False, "Continue from the latest complete checkpoint in --out", "output")
+    tensorboard: bool = opt(False, "Also log metrics to TensorBoard (in <out>/tensorboard)", "output")
+    wandb_project: str | None = opt(None, "Also log to this Weights & Biases project (needs wandb)", "output")
+    progress: bool = opt(True, "Show a progress bar (a plain line per step when not a terminal)", "output")
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out) if self.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+@dataclass(kw_only=True)
+class ConfigBase:
+    """What every run config has: component settings by slot, and (de)serialisation."""
+
+    SLOTS: ClassVar[dict[str, Slot]] = MODEL_SLOTS
+    ALIASES: ClassVar[dict[str, str]] = MODEL_ALIASES
+    NESTED: ClassVar[dict[str, tuple[str, type]]] = {}  # field -> (flag prefix, dataclass): --reward-on-error
+
+    components: dict[str, dict[str, Any]] = field(default_factory=dict, metadata={
+        "help": "Settings of the chosen components, by slot: {backend: {zero_stage: 3}, ...} (flags "
+                "--<slot>.<option>)", "group": "components"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Any:
+        """From a mapping of field names. Nested groups may be mappings or prefixed flat keys;
+        component settings may be ``components: {slot: {...}}``, dotted keys (``backend.zero_stage``)
+        or the short aliases (``zero_stage``)."""
+        values = unflatten(dict(values), cls.NESTED)
+        values["components"] = gather_components(values, cls.SLOTS, cls.ALIASES)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        for name, (_, group_cls) in cls.NESTED.items():
+            if isinstance(values.get(name), dict):
+                values[name] = group_cls(**values[name])
+        return cls(**values)
+
+
+def gather_components(values: dict[str, Any], slots: dict[str, Slot],
+                      aliases: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Pop every component setting out of ``values`` (aliases, dotted keys, the ``components``
+    mapping) into ``{slot: {field: value}}``; the same setting given twice with two values is an error."""
+    found: dict[str, dict[str, Any]] = {}
+
+    def put(slot: str, name: str, value: Any, how: str) -> None:
+        slot, name = slot.replace("-", "_"), name.replace("-", "_")
+        if slot not in slots:
+            raise ConfigError(f"{how}: no component slot {slot!r}; slots: {', '.join(slots)}")
+        settings = found.setdefault(slot, {})
+        if name in settings and settings[name] != value:
+            raise ConfigError(f"{slots[slot].flag}.{name.replace('_', '-')} is given twice, as {settings[name]!r} "
+                              f"and {value!r}")
+        settings[name] = value
+
+    nested = values.pop("components", None) or {}
+    if not isinstance(nested, dict):
+        raise ConfigError(f"components must map slots to settings, got {nested!r}")
+    for slot, settings in nested.items():
+        if not isinstance(settings, dict):
+            raise ConfigError(f"components.{slot} must map option names to values, got {settings!r}")
+        for name, value in settings.items():
+            put(slot, name, value, f"components.{slot}")
+    for key in [k for k in values if "." in k or k in aliases]:
+        value = values.pop(key)
+        slot, _, name = key.partition(".") if "." in key else (aliases[key], "", key)
+        put(slot, name, value, key)
+    return found
+
+
+def unflatten(values: dict[str, Any], nested: dict[str, tuple[str, type]]) -> dict[str, Any]:
+    """``{"reward_on_error": "skip"}`` -> ``{"reward_options": {"on_error": "skip"}}`` (other keys unchanged)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        for name, (prefix, group_cls) in nested.items():
+            sub = key.removeprefix(prefix + "_")
+            if sub != key and sub in {f.name for f in dataclasses.fields(group_cls)}:
+                group = out.setdefault(name, {})
+                if isinstance(group, dict):
+                    group[sub] = value
+                break
+        else:
+            out[key] = value
+    return out
+
+
+def parse_key_values(items: list[str], flag: str = "--algo-config") -> dict[str, Any]:
+    """``["clip=0.3", "mode=tis"]`` -> ``{"clip": 0.3, "mode": "tis"}`` (values parsed as YAML scalars)."""
+    import yaml
+
+    values = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        values[key.strip().replace("-", "_")] = yaml.safe_load(raw)
+    return values

@@ -1,0 +1,293 @@
+"""The fit loop end to end through the real CLI on a tiny random model: every command writes its
+run directory and a model ``from_pretrained`` loads, an optimizer step does not depend on the
+micro-batch size or the number of ranks, ``--resume`` reproduces the uninterrupted run, eval and
+``--save-best``, and errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf.core.plugins import build_plugin_manager
+from tests.helpers import run_cli
+from tests.runtime.recording import RecordingBackend, recording_plugin
+from tests.runtime.test_data_parallel import torchrun
+from tests.runtime.test_training_math import assert_same_gradients
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Eight rows of each objective's data: words of various lengths, so micro-batches pad."""
+    root = tmp_path_factory.mktemp("fit-data")
+    words = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]
+    n = len(words)
+    write_jsonl(root / "sft.jsonl", [{"prompt": f"Q: {w}?", "response": f"{w} {w}"} for w in words])
+    write_jsonl(root / "pairs.jsonl", [{"prompt": f"Q: {w}?", "chosen": w, "rejected": words[(i + 3) % n]}
+                                       for i, w in enumerate(words)])
+    write_jsonl(root / "kto.jsonl", [{"prompt": f"Q: {w}?", "completion": w if i % 3 else words[(i + 1) % n],
+                                      "label": bool(i % 3)} for i, w in enumerate(words)])
+    write_jsonl(root / "steps.jsonl", [{"input": f"{w} @ {words[(i + 1) % n]} @", "label": ["+", "-"] if i % 2
+                                        else ["-", "+"]} for i, w in enumerate(words)])
+    return root
+
+
+def command_args(command: str, model: Path, data: Path, teacher: Path) -> list[str]:
+    return {
+        "sft": ["sft", "--data", str(data / "sft.jsonl")],
+        "rm": ["rm", "--data", str(data / "pairs.jsonl"), "--normalize-reward"],
+        "dpo": ["dpo", "--data", str(data / "pairs.jsonl"), "--beta", "0.5", "--nll-coef", "0.2"],
+        "kto": ["kto", "--data", str(data / "kto.jsonl"), "--output-key", "completion"],
+        "prm": ["prm", "--data", str(data / "steps.jsonl"), "--placeholder-token", "@", "--reward-tokens", "+", "-"],
+        "distill": ["distill", "--data", str(data / "sft.jsonl"), "--teacher", str(teacher)],
+        "fit": ["fit", "--objective", "dpo", "--data", str(data / "pairs.jsonl"), "--objective.ipo", "--objective.beta", "0.5"],
+    }[command] + ["--model", str(model)]
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another random model with the same tokenizer."""
+    from rlhf.core.references import import_object
+
+    build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
+    return build(tmp_path_factory.mktemp("teacher"), seed=7)
+
+
+@pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto", "prm", "distill", "fit"])
+def test_each_command_trains_and_the_step_does_not_depend_on_the_micro_batch_size(
+        command, tiny_model_dir, data, teacher, tmp_path):
+    """Two optimizer steps of 4 examples, in micro-batches of 1 and of 4: the same gradients (the
+    recording backend keeps them; plain SGD, as Adam would magnify rounding noise) and weights."""
+    runs = []
+    for micro in (1, 4):
+        out = tmp_path / f"micro{micro}"
+        plugins = build_plugin_manager(load_entrypoints=False)
+        plugins.register(recording_plugin())
+        RecordingBackend.steps.clear()
+        args = command_args(command, tiny_model_dir, data, teacher) + [
+            "--batch-size", "4", "--micro-batch-size", str(micro), "--steps", "2", "--lr", "0.1",
+            "--backend", "recording", "--out", str(out), "--no-progress"]
+        result = run_cli(plugins, args)
+        assert result.exit_code == 0, result.output
+        for name in ("config.yaml", "plugins.json", "metrics.jsonl", "final/config.json"):
+            assert (out / name).exists(), name
+        metrics = read_jsonl(out / "metrics.jsonl")
+        assert [m["step"] for m in metrics] == [1, 2] and all(math.isfinite(m["train/loss"]) for m in metrics)
+        runs.append((list(RecordingBackend.steps), weights(out / "final"), metrics))
+    (steps_one, final_one, metrics_one), (steps_four, final_four, metrics_four) = runs
+    assert len(steps_one) == len(steps_four) == 2
+    for one, four in zip(steps_one, steps_four):
+        assert_same_gradients(four, one, atol=1e-5)
+    for name, value in final_one.items():
+        assert torch.allclose(value, final_four[name], atol=1e-5), name
+    for a, b in zip(metrics_one, metrics_four):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
+    start = weights(tiny_model_dir)
+    assert any(not torch.allclose(start[n], v) for n, v in final_one.items() if n in start)  # it did train
+
+
+def test_the_rm_command_writes_a_sequence_classifier_that_rlhf_train_scores_with(tiny_model_dir, data, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf.core.types import Trajectory
+    from rlhf.rewards import load_rewards
+
+    out = tmp_path / "rm"
+    result = run_cli(build_plugin_manager(load_entrypoints=False), command_args("rm", tiny_model_dir, data, data) + [
+        "--batch-size", "4", "--steps", "2", "--lr", "1e-2", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["num_labels"] == 1 if "num_labels" in config else len(config["id2label"]) == 1
+    assert config["reward_append_eos"] is True and config["normalize_reward"] is True and config["std"] > 0
+    model = AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+    prompt, completion = "Q: cat?", "cat"
+    ids = tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]  # as the rm objective encodes
+    with torch.no_grad():
+        raw = float(model(torch.tensor([ids + [tokenizer.eos_token_id]])).logits[0, 0])
+    expected = (raw - config["mean"]) / config["std"]
+    rewards = load_rewards([str(out / "final")], plugins=build_plugin_manager(load_entrypoints=False))
+    trajectory = Trajectory(token_ids=ids, loss_mask=[0] * (len(ids) - 1) + [1], prompt_length=len(ids) - 1,
+                            prompt=prompt, prompt_text=prompt, completion_text=completion, group=0)
+    scored = rewards.score_trajectories([trajectory]).total[0]
+    assert scored == pytest.approx(expected, abs=1e-4)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, data, tmp_path, make_plugin):
+    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.fit.local import fit
+
+    def config(out: Path, **extra) -> FitConfig:
+        return FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(data / "kto.jsonl")],
+                                    "objective": "kto", "objective.output_key": "completion", "batch_size": 4,
+                                    "micro_batch_size": 2, "epochs": 2, "lr": 1e-2, "lr_scheduler": "cosine",
+                                    "save_every": 2, "out": str(out), "progress": False, **extra})
+
+    straight = tmp_path / "straight"
+    fit(config(straight), plugins=build_plugin_manager(load_entrypoints=False))
+
+    def crash(step):
+        if step == 2:
+            raise KeyboardInterrupt  # killed right after the step-2 checkpoint
+
+    interrupted = tmp_path / "interrupted"
+    plugins = build_plugin_manager(load_entrypoints=False)
+    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    with pytest.raises(KeyboardInterrupt):
+        fit(config(interrupted), plugins=plugins)
+    assert not (interrupted / "final").exists()
+    fit(config(interrupted, resume=True), plugins=build_plugin_manager(load_entrypoints=False))
+
+    keys = ("train/loss", "train/grad_norm", "train/accuracy", "train/kl")
+    expected = [{k: m[k] for k in keys} for m in read_jsonl(straight / "metrics.jsonl")]
+    assert len(expected) == 4  # two epochs of two steps: the second epoch is a new shuffle
+    assert [{k: m[k] for k in keys} for m in read_jsonl(interrupted / "metrics.jsonl")] == expected
+    for name, value in weights(straight / "final").items():
+        assert torch.equal(value, weights(interrupted / "final")[name]), name
+
+
+def test_eval_runs_on_schedule_and_save_best_keeps_the_best_model(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(build_plugin_manager(load_entrypoints=False), command_args("dpo", tiny_model_dir, data, data) + [
+        "--eval-data", str(data / "pairs.jsonl"), "--batch-size", "2", "--micro-batch-size", "2", "--steps", "4",
+        "--lr", "1e-2", "--eval-every", "2", "--save-best", "eval/accuracy", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    metrics = read_jsonl(out / "metrics.jsonl")
+    evals = {m["step"]: m for m in metrics if "eval/loss" in m}
+    assert sorted(evals) == [2, 4]
+    for m in evals.values():
+        assert {"eval/accuracy", "eval/margin", "eval/chosen_reward", "eval/rejected_reward"} <= set(m)
+    best = json.loads((out / "best" / "best.json").read_text())
+    top = max(evals.values(), key=lambda m: m["eval/accuracy"])["eval/accuracy"]
+    assert best["metric"] == "eval/accuracy" and best["value"] == top
+    assert evals[best["step"]]["eval/accuracy"] == top and min(s for s in evals if evals[s]["eval/accuracy"] == top) \
+        == best["step"]
+    assert (out / "best" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_same_steps_as_one(tiny_model_dir, data, tmp_path):
+    """KTO under torchrun: the step's reference point and units are summed over both ranks."""
+    finals = []
+    for nproc in (1, 2):
+        out = tmp_path / f"ranks{nproc}"
+        torchrun(nproc, "-m", "rlhf", *command_args("kto", tiny_model_dir, data, data), "--batch-size", "4",
+                 "--micro-batch-size", "1", "--steps", "2", "--lr", "1e-2", "--out", str(out), "--no-progress",
+                 "--eval-data", str(data / "kto.jsonl"), cwd=ROOT)
+        finals.append((weights(out / "final"), read_jsonl(out / "metrics.jsonl")))
+    (one, one_metrics), (two, two_metrics) = finals
+    for name, value in one.items():
+        assert torch.allclose(value, two[name], atol=2e-5), name
+    for a, b in zip(one_metrics, two_metrics):
+        for key in ("train/loss", "train/kl", "train/accuracy", "eval/loss", "eval/accuracy"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+def fit_error(args: list[str]) -> str:
+    result = run_cli(build_plugin_manager(load_entrypoints=False), args + ["--no-progress"])
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    return result.output
+
+
+def test_a_missing_column_names_the_file_and_the_columns_present(tiny_model_dir, data, tmp_path):
+    output = fit_error(["rm", "--model", str(tiny_model_dir), "--data", str(data / "sft.jsonl"),
+                        "--out", str(tmp_path / "r")])
+    assert "sft.jsonl: no column 'chosen' (columns: prompt, response)" in output
+
+
+def test_a_bad_row_names_its_file_and_row(tiny_model_dir, tmp_path):
+    bad = write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": "b", "label": True},
+                                                {"prompt": "a", "completion": "c", "label": "maybe"}])
+    output = fit_error(["kto", "--model", str(tiny_model_dir), "--data", str(bad), "--output-key", "completion",
+                        "--batch-size", "1", "--out", str(tmp_path / "r")])
+    assert "kto.jsonl row 2: 'label' must be true/false" in output
+
+
+def test_a_pair_whose_chosen_equals_its_rejected_is_counted_and_skipped(tiny_model_dir, tmp_path, caplog):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
+                                                    {"prompt": "a", "chosen": "same", "rejected": "same"},
+                                                    {"prompt": "a", "chosen": "d", "rejected": "d"}])
+    with caplog.at_level("WARNING"):
+        result = run_cli(build_plugin_manager(load_entrypoints=False), [
+            "dpo", "--model", str(tiny_model_dir), "--data", str(pairs), "--batch-size", "1", "--out",
+            str(tmp_path / "r"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "pairs.jsonl row 2: chosen equals rejected; skipped (2 rows of --data in all)" in caplog.text
+    assert len(read_jsonl(tmp_path / "r" / "metrics.jsonl")) == 1  # one usable pair, one step
+
+
+def test_an_objective_that_distills_says_it_needs_a_teacher(tiny_model_dir, data, tmp_path):
+    output = fit_error(["distill", "--model", str(tiny_model_dir), "--data", str(data / "sft.jsonl"),
+                        "--out", str(tmp_path / "r")])
+    assert "pass --teacher MODEL" in output
+
+
+def test_an_unknown_objective_suggests_the_closest(tiny_model_dir, data, tmp_path):
+    output = fit_error(["fit", "--objective", "dpp", "--model", str(tiny_model_dir), "--data",
+                        str(data / "sft.jsonl"), "--out", str(tmp_path / "r")])
+    assert "dpo" in output
+
+
+def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, data, tmp_path, make_plugin):
+    """A plugin registering its own objective (here: SFT on the responses' first token only)."""
+    from rlhf.core.objective import ObjectiveBase, require
+    from rlhf.objectives import sft_loss, token_batch
+
+    class FirstToken(ObjectiveBase):
+        def columns(self):
+            return ["prompt", "response"]
+
+        def encode(self, row, text):
+            prompt_ids = text.prompt_ids(text.prompt(require(row, "prompt")))
+            ids, prompt_len = text.join(prompt_ids, text.ids(text.response(row["prompt"], row["response"])))
+            return ids, [0] * prompt_len + [1] + [0] * (len(ids) - prompt_len - 1)
+
+        def collate(self, examples, pad_token_id):
+            return token_batch(examples, pad_token_id)
+
+        def units(self, batch):
+            return float(batch["loss_mask"].sum())
+
+        def loss(self, models, batch, stats):
+            logits = models.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            labels = batch["input_ids"].masked_fill(batch["loss_mask"] == 0, -100)
+            return sft_loss(logits, labels), {}
+
+    plugins = build_plugin_manager(load_entrypoints=False)
+    plugins.register(make_plugin("my_objectives", register_objectives=lambda register: register(
+        "first_token", FirstToken, default_lr=1e-3)))
+    out = tmp_path / "run"
+    result = run_cli(plugins, ["fit", "--objective", "first_token", "--model", str(tiny_model_dir), "--data",
+                               str(data / "sft.jsonl"), "--batch-size", "4", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2
+    assert read_jsonl(out / "metrics.jsonl")[0]["train/units"] == 4.0  # one learnt token per example
+    import yaml
+
+    assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 1e-3  # the objective's default_lr
