@@ -10,6 +10,7 @@ Prompts come from examples/data/train.jsonl (training files) and examples/data/e
 
 Writes, into examples/pipeline/ (deterministic for a given --seed):
   sft.jsonl         {"prompt", "response"}                the bare correct sum
+  sft_eval.jsonl    held-out SFT rows
   pairs.jsonl       {"prompt", "chosen", "rejected"}      preference pairs
   pairs_eval.jsonl  held-out pairs
   kto.jsonl         {"prompt", "completion", "label"}     each pair's answers, unpaired
@@ -88,6 +89,7 @@ def main() -> None:
     train, held_out = problems(DATA / "train.jsonl")[:args.train], problems(DATA / "eval.jsonl")[:args.eval]
 
     write_jsonl(out / "sft.jsonl", [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in train])
+    write_jsonl(out / "sft_eval.jsonl", [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in held_out])
     pairs = [pair(a, b, rng) for a, b in train]
     eval_pairs = [pair(a, b, rng) for a, b in held_out]
     write_jsonl(out / "pairs.jsonl", pairs)

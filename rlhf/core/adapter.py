@@ -9,7 +9,9 @@ and ``load(ref, role=ROLE)`` for each role it needs, ``policy`` first, on the sa
   adapter switched off), so it must not change the policy's trainability or mode, and must share
   no *trainable* parameter with it;
 * ``critic``: a module with ``forward(input_ids, attention_mask) -> values (B, T)`` float32, the
-  value of the state that ends at each token.
+  value of the state that ends at each token;
+* ``reward``: like ``critic`` (a scalar per position), trained by ``rlhf rm``; ``save`` writes it
+  as a one-label sequence classifier that ``AutoModelForSequenceClassification`` loads.
 
 At the end of a run ``save(model, tokenizer, out_dir)`` writes the final policy and, with
 ``--save-critic``, ``save_critic(model, tokenizer, out_dir)`` the critic: directories that
@@ -32,7 +34,7 @@ class ModelAdapter(Protocol):
         """The tokenizer, with a pad token set."""
 
     def load(self, ref: str, *, role: str) -> torch.nn.Module:
-        """The model of one role (``policy``, ``reference``, ``critic``)."""
+        """The model of one role (``policy``, ``reference``, ``critic``, ``reward``)."""
 
     def save(self, model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
         """Write the trained policy (and its tokenizer) as a directory ``from_pretrained`` loads."""
