@@ -291,3 +291,51 @@ def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, data, tmp
     import yaml
 
     assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 1e-3  # the objective's default_lr
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_zero3_takes_the_same_steps_as_the_torch_backend(command, tiny_model_dir, data, tmp_path):
+    """ZeRO-3 (parameters sharded; exported through full_weights) against the torch backend, with
+    eval and --save-best exporting mid-run."""
+    finals = {}
+    for backend in ("torch", "deepspeed"):
+        out = tmp_path / backend
+        extra = ["--zero-stage", "3"] if backend == "deepspeed" else []
+        result = run_cli(build_plugin_manager(load_entrypoints=False), command_args(command, tiny_model_dir, data, data)
+                         + ["--batch-size", "4", "--micro-batch-size", "2", "--steps", "2", "--lr", "1e-3",
+                            "--eval-data", str(data / "pairs.jsonl"), "--eval-every", "1", "--save-best",
+                            "eval/loss", "--backend", backend, *extra, "--out", str(out), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        finals[backend] = (weights(out / "final"), read_jsonl(out / "metrics.jsonl"))
+        assert (out / "best" / "best.json").exists()
+    (expected, expected_metrics), (got, got_metrics) = finals["torch"], finals["deepspeed"]
+    for name, value in expected.items():
+        assert torch.allclose(got[name], value, atol=1e-5), name
+    for a, b in zip(expected_metrics, got_metrics):
+        assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-4)
+
+
+def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_dir, data, tmp_path):
+    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.fit.local import build_run
+    from rlhf.runtime.fit.plan import FitPlan
+
+    config = FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(data / "pairs.jsonl")],
+                                  "objective": "dpo", "lora_rank": 4, "batch_size": 4, "out": str(tmp_path / "r")})
+    run, _ = build_run(FitPlan.make(config, build_plugin_manager(load_entrypoints=False)))
+    trained = {p.data_ptr() for p in run.trained.model.parameters()}
+    reference = list(run.reference.parameters())
+    assert reference and all(p.data_ptr() in trained for p in reference)  # one copy of the base weights
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    with torch.no_grad():
+        for p in run.trained.model.parameters():
+            if p.requires_grad:
+                p.add_(0.5)  # move the adapter: the trained model changes, the reference must not
+        trained_logits = run.trained.model(**batch).logits
+        reference_logits = run.reference(**batch).logits
+        from transformers import AutoModelForCausalLM
+
+        base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(**batch).logits
+    assert torch.allclose(reference_logits, base_logits, atol=1e-5)
+    assert not torch.allclose(trained_logits, base_logits, atol=1e-3)
