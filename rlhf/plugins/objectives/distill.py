@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.objective import FitModels, ObjectiveBase, TextFormat, require
-from rlhf.objectives import distillation_loss, response_mask, sft_loss, token_batch
+from rlhf.core.objective import FitModels, ObjectiveBase, TextFormat
+from rlhf.objectives import distillation_loss, sft_loss, token_batch
 from rlhf.plugins.objectives.config import DistillConfig
+from rlhf.plugins.objectives.sft import response_example
 
 IGNORE_INDEX = -100
 
@@ -37,14 +38,7 @@ class DistillObjective(ObjectiveBase):
         return [self.config.input_key] + ([self.config.output_key] if self.config.output_key else [])
 
     def encode(self, row: Mapping[str, Any], text: TextFormat) -> tuple[list[int], list[int]]:
-        value = require(row, self.config.input_key)
-        if self.config.output_key:
-            prompt_text = text.prompt(value)
-            response_text = text.response(value, require(row, self.config.output_key))
-        else:
-            prompt_text, response_text = text.conversation(value)
-        ids, prompt_len = text.join(text.prompt_ids(prompt_text), text.ids(response_text))
-        return ids, response_mask(len(ids), prompt_len)
+        return response_example(row, self.config.input_key, self.config.output_key, text)
 
     def collate(self, examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, Any]:
         return token_batch(examples, pad_token_id)

@@ -41,13 +41,7 @@ class SFTObjective(ObjectiveBase):
             return ids, [1] * len(ids)
         if config.multiturn:
             return multiturn_example(value, row.get(config.output_key) if config.output_key else None, text)
-        if config.output_key:
-            prompt_text = text.prompt(value)
-            response_text = text.response(value, require(row, config.output_key))
-        else:
-            prompt_text, response_text = text.conversation(value)
-        ids, prompt_len = text.join(text.prompt_ids(prompt_text), text.ids(response_text))
-        return ids, response_mask(len(ids), prompt_len)
+        return response_example(row, config.input_key, config.output_key, text)
 
     def collate(self, examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, Any]:
         return token_batch(examples, pad_token_id)
@@ -85,3 +79,16 @@ def multiturn_example(messages: Any, last: Any, text: TextFormat) -> tuple[list[
         ids, mask = ids[:text.max_len], mask[:text.max_len]
         ids[-1] = text.eos_token_id
     return ids, mask
+
+
+def response_example(row: Mapping[str, Any], input_key: str, output_key: str | None,
+                     text: TextFormat) -> tuple[list[int], list[int]]:
+    """``(ids, loss mask)``: prompt + response + EOS, the response learnt. Without ``output_key`` the
+    ``input_key`` column is a conversation whose last message is the response."""
+    value = require(row, input_key)
+    if output_key:
+        prompt_text, response_text = text.prompt(value), text.response(value, require(row, output_key))
+    else:
+        prompt_text, response_text = text.conversation(value)
+    ids, prompt_len = text.join(text.prompt_ids(prompt_text), text.ids(response_text))
+    return ids, response_mask(len(ids), prompt_len)
