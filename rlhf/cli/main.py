@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from rlhf import __version__
-from rlhf.core.errors import ConfigError, RlhfError
+from rlhf.core.errors import ConfigError, RlhfError, RunInterrupted
 from rlhf.cli.state import CliState, debug_enabled
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 
@@ -28,7 +28,10 @@ class RootGroup(click.Group):
                 raise
             if isinstance(exc, ConfigError):
                 raise click.UsageError(str(exc), ctx) from None
-            raise click.ClickException(str(exc)) from None
+            error = click.ClickException(str(exc))
+            if isinstance(exc, RunInterrupted):
+                error.exit_code = 130  # as a shell reports a Ctrl-C
+            raise error from None
 
 
 def make_cli(plugins: PluginSet) -> click.Group:

@@ -17,6 +17,10 @@ class ConfigError(RlhfError):
     """
 
 
+class RunInterrupted(RlhfError, KeyboardInterrupt):
+    """A run stopped by Ctrl-C or SIGTERM; the message says where it can resume from (exit 130)."""
+
+
 class UnknownComponentError(RlhfError, LookupError):
     """A name that no plugin registered for a kind."""
 

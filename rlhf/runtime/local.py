@@ -154,7 +154,8 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     try:
         check_run(plan, world_size=dist.world_size)
         if dist.is_main:
-            RunDirectory(plan.derived.out_dir).check_free(resume=config.resume)
+            RunDirectory(plan.derived.out_dir).check_start(plan.run_config(), resume=config.resume,
+                                                           overrides=config.resume_override)
         warn_about(plan, plugins, log)
         if config.threads is not None:
             torch.set_num_threads(config.threads)

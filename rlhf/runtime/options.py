@@ -112,7 +112,10 @@ class OutputOptions:
     out: str | None = opt(None, "Run directory (default: runs/<date>-<time>)", "output")
     save_every: int = opt(0, "Checkpoint every N steps (0: only at the end)", "output")
     keep_checkpoints: int = opt(2, "Checkpoints kept (oldest removed first)", "output")
-    resume: bool = opt(False, "Continue from the latest complete checkpoint in --out", "output")
+    resume: bool = opt(False, "Continue from the latest complete checkpoint in --out, with the run's options",
+                       "output")
+    resume_override: list[str] = many("With --resume: an option to change from the checkpoint on, e.g. lr or steps "
+                                      "(repeatable; other changed options that alter training are refused)", "output")
     tensorboard: bool = opt(False, "Also log metrics to TensorBoard (in <out>/tensorboard)", "output")
     wandb_project: str | None = opt(None, "Also log to this Weights & Biases project (needs wandb)", "output")
     progress: bool = opt(True, "Show a progress bar (a plain line per step when not a terminal)", "output")

@@ -117,6 +117,10 @@ class RunPlan:
         config = self.config
         return config.max_total_tokens or config.max_prompt_length + config.max_turns * config.max_new_tokens
 
+    def run_config(self) -> dict[str, Any]:
+        """The run's config as config.yaml records it (options, and every component setting)."""
+        return {**self.config.to_dict(), "components": self.resolved_settings()}
+
     def resolved_settings(self) -> dict[str, dict[str, Any]]:
         """Every setting of every chosen component as the run uses it (for config.yaml)."""
         out = {}

@@ -1,10 +1,19 @@
 """The run directory (DESIGN §11): what a run writes, and how it continues.
 
     <out>/config.yaml        the resolved config (rerun it with --config)
+    <out>/config.until_step_N.yaml   the config a resumed run replaced (it ran up to step N)
     <out>/plugins.json       the plugin set and its fingerprint
     <out>/metrics.jsonl, samples.jsonl, tensorboard/   (written by the logger plugins)
     <out>/checkpoints/step_N/                          (checkpoint.py: atomic, rotated)
-    <out>/final/             the trained policy (the model adapter's layout)
+    <out>/final/             the trained policy (the model adapter's layout; written like a checkpoint)
+
+A directory "holds a run" once a step completed (a row in metrics.jsonl, a checkpoint or
+``final/``): the files a run writes as it starts (config.yaml, plugins.json) do not make one, so
+a run that failed at start can simply be rerun.
+
+``--resume`` continues from the latest complete checkpoint with the options the run was started
+with: an option that changes what the run trains (see `RESUME_FREE` for those that do not) is
+refused unless ``--resume-override`` names it.
 
 Every rank of a data-parallel run holds a `RunDirectory`; only the main rank writes files of its
 own, while checkpoints are written by every rank (sharded state) and finished by the main rank.
@@ -14,14 +23,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from rlhf.core.distributed import SINGLE, DistContext
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import ConfigError, RlhfError
 from rlhf.runtime import checkpoint
 
 log = logging.getLogger(__name__)
+
+# Options a resumed run may change freely (how it reports, saves and runs; not what it trains).
+RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_every", "keep_checkpoints", "threads",
+                         "tensorboard", "wandb_project", "log_samples", "ray_address", "device"})
+# Files a run writes before its first step completes.
+_START_FILES = frozenset({"config.yaml", "plugins.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints",
+                          ".final.tmp"})
 
 
 class RunDirectory:
@@ -32,20 +49,76 @@ class RunDirectory:
     def final(self) -> Path:
         return self.path / "final"
 
+    # --- before anything is built ---------------------------------------------------------------
+
+    def holds_run(self) -> bool:
+        """True once a step completed here (see the module docstring)."""
+        if not self.path.is_dir():
+            return False
+        others = {p.name for p in self.path.iterdir()} - _START_FILES
+        return bool(others) or bool(checkpoint.list_checkpoints(self.path)) or _has_rows(self.path / "metrics.jsonl")
+
     def check_free(self, *, resume: bool) -> None:
         """Refuse to start a new run over an existing one (before anything is built)."""
-        if self.path.exists() and any(self.path.iterdir()) and not resume:
+        if not resume and self.holds_run():
             raise RlhfError(f"{self.path} already holds a run: pass --resume to continue it, or choose another --out")
 
+    def check_start(self, config: dict[str, Any], *, resume: bool, overrides: list[str]) -> None:
+        """`check_free`, the directory writable, and on ``--resume`` the options compared with the
+        run's: changes outside `RESUME_FREE` need ``--resume-override``, the rest are reported."""
+        self.check_free(resume=resume)
+        self._writable()
+        saved = self.path / "config.yaml"
+        if not resume or not saved.is_file() or checkpoint.latest_checkpoint(self.path) is None:
+            return
+        import yaml
+
+        before = _flatten(yaml.safe_load(saved.read_text()) or {})
+        now = _flatten(config)
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in RESUME_FREE)
+        unknown = sorted(set(overrides) - set(before) - set(now))
+        if unknown:
+            raise ConfigError(f"--resume-override {', '.join(unknown)}: no such option (names are config keys like lr, "
+                              "steps or backend.zero_stage)")
+        refused = [k for k in changed if k not in overrides]
+        if refused:
+            lines = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in refused)
+            raise ConfigError(f"--resume with options that change what {self.path} trains ({lines}). Resume with the "
+                              f"run's options (they are in {saved}), or pass --resume-override "
+                              f"{' '.join(refused)} to change them from here on")
+        for key in sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k in RESUME_FREE
+                          and k not in ("resume", "out")):
+            log.warning("--resume: %s changed from %r to %r", key, before.get(key), now.get(key))
+        for key in changed:
+            log.warning("--resume: %s changed from %r to %r (--resume-override)", key, before.get(key), now.get(key))
+
+    def _writable(self) -> None:
+        probe = self.path / f".write-test-{os.getpid()}"
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"--out {self.path}: cannot write there ({exc.strerror or exc}); choose another "
+                              "--out") from None
+
+    # --- the run ---------------------------------------------------------------------------------
+
     def prepare(self, *, config: dict[str, Any], plugins: dict[str, Any], resume: bool) -> None:
-        """Create the directory and write config.yaml and plugins.json (main rank; every rank waits)."""
+        """Create the directory and write config.yaml and plugins.json (main rank; every rank waits).
+        On ``--resume`` a config.yaml that differs is kept as ``config.until_step_N.yaml``."""
         if self.dist.is_main:
             import yaml
 
             self.check_free(resume=resume)
             self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-            (self.path / "plugins.json").write_text(json.dumps(plugins, indent=2))
+            text = yaml.safe_dump(config, sort_keys=False)
+            saved = self.path / "config.yaml"
+            latest = checkpoint.latest_checkpoint(self.path)
+            if resume and saved.is_file() and latest is not None and saved.read_text() != text:
+                os.replace(saved, self.path / f"config.until_{latest.name}.yaml")
+            write_text(saved, text)
+            write_text(self.path / "plugins.json", json.dumps(plugins, indent=2))
         self.dist.barrier()
 
     def save_checkpoint(self, step: int, roles: dict[str, Any], state: dict[str, Any], *, keep: int) -> Path:
@@ -57,11 +130,48 @@ class RunDirectory:
         """Load the latest complete checkpoint into ``roles``; its trainer state (None: there is none)."""
         path = checkpoint.latest_checkpoint(self.path)
         if path is None:
-            log.warning("--resume: no complete checkpoint in %s; starting from step 0", self.path)
+            if self.dist.is_main:
+                log.warning("--resume: no complete checkpoint in %s; starting from step 0", self.path)
             return None
         state = checkpoint.load_checkpoint(path, roles, self.dist)
         if state.get("world_size", 1) != self.dist.world_size:
             raise RlhfError(f"{path} was written by {state.get('world_size', 1)} processes; resume it with "
                             f"the same number (this run has {self.dist.world_size})")
-        log.info("resumed from %s (step %d)", path, state["step"])
+        if self.dist.is_main:
+            log.warning("resumed from %s (step %d)", path.relative_to(self.path), state["step"])
         return state
+
+    def write_final(self, write: Any, directory: Path | None = None) -> Path:
+        """``final/`` (or ``directory``) as a checkpoint is written: into a temporary folder, fsynced,
+        renamed into place. ``write(folder)`` runs on every rank."""
+        return checkpoint.write_directory(directory or self.final, write, self.dist)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a small file whole or not at all (temporary file, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _has_rows(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return any(line.strip() for line in handle)
+    except OSError:
+        return False
+
+
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+    """``{"lr": .., "components": {"backend": {"zero_stage": 3}}}`` -> ``{"lr": .., "backend.zero_stage": 3}``."""
+    flat = {k: v for k, v in config.items() if k != "components"}
+    for slot, settings in (config.get("components") or {}).items():
+        flat.update({f"{slot}.{name}": value for name, value in (settings or {}).items()})
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in flat.items()}

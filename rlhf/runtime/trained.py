@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from rlhf.core.distributed import SINGLE, DistContext
+from rlhf.runtime.checkpoint import load_tensors, save_tensors
 
 
 class TrainedModel:
@@ -47,16 +48,16 @@ class TrainedModel:
         if self.backend.shards_state:  # every rank writes its part
             self.backend.save_checkpoint(directory)
             if self.dist.is_main:
-                torch.save({"nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "worker.pt")
+                save_tensors({"nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "worker.pt")
         elif self.dist.is_main:  # replicated states: one copy
-            torch.save({**self.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "state.pt")
+            save_tensors({**self.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / "state.pt")
 
     def load(self, directory: Path) -> None:
         if self.backend.shards_state:
             self.backend.load_checkpoint(directory)
-            extra = torch.load(directory / "worker.pt", map_location="cpu", weights_only=False)
+            extra = load_tensors(directory / "worker.pt")
         else:
-            extra = torch.load(directory / "state.pt", map_location="cpu", weights_only=False)
+            extra = load_tensors(directory / "state.pt")
             self.load_state_dict(extra)
         self.nonfinite_in_a_row = extra.get("nonfinite_in_a_row", 0)
 

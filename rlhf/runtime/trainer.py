@@ -33,7 +33,7 @@ from rlhf.core.types import RunInfo, Trajectory
 from rlhf.runtime.data import PromptLoader
 from rlhf.runtime.experience import ExperienceMaker
 from rlhf.runtime.plan import RunPlan
-from rlhf.runtime.progress import Progress
+from rlhf.runtime.lifecycle import run_loop
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.step_metrics import step_metrics
 
@@ -89,35 +89,18 @@ class Trainer:
     # --- the run --------------------------------------------------------------------------------
 
     def run(self) -> Path:
-        config = {**self.config.to_dict(), "components": self.plan.resolved_settings()}
-        self.run_dir.prepare(config=config, resume=self.config.resume, plugins={
-            "fingerprint": self.fingerprint, "plugins": [r.to_json() for r in self.plugins.records if r.loaded]})
-        if self.config.resume:
-            self._resume()
-        run = RunInfo(config=config, out_dir=self.run_dir.path, start_step=self.start_step,
-                      total_steps=self.total_steps, plugins=self.fingerprint.get("hash", ""))
-        progress = Progress(self.total_steps, self.start_step, enabled=self.config.progress and self.dist.is_main)
-        self._emit("on_run_start", run=run)
-        status = "failed"
-        try:
-            for step in range(self.start_step, self.total_steps):
-                metrics = self.step(step, run)
-                self._emit("on_step_end", run=run, step=step, metrics=metrics)
-                progress.update(step, metrics)
-                done = step + 1
-                if done == self.total_steps or (self.config.save_every and done % self.config.save_every == 0):
-                    path = self.run_dir.save_checkpoint(done, self._checkpointed_roles(), self._trainer_state(),
-                                                        keep=self.config.keep_checkpoints)
-                    self._emit("on_checkpoint", run=run, step=done, path=path)
-            self.w.export(self.run_dir.final)
-            status = "completed"
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        finally:
-            progress.close()
-            self._emit("on_run_end", run=run, status=status)
-        return self.run_dir.path
+        """The run's lifecycle (``rlhf.runtime.lifecycle``): resume, steps, checkpoints, ``final/``."""
+        config = self.plan.run_config()
+        plugins = {"fingerprint": self.fingerprint, "plugins": [r.to_json() for r in self.plugins.records if r.loaded]}
+        return run_loop(self, config=config, plugins_record=plugins, resume=self.config.resume,
+                        save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
+                        progress=self.config.progress, command="train")
+
+    def run_step(self, step: int, run: RunInfo) -> dict[str, float]:
+        return self.step(step, run)
+
+    def export_final(self, directory: Path) -> None:
+        self.run_dir.write_final(self.w.export, directory)
 
     def step(self, step: int, run: RunInfo) -> dict[str, float]:
         w, timer = self.w, Timer()
@@ -186,24 +169,20 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def _checkpointed_roles(self) -> dict[str, Any]:
+    def checkpoint_roles(self) -> dict[str, Any]:
         """What a checkpoint holds: the trained roles, and the rollout when it keeps state of its own."""
         roles = {name: getattr(self.w, name) for name in ("policy", "critic") if getattr(self.w, name) is not None}
         if self.w.rollout.stateful:
             roles["rollout"] = self.w.rollout
         return roles
 
-    def _trainer_state(self) -> dict[str, Any]:
+    def trainer_state(self) -> dict[str, Any]:
         return {"loader": self.w.loader.state_dict(), "fingerprint": self.fingerprint,
                 "world_size": self.dist.world_size}
 
-    def _resume(self) -> None:
-        state = self.run_dir.resume(self._checkpointed_roles())
-        if state is None:
-            return
+    def restore(self, state: dict[str, Any]) -> None:
         self.w.loader.load_state_dict(state["loader"])
         differences = fingerprint_differences(state["fingerprint"], self.fingerprint)
         if differences and self.dist.is_main:
             log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
                         "\n  ".join(differences))
-        self.start_step = state["step"]

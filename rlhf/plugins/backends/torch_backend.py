@@ -89,5 +89,11 @@ class TorchBackend(TrainBackendBase):
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The optimizer's moments and the schedule's position; the peak LR is this run's (the same
+        unless a resumed run was given ``--resume-override lr``)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.base_lrs = [self.config.lr for _ in self.optimizer.param_groups]
+        factor = lr_factor(self.scheduler.last_epoch, self.config)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"], group["lr"] = self.config.lr, self.config.lr * factor

@@ -103,7 +103,8 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
     try:
         check_fit(plan, world_size=dist.world_size)
         if dist.is_main:
-            RunDirectory(plan.config.out_dir).check_free(resume=config.resume)
+            RunDirectory(plan.config.out_dir).check_start(plan.run_config(), resume=config.resume,
+                                                          overrides=config.resume_override)
         if plugins.broken:
             log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
                         ", ".join(r.label for r in plugins.broken))

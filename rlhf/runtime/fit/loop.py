@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -43,7 +41,7 @@ from rlhf.core.types import RunInfo
 from rlhf.runtime.fit.config import best_metric
 from rlhf.runtime.fit.data import StepOrder
 from rlhf.runtime.fit.plan import FitPlan
-from rlhf.runtime.progress import Progress
+from rlhf.runtime.lifecycle import run_loop
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.trained import TrainedModel
 
@@ -123,39 +121,24 @@ class FitLoop:
     # --- the run --------------------------------------------------------------------------------
 
     def run(self) -> Path:
-        config = {**self.config.to_dict(), "lr": self.plan.lr, "components": self.plan.resolved_settings()}
-        self.run_dir.prepare(config=config, resume=self.config.resume, plugins={
-            "fingerprint": self.fingerprint, "plugins": [r.to_json() for r in self.plugins.records if r.loaded]})
-        if self.config.resume:
-            self._resume()
-        info = RunInfo(config=config, out_dir=self.run_dir.path, start_step=self.start_step,
-                       total_steps=self.total_steps, plugins=self.fingerprint.get("hash", ""))
-        progress = Progress(self.total_steps, self.start_step, enabled=self.config.progress and self.dist.is_main,
-                            fields=PROGRESS_FIELDS)
-        self._emit("on_run_start", run=info)
-        status = "failed"
-        try:
-            for step in range(self.start_step, self.total_steps):
-                metrics = self.step(step)
-                done = step + 1
-                if self._eval_due(done):
-                    metrics.update(self.evaluate())
-                    self._keep_if_best(metrics, done)
-                self._emit("on_step_end", run=info, step=step, metrics=metrics)
-                progress.update(step, metrics)
-                if done == self.total_steps or (self.config.save_every and done % self.config.save_every == 0):
-                    path = self.run_dir.save_checkpoint(done, {"model": self.trained}, self._trainer_state(),
-                                                        keep=self.config.keep_checkpoints)
-                    self._emit("on_checkpoint", run=info, step=done, path=path)
-            self._export(self.run_dir.final)
-            status = "completed"
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        finally:
-            progress.close()
-            self._emit("on_run_end", run=info, status=status)
-        return self.run_dir.path
+        """The run's lifecycle (``rlhf.runtime.lifecycle``): resume, steps, checkpoints, ``final/``."""
+        config = self.plan.run_config()
+        plugins = {"fingerprint": self.fingerprint, "plugins": [r.to_json() for r in self.plugins.records if r.loaded]}
+        return run_loop(self, config=config, plugins_record=plugins, resume=self.config.resume,
+                        save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
+                        progress=self.config.progress, command="fit", fields=PROGRESS_FIELDS)
+
+    def run_step(self, step: int, run: RunInfo) -> dict[str, float]:
+        """A step, then the eval when it is due (and ``--save-best``)."""
+        metrics = self.step(step)
+        done = step + 1
+        if self._eval_due(done):
+            metrics.update(self.evaluate())
+            self._keep_if_best(metrics, done)
+        return metrics
+
+    def export_final(self, directory: Path) -> None:
+        self._export(directory)
 
     def step(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
@@ -287,39 +270,27 @@ class FitLoop:
         self._export(self.run_dir.path / "best", record=self.best)
 
     def _export(self, directory: Path, record: dict[str, Any] | None = None) -> None:
-        """The trained model to ``directory`` (written beside it, then renamed into place), with the
-        objective's entries in its config.json (and ``record`` as best.json)."""
+        """The trained model to ``directory`` (written like a checkpoint: beside it, fsynced, renamed
+        into place), with the objective's entries in its config.json (and ``record`` as best.json)."""
         extra = self.objective.output_config(self.final_statistics())
-        tmp = directory.with_name(f".{directory.name}.tmp")
-        if self.dist.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.dist.barrier()
-        self.run_.export(tmp, extra)
-        if self.dist.is_main:
-            if record is not None:
-                (tmp / "best.json").write_text(json.dumps(record, indent=2))
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            if directory.exists():
-                os.rename(directory, old)
-            os.rename(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        self.dist.barrier()
 
-    def _emit(self, event: str, **kwargs: Any) -> None:
-        if self.dist.is_main:
-            self.plugins.emit(event, **kwargs)
+        def write(tmp: Path) -> None:
+            self.run_.export(tmp, extra)
+            if self.dist.is_main and record is not None:
+                (tmp / "best.json").write_text(json.dumps(record, indent=2))
+
+        self.run_dir.write_final(write, directory)
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def _trainer_state(self) -> dict[str, Any]:
+    def checkpoint_roles(self) -> dict[str, Any]:
+        return {"model": self.trained}
+
+    def trainer_state(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "world_size": self.dist.world_size, "best": self.best,
                 "num_examples": self.order.num_examples}
 
-    def _resume(self) -> None:
-        state = self.run_dir.resume({"model": self.trained})
-        if state is None:
-            return
+    def restore(self, state: dict[str, Any]) -> None:
         if state.get("num_examples") != self.order.num_examples:
             raise RlhfError(f"--resume: the checkpoint was trained on {state.get('num_examples')} examples, this run "
                             f"has {self.order.num_examples}; resume with the same data and options")
@@ -328,7 +299,6 @@ class FitLoop:
             log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
                         "\n  ".join(differences))
         self.best = state.get("best")
-        self.start_step = state["step"]
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -117,6 +117,10 @@ class FitPlan:
                                       who=f"the {choice.name!r} {slot_info.kind.replace('_', ' ')}",
                                       flag=slot_info.flag)
 
+    def run_config(self) -> dict[str, Any]:
+        """The run's config as config.yaml records it (options, the LR used, every component setting)."""
+        return {**self.config.to_dict(), "lr": self.lr, "components": self.resolved_settings()}
+
     def resolved_settings(self) -> dict[str, dict[str, Any]]:
         """Every setting of every chosen component as the run uses it (for config.yaml)."""
         out = {}

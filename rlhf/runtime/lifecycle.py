@@ -1,0 +1,155 @@
+"""What every training loop does around its steps, the same for the RL `Trainer` and the offline
+`FitLoop`: the run directory, ``--resume``, lifecycle events, progress, checkpoints, ``final/``,
+interrupts and the errors a run ends with.
+
+Interrupts: the first Ctrl-C (SIGINT) or SIGTERM lets the current step finish, writes a
+checkpoint and ends the run with `RunInterrupted`, which names the checkpoint and the command
+that resumes it. A second one abandons the step at once (the latest checkpoint stays the one to
+resume from). Under a launcher every rank gets the signal; the ranks agree after each step, so
+they all stop after the same one.
+
+When a run fails, its first error is the one reported: an error raised by an ``on_run_end``
+hook while the run is already failing is logged, not raised in its place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlhf.core.distributed import DistContext
+from rlhf.core.errors import RunInterrupted
+from rlhf.core.plugins import PluginSet
+from rlhf.core.types import RunInfo
+from rlhf.runtime import checkpoint
+from rlhf.runtime.progress import RL_FIELDS, Progress
+from rlhf.runtime.run_dir import RunDirectory
+
+log = logging.getLogger(__name__)
+
+
+class SteppedLoop(Protocol):
+    """What `run_loop` needs from a training loop."""
+
+    run_dir: RunDirectory
+    dist: DistContext
+    plugins: PluginSet
+    total_steps: int
+    start_step: int
+    fingerprint: dict[str, Any]
+
+    def run_step(self, step: int, run: RunInfo) -> dict[str, float]: ...  # one step; its metrics
+
+    def checkpoint_roles(self) -> dict[str, Any]: ...  # what a checkpoint saves (``save(dir)``/``load(dir)``)
+
+    def trainer_state(self) -> dict[str, Any]: ...  # JSON data saved with them
+
+    def restore(self, state: dict[str, Any]) -> None: ...  # the trainer state of the checkpoint resumed from
+
+    def export_final(self, directory: Path) -> None: ...  # the trained model(s), on every rank
+
+
+class StopRequest:
+    """The first SIGINT/SIGTERM asks the loop to stop after its step; the second interrupts."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals reach only the main thread; elsewhere Ctrl-C keeps its usual meaning
+            return
+        previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:
+            raise KeyboardInterrupt(name)
+        self.requested = name
+        log.warning("%s: finishing this step, then writing a checkpoint (send it again to stop at once)", name)
+
+
+def run_loop(loop: SteppedLoop, *, config: dict[str, Any], plugins_record: dict[str, Any], resume: bool,
+             save_every: int, keep_checkpoints: int, progress: bool, command: str,
+             fields: tuple[tuple[str, str, str], ...] = RL_FIELDS) -> Path:
+    """Drive ``loop`` from its first (or resumed) step to ``final/``; returns the run directory."""
+    run_dir, dist = loop.run_dir, loop.dist
+    run_dir.prepare(config=config, resume=resume, plugins=plugins_record)
+    if resume:
+        state = run_dir.resume(loop.checkpoint_roles())
+        if state is not None:
+            loop.restore(state)
+            loop.start_step = state["step"]
+    run = RunInfo(config=config, out_dir=run_dir.path, start_step=loop.start_step, total_steps=loop.total_steps,
+                  plugins=loop.fingerprint.get("hash", ""))
+    bar = Progress(loop.total_steps, loop.start_step, enabled=progress and dist.is_main, fields=fields)
+    stop = StopRequest()
+    emit = _emitter(loop)
+    status, done = "failed", loop.start_step
+    try:
+        emit("on_run_start", run=run)
+        with stop.installed():
+            for step in range(loop.start_step, loop.total_steps):
+                metrics = loop.run_step(step, run)
+                emit("on_step_end", run=run, step=step, metrics=metrics)
+                bar.update(step, metrics)
+                done = step + 1
+                stopping = any(dist.all_gather(stop.requested is not None)) if dist.active else bool(stop.requested)
+                if done == loop.total_steps or (save_every and done % save_every == 0) or stopping:
+                    path = run_dir.save_checkpoint(done, loop.checkpoint_roles(), loop.trainer_state(),
+                                                   keep=keep_checkpoints)
+                    emit("on_checkpoint", run=run, step=done, path=path)
+                if stopping and done < loop.total_steps:
+                    raise KeyboardInterrupt(stop.requested or "a signal on another rank")
+            loop.export_final(run_dir.final)
+        status = "completed"
+    except KeyboardInterrupt as exc:
+        status = "interrupted"
+        raise _interrupted(run_dir, command, done, loop.total_steps, str(exc)) from None
+    finally:
+        bar.close()
+        _end(emit, run, status)
+    return run_dir.path
+
+
+def _emitter(loop: SteppedLoop) -> Any:
+    def emit(event: str, **kwargs: Any) -> None:
+        if loop.dist.is_main:
+            loop.plugins.emit(event, **kwargs)
+
+    return emit
+
+
+def _end(emit: Any, run: RunInfo, status: str) -> None:
+    """``on_run_end``; when the run already failed, an error here is logged so the first one is reported."""
+    if status == "completed":
+        emit("on_run_end", run=run, status=status)
+        return
+    try:
+        emit("on_run_end", run=run, status=status)
+    except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+        log.error("on_run_end also failed (after the error below): %s", exc)
+
+
+def _interrupted(run_dir: RunDirectory, command: str, done: int, total: int, why: str) -> RunInterrupted:
+    latest = checkpoint.latest_checkpoint(run_dir.path)
+    where = (f"the latest checkpoint is {latest} (step {latest.name.removeprefix('step_')})" if latest is not None
+             else "no checkpoint was written")
+    resume = f"rlhf {command} --config {run_dir.path / 'config.yaml'} --resume"
+    return RunInterrupted(f"interrupted ({why or 'Ctrl-C'}) after step {done}/{total}; {where}. "
+                          f"Resume with: {resume}")
