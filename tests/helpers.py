@@ -66,7 +66,7 @@ def make_plugin() -> Callable[..., types.ModuleType]:
     def factory(name: str = "test_plugin", **hooks: Callable[..., Any]) -> types.ModuleType:
         module = types.ModuleType(name)
         for hook, fn in hooks.items():
-            setattr(module, hook, rlhf.hookimpl(fn))
+            setattr(module, hook, fn if hasattr(fn, "rlhf_impl") else rlhf.hookimpl(fn))  # keep trylast=True etc.
         return module
 
     return factory

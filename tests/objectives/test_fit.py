@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import rlhf
+
 from rlhf.core.plugins import build_plugin_manager
 from tests.helpers import run_cli
 from tests.runtime.recording import RecordingBackend, recording_plugin
@@ -149,20 +151,21 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, data, tmp_path,
 
     def crash(step):
         if step == 2:
-            raise KeyboardInterrupt  # killed right after the step-2 checkpoint
+            raise KeyboardInterrupt  # killed after step 3 was logged, before its checkpoint
 
     interrupted = tmp_path / "interrupted"
     plugins = build_plugin_manager(load_entrypoints=False)
-    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    plugins.register(make_plugin("killer", on_step_end=rlhf.hookimpl(trylast=True)(crash)))  # after the loggers
     with pytest.raises(KeyboardInterrupt):
         fit(config(interrupted), plugins=plugins)
     assert not (interrupted / "final").exists()
+    assert [m["step"] for m in read_jsonl(interrupted / "metrics.jsonl")] == [1, 2, 3]
     fit(config(interrupted, resume=True), plugins=build_plugin_manager(load_entrypoints=False))
 
     keys = ("train/loss", "train/grad_norm", "train/accuracy", "train/kl")
     expected = [{k: m[k] for k in keys} for m in read_jsonl(straight / "metrics.jsonl")]
     assert len(expected) == 4  # two epochs of two steps: the second epoch is a new shuffle
-    assert [{k: m[k] for k in keys} for m in read_jsonl(interrupted / "metrics.jsonl")] == expected
+    assert [{k: m[k] for k in keys} for m in read_jsonl(interrupted / "metrics.jsonl")] == expected  # step 3 once
     for name, value in weights(straight / "final").items():
         assert torch.equal(value, weights(interrupted / "final")[name]), name
 

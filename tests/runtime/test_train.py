@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+import rlhf
 import yaml
 
 from rlhf.core.errors import RlhfError
@@ -138,21 +140,22 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path,
 
     def crash(step):
         if step == 2:
-            raise KeyboardInterrupt  # as if the job were killed right after the step-2 checkpoint
+            raise KeyboardInterrupt  # as if the job were killed after step 3, its rows logged, its checkpoint not
 
     interrupted = tmp_path / "interrupted"
     plugins = build_plugin_manager()
-    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    plugins.register(make_plugin("killer", on_step_end=rlhf.hookimpl(trylast=True)(crash)))  # after the loggers
     with pytest.raises(KeyboardInterrupt):
         train(small_config(tiny_model_dir, task, interrupted, steps=4, save_every=2), plugins=plugins)
     assert not (interrupted / "final").exists()
+    assert [m["step"] for m in read_jsonl(interrupted / "metrics.jsonl")] == [1, 2, 3]
     train(small_config(tiny_model_dir, task, interrupted, steps=4, save_every=2, resume=True),
           plugins=build_plugin_manager())
 
     keys = ("reward/mean", "policy/loss", "policy/grad_norm", "response/length_mean")
     expected = [{k: m[k] for k in keys} for m in read_jsonl(straight / "metrics.jsonl")]
     resumed = [{k: m[k] for k in keys} for m in read_jsonl(interrupted / "metrics.jsonl")]
-    assert resumed == expected  # steps 1-2 before the crash, 3-4 after the resume
+    assert resumed == expected  # steps 1-2 before the crash, 3-4 after the resume: step 3's first rows were cut
     samples = lambda out: [(s["step"], s["completion"]) for s in read_jsonl(out / "samples.jsonl")]  # noqa: E731
     assert samples(interrupted) == samples(straight)
     for (name, a), b in zip(_final_weights(straight).items(), _final_weights(interrupted).values()):

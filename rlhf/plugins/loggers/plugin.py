@@ -7,8 +7,11 @@ process (tests, notebooks) do not mix.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +28,41 @@ def _jsonable(value: Any) -> Any:
 
 
 def _append(run: Any, name: str, record: dict[str, Any]) -> None:
+    """One JSON line, whole or not at all: a failed write (a full disk) is cut off the file and
+    reported with the file's name."""
     key = (name, Path(run.out_dir))
+    path = Path(run.out_dir) / name
     if key not in _open:
-        _open[key] = open(Path(run.out_dir) / name, "a", encoding="utf-8")
-    _open[key].write(json.dumps({k: _jsonable(v) for k, v in record.items()}, default=str) + "\n")
-    _open[key].flush()
+        _open[key] = open(path, "ab", buffering=0)
+    handle = _open[key]
+    line = (json.dumps({k: _jsonable(v) for k, v in record.items()}, default=str) + "\n").encode()
+    start = handle.tell()
+    try:
+        written = handle.write(line)
+        if written != len(line):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            handle.truncate(start)
+        raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def cut_back(path: Path, step: int) -> None:
+    """Keep the rows of steps up to ``step`` (a resumed run writes the later ones again), and drop a
+    torn last line; the file is rewritten through a temporary file."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_bytes().splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # the line a crash cut short
+        if line.endswith(b"\n") and isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
 
 
 def _close(run: Any) -> None:
@@ -44,6 +77,8 @@ def _close(run: Any) -> None:
 @rlhf.hookimpl
 def on_run_start(run):
     out = Path(run.out_dir)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        cut_back(out / name, run.start_step)
     if run.config.get("tensorboard"):
         try:
             from torch.utils.tensorboard import SummaryWriter
