@@ -87,7 +87,7 @@ class RunDirectory:
                               f"run's options (they are in {saved}), or pass --resume-override "
                               f"{' '.join(refused)} to change them from here on")
         for key in sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k in RESUME_FREE
-                          and k not in ("resume", "out")):
+                          and k not in ("resume", "resume_override", "out")):
             log.warning("--resume: %s changed from %r to %r", key, before.get(key), now.get(key))
         for key in changed:
             log.warning("--resume: %s changed from %r to %r (--resume-override)", key, before.get(key), now.get(key))

@@ -1,0 +1,196 @@
+"""The run directory's lifecycle, shared by `rlhf train` and the fit commands (rlhf/runtime/lifecycle.py):
+checkpoints load no pickled code, --resume refuses changed options unless --resume-override names
+them, Ctrl-C and SIGTERM write a checkpoint and print the resume command, final/ appears whole or
+not at all, a run that failed at start is no run, and a full disk names the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf.core.errors import RlhfError
+from rlhf.core.plugins import build_plugin_manager
+from rlhf.runtime.local import train
+from rlhf.runtime.run_dir import RunDirectory
+from tests.helpers import run_cli
+from tests.runtime.test_train import read_jsonl, small_config
+
+
+def train_args(model, task, out, *extra):
+    return ["train", "--model", str(model), "--data", str(task / "data.jsonl"), "--label-key", "answer",
+            "--reward", str(task / "rewards.py"), "--prompts-per-step", "2", "--n-samples", "2",
+            "--max-new-tokens", "3", "--micro-batch-size", "2", "--lr", "1e-3", "--out", str(out), "--no-progress",
+            *extra]
+
+
+class Payload:
+    """Pickled, it calls ``open(marker, "w")`` when loaded: what a crafted checkpoint could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_holds_code_is_refused_not_run(tiny_model_dir, task, tmp_path, plugins):
+    import torch
+
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, steps=1), plugins=plugins)
+    marker = tmp_path / "pwned"
+    torch.save({"nonfinite_in_a_row": Payload(marker)}, out / "checkpoints" / "step_1" / "policy" / "state.pt")
+    with pytest.raises(RlhfError, match="state.pt holds more than tensors and plain data"):
+        train(small_config(tiny_model_dir, task, out, steps=1, resume=True), plugins=build_plugin_manager())
+    assert not marker.exists()
+
+
+def test_resume_refuses_changed_options_unless_overridden(tiny_model_dir, task, tmp_path, plugins, caplog):
+    out = tmp_path / "run"
+    assert run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1")).exit_code == 0
+
+    refused = run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "2", "--lr", "1e-2", "--resume"))
+    assert refused.exit_code == 2
+    assert "lr: 0.001 -> 0.01" in refused.output and "--resume-override lr steps" in refused.output
+    assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 1e-3  # untouched
+
+    result = run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "2", "--lr", "1e-2", "--resume",
+                                         "--resume-override", "lr", "--resume-override", "steps", "--save-every", "1"))
+    assert result.exit_code == 0, result.output
+    assert "resumed from checkpoints/step_1 (step 1)" in caplog.text
+    assert "save_every changed from 0 to 1" in caplog.text  # free to change, but said
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert metrics[0]["policy/lr"] == pytest.approx(1e-3) and metrics[1]["policy/lr"] == pytest.approx(1e-2)
+    assert yaml.safe_load((out / "config.until_step_1.yaml").read_text())["lr"] == 1e-3  # every config kept
+    assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 1e-2
+
+
+def test_resume_override_of_an_unknown_option_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
+    out = tmp_path / "run"
+    assert run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1")).exit_code == 0
+    result = run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1", "--resume",
+                                         "--resume-override", "learning_rate"))
+    assert result.exit_code == 2 and "--resume-override learning_rate: no such option" in result.output
+
+
+def test_a_run_that_failed_at_start_is_not_a_run(tiny_model_dir, task, tmp_path, make_plugin):
+    def fail(run):
+        raise RlhfError("a plugin broke at start")
+
+    out = tmp_path / "run"
+    broken = build_plugin_manager()
+    broken.register(make_plugin("broken", on_run_start=fail))
+    with pytest.raises(RlhfError, match="broke at start"):
+        train(small_config(tiny_model_dir, task, out, steps=1), plugins=broken)
+    assert (out / "config.yaml").is_file() and not RunDirectory(out).holds_run()
+    train(small_config(tiny_model_dir, task, out, steps=1), plugins=build_plugin_manager())  # the corrected rerun
+    assert RunDirectory(out).holds_run()
+    with pytest.raises(RlhfError, match="already holds a run"):
+        train(small_config(tiny_model_dir, task, out, steps=1), plugins=build_plugin_manager())
+
+
+def test_final_is_replaced_whole_or_not_at_all(tmp_path):
+    run_dir = RunDirectory(tmp_path / "run")
+    run_dir.path.mkdir()
+
+    def write(folder: Path, text: str, fail: bool = False) -> None:
+        (folder / "model.safetensors").write_text(text)
+        if fail:
+            raise OSError(28, "No space left on device", str(folder / "config.json"))
+        (folder / "config.json").write_text("{}")
+
+    run_dir.write_final(lambda folder: write(folder, "first"))
+    with pytest.raises(RlhfError, match=r"cannot write .*config.json: No space left on device"):
+        run_dir.write_final(lambda folder: write(folder, "second", fail=True))
+    assert (run_dir.final / "model.safetensors").read_text() == "first"
+    assert sorted(p.name for p in run_dir.final.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_full_disk_names_the_file_and_the_first_error_wins(tiny_model_dir, task, tmp_path, make_plugin):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+
+    def fill(run):
+        (Path(run.out_dir) / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+
+    def end(run, status):
+        raise RuntimeError("an on_run_end that fails too")
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("full", on_run_start=fill, on_run_end=end))
+    with pytest.raises(RlhfError, match=r"cannot write .*metrics.jsonl: No space left on device"):
+        train(small_config(tiny_model_dir, task, tmp_path / "run", steps=1), plugins=plugins)
+
+
+def test_on_run_end_errors_do_not_hide_a_completed_runs_failure_to_finish(tmp_path):
+    """The other way round: a run that completed reports an on_run_end failure (nothing hides it)."""
+    from rlhf.runtime.lifecycle import _end
+
+    def emit(event, **kwargs):
+        raise RuntimeError("flush failed")
+
+    with pytest.raises(RuntimeError, match="flush failed"):
+        _end(emit, None, "completed")
+    _end(emit, None, "failed")  # logged: the run's own error is the one raised
+
+
+# --- interrupts, end to end -------------------------------------------------------------------------
+
+
+def _interrupt(args: list[str], sig: int, out: Path) -> subprocess.CompletedProcess:
+    """Start ``python -m rlhf ARGS``, send ``sig`` once a step was logged, and wait for it to end."""
+    env = {**os.environ, "RLHF_LOAD_PLUGINS": ""}
+    process = subprocess.Popen([sys.executable, "-m", "rlhf", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no step was logged"
+        time.sleep(0.05)
+    process.send_signal(sig)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_prints_the_resume_command(tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    result = _interrupt(train_args(tiny_model_dir, task, out, "--steps", "200"), signal.SIGINT, out)
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Aborted!" not in result.stderr and "Traceback" not in result.stderr
+    resume = f"rlhf train --config {out / 'config.yaml'} --resume"
+    assert f"Resume with: {resume}" in result.stderr
+    logged = [m["step"] for m in read_jsonl(out / "metrics.jsonl")]
+    assert 1 <= logged[-1] < 200 and (out / "checkpoints" / f"step_{logged[-1]}").is_dir()
+    assert not (out / "final").exists()
+
+    again = subprocess.run([sys.executable, "-m", *resume.split()[:-1], "--resume", "--steps", str(logged[-1] + 1),
+                            "--resume-override", "steps"], capture_output=True, text=True,
+                           env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from checkpoints/step_{logged[-1]}" in again.stderr
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, logged[-1] + 2))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_an_sft_run_at_a_checkpoint(tiny_model_dir, tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "response": f"A{i}"}) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    result = _interrupt(["sft", "--model", str(tiny_model_dir), "--data", str(data), "--batch-size", "2",
+                         "--micro-batch-size", "2", "--epochs", "100", "--out", str(out), "--no-progress"],
+                        signal.SIGTERM, out)
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert f"Resume with: rlhf fit --config {out / 'config.yaml'} --resume" in result.stderr
+    last = read_jsonl(out / "metrics.jsonl")[-1]["step"]
+    state = json.loads((out / "checkpoints" / f"step_{last}" / "trainer_state.json").read_text())
+    assert state["step"] == last
