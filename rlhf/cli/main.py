@@ -27,11 +27,19 @@ class RootGroup(click.Group):
             if debug_enabled(ctx):
                 raise
             if isinstance(exc, ConfigError):
-                raise click.UsageError(str(exc), ctx) from None
+                raise click.UsageError(str(exc), _subcommand_context(ctx)) from None
             error = click.ClickException(str(exc))
             if isinstance(exc, RunInterrupted):
                 error.exit_code = 130  # as a shell reports a Ctrl-C
             raise error from None
+
+
+def _subcommand_context(ctx: click.Context) -> click.Context:
+    """The context of the subcommand that failed, so the usage line and the ``-h`` hint name it
+    (``rlhf train``), not the group (whose own context is all that is left once it failed)."""
+    name = ctx.invoked_subcommand
+    command = ctx.command.get_command(ctx, name) if name and isinstance(ctx.command, click.Group) else None
+    return click.Context(command, info_name=name, parent=ctx) if command is not None else ctx
 
 
 def make_cli(plugins: PluginSet) -> click.Group:

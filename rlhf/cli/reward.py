@@ -10,7 +10,7 @@ import click
 ON_ERROR = ("raise", "zero", "skip")
 
 
-@click.group("reward")
+@click.group("reward", short_help="Serve a reward source over HTTP (rlhf reward serve).")
 def reward_group() -> None:
     """Reward sources: serve one over HTTP for other trainers or machines."""
 

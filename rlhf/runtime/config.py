@@ -167,6 +167,13 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
             raise ConfigError("--data is required (a prompt dataset)")
         if self.prompts_per_step < 1 or self.n_samples < 1 or self.micro_batch_size < 1:
             raise ConfigError("--prompts-per-step, --n-samples and --micro-batch-size must be at least 1")
+        for name, value in (("--steps", self.steps), ("--max-new-tokens", self.max_new_tokens),
+                            ("--ppo-epochs", self.ppo_epochs)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1; got {value}")
+        for name, value in (("--lr", self.lr), ("--critic-lr", self.critic_lr)):
+            if not value > 0:
+                raise ConfigError(f"{name} must be positive; got {value}")
         rollout = self.prompts_per_step * self.n_samples
         train_batch = self.train_batch_size or rollout
         if rollout % train_batch:

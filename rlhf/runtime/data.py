@@ -61,7 +61,14 @@ def load_one(path: str, split: str):
             builder = _FILE_BUILDERS.get(local.suffix)
             if builder is None:
                 raise DataError(f"{path}: unsupported file type {local.suffix!r}; use .jsonl, .json, .parquet or .csv")
-            return datasets.load_dataset(builder, data_files=str(local), split="train")
+            if local.suffix != ".parquet":
+                check_utf8(local)
+            try:
+                return datasets.load_dataset(builder, data_files=str(local), split="train")
+            except Exception:
+                if local.suffix == ".jsonl":
+                    check_json_lines(local)  # names the line that broke it
+                raise
         if local.is_dir():
             loaded = datasets.load_from_disk(str(local))
             if isinstance(loaded, datasets.DatasetDict):
@@ -76,6 +83,52 @@ def load_one(path: str, split: str):
         raise
     except Exception as exc:  # datasets raises many types; the user needs the path and the cause
         raise DataError(f"could not load dataset {path!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """Text data must be UTF-8: name the line and byte of the first that is not."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as handle:
+        while True:
+            data = handle.read(chunk)
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as exc:
+                position = offset + exc.start - len(decoder.getstate()[0])
+                with open(path, "rb") as again:
+                    before = again.read(max(position, 0))
+                line = before.count(b"\n") + 1
+                column = len(before) - (before.rfind(b"\n") + 1) + 1
+                raise DataError(f"{path} line {line}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at column "
+                                f"{column}); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            if not data:
+                return
+            offset += len(data)
+
+
+def check_json_lines(path: Path) -> None:
+    """Raise a `DataError` naming the first line of a .jsonl file that is not a JSON object."""
+    import json
+
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{path} line {number}: not valid JSON ({exc.msg} at column {exc.colno}): "
+                                f"{_shorten(line.strip())}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {number}: each line must be a JSON object {{...}}, got "
+                                f"{type(row).__name__}: {_shorten(line.strip())}")
+
+
+def _shorten(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def load_prompts(settings: DataSettings):
@@ -147,8 +200,12 @@ class PromptFormatter:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
-            if not isinstance(prompt, str):
+            if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
                 raise DataError(f"{origin}: {s.input_key!r} holds chat messages; add --apply-chat-template")
+            if not isinstance(prompt, str):
+                raise DataError(f"{origin}: {s.input_key!r} must be a string (or a list of {{role, content}} "
+                                f"messages, with --apply-chat-template); got {type(prompt).__name__} "
+                                f"{_shorten(repr(prompt), 60)}")
             text = s.input_template.replace("{}", prompt) if s.input_template else prompt
             ids = self.tokenizer(text)["input_ids"]
         truncated = len(ids) > s.max_prompt_length
@@ -156,8 +213,9 @@ class PromptFormatter:
             ids = ids[-s.max_prompt_length:]
             self.truncated_count += 1
             if self.truncated_count == 1:
-                log.warning("%s: prompt longer than --max-prompt-length %d tokens; its start was cut "
-                            "(counted in data/truncated_prompts)", origin, s.max_prompt_length)
+                log.warning("%s: prompt longer than --max-prompt-length %d tokens; its start was cut (said for the "
+                            "first such prompt only; raise --max-prompt-length to keep prompts whole)", origin,
+                            s.max_prompt_length)
         columns = {k: v for k, v in row.items() if k not in (s.input_key, _SOURCE, _ROW)}
         label = row[s.label_key] if s.label_key else None
         return PromptItem(prompt=prompt, prompt_text=text, prompt_ids=list(ids), label=label, columns=columns,

@@ -31,7 +31,7 @@ from rlhf.core.errors import ConfigError
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.critic import CriticModel
 from rlhf.plugins.models.loading import (ATTENTION, DTYPES, check_attention, enable_activation_checkpointing,
-                                         is_installed, quiet_transformers, read_chat_template, resolve_device,
+                                         is_installed, loading_errors, quiet_transformers, read_chat_template, resolve_device,
                                          resolve_dtype, set_pad_token)
 from rlhf.plugins.models.lora import DEFAULT_RANK, LoRA
 from rlhf.plugins.models.reward import RewardModel
@@ -63,7 +63,8 @@ class HFModelAdapter(ModelAdapterBase):
     def load_tokenizer(self, ref: str) -> Any:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=self.config.trust_remote_code)
+        with loading_errors(ref, weights=False):
+            tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=self.config.trust_remote_code)
         set_pad_token(tokenizer, ref)
         if self.config.chat_template:
             tokenizer.chat_template = read_chat_template(self.config.chat_template)
@@ -98,7 +99,7 @@ class HFModelAdapter(ModelAdapterBase):
         if self.lora is not None:
             kwargs.update(self.lora.quantization_kwargs(self.dtype))
         try:
-            with quiet_transformers() if quiet else contextlib.nullcontext():
+            with loading_errors(ref), quiet_transformers() if quiet else contextlib.nullcontext():
                 model = getattr(transformers, auto_class).from_pretrained(ref, **kwargs)
         except ValueError as exc:
             message = str(exc)

@@ -52,6 +52,35 @@ def check_attention(name: str, device: torch.device) -> None:
                           f"this run's device is {device}. Use --attn-implementation sdpa")
 
 
+def check_model_ref(ref: str, *, weights: bool = True) -> None:
+    """A reference written as a path (``/``, ``./``, ``../``, ``~``, or more than one ``/``) must be a
+    directory; otherwise transformers tries it as a hub name and fails with a long traceback."""
+    looks_like_path = ref.startswith(("/", "./", "../", "~", ".\\")) or ref.count("/") > 1 or ref in (".", "..")
+    path = Path(ref).expanduser()
+    if looks_like_path and not path.exists():
+        raise ConfigError(f"{ref}: no such model directory (a model is a local Hugging Face directory with "
+                          "config.json, or a hub name like org/name)")
+    if path.is_file():
+        raise ConfigError(f"{ref} is a file; a model is a directory with config.json and the weights")
+    marks = ("config.json", "adapter_config.json") if weights else ("config.json", "tokenizer_config.json",
+                                                                      "tokenizer.json")
+    if path.is_dir() and not any((path / mark).is_file() for mark in marks):
+        raise ConfigError(f"{ref} has no {' or '.join(marks)}: it is not a Hugging Face "
+                          f"{'model' if weights else 'model or tokenizer'} directory")
+
+
+@contextlib.contextmanager
+def loading_errors(ref: str, *, weights: bool = True) -> Iterator[None]:
+    """``from_pretrained`` failures as one line naming the model (transformers raises OSError);
+    ``weights=False`` for a tokenizer, whose directory needs no config.json."""
+    check_model_ref(ref, weights=weights)
+    try:
+        yield
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"cannot load the model {ref}: {first}") from exc
+
+
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Non-reentrant checkpointing: gradients reach adapters even when the inputs need none."""
     kwargs = {"use_reentrant": False}

@@ -45,13 +45,13 @@ class TextFormatter:
         if self.uses_chat_template:
             return self._template(_messages(value, "user"), generation_prompt=True)
         if not isinstance(value, str):
-            raise BadRow("holds chat messages, not a string; add --apply-chat-template")
+            raise BadRow(_not_text("the prompt", value))
         return self.input_template.replace("{}", value) if self.input_template else value
 
     def response(self, prompt: Any, value: Any) -> str:
         if not self.uses_chat_template:
             if not isinstance(value, str):
-                raise BadRow("a response holds chat messages, not a string; add --apply-chat-template")
+                raise BadRow(_not_text("a response", value))
             return value.rstrip("\n")
         prompt_text = self.prompt(prompt)
         full = self._template(_messages(prompt, "user") + _messages(value, "assistant"), generation_prompt=False)
@@ -115,3 +115,11 @@ def _messages(value: Any, role: str) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not all(isinstance(m, dict) and "content" in m for m in value):
         raise BadRow("must be a string or a list of {role, content} messages")
     return list(value)
+
+
+def _not_text(what: str, value: Any) -> str:
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value):
+        return f"{what} holds chat messages, not a string; add --apply-chat-template"
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
+    return f"{what} must be a string (or {{role, content}} messages, with --apply-chat-template); got " \
+           f"{type(value).__name__} {shown}"

@@ -1,0 +1,123 @@
+"""User errors through the real CLI: one line that says what is wrong and what to do, no traceback,
+and (where the check needs no model) before any model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_cli
+
+
+def train(plugins, model, data, out, *extra):
+    return run_cli(plugins, ["train", "--model", str(model), "--data", str(data), "--label-key", "answer",
+                             "--reward", "examples/rewards.py:exact_match", "--n-samples", "2", "--prompts-per-step",
+                             "2", "--max-new-tokens", "2", "--steps", "1", "--out", str(out), "--no-progress", *extra])
+
+
+def sft(plugins, model, data, out, *extra):
+    return run_cli(plugins, ["sft", "--model", str(model), "--data", str(data), "--out", str(out), "--no-progress",
+                             "--batch-size", "2", "--micro-batch-size", "2", *extra])
+
+
+def assert_one_line(result, code: int, text: str) -> None:
+    assert result.exit_code == code, result.output
+    assert text in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", [train, sft])
+def test_a_model_path_that_does_not_exist(command, task, tmp_path, plugins):
+    result = command(plugins, tmp_path / "no-such-model", task / "data.jsonl", tmp_path / "run")
+    assert_one_line(result, 2, f"{tmp_path / 'no-such-model'}: no such model directory")
+
+
+def test_a_model_directory_without_config(task, tmp_path, plugins):
+    (tmp_path / "empty").mkdir()
+    result = train(plugins, tmp_path / "empty", task / "data.jsonl", tmp_path / "run")
+    assert_one_line(result, 2, "it is not a Hugging Face model or tokenizer directory")
+
+
+@pytest.mark.parametrize("command", [train, sft])
+def test_a_malformed_json_line_is_named_and_shown(command, tiny_model_dir, tmp_path, plugins):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": "2", "response": "2"}\n{"prompt": "2 + 2?", answer: "4"}\n')
+    result = command(plugins, tiny_model_dir, data, tmp_path / "run")
+    assert_one_line(result, 2, f'{data} line 2: not valid JSON (Expecting property name enclosed in double quotes '
+                               'at column 22): {"prompt": "2 + 2?", answer: "4"}')
+
+
+def test_non_utf8_data_names_the_line(tiny_model_dir, tmp_path, plugins):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    result = train(plugins, tiny_model_dir, data, tmp_path / "run")
+    assert_one_line(result, 2, f"{data} line 2: not UTF-8 text (byte 0xe9 at column 16)")
+
+
+def test_a_prompt_that_is_neither_text_nor_messages(tiny_model_dir, tmp_path, plugins):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": 7, "answer": "1"}) + "\n" for _ in range(2)))
+    result = train(plugins, tiny_model_dir, data, tmp_path / "run")
+    assert_one_line(result, 2, "'prompt' must be a string (or a list of {role, content} messages, with "
+                               "--apply-chat-template); got int 7")
+    assert "holds chat messages" not in result.output
+
+
+def test_a_response_that_is_not_text_in_sft(tiny_model_dir, tmp_path, plugins):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "q", "response": 3}) + "\n" for _ in range(2)))
+    result = sft(plugins, tiny_model_dir, data, tmp_path / "run")
+    assert result.exit_code == 2 and "a response must be a string" in result.output, result.output
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--lr", "-1", "--lr must be positive; got -1.0"),
+    ("--steps", "0", "--steps must be at least 1; got 0"),
+    ("--max-new-tokens", "0", "--max-new-tokens must be at least 1; got 0"),
+])
+def test_out_of_range_train_options(flag, value, message, task, tmp_path, plugins):
+    # a model that does not exist: the check must come first, before anything loads
+    result = train(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", flag, value)
+    assert_one_line(result, 2, message)
+
+
+def test_out_of_range_fit_options(task, tmp_path, plugins):
+    result = sft(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", "--lr", "0")
+    assert_one_line(result, 2, "--lr must be positive; got 0.0")
+
+
+@pytest.mark.parametrize("command", [train, sft])
+def test_an_unwritable_out_fails_before_models_load(command, task, tmp_path, plugins):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "run"
+    result = command(plugins, tmp_path / "not-loaded", task / "data.jsonl", out)
+    assert_one_line(result, 2, f"--out {out}: cannot write there (Not a directory)")
+
+
+def test_model_directory_errors_need_no_transformers_traceback(tmp_path):
+    from rlhf.core.errors import ConfigError
+    from rlhf.plugins.models.loading import check_model_ref
+
+    check_model_ref("org/name")  # a hub name is left to the hub
+    with pytest.raises(ConfigError, match="is a file"):
+        (tmp_path / "weights.bin").write_text("")
+        check_model_ref(str(tmp_path / "weights.bin"))
+    tokenizer_only = Path(tmp_path / "tok")
+    tokenizer_only.mkdir()
+    (tokenizer_only / "tokenizer.json").write_text("{}")
+    check_model_ref(str(tokenizer_only), weights=False)
+
+
+def test_a_usage_error_points_at_the_subcommands_help(task, tmp_path, plugins):
+    result = train(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", "--lr", "-1")
+    assert "cli train [OPTIONS]" in result.output and "cli train --help' for help" in result.output, result.output
+
+
+def test_the_command_list_cuts_no_line_short(plugins):
+    result = run_cli(plugins, ["--help"])
+    assert result.exit_code == 0
+    commands = result.output.split("Commands:")[1]
+    assert "..." not in commands, commands
+    assert commands.count("(") == commands.count(")"), commands
