@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ def import_object(ref: str, *, default_attr: str | None = None) -> Any:
 
 
 def _load_module(name: str) -> Any:
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or ".") == cwd for p in sys.path):
+        sys.path.append(cwd)  # modules of the current directory import, as under `python -m` (after installed ones)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:

@@ -71,6 +71,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     # --- data -------------------------------------------------------------------------------
     input_key: str = _opt("prompt", "Dataset column holding the prompt (a string or chat messages)", "data")
     label_key: str | None = _opt(None, "Dataset column passed to rewards as the label", "data")
+    allow_missing_labels: bool = _opt(False, "Train on rows whose --label-key value is missing (rewards get "
+                                      "label None); without it such rows stop the run before it starts", "data")
     max_prompt_length: int = _opt(1024, "Prompt tokens kept (longer prompts lose their start, with a warning)", "data")
 
     # --- algorithm --------------------------------------------------------------------------

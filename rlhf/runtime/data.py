@@ -42,6 +42,7 @@ class DataSettings:
     paths: list[str]
     input_key: str = "prompt"
     label_key: str | None = None
+    allow_missing_labels: bool = False
     probs: list[float] | None = None
     split: str = "train"
     apply_chat_template: bool = False
@@ -133,9 +134,25 @@ def _shorten(text: str, limit: int = 120) -> str:
 
 def load_prompts(settings: DataSettings):
     """Load, check and mix the prompt datasets; each row remembers its file and row number."""
-    return load_rows(settings.paths, split=settings.split, columns=[settings.input_key, settings.label_key],
+    rows = load_rows(settings.paths, split=settings.split, columns=[settings.input_key, settings.label_key],
                      probs=settings.probs, max_samples=settings.max_samples, seed=settings.seed,
                      hint="set --input-key / --label-key")
+    if settings.label_key:
+        check_labels(rows, settings.label_key, allow_missing=settings.allow_missing_labels)
+    return rows
+
+
+def check_labels(rows: Any, key: str, *, allow_missing: bool) -> None:
+    """Rows without a label would reach the rewards with label None: refuse them, or say how many."""
+    missing = [i for i, label in enumerate(rows[key]) if label is None]
+    if not missing:
+        return
+    first = row_origin(rows[missing[0]])
+    if not allow_missing:
+        raise DataError(f"--label-key {key}: {len(missing)} of {len(rows)} rows have no label (the first: {first}); "
+                        "fix the data, or pass --allow-missing-labels to train on them with label None")
+    log.warning("--label-key %s: %d of %d rows have no label (the first: %s); their rewards get label None",
+                key, len(missing), len(rows), first)
 
 
 def load_rows(paths: list[str], *, split: str, columns: list[str | None], probs: list[float] | None = None,

@@ -227,13 +227,20 @@ def test_cli_train_with_lora_rank_end_to_end(tiny_model_dir, task, tmp_path):
     template.write_text("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
                         "{% if add_generation_prompt %}<<assistant>>{% endif %}")
     out = tmp_path / "run"
-    args = ["--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--reward", str(task / "rewards.py"),
+    (tmp_path / "base").symlink_to(tiny_model_dir)  # --model as a relative path, as users write it
+    args = ["--model", "./base", "--data", str(task / "data.jsonl"), "--reward", str(task / "rewards.py"),
             "--prompts-per-step", "2", "--n-samples", "2", "--max-new-tokens", "4", "--steps", "1",
             "--lora-rank", "8", "--lora-alpha", "8", "--target-modules", "q_proj,v_proj", "--merge-lora",
             "--chat-template", str(template), "--apply-chat-template", "--out", str(out)]
     result = subprocess.run([sys.executable, "-m", "rlhf", "train", *args], capture_output=True, text=True,
-                            env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
+                            env={**os.environ, "RLHF_LOAD_PLUGINS": ""}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    merged = subprocess.run([sys.executable, "-m", "rlhf", "merge-lora", str(out / "final"), "--out", "merged"],
+                            capture_output=True, text=True, env={**os.environ, "RLHF_LOAD_PLUGINS": ""}, cwd=elsewhere)
+    assert merged.returncode == 0, merged.stderr[-3000:]  # the adapter names its base by an absolute path
+    assert (elsewhere / "merged" / "config.json").is_file()
     config = json.loads((out / "final" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (8, 8, ["q_proj", "v_proj"])
     assert (out / "final" / "merged" / "config.json").is_file()

@@ -121,3 +121,34 @@ def test_the_command_list_cuts_no_line_short(plugins):
     commands = result.output.split("Commands:")[1]
     assert "..." not in commands, commands
     assert commands.count("(") == commands.count(")"), commands
+
+
+def test_missing_labels_are_counted_and_refused_unless_allowed(tiny_model_dir, tmp_path, plugins, caplog):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "2 + 2?"}\n{"prompt": "3 + 3?", "answer": "6"}\n'
+                    '{"prompt": "4 + 4?"}\n')
+    refused = train(plugins, tiny_model_dir, data, tmp_path / "run")
+    assert_one_line(refused, 2, f"--label-key answer: 2 of 4 rows have no label (the first: {data} row 2); fix the "
+                                "data, or pass --allow-missing-labels")
+    allowed = train(plugins, tiny_model_dir, data, tmp_path / "run", "--allow-missing-labels")
+    assert allowed.exit_code == 0, allowed.output
+    assert "2 of 4 rows have no label" in caplog.text
+
+
+@pytest.mark.slow
+def test_module_rewards_import_from_the_current_directory(tiny_model_dir, task, tmp_path):
+    """The `rlhf` script (not `python -m`) does not put the current directory on sys.path by itself."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "my_rewards.py").write_text("def reward_func(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    script = shutil.which("rlhf", path=str(Path(sys.executable).parent))
+    assert script is not None
+    result = subprocess.run([script, "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                             "--reward", "my_rewards:reward_func", "--n-samples", "2", "--prompts-per-step", "2",
+                             "--max-new-tokens", "2", "--steps", "1", "--out", "run", "--no-progress"],
+                            capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["reward/mean"] == 1.0

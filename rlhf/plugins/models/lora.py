@@ -20,6 +20,7 @@ Deviations: the reference view returns full-length logits (peft's forward does n
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +97,7 @@ class LoRA:
              dtype: torch.dtype) -> None:
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
+        absolute_base(out_dir / "adapter_config.json")
         if self.config.merge_lora:
             merge_lora(out_dir, out_dir / "merged", base=base, dtype=dtype,
                        trust_remote_code=self.config.trust_remote_code)
@@ -166,6 +168,16 @@ class AdapterDisabledModel(torch.nn.Module):
             return self.policy.generate(*args, **kwargs)
 
 
+def absolute_base(config_file: Path) -> None:
+    """peft records the base model as it was named (``./base``); a local one is recorded as an
+    absolute path so the adapter loads (``rlhf merge-lora``, peft) from any directory."""
+    values = json.loads(config_file.read_text())
+    base = values.get("base_model_name_or_path")
+    if base and Path(base).expanduser().is_dir() and not Path(base).is_absolute():
+        values["base_model_name_or_path"] = str(Path(base).expanduser().resolve())
+        config_file.write_text(json.dumps(values, indent=2, sort_keys=True))
+
+
 def merge_lora(adapter_dir: str | Path, out_dir: str | Path, *, base: str | None = None,
                dtype: torch.dtype | str = "auto", trust_remote_code: bool = False) -> Path:
     """Write ``base`` with the adapter in ``adapter_dir`` merged in, as a plain HF model, to ``out_dir``.
@@ -182,6 +194,10 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, *, base: str | None
     base = base or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
     if not base:
         raise ConfigError(f"{adapter_dir}/adapter_config.json names no base model; pass --base MODEL")
+    if not Path(base).is_absolute() and base.startswith((".", "~")) and not Path(base).expanduser().is_dir():
+        raise ConfigError(f"{adapter_dir}/adapter_config.json names its base model by the relative path {base!r}, "
+                          f"which is not a directory from here ({Path.cwd()}); pass --base MODEL, or run from the "
+                          "directory the training ran in")
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
     except OSError as exc:
