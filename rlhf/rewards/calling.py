@@ -252,7 +252,7 @@ class FunctionSource(RewardSource):
 def describe_exception(exc: Exception, timeout_s: float) -> tuple[str, str, str]:
     """``(reason, message, traceback)`` of a failed call."""
     if isinstance(exc, _TimedOut):
-        return "timeout", f"no result after {timeout_s:g} s (--reward-timeout)", ""
+        return "timeout", f"no result after {timeout_s:g} s (--reward-timeout-s)", ""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return "exception", f"{type(exc).__name__}: {exc}", tb
 

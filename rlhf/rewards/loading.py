@@ -12,6 +12,7 @@ the model directory's name; names made equal by two sources get ``_2``, ``_3``, 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ from rlhf.rewards.options import RewardOptions
 from rlhf.rewards.remote import HttpSource, parse_urls
 from rlhf.rewards.reward_model import RewardModelSource, is_model_dir
 from rlhf.rewards.source import RewardSource
+
+log = logging.getLogger(__name__)
 
 SPEC_FORMS = ("an http(s):// URL, a registered reward name, file.py[:func] (default func reward_func), "
               "module:attr, or a directory holding a reward model's config.json")
@@ -128,4 +131,15 @@ def build_set(specs: Sequence[str], registry: Registry | None, options: RewardOp
         sources.append(build_source(text, registry, options))
         weights.append(weight)
     unique_names(sources)
+    warn_untimed(sources, options)
     return RewardSet(sources, weights, on_error=options.on_error)
+
+
+def warn_untimed(sources: Sequence[RewardSource], options: RewardOptions) -> None:
+    """A timeout that was asked for but cannot apply (a sync function runs in the calling thread) is said."""
+    default = RewardOptions.__dataclass_fields__["timeout_s"].default
+    inline = [s.name for s in sources if isinstance(s, FunctionSource) and s.inline]
+    if inline and options.timeout_s != default:
+        log.warning("--reward-timeout-s %g does not apply to the sync reward function(s) %s: they run in the calling "
+                    "thread. Add --reward-sync-in-thread to time them out (or make them async)",
+                    options.timeout_s, ", ".join(inline))

@@ -33,7 +33,7 @@ class RewardOptions:
     async_concurrency: int = field(default=64, metadata={"help": (
         "Calls of a per-sample async (or threaded) reward function running at once")})
     sync_in_thread: bool = field(default=False, metadata={"help": (
-        "Run sync reward functions in worker threads, where --reward-timeout applies. Off by default: they "
+        "Run sync reward functions in worker threads, where --reward-timeout-s applies. Off by default: they "
         "run in the calling thread like TRL and verl do, which signal-based verifiers (math_verify) need")})
     value_head_prefix: str = field(default="score", metadata={"help": (
         "Attribute holding the linear score head of a base-model reward checkpoint (OpenRLHF layout); "

@@ -115,7 +115,7 @@ class HttpSource(RewardSource):
                     status = response.status
             except asyncio.TimeoutError:
                 reason = "timeout"
-                last = f"no response from {url} within {self.options.timeout_s:g} s (--reward-timeout)"
+                last = f"no response from {url} within {self.options.timeout_s:g} s (--reward-timeout-s)"
             except (aiohttp.ClientError, OSError) as exc:
                 reason, last = "http", f"{url}: {type(exc).__name__}: {exc}"
             else:

@@ -152,3 +152,14 @@ def test_module_rewards_import_from_the_current_directory(tiny_model_dir, task, 
                             capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["reward/mean"] == 1.0
+
+
+def test_a_timeout_that_cannot_apply_to_a_sync_reward_is_said(caplog):
+    from rlhf.rewards import load_rewards
+
+    load_rewards(["examples/rewards.py:exact_match"], timeout_s=5)
+    assert "--reward-timeout-s 5 does not apply to the sync reward function(s) exact_match" in caplog.text
+    caplog.clear()
+    load_rewards(["examples/rewards.py:exact_match"], timeout_s=5, sync_in_thread=True)  # applies: nothing to say
+    load_rewards(["examples/rewards.py:exact_match"])  # the default, not asked for
+    assert "does not apply" not in caplog.text
