@@ -116,6 +116,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
                               "an http(s):// URL or a reward model directory (repeatable)", "reward")
     reward_options: RewardOptions = field(default_factory=RewardOptions, metadata={
         "help": "How reward sources run, time out, retry and fail (flags --reward-<field>)", "group": "reward"})
+    max_failed_reward_steps: int = _opt(3, "Stop after this many steps in a row where a reward source failed on every "
+                                        "sample (scored 0 or skipped under --reward-on-error zero/skip)", "reward")
 
     # --- optimisation -----------------------------------------------------------------------
     steps: int | None = _opt(None, "Training steps (default: one pass over the data)", "train")

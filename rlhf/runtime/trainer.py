@@ -85,6 +85,7 @@ class Trainer:
             recompute_old=plan.algorithm.needs_old_logprobs(plan.derived.optimizer_steps_per_step))
         self.fingerprint = plugin_fingerprint(plugins)
         self.start_step = 0
+        self.failed_reward_steps = 0  # steps in a row where a reward source failed on every sample
 
     # --- the run --------------------------------------------------------------------------------
 
@@ -97,7 +98,9 @@ class Trainer:
                         progress=self.config.progress, command="train")
 
     def run_step(self, step: int, run: RunInfo) -> dict[str, float]:
-        return self.step(step, run)
+        metrics = self.step(step, run)
+        self._check_rewards(step, metrics)
+        return metrics
 
     def export_final(self, directory: Path) -> None:
         self.run_dir.write_final(self.w.export, directory)
@@ -154,6 +157,24 @@ class Trainer:
         else:
             scored = None
         return self.dist.broadcast(scored) if self.dist.active else scored
+
+    def _check_rewards(self, step: int, metrics: dict[str, float]) -> None:
+        """A reward source that failed on every sample teaches nothing: say so, and stop after
+        ``--max-failed-reward-steps`` such steps in a row."""
+        size = self.plan.derived.rollout_batch_size
+        failed = sorted(k.removeprefix("reward/failures/") for k, v in metrics.items()
+                        if k.startswith("reward/failures/") and v >= size)
+        self.failed_reward_steps = self.failed_reward_steps + 1 if failed else 0
+        if not failed:
+            return
+        limit = self.config.max_failed_reward_steps
+        if self.failed_reward_steps >= limit:
+            raise RlhfError(f"the reward {', '.join(failed)} failed on every sample for {self.failed_reward_steps} "
+                            f"steps in a row (--reward-on-error {self.config.reward_options.on_error}); fix the reward "
+                            "(run with --reward-on-error raise to see its error) or raise --max-failed-reward-steps")
+        if self.dist.is_main:
+            log.warning("step %d: the reward %s failed on every sample (--reward-on-error %s); the run stops after %d "
+                        "such steps in a row", step + 1, ", ".join(failed), self.config.reward_options.on_error, limit)
 
     def _check_finite(self) -> None:
         for name in ("policy", "critic"):

@@ -194,3 +194,14 @@ def test_sigterm_stops_an_sft_run_at_a_checkpoint(tiny_model_dir, tmp_path):
     last = read_jsonl(out / "metrics.jsonl")[-1]["step"]
     state = json.loads((out / "checkpoints" / f"step_{last}" / "trainer_state.json").read_text())
     assert state["step"] == last
+
+
+def test_a_reward_that_fails_on_every_sample_warns_then_stops_the_run(tiny_model_dir, task, tmp_path, plugins,
+                                                                      caplog):
+    (tmp_path / "broken.py").write_text("def reward_func(completions, **kwargs):\n    raise ValueError('oops')\n")
+    config = small_config(tiny_model_dir, task, tmp_path / "run", steps=5, reward=[str(tmp_path / "broken.py")],
+                          reward_options={"on_error": "zero"}, max_failed_reward_steps=2)
+    with pytest.raises(RlhfError, match="the reward reward_func failed on every sample for 2 steps in a row"):
+        train(config, plugins=plugins)
+    assert "step 1: the reward reward_func failed on every sample (--reward-on-error zero)" in caplog.text
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 1  # the step that stops the run is not logged (as for NaN)
