@@ -89,7 +89,8 @@ def test_each_zero_stage_trains_like_the_torch_backend(tiny_model_dir, task, tmp
     assert (out / "checkpoints" / "step_2" / "policy" / "deepspeed").is_dir()  # DeepSpeed's own checkpoint
 
 
-def test_rlhf_train_cli_with_zero3_in_one_process_matches_torch(tiny_model_dir, task, tmp_path, torch_run, plugins):
+def test_rlhf_train_cli_with_zero3_in_one_process_matches_torch(tiny_model_dir, task, tmp_path, torch_run, plugins,
+                                                                recwarn):
     args = ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--label-key", "answer",
             "--reward", str(task / "rewards.py"), "--prompts-per-step", "2", "--n-samples", "4",
             "--max-new-tokens", "6", "--micro-batch-size", "2", "--train-batch-size", "4", "--ppo-epochs", "2",
@@ -100,6 +101,22 @@ def test_rlhf_train_cli_with_zero3_in_one_process_matches_torch(tiny_model_dir, 
     assert result.exit_code == 0, result.output
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["components"]["backend"]["zero_stage"] == 3
     assert_same_run(tmp_path / "run", torch_run)
+    deprecated = [str(w.message) for w in recwarn if "torch.distributed" in str(w.message)]
+    assert not deprecated, deprecated  # torch's deprecation notes on DeepSpeed's collectives, once per step
+
+
+def test_the_first_cpu_adam_build_is_announced(tmp_path, monkeypatch, caplog):
+    from rlhf.plugins.backends.deepspeed_backend import announce_cpu_adam_build, log
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr("deepspeed.git_version_info.installed_ops", {"cpu_adam": False})
+    announce_cpu_adam_build(log)
+    assert "building DeepSpeed's CPU Adam op (first use on this machine" in caplog.text
+    caplog.clear()
+    (tmp_path / "cpu_adam").mkdir(exist_ok=True)
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    announce_cpu_adam_build(log)  # built before: nothing to say
+    assert "CPU Adam" not in caplog.text
 
 
 def test_ppo_critic_trains_and_exports_under_zero3(tiny_model_dir, task, tmp_path):
@@ -235,7 +252,7 @@ def test_rlhf_train_zero3_under_torchrun_resumes_and_exports_a_consolidated_mode
     torchrun(2, *zero3, "--steps", "2", "--save-every", "1")
     shards = sorted(p.name for p in (tmp_path / "zero3" / "checkpoints" / "step_2" / "policy" / "deepspeed").iterdir())
     assert shards == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")]
-    torchrun(2, *zero3, "--steps", "3", "--resume")
+    torchrun(2, *zero3, "--steps", "3", "--resume", "--resume-override", "steps")
     torchrun(2, *args, "--out", str(tmp_path / "torch"), "--steps", "3")
     assert_same_run(tmp_path / "zero3", tmp_path / "torch", keys=("policy/loss", "policy/grad_norm"))
 

@@ -35,8 +35,10 @@ Models are loaded whole on every rank before ZeRO-3 partitions them (no ``zero.I
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,8 @@ from rlhf.core.backend import TrainBackendBase
 from rlhf.core.errors import ConfigError, RlhfError
 from rlhf.plugins.backends.config import DeepSpeedConfig
 from rlhf.plugins.backends.torch_backend import lr_factor
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "deepspeed"  # the folder DeepSpeed writes inside a worker's checkpoint folder
 MIN_VERSION = "0.19.5"  # managed_gradient_accumulation=false for stages 0-3 and offload
@@ -140,6 +144,33 @@ def join_process_group() -> None:
     # all-reduce, which training never calls: skip the build (20 s to minutes of g++ on first use).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+    quiet_deprecated_collectives()
+
+
+def quiet_deprecated_collectives() -> None:
+    """ZeRO-3 calls collectives that torch has deprecated, and torch warns on every call (~4 lines a
+    step); DeepSpeed's business, not the user's."""
+    for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "_reduce_scatter_base", "_all_gather_base"):
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning)
+
+
+def announce_cpu_adam_build(log: logging.Logger) -> None:
+    """DeepSpeedCPUAdam compiles a C++ op on its first use on a machine (minutes of g++, silently): say so."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        installed_ops = {}
+    if installed_ops.get("cpu_adam"):
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = CPUAdamBuilder().name
+    if any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so")):
+        return
+    log.warning("--offload-optimizer: building DeepSpeed's CPU Adam op (first use on this machine; a few minutes of "
+                "g++, reused by later runs)")
 
 
 def _import_deepspeed() -> Any:
@@ -186,6 +217,7 @@ class DeepSpeedBackend(TrainBackendBase):
         if config.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam  # compiles its C++ op on first use
 
+            announce_cpu_adam_build(log)
             return DeepSpeedCPUAdam(params, adamw_mode=True, **hyper)
         if clips_in_optimizer(config, dtype):
             return ClippingAdamW(params, max_grad_norm=config.max_grad_norm, **hyper)
