@@ -127,6 +127,12 @@ def write_directory(final: Path, write: Callable[[Path], None], dist: DistContex
             replace_atomically(tmp, final)
     except OSError as exc:
         raise RlhfError(f"cannot write {exc.filename or final}: {exc.strerror or exc}") from exc
+    except RuntimeError as exc:  # torch's own writer (DeepSpeed's checkpoints) says only "iostream error"
+        if "PytorchStreamWriter" not in str(exc) and "iostream" not in str(exc):
+            raise
+        free = shutil.disk_usage(final.parent).free
+        reason = "No space left on device" if free < 64 << 20 else str(exc).strip().splitlines()[-1]
+        raise RlhfError(f"cannot write {final}: {reason} ({free >> 20} MiB free there)") from exc
     dist.barrier()
     return final
 

@@ -205,3 +205,18 @@ def test_a_reward_that_fails_on_every_sample_warns_then_stops_the_run(tiny_model
         train(config, plugins=plugins)
     assert "step 1: the reward reward_func failed on every sample (--reward-on-error zero)" in caplog.text
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 1  # the step that stops the run is not logged (as for NaN)
+
+
+def test_torchs_iostream_error_on_a_full_disk_is_reported_as_such(tmp_path, monkeypatch):
+    import shutil
+
+    from rlhf.runtime import checkpoint
+
+    def write(folder: Path) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:858] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 0))
+    with pytest.raises(RlhfError, match=r"cannot write .*step_3: No space left on device \(0 MiB free there\)"):
+        checkpoint.write_directory(tmp_path / "checkpoints" / "step_3", write)
+    assert not (tmp_path / "checkpoints" / "step_3").exists()
