@@ -4,9 +4,10 @@ interrupts and the errors a run ends with.
 
 Interrupts: the first Ctrl-C (SIGINT) or SIGTERM lets the current step finish, writes a
 checkpoint and ends the run with `RunInterrupted`, which names the checkpoint and the command
-that resumes it. A second one abandons the step at once (the latest checkpoint stays the one to
-resume from). Under a launcher every rank gets the signal; the ranks agree after each step, so
-they all stop after the same one.
+that resumes it. The same signal again abandons the step at once (the latest checkpoint stays
+the one to resume from); the other one is taken as part of the same stop, because a launcher
+passes a Ctrl-C on to its workers as SIGTERM. Under a launcher every rank gets the signal; the
+ranks agree after each step, so they all stop after the same one.
 
 When a run fails, its first error is the one reported: an error raised by an ``on_run_end``
 hook while the run is already failing is logged, not raised in its place.
@@ -78,8 +79,10 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:
+        if self.requested == name:
             raise KeyboardInterrupt(name)
+        if self.requested is not None:
+            return  # the other signal of the same stop: a launcher (torchrun) passes a Ctrl-C on as SIGTERM
         self.requested = name
         log.warning("%s: finishing this step, then writing a checkpoint (send it again to stop at once)", name)
 

@@ -220,3 +220,16 @@ def test_torchs_iostream_error_on_a_full_disk_is_reported_as_such(tmp_path, monk
     with pytest.raises(RlhfError, match=r"cannot write .*step_3: No space left on device \(0 MiB free there\)"):
         checkpoint.write_directory(tmp_path / "checkpoints" / "step_3", write)
     assert not (tmp_path / "checkpoints" / "step_3").exists()
+
+
+def test_the_same_signal_twice_abandons_the_step_the_launchers_sigterm_does_not():
+    from rlhf.runtime.lifecycle import StopRequest
+
+    with StopRequest().installed() as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: finish the step
+        assert stop.requested == "SIGINT"
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun passing the Ctrl-C on: the same stop
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: now
+            time.sleep(1)  # the handler runs between bytecodes; this is where it raises
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
