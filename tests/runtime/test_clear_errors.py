@@ -143,7 +143,8 @@ def test_module_rewards_import_from_the_current_directory(tiny_model_dir, task, 
     import subprocess
     import sys
 
-    (tmp_path / "my_rewards.py").write_text("def reward_func(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "my_rewards.py").write_text("def reward_func(completions, **kwargs):\n"
+                                            "    return [1.0] * len(completions)\n")
     script = shutil.which("rlhf", path=str(Path(sys.executable).parent))
     assert script is not None
     result = subprocess.run([script, "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),

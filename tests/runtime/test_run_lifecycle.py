@@ -204,7 +204,7 @@ def test_a_reward_that_fails_on_every_sample_warns_then_stops_the_run(tiny_model
     with pytest.raises(RlhfError, match="the reward reward_func failed on every sample for 2 steps in a row"):
         train(config, plugins=plugins)
     assert "step 1: the reward reward_func failed on every sample (--reward-on-error zero)" in caplog.text
-    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 1  # the step that stops the run is not logged (as for NaN)
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 1  # the stopping step is not logged (as for NaN)
 
 
 def test_torchs_iostream_error_on_a_full_disk_is_reported_as_such(tmp_path, monkeypatch):

@@ -151,7 +151,8 @@ def quiet_deprecated_collectives() -> None:
     """ZeRO-3 calls collectives that torch has deprecated, and torch warns on every call (~4 lines a
     step); DeepSpeed's business, not the user's."""
     for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "_reduce_scatter_base", "_all_gather_base"):
-        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated",
+                                category=FutureWarning)
 
 
 def announce_cpu_adam_build(log: logging.Logger) -> None:

@@ -31,8 +31,8 @@ from rlhf.core.errors import ConfigError
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.critic import CriticModel
 from rlhf.plugins.models.loading import (ATTENTION, DTYPES, check_attention, enable_activation_checkpointing,
-                                         is_installed, loading_errors, quiet_transformers, read_chat_template, resolve_device,
-                                         resolve_dtype, set_pad_token)
+                                         is_installed, loading_errors, quiet_transformers, read_chat_template,
+                                         resolve_device, resolve_dtype, set_pad_token)
 from rlhf.plugins.models.lora import DEFAULT_RANK, LoRA
 from rlhf.plugins.models.reward import RewardModel
 

@@ -65,8 +65,6 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
             raise ConfigError(f"--steps must be at least 1; got {self.steps}")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"--lr must be positive; got {self.lr}")
-        if self.max_len < 2:
-            raise ConfigError(f"--max-len must be at least 2 (a token of prompt and one of response); got {self.max_len}")
         if self.save_best and not self.eval_data:
             raise ConfigError("--save-best needs --eval-data to score the model on")
         best_metric(self.save_best)
