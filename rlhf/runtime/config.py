@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.rewards.options import RewardOptions
-from rlhf.runtime.options import (MODEL_ALIASES, MODEL_SLOTS, ConfigBase, DataOptions, ModelOptions, OptimOptions,
-                                  OutputOptions, RuntimeOptions, Slot, parse_key_values)
+from rlhf.runtime.options import (MODEL_ALIASES, MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
+                                  OptimOptions, OutputOptions, RuntimeOptions, Slot, best_metric, parse_key_values)
 from rlhf.runtime.options import gather_components as _gather_components
 from rlhf.runtime.options import many as _many
 from rlhf.runtime.options import opt as _opt
@@ -37,7 +37,7 @@ NESTED = {"reward_options": ("reward", RewardOptions)}
 SLOTS: dict[str, Slot] = {**MODEL_SLOTS, **{slot.field: slot for slot in (
     Slot("advantage", "advantage_estimator"), Slot("policy_loss", "policy_loss"),
     Slot("kl_estimator", "kl_estimator"), Slot("loss_agg", "loss_aggregation"), Slot("engine", "rollout_engine"),
-    Slot("env", "env"),
+    Slot("env", "env"), Slot("sample_filter", "sample_filter"),
 )}}
 
 # Flags that were TrainConfig fields before they moved to their components: field -> slot.
@@ -57,7 +57,7 @@ def gather_components(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @dataclass(kw_only=True)
-class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputOptions, ConfigBase):
+class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputOptions, EvalOptions, ConfigBase):
     SLOTS: ClassVar[dict[str, Slot]] = SLOTS
     ALIASES: ClassVar[dict[str, str]] = ALIASES
     NESTED: ClassVar[dict[str, tuple[str, type]]] = NESTED
@@ -91,6 +91,12 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     entropy_coef: float = _opt(0.0, "Entropy bonus coefficient (0: off)", "algorithm")
     algo_config: list[str] = _many("KEY=VALUE for an option of the policy loss, advantage estimator, KL estimator, "
                                    "loss aggregation or model adapter, whichever has it (repeatable)", "algorithm")
+    kl_unbiased_gradient: bool = _opt(False, "KL in the loss: keep the estimator's value but use the importance-"
+                                      "weighted reverse-KL gradient w·δ·∇logp, w = min(π/π_old, 10)", "algorithm")
+    kl_target: float | None = _opt(None, "Adaptive KL (Ziegler et al.): steer β so the measured KL approaches this "
+                                   "target (default: β stays --kl-coef)", "algorithm")
+    kl_horizon: int = _opt(10000, "Adaptive KL: samples over which β may change by the clipped error ±20%",
+                           "algorithm")
 
     # --- rollout ----------------------------------------------------------------------------
     engine: str = _opt("hf", "Rollout engine plugin (its options: --engine.NAME)", "rollout", component="rollout_engine")
@@ -109,11 +115,33 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     max_total_tokens: int | None = _opt(None, "Token budget per trajectory: prompt + turns + observations "
                                         "(default: --max-prompt-length + --max-turns x --max-new-tokens)", "rollout")
 
+    # --- sample filter ----------------------------------------------------------------------
+    filter_groups: bool = _opt(False, "Dynamic filtering (DAPO): drop prompt groups whose rewards do not vary (or "
+                               "whose mean score is outside --filter-range) and sample new prompts until "
+                               "--prompts-per-step groups are kept", "filter")
+    sample_filter: str | None = _opt(None, "The filter --filter-groups uses: a registered name or module:attr "
+                                     "(default: dynamic; its options: --sample-filter.NAME)", "filter",
+                                     component="sample_filter")
+    filter_range: tuple[float, float] | None = _opt(None, "LO HI: keep a group only when its mean score lies "
+                                                    "strictly between LO and HI (OpenRLHF's dynamic filtering range)",
+                                                    "filter", nargs=2)
+    max_filter_rounds: int = _opt(3, "Sampling rounds per step at most; then train on the groups kept so far, "
+                                  "with a warning", "filter")
+
     # --- rewards ----------------------------------------------------------------------------
     reward: list[str] = _many("Reward source SPEC[@WEIGHT]: a registered name, file.py[:func], module:attr, "
                               "an http(s):// URL or a reward model directory (repeatable)", "reward")
     reward_options: RewardOptions = field(default_factory=RewardOptions, metadata={
         "help": "How reward sources run, time out, retry and fail (flags --reward-<field>)", "group": "reward"})
+    overlong_buffer: int | None = _opt(None, "Overlong penalty (DAPO): a completion longer than --max-new-tokens "
+                                       "minus this many tokens loses factor·excess/buffer (policy tokens only)",
+                                       "reward")
+    overlong_penalty_factor: float = _opt(1.0, "The overlong penalty at its largest (a completion at the limit)",
+                                          "reward")
+    truncated_reward: float | None = _opt(None, "A completion cut by the length limit: X in [0, 1] scales its "
+                                          "reward, X < 0 replaces it (OpenRLHF's stop-properly penalty)", "reward")
+    reward_shaping: list[str] = _many("Reward-shaping plugin applied after the reward sources (repeatable; "
+                                      "overlong and truncation are added by their flags)", "reward")
 
     # --- optimisation -----------------------------------------------------------------------
     steps: int | None = _opt(None, "Training steps (default: one pass over the data)", "train")
@@ -121,6 +149,12 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     train_batch_size: int | None = _opt(None, "Samples per optimizer step (default: the whole rollout batch)", "train")
     lr: float = _opt(1e-6, "Policy learning rate", "train")
     critic_lr: float = _opt(9e-6, "Critic learning rate", "train")
+    freeze_actor_steps: int = _opt(0, "Critic warm-up: train only the critic for the first N steps", "train")
+
+    # --- eval -------------------------------------------------------------------------------
+    eval_n_samples: int = _opt(1, "Completions per eval prompt (k of eval/pass@k)", "eval")
+    eval_temperature: float | None = _opt(None, "Sampling temperature for eval (default: --temperature)", "eval")
+    eval_max_samples: int | None = _opt(None, "Eval prompts at most (the first N of --eval-data)", "eval")
 
     # --- runtime ----------------------------------------------------------------------------
     runtime: str = _opt("local", "local: every worker in this process (or one data-parallel rank per process "
@@ -172,6 +206,26 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         if rollout % train_batch:
             raise ConfigError(f"--train-batch-size {train_batch} must divide the rollout batch "
                             f"(--prompts-per-step x --n-samples = {rollout})")
+        for name, value, least in (("--eval-n-samples", self.eval_n_samples, 1), ("--eval-every", self.eval_every, 0),
+                                   ("--max-filter-rounds", self.max_filter_rounds, 1),
+                                   ("--freeze-actor-steps", self.freeze_actor_steps, 0)):
+            if value < least:
+                raise ConfigError(f"{name} must be at least {least}; got {value}")
+        if self.save_best and not self.eval_data:
+            raise ConfigError("--save-best needs --eval-data to score the policy on")
+        best_metric(self.save_best)
+        if self.kl_target is not None and not (self.kl_target > 0 and self.kl_horizon > 0):
+            raise ConfigError(f"--kl-target and --kl-horizon must be positive; got {self.kl_target} and "
+                              f"{self.kl_horizon}")
+        if self.filter_range is not None and not (len(self.filter_range) == 2
+                                                  and self.filter_range[0] < self.filter_range[1]):
+            raise ConfigError(f"--filter-range needs LO < HI; got {self.filter_range}")
+        if self.overlong_buffer is not None and not 0 < self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(f"--overlong-buffer must be in [1, --max-new-tokens {self.max_new_tokens}]; got "
+                              f"{self.overlong_buffer}")
+        if self.truncated_reward is not None and self.truncated_reward > 1:
+            raise ConfigError(f"--truncated-reward must be in [0, 1] (a scale) or negative (a replacement); got "
+                              f"{self.truncated_reward}")
         return Derived(rollout_batch_size=rollout, train_batch_size=train_batch,
                        optimizer_steps_per_step=self.ppo_epochs * (rollout // train_batch), out_dir=self.out_dir)
 

@@ -30,8 +30,13 @@ class ExperienceMaker:
     recompute_old: bool  # old log-probs need a forward of their own (ResolvedAlgorithm.needs_old_logprobs)
     plugins: PluginSet
 
-    def make(self, batch: ExperienceBatch, policy: Any, reference: Any = None, critic: Any = None) -> ExperienceBatch:
+    def make(self, batch: ExperienceBatch, policy: Any, reference: Any = None, critic: Any = None, *,
+             kl_coef: float | None = None, source_rewards: dict[str, Any] | None = None,
+             metadata: list[dict[str, Any]] | None = None) -> ExperienceBatch:
+        """``kl_coef``: this step's β when adaptive (default: the algorithm's); ``source_rewards``
+        and ``metadata`` are passed on to the advantage estimator."""
         algo = self.algorithm
+        beta = algo.kl_coef if kl_coef is None else kl_coef
         old = policy.logprobs(batch) if self.recompute_old else None  # (B, A)
         ref = reference.logprobs(batch) if reference is not None else None  # (B, A)
         values = critic.values(batch) if critic is not None else None  # (B, A)
@@ -41,8 +46,9 @@ class ExperienceMaker:
         in_reward = algo.kl_in_reward
         advantages, returns = compute_advantages(
             algo.advantage, rewards=batch.rewards, action_mask=batch.action_mask, group_size=self.n_samples,
-            values=values, kl=kl if in_reward else None, kl_coef=algo.kl_coef if in_reward else 0.0,
-            sample_mask=batch.sample_mask.bool(), config=self.advantage_config, plugins=self.plugins,
+            values=values, kl=kl if in_reward else None, kl_coef=beta if in_reward else 0.0,
+            sample_mask=batch.sample_mask.bool(), source_rewards=source_rewards, metadata=metadata,
+            config=self.advantage_config, plugins=self.plugins,
         )  # (B, A), (B, A)
         return replace(batch, old_logprobs=old, ref_logprobs=ref, values=values, kl=kl, advantages=advantages,
                        returns=returns)

@@ -63,7 +63,8 @@ def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> Pol
     config = plan.config
     model = adapter.load(config.model, role="policy")
     objective = plan.algorithm.policy_objective(plan.policy_loss_config, entropy_coef=config.entropy_coef,
-                                                temperature=config.temperature)
+                                                temperature=config.temperature,
+                                                kl_unbiased_gradient=config.kl_unbiased_gradient)
     return PolicyWorker(model, build_backend(plan, model, config.lr), update_settings(plan), objective, dist)
 
 
@@ -105,13 +106,27 @@ def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker:
     return RewardWorker(load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options))
 
 
+def data_settings(config: TrainConfig) -> DataSettings:
+    return DataSettings(paths=config.data, input_key=config.input_key, label_key=config.label_key,
+                        probs=[float(p) for p in config.data_probs.split(",")] if config.data_probs else None,
+                        split=config.data_split, apply_chat_template=config.apply_chat_template,
+                        input_template=config.input_template, max_prompt_length=config.max_prompt_length,
+                        max_samples=config.max_samples, seed=config.seed)
+
+
 def build_loader(config: TrainConfig, tokenizer: Any) -> PromptLoader:
-    settings = DataSettings(paths=config.data, input_key=config.input_key, label_key=config.label_key,
-                            probs=[float(p) for p in config.data_probs.split(",")] if config.data_probs else None,
-                            split=config.data_split, apply_chat_template=config.apply_chat_template,
-                            input_template=config.input_template, max_prompt_length=config.max_prompt_length,
-                            max_samples=config.max_samples, seed=config.seed)
+    settings = data_settings(config)
     return PromptLoader(load_prompts(settings), PromptFormatter(tokenizer, settings), seed=config.seed)
+
+
+def build_eval_prompts(config: TrainConfig, tokenizer: Any) -> list[Any] | None:
+    """The --eval-data prompts, formatted like the training prompts (None without --eval-data)."""
+    if not config.eval_data:
+        return None
+    settings = dataclasses.replace(data_settings(config), paths=list(config.eval_data), probs=None,
+                                   max_samples=config.eval_max_samples)
+    dataset, formatter = load_prompts(settings), PromptFormatter(tokenizer, settings)
+    return [formatter(dataset[i]) for i in range(len(dataset))]
 
 
 def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, critic: Any, out_dir: Path,
@@ -139,7 +154,7 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
                             synced_generation=policy.backend.shards_weights and dist.active)
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
-        pad_token_id=tokenizer.pad_token_id, dist=dist,
+        pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
         export=lambda out_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist),
     )
     return workers, plan

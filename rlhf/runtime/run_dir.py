@@ -5,6 +5,7 @@
     <out>/metrics.jsonl, samples.jsonl, tensorboard/   (written by the logger plugins)
     <out>/checkpoints/step_N/                          (checkpoint.py: atomic, rotated)
     <out>/final/             the trained policy (the model adapter's layout)
+    <out>/best/              with --save-best: the policy that scored best on the eval, and best.json
 
 Every rank of a data-parallel run holds a `RunDirectory`; only the main rank writes files of its
 own, while checkpoints are written by every rank (sharded state) and finished by the main rank.
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,27 @@ class RunDirectory:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             (self.path / "plugins.json").write_text(json.dumps(plugins, indent=2))
+        self.dist.barrier()
+
+    def write_model(self, directory: Path, export: Callable[[Path], None], *,
+                    record: dict[str, Any] | None = None) -> None:
+        """``export(tmp)`` on every rank into a directory beside ``directory``, then (main rank) the
+        JSON files of ``record`` ({file name: data}) added and the result renamed into place, so a
+        reader never sees a half-written model."""
+        tmp = directory.with_name(f".{directory.name}.tmp")
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.dist.barrier()
+        export(tmp)
+        if self.dist.is_main:
+            for name, data in (record or {}).items():
+                (tmp / name).write_text(json.dumps(data, indent=2))
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if directory.exists():
+                os.rename(directory, old)
+            os.rename(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
         self.dist.barrier()
 
     def save_checkpoint(self, step: int, roles: dict[str, Any], state: dict[str, Any], *, keep: int) -> Path:

@@ -170,17 +170,19 @@ class PolicyWorker(_TrainedWorker):
             self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
             temperature=self.objective.temperature)[0])
 
-    def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
+    def fit(self, batch: ExperienceBatch, *, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
-        ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1."""
-        metrics = self._fit(batch, step, self._micro_loss)
+        ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1.
+        ``kl_coef``: this step's β of the KL term when adaptive (default: the objective's)."""
+        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef))
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
-    def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
+    def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm,
+                    kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any], float]:
         logprobs, entropy = token_logprobs(self.train_model, micro.input_ids, micro.attention_mask,
                                            micro.action_mask, temperature=self.objective.temperature,
                                            with_entropy=self.objective.needs_entropy)  # (b, A), (b, A) or None
-        loss, metrics = self.objective.loss(logprobs, micro, norm, entropy=entropy)
+        loss, metrics = self.objective.loss(logprobs, micro, norm, entropy=entropy, kl_coef=kl_coef)
         return loss, metrics, float(micro.loss_mask.sum())
 
 

@@ -20,11 +20,8 @@ Everything the loop needs from the objective is the contract of ``rlhf.core.obje
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -40,7 +37,7 @@ from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.objective import FitModels, Objective
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
-from rlhf.runtime.fit.config import best_metric
+from rlhf.runtime.options import best_metric
 from rlhf.runtime.fit.data import StepOrder
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.progress import Progress
@@ -290,21 +287,8 @@ class FitLoop:
         """The trained model to ``directory`` (written beside it, then renamed into place), with the
         objective's entries in its config.json (and ``record`` as best.json)."""
         extra = self.objective.output_config(self.final_statistics())
-        tmp = directory.with_name(f".{directory.name}.tmp")
-        if self.dist.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.dist.barrier()
-        self.run_.export(tmp, extra)
-        if self.dist.is_main:
-            if record is not None:
-                (tmp / "best.json").write_text(json.dumps(record, indent=2))
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            if directory.exists():
-                os.rename(directory, old)
-            os.rename(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        self.dist.barrier()
+        self.run_dir.write_model(directory, lambda tmp: self.run_.export(tmp, extra),
+                                 record={"best.json": record} if record is not None else None)
 
     def _emit(self, event: str, **kwargs: Any) -> None:
         if self.dist.is_main:

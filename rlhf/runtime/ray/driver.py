@@ -23,7 +23,7 @@ from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.core.settings import setting_fields
 from rlhf.runtime import checkpoint
 from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import build_loader, seed_everything
+from rlhf.runtime.local import build_eval_prompts, build_loader, seed_everything
 from rlhf.runtime.plan import RunPlan, check_run, warn_about
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.workers import RewardWorker
@@ -215,7 +215,8 @@ def make_workers(plan: RunPlan, hosts: list[Host], tokenizer: Any, loader: Any) 
         wait(calls, "export", timeout, hosts)
 
     return Workers(policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
-                   pad_token_id=tokenizer.pad_token_id, export=export, dist=SINGLE)
+                   pad_token_id=tokenizer.pad_token_id, export=export, dist=SINGLE,
+                   eval_prompts=build_eval_prompts(config, tokenizer))
 
 
 def resume_hint(out_dir: Path) -> str:

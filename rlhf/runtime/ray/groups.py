@@ -149,8 +149,9 @@ class TrainedGroup(RoleGroup):
     def nonfinite_in_a_row(self) -> int:
         return self._nonfinite
 
-    def fit(self, batch: Any, *, step: int) -> dict[str, float]:
-        metrics = self._on_all("fit", batch, step=step)
+    def fit(self, batch: Any, *, step: int, **options: Any) -> dict[str, float]:
+        """``options``: passed on to every rank's worker (the policy's ``kl_coef``)."""
+        metrics = self._on_all("fit", batch, step=step, **options)
         self.version += 1
         self._nonfinite = self._wait([(self.hosts[0], self.hosts[0].handle.nonfinite.remote(self.role))],
                                      f"{self.role}.nonfinite_in_a_row")[0]
