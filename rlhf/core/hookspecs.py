@@ -71,7 +71,9 @@ def register_advantage_estimators(register: Register) -> None:
     ``action_mask (B, A)`` float 0/1, ``kl (B, A)`` per-token KL to place in the reward or
     ``None``, ``kl_coef`` (β), ``values (B, A)`` or ``None``, ``group_size`` (n; rows of one
     prompt are contiguous) and ``sample_mask (B,)`` bool or ``None`` (False: leave the sample
-    out of group statistics and whitening and give it advantage and return 0). ``config`` is
+    out of group statistics and whitening and give it advantage and return 0),
+    ``source_rewards`` (``{source name: (B,)}``, NaN where a source gave none) and ``metadata``
+    (one dict per row: dataset columns, ``label``, ``info``, ``finish_reason``, ...). ``config`` is
     an ``rlhf.core.types.AdvantageConfig`` (``gamma``, ``lambd``, ``std_norm``,
     ``reward_clip``), or an instance of ``config_cls``, which should subclass it. Both
     outputs are ``(B, A)`` and zero where ``action_mask`` is 0. Called once per rollout
