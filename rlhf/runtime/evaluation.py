@@ -31,7 +31,7 @@ class Evaluator:
     params: SamplingParams
     rollout: RolloutRole
     reward: RewardRole
-    gather: Callable[[list[Trajectory], int], list[Trajectory]]  # every rank's trajectories, in prompt order
+    gather: Callable[[list[Trajectory], int, int], list[Trajectory]]  # every rank's, in prompt order
     dist: DistContext = SINGLE
 
     def due(self, done: int, total: int) -> bool:
@@ -40,7 +40,7 @@ class Evaluator:
 
     def run(self) -> dict[str, float]:
         local = self.rollout.generate(self.dist.shard(self.prompts), n=self.n_samples, params=self.params)
-        trajectories = self.gather(local, len(self.prompts))
+        trajectories = self.gather(local, len(self.prompts), self.n_samples)
         metrics = eval_metrics(trajectories, self.reward, self.n_samples) if self.dist.is_main else None
         return self.dist.broadcast(metrics) if self.dist.active else metrics
 

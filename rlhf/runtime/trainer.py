@@ -214,11 +214,12 @@ class Trainer:
 
     # --- the pieces of a step -------------------------------------------------------------------
 
-    def _gather(self, local: list[Trajectory], num_prompts: int) -> list[Trajectory]:
-        """Every rank's trajectories in prompt order, with groups renumbered to the whole batch."""
+    def _gather(self, local: list[Trajectory], num_prompts: int, n: int | None = None) -> list[Trajectory]:
+        """Every rank's trajectories in prompt order (``n`` per prompt, default ``--n-samples``), with
+        groups renumbered to the whole batch."""
         if not self.dist.active:
             return local
-        n = self.config.n_samples
+        n = n or self.config.n_samples
         per_rank = [[shard[i:i + n] for i in range(0, len(shard), n)] for shard in self.dist.all_gather(local)]
         groups = unshard(per_rank)  # prompt p came from rank p % W
         assert len(groups) == num_prompts, f"gathered {len(groups)} prompt groups, expected {num_prompts}"

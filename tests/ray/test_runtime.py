@@ -334,3 +334,23 @@ def run_in(work, tiny_model_dir, task):
     while ray_processes(str(work / "ray")) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_processes(str(work / "ray")) == []  # raylet, GCS and workers of the run's cluster are gone
+
+
+def test_eval_filtering_and_adaptive_kl_on_ray_match_the_local_run(ray_cluster, tiny_model_dir, task, tmp_path):
+    """The RL loop's extensions run in the driver: the Ray runtime gives the local run's eval rows,
+    filtered batches, β and best/."""
+    extra = dict(eval_data=[str(task / "data.jsonl")], eval_max_samples=2, eval_every=1, save_best="eval/reward/mean",
+                 filter_groups=True, max_filter_rounds=4, kl_target=0.01, kl_horizon=40)
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **extra), plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", **extra))
+    assert_no_actors_left()
+    assert samples(ray_out) == samples(tmp_path / "local")
+    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("local", "ray")}
+    assert [r["step"] for r in rows["ray"]] == [r["step"] for r in rows["local"]] == [0, 1, 1, 2, 2]
+    for ray_row, local_row in zip(rows["ray"], rows["local"]):
+        for key in ("eval/reward/mean", "reward/mean", "policy/loss", "kl/beta", "filter/kept_groups"):
+            if key in local_row:
+                assert ray_row[key] == pytest.approx(local_row[key], rel=1e-5, abs=1e-9), (local_row["step"], key)
+    assert (ray_out / "best" / "best.json").read_text() == (tmp_path / "local" / "best" / "best.json").read_text()

@@ -202,3 +202,21 @@ def test_gspo_and_seq_mask_tis_train_through_the_cli(tiny_model_dir, task, tmp_p
     assert result.exit_code == 0, result.output
     metrics = read_jsonl(out / "metrics.jsonl")[0]
     assert "policy/clip_frac" in metrics and "policy/mismatch_kl" in metrics
+
+
+@pytest.mark.slow
+def test_filtering_and_eval_under_torchrun_with_two_processes(tiny_model_dir, task, tmp_path):
+    from tests.runtime.test_data_parallel import torchrun
+
+    reward = _reward_file(tmp_path, HALF_CONSTANT)
+    out = tmp_path / "run"
+    torchrun(2, "-m", "rlhf", "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+             "--label-key", "answer", "--reward", reward, "--prompts-per-step", "4", "--n-samples", "2",
+             "--max-new-tokens", "6", "--micro-batch-size", "2", "--lr", "1e-3", "--temperature", "2.0",
+             "--filter-groups", "--max-filter-rounds", "10", "--eval-data", str(task / "data.jsonl"),
+             "--eval-max-samples", "4", "--eval-every", "1", "--steps", "2", "--no-progress", "--out", str(out))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval/reward/mean" in r] == [0, 1, 2]  # once, by the main rank
+    assert all(r["filter/kept_groups"] == 4 for r in rows if "filter/kept_groups" in r)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 2 * 4 * 2 and all(int(s["label"]) % 2 == 1 for s in samples)
