@@ -120,7 +120,8 @@ def _field_flag(name: str, f: dataclasses.Field, hint: Any, title: str) -> Flag:
     default = None if f.default is dataclasses.MISSING or f.default == "" else f.default
     if _base_type(hint) is bool:
         default = f.default
-    return Flag(dest=name, names=(_flag_name(name),), hint=hint, help=f"[{title}] {meta.get('help', '')}",
+    return Flag(dest=name, names=(meta.get("flag") or _flag_name(name),), hint=hint,
+                help=f"[{title}] {meta.get('help', '')}",
                 default=default, show_default=default is not None, multiple=bool(meta.get("multiple")),
                 choices=meta.get("choices"), component=meta.get("component"), nargs=meta.get("nargs"))
 

@@ -1,6 +1,7 @@
 """Experience: a collated rollout batch completed with what the updates need (DESIGN §5).
 
-    old = policy log-probs          (only when several optimizer steps share the rollout, or KL is in the reward)
+    old = policy log-probs          (only when several optimizer steps share the rollout, or KL is in the reward;
+                                     --async with staleness > 0: the behaviour policy's, made with the batch)
     ref = reference log-probs       (when KL is used with β > 0)
     V   = critic values             (estimators with a critic)
     kl  = clamp(kl_est(old, ref))   masked to action tokens
@@ -37,7 +38,9 @@ class ExperienceMaker:
         and ``metadata`` are passed on to the advantage estimator."""
         algo = self.algorithm
         beta = algo.kl_coef if kl_coef is None else kl_coef
-        old = policy.logprobs(batch) if self.recompute_old else None  # (B, A)
+        old = batch.old_logprobs  # (B, A): given (--async: the behaviour policy's), else recomputed if needed
+        if old is None and self.recompute_old:
+            old = policy.logprobs(batch)  # (B, A)
         ref = reference.logprobs(batch) if reference is not None else None  # (B, A)
         values = critic.values(batch) if critic is not None else None  # (B, A)
         kl = None

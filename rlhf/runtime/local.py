@@ -150,11 +150,15 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     policy = build_policy(plan, adapter, dist)
     reference = build_reference(plan, adapter, dist) if plan.algorithm.needs_reference else None
     critic = build_critic(plan, adapter, dist) if plan.algorithm.needs_critic else None
+    if config.async_rollout and policy.backend.shards_weights:
+        raise ConfigError(f"--async copies the policy's weights for generation, and the {config.backend!r} backend "
+                          "shards them: use --zero-stage 2 or lower, or drop --async")
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
                             synced_generation=policy.backend.shards_weights and dist.active)
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
         pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
+        make_rollout=lambda model: build_rollout(plan, plugins, model, tokenizer), logprobs_under=policy.logprobs_under,
         export=lambda out_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist),
     )
     return workers, plan

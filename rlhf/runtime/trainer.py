@@ -31,6 +31,7 @@ from rlhf.core.plugins import PluginSet
 from rlhf.core.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, RolloutRole
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import RunInfo, Trajectory
+from rlhf.runtime.ahead import AheadGeneration, Prepared
 from rlhf.runtime.data import PromptLoader
 from rlhf.runtime.evaluation import Evaluator
 from rlhf.runtime.experience import ExperienceMaker
@@ -57,6 +58,9 @@ class Workers:
     export: Callable[[Path], None]  # writes the final policy (and --save-critic's critic); called on every rank
     dist: DistContext = SINGLE  # data-parallel ranks when started by a launcher (every rank runs this loop)
     eval_prompts: list[Any] | None = None  # formatted --eval-data prompts (None: no eval)
+    # --async: a rollout role on another copy of the policy module, and a batch's log-probs under a module
+    make_rollout: Callable[[Any], RolloutRole] | None = None
+    logprobs_under: Callable[[Any, Any], torch.Tensor] | None = None
 
 
 class Timer:
@@ -98,6 +102,9 @@ class Trainer:
         self.best_spec = best_metric(self.config.save_best)
         self.best: dict[str, Any] | None = None  # {"metric", "value", "step"} of the policy in <out>/best
         self.last_eval: dict[str, float] = {}
+        self.ahead = self._ahead() if self.config.async_rollout else None
+        # async: eval samples from a stream of its own, so the producer's stays deterministic
+        self.eval_stream = {"rng": torch.Generator().manual_seed(self.config.seed + 1).get_state()}
 
     # --- the run --------------------------------------------------------------------------------
 
@@ -109,45 +116,56 @@ class Trainer:
             self._resume()
         run = RunInfo(config=config, out_dir=self.run_dir.path, start_step=self.start_step,
                       total_steps=self.total_steps, plugins=self.fingerprint.get("hash", ""))
+        self._run_info = run
         fields = RL_FIELDS + ((("eval", "eval/reward/mean", ".3f"),) if self.evaluator is not None else ())
         progress = Progress(self.total_steps, self.start_step, enabled=self.config.progress and self.dist.is_main,
                             fields=fields)
         self._emit("on_run_start", run=run)
         status = "failed"
         try:
+            if self.ahead is not None:
+                self.ahead.start(self.start_step)
             if self.start_step == 0:
                 self._evaluate(0, run)
             for step in range(self.start_step, self.total_steps):
                 metrics = self.step(step, run)
                 self._emit("on_step_end", run=run, step=step, metrics=metrics)
                 done = step + 1
-                if done > 0:
-                    self._evaluate(done, run)
+                self._evaluate(done, run)
                 progress.update(step, {**metrics, **self.last_eval})
                 if done == self.total_steps or (self.config.save_every and done % self.config.save_every == 0):
+                    if self.ahead is not None:
+                        self.ahead.quiesce(done)  # the in-flight batches, made, go into the checkpoint
                     path = self.run_dir.save_checkpoint(done, self._checkpointed_roles(), self._trainer_state(),
                                                         keep=self.config.keep_checkpoints)
                     self._emit("on_checkpoint", run=run, step=done, path=path)
+                if self.ahead is not None:
+                    self.ahead.publish(done)
             self.w.export(self.run_dir.final)
             status = "completed"
         except KeyboardInterrupt:
             status = "interrupted"
             raise
         finally:
+            if self.ahead is not None:
+                self.ahead.close()
             progress.close()
             self._emit("on_run_end", run=run, status=status)
         return self.run_dir.path
 
     def step(self, step: int, run: RunInfo) -> dict[str, float]:
         w, timer = self.w, Timer()
-        trajectories, reward_metrics = self._collect(step, run, timer)
+        if self.ahead is None:
+            prepared = self._prepare(step, run, w.rollout, timer)
+            extra: dict[str, float] = {}
+        else:
+            prepared, waited = self.ahead.next(step)
+            timer.seconds.update(prepared.seconds)  # the producer's rollout and reward time for this batch
+            staleness = float(step - prepared.version)
+            extra = {"async/staleness_mean": staleness, "async/staleness_max": staleness, "async/wait_s": waited,
+                     "async/idle_s": prepared.idle_s, "async/version": float(prepared.version)}
+        trajectories, batch, reward_metrics = prepared.trajectories, prepared.batch, prepared.reward_metrics
         with timer("experience"):
-            rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajectories],
-                                   dtype=torch.float32)  # (B,)
-            sample_mask = torch.tensor([t.reward is not None for t in trajectories], dtype=torch.float32)  # (B,)
-            self._emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
-            batch = collate(trajectories, pad_token_id=w.pad_token_id, rewards=rewards * sample_mask,
-                            sample_mask=sample_mask)
             batch = self.experience.make(batch, w.policy, w.reference, w.critic, kl_coef=self.kl.value,
                                          source_rewards=source_rewards(trajectories),
                                          metadata=[row_metadata(t) for t in trajectories])
@@ -163,10 +181,27 @@ class Trainer:
                 w.rollout.sync_weights()  # in-process engines share the weights; others get them pushed
         metrics = step_metrics(trajectories, batch, reward_metrics, train, timer.done())
         metrics["kl/beta"] = self.kl.value
+        metrics.update(extra)
         self.kl.update(sequence_kl(batch, metrics), batch.size)
         return metrics
 
-    def _collect(self, step: int, run: RunInfo, timer: Timer) -> tuple[list[Trajectory], dict[str, float]]:
+    def _prepare(self, step: int, run: RunInfo, rollout: RolloutRole, timer: Timer | None = None) -> Prepared:
+        """The batch of a step: prompt groups sampled, scored, shaped and filtered (`_collect`), the
+        ``on_rewards`` event, then collated. ``rollout``: the trainer's, or (--async) the producer's."""
+        timer = timer or Timer()
+        trajectories, reward_metrics = self._collect(step, run, timer, rollout)
+        with timer("experience"):
+            rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajectories],
+                                   dtype=torch.float32)  # (B,)
+            sample_mask = torch.tensor([t.reward is not None for t in trajectories], dtype=torch.float32)  # (B,)
+            self._emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
+            batch = collate(trajectories, pad_token_id=self.w.pad_token_id, rewards=rewards * sample_mask,
+                            sample_mask=sample_mask)
+        return Prepared(step=step, version=step, trajectories=trajectories, batch=batch, reward_metrics=reward_metrics,
+                        seconds=dict(timer.seconds))
+
+    def _collect(self, step: int, run: RunInfo, timer: Timer,
+                 rollout: RolloutRole) -> tuple[list[Trajectory], dict[str, float]]:
         """Sample, score and shape ``--prompts-per-step`` prompt groups; with a sample filter, drop the
         groups it rejects and sample new prompts until enough are kept (``--max-filter-rounds``)."""
         config, w, n = self.config, self.w, self.config.n_samples
@@ -181,7 +216,7 @@ class Trainer:
             need += -need % self.dist.world_size  # every rank generates the same number of prompts
             with timer("rollout"):
                 prompts = w.loader.next_batch(need)  # the same on every rank
-                local = w.rollout.generate(self.dist.shard(prompts), n=n, params=self.sampling)
+                local = rollout.generate(self.dist.shard(prompts), n=n, params=self.sampling)
                 trajectories = self._gather(local, len(prompts))
             with timer("reward"):
                 trajectories, keep, round_metrics = self._score(step, run, trajectories)
@@ -262,6 +297,17 @@ class Trainer:
             scored = None
         return self.dist.broadcast(scored) if self.dist.active else scored
 
+    # --- async ----------------------------------------------------------------------------------
+
+    def _ahead(self) -> AheadGeneration:
+        if self.w.make_rollout is None or self.w.logprobs_under is None:
+            raise RlhfError("--async is not available with this runtime yet: use the local runtime")
+        staleness = self.config.max_staleness
+        return AheadGeneration(
+            model=self.w.policy.model, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
+            make_rollout=self.w.make_rollout, behaviour_logprobs=self.w.logprobs_under if staleness > 0 else None,
+            max_staleness=staleness, total_steps=self.total_steps, pad_token_id=self.w.pad_token_id)
+
     # --- eval -----------------------------------------------------------------------------------
 
     def _evaluator(self) -> Evaluator | None:
@@ -278,7 +324,8 @@ class Trainer:
         """Eval after ``done`` steps when due: ``on_eval`` (metrics.jsonl rows), and ``--save-best``."""
         if self.evaluator is None or not self.evaluator.due(done, self.total_steps):
             return
-        self.last_eval = self.evaluator.run()
+        with self.ahead.separate_stream(self.eval_stream) if self.ahead is not None else contextlib.nullcontext():
+            self.last_eval = self.evaluator.run()
         self._emit("on_eval", run=run, step=done, metrics=self.last_eval)
         if self.best_spec is None:
             return
@@ -312,12 +359,14 @@ class Trainer:
         roles = {name: getattr(self.w, name) for name in ("policy", "critic") if getattr(self.w, name) is not None}
         if self.w.rollout.stateful:
             roles["rollout"] = self.w.rollout
+        if self.ahead is not None:
+            roles["ahead"] = self.ahead  # in-flight batches
         return roles
 
     def _trainer_state(self) -> dict[str, Any]:
         return {"loader": self.w.loader.state_dict(), "fingerprint": self.fingerprint,
                 "world_size": self.dist.world_size, "kl": self.kl.state_dict(), "best": self.best,
-                "last_eval": self.last_eval}
+                "last_eval": self.last_eval, "eval_rng": self.eval_stream["rng"].tolist()}
 
     def _resume(self) -> None:
         state = self.run_dir.resume(self._checkpointed_roles())
@@ -327,6 +376,8 @@ class Trainer:
         if "kl" in state:
             self.kl.load_state_dict(state["kl"])
         self.best, self.last_eval = state.get("best"), state.get("last_eval") or {}
+        if "eval_rng" in state:
+            self.eval_stream["rng"] = torch.tensor(state["eval_rng"], dtype=torch.uint8)
         differences = fingerprint_differences(state["fingerprint"], self.fingerprint)
         if differences and self.dist.is_main:
             log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",

@@ -165,10 +165,20 @@ class PolicyWorker(_TrainedWorker):
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A) log-probs of the batch's tokens at the sampling temperature."""
-        self.model.eval()
-        return self._forward_rows(batch, lambda mb: token_logprobs(
-            self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
-            temperature=self.objective.temperature)[0])
+        return self.logprobs_under(self.model, batch)
+
+    @torch.no_grad()
+    def logprobs_under(self, model: torch.nn.Module, batch: ExperienceBatch) -> torch.Tensor:
+        """(B, A) log-probs of the batch's tokens under ``model`` (the policy, or --async's copy of an
+        earlier version of it), computed exactly as the policy's own."""
+        was_training = model.training
+        model.eval()
+        try:
+            return self._forward_rows(batch, lambda mb: token_logprobs(
+                model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
+                temperature=self.objective.temperature)[0])
+        finally:
+            model.train(was_training)
 
     def fit(self, batch: ExperienceBatch, *, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
