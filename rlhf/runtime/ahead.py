@@ -50,6 +50,16 @@ STOP_TIMEOUT_S = 30.0  # how long `close` waits for a batch being generated to f
 
 
 @dataclass(kw_only=True)
+class AheadParts:
+    """What a runtime that supports --async gives the trainer: the policy's module (whose weights
+    are published), a rollout role on any copy of it, and a batch's log-probs under a copy."""
+
+    model: torch.nn.Module
+    make_rollout: Callable[[torch.nn.Module], Any]
+    logprobs_under: Callable[[torch.nn.Module, ExperienceBatch], torch.Tensor]
+
+
+@dataclass(kw_only=True)
 class Prepared:
     """One step's batch, ready for experience making."""
 

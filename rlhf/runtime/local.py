@@ -21,6 +21,7 @@ import torch
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.runtime.ahead import AheadParts
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
 from rlhf.runtime.export import export_critic, export_policy
@@ -158,7 +159,8 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
         pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
-        make_rollout=lambda model: build_rollout(plan, plugins, model, tokenizer), logprobs_under=policy.logprobs_under,
+        ahead=AheadParts(model=policy.model, make_rollout=lambda model: build_rollout(plan, plugins, model, tokenizer),
+                         logprobs_under=policy.logprobs_under),
         export=lambda out_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist),
     )
     return workers, plan

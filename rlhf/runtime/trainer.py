@@ -31,7 +31,7 @@ from rlhf.core.plugins import PluginSet
 from rlhf.core.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, RolloutRole
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import RunInfo, Trajectory
-from rlhf.runtime.ahead import AheadGeneration, Prepared
+from rlhf.runtime.ahead import AheadGeneration, AheadParts, Prepared
 from rlhf.runtime.data import PromptLoader
 from rlhf.runtime.evaluation import Evaluator
 from rlhf.runtime.experience import ExperienceMaker
@@ -58,9 +58,7 @@ class Workers:
     export: Callable[[Path], None]  # writes the final policy (and --save-critic's critic); called on every rank
     dist: DistContext = SINGLE  # data-parallel ranks when started by a launcher (every rank runs this loop)
     eval_prompts: list[Any] | None = None  # formatted --eval-data prompts (None: no eval)
-    # --async: a rollout role on another copy of the policy module, and a batch's log-probs under a module
-    make_rollout: Callable[[Any], RolloutRole] | None = None
-    logprobs_under: Callable[[Any, Any], torch.Tensor] | None = None
+    ahead: AheadParts | None = None  # what --async needs (None: this runtime does not support it)
 
 
 class Timer:
@@ -300,12 +298,13 @@ class Trainer:
     # --- async ----------------------------------------------------------------------------------
 
     def _ahead(self) -> AheadGeneration:
-        if self.w.make_rollout is None or self.w.logprobs_under is None:
+        parts = self.w.ahead
+        if parts is None:
             raise RlhfError("--async is not available with this runtime yet: use the local runtime")
         staleness = self.config.max_staleness
         return AheadGeneration(
-            model=self.w.policy.model, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
-            make_rollout=self.w.make_rollout, behaviour_logprobs=self.w.logprobs_under if staleness > 0 else None,
+            model=parts.model, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
+            make_rollout=parts.make_rollout, behaviour_logprobs=parts.logprobs_under if staleness > 0 else None,
             max_staleness=staleness, total_steps=self.total_steps, pad_token_id=self.w.pad_token_id)
 
     # --- eval -----------------------------------------------------------------------------------
