@@ -31,14 +31,13 @@ has the measurement).
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,14 +48,31 @@ from rlhf.core.types import Trajectory
 STOP_TIMEOUT_S = 30.0  # how long `close` waits for a batch being generated to finish
 
 
+class PolicyCopy(Protocol):
+    """The producer's copy of the policy: in this process (local runtime) or in the rollout actors
+    (Ray runtime)."""
+
+    rollout: Any  # a RolloutRole that samples from the copy's weights
+    evaluates_here: bool  # eval samples with this same rollout (Ray): it must hold the newest weights then
+
+    def load(self, snapshot: Any) -> None:
+        """Take the weights of a published version (what `AheadParts.snapshot` returned)."""
+
+    def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        """(B, A) log-probs of the batch under the copy, computed as the trainer computes them."""
+
+    def swap_rng(self, states: list[Any] | None) -> list[Any]:
+        """Install these random states (uint8 tensors) of the copy's sampling, or with None fresh ones
+        seeded from the run's seed; return the previous ones."""
+
+
 @dataclass(kw_only=True)
 class AheadParts:
-    """What a runtime that supports --async gives the trainer: the policy's module (whose weights
-    are published), a rollout role on any copy of it, and a batch's log-probs under a copy."""
+    """What a runtime that supports --async gives the trainer: the policy's current weights as a
+    snapshot, and a copy of the policy to generate with (made when the run starts, after a resume)."""
 
-    model: torch.nn.Module
-    make_rollout: Callable[[torch.nn.Module], Any]
-    logprobs_under: Callable[[torch.nn.Module, ExperienceBatch], torch.Tensor]
+    snapshot: Callable[[], Any]
+    make_copy: Callable[[], PolicyCopy]
 
 
 @dataclass(kw_only=True)
@@ -80,21 +96,18 @@ class AheadGeneration:
     """The producer thread and the hand-over of batches and weights (see the module docstring).
 
     ``prepare(step, rollout)`` makes the batch of a step with the given rollout role (the
-    trainer's own preparation); ``make_rollout(model)`` builds a rollout role on a model;
-    ``behaviour_logprobs(model, batch)`` the (B, A) log-probs of a batch under a model, or None
-    to leave ``old_logprobs`` to the trainer (K = 0).
+    trainer's own preparation); ``parts`` give weight snapshots and the producer's copy; with
+    ``max_staleness`` 0 the copy's behaviour log-probs are not computed (the trainer does as in a
+    synchronous run).
     """
 
-    def __init__(self, *, model: torch.nn.Module, prepare: Callable[[int, Any], Prepared],
-                 make_rollout: Callable[[torch.nn.Module], Any],
-                 behaviour_logprobs: Callable[[torch.nn.Module, ExperienceBatch], torch.Tensor] | None,
-                 max_staleness: int, total_steps: int, pad_token_id: int):
-        self.model, self.prepare, self.behaviour_logprobs = model, prepare, behaviour_logprobs
-        self.make_rollout, self.staleness, self.total, self.pad_token_id = make_rollout, max_staleness, total_steps, \
-            pad_token_id
+    def __init__(self, *, parts: AheadParts, prepare: Callable[[int, Any], Prepared], max_staleness: int,
+                 total_steps: int, pad_token_id: int):
+        self.parts, self.prepare = parts, prepare
+        self.staleness, self.total, self.pad_token_id = max_staleness, total_steps, pad_token_id
         self.cond = threading.Condition()
         self.ready: dict[int, Prepared] = {}
-        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.snapshots: dict[int, Any] = {}
         self.published = -1  # newest policy version published
         self.next_step = 0  # the next batch the producer makes
         self.error: BaseException | None = None
@@ -107,9 +120,8 @@ class AheadGeneration:
     def start(self, start_step: int) -> None:
         """Start producing from ``start_step`` (after any in-flight batches a checkpoint held)."""
         self.next_step = max(self.next_step, start_step)
-        self.copy = copy.deepcopy(self.model)
+        self.copy = self.parts.make_copy()
         self.copy_version = self.first_version = start_step  # a resumed run has no older weights
-        self.rollout = self.make_rollout(self.copy)
         self.publish(start_step)
         self.thread = threading.Thread(target=self._run, name="rlhf-ahead-generation", daemon=True)
         self.thread.start()
@@ -128,7 +140,7 @@ class AheadGeneration:
 
     def publish(self, version: int) -> None:
         """The policy's weights after ``version`` steps, for the batches that need them."""
-        state = {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        state = self.parts.snapshot()
         with self.cond:
             self.snapshots[version] = state
             self.published = version
@@ -147,17 +159,22 @@ class AheadGeneration:
 
     @contextlib.contextmanager
     def separate_stream(self, state: dict[str, Any]) -> Iterator[None]:
-        """Sample (eval) from a random stream of its own, kept in ``state["rng"]``, while the producer
-        is not sampling: the producer's stream is left exactly as it was."""
+        """Eval between two of the producer's batches: sampling from a random stream of its own, kept
+        in ``state["rng"]`` (None: a fresh one from the run's seed), and, where eval samples with the
+        producer's copy (Ray), from the newest weights; the producer's stream and weights are put
+        back as they were."""
         with self.generating:
-            saved = torch.get_rng_state()
-            if state.get("rng") is not None:
-                torch.set_rng_state(state["rng"])
+            saved = self.copy.swap_rng(state.get("rng"))
+            if self.copy.evaluates_here:
+                with self.cond:
+                    newest, own = self.snapshots[self.published], self.snapshots.get(self.copy_version)
+                self.copy.load(newest)
             try:
                 yield
             finally:
-                state["rng"] = torch.get_rng_state()
-                torch.set_rng_state(saved)
+                state["rng"] = self.copy.swap_rng(saved)
+                if self.copy.evaluates_here:
+                    self.copy.load(own)
 
     def close(self) -> None:
         """Stop the producer (within a batch's generation at most) and wait for its thread."""
@@ -234,15 +251,15 @@ class AheadGeneration:
                 del self.snapshots[old]
         waited = time.perf_counter() - began
         if state is not None:
-            self.copy.load_state_dict(state)
+            self.copy.load(state)
             self.copy_version = version
         return waited
 
     def _make(self, step: int, version: int) -> Prepared:
-        prepared = self.prepare(step, self.rollout)
+        prepared = self.prepare(step, self.copy.rollout)
         prepared.version = version
-        if self.behaviour_logprobs is not None:
-            prepared.batch = replace(prepared.batch, old_logprobs=self.behaviour_logprobs(self.copy, prepared.batch))
+        if self.staleness > 0:
+            prepared.batch = replace(prepared.batch, old_logprobs=self.copy.logprobs(prepared.batch))
         return prepared
 
     def _failure(self) -> BaseException:

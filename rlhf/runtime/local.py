@@ -138,6 +138,32 @@ def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, criti
         export_critic(adapter, tokenizer, critic, plan.derived.out_dir / "critic", dist)
 
 
+class LocalPolicyCopy:
+    """--async in this process: a deep copy of the policy module with a rollout of its own; sampling
+    draws from the process's random stream (the trainer draws none while the producer runs)."""
+
+    evaluates_here = False  # eval samples with the trainer's own rollout, on the newest weights
+
+    def __init__(self, plan: RunPlan, policy: PolicyWorker, make_rollout: Any):
+        import copy
+
+        self.seed, self.policy = plan.config.seed, policy
+        self.model = copy.deepcopy(policy.model)
+        self.rollout = make_rollout(self.model)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def logprobs(self, batch: Any) -> torch.Tensor:
+        return self.policy.logprobs_under(self.model, batch)
+
+    def swap_rng(self, states: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        previous = [torch.get_rng_state()]
+        fresh = torch.Generator().manual_seed(self.seed + 1_000_003).get_state()
+        torch.set_rng_state(states[0] if states is not None else fresh)
+        return previous
+
+
 def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE) -> tuple[Workers, RunPlan]:
     """Every role in this process, and the plan completed with the data's size."""
     config = plan.config
@@ -159,8 +185,9 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
         pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
-        ahead=AheadParts(model=policy.model, make_rollout=lambda model: build_rollout(plan, plugins, model, tokenizer),
-                         logprobs_under=policy.logprobs_under),
+        ahead=AheadParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
+                         make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
+                                                                                                    tokenizer))),
         export=lambda out_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist),
     )
     return workers, plan

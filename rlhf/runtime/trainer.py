@@ -102,7 +102,7 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.ahead = self._ahead() if self.config.async_rollout else None
         # async: eval samples from a stream of its own, so the producer's stays deterministic
-        self.eval_stream = {"rng": torch.Generator().manual_seed(self.config.seed + 1).get_state()}
+        self.eval_stream: dict[str, Any] = {"rng": None}
 
     # --- the run --------------------------------------------------------------------------------
 
@@ -175,7 +175,7 @@ class Trainer:
                 train.update(w.critic.fit(batch, step=step))
             self._check_finite()
         with timer("sync"):
-            if not frozen:
+            if not frozen and self.ahead is None:  # --async: the producer takes weights by version
                 w.rollout.sync_weights()  # in-process engines share the weights; others get them pushed
         metrics = step_metrics(trajectories, batch, reward_metrics, train, timer.done())
         metrics["kl/beta"] = self.kl.value
@@ -302,10 +302,8 @@ class Trainer:
         if parts is None:
             raise RlhfError("--async is not available with this runtime yet: use the local runtime")
         staleness = self.config.max_staleness
-        return AheadGeneration(
-            model=parts.model, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
-            make_rollout=parts.make_rollout, behaviour_logprobs=parts.logprobs_under if staleness > 0 else None,
-            max_staleness=staleness, total_steps=self.total_steps, pad_token_id=self.w.pad_token_id)
+        return AheadGeneration(parts=parts, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
+                               max_staleness=staleness, total_steps=self.total_steps, pad_token_id=self.w.pad_token_id)
 
     # --- eval -----------------------------------------------------------------------------------
 
@@ -365,7 +363,8 @@ class Trainer:
     def _trainer_state(self) -> dict[str, Any]:
         return {"loader": self.w.loader.state_dict(), "fingerprint": self.fingerprint,
                 "world_size": self.dist.world_size, "kl": self.kl.state_dict(), "best": self.best,
-                "last_eval": self.last_eval, "eval_rng": self.eval_stream["rng"].tolist()}
+                "last_eval": self.last_eval,
+                "eval_rng": None if self.eval_stream["rng"] is None else [s.tolist() for s in self.eval_stream["rng"]]}
 
     def _resume(self) -> None:
         state = self.run_dir.resume(self._checkpointed_roles())
@@ -375,8 +374,8 @@ class Trainer:
         if "kl" in state:
             self.kl.load_state_dict(state["kl"])
         self.best, self.last_eval = state.get("best"), state.get("last_eval") or {}
-        if "eval_rng" in state:
-            self.eval_stream["rng"] = torch.tensor(state["eval_rng"], dtype=torch.uint8)
+        if state.get("eval_rng") is not None:
+            self.eval_stream["rng"] = [torch.tensor(s, dtype=torch.uint8) for s in state["eval_rng"]]
         differences = fingerprint_differences(state["fingerprint"], self.fingerprint)
         if differences and self.dist.is_main:
             log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
