@@ -123,6 +123,7 @@ class AheadGeneration:
         self.copy = self.parts.make_copy()
         self.copy_version = self.first_version = start_step  # a resumed run has no older weights
         self.publish(start_step)
+        self.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
         self.thread = threading.Thread(target=self._run, name="rlhf-ahead-generation", daemon=True)
         self.thread.start()
 
@@ -167,8 +168,8 @@ class AheadGeneration:
             saved = self.copy.swap_rng(state.get("rng"))
             if self.copy.evaluates_here:
                 with self.cond:
-                    newest, own = self.snapshots[self.published], self.snapshots.get(self.copy_version)
-                self.copy.load(newest)
+                    own = self.snapshots[self.copy_version]
+                self.copy.load(self.parts.snapshot())  # the trainer's current weights (maybe not published yet)
             try:
                 yield
             finally:

@@ -249,9 +249,12 @@ def check_run(plan: RunPlan, *, world_size: int) -> None:
                        ("--train-batch-size", derived.train_batch_size)):
         if size % world_size:
             raise ConfigError(f"{name} ({size}) must be a multiple of the number of processes ({world_size})")
-    if config.async_rollout and (config.runtime == "ray" or world_size > 1):
-        raise ConfigError("--async runs generation beside training in one process: it does not support "
-                          f"{'--runtime ray' if config.runtime == 'ray' else 'several processes (torchrun)'} yet")
+    if config.async_rollout and config.runtime == "local" and world_size > 1:
+        raise ConfigError("--async in the local runtime runs generation beside training in one process: it does "
+                          "not support several processes (torchrun) yet; use --runtime ray for data parallelism")
+    if config.async_rollout and config.runtime == "ray" and config.colocate == "all":
+        raise ConfigError("--async needs rollout actors with their own copy of the policy, and --colocate all "
+                          "puts the rollout in the policy actors: use --colocate none or policy_ref")
     if config.threads is not None and config.threads < 1:
         raise ConfigError(f"--threads must be at least 1; got {config.threads}")
 

@@ -110,6 +110,22 @@ def gather_rows(local: torch.Tensor, dist: DistContext, total: int) -> torch.Ten
     return out
 
 
+@torch.no_grad()
+def model_logprobs(model: torch.nn.Module, batch: ExperienceBatch, *, micro_batch_size: int, temperature: float,
+                   dist: DistContext = SINGLE) -> torch.Tensor:
+    """(B, A) log-probs of a batch's tokens under ``model`` at the sampling temperature, in eval mode,
+    micro-batched as training does (rows of similar length together)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        return forward_rows(batch, dist, micro_batch_size, lambda mb: token_logprobs(
+            model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.action_mask,
+            temperature=temperature)[0])
+    finally:
+        model.train(was_training)
+
+
 class _TrainedWorker(TrainedModel):
     """Shared by the policy and the critic: a trained model (`TrainedModel`) and its RL update loop."""
 
@@ -167,18 +183,11 @@ class PolicyWorker(_TrainedWorker):
         """(B, A) log-probs of the batch's tokens at the sampling temperature."""
         return self.logprobs_under(self.model, batch)
 
-    @torch.no_grad()
     def logprobs_under(self, model: torch.nn.Module, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A) log-probs of the batch's tokens under ``model`` (the policy, or --async's copy of an
         earlier version of it), computed exactly as the policy's own."""
-        was_training = model.training
-        model.eval()
-        try:
-            return self._forward_rows(batch, lambda mb: token_logprobs(
-                model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
-                temperature=self.objective.temperature)[0])
-        finally:
-            model.train(was_training)
+        return model_logprobs(model, batch, micro_batch_size=self.settings.micro_batch_size,
+                              temperature=self.objective.temperature, dist=self.dist)
 
     def fit(self, batch: ExperienceBatch, *, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).

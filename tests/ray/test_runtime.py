@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -354,3 +355,45 @@ def test_eval_filtering_and_adaptive_kl_on_ray_match_the_local_run(ray_cluster, 
             if key in local_row:
                 assert ray_row[key] == pytest.approx(local_row[key], rel=1e-5, abs=1e-9), (local_row["step"], key)
     assert (ray_out / "best" / "best.json").read_text() == (tmp_path / "local" / "best" / "best.json").read_text()
+
+
+def test_async_on_ray_generates_ahead_like_the_local_async_run(ray_cluster, tiny_model_dir, task, tmp_path):
+    """--async on Ray: the rollout actor's copy generates batch s from version s - K (weights pushed by
+    version through the object store): the same samples, staleness and losses as the local --async run."""
+    extra = dict(async_rollout=True, max_staleness=1, steps=3, eval_data=[str(task / "data.jsonl")],
+                 eval_max_samples=2, eval_every=2)
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **extra), plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", **extra))
+    assert_no_actors_left()
+    assert not any(t.name == "rlhf-ahead-generation" for t in threading.enumerate())
+    assert samples(ray_out) == samples(tmp_path / "local")
+    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("local", "ray")}
+    assert [r.get("async/staleness_max") for r in rows["ray"] if "reward/mean" in r] == [0, 1, 1]
+    for ray_row, local_row in zip(rows["ray"], rows["local"]):
+        assert ray_row["step"] == local_row["step"]
+        for key in ("eval/reward/mean", "reward/mean", "policy/loss", "policy/approx_kl", "async/version"):
+            if key in local_row:
+                assert ray_row[key] == pytest.approx(local_row[key], rel=1e-5, abs=1e-8), (local_row["step"], key)
+
+
+def test_async_on_ray_resumes_exactly_with_batches_in_flight(ray_cluster, tiny_model_dir, task, tmp_path, make_plugin):
+    extra = dict(async_rollout=True, max_staleness=1, steps=4, save_every=2, runtime="ray")
+    straight = tmp_path / "straight"
+    ray_train(make_config(tiny_model_dir, task, straight, **extra))
+
+    def crash(step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        ray_train(make_config(tiny_model_dir, task, resumed, **extra), plugins=plugins)
+    assert_no_actors_left()
+    ray_train(make_config(tiny_model_dir, task, resumed, resume=True, **extra))
+    assert samples(resumed) == samples(straight)
+    for (name, a), b in zip(final_weights(straight).items(), final_weights(resumed).values()):
+        assert torch.allclose(a, b, atol=1e-6), name

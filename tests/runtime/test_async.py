@@ -127,9 +127,9 @@ def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task,
 
 def test_async_is_refused_where_it_cannot_run(tiny_model_dir, task, tmp_path, plugins):
     result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
-                               "--reward", str(task / "rewards.py"), "--async", "--runtime", "ray",
-                               "--out", str(tmp_path / "run")])
-    assert result.exit_code != 0 and "--async" in result.output and "--runtime ray" in result.output
+                               "--reward", str(task / "rewards.py"), "--async", "--runtime", "ray", "--colocate",
+                               "all", "--out", str(tmp_path / "run")])
+    assert result.exit_code != 0 and "--async" in result.output and "--colocate all" in result.output
     result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
                                "--reward", str(task / "rewards.py"), "--async", "--max-staleness", "-1"])
     assert result.exit_code == 2 and "--max-staleness must be at least 0" in result.output

@@ -151,6 +151,24 @@ class WorkerHost:
         self.workers["rollout"].sync_weights()  # an engine with weights of its own (vllm) takes them now
         return sum(t.numel() * t.element_size() for t in weights.values())
 
+    # --- --async: the producer's copy is this rollout actor's ----------------------------------
+
+    def behaviour_logprobs(self, batch: Any) -> Any:
+        """(B, A) log-probs of a batch under this actor's copy of the policy (the version it samples from)."""
+        from rlhf.runtime.workers import model_logprobs
+
+        config = self.plan.config
+        return model_logprobs(self.rollout_model, batch, micro_batch_size=config.micro_batch_size,
+                              temperature=config.temperature)
+
+    def swap_rng(self, state: Any, fresh_seed: int) -> Any:
+        """Install a random state for sampling (None: one seeded with ``fresh_seed``); return the previous one."""
+        import torch
+
+        previous = torch.get_rng_state()
+        torch.set_rng_state(state if state is not None else torch.Generator().manual_seed(fresh_seed).get_state())
+        return previous
+
     # --- checkpoints and outputs ----------------------------------------------------------------
 
     def save(self, role: str, directory: str) -> int | None:
