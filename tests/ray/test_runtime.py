@@ -397,3 +397,14 @@ def test_async_on_ray_resumes_exactly_with_batches_in_flight(ray_cluster, tiny_m
     assert samples(resumed) == samples(straight)
     for (name, a), b in zip(final_weights(straight).items(), final_weights(resumed).values()):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_async_on_ray_with_two_rollout_actors(ray_cluster, tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    ray_train(make_config(tiny_model_dir, task, out, runtime="ray", async_rollout=True, max_staleness=2, steps=3,
+                          rollout_workers=2, rollout_cpus=0.25, prompts_per_step=4))
+    assert_no_actors_left()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1, 2]
+    assert [m["async/version"] for m in metrics] == [0, 0, 0]
+    assert len(read_jsonl(out / "samples.jsonl")) == 3 * 4 * 2
