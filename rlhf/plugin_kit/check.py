@@ -9,6 +9,7 @@ imports (torch, transformers, ...) belong inside the objects registered as ``"mo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -85,7 +86,9 @@ def import_time(record: PluginRecord) -> ImportTime | None:
     module = getattr(record.plugin, "__name__", None)
     if record.source == "inline" or not module or sys.modules.get(module) is not record.plugin:
         return None
-    result = subprocess.run([sys.executable, "-c", _PROBE, module, ",".join(HEAVY)], capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's path
+    result = subprocess.run([sys.executable, "-c", _PROBE, module, ",".join(HEAVY)], capture_output=True, text=True,
+                            env=env)
     if result.returncode != 0:
         return None  # the check itself reports a plugin that cannot load
     data = json.loads(result.stdout.strip().splitlines()[-1])
