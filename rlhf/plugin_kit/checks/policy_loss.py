@@ -27,7 +27,7 @@ def check(target: Target) -> list[str]:
     action_mask = (torch.arange(A)[None, :] < lengths[:, None]).float()  # (B, A)
     old_logprobs = -torch.rand(B, A, generator=generator) * 2  # (B, A)
     logprobs = old_logprobs + torch.randn(B, A, generator=generator) * 0.3  # (B, A) ratios around 1, some clipped
-    advantages = torch.randn(B, A, generator=generator) * action_mask  # (B, A)
+    advantages = torch.randn(B, A, generator=generator)  # (B, A), not masked: the loss must mask itself
     rollout_logprobs = old_logprobs + torch.randn(B, A, generator=generator) * 0.05  # (B, A)
 
     def run(rows: slice) -> tuple[Any, Any, dict]:
