@@ -193,6 +193,29 @@ def describe_config(config_cls: type, namespace: str | None = None) -> list[str]
     return lines
 
 
+@plugins_group.command("new")
+@click.argument("kind", metavar="KIND")
+@click.argument("name")
+@click.option("--dir", "directory", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="Folder in which the package folder rlhf-NAME is created")
+def new_command(kind: str, name: str, directory: str) -> None:
+    """Write a pip-installable plugin package providing the component NAME of KIND.
+
+    KIND is one of: advantage_estimator, policy_loss, kl_estimator, loss_aggregation, algorithm,
+    reward, env, model, rollout_engine, train_backend, objective. The package (rlhf-NAME) has
+    pyproject.toml with the rlhf entry point, a documented skeleton that passes `rlhf plugins
+    check NAME`, a test and a README. Then: pip install -e DIR/rlhf-NAME.
+    """
+    from rlhf.plugin_kit.scaffold import new_package, use_command
+
+    root = new_package(kind, name, directory)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        click.echo(f"wrote {path}")
+    key = root.name.removeprefix("rlhf-").replace("-", "_")
+    click.echo(f"\nNext:\n  pip install -e {root}\n  rlhf plugins check {key}\n  "
+               f"{use_command(kind.lower().replace('-', '_'), key, f'runs/{key}')}")
+
+
 @plugins_group.command("check")
 @click.argument("name")
 @click.pass_obj
