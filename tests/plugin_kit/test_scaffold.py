@@ -50,3 +50,9 @@ def test_new_refuses_an_unknown_kind_listing_the_kinds(plugins, tmp_path):
 def test_new_refuses_a_name_that_is_not_an_identifier(plugins, tmp_path):
     result = run_cli(plugins, ["plugins", "new", "reward", "3rd:party", "--dir", str(tmp_path)])
     assert result.exit_code == 2 and "must be a Python identifier" in result.output
+
+
+def test_every_kind_has_a_template():
+    from rlhf.core.kinds import KINDS
+
+    assert sorted(SPECS) == sorted(KINDS), "add a KindTemplate to rlhf.plugin_kit.scaffold.SPECS and its template"
