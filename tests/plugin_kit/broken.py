@@ -191,3 +191,64 @@ class IgnoresStop(OneSampleShort):
         ids = self.ids[:params.max_new_tokens]
         return [Generation(token_ids=list(ids), finish_reason="length", logprobs=[-1.0] * len(ids))
                 for _ in range(len(prompts) * n)]
+
+
+class _ResponseNLL:
+    """A small SFT objective on prompt/response rows, correct except where a subclass breaks it."""
+
+    def __init__(self, config=None):
+        self.config = config
+
+    def columns(self):
+        return ["prompt", "response"]
+
+    def encode(self, row, text):
+        return text.join(text.prompt_ids(text.prompt(row["prompt"])), text.ids(text.response(row["prompt"], row["response"])))
+
+    def step_examples(self, examples):
+        return examples
+
+    def collate(self, examples, pad_token_id):
+        width = max(len(ids) for ids, _ in examples)
+        input_ids = torch.full((len(examples), width), pad_token_id)  # (B, T)
+        mask = torch.zeros(len(examples), width - 1)  # (B, T-1)
+        for i, (ids, prompt_len) in enumerate(examples):
+            input_ids[i, :len(ids)] = torch.tensor(ids)
+            mask[i, prompt_len - 1:len(ids) - 1] = 1.0
+        return {"input_ids": input_ids, "attention_mask": (input_ids != pad_token_id).long(), "mask": mask}
+
+    def units(self, batch):
+        return float(batch["mask"].sum())
+
+    def step_statistics(self, models, batch):
+        return None
+
+    def token_nll(self, models, batch):
+        logits = models.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None])
+        return -logprobs.squeeze(-1) * batch["mask"]  # (B, T-1)
+
+    def loss(self, models, batch, stats):
+        return self.token_nll(models, batch).sum() / batch["mask"].sum(), {}
+
+    def final_statistics(self, models, batch):
+        return None
+
+    def output_config(self, stats):
+        return {}
+
+
+class GoodObjective(_ResponseNLL):
+    """The control: keeps the contract."""
+
+
+class SumsInsteadOfMeans(_ResponseNLL):
+    """Returns the sum over the micro-batch, so the step gradient grows with the micro-batch size."""
+
+    def loss(self, models, batch, stats):
+        return self.token_nll(models, batch).sum(), {}
+
+
+class DetachedLoss(_ResponseNLL):
+    def loss(self, models, batch, stats):
+        return (self.token_nll(models, batch).sum() / batch["mask"].sum()).detach(), {}

@@ -123,3 +123,15 @@ def test_a_broken_engine_fails(plugins, make_plugin, cls, message):
     result = check(plugins, make_plugin, "register_rollout_engines", "bad_engine", cls)
     assert result.exit_code == 1, result.output
     assert message in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, code, message", [
+    (broken.GoodObjective, 0, "two micro-batches weighted by their units give the whole batch's loss"),
+    (broken.SumsInsteadOfMeans, 1, "loss must be the mean over units(batch)"),
+    (broken.DetachedLoss, 1, "the loss does not depend on the trained model (no gradient)"),
+])
+def test_objectives_are_checked_on_a_tiny_model(plugins, make_plugin, cls, code, message):
+    result = check(plugins, make_plugin, "register_objectives", "my_objective", cls)
+    assert result.exit_code == code, result.output
+    assert message in result.output
