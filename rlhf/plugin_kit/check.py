@@ -53,7 +53,7 @@ class ImportTime:
         return self.ms > SLOW_IMPORT_MS
 
     def describe(self) -> str:
-        line = f"import time of plugin module {self.module}: {self.ms:.0f} ms"
+        line = f"import time of plugin module {self.module}: {self.ms:.1f} ms"
         if not self.slow:
             return line
         cause = f" (it imports {', '.join(self.heavy)})" if self.heavy else ""
