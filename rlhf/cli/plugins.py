@@ -202,7 +202,8 @@ def new_command(kind: str, name: str, directory: str) -> None:
     """Write a pip-installable plugin package providing the component NAME of KIND.
 
     KIND is one of: advantage_estimator, policy_loss, kl_estimator, loss_aggregation, algorithm,
-    reward, env, model, rollout_engine, train_backend, objective. The package (rlhf-NAME) has
+    reward, env, model, rollout_engine, train_backend, objective, sample_filter, reward_shaping. The
+    package (rlhf-NAME) has
     pyproject.toml with the rlhf entry point, a documented skeleton that passes `rlhf plugins
     check NAME`, a test and a README. Then: pip install -e DIR/rlhf-NAME.
     """

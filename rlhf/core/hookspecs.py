@@ -165,8 +165,8 @@ def register_sample_filters(register: Register) -> None:
     prompt groups, each the list of its n scored ``rlhf.core.types.Trajectory`` (``reward``:
     the total after reward shaping, None when dropped; ``rewards``: per source; ``score``: the
     reward functions' OpenRLHF ``scores`` when they gave them, else the total before shaping;
-    ``finish_reason``, ``num_policy_tokens``, ``columns``, ``info``). Returns one bool per group:
-    False drops the whole group, and the loop samples new prompts until ``--prompts-per-step``
+    ``finish_reason``, ``num_policy_tokens``, ``columns``, ``info``). Returns one bool per group,
+    decided from that group's contents (not its position): False drops the whole group, and the loop samples new prompts until ``--prompts-per-step``
     groups are kept (at most ``--max-filter-rounds`` rounds). ``config`` is an instance of
     ``config_cls`` (its settings ``--sample-filter.<field>``; run fields such as
     ``filter_range``) or None. Called on the main process only; must be deterministic.

@@ -74,6 +74,13 @@ SPECS: dict[str, KindTemplate] = {
         "rlhf fit --objective {name} --model ./examples/tiny-model --data examples/pipeline/sft.jsonl "
         "--max-len 32 --batch-size 4 --steps 1 --out {out}",
         ', config_cls="{module}.objective:{cls}Config"'),
+    "sample_filter": KindTemplate(
+        "sample_filter", "keep_group", "a sample filter (keep prompt groups whose scores vary)",
+        f"{TRAIN} {REWARD} --sample-filter {{name}} --out {{out}}"),
+    "reward_shaping": KindTemplate(
+        "shaping", "shape", "a reward shaping (a small penalty per generated token)",
+        f"{TRAIN} {REWARD} --reward-shaping {{name}} --out {{out}}",
+        ', config_cls="{module}.shaping:{cls}Config"'),
 }
 
 

@@ -135,3 +135,39 @@ def test_objectives_are_checked_on_a_tiny_model(plugins, make_plugin, cls, code,
     result = check(plugins, make_plugin, "register_objectives", "my_objective", cls)
     assert result.exit_code == code, result.output
     assert message in result.output
+
+
+def _first_half(groups, config):
+    return [i < len(groups) // 2 for i in range(len(groups))]
+
+
+def _one_flag(groups, config):
+    return [True]
+
+
+def _revives_dropped(trajectories, rewards, config):
+    return [0.0 if r is None else r for r in rewards], {}
+
+
+def _unnamespaced_metric(trajectories, rewards, config):
+    return list(rewards), {"penalty": 1.0}
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_first_half, "the verdict of a group changed with its position in the step"),
+    (_one_flag, "returned 1 flags for 4 prompt groups"),
+], ids=["positional", "one_flag"])
+def test_a_broken_sample_filter_fails_its_check(plugins, make_plugin, fn, message):
+    result = check(plugins, make_plugin, "register_sample_filters", "bad_filter", fn)
+    assert result.exit_code == 1 and "Error: sample filter 'bad_filter': " in result.output
+    assert message in result.output, result.output
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_revives_dropped, "was dropped (reward None) and came back as 0.0; keep it None"),
+    (_unnamespaced_metric, "metric 'penalty' needs a namespace"),
+], ids=["revives", "metric"])
+def test_a_broken_reward_shaping_fails_its_check(plugins, make_plugin, fn, message):
+    result = check(plugins, make_plugin, "register_reward_shapings", "bad_shaping", fn)
+    assert result.exit_code == 1 and "Error: reward shaping 'bad_shaping': " in result.output
+    assert message in result.output, result.output

@@ -28,6 +28,8 @@ CHECKS: dict[str, str] = {
     "rollout_engine": "rollout_engine",
     "train_backend": "train_backend",
     "objective": "objective",
+    "sample_filter": "sample_filter",
+    "reward_shaping": "reward_shaping",
 }
 
 
