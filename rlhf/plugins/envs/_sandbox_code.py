@@ -63,7 +63,7 @@ def report(fd, **message):
 # --- the code's process ----------------------------------------------------------------------
 
 
-def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor):
+def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor, seccomp):
     """Become the code's process: limits, identity, fresh ``__main__``; run; exit. Never returns."""
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -82,6 +82,9 @@ def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor):
         os.close(devnull)
         os.chdir(workdir)
         set_limits(req, uid, nproc)
+        if req.get("cgroup_layers") and LINUX:
+            with open("/proc/self/oom_score_adj", "w") as f:  # the supervisors are exempt, the code is not
+                f.write("0")
         if caps and LINUX:
             with open("/proc/sys/kernel/cap_last_cap") as f:
                 last = int(f.read())
@@ -103,6 +106,10 @@ def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor):
             prctl(PR_SET_DUMPABLE, 1)  # a uid change cleared it; /proc/self must stay the code's own
             if os.getppid() != supervisor:
                 os._exit(1)
+        if seccomp:
+            from _sandbox_seccomp import install
+
+            install(libc())
         os.environ.update(HOME=workdir, TMPDIR=workdir, PWD=workdir)
         sys.path[:] = ["", *sys.path, *(req["site_dirs"] if req["site_packages"] else [])]
         sys.argv[:] = ["-c"]

@@ -75,10 +75,13 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from . import _sandbox_cgroup as _cgroup
 
 __all__ = ["SandboxConfig", "SandboxResult", "run_code", "run_code_async", "set_max_concurrency"]
 
@@ -88,6 +91,11 @@ SANDBOX_UIDS = (2_000_000, 2_100_000)  # root: each call runs as a random uid fr
 SETUP_TIMEOUT_S = 10.0  # the supervisor must be ready by then; the code's clock starts after
 KILL_GRACE_S = 2.0  # after asking the supervisor to stop, how long until everything is SIGKILLed
 OUTPUT_KILL_FACTOR = 8  # a stream this many times over its cap kills the program
+CGROUP_OVERHEAD_MB = 64  # the supervisors share the call's cgroup: room for them on top of memory_mb
+CGROUP_OVERHEAD_TASKS = 2  # the supervisor and, with namespaces, the pid namespace's init
+EXPECTED_LAYERS = ("pid_ns", "net_ns", "mount_ns", "readonly_fs", "minimal_dev", "proc_sys_ro", "seccomp",
+                   "cgroup_memory", "cgroup_pids")
+_warned: set[tuple[str, ...]] = set()
 _NO_NAMESPACES: set[str] = set()  # interpreters whose namespace set-up failed here: not retried
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -114,6 +122,8 @@ class SandboxConfig:
     namespaces: bool | None = field(default=None, metadata={"help": "pid/net/mount/ipc namespaces: None when possible"})
     drop_privileges: bool | None = field(default=None, metadata={"help": "as root, run as an unprivileged uid"})
     python_guard: bool | None = field(default=None, metadata={"help": "audit-hook guard; None: where OS layers are missing"})
+    seccomp: bool | None = field(default=None, metadata={"help": "seccomp filter (no exec, no namespaces): None when possible"})
+    cgroup: bool | None = field(default=None, metadata={"help": "memory and process limits on the whole tree: None when possible"})
     hide_paths: tuple[str, ...] = field(default=(), metadata={"help": "more directories to mask (with namespaces)"})
 
     def __post_init__(self) -> None:
@@ -217,8 +227,9 @@ class _Execution:
         self.events: list[dict[str, Any]] = []
         self.reason: str | None = None  # "timeout" or "output" when we stopped it
         self.uid: int | None = None
+        self.oom_killed = False
 
-    def request(self, status_fd: int) -> dict[str, Any]:
+    def request(self, status_fd: int, group: _cgroup.Cgroup | None) -> dict[str, Any]:
         cfg = self.config
         is_root = os.geteuid() == 0
         if cfg.drop_privileges and not is_root:
@@ -238,7 +249,8 @@ class _Execution:
             "max_processes": cfg.max_processes, "max_file_size_mb": cfg.max_file_size_mb,
             "max_open_files": cfg.max_open_files, "disk_mb": cfg.disk_mb, "site_packages": cfg.site_packages,
             "namespaces": cfg.namespaces, "drop_privileges": cfg.drop_privileges, "python_guard": cfg.python_guard,
-            "uid": self.uid, "tmp_root": tempfile.gettempdir(),
+            "uid": self.uid, "tmp_root": tempfile.gettempdir(), "seccomp": cfg.seccomp,
+            "cgroup_procs": group.procs if group else [], "cgroup_layers": group.layers if group else [],
             "mask": sorted({os.path.realpath(p) for p in (*homes, *cfg.hide_paths) if p}),
             **(_python_layout() if cfg.python in (None, sys.executable) else {}),
         }
@@ -246,9 +258,17 @@ class _Execution:
     def run(self) -> SandboxResult:
         cfg = self.config
         started = time.monotonic()
+        self.group = None
+        if cfg.cgroup is not False and sys.platform.startswith("linux"):
+            self.group = _cgroup.create((cfg.memory_mb + CGROUP_OVERHEAD_MB) << 20, cfg.max_processes + CGROUP_OVERHEAD_TASKS)
+            missing = {"cgroup_memory", "cgroup_pids"} - set(self.group.layers)
+            if missing and cfg.cgroup:
+                _cgroup.remove(self.group)
+                raise RuntimeError(f"cgroup=True but {', '.join(sorted(missing))} is not available (needs root and a "
+                                   "writable cgroup hierarchy with that controller)")
         status_r, status_w = os.pipe()
         try:
-            payload = marshal.dumps(self.request(status_w))
+            payload = marshal.dumps(self.request(status_w, self.group))
             env = {**BASE_ENV, **(cfg.env or {})}
             try:
                 proc = subprocess.Popen(
@@ -264,6 +284,9 @@ class _Execution:
                 self.clean_up(proc)
         finally:
             os.close(status_r)
+            if self.group is not None:
+                self.oom_killed = self.group.oom_killed()
+                _cgroup.remove(self.group)
         return self.result(out, err, seen, time.monotonic() - started)
 
     def communicate(self, proc: subprocess.Popen, payload: bytes, status_r: int) -> tuple[bytes, bytes, dict[str, int]]:
@@ -388,6 +411,7 @@ class _Execution:
             stderr_truncated=seen["stderr"] > cfg.max_output_bytes,
             isolation=tuple(start.get("isolation", ())),
         )
+        _warn_missing_layers(start, cfg)
         if exit_ is not None:
             res.returncode, res.signal, res.cpu_s = exit_["returncode"], exit_["signal"], exit_["cpu_s"]
         if error is not None:
@@ -404,12 +428,38 @@ class _Execution:
             res.status, res.message = "sandbox_error", f"the sandbox supervisor ended early: {tail[0][:300]}"
         elif res.signal is not None:
             res.status, res.message = "killed", _signal_message(res.signal, res.cpu_s, cfg)
+            if self.oom_killed:
+                res.message = f"killed: memory limit ({cfg.memory_mb} MiB for all the code's processes together)"
+        elif self.oom_killed:
+            res.status = "killed"
+            res.message = f"a process was killed: memory limit ({cfg.memory_mb} MiB for all the code's processes together)"
         elif res.returncode != 0:
             last = stderr.strip().splitlines()[-1:] or [f"exit code {res.returncode}"]
             res.status, res.message = "error", last[0][:300]
             if last[0].startswith("MemoryError"):
                 res.message += f" (memory limit {cfg.memory_mb} MiB)"
         return res
+
+
+def _warn_missing_layers(start: dict[str, Any], cfg: SandboxConfig) -> None:
+    """Warn once per process for each set of isolation layers this machine could not provide
+    (layers the config turned off are not warned about)."""
+    if not start:
+        return
+    layers = set(start.get("isolation", ()))
+    off = {"seccomp"} if cfg.seccomp is False else set()
+    off |= {"cgroup_memory", "cgroup_pids"} if cfg.cgroup is False else set()
+    off |= {"pid_ns", "net_ns", "mount_ns", "readonly_fs", "minimal_dev", "proc_sys_ro"} if cfg.namespaces is False else set()
+    missing = [name for name in EXPECTED_LAYERS if name not in layers and name not in off]
+    if os.geteuid() == 0 and not {"uid", "user_ns"} & layers and cfg.drop_privileges is not False:
+        missing.append("uid")
+    key = tuple(missing)
+    if missing and key not in _warned:
+        _warned.add(key)
+        notes = "; ".join(start.get("notes", ()))
+        warnings.warn(f"rlhf sandbox: isolation layers not available on this machine: {', '.join(missing)}"
+                      f"{f' ({notes})' if notes else ''}; active: {', '.join(sorted(layers))}",
+                      RuntimeWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=1)
