@@ -219,7 +219,8 @@ def test_process_limit_covers_the_whole_tree(mode):
     assert int(counts["children"]) <= 32 and int(counts["threads"]) <= 32, result.stdout
 
 
-def test_memory_limit_covers_the_whole_tree():
+@pytest.mark.parametrize("cgroup", [None, False])
+def test_memory_limit_covers_the_whole_tree(cgroup):
     code = """
         import os, time
         pids = []
@@ -236,9 +237,10 @@ def test_memory_limit_covers_the_whole_tree():
     """
     from rlhf.plugins.envs import _sandbox_cgroup
 
-    if _sandbox_cgroup.discover()["memory"] is None:
-        pytest.skip("no writable memory cgroup here: only the per-process limit holds")
-    result = _run(code, memory_mb=512, timeout_s=30)
+    if cgroup is None and _sandbox_cgroup.discover()["memory"] is None:
+        pytest.skip("no writable memory cgroup here (the case cgroup=False covers the fallback)")
+    result = _run(code, memory_mb=512, timeout_s=30, cgroup=cgroup)
+    assert ("cgroup_memory" if cgroup is None else "memory_watchdog") in result.isolation
     assert result.status == "killed", result
     assert "memory limit (512 MiB for all the code's processes together)" in result.message
     assert "statuses [0, 0, 0]" not in result.stdout

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _sandbox_code import LINUX, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl, report, run  # noqa: E402
 from _sandbox_mounts import enter_namespaces, python_layout, set_up_mounts, traversable, uid_mapped  # noqa: E402
 from _sandbox_seccomp import supported as seccomp_supported  # noqa: E402
+from _sandbox_watchdog import MemoryWatchdog  # noqa: E402
 
 del sys.path[0]
 
@@ -134,6 +135,10 @@ def supervise(req, status_fd, devnull, layers, notes, in_namespace):
             raise RuntimeError("seccomp was required (seccomp=True) but this kernel or machine has no seccomp filter")
         elif req.get("seccomp") is None:
             notes.append("seccomp unavailable: exec and namespace system calls are not filtered")
+        watchdog = None
+        if "cgroup_memory" not in layers and LINUX:
+            watchdog = MemoryWatchdog((req["memory_mb"] << 20))
+            layers.append("memory_watchdog")
         rules = guard_rules(req["python_guard"], layers, nproc)
         if rules:
             layers.append("guard:" + ",".join(rules))
@@ -155,6 +160,8 @@ def supervise(req, status_fd, devnull, layers, notes, in_namespace):
     _victim = pid
     os.dup2(devnull, 1)  # from now on only the code holds the output pipes
     os.dup2(devnull, 2)
+    if watchdog is not None:
+        watchdog.start()
     while True:
         try:
             child, status, usage = os.wait4(-1, 0)
@@ -163,8 +170,11 @@ def supervise(req, status_fd, devnull, layers, notes, in_namespace):
             break
         if child == pid:
             break
+    if watchdog is not None:
+        watchdog.stop()
     message = {"event": "exit", "returncode": None, "signal": None,
-               "cpu_s": usage.ru_utime + usage.ru_stime if usage else None}
+               "cpu_s": usage.ru_utime + usage.ru_stime if usage else None,
+               "memory_exceeded": watchdog is not None and watchdog.exceeded}
     if os.WIFSIGNALED(status):
         message["signal"] = os.WTERMSIG(status)
     else:

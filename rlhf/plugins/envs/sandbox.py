@@ -11,7 +11,7 @@ supervisor it starts), usable without the rest of rlhf::
 crash or a limit becomes ``status`` ``"ok" | "error" | "timeout" | "killed" | "sandbox_error"``
 with ``stdout``/``stderr`` (capped while reading, with ``*_truncated`` flags), ``returncode``,
 ``duration_s`` and ``isolation``: the layers actually enforced for this call. One call costs one
-Python start-up (``python -I -S``) plus a fork: about 40 ms on a 2-core VM.
+Python start-up (``python -I -S``) plus a fork: about 45 ms on a 2-core VM.
 
 Every call: a new process in its own session with a scrubbed environment (PATH, locale,
 one-thread BLAS settings and ``env=``; nothing inherited), a fresh empty working directory (also
@@ -19,9 +19,9 @@ HOME and TMPDIR), rlimits on address space, CPU seconds, file size, open files a
 wall-clock timeout counted from when the code starts, output caps (a stream over 8x its cap
 kills the program), no capabilities, ``no_new_privs``, a parent-death signal (if rlhf dies, so
 does the sandbox), and clean-up of every process the code started, double-forked daemons
-included. Then the strongest of these layers the OS allows (``namespaces``,
-``drop_privileges``, ``python_guard``: ``None`` = when possible, ``True`` = required, ``False``
-= off):
+included. Then the strongest of these layers the OS allows (``namespaces``, ``drop_privileges``,
+``seccomp``, ``cgroup``, ``python_guard``: ``None`` = when possible, ``True`` = required,
+``False`` = off). A layer this machine cannot provide is named in a ``RuntimeWarning``, once:
 
 ================  ============================================================================
 layer             effect (where)
@@ -32,14 +32,33 @@ layer             effect (where)
 ``net_ns``        own network namespace, no interface up: no network at all, loopback included
 ``mount_ns``      private ``/tmp`` (also ``/var/tmp``, ``/dev/shm``, ``/run/lock``): a tmpfs of
                   ``disk_mb`` holding the working directory, gone with the namespace
-``readonly_fs``   every other mount read-only (per mount: the host's mounts stay writable)
-``masked_home``   the home directory of the user running rlhf (and ``hide_paths``) replaced by an
-                  empty tmpfs; the Python installation inside it stays visible, read-only
+``readonly_fs``   every other mount read-only, ``/sys`` included (per mount: the host's stay
+                  writable)
 ``proc``          a fresh ``/proc`` listing only the sandbox's processes
-``uid``           as root: the code runs as a fresh unprivileged uid (random per call), so file
-                  permissions protect the host and RLIMIT_NPROC applies
+``proc_sys_ro``   ``/proc/sys``, ``/proc/sysrq-trigger`` and the other kernel knobs read-only
+``minimal_dev``   ``/dev`` is a read-only tmpfs with only null, zero, full, random, urandom
+``masked_etc``    ``/etc/shadow``, ``/etc/gshadow``, sudoers and ssh host keys read as empty
+``masked_dirs``   home directories of the user running rlhf, ``hide_paths`` and any directory
+                  an unprivileged uid could not cross on the way to Python replaced by empty
+                  tmpfs; the Python installation (a venv too, even under ``/tmp``) stays
+                  visible, read-only
+``uid``           as root: the code always runs as a fresh unprivileged uid (random per call),
+                  so file permissions protect the host and RLIMIT_NPROC applies. Without mount
+                  namespaces, an installation that uid cannot reach is an error
+                  (``sandbox_error``), never a silent uid 0: pass ``drop_privileges=False`` to
+                  run as root on purpose
 ``user_ns``       not root: a user namespace instead (same uid, no capabilities)
 ``nproc``         RLIMIT_NPROC (``max_processes``) in force (never for uid 0)
+``seccomp``       a seccomp filter: ``execve``/``execveat`` (no program ever starts, whatever
+                  the path: ``subprocess``, ``_posixsubprocess``, ctypes), namespaces,
+                  ``ptrace``, mounts, ``bpf``, ``io_uring``, keyrings, modules, clocks... fail
+                  with EPERM (x86_64 and aarch64)
+``cgroup_memory`` a cgroup per call (root, v2 or v1): ``memory_mb`` (+64 MiB for the
+                  supervisors) of resident memory for all the code's processes together; going
+                  over is ``killed`` with a message naming the limit
+``cgroup_pids``   the same cgroup: ``max_processes`` tasks (threads included) for the whole tree
+``memory_watchdog`` without a memory cgroup: the supervisor sums the tree's memory (PSS) every
+                  50 ms and kills it over ``memory_mb`` (a poll: it can overshoot for one tick)
 ``guard:RULES``   best effort, by default only for what an OS layer above does not cover: a
                   PEP 578 audit hook refusing network calls (``network``), writes outside the
                   working directory (``files``), signals to and /proc reads of other processes
@@ -48,15 +67,16 @@ layer             effect (where)
                   naive attempts, not a determined attacker.
 ================  ============================================================================
 
-Typical set-ups: root in a VM or a privileged container gets every OS layer; a normal user with
-user namespaces gets all but ``uid``; a Docker container without CAP_SYS_ADMIN gets ``uid`` and
-``nproc`` (when the interpreter is readable by other users) plus the guard; elsewhere, rlimits,
-clean-up through a child subreaper, and the guard. If setting up namespaces fails after
-``unshare`` (e.g. AppArmor-restricted user namespaces), the call is retried without them and
-later calls skip them. Never enforced: world-readable host files stay readable (masked homes
-excepted), unix sockets on the filesystem stay reachable where file permissions allow, and
-site-packages' ``.pth`` files are not run (``site_packages=True`` only puts the directories on
-``sys.path``; editable installs are not importable).
+Typical set-ups: root in a VM or a privileged container gets every layer; a normal user with
+user namespaces gets all but ``uid`` and the cgroups; a Docker container without CAP_SYS_ADMIN
+gets ``uid`` and ``nproc`` (when the interpreter is readable by other users), ``seccomp`` plus
+the guard; elsewhere, rlimits, clean-up through a child subreaper, and the guard. If setting up
+namespaces fails after ``unshare`` (e.g. AppArmor-restricted user namespaces), the call is
+retried without them and later calls skip them. Never enforced: world-readable host files stay
+readable (masked directories excepted), unix sockets on the filesystem stay reachable where file
+permissions allow, and site-packages' ``.pth`` files are not run (``site_packages=True`` only
+puts the directories on ``sys.path``; editable installs are not importable). ``memory_mb`` is
+also the per-process address-space limit, so one process over it gets a ``MemoryError``.
 """
 
 from __future__ import annotations
@@ -414,6 +434,7 @@ class _Execution:
         _warn_missing_layers(start, cfg)
         if exit_ is not None:
             res.returncode, res.signal, res.cpu_s = exit_["returncode"], exit_["signal"], exit_["cpu_s"]
+            self.oom_killed = self.oom_killed or bool(exit_.get("memory_exceeded"))
         if error is not None:
             res.status, res.message = "sandbox_error", f"sandbox set-up failed: {error['message']}"
         elif self.reason == "timeout":
