@@ -41,6 +41,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def sampling_seed(seed: int, rank: int) -> int:
+    """The seed rank ``rank`` samples with once its models are built (rank 0 keeps ``seed``): ranks
+    given the same prompt draw different completions; the same rank draws the same ones every run.
+    The Ray runtime seeds its rollout ranks the same way."""
+    return seed + rank
+
+
 # --- one builder per role -------------------------------------------------------------------
 
 
@@ -137,6 +144,8 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     critic = build_critic(plan, adapter, dist) if plan.algorithm.needs_critic else None
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
                             synced_generation=policy.backend.shards_weights and dist.active)
+    if dist.rank > 0:  # every rank built the same initial weights from one seed; now sample apart, as under Ray
+        seed_everything(sampling_seed(config.seed, dist.rank))
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
         pad_token_id=tokenizer.pad_token_id, dist=dist,

@@ -116,7 +116,7 @@ class WorkerHost:
                 model = self.rollout_model = self.adapter.load(config.model, role="policy").requires_grad_(False)
             self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, **synced)
             if self.rank > 0:  # every rank built from the same seed (same initial weights); now sample apart
-                local.seed_everything(config.seed + self.rank)
+                local.seed_everything(local.sampling_seed(config.seed, self.rank))
         return {"setup_s": time.perf_counter() - began, "dist_rank": self.dist.rank,
                 "world_size": self.dist.world_size}
 
