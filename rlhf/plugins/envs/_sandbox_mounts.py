@@ -20,6 +20,7 @@ CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+MNT_DETACH = 2
 O_PATH = getattr(os, "O_PATH", 0o10000000)
 MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
@@ -152,7 +153,7 @@ def set_up_mounts(req, layers, notes, uid):
         if all_readonly:
             layers.append("readonly_fs")
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,nr_inodes=16384,mode=1777")
-        set_up_dev(devs, layers, notes)
+        new_dev = set_up_dev(devs, layers, notes)
         for extra in TMP_DIRS[1:]:
             if os.path.isdir(extra) and not os.path.islink(extra):
                 try:
@@ -170,7 +171,8 @@ def set_up_mounts(req, layers, notes, uid):
         if masked:
             layers.append("masked_dirs")
         mask_etc(layers, notes)
-        readonly("/dev")
+        if new_dev:
+            readonly("/dev")
     finally:
         for fd in (*fds.values(), *devs.values()):
             os.close(fd)
@@ -198,17 +200,28 @@ def set_up_proc(layers, notes):
 
 
 def set_up_dev(devs, layers, notes):
-    """A tmpfs /dev with only harmless devices (bound from the host's), made read-only later."""
-    mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
-    for name, fd in devs.items():
-        target = "/dev/" + name
-        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))
-        bind_fd(fd, target, recursive=False)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, "/dev/" + name)
-    os.mkdir("/dev/shm", 0o1777)
+    """A tmpfs /dev with only harmless devices (bound from the host's), made read-only later.
+    Returns False (the host's /dev, read-only where possible) when the kernel refuses."""
+    try:
+        mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
+    except OSError as exc:
+        notes.append(f"no minimal /dev ({exc})")
+        return False
+    try:
+        for name, fd in devs.items():
+            target = "/dev/" + name
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))
+            bind_fd(fd, target, recursive=False)
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                             ("stderr", "/proc/self/fd/2")):
+            os.symlink(target, "/dev/" + name)
+        os.mkdir("/dev/shm", 0o1777)
+    except OSError as exc:  # back to the host's /dev rather than a half-built one
+        check(libc().umount2(b"/dev", MNT_DETACH), "umount /dev")
+        notes.append(f"no minimal /dev ({exc})")
+        return False
     layers.append("minimal_dev")
+    return True
 
 
 def mask_etc(layers, notes):
