@@ -42,9 +42,10 @@ def seed_everything(seed: int) -> None:
 
 
 def sampling_seed(seed: int, rank: int) -> int:
-    """The seed rank ``rank`` samples with once its models are built (rank 0 keeps ``seed``): ranks
+    """The seed rank ``rank`` samples with once its models are built (rank 0: ``seed`` again): ranks
     given the same prompt draw different completions; the same rank draws the same ones every run.
-    The Ray runtime seeds its rollout ranks the same way."""
+    The Ray runtime re-seeds its rollout ranks the same way, so one rollout actor samples exactly
+    what the local process samples whichever roles each of them built."""
     return seed + rank
 
 
@@ -81,7 +82,10 @@ def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> 
 
 
 def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:
+    """Its new value head draws from ``seed`` itself, whatever was built before it in this process
+    (the Ray runtime builds the critic in an actor of its own: the same head either way)."""
     config = plan.config
+    seed_everything(config.seed)
     model = adapter.load(config.critic_model or config.model, role="critic")
     return CriticWorker(model, build_backend(plan, model, config.critic_lr), update_settings(plan),
                         plan.algorithm.value_objective(config.value_clip), dist)
@@ -144,8 +148,9 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     critic = build_critic(plan, adapter, dist) if plan.algorithm.needs_critic else None
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
                             synced_generation=policy.backend.shards_weights and dist.active)
-    if dist.rank > 0:  # every rank built the same initial weights from one seed; now sample apart, as under Ray
-        seed_everything(sampling_seed(config.seed, dist.rank))
+    # Sampling starts from its own seed, whatever the builds drew (as in the Ray rollout actors), and
+    # every rank (same initial weights, from one seed) samples apart from the others.
+    seed_everything(sampling_seed(config.seed, dist.rank))
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
         pad_token_id=tokenizer.pad_token_id, dist=dist,
