@@ -4,9 +4,10 @@ Host side of ``rlhf.plugins.envs.sandbox`` (standard library only). RLIMIT_AS bo
 process and RLIMIT_NPROC counts a uid's processes; a cgroup bounds the sum over every process the
 code starts. `create` makes one cgroup for a call (v2: ``memory.max``, ``memory.swap.max``,
 ``pids.max`` under ``<cgroup2 mount>/rlhf-sandbox``; v1: ``memory.limit_in_bytes`` and
-``pids.max`` under this process's own v1 cgroups) and returns the ``cgroup.procs`` files the
-supervisor writes ``0`` to (joining it before it forks anything); `remove` deletes it after the
-call. Where no writable hierarchy with the controller exists, the layer is missing and the
+``pids.max`` under this process's own v1 cgroups); `join` moves the supervisor in (the host
+does it while the supervisor's interpreter starts, before the supervisor reads its request, so
+before it forks anything: a v1 memory cgroup migration can take 15 ms); `remove` deletes the
+cgroup after the call. Where no writable hierarchy with the controller exists, the layer is missing and the
 caller says so.
 """
 
@@ -152,6 +153,17 @@ def create(memory_bytes: int, max_tasks: int) -> Cgroup:
         except OSError:
             continue
     return group
+
+
+def join(group: Cgroup, pid: int) -> list[str]:
+    """Move ``pid`` into the cgroup; the layers that hold (none when the move failed)."""
+    for path in group.procs:
+        try:
+            with open(path, "w") as f:
+                f.write(str(pid))
+        except OSError:
+            return []
+    return list(group.layers)
 
 
 def remove(group: Cgroup, timeout_s: float = 2.0) -> None:

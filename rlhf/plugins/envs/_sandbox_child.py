@@ -188,14 +188,8 @@ def supervise(req, status_fd, devnull, layers, notes, in_namespace):
 
 
 def join_cgroups(req, layers, notes):
-    """Move this process (so every process the code starts) into the call's cgroups."""
-    for path in req.get("cgroup_procs") or ():
-        try:
-            with open(path, "w") as f:
-                f.write("0")
-        except OSError as exc:
-            notes.append(f"could not join {path} ({exc})")
-            return
+    """The host moved this process into the call's cgroups before sending the request: every
+    process the code starts is in them too."""
     layers.extend(req.get("cgroup_layers") or ())
     if req.get("cgroup_layers") and os.geteuid() == 0:
         try:  # the memory limit's OOM killer must pick the code, never its supervisors

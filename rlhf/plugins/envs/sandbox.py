@@ -270,7 +270,7 @@ class _Execution:
             "max_open_files": cfg.max_open_files, "disk_mb": cfg.disk_mb, "site_packages": cfg.site_packages,
             "namespaces": cfg.namespaces, "drop_privileges": cfg.drop_privileges, "python_guard": cfg.python_guard,
             "uid": self.uid, "tmp_root": tempfile.gettempdir(), "seccomp": cfg.seccomp,
-            "cgroup_procs": group.procs if group else [], "cgroup_layers": group.layers if group else [],
+            "cgroup_layers": [],  # filled in once the supervisor is in the call's cgroups
             "mask": sorted({os.path.realpath(p) for p in (*homes, *cfg.hide_paths) if p}),
             **(_python_layout() if cfg.python in (None, sys.executable) else {}),
         }
@@ -288,7 +288,7 @@ class _Execution:
                                    "writable cgroup hierarchy with that controller)")
         status_r, status_w = os.pipe()
         try:
-            payload = marshal.dumps(self.request(status_w, self.group))
+            request = self.request(status_w, self.group)
             env = {**BASE_ENV, **(cfg.env or {})}
             try:
                 proc = subprocess.Popen(
@@ -298,6 +298,9 @@ class _Execution:
                 )
             finally:
                 os.close(status_w)
+            if self.group is not None:  # while the supervisor starts up (it waits for the request)
+                request["cgroup_layers"] = _cgroup.join(self.group, proc.pid)
+            payload = marshal.dumps(request)
             try:
                 out, err, seen = self.communicate(proc, payload, status_r)
             finally:
