@@ -259,15 +259,16 @@ def test_isolation_reports_the_layers():
 def test_a_missing_layer_is_warned_about_once():
     import warnings
 
+    import rlhf.plugins.envs._sandbox_host as host
     import rlhf.plugins.envs.sandbox as sandbox
 
-    sandbox._warned.clear()
+    host._warned.clear()
     start = {"isolation": ["pid_ns", "net_ns", "mount_ns", "readonly_fs", "minimal_dev", "proc_sys_ro", "uid",
                            "cgroup_memory", "cgroup_pids"], "notes": ["seccomp unavailable: not filtered"]}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            sandbox._warn_missing_layers(start, sandbox.SandboxConfig())
-        sandbox._warn_missing_layers(start, sandbox.SandboxConfig(seccomp=False))  # turned off: no warning
+            host._warn_missing_layers(start, sandbox.SandboxConfig())
+        host._warn_missing_layers(start, sandbox.SandboxConfig(seccomp=False))  # turned off: no warning
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "not available on this machine: seccomp" in messages[0], messages

@@ -4,7 +4,6 @@ cluster can never hold fails at once, naming what is missing."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
