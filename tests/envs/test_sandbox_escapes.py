@@ -87,9 +87,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_venv_under_tmp_is_importable(closed_venv):
-    result = _run("import rlhf_probe_module, sys\nprint(rlhf_probe_module.ANSWER)\n", python=str(closed_venv))
+    code = "import rlhf_probe_module\nprint(rlhf_probe_module.ANSWER)\n"
+    result = _run(code, python=str(closed_venv))  # the sandbox runs another interpreter
     assert result.status == "ok", result
     assert result.stdout == "42\n"
+    hosted = host_in(closed_venv, code, timeout_s=10)  # rlhf itself runs from the venv under /tmp
+    assert hosted["status"] == "ok" and hosted["stdout"] == "42\n", hosted
 
 
 def test_numpy_imports_from_a_venv_under_tmp(closed_venv):
