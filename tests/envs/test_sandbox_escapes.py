@@ -126,9 +126,13 @@ def test_root_drops_to_an_unprivileged_uid_even_with_a_closed_install(closed_ven
 
 @needs_root
 def test_without_namespaces_a_closed_install_is_refused_not_run_as_root(closed_venv):
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("rlhf-sandbox-*"))
     result = host_in(closed_venv, "import os\nprint(os.getuid())\n", namespaces=False)
     assert result["status"] == "sandbox_error", result
     assert "unprivileged uid" in result["message"] and "drop_privileges=False" in result["message"]
+    assert set(Path(tempfile.gettempdir()).glob("rlhf-sandbox-*")) <= before, "a working directory was left behind"
 
 
 @needs_root

@@ -98,6 +98,7 @@ def main():
 def supervise(req, status_fd, devnull, layers, notes, in_namespace):
     """Prepare the working directory and identity, fork the code, wait, clean up. Never returns."""
     global _victim
+    workdir = None
     try:
         uid = req["uid"]
         if uid is not None and not uid_mapped(uid):  # root inside a user namespace (rootless container)
@@ -109,17 +110,17 @@ def supervise(req, status_fd, devnull, layers, notes, in_namespace):
             except OSError as exc:
                 report(status_fd, event="error", stage="namespaces", message=f"{type(exc).__name__}: {exc}")
                 os._exit(1)
-        else:
-            workdir = os.path.join(req["tmp_root"], "rlhf-sandbox-" + os.urandom(6).hex())
-            os.mkdir(workdir, 0o700)
-            if LINUX:
-                prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the code come back to us
         closed = [p for p in req["python_paths"] if uid is not None and not traversable(p, uid)]
         if closed:  # never silently stay root: the caller asked for uid 0 explicitly or gets an error
             raise RuntimeError(
                 f"as root the code must run as an unprivileged uid, but uid {uid} cannot reach the Python "
                 f"installation {closed[0]} (without mount namespaces it cannot be re-exposed): make its "
                 f"directories readable by others (chmod o+rx), or pass drop_privileges=False to run as root")
+        if not in_namespace:
+            workdir = os.path.join(req["tmp_root"], "rlhf-sandbox-" + os.urandom(6).hex())
+            os.mkdir(workdir, 0o700)
+            if LINUX:
+                prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the code come back to us
         if uid is not None:
             os.chown(workdir, uid, uid)
             layers.append("uid")
@@ -144,6 +145,8 @@ def supervise(req, status_fd, devnull, layers, notes, in_namespace):
             layers.append("guard:" + ",".join(rules))
         report(status_fd, event="start", isolation=layers, notes=notes, workdir=workdir)
     except BaseException as exc:  # noqa: BLE001
+        if workdir and not in_namespace:
+            remove_tree(workdir)
         report(status_fd, event="error", message=f"{type(exc).__name__}: {exc}")
         os._exit(1)
 
