@@ -279,3 +279,52 @@ def test_a_missing_layer_is_warned_about_once():
         host._warn_missing_layers(start, sandbox.SandboxConfig(seccomp=False))  # turned off: no warning
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "not available on this machine: seccomp" in messages[0], messages
+
+
+GUARD_ONLY = {"namespaces": False, "drop_privileges": False, "python_guard": True}
+
+
+def test_the_guard_cannot_be_turned_off_through_a_traceback(tmp_path):
+    """Where the audit-hook guard is the only file protection, its state used to be reachable from
+    a refusal's traceback (f_locals): clearing its rules let the code write anywhere."""
+    target = Path("/etc" if os.geteuid() == 0 else str(tmp_path)) / f"rlhf-pwned-{uuid.uuid4().hex[:8]}"
+    code = f"""
+        try:
+            open("{target}", "w")
+        except BaseException as exc:
+            tb = exc.__traceback__
+            while tb is not None:
+                for value in list(tb.tb_frame.f_locals.values()):
+                    if type(value).__name__ == "_local":
+                        value.busy = True
+                    if isinstance(value, set):
+                        value.clear()
+                tb = tb.tb_next
+        try:
+            open("{target}", "w").write("x")
+            print("wrote")
+        except OSError as exc:
+            print("refused", type(exc).__name__)
+    """
+    try:
+        result = _run(code, **GUARD_ONLY)
+        assert result.status == "ok", result
+        assert "refused PermissionError" in result.stdout and not target.exists()
+    finally:
+        if target.exists():
+            target.unlink()
+
+
+@pytest.mark.parametrize("attempt", [
+    "import sqlite3\nc = sqlite3.connect(':memory:')\nc.execute(\"ATTACH '{target}' AS x\")\nc.execute('create table x.t(a)')",
+    "import ctypes\nctypes.CDLL(None).creat(b'{target}', 0o644)",
+])
+def test_the_guard_covers_native_writers(tmp_path, attempt):
+    target = Path("/etc" if os.geteuid() == 0 else str(tmp_path)) / f"rlhf-pwned-{uuid.uuid4().hex[:8]}"
+    try:
+        result = _run(attempt.format(target=target), namespaces=False, drop_privileges=False)  # the guard by default
+        assert result.status == "error" and "sandbox:" in result.stderr, result
+        assert not target.exists()
+    finally:
+        if target.exists():
+            target.unlink()

@@ -227,8 +227,8 @@ def guard_rules(setting, layers, nproc):
         rules.append("procs")
     if not nproc and "cgroup_pids" not in layers:
         rules.append("fork")
-    if rules and "seccomp" not in layers:
-        rules.append("exec")  # a new program would run without the hook
+    if rules:  # a new program, or C called through ctypes, would run without the hook (even with seccomp,
+        rules.append("exec")  # ctypes could call open()/unlink() natively and go around the other rules)
     return rules
 
 
