@@ -168,7 +168,8 @@ def _count(value: int, flag: str) -> int:
 
 def never_fits(layout: Layout, total: dict[str, float], nodes: list[dict[str, float]]) -> str | None:
     """Why ``layout`` can never be placed on a cluster with these ``total`` resources and these
-    ``nodes`` (each node's total resources), or None when it could once the cluster is free."""
+    ``nodes`` (each node's total resources), or None when it could once the cluster is free.
+    Judged on the nodes up now: a cluster whose autoscaler would add bigger nodes is refused."""
     have = {"CPU": total.get("CPU", 0.0), "GPU": total.get("GPU", 0.0)}
     need = {"CPU": layout.cpus, "GPU": layout.gpus}
     short = [f"{need[k]:g} {k}s (the cluster has {have[k]:g})" for k in ("CPU", "GPU") if need[k] > have[k] + 1e-9]
