@@ -193,6 +193,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
                                 "before the run stops", "ray")
     ray_env: list[str] = _many("KEY=VALUE environment variable for every Ray worker (repeatable; RLHF_LOAD_PLUGINS "
                                "and RLHF_DISABLE_PLUGINS are passed on from this process)", "ray")
+    ray_exclude: list[str] = _many("PATTERN (gitignore syntax) left out of the directory --ray-address ships, on top "
+                                   "of .gitignore/.rayignore, .git, venvs and runs (repeatable)", "ray")
 
     # --- output -----------------------------------------------------------------------------
     log_samples: int | None = _opt(None, "Samples per step written to samples.jsonl (default: all)", "output")

@@ -42,6 +42,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def sampling_seed(seed: int, rank: int) -> int:
+    """The seed rank ``rank`` samples with once its models are built (rank 0: ``seed`` again): ranks
+    given the same prompt draw different completions; the same rank draws the same ones every run.
+    The Ray runtime re-seeds its rollout ranks the same way, so one rollout actor samples exactly
+    what the local process samples whichever roles each of them built."""
+    return seed + rank
+
+
 # --- one builder per role -------------------------------------------------------------------
 
 
@@ -76,7 +84,10 @@ def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> 
 
 
 def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:
+    """Its new value head draws from ``seed`` itself, whatever was built before it in this process
+    (the Ray runtime builds the critic in an actor of its own: the same head either way)."""
     config = plan.config
+    seed_everything(config.seed)
     model = adapter.load(config.critic_model or config.model, role="critic")
     return CriticWorker(model, build_backend(plan, model, config.critic_lr), update_settings(plan),
                         plan.algorithm.value_objective(config.value_clip), dist)
@@ -182,6 +193,9 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
                           "shards them: use --zero-stage 2 or lower, or drop --async")
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
                             synced_generation=policy.backend.shards_weights and dist.active)
+    # Sampling starts from its own seed, whatever the builds drew (as in the Ray rollout actors), and
+    # every rank (same initial weights, from one seed) samples apart from the others.
+    seed_everything(sampling_seed(config.seed, dist.rank))
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
         pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),

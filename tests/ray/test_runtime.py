@@ -134,6 +134,18 @@ def test_the_ray_runtime_reproduces_the_local_run(ray_cluster, tiny_model_dir, t
         assert torch.allclose(a, b, atol=1e-6), name
 
 
+def test_a_ppo_run_with_a_critic_actor_reproduces_the_local_run(ray_cluster, tiny_model_dir, task, tmp_path):
+    """PPO: the critic's value head is initialised in its own actor, and the rollout actor builds no
+    critic; both still draw what the local process draws (issue 19: step-1 rewards differed)."""
+    ppo = dict(algo="ppo", critic_cpus=0.25, policy_cpus=0.5, ref_cpus=0.25, rollout_cpus=0.5)
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **ppo), plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", **ppo))
+    assert_no_actors_left()
+    assert_same_training(ray_out, tmp_path / "local", keys=TRAINING_KEYS + ("critic/loss",))
+
+
 @pytest.mark.deepspeed
 def test_deepspeed_zero3_over_two_policy_actors_reproduces_the_local_torch_run(ray_cluster, tiny_model_dir, task,
                                                                                  tmp_path):

@@ -4,8 +4,9 @@ A host builds its roles with the local runtime's per-role builders (rlhf/runtime
 the local runtime's order (reward sources, adapter, tokenizer, policy, reference, critic,
 rollout), right after seeding the way the local runtime seeds itself. So the random numbers a
 host draws match the local process's as long as nothing the host does not build drew before it:
-see the parity note in rlhf/runtime/ray/__init__.py. Rollout ranks above 0 then re-seed with
-``seed + rank``: identically seeded workers would draw the same numbers for different prompts.
+see the parity note in rlhf/runtime/ray/__init__.py. Rollout ranks then re-seed with ``seed +
+rank`` after building, like every local rank (identically seeded workers would draw the same
+numbers), and the critic's head draws from ``seed`` in both runtimes.
 
 Every host builds its own plugin set from installed metadata and reports its fingerprint before
 it loads anything heavy; the driver compares (rlhf/runtime/ray/driver.py). Hosts of a group with
@@ -115,8 +116,8 @@ class WorkerHost:
             else:  # a copy of the policy, loaded like the local runtime loads it (same random draws)
                 model = self.rollout_model = self.adapter.load(config.model, role="policy").requires_grad_(False)
             self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, **synced)
-            if self.rank > 0:  # every rank built from the same seed (same initial weights); now sample apart
-                local.seed_everything(config.seed + self.rank)
+            # as the local runtime does after building: sampling starts from its own seed, rank r apart
+            local.seed_everything(local.sampling_seed(config.seed, self.rank))
         return {"setup_s": time.perf_counter() - began, "dist_rank": self.dist.rank,
                 "world_size": self.dist.world_size}
 
