@@ -5,7 +5,7 @@ Shape legend: ``B`` sequences (the n samples of a prompt are contiguous rows), `
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlhf.algorithms.components import (AlgorithmConfigError, ComponentRef, build_config, check_shape, float_dtype,
                                         load_component)
@@ -24,7 +24,8 @@ def compute_advantages(estimator: ComponentRef, *, rewards: torch.Tensor, action
                        group_size: int, values: torch.Tensor | None = None, kl: torch.Tensor | None = None,
                        kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0, std_norm: bool = True,
                        reward_clip: float | None = 10.0, sample_mask: torch.Tensor | None = None,
-                       config: AdvantageConfig | None = None,
+                       source_rewards: dict[str, torch.Tensor] | None = None,
+                       metadata: list[dict[str, Any]] | None = None, config: AdvantageConfig | None = None,
                        plugins: PluginSet | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token advantages and returns of one rollout batch.
 
@@ -40,6 +41,9 @@ def compute_advantages(estimator: ComponentRef, *, rewards: torch.Tensor, action
     1 = valid, 0 = left out of group statistics and whitening, advantage and return 0. Rows are
     grouped contiguously by prompt, ``group_size`` (n) rows per prompt. ``config`` replaces
     gamma / lambd / std_norm / reward_clip with a ready-made `AdvantageConfig`.
+    ``source_rewards`` ({name: (B,)}) and ``metadata`` (one dict per row) reach the estimator as
+    ``inputs.source_rewards`` / ``inputs.metadata``, for estimators that treat sources or rows
+    differently (built-in estimators ignore them).
     Returns ``(advantages (B, A), returns (B, A))``, 0 where the action mask is 0.
     """
     import torch
@@ -55,6 +59,10 @@ def compute_advantages(estimator: ComponentRef, *, rewards: torch.Tensor, action
             check_shape(name, tensor, tuple(action_mask.shape))
     if sample_mask is not None:
         check_shape("sample_mask", sample_mask, (batch_size,))
+    for name, per_source in (source_rewards or {}).items():
+        check_shape(f"source_rewards[{name!r}]", per_source, (batch_size,))
+    if metadata is not None and len(metadata) != batch_size:
+        raise ValueError(f"metadata must hold one dict per row ({batch_size}), got {len(metadata)}")
     if not isinstance(group_size, int) or group_size < 1 or batch_size % group_size:
         raise ValueError(f"group_size must be a positive divisor of the batch size {batch_size}, got {group_size!r}")
     if component.capabilities.get("needs_groups") and group_size < 2:
@@ -72,6 +80,8 @@ def compute_advantages(estimator: ComponentRef, *, rewards: torch.Tensor, action
         kl=None if kl is None else kl.to(dtype), kl_coef=float(kl_coef),
         values=None if values is None else values.to(dtype), group_size=group_size,
         sample_mask=None if sample_mask is None else sample_mask.bool(),
+        source_rewards={name: per_source.to(dtype) for name, per_source in (source_rewards or {}).items()},
+        metadata=list(metadata or []),
     )
     with torch.no_grad():
         result = component(inputs, config)

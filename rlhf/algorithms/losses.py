@@ -23,13 +23,25 @@ if TYPE_CHECKING:
 KL_CLAMP = 10.0  # every KL estimate is clamped to [-10, 10]
 
 
+KL_IS_WEIGHT_CLIP = 10.0  # the importance weight of the unbiased KL gradient is clamped above at this
+
+
 def kl_divergence(estimator: ComponentRef, logp: torch.Tensor, logp_ref: torch.Tensor, *,
-                  action_mask: torch.Tensor | None = None, plugins: PluginSet | None = None) -> torch.Tensor:
+                  action_mask: torch.Tensor | None = None, unbiased_gradient: bool = False,
+                  logp_old: torch.Tensor | None = None, plugins: PluginSet | None = None) -> torch.Tensor:
     """Per-token KL estimate between the policy and the reference, clamped to [-10, 10].
 
     With δ = logp - logp_ref: k1 = δ, k2 = δ²/2, k3 = exp(-δ) - 1 + δ. logp, logp_ref (B, A);
     action_mask (B, A) optional, zeroes masked positions. Differentiable in ``logp`` (the KL
     term of the loss). Returns (B, A).
+
+    ``unbiased_gradient``: the value stays the estimator's, but the gradient becomes the
+    importance-weighted score-function gradient of the reverse KL, ∇ = w·δ·∇logp with
+    w = min(exp(logp - logp_old), 10) detached (w = 1 without ``logp_old``), whatever the
+    estimator: kl ← value.detach() + w·δ²/2 - (w·δ²/2).detach() (OpenRLHF 0.11's
+    ``compute_approx_kl(unbiased_gradient=True)``). Samples come from the old policy, so
+    E_old[w·δ·∇logp] = ∇ KL(π ‖ π_ref); the plain estimators' pathwise gradients are biased
+    for it (k1's is 1 on every token).
     """
     import torch
 
@@ -39,6 +51,14 @@ def kl_divergence(estimator: ComponentRef, logp: torch.Tensor, logp_ref: torch.T
     if not isinstance(kl, torch.Tensor) or kl.shape != logp.shape:
         raise PluginError(f"kl estimator {component.name!r} must return a tensor of shape {tuple(logp.shape)}")
     kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)  # (B, A)
+    if unbiased_gradient:
+        delta = logp.float() - logp_ref.float()  # (B, A)
+        weight = 1.0
+        if logp_old is not None:
+            check_shape("logp_old", logp_old, tuple(logp.shape))
+            weight = (logp.float() - logp_old.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()  # (B, A)
+        surrogate = weight * delta.pow(2) / 2  # (B, A): its gradient is w·δ·∇logp
+        kl = kl.detach() + surrogate - surrogate.detach()  # (B, A): the estimator's value, the surrogate's gradient
     if action_mask is not None:
         check_shape("action_mask", action_mask, tuple(logp.shape))
         kl = torch.where(action_mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device))  # (B, A)
@@ -88,7 +108,10 @@ def policy_loss(name: ComponentRef, *, logp: torch.Tensor, logp_old: torch.Tenso
 
     ppo: ρ = exp(clamp(logp - logp_old, -20, 20)); ℓ = -min(ρÂ, clip(ρ, 1 - clip_low, 1 + clip_high)Â);
     dual clip c > 1: for Â < 0, ℓ = -max(min(...), cÂ); correction "tis": ℓ ← clamp(exp(logp_old -
-    logp_rollout), lo, hi)·ℓ, "icepop": the same weight unclamped but 0 outside [lo, hi] (detached).
+    logp_rollout), lo, hi)·ℓ, "icepop": the same weight unclamped but 0 outside [lo, hi] (detached),
+    "seq_mask_tis": the unclamped weight, 0 on every token of a sequence whose geometric mean weight
+    leaves [lo, hi]. gspo: one ratio per sequence, exp(masked mean of logp - logp_old), always
+    aggregated per sequence (``seq_mean_token_mean``, whatever ``aggregation`` says).
 
     logp (B, A) with grad; logp_old, advantages, action_mask, rollout_logp (B, A).
     ``num_tokens`` / ``num_sequences`` count the whole optimizer step (None: this batch is the
@@ -116,6 +139,8 @@ def policy_loss(name: ComponentRef, *, logp: torch.Tensor, logp_old: torch.Tenso
         raise PluginError(f"policy loss {component.name!r} must return (per_token_loss, metrics) with a "
                           f"loss of shape {shape}")
     per_token_loss, metrics = result
+    # A loss defined with its own aggregation (gspo: per sequence) declares it; it wins over the run's.
+    aggregation = component.capabilities.get("aggregation") or aggregation
     loss = aggregate_loss(aggregation, per_token_loss, mask, num_tokens=num_tokens, num_sequences=num_sequences,
                           max_new_tokens=max_new_tokens, plugins=plugins)
     return loss, dict(metrics)

@@ -38,7 +38,8 @@ def policy_objective(name: ComponentRef = "ppo", *, logp: torch.Tensor, logp_old
                      entropy_coef: float = 0.0, aggregation: ComponentRef = "token_mean",
                      num_tokens: float | None = None, num_sequences: float | None = None,
                      max_new_tokens: int | None = None, rollout_logp: torch.Tensor | None = None,
-                     config: Any = None, plugins: PluginSet | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+                     kl_unbiased_gradient: bool = False, config: Any = None,
+                     plugins: PluginSet | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """The policy's loss for one micro-batch: agg(ℓ) + β·agg(clamp(kl)) − c·agg(H).
 
     logp (B, A) with grad; logp_old, advantages, action_mask (the loss mask), ref_logp, entropy
@@ -47,6 +48,8 @@ def policy_objective(name: ComponentRef = "ppo", *, logp: torch.Tensor, logp_old
     needs ``entropy`` (c = ``entropy_coef``; 0 leaves it out). ``num_tokens`` /
     ``num_sequences`` / ``max_new_tokens`` are the optimizer step's (None: this batch is the
     step). ``config`` is the policy loss's own config object (e.g. ``PPOLossConfig``).
+    ``kl_unbiased_gradient``: the KL term keeps its value but takes the importance-weighted
+    reverse-KL gradient w·δ·∇logp, w = min(exp(logp - logp_old), 10) (see `kl_divergence`).
 
     Returns ``(loss (), metrics)``: the policy loss's metrics, plus ``policy/kl`` (token mean of
     the clamped KL) with the KL term and ``policy/entropy`` (token mean of H) with the entropy term.
@@ -64,7 +67,8 @@ def policy_objective(name: ComponentRef = "ppo", *, logp: torch.Tensor, logp_old
         if ref_logp is None:
             raise AlgorithmConfigError("the KL term of the loss (kl_coef > 0) needs the reference log-probs: "
                                        "pass ref_logp")
-        kl = kl_divergence(kl_estimator, logp, ref_logp, action_mask=action_mask, plugins=plugins)  # (B, A)
+        kl = kl_divergence(kl_estimator, logp, ref_logp, action_mask=action_mask, plugins=plugins,
+                           unbiased_gradient=kl_unbiased_gradient, logp_old=logp_old)  # (B, A)
         loss = loss + kl_coef * aggregate_loss(aggregation, kl, action_mask, **counts)
         metrics["policy/kl"] = masked_mean(kl.detach(), action_mask)
     if entropy_coef > 0:
@@ -86,8 +90,9 @@ def step_norm(batch: ExperienceBatch, max_new_tokens: int | None) -> LossNorm:
 class PolicyObjective:
     """`policy_objective` with a run's components resolved, applied to a micro-batch.
 
-    ``kl_coef`` is β of the KL term in the loss: 0 when KL goes into the reward or nowhere.
-    ``temperature`` is the sampling temperature the log-probs are computed at.
+    ``kl_coef`` is β of the KL term in the loss: 0 when KL goes into the reward or nowhere
+    (an adaptive β is passed per step to `loss`). ``temperature`` is the sampling temperature the
+    log-probs are computed at.
     """
 
     policy_loss: LoadedComponent
@@ -97,15 +102,17 @@ class PolicyObjective:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     temperature: float = 1.0
+    kl_unbiased_gradient: bool = False
 
     @property
     def needs_entropy(self) -> bool:
         return self.entropy_coef > 0
 
     def loss(self, logprobs: torch.Tensor, batch: ExperienceBatch, norm: LossNorm, *,
-             entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+             entropy: torch.Tensor | None = None, kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """The micro-batch's share of the step loss. logprobs, entropy (b, A) from the training
-        forward; ``batch`` the micro-batch; ``norm`` the step's counts (`step_norm`).
+        forward; ``batch`` the micro-batch; ``norm`` the step's counts (`step_norm`); ``kl_coef``
+        this step's β when it is adaptive (used only when the objective has a KL term).
 
         Old log-probs missing means on-policy (one optimizer step per rollout): old = current,
         detached, so the ratio is 1 and its gradient the policy gradient.
@@ -113,10 +120,12 @@ class PolicyObjective:
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         return policy_objective(
             self.policy_loss, logp=logprobs, logp_old=old, advantages=batch.advantages, action_mask=batch.loss_mask,
-            ref_logp=batch.ref_logprobs, kl_estimator=self.kl_estimator, kl_coef=self.kl_coef, entropy=entropy,
+            ref_logp=batch.ref_logprobs, kl_estimator=self.kl_estimator,
+            kl_coef=self.kl_coef if kl_coef is None or self.kl_coef == 0 else kl_coef, entropy=entropy,
             entropy_coef=self.entropy_coef, aggregation=self.aggregation, num_tokens=norm.num_tokens,
             num_sequences=norm.num_sequences, max_new_tokens=norm.max_new_tokens,
-            rollout_logp=batch.rollout_logprobs, config=self.policy_loss_config)
+            rollout_logp=batch.rollout_logprobs, kl_unbiased_gradient=self.kl_unbiased_gradient,
+            config=self.policy_loss_config)
 
 
 @dataclass(frozen=True)

@@ -64,13 +64,17 @@ class ResolvedAlgorithm:
         flag = self.policy_loss.capabilities.get("needs_rollout_logprobs", False)
         return bool(flag(policy_loss_config) if callable(flag) else flag)
 
-    def policy_objective(self, policy_loss_config: Any, *, entropy_coef: float = 0.0,
-                         temperature: float = 1.0) -> PolicyObjective:
+    def policy_objective(self, policy_loss_config: Any, *, entropy_coef: float = 0.0, temperature: float = 1.0,
+                         kl_unbiased_gradient: bool = False) -> PolicyObjective:
         """The run's policy objective; ``policy_loss_config`` is the policy loss's own config object."""
+        if kl_unbiased_gradient and not self.kl_in_loss:
+            raise AlgorithmConfigError("--kl-unbiased-gradient changes the gradient of the KL term of the loss, and "
+                                       f"this run has none (KL in {self.kl_in}, β {self.kl_coef}): use --kl-in loss "
+                                       "with --kl-coef > 0, or drop the flag")
         return PolicyObjective(policy_loss=self.policy_loss, policy_loss_config=policy_loss_config,
                                aggregation=self.loss_agg, kl_estimator=self.kl_estimator,
                                kl_coef=self.kl_coef if self.kl_in_loss else 0.0, entropy_coef=entropy_coef,
-                               temperature=temperature)
+                               temperature=temperature, kl_unbiased_gradient=kl_unbiased_gradient)
 
     def value_objective(self, clip: float | None = 0.5) -> ValueObjective:
         """The critic's objective: the clipped value loss with the run's loss aggregation."""

@@ -20,7 +20,7 @@ from rlhf.cli.options import SLOT_SEPARATOR, Flag, component_flags, config_flags
 
 FIT_HELP = "Train a model offline with any objective plugin (rlhf plugins list --kind objective)."
 _GROUP_TITLES = {"objective": "Objective", "model": "Model", "data": "Data", "train": "Optimisation",
-                 "runtime": "Runtime", "output": "Output"}
+                 "runtime": "Runtime", "eval": "Eval", "output": "Output"}
 _EXAMPLES = {
     "sft": "rlhf sft --model ./base --data sft.jsonl --input-key prompt --output-key response --out runs/sft",
     "rm": "rlhf rm --model runs/sft/final --data pairs.jsonl --chosen-key chosen --rejected-key rejected "

@@ -41,9 +41,13 @@ class Flag:
     multiple: bool = False
     choices: tuple[Any, ...] | None = None
     component: str | None = None  # the kind whose registered names the value must be
+    nargs: int | None = None  # a fixed number of numbers after the flag (--filter-range 0 1)
 
     def option(self) -> Any:
         base = _base_type(self.hint)
+        if self.nargs:
+            return click.option(*self.names, self.dest, nargs=self.nargs, type=float, default=None,
+                                help=self.help)
         if base is bool:
             decls = [f"{name}/--no-{name[2:]}" for name in self.names]
             return click.option(*decls, self.dest, default=self.default, show_default=self.show_default,
@@ -116,9 +120,10 @@ def _field_flag(name: str, f: dataclasses.Field, hint: Any, title: str) -> Flag:
     default = None if f.default is dataclasses.MISSING or f.default == "" else f.default
     if _base_type(hint) is bool:
         default = f.default
-    return Flag(dest=name, names=(_flag_name(name),), hint=hint, help=f"[{title}] {meta.get('help', '')}",
+    return Flag(dest=name, names=(meta.get("flag") or _flag_name(name),), hint=hint,
+                help=f"[{title}] {meta.get('help', '')}",
                 default=default, show_default=default is not None, multiple=bool(meta.get("multiple")),
-                choices=meta.get("choices"), component=meta.get("component"))
+                choices=meta.get("choices"), component=meta.get("component"), nargs=meta.get("nargs"))
 
 
 def nullable_fields(config_cls: type) -> set[str]:

@@ -27,11 +27,23 @@ def _is_loopback(host: str) -> bool:
 @reward_group.command("serve")
 @click.argument("spec")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind; anything but loopback should come with --token-env")
+              help="Address to bind; anything but loopback needs --token-env (or --allow-no-token)")
 @click.option("--port", default=5000, show_default=True, type=click.IntRange(0, 65535),
               help="Port to bind (0: any free port, printed at start)")
 @click.option("--token-env", metavar="VAR", default=None,
               help="Require 'Authorization: Bearer $VAR' on every request (default: RLHF_REWARD_TOKEN when set)")
+@click.option("--allow-no-token", is_flag=True,
+              help="Serve on a non-loopback address without a token (refused otherwise)")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=32.0, show_default=True,
+              help="Largest request body (413 above)")
+@click.option("--max-samples", type=click.IntRange(1), default=16384, show_default=True,
+              help="Most samples in one request (400 above)")
+@click.option("--max-depth", type=click.IntRange(1, 900), default=64, show_default=True,
+              help="Deepest JSON nesting of a request (400 above)")
+@click.option("--read-timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds to receive a whole request; slower ones get 408 or are disconnected")
+@click.option("--max-concurrency", type=click.IntRange(1), default=16, show_default=True,
+              help="Scoring requests in flight at once; one more answers 503 (retry later)")
 @click.option("--on-error", type=click.Choice(ON_ERROR), default="raise", show_default=True,
               help="A sample the reward fails on: HTTP 500 naming it (raise), score 0 (zero) or null (skip)")
 @click.option("--timeout", "timeout_s", type=float, default=180.0, show_default=True,
@@ -44,9 +56,10 @@ def _is_loopback(host: str) -> bool:
 @click.option("--rm-device", default=None, help="Reward-model device (default: cuda when available)")
 @click.option("--rm-dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16")
 @click.pass_obj
-def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | None, on_error: str,
-                  timeout_s: float, sync_in_thread: bool, value_head_prefix: str, rm_batch_size: int,
-                  rm_device: str | None, rm_dtype: str) -> None:
+def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | None, allow_no_token: bool,
+                  max_body_mb: float, max_samples: int, max_depth: int, read_timeout_s: float,
+                  max_concurrency: int, on_error: str, timeout_s: float, sync_in_thread: bool,
+                  value_head_prefix: str, rm_batch_size: int, rm_device: str | None, rm_dtype: str) -> None:
     """Serve the reward SPEC over HTTP with OpenRLHF's protocol.
 
     SPEC is anything --reward accepts: a registered name, file.py[:func], module:attr, a reward
@@ -58,17 +71,23 @@ def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | 
     rlhf reward serve ./reward-model --host 0.0.0.0 --token-env RM_TOKEN
     """
     from rlhf.rewards.remote import read_token
-    from rlhf.rewards.server import RewardServer
+    from rlhf.rewards.server import RewardServer, ServerLimits
     from rlhf.rewards import load_reward
 
     token = read_token(token_env, flag="--token-env")
+    if not _is_loopback(host) and token is None and not allow_no_token:
+        raise click.UsageError(f"refusing to serve on {host} without a token: anyone who can reach the port could "
+                               "use it. Set --token-env VAR (clients send it with --reward-token-env VAR), bind "
+                               "127.0.0.1, or pass --allow-no-token.")
     source = load_reward(spec, plugins=state.plugins, on_error=on_error, timeout_s=timeout_s,
                          sync_in_thread=sync_in_thread, value_head_prefix=value_head_prefix,
                          rm_batch_size=rm_batch_size, rm_device=rm_device, rm_dtype=rm_dtype)
     if not _is_loopback(host) and token is None:
-        click.echo(f"Warning: serving on {host} without a token: anyone who can reach this port can use it. "
-                   "Set --token-env VAR (clients send the same token with --reward-token-env VAR).", err=True)
-    server = RewardServer(source, host=host, port=port, token=token)
+        click.echo(f"Warning: serving on {host} without a token (--allow-no-token): anyone who can reach this "
+                   "port can use it.", err=True)
+    limits = ServerLimits(max_body_mb=max_body_mb, max_samples=max_samples, max_depth=max_depth,
+                          read_timeout_s=read_timeout_s, max_concurrency=max_concurrency)
+    server = RewardServer(source, host=host, port=port, token=token, limits=limits)
     try:
         url = server.start()
     except OSError as exc:

@@ -70,6 +70,17 @@ async def call_maybe_async(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
+async def call_in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call_maybe_async``, with a plain (blocking) function run in a worker thread, so the
+    environments of a batch step concurrently: one slow tool call does not hold up the others."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        return await fn(*args, **kwargs)
+    result = await asyncio.to_thread(fn, *args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
 def route_env(label: Any, default: str) -> tuple[str, Any]:
     """``(env name, label for the env)``: the label's ``env_func`` when it has one, else ``default``."""
     parsed = label
@@ -113,7 +124,7 @@ class AsyncEnv:
 
     async def reset(self, prompt: Any, label: Any, columns: Mapping[str, Any] | None = None) -> str | None:
         kwargs = _declared(self.env.reset, columns or {})
-        observation = await call_maybe_async(self.env.reset, prompt, label, **kwargs)
+        observation = await call_in_thread(self.env.reset, prompt, label, **kwargs)
         if observation is not None and not isinstance(observation, str):
             raise EnvContractError(
                 f"{self.name}.reset must return the text to append after the prompt (a str) or None, "
@@ -122,7 +133,7 @@ class AsyncEnv:
         return observation
 
     async def step(self, action_text: str) -> StepResult:
-        return as_step_result(await call_maybe_async(self.env.step, action_text), f"{self.name}.step")
+        return as_step_result(await call_in_thread(self.env.step, action_text), f"{self.name}.step")
 
     async def close(self) -> None:
         close = getattr(self.env, "close", None)

@@ -71,7 +71,9 @@ def register_advantage_estimators(register: Register) -> None:
     ``action_mask (B, A)`` float 0/1, ``kl (B, A)`` per-token KL to place in the reward or
     ``None``, ``kl_coef`` (β), ``values (B, A)`` or ``None``, ``group_size`` (n; rows of one
     prompt are contiguous) and ``sample_mask (B,)`` bool or ``None`` (False: leave the sample
-    out of group statistics and whitening and give it advantage and return 0). ``config`` is
+    out of group statistics and whitening and give it advantage and return 0),
+    ``source_rewards`` (``{source name: (B,)}``, NaN where a source gave none) and ``metadata``
+    (one dict per row: dataset columns, ``label``, ``info``, ``finish_reason``, ...). ``config`` is
     an ``rlhf.core.types.AdvantageConfig`` (``gamma``, ``lambd``, ``std_norm``,
     ``reward_clip``), or an instance of ``config_cls``, which should subclass it. Both
     outputs are ``(B, A)`` and zero where ``action_mask`` is 0. Called once per rollout
@@ -83,10 +85,11 @@ def register_advantage_estimators(register: Register) -> None:
 def register_policy_losses(register: Register) -> None:
     """Register per-token policy losses (``--policy-loss NAME``).
 
-    ``register(name, loss, *, config_cls=None, needs_rollout_logprobs=False)``.
+    ``register(name, loss, *, config_cls=None, needs_rollout_logprobs=False, aggregation=None)``.
     ``needs_rollout_logprobs``: the loss reads ``inputs.rollout_logprobs`` (the engine is then asked
     for them); a bool, or a function of the loss's config object (``ppo`` needs them only with a
-    mismatch ``correction``).
+    mismatch ``correction``). ``aggregation``: a loss aggregation name this loss is always reduced
+    with, whatever the run's ``--loss-agg`` (``gspo``: ``seq_mean_token_mean``); None: the run's.
 
     ``loss(inputs, config) -> (per_token_loss, metrics)`` with ``inputs`` an
     ``rlhf.core.types.PolicyLossInputs``: ``logprobs (B, A)`` (with grad), ``old_logprobs``,
@@ -149,6 +152,42 @@ def register_rewards(register: Register) -> None:
     ``completion_ids`` and every dataset column by name. It returns one score per sample (a
     list, a tensor, or a dict with ``rewards``); ``None`` means no score. ``batched`` and
     ``is_async`` are detected from the signature when left as ``None``.
+    """
+
+
+@hookspec
+def register_sample_filters(register: Register) -> None:
+    """Register sample filters (``--filter-groups`` with ``--sample-filter NAME``).
+
+    ``register(name, sample_filter, *, config_cls=None)``.
+
+    ``sample_filter(groups, config) -> keep``: ``groups`` is the step's rollout as a list of
+    prompt groups, each the list of its n scored ``rlhf.core.types.Trajectory`` (``reward``:
+    the total after reward shaping, None when dropped; ``rewards``: per source; ``score``: the
+    reward functions' OpenRLHF ``scores`` when they gave them, else the total before shaping;
+    ``finish_reason``, ``num_policy_tokens``, ``columns``, ``info``). Returns one bool per group,
+    decided from that group's contents (not its position): False drops the whole group, and the loop samples new prompts until ``--prompts-per-step``
+    groups are kept (at most ``--max-filter-rounds`` rounds). ``config`` is an instance of
+    ``config_cls`` (its settings ``--sample-filter.<field>``; run fields such as
+    ``filter_range``) or None. Called on the main process only; must be deterministic.
+    """
+
+
+@hookspec
+def register_reward_shapings(register: Register) -> None:
+    """Register reward shapings (``--reward-shaping NAME``; ``overlong`` and ``truncation`` are
+    turned on by ``--overlong-buffer`` and ``--truncated-reward``).
+
+    ``register(name, shaping, *, config_cls=None)``.
+
+    ``shaping(trajectories, rewards, config) -> (rewards, metrics)``: ``rewards`` is the list of
+    each trajectory's total reward after the reward sources (None: the sample is dropped from
+    the loss; keep it None); return the shaped list and a dict of scalar metrics (namespaced,
+    e.g. ``overlong/penalized``). Trajectories give lengths (``num_policy_tokens``: tokens the
+    policy generated, never environment tokens), ``finish_reason`` ("length" when cut by the
+    limit) and everything a reward sees. ``config`` is an instance of ``config_cls`` built from
+    run fields (``max_new_tokens``, ``overlong_buffer``, ...) or None. Shapings run in the order
+    overlong, truncation, then ``--reward-shaping`` order.
     """
 
 
@@ -318,6 +357,13 @@ def on_step_end(run: RunInfo, step: int, metrics: dict[str, Any]) -> None:
     ``metrics`` maps namespaced keys (``reward/mean``, ``loss/policy``, ``time/rollout``,
     ...) to floats. Loggers write it; implementations may add keys.
     """
+
+
+@hookspec
+def on_eval(run: RunInfo, step: int, metrics: dict[str, Any]) -> None:
+    """An evaluation on ``--eval-data`` finished after ``step`` completed steps (0: before the
+    first). ``metrics`` are the ``eval/*`` figures (the built-in logger writes them as their own
+    row of metrics.jsonl, ``{"step": step, ...}``)."""
 
 
 @hookspec

@@ -81,7 +81,8 @@ KINDS: dict[str, Kind] = {
     for kind in (
         Kind("advantage_estimator", "register_advantage_estimators", "--advantage",
              {"needs_critic": False, "needs_groups": False}),
-        Kind("policy_loss", "register_policy_losses", "--policy-loss", {"needs_rollout_logprobs": False}),
+        Kind("policy_loss", "register_policy_losses", "--policy-loss",
+             {"needs_rollout_logprobs": False, "aggregation": None}),
         Kind("kl_estimator", "register_kl_estimators", "--kl-estimator"),
         Kind("loss_aggregation", "register_loss_aggregations", "--loss-agg"),
         Kind("algorithm", "register_algorithms", "--algo", check=_preset),
@@ -91,6 +92,8 @@ KINDS: dict[str, Kind] = {
              {"roles": ("policy", "reference", "critic", "reward")}, check=_adapter),
         Kind("rollout_engine", "register_rollout_engines", "--engine", {"needs_gpu": False}, check=_engine),
         Kind("train_backend", "register_train_backends", "--backend", {"needs_gpu": False}, check=_backend),
+        Kind("sample_filter", "register_sample_filters", "--sample-filter"),
+        Kind("reward_shaping", "register_reward_shapings", "--reward-shaping"),
         Kind("objective", "register_objectives", "--objective",
              {"needs_reference": False, "needs_teacher": False, "head": "lm", "default_lr": 1e-5, "command": False},
              check=_objective),

@@ -43,6 +43,10 @@ functions of the config object.
 The math of the built-in objectives is public: ``rlhf.objectives``. `ObjectiveBase` gives the
 defaults of the optional methods.
 
+Optional class attributes for ``rlhf plugins check``: ``sample_rows`` (dataset rows the check
+encodes; default one short string per column) and ``sample_settings`` (settings it uses instead of
+the defaults).
+
 Shape legend: ``B`` sequences, ``T`` tokens.
 """
 

@@ -41,6 +41,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf.plugins.backends.plugin",
     "rlhf.plugins.loggers.plugin",
     "rlhf.plugins.objectives.plugin",
+    "rlhf.plugins.filters.plugin",
+    "rlhf.plugins.shaping.plugin",
 )
 
 

@@ -43,6 +43,9 @@ class TrainedRole(Protocol):
 
 @runtime_checkable
 class PolicyRole(TrainedRole, Protocol):
+    def fit(self, batch: ExperienceBatch, *, step: int, kl_coef: float | None = None) -> dict[str, float]:
+        """As `TrainedRole.fit`; ``kl_coef`` is this step's β of the KL term when it adapts."""
+
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A) log-probs of the batch's tokens at the sampling temperature (the old log-probs)."""
 

@@ -48,6 +48,9 @@ class Trajectory:
     num_turns: int = 1
     reward: float | None = None  # combined reward
     rewards: dict[str, float | None] = field(default_factory=dict)  # per reward source
+    # What sample filters compare: the reward functions' OpenRLHF ``scores`` when given, else the
+    # reward before shaping (None when the sample was dropped).
+    score: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -83,6 +86,12 @@ class AdvantageInputs:
     # (B,) bool, True = valid. A False sample (e.g. its reward failed under --reward-on-error skip)
     # is left out of group statistics and whitening and gets advantage and return 0. None: all valid.
     sample_mask: torch.Tensor | None = None
+    # Each reward source's rewards by name, (B,) float, NaN where the source gave none (before the
+    # weighted sum and any shaping; an environment's rewards are under "env"). Empty when unknown.
+    source_rewards: dict[str, torch.Tensor] = field(default_factory=dict)
+    # One dict per row: its dataset columns (the label under "label"), "info" (the trajectory's
+    # info), "finish_reason", "num_turns", "num_policy_tokens", "score". Empty when unknown.
+    metadata: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

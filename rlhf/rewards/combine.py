@@ -39,13 +39,17 @@ class RewardResult:
     metrics: dict[str, float]
     scores: dict[str, list[float | None]] = field(default_factory=dict)  # OpenRLHF `scores`, by source
     first_error: RewardFailure | None = None  # the first failure of this call, if any
+    # Per sample, when a source gave `scores`: the weighted sum of each source's score (its reward
+    # where it gave none). Empty: the scores are the totals.
+    combined_scores: list[float | None] = field(default_factory=list)
 
     def assign(self, trajectories: Sequence[Trajectory]) -> None:
-        """Write ``reward`` and ``rewards`` (per source) into the trajectories."""
+        """Write ``reward``, ``rewards`` (per source) and ``score`` into the trajectories."""
         assert len(trajectories) == len(self.total), f"{len(trajectories)} trajectories, {len(self.total)} rewards"
         for i, trajectory in enumerate(trajectories):
             trajectory.reward = self.total[i]
             trajectory.rewards = {name: values[i] for name, values in self.per_source.items()}
+            trajectory.score = self.combined_scores[i] if self.combined_scores else self.total[i]
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -143,4 +147,12 @@ class RewardSet:
             metrics["reward/mean"] = mean
         metrics["reward/skipped"] = float(sum(t is None for t in total))
         metrics["reward/failures"] = float(sum(len(o.failures) for o in outputs.values()))
-        return RewardResult(total=total, per_source=per_source, metrics=metrics, scores=scores, first_error=first)
+        combined: list[float | None] = []
+        if scores:
+            for i in range(n):
+                values = [(w, scores[s.name][i] if s.name in scores and scores[s.name][i] is not None
+                           else per_source[s.name][i]) for s, w in zip(self.sources, self.weights) if w != 0]
+                parts = [w * v for w, v in values if v is not None]  # a source may abstain (None)
+                combined.append(None if total[i] is None or not parts else sum(parts))
+        return RewardResult(total=total, per_source=per_source, metrics=metrics, scores=scores, first_error=first,
+                            combined_scores=combined)

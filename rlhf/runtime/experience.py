@@ -1,6 +1,7 @@
 """Experience: a collated rollout batch completed with what the updates need (DESIGN §5).
 
-    old = policy log-probs          (only when several optimizer steps share the rollout, or KL is in the reward)
+    old = policy log-probs          (only when several optimizer steps share the rollout, or KL is in the reward;
+                                     --async with staleness > 0: the behaviour policy's, made with the batch)
     ref = reference log-probs       (when KL is used with β > 0)
     V   = critic values             (estimators with a critic)
     kl  = clamp(kl_est(old, ref))   masked to action tokens
@@ -30,9 +31,16 @@ class ExperienceMaker:
     recompute_old: bool  # old log-probs need a forward of their own (ResolvedAlgorithm.needs_old_logprobs)
     plugins: PluginSet
 
-    def make(self, batch: ExperienceBatch, policy: Any, reference: Any = None, critic: Any = None) -> ExperienceBatch:
+    def make(self, batch: ExperienceBatch, policy: Any, reference: Any = None, critic: Any = None, *,
+             kl_coef: float | None = None, source_rewards: dict[str, Any] | None = None,
+             metadata: list[dict[str, Any]] | None = None) -> ExperienceBatch:
+        """``kl_coef``: this step's β when adaptive (default: the algorithm's); ``source_rewards``
+        and ``metadata`` are passed on to the advantage estimator."""
         algo = self.algorithm
-        old = policy.logprobs(batch) if self.recompute_old else None  # (B, A)
+        beta = algo.kl_coef if kl_coef is None else kl_coef
+        old = batch.old_logprobs  # (B, A): given (--async: the behaviour policy's), else recomputed if needed
+        if old is None and self.recompute_old:
+            old = policy.logprobs(batch)  # (B, A)
         ref = reference.logprobs(batch) if reference is not None else None  # (B, A)
         values = critic.values(batch) if critic is not None else None  # (B, A)
         kl = None
@@ -41,8 +49,9 @@ class ExperienceMaker:
         in_reward = algo.kl_in_reward
         advantages, returns = compute_advantages(
             algo.advantage, rewards=batch.rewards, action_mask=batch.action_mask, group_size=self.n_samples,
-            values=values, kl=kl if in_reward else None, kl_coef=algo.kl_coef if in_reward else 0.0,
-            sample_mask=batch.sample_mask.bool(), config=self.advantage_config, plugins=self.plugins,
+            values=values, kl=kl if in_reward else None, kl_coef=beta if in_reward else 0.0,
+            sample_mask=batch.sample_mask.bool(), source_rewards=source_rewards, metadata=metadata,
+            config=self.advantage_config, plugins=self.plugins,
         )  # (B, A), (B, A)
         return replace(batch, old_logprobs=old, ref_logprobs=ref, values=values, kl=kl, advantages=advantages,
                        returns=returns)

@@ -21,7 +21,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rlhf.core.distributed import DistContext
 from rlhf.core.errors import RunInterrupted
@@ -34,8 +34,10 @@ from rlhf.runtime.run_dir import RunDirectory
 log = logging.getLogger(__name__)
 
 
-class SteppedLoop(Protocol):
-    """What `run_loop` needs from a training loop."""
+class SteppedLoop:
+    """What `run_loop` drives: a training loop implements the abstract calls, and may use the
+    others (called in this order: ``begin``, then per step ``run_step``, ``after_step``, and when a
+    checkpoint is due ``before_checkpoint``; then ``after_checkpoint``; ``end`` always, last)."""
 
     run_dir: RunDirectory
     dist: DistContext
@@ -44,15 +46,41 @@ class SteppedLoop(Protocol):
     start_step: int
     fingerprint: dict[str, Any]
 
-    def run_step(self, step: int, run: RunInfo) -> dict[str, float]: ...  # one step; its metrics
+    def run_step(self, step: int, run: RunInfo) -> dict[str, float]:
+        """One step; its metrics (for ``on_step_end`` and the loggers)."""
+        raise NotImplementedError
 
-    def checkpoint_roles(self) -> dict[str, Any]: ...  # what a checkpoint saves (``save(dir)``/``load(dir)``)
+    def checkpoint_roles(self) -> dict[str, Any]:
+        """What a checkpoint saves: name -> an object with ``save(dir)`` / ``load(dir)``."""
+        raise NotImplementedError
 
-    def trainer_state(self) -> dict[str, Any]: ...  # JSON data saved with them
+    def trainer_state(self) -> dict[str, Any]:
+        """JSON data saved with them."""
+        raise NotImplementedError
 
-    def restore(self, state: dict[str, Any]) -> None: ...  # the trainer state of the checkpoint resumed from
+    def restore(self, state: dict[str, Any]) -> None:
+        """The trainer state of the checkpoint resumed from (its roles are loaded already)."""
+        raise NotImplementedError
 
-    def export_final(self, directory: Path) -> None: ...  # the trained model(s), on every rank
+    def export_final(self, directory: Path) -> None:
+        """The trained model(s) into ``directory``, on every rank."""
+        raise NotImplementedError
+
+    def begin(self, run: RunInfo) -> None:
+        """Before the first step (after ``on_run_start``)."""
+
+    def after_step(self, done: int, run: RunInfo) -> dict[str, float]:
+        """After ``on_step_end`` of step ``done``; metrics to show in the progress line too."""
+        return {}
+
+    def before_checkpoint(self, done: int) -> None:
+        """A checkpoint of step ``done`` is about to be written."""
+
+    def after_checkpoint(self, done: int) -> None:
+        """Step ``done`` is finished, its checkpoint (if one was due) written."""
+
+    def end(self) -> None:
+        """The run ends, however it ends (before ``on_run_end``)."""
 
 
 class StopRequest:
@@ -107,16 +135,19 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], plugins_record: dict[
     try:
         emit("on_run_start", run=run)
         with stop.installed():
+            loop.begin(run)
             for step in range(loop.start_step, loop.total_steps):
                 metrics = loop.run_step(step, run)
                 emit("on_step_end", run=run, step=step, metrics=metrics)
-                bar.update(step, metrics)
                 done = step + 1
+                bar.update(step, {**metrics, **loop.after_step(done, run)})
                 stopping = any(dist.all_gather(stop.requested is not None)) if dist.active else bool(stop.requested)
                 if done == loop.total_steps or (save_every and done % save_every == 0) or stopping:
+                    loop.before_checkpoint(done)
                     path = run_dir.save_checkpoint(done, loop.checkpoint_roles(), loop.trainer_state(),
                                                    keep=keep_checkpoints)
                     emit("on_checkpoint", run=run, step=done, path=path)
+                loop.after_checkpoint(done)
                 if stopping and done < loop.total_steps:
                     raise KeyboardInterrupt(stop.requested or "a signal on another rank")
             loop.export_final(run_dir.final)
@@ -125,8 +156,11 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], plugins_record: dict[
         status = "interrupted"
         raise _interrupted(run_dir, command, done, loop.total_steps, str(exc)) from None
     finally:
-        bar.close()
-        _end(emit, run, status)
+        try:
+            loop.end()
+        finally:
+            bar.close()
+            _end(emit, run, status)
     return run_dir.path
 
 

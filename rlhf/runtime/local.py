@@ -21,6 +21,7 @@ import torch
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.runtime.ahead import AheadParts
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
 from rlhf.runtime.export import export_critic, export_policy
@@ -39,6 +40,14 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def sampling_seed(seed: int, rank: int) -> int:
+    """The seed rank ``rank`` samples with once its models are built (rank 0: ``seed`` again): ranks
+    given the same prompt draw different completions; the same rank draws the same ones every run.
+    The Ray runtime re-seeds its rollout ranks the same way, so one rollout actor samples exactly
+    what the local process samples whichever roles each of them built."""
+    return seed + rank
 
 
 # --- one builder per role -------------------------------------------------------------------
@@ -63,7 +72,8 @@ def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> Pol
     config = plan.config
     model = adapter.load(config.model, role="policy")
     objective = plan.algorithm.policy_objective(plan.policy_loss_config, entropy_coef=config.entropy_coef,
-                                                temperature=config.temperature)
+                                                temperature=config.temperature,
+                                                kl_unbiased_gradient=config.kl_unbiased_gradient)
     return PolicyWorker(model, build_backend(plan, model, config.lr), update_settings(plan), objective, dist)
 
 
@@ -74,7 +84,10 @@ def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> 
 
 
 def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:
+    """Its new value head draws from ``seed`` itself, whatever was built before it in this process
+    (the Ray runtime builds the critic in an actor of its own: the same head either way)."""
     config = plan.config
+    seed_everything(config.seed)
     model = adapter.load(config.critic_model or config.model, role="critic")
     return CriticWorker(model, build_backend(plan, model, config.critic_lr), update_settings(plan),
                         plan.algorithm.value_objective(config.value_clip), dist)
@@ -105,14 +118,28 @@ def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker:
     return RewardWorker(load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options))
 
 
+def data_settings(config: TrainConfig) -> DataSettings:
+    return DataSettings(paths=config.data, input_key=config.input_key, label_key=config.label_key,
+                        allow_missing_labels=config.allow_missing_labels,
+                        probs=[float(p) for p in config.data_probs.split(",")] if config.data_probs else None,
+                        split=config.data_split, apply_chat_template=config.apply_chat_template,
+                        input_template=config.input_template, max_prompt_length=config.max_prompt_length,
+                        max_samples=config.max_samples, seed=config.seed)
+
+
 def build_loader(config: TrainConfig, tokenizer: Any) -> PromptLoader:
-    settings = DataSettings(paths=config.data, input_key=config.input_key, label_key=config.label_key,
-                            allow_missing_labels=config.allow_missing_labels,
-                            probs=[float(p) for p in config.data_probs.split(",")] if config.data_probs else None,
-                            split=config.data_split, apply_chat_template=config.apply_chat_template,
-                            input_template=config.input_template, max_prompt_length=config.max_prompt_length,
-                            max_samples=config.max_samples, seed=config.seed)
+    settings = data_settings(config)
     return PromptLoader(load_prompts(settings), PromptFormatter(tokenizer, settings), seed=config.seed)
+
+
+def build_eval_prompts(config: TrainConfig, tokenizer: Any) -> list[Any] | None:
+    """The --eval-data prompts, formatted like the training prompts (None without --eval-data)."""
+    if not config.eval_data:
+        return None
+    settings = dataclasses.replace(data_settings(config), paths=list(config.eval_data), probs=None,
+                                   max_samples=config.eval_max_samples)
+    dataset, formatter = load_prompts(settings), PromptFormatter(tokenizer, settings)
+    return [formatter(dataset[i]) for i in range(len(dataset))]
 
 
 def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, critic: Any, out_dir: Path,
@@ -121,6 +148,32 @@ def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, criti
     export_policy(adapter, tokenizer, policy, out_dir, dist)
     if critic is not None and plan.config.save_critic:
         export_critic(adapter, tokenizer, critic, plan.derived.out_dir / "critic", dist)
+
+
+class LocalPolicyCopy:
+    """--async in this process: a deep copy of the policy module with a rollout of its own; sampling
+    draws from the process's random stream (the trainer draws none while the producer runs)."""
+
+    evaluates_here = False  # eval samples with the trainer's own rollout, on the newest weights
+
+    def __init__(self, plan: RunPlan, policy: PolicyWorker, make_rollout: Any):
+        import copy
+
+        self.seed, self.policy = plan.config.seed, policy
+        self.model = copy.deepcopy(policy.model)
+        self.rollout = make_rollout(self.model)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def logprobs(self, batch: Any) -> torch.Tensor:
+        return self.policy.logprobs_under(self.model, batch)
+
+    def swap_rng(self, states: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        previous = [torch.get_rng_state()]
+        fresh = torch.Generator().manual_seed(self.seed + 1_000_003).get_state()
+        torch.set_rng_state(states[0] if states is not None else fresh)
+        return previous
 
 
 def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE) -> tuple[Workers, RunPlan]:
@@ -136,11 +189,20 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     policy = build_policy(plan, adapter, dist)
     reference = build_reference(plan, adapter, dist) if plan.algorithm.needs_reference else None
     critic = build_critic(plan, adapter, dist) if plan.algorithm.needs_critic else None
+    if config.async_rollout and policy.backend.shards_weights:
+        raise ConfigError(f"--async copies the policy's weights for generation, and the {config.backend!r} backend "
+                          "shards them: use --zero-stage 2 or lower, or drop --async")
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
                             synced_generation=policy.backend.shards_weights and dist.active)
+    # Sampling starts from its own seed, whatever the builds drew (as in the Ray rollout actors), and
+    # every rank (same initial weights, from one seed) samples apart from the others.
+    seed_everything(sampling_seed(config.seed, dist.rank))
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
-        pad_token_id=tokenizer.pad_token_id, dist=dist,
+        pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
+        ahead=AheadParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
+                         make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
+                                                                                                    tokenizer))),
         export=lambda out_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist),
     )
     return workers, plan

@@ -126,6 +126,31 @@ class OutputOptions:
 
 
 @dataclass(kw_only=True)
+class EvalOptions:
+    eval_data: list[str] = many("Held-out dataset to evaluate on, read with the same data options as --data "
+                                "(repeatable)", "eval")
+    eval_every: int = opt(0, "Evaluate every N steps (0: rlhf train at the start and the end only; the fit commands "
+                          "at the end of each epoch)", "eval")
+    save_best: str | None = opt(None, "Keep the model that scored best on this eval metric in <out>/best, e.g. "
+                                "eval/loss, eval/accuracy or eval/reward/mean (metrics named *loss are minimised, "
+                                "others maximised; append :min or :max to say)", "eval")
+
+
+def best_metric(spec: str | None) -> tuple[str, str] | None:
+    """``"eval/accuracy"`` -> ``("eval/accuracy", "max")``; ``"eval/loss"`` -> ``("eval/loss", "min")``."""
+    if not spec:
+        return None
+    name, _, direction = spec.partition(":")
+    if not direction:
+        direction = "min" if name.rsplit("/", 1)[-1].endswith("loss") else "max"
+    if direction not in ("min", "max"):
+        raise ConfigError(f"--save-best {spec}: the direction after ':' must be min or max")
+    if not name.startswith("eval/"):
+        name = "eval/" + name
+    return name, direction
+
+
+@dataclass(kw_only=True)
 class ConfigBase:
     """What every run config has: component settings by slot, and (de)serialisation."""
 

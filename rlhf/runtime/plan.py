@@ -88,6 +88,9 @@ class RunPlan:
             "max_turns": config.max_turns, "max_total_tokens": self.token_budget, "temperature": config.temperature,
             "lr": config.lr, "total_steps": self.optimizer_steps, "micro_batch_size": config.micro_batch_size,
             "synced_generation": False, "save_critic": config.save_critic,
+            "filter_range": tuple(config.filter_range) if config.filter_range is not None else None,
+            "overlong_buffer": config.overlong_buffer, "overlong_penalty_factor": config.overlong_penalty_factor,
+            "truncated_reward": config.truncated_reward,
         }
         unknown = set(changes) - set(values)
         assert not unknown, f"not run values: {sorted(unknown)}"
@@ -145,6 +148,35 @@ class RunPlan:
 
     # --- what the run builds ------------------------------------------------------------------
 
+    @property
+    def filters_groups(self) -> bool:
+        return bool(self.choices["sample_filter"].name)
+
+    def sample_filter(self) -> tuple[Any, Any] | None:
+        """``(filter, its config)`` when the run filters prompt groups, else None."""
+        if not self.filters_groups:
+            return None
+        return self.choices["sample_filter"].load(), self.component_config("sample_filter")
+
+    def reward_shapings(self, plugins: PluginSet) -> list[tuple[str, Any, Any]]:
+        """``(name, shaping, config)`` in the order they apply: overlong, truncation, then --reward-shaping."""
+        config = self.config
+        names = (["overlong"] if config.overlong_buffer is not None else []) + (
+            ["truncation"] if config.truncated_reward is not None else []) + list(config.reward_shaping)
+        registry = plugins.registry("reward_shaping")
+        out = []
+        for name in names:
+            if is_reference(name):
+                obj = resolve(name).obj
+                config_cls, _ = registry.kind.declared_by(obj)
+            else:
+                component = registry.component(name)
+                obj, config_cls, name = component.load(), component.load_config_cls(), component.name
+            shaping_config = build_component_config(config_cls, settings={}, run_values=self.run_values(),
+                                                    who=f"the {name!r} reward shaping", flag="--reward-shaping")
+            out.append((name, obj, shaping_config))
+        return out
+
     def env_capability(self, flag: str) -> Any:
         return self.choices["env"].capabilities[flag]
 
@@ -164,10 +196,15 @@ def _choices(config: TrainConfig, algorithm: ResolvedAlgorithm, plugins: PluginS
                          ("kl_estimator", algorithm.kl_estimator), ("loss_agg", algorithm.loss_agg)):
         config_cls = loaded.config_cls or (AdvantageConfig if slot == "advantage" else None)
         choices[slot] = SlotChoice(loaded.name, config_cls, dict(loaded.capabilities), obj=loaded.obj)
-    for slot in ("model_adapter", "engine", "backend", "env"):
+    for slot in ("model_adapter", "engine", "backend", "env", "sample_filter"):
         name = getattr(config, slot)
+        if slot == "sample_filter":
+            name = name or ("dynamic" if config.filter_groups else None)
+            if name is None:  # no filtering: an empty choice, with no config class
+                choices[slot] = SlotChoice("", None)
+                continue
         registry = plugins.registry(SLOTS[slot].kind)
-        if slot == "env" and is_reference(name):  # --env module:Class needs no plugin
+        if slot in ("env", "sample_filter") and is_reference(name):  # module:attr needs no plugin
             env_cls = resolve(name).obj
             config_cls, capabilities = registry.kind.declared_by(env_cls)
             choices[slot] = SlotChoice(name, config_cls, capabilities, obj=env_cls)
@@ -216,6 +253,12 @@ def check_run(plan: RunPlan, *, world_size: int) -> None:
                        ("--train-batch-size", derived.train_batch_size)):
         if size % world_size:
             raise ConfigError(f"{name} ({size}) must be a multiple of the number of processes ({world_size})")
+    if config.async_rollout and config.runtime == "local" and world_size > 1:
+        raise ConfigError("--async in the local runtime runs generation beside training in one process: it does "
+                          "not support several processes (torchrun) yet; use --runtime ray for data parallelism")
+    if config.async_rollout and config.runtime == "ray" and config.colocate == "all":
+        raise ConfigError("--async needs rollout actors with their own copy of the policy, and --colocate all "
+                          "puts the rollout in the policy actors: use --colocate none or policy_ref")
     if config.threads is not None and config.threads < 1:
         raise ConfigError(f"--threads must be at least 1; got {config.threads}")
 

@@ -6,6 +6,7 @@
     <out>/metrics.jsonl, samples.jsonl, tensorboard/   (written by the logger plugins)
     <out>/checkpoints/step_N/                          (checkpoint.py: atomic, rotated)
     <out>/final/             the trained policy (the model adapter's layout; written like a checkpoint)
+    <out>/best/              with --save-best: the policy that scored best on the eval, and best.json
 
 A directory "holds a run" once a step completed (a row in metrics.jsonl, a checkpoint or
 ``final/``): the files a run writes as it starts (config.yaml, plugins.json) do not make one, so
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,20 @@ class RunDirectory:
             write_text(self.path / "plugins.json", json.dumps(plugins, indent=2))
         self.dist.barrier()
 
+    def write_model(self, directory: Path, export: Callable[[Path], None], *,
+                    record: dict[str, Any] | None = None) -> Path:
+        """``export(tmp)`` on every rank into a folder beside ``directory``, then (main rank) the JSON
+        files of ``record`` ({file name: data}) added, and the folder fsynced and renamed into place
+        as a checkpoint is (`checkpoint.write_directory`): a reader, or a kill, never meets a
+        half-written model."""
+        def write(tmp: Path) -> None:
+            export(tmp)
+            if self.dist.is_main:
+                for name, data in (record or {}).items():
+                    (tmp / name).write_text(json.dumps(data, indent=2))
+
+        return checkpoint.write_directory(directory, write, self.dist)
+
     def save_checkpoint(self, step: int, roles: dict[str, Any], state: dict[str, Any], *, keep: int) -> Path:
         """``checkpoints/step_<step>``: each role's state, every rank's RNG and the trainer's ``state``."""
         return checkpoint.save_checkpoint(self.path, step, workers=roles, trainer_state=state, keep=keep,
@@ -140,11 +156,6 @@ class RunDirectory:
         if self.dist.is_main:
             log.warning("resumed from %s (step %d)", path.relative_to(self.path), state["step"])
         return state
-
-    def write_final(self, write: Any, directory: Path | None = None) -> Path:
-        """``final/`` (or ``directory``) as a checkpoint is written: into a temporary folder, fsynced,
-        renamed into place. ``write(folder)`` runs on every rank."""
-        return checkpoint.write_directory(directory or self.final, write, self.dist)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rlhf.algorithms.kl_control import KLController
 from rlhf.core.batch import collate
 from rlhf.core.distributed import SINGLE, DistContext, unshard
 from rlhf.core.errors import RlhfError
@@ -30,10 +31,14 @@ from rlhf.core.plugins import PluginSet
 from rlhf.core.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, RolloutRole
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import RunInfo, Trajectory
+from rlhf.runtime.ahead import AheadGeneration, AheadParts, Prepared
 from rlhf.runtime.data import PromptLoader
+from rlhf.runtime.evaluation import Evaluator
 from rlhf.runtime.experience import ExperienceMaker
+from rlhf.runtime.options import best_metric
 from rlhf.runtime.plan import RunPlan
-from rlhf.runtime.lifecycle import run_loop
+from rlhf.runtime.lifecycle import SteppedLoop, run_loop
+from rlhf.runtime.progress import RL_FIELDS
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.step_metrics import step_metrics
 
@@ -53,6 +58,8 @@ class Workers:
     pad_token_id: int
     export: Callable[[Path], None]  # writes the final policy (and --save-critic's critic); called on every rank
     dist: DistContext = SINGLE  # data-parallel ranks when started by a launcher (every rank runs this loop)
+    eval_prompts: list[Any] | None = None  # formatted --eval-data prompts (None: no eval)
+    ahead: AheadParts | None = None  # what --async needs (None: this runtime does not support it)
 
 
 class Timer:
@@ -66,13 +73,13 @@ class Timer:
     def __call__(self, phase: str) -> Iterator[None]:
         began = time.perf_counter()
         yield
-        self.seconds[phase] = time.perf_counter() - began
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - began
 
     def done(self) -> dict[str, float]:
         return {**self.seconds, "step": time.perf_counter() - self.started}
 
 
-class Trainer:
+class Trainer(SteppedLoop):
     def __init__(self, plan: RunPlan, plugins: PluginSet, workers: Workers):
         self.plan, self.config, self.plugins, self.w = plan, plan.config, plugins, workers
         self.dist = workers.dist
@@ -86,53 +93,164 @@ class Trainer:
         self.fingerprint = plugin_fingerprint(plugins)
         self.start_step = 0
         self.failed_reward_steps = 0  # steps in a row where a reward source failed on every sample
+        algorithm = plan.algorithm
+        self.kl = KLController(algorithm.kl_coef, self.config.kl_target if algorithm.needs_reference else None,
+                               self.config.kl_horizon)
+        self.sample_filter = plan.sample_filter() if self.dist.is_main else None
+        self.shapings = plan.reward_shapings(plugins) if self.dist.is_main else []
+        self.evaluator = self._evaluator()
+        self.best_spec = best_metric(self.config.save_best)
+        self.best: dict[str, Any] | None = None  # {"metric", "value", "step"} of the policy in <out>/best
+        self.last_eval: dict[str, float] = {}
+        self.ahead = self._ahead() if self.config.async_rollout else None
+        # async: eval samples from a stream of its own, so the producer's stays deterministic
+        self.eval_stream: dict[str, Any] = {"rng": None}
 
     # --- the run --------------------------------------------------------------------------------
 
     def run(self) -> Path:
         """The run's lifecycle (``rlhf.runtime.lifecycle``): resume, steps, checkpoints, ``final/``."""
-        config = self.plan.run_config()
         plugins = {"fingerprint": self.fingerprint, "plugins": [r.to_json() for r in self.plugins.records if r.loaded]}
-        return run_loop(self, config=config, plugins_record=plugins, resume=self.config.resume,
+        fields = RL_FIELDS + ((("eval", "eval/reward/mean", ".3f"),) if self.evaluator is not None else ())
+        return run_loop(self, config=self.plan.run_config(), plugins_record=plugins, resume=self.config.resume,
                         save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
-                        progress=self.config.progress, command="train")
+                        progress=self.config.progress, command="train", fields=fields)
+
+    # the lifecycle's calls (rlhf.runtime.lifecycle.SteppedLoop)
+
+    def begin(self, run: RunInfo) -> None:
+        self._run_info = run
+        if self.ahead is not None:
+            self.ahead.start(self.start_step)
+        if self.start_step == 0:
+            self._evaluate(0, run)
 
     def run_step(self, step: int, run: RunInfo) -> dict[str, float]:
         metrics = self.step(step, run)
         self._check_rewards(step, metrics)
         return metrics
 
+    def after_step(self, done: int, run: RunInfo) -> dict[str, float]:
+        self._evaluate(done, run)
+        return self.last_eval
+
+    def before_checkpoint(self, done: int) -> None:
+        if self.ahead is not None:
+            self.ahead.quiesce(done)  # the in-flight batches, made, go into the checkpoint
+
+    def after_checkpoint(self, done: int) -> None:
+        if self.ahead is not None:
+            self.ahead.publish(done)
+
+    def end(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+
     def export_final(self, directory: Path) -> None:
-        self.run_dir.write_final(self.w.export, directory)
+        self.run_dir.write_model(directory, self.w.export)
 
     def step(self, step: int, run: RunInfo) -> dict[str, float]:
         w, timer = self.w, Timer()
-        with timer("rollout"):
-            prompts = w.loader.next_batch(self.config.prompts_per_step)  # the same on every rank
-            local = w.rollout.generate(self.dist.shard(prompts), n=self.config.n_samples, params=self.sampling)
-            trajectories = self._gather(local, len(prompts))
-        with timer("reward"):
-            trajectories, rewards, sample_mask, reward_metrics = self._score(step, run, trajectories)
+        if self.ahead is None:
+            prepared = self._prepare(step, run, w.rollout, timer)
+            extra: dict[str, float] = {}
+        else:
+            prepared, waited = self.ahead.next(step)
+            timer.seconds.update(prepared.seconds)  # the producer's rollout and reward time for this batch
+            staleness = float(step - prepared.version)
+            extra = {"async/staleness_mean": staleness, "async/staleness_max": staleness, "async/wait_s": waited,
+                     "async/idle_s": prepared.idle_s, "async/version": float(prepared.version)}
+        trajectories, batch, reward_metrics = prepared.trajectories, prepared.batch, prepared.reward_metrics
         with timer("experience"):
-            batch = collate(trajectories, pad_token_id=w.pad_token_id, rewards=rewards * sample_mask,
-                            sample_mask=sample_mask)
-            batch = self.experience.make(batch, w.policy, w.reference, w.critic)
+            batch = self.experience.make(batch, w.policy, w.reference, w.critic, kl_coef=self.kl.value,
+                                         source_rewards=source_rewards(trajectories),
+                                         metadata=[row_metadata(t) for t in trajectories])
         with timer("train"):
-            train = w.policy.fit(batch, step=step)
+            frozen = step < self.config.freeze_actor_steps  # critic warm-up: the policy waits
+            train = {"policy/frozen": 1.0} if frozen else {**w.policy.fit(batch, step=step, kl_coef=self.kl.value),
+                                                            "policy/frozen": 0.0}
             if w.critic is not None:
                 train.update(w.critic.fit(batch, step=step))
             self._check_finite()
         with timer("sync"):
-            w.rollout.sync_weights()  # in-process engines share the weights; others get them pushed
-        return step_metrics(trajectories, batch, reward_metrics, train, timer.done())
+            if not frozen and self.ahead is None:  # --async: the producer takes weights by version
+                w.rollout.sync_weights()  # in-process engines share the weights; others get them pushed
+        metrics = step_metrics(trajectories, batch, reward_metrics, train, timer.done())
+        metrics["kl/beta"] = self.kl.value
+        metrics.update(extra)
+        self.kl.update(sequence_kl(batch, metrics), batch.size)
+        return metrics
+
+    def _prepare(self, step: int, run: RunInfo, rollout: RolloutRole, timer: Timer | None = None) -> Prepared:
+        """The batch of a step: prompt groups sampled, scored, shaped and filtered (`_collect`), the
+        ``on_rewards`` event, then collated. ``rollout``: the trainer's, or (--async) the producer's."""
+        timer = timer or Timer()
+        trajectories, reward_metrics = self._collect(step, run, timer, rollout)
+        with timer("experience"):
+            rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajectories],
+                                   dtype=torch.float32)  # (B,)
+            sample_mask = torch.tensor([t.reward is not None for t in trajectories], dtype=torch.float32)  # (B,)
+            self._emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
+            batch = collate(trajectories, pad_token_id=self.w.pad_token_id, rewards=rewards * sample_mask,
+                            sample_mask=sample_mask)
+        return Prepared(step=step, version=step, trajectories=trajectories, batch=batch, reward_metrics=reward_metrics,
+                        seconds=dict(timer.seconds))
+
+    def _collect(self, step: int, run: RunInfo, timer: Timer,
+                 rollout: RolloutRole) -> tuple[list[Trajectory], dict[str, float]]:
+        """Sample, score and shape ``--prompts-per-step`` prompt groups; with a sample filter, drop the
+        groups it rejects and sample new prompts until enough are kept (``--max-filter-rounds``)."""
+        config, w, n = self.config, self.w, self.config.n_samples
+        wanted = config.prompts_per_step
+        kept: list[list[Trajectory]] = []
+        rounds = dropped = sampled = 0
+        metrics: list[tuple[dict[str, float], int]] = []
+        last: list[list[Trajectory]] = []
+        while len(kept) < wanted and rounds < (config.max_filter_rounds if self.plan.filters_groups else 1):
+            rounds += 1
+            need = wanted - len(kept)
+            need += -need % self.dist.world_size  # every rank generates the same number of prompts
+            with timer("rollout"):
+                prompts = w.loader.next_batch(need)  # the same on every rank
+                local = rollout.generate(self.dist.shard(prompts), n=n, params=self.sampling)
+                trajectories = self._gather(local, len(prompts))
+            with timer("reward"):
+                trajectories, keep, round_metrics = self._score(step, run, trajectories)
+            groups = [trajectories[i:i + n] for i in range(0, len(trajectories), n)]
+            sampled += len(groups)
+            dropped += keep.count(False)
+            metrics.append((round_metrics, len(trajectories)))
+            kept += [g for g, k in zip(groups, keep) if k]
+            last = groups
+        if self.plan.filters_groups:
+            if not kept:
+                log.warning("step %d: no prompt group passed the sample filter in %d rounds; training on the last "
+                            "round's groups unfiltered", step + 1, rounds)
+                kept = last
+            elif len(kept) < wanted:
+                log.warning("step %d: %d of %d prompt groups passed the sample filter in %d rounds (--max-filter-"
+                            "rounds); training on those", step + 1, len(kept), wanted, rounds)
+        kept = kept[:wanted]
+        trajectories = []
+        for index, group in enumerate(kept):
+            for trajectory in group:
+                trajectory.group = index
+                trajectories.append(trajectory)
+        merged = merge_round_metrics(metrics)
+        if self.plan.filters_groups:
+            merged.update({"filter/rounds": float(rounds), "filter/dropped_groups": float(dropped),
+                           "filter/kept_groups": float(len(kept)), "filter/sampled_groups": float(sampled),
+                           "filter/pass_rate": (sampled - dropped) / max(sampled, 1)})
+        return trajectories, merged
 
     # --- the pieces of a step -------------------------------------------------------------------
 
-    def _gather(self, local: list[Trajectory], num_prompts: int) -> list[Trajectory]:
-        """Every rank's trajectories in prompt order, with groups renumbered to the whole batch."""
+    def _gather(self, local: list[Trajectory], num_prompts: int, n: int | None = None) -> list[Trajectory]:
+        """Every rank's trajectories in prompt order (``n`` per prompt, default ``--n-samples``), with
+        groups renumbered to the whole batch."""
         if not self.dist.active:
             return local
-        n = self.config.n_samples
+        n = n or self.config.n_samples
         per_rank = [[shard[i:i + n] for i in range(0, len(shard), n)] for shard in self.dist.all_gather(local)]
         groups = unshard(per_rank)  # prompt p came from rank p % W
         assert len(groups) == num_prompts, f"gathered {len(groups)} prompt groups, expected {num_prompts}"
@@ -144,19 +262,78 @@ class Trainer:
         return trajectories
 
     def _score(self, step: int, run: RunInfo, trajectories: list[Trajectory]) -> tuple[Any, ...]:
-        """Rewards on the main rank, between the rollout and reward events; every rank gets the
-        result after the events' edits: trajectories, rewards (B,), sample mask (B,), metrics."""
+        """Rewards on the main rank, after the rollout event: each trajectory's ``reward`` (shaped;
+        None: dropped from the loss), ``rewards`` and ``score``, then the sample filter's verdict
+        per prompt group. Every rank gets ``(trajectories, keep (one bool per group), metrics)``."""
         if self.dist.is_main:
             self._emit("on_rollout_end", run=run, step=step, trajectories=trajectories)
             result = self.w.reward.score(trajectories)
             result.assign(trajectories)
-            rewards = torch.tensor([r if r is not None else 0.0 for r in result.total], dtype=torch.float32)  # (B,)
-            sample_mask = torch.tensor([r is not None for r in result.total], dtype=torch.float32)  # (B,)
-            self._emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
-            scored = (trajectories, rewards, sample_mask, result.metrics)
+            metrics = dict(result.metrics)
+            totals = [t.reward for t in trajectories]
+            for name, shaping, shaping_config in self.shapings:
+                totals, shaping_metrics = shaping(trajectories, totals, shaping_config)
+                if len(totals) != len(trajectories):
+                    raise RlhfError(f"reward shaping {name!r} returned {len(totals)} rewards for "
+                                    f"{len(trajectories)} trajectories")
+                metrics.update(shaping_metrics)
+            for trajectory, total in zip(trajectories, totals):
+                trajectory.reward = None if total is None else float(total)
+            n = self.config.n_samples
+            groups = [trajectories[i:i + n] for i in range(0, len(trajectories), n)]
+            keep = [True] * len(groups)
+            if self.sample_filter is not None:
+                sample_filter, filter_config = self.sample_filter
+                keep = [bool(k) for k in sample_filter(groups, filter_config)]
+                if len(keep) != len(groups):
+                    raise RlhfError(f"sample filter {self.plan.choices['sample_filter'].name!r} returned {len(keep)} "
+                                    f"flags for {len(groups)} prompt groups")
+            scored = (trajectories, keep, metrics)
         else:
             scored = None
         return self.dist.broadcast(scored) if self.dist.active else scored
+
+    # --- async ----------------------------------------------------------------------------------
+
+    def _ahead(self) -> AheadGeneration:
+        parts = self.w.ahead
+        if parts is None:
+            raise RlhfError("--async is not available with this runtime yet: use the local runtime")
+        staleness = self.config.max_staleness
+        return AheadGeneration(parts=parts, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
+                               max_staleness=staleness, total_steps=self.total_steps, pad_token_id=self.w.pad_token_id)
+
+    # --- eval -----------------------------------------------------------------------------------
+
+    def _evaluator(self) -> Evaluator | None:
+        config = self.config
+        if not self.w.eval_prompts:
+            return None
+        temperature = config.eval_temperature if config.eval_temperature is not None else config.temperature
+        params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature, top_p=config.top_p)
+        return Evaluator(prompts=self.w.eval_prompts, n_samples=config.eval_n_samples, every=config.eval_every,
+                         params=params, rollout=self.w.rollout, reward=self.w.reward, gather=self._gather,
+                         dist=self.dist)
+
+    def _evaluate(self, done: int, run: RunInfo) -> None:
+        """Eval after ``done`` steps when due: ``on_eval`` (metrics.jsonl rows), and ``--save-best``."""
+        if self.evaluator is None or not self.evaluator.due(done, self.total_steps):
+            return
+        with self.ahead.separate_stream(self.eval_stream) if self.ahead is not None else contextlib.nullcontext():
+            self.last_eval = self.evaluator.run()
+        self._emit("on_eval", run=run, step=done, metrics=self.last_eval)
+        if self.best_spec is None:
+            return
+        name, direction = self.best_spec
+        if name not in self.last_eval:
+            raise RlhfError(f"--save-best {self.config.save_best}: the eval reports no {name}; it reports "
+                            f"{', '.join(sorted(self.last_eval))}")
+        value = self.last_eval[name]
+        if self.best is not None and not (value < self.best["value"] if direction == "min"
+                                          else value > self.best["value"]):
+            return
+        self.best = {"metric": name, "value": value, "step": done}
+        self.run_dir.write_model(self.run_dir.path / "best", self.w.export, record={"best.json": self.best})
 
     def _check_rewards(self, step: int, metrics: dict[str, float]) -> None:
         """A reward source that failed on every sample teaches nothing: say so, and stop after
@@ -195,15 +372,68 @@ class Trainer:
         roles = {name: getattr(self.w, name) for name in ("policy", "critic") if getattr(self.w, name) is not None}
         if self.w.rollout.stateful:
             roles["rollout"] = self.w.rollout
+        if self.ahead is not None:
+            roles["ahead"] = self.ahead  # in-flight batches
         return roles
 
     def trainer_state(self) -> dict[str, Any]:
         return {"loader": self.w.loader.state_dict(), "fingerprint": self.fingerprint,
-                "world_size": self.dist.world_size}
+                "world_size": self.dist.world_size, "kl": self.kl.state_dict(), "best": self.best,
+                "last_eval": self.last_eval,
+                "eval_rng": None if self.eval_stream["rng"] is None else [s.tolist() for s in self.eval_stream["rng"]]}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.w.loader.load_state_dict(state["loader"])
+        if "kl" in state:
+            self.kl.load_state_dict(state["kl"])
+        self.best, self.last_eval = state.get("best"), state.get("last_eval") or {}
+        if state.get("eval_rng") is not None:
+            self.eval_stream["rng"] = [torch.tensor(s, dtype=torch.uint8) for s in state["eval_rng"]]
         differences = fingerprint_differences(state["fingerprint"], self.fingerprint)
         if differences and self.dist.is_main:
             log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
                         "\n  ".join(differences))
+
+
+# --- step helpers -------------------------------------------------------------------------------
+
+
+def source_rewards(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """Each reward source's rewards as (B,) float tensors (NaN where the source gave none)."""
+    names = sorted({name for t in trajectories for name in t.rewards})
+    return {name: torch.tensor([t.rewards.get(name) if t.rewards.get(name) is not None else float("nan")
+                                for t in trajectories], dtype=torch.float32) for name in names}
+
+
+def row_metadata(trajectory: Trajectory) -> dict[str, Any]:
+    """What an advantage estimator learns about a row: its dataset columns (label included), the
+    trajectory's info, finish reason, turns, policy tokens and score."""
+    return {**trajectory.columns, "label": trajectory.label, "info": dict(trajectory.info),
+            "finish_reason": trajectory.finish_reason, "num_turns": trajectory.num_turns,
+            "num_policy_tokens": trajectory.num_policy_tokens, "score": trajectory.score}
+
+
+def sequence_kl(batch: Any, metrics: dict[str, float]) -> float:
+    """The step's KL to the reference for the adaptive controller: the mean over samples of each
+    sample's token-mean KL (OpenRLHF's), or the training loss's KL when no KL was computed before."""
+    if batch.kl is not None:
+        mask = batch.loss_mask  # (B, A)
+        per_sample = (batch.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (B,)
+        counted = mask.sum(dim=1) > 0  # (B,)
+        return float(per_sample[counted].mean()) if counted.any() else 0.0
+    return float(metrics.get("policy/kl", 0.0))
+
+
+def merge_round_metrics(rounds: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Reward metrics of several sampling rounds: counts summed, means weighted by samples."""
+    if len(rounds) == 1:
+        return dict(rounds[0][0])
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, size in rounds:
+        for key, value in metrics.items():
+            counted = key.endswith(("failures", "skipped")) or "/failures/" in key or key.endswith("/count")
+            sums[key] = sums.get(key, 0.0) + (value if counted else value * size)
+            weights[key] = weights.get(key, 0.0) + (1 if counted else size)
+    return {k: sums[k] if k.endswith(("failures", "skipped")) or "/failures/" in k or k.endswith("/count")
+            else sums[k] / weights[k] for k in sums}

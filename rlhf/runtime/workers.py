@@ -110,6 +110,22 @@ def gather_rows(local: torch.Tensor, dist: DistContext, total: int) -> torch.Ten
     return out
 
 
+@torch.no_grad()
+def model_logprobs(model: torch.nn.Module, batch: ExperienceBatch, *, micro_batch_size: int, temperature: float,
+                   dist: DistContext = SINGLE) -> torch.Tensor:
+    """(B, A) log-probs of a batch's tokens under ``model`` at the sampling temperature, in eval mode,
+    micro-batched as training does (rows of similar length together)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        return forward_rows(batch, dist, micro_batch_size, lambda mb: token_logprobs(
+            model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.action_mask,
+            temperature=temperature)[0])
+    finally:
+        model.train(was_training)
+
+
 class _TrainedWorker(TrainedModel):
     """Shared by the policy and the critic: a trained model (`TrainedModel`) and its RL update loop."""
 
@@ -165,22 +181,27 @@ class PolicyWorker(_TrainedWorker):
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A) log-probs of the batch's tokens at the sampling temperature."""
-        self.model.eval()
-        return self._forward_rows(batch, lambda mb: token_logprobs(
-            self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
-            temperature=self.objective.temperature)[0])
+        return self.logprobs_under(self.model, batch)
 
-    def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
+    def logprobs_under(self, model: torch.nn.Module, batch: ExperienceBatch) -> torch.Tensor:
+        """(B, A) log-probs of the batch's tokens under ``model`` (the policy, or --async's copy of an
+        earlier version of it), computed exactly as the policy's own."""
+        return model_logprobs(model, batch, micro_batch_size=self.settings.micro_batch_size,
+                              temperature=self.objective.temperature, dist=self.dist)
+
+    def fit(self, batch: ExperienceBatch, *, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
-        ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1."""
-        metrics = self._fit(batch, step, self._micro_loss)
+        ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1.
+        ``kl_coef``: this step's β of the KL term when adaptive (default: the objective's)."""
+        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef))
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
-    def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
+    def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm,
+                    kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any], float]:
         logprobs, entropy = token_logprobs(self.train_model, micro.input_ids, micro.attention_mask,
                                            micro.action_mask, temperature=self.objective.temperature,
                                            with_entropy=self.objective.needs_entropy)  # (b, A), (b, A) or None
-        loss, metrics = self.objective.loss(logprobs, micro, norm, entropy=entropy)
+        loss, metrics = self.objective.loss(logprobs, micro, norm, entropy=entropy, kl_coef=kl_coef)
         return loss, metrics, float(micro.loss_mask.sum())
 
 

@@ -52,7 +52,7 @@ def test_builtin_names_and_capabilities(plugins):
     registries = plugins.registries()
     assert registries["advantage_estimator"].names() == sorted(ESTIMATOR_FLAGS)
     assert registries["kl_estimator"].names() == ["k1", "k2", "k3"]
-    assert registries["policy_loss"].names() == ["ppo"]
+    assert registries["policy_loss"].names() == ["gspo", "ppo"]
     assert registries["loss_aggregation"].names() == sorted(
         ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
     assert registries["algorithm"].names() == sorted(PRESET_TABLE)
@@ -309,7 +309,7 @@ def test_gae_needs_values(plugins):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"dual_clip": 0.9}, "dual_clip must be greater than 1"),
-    ({"correction": "seq-mask-tis"}, "unknown mismatch correction 'seq-mask-tis'"),
+    ({"correction": "seq-tis"}, "unknown mismatch correction 'seq_tis'"),
     ({"correction": "tis"}, "needs the rollout engine's log-probs"),
     ({"clip_low": 1.5}, "clip ranges"),
     ({"correction_bounds": (5.0, 0.5)}, "correction_bounds"),

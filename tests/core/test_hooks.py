@@ -244,6 +244,29 @@ def test_hook_on_rollout_end(bare_plugins, make_plugin, run_info):
     assert seen == [(["t0", "t1"], 4)]
 
 
+def test_hook_register_sample_filters(bare_plugins, make_plugin):
+    def keep_all(groups, config):
+        return [True] * len(groups)
+
+    assert _register_one(bare_plugins, make_plugin, "register_sample_filters", keep_all).load()([[], []], None) == \
+        [True, True]
+
+
+def test_hook_register_reward_shapings(bare_plugins, make_plugin):
+    def halve(trajectories, rewards, config):
+        return [r / 2 for r in rewards], {}
+
+    assert _register_one(bare_plugins, make_plugin, "register_reward_shapings", halve).load()([], [2.0], None) == \
+        ([1.0], {})
+
+
+def test_hook_on_eval(bare_plugins, make_plugin, run_info):
+    seen = []
+    bare_plugins.register(make_plugin(on_eval=lambda step, metrics: seen.append((step, metrics))))
+    bare_plugins.emit("on_eval", run=run_info, step=0, metrics={"eval/reward/mean": 0.25})
+    assert seen == [(0, {"eval/reward/mean": 0.25})]
+
+
 def test_hook_on_rewards(bare_plugins, make_plugin, run_info):
     def on_rewards(rewards):
         rewards[0] = -1.0  # edits in place are what the runtime sees

@@ -1,34 +1,12 @@
-"""The README's worked third-party model adapter: train only the last N transformer layers.
+"""The README's worked third-party model adapter, ``examples/plugins/rlhf-freeze``, importable by the
+tests without installing it: this module is its plugin module (the tests register it directly)."""
 
-A pip package would name this module in its entry points (``[project.entry-points.rlhf]``,
-``freeze = "rlhf_freeze"``); the tests register it directly.
-"""
+import sys
+from pathlib import Path
 
-from dataclasses import dataclass, field
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "plugins" / "rlhf-freeze"))
 
-import rlhf
-from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
+from rlhf_freeze.adapter import FreezeAdapter, FreezeConfig  # noqa: E402
+from rlhf_freeze.plugin import register_models  # noqa: E402
 
-
-@dataclass(kw_only=True)
-class FreezeConfig(HFModelConfig):
-    train_last_layers: int = field(default=1, metadata={"help": "Transformer layers that keep training, from the top"})
-
-
-class FreezeAdapter(HFModelAdapter):
-    """The hf adapter with every policy weight frozen except the last N layers and the output head."""
-
-    def load(self, ref, *, role):
-        model = super().load(ref, role=role)
-        if role == "policy":
-            layers = model.get_decoder().layers
-            trained = [*layers[len(layers) - self.config.train_last_layers:], model.get_output_embeddings()]
-            keep = {id(p) for module in trained for p in module.parameters()}
-            for param in model.parameters():
-                param.requires_grad_(id(param) in keep)
-        return model
-
-
-@rlhf.hookimpl
-def register_models(register):
-    register("freeze_last", FreezeAdapter, config_cls=FreezeConfig, roles=("policy", "reference", "critic"))
+__all__ = ["FreezeAdapter", "FreezeConfig", "register_models"]

@@ -59,7 +59,9 @@ def test_plugins_list_shows_builtin_and_plugin_adapters(plugins):
 def test_the_readme_example_is_the_code_the_tests_run():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    example = readme.split("# rlhf_freeze.py\n", 1)[1].split("```", 1)[0].strip()
-    source = Path(freeze_plugin.__file__).read_text()
-    assert source.rstrip().endswith(example), "README's rlhf_freeze.py and tests/models/freeze_plugin.py differ"
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    for name in ("plugin.py", "adapter.py"):
+        example = readme.split(f"# rlhf_freeze/{name}\n", 1)[1].split("```", 1)[0].strip()
+        source = (root / "examples" / "plugins" / "rlhf-freeze" / "rlhf_freeze" / name).read_text()
+        assert source.strip() == example, f"README's rlhf_freeze/{name} and examples/plugins/rlhf-freeze differ"

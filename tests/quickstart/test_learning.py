@@ -1,6 +1,7 @@
 """The quickstart learns: `rlhf train --algo grpo` on the shipped tiny model and toy task lifts
-mean reward by a clear margin within 15 steps (fixed seed, CPU). This is the README's quickstart,
-shortened, through the real command line."""
+mean reward by a clear margin within 15 steps (fixed seed, CPU), synchronously and with --async
+(each batch sampled by the previous step's policy). This is the README's quickstart, shortened,
+through the real command line."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_grpo_on_the_toy_task_raises_mean_reward(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]], ids=["sync", "async"])
+def test_grpo_on_the_toy_task_raises_mean_reward(tmp_path, mode):
     out = tmp_path / "quickstart"
     command = [
         sys.executable, "-m", "rlhf", "train", "--algo", "grpo", "--model", str(ROOT / "examples" / "tiny-model"),
         "--data", str(ROOT / "examples" / "data" / "train.jsonl"), "--input-key", "prompt", "--label-key", "answer",
         "--reward", f"{ROOT / 'examples' / 'rewards.py'}:exact_match", "--n-samples", "8",
         "--prompts-per-step", "8", "--max-new-tokens", "16", "--steps", "15", "--lr", "3e-4", "--seed", "0",
-        "--no-progress", "--out", str(out),
+        "--no-progress", "--out", str(out), *mode,
     ]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
     assert result.returncode == 0, result.stderr[-3000:]

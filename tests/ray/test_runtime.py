@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -131,6 +132,18 @@ def test_the_ray_runtime_reproduces_the_local_run(ray_cluster, tiny_model_dir, t
         "policy/rng_0.pt", "policy/state.pt", "rng_0.pt", "rollout/rng_0.pt", "trainer_state.json"]
     for (name, a), b in zip(final_weights(tmp_path / "local").items(), final_weights(ray_out).values()):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_a_ppo_run_with_a_critic_actor_reproduces_the_local_run(ray_cluster, tiny_model_dir, task, tmp_path):
+    """PPO: the critic's value head is initialised in its own actor, and the rollout actor builds no
+    critic; both still draw what the local process draws (issue 19: step-1 rewards differed)."""
+    ppo = dict(algo="ppo", critic_cpus=0.25, policy_cpus=0.5, ref_cpus=0.25, rollout_cpus=0.5)
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **ppo), plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", **ppo))
+    assert_no_actors_left()
+    assert_same_training(ray_out, tmp_path / "local", keys=TRAINING_KEYS + ("critic/loss",))
 
 
 @pytest.mark.deepspeed
@@ -334,3 +347,76 @@ def run_in(work, tiny_model_dir, task):
     while ray_processes(str(work / "ray")) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_processes(str(work / "ray")) == []  # raylet, GCS and workers of the run's cluster are gone
+
+
+def test_eval_filtering_and_adaptive_kl_on_ray_match_the_local_run(ray_cluster, tiny_model_dir, task, tmp_path):
+    """The RL loop's extensions run in the driver: the Ray runtime gives the local run's eval rows,
+    filtered batches, β and best/."""
+    extra = dict(eval_data=[str(task / "data.jsonl")], eval_max_samples=2, eval_every=1, save_best="eval/reward/mean",
+                 filter_groups=True, max_filter_rounds=4, kl_target=0.01, kl_horizon=40)
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **extra), plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", **extra))
+    assert_no_actors_left()
+    assert samples(ray_out) == samples(tmp_path / "local")
+    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("local", "ray")}
+    assert [r["step"] for r in rows["ray"]] == [r["step"] for r in rows["local"]] == [0, 1, 1, 2, 2]
+    for ray_row, local_row in zip(rows["ray"], rows["local"]):
+        for key in ("eval/reward/mean", "reward/mean", "policy/loss", "kl/beta", "filter/kept_groups"):
+            if key in local_row:
+                assert ray_row[key] == pytest.approx(local_row[key], rel=1e-5, abs=1e-9), (local_row["step"], key)
+    assert (ray_out / "best" / "best.json").read_text() == (tmp_path / "local" / "best" / "best.json").read_text()
+
+
+def test_async_on_ray_generates_ahead_like_the_local_async_run(ray_cluster, tiny_model_dir, task, tmp_path):
+    """--async on Ray: the rollout actor's copy generates batch s from version s - K (weights pushed by
+    version through the object store): the same samples, staleness and losses as the local --async run."""
+    extra = dict(async_rollout=True, max_staleness=1, steps=3, eval_data=[str(task / "data.jsonl")],
+                 eval_max_samples=2, eval_every=2)
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **extra), plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", **extra))
+    assert_no_actors_left()
+    assert not any(t.name == "rlhf-ahead-generation" for t in threading.enumerate())
+    assert samples(ray_out) == samples(tmp_path / "local")
+    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("local", "ray")}
+    assert [r.get("async/staleness_max") for r in rows["ray"] if "reward/mean" in r] == [0, 1, 1]
+    for ray_row, local_row in zip(rows["ray"], rows["local"]):
+        assert ray_row["step"] == local_row["step"]
+        for key in ("eval/reward/mean", "reward/mean", "policy/loss", "policy/approx_kl", "async/version"):
+            if key in local_row:
+                assert ray_row[key] == pytest.approx(local_row[key], rel=1e-5, abs=1e-8), (local_row["step"], key)
+
+
+def test_async_on_ray_resumes_exactly_with_batches_in_flight(ray_cluster, tiny_model_dir, task, tmp_path, make_plugin):
+    extra = dict(async_rollout=True, max_staleness=1, steps=4, save_every=2, runtime="ray")
+    straight = tmp_path / "straight"
+    ray_train(make_config(tiny_model_dir, task, straight, **extra))
+
+    def crash(step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        ray_train(make_config(tiny_model_dir, task, resumed, **extra), plugins=plugins)
+    assert_no_actors_left()
+    ray_train(make_config(tiny_model_dir, task, resumed, resume=True, **extra))
+    assert samples(resumed) == samples(straight)
+    for (name, a), b in zip(final_weights(straight).items(), final_weights(resumed).values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_async_on_ray_with_two_rollout_actors(ray_cluster, tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    ray_train(make_config(tiny_model_dir, task, out, runtime="ray", async_rollout=True, max_staleness=2, steps=3,
+                          rollout_workers=2, rollout_cpus=0.25, prompts_per_step=4))
+    assert_no_actors_left()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1, 2]
+    assert [m["async/version"] for m in metrics] == [0, 0, 0]
+    assert len(read_jsonl(out / "samples.jsonl")) == 3 * 4 * 2

@@ -135,6 +135,9 @@ def test_sync_functions_run_in_the_serving_thread_and_async_on_the_loop(serve):
 def test_serve_help(plugins):
     result = run_cli(plugins, ["reward", "serve", "--help"])
     assert result.exit_code == 0 and "OpenRLHF" in result.output and "--token-env" in result.output
+    for option in ("--allow-no-token", "--max-body-mb", "--max-samples", "--max-depth", "--read-timeout-s",
+                   "--max-concurrency"):
+        assert option in result.output
 
 
 def _start_cli(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -168,9 +171,13 @@ def test_real_command_with_token_and_our_client(tmp_path, plugins, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_real_command_warns_when_exposed_without_token(tmp_path):
+def test_real_command_refuses_exposure_without_token_unless_allowed(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RLHF_REWARD_TOKEN"}
-    process, _ = _start_cli(["exact_match", "--host", "0.0.0.0", "--port", "0"], env)
+    refused = subprocess.run([sys.executable, "-m", "rlhf", "reward", "serve", "exact_match", "--host", "0.0.0.0",
+                              "--port", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "refusing to serve on 0.0.0.0 without a token" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    process, _ = _start_cli(["exact_match", "--host", "0.0.0.0", "--port", "0", "--allow-no-token"], env)
     process.terminate()
     _, stderr = process.communicate(timeout=30)
     assert "Warning: serving on 0.0.0.0 without a token" in stderr

@@ -108,9 +108,9 @@ def test_final_is_replaced_whole_or_not_at_all(tmp_path):
             raise OSError(28, "No space left on device", str(folder / "config.json"))
         (folder / "config.json").write_text("{}")
 
-    run_dir.write_final(lambda folder: write(folder, "first"))
+    run_dir.write_model(run_dir.final, lambda folder: write(folder, "first"))
     with pytest.raises(RlhfError, match=r"cannot write .*config.json: No space left on device"):
-        run_dir.write_final(lambda folder: write(folder, "second", fail=True))
+        run_dir.write_model(run_dir.final, lambda folder: write(folder, "second", fail=True))
     assert (run_dir.final / "model.safetensors").read_text() == "first"
     assert sorted(p.name for p in run_dir.final.iterdir()) == ["config.json", "model.safetensors"]
 

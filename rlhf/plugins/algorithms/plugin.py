@@ -4,7 +4,7 @@ Every torch-using object is registered by ``"module:attr"`` reference with an ex
 description, so importing this module (``rlhf --help``, ``rlhf plugins list``) imports no torch.
 
 Where each piece lives, in this package: ``grpo.py`` (grpo, dr_grpo), ``rloo.py``,
-``reinforce.py`` (reinforce_pp, reinforce_pp_baseline), ``gae.py``, ``returns.py`` (reward
+``reinforce.py`` (reinforce_pp, reinforce_pp_baseline), ``gae.py``, ``gspo_loss.py``, ``returns.py`` (reward
 placement, returns, GAE, whitening), ``groups.py``, ``kl.py``, ``ppo_loss.py`` (settings:
 ``ppo_config.py``), ``mismatch.py``, ``aggregation.py``, ``presets.py``. The objective that
 combines them, and the critic's value loss, are the host's: ``rlhf.algorithms``.
@@ -59,6 +59,10 @@ def register_policy_losses(register):
     register("ppo", f"{_HERE}.ppo_loss:ppo_policy_loss",
              description="PPO clipped surrogate (asymmetric clip, dual clip, TIS/ICEPOP correction)",
              config_cls=f"{_HERE}.ppo_config:PPOLossConfig", needs_rollout_logprobs=corrects_mismatch)
+    register("gspo", f"{_HERE}.gspo_loss:gspo_policy_loss",
+             description="GSPO: sequence-level ratio exp(mean log-ratio), clipped, per-sequence mean",
+             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", needs_rollout_logprobs=corrects_mismatch,
+             aggregation="seq_mean_token_mean")
 
 
 @rlhf.hookimpl

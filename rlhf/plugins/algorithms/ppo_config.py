@@ -1,4 +1,5 @@
-"""Settings of the ``ppo`` policy loss (``ppo_loss.py``); no torch here, the command line reads them.
+"""Settings of the ``ppo`` and ``gspo`` policy losses (``ppo_loss.py``, ``gspo_loss.py``); no torch here,
+the command line reads them.
 
 Each is ``--policy-loss.<name>`` (``--clip-low``, ``--clip-high``, ``--dual-clip`` for short) or
 ``--algo-config <name>=VALUE``.
@@ -10,12 +11,12 @@ from dataclasses import dataclass, field
 
 from rlhf.core.errors import RlhfError
 
-CORRECTIONS = ("tis", "icepop")  # rollout/trainer mismatch corrections (mismatch.py)
+CORRECTIONS = ("tis", "icepop", "seq_mask_tis")  # rollout/trainer mismatch corrections (mismatch.py)
 
 
 @dataclass(kw_only=True)
 class PPOLossConfig:
-    """Settings of the ``ppo`` policy loss."""
+    """Settings of the ``ppo`` and ``gspo`` policy losses."""
 
     clip_low: float = field(default=0.2, metadata={"help": "ε_low: the ratio is clipped below at 1 - ε_low"})
     clip_high: float = field(default=0.2, metadata={
@@ -23,8 +24,9 @@ class PPOLossConfig:
     dual_clip: float | None = field(default=None, metadata={
         "help": "c > 1: for negative advantages the loss is at most -c·Â (dual-clip PPO); None: off"})
     correction: str | None = field(default=None, metadata={
-        "help": "rollout/trainer mismatch correction: 'tis' (clamped weight) or 'icepop' (weight 0 "
-                "outside the bounds); needs the rollout engine's log-probs; None: off"})
+        "help": "rollout/trainer mismatch correction: 'tis' (clamped weight), 'icepop' (weight 0 "
+                "outside the bounds) or 'seq_mask_tis' (drop a sequence whose geometric-mean weight leaves "
+                "the bounds); needs the rollout engine's log-probs; None: off"})
     correction_bounds: tuple[float, float] = field(default=(0.5, 5.0), metadata={
         "help": "[lo, hi] for the correction weight exp(logp_old - logp_rollout)"})
 
@@ -34,6 +36,8 @@ class PPOLossConfig:
                             f"got clip_low={self.clip_low}, clip_high={self.clip_high}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise RlhfError(f"dual_clip must be greater than 1 (or None to turn it off), got {self.dual_clip}")
+        if isinstance(self.correction, str):
+            self.correction = self.correction.replace("-", "_")  # OpenRLHF spells it seq-mask-tis
         if self.correction is not None and self.correction not in CORRECTIONS:
             raise RlhfError(f"unknown mismatch correction {self.correction!r}; choose one of "
                             f"{', '.join(CORRECTIONS)} (or None)")

@@ -12,8 +12,8 @@ with the refinements OpenRLHF applies:
 2. dual clip (Ye et al. 2020, arXiv:1912.09729), c > 1: for Â_t < 0, ℓ_t = -max(min(...), c Â_t),
    which bounds the loss when ρ is very large;
 3. the log-ratio is clamped to ±20 before exp so a stale token cannot overflow;
-4. optionally each ℓ_t is multiplied by a detached rollout/trainer mismatch weight (``tis`` or
-   ``icepop``, see ``mismatch.py``), which needs the rollout engine's log-probs.
+4. optionally each ℓ_t is multiplied by a detached rollout/trainer mismatch weight (``tis``,
+   ``icepop`` or ``seq_mask_tis``, see ``mismatch.py``), which needs the rollout engine's log-probs.
 
 The loss is returned per token (0 where the action mask is 0); the host aggregates it with the
 run's loss aggregation. Metrics (detached scalars): ``policy/clip_frac`` (share of action tokens
@@ -76,7 +76,7 @@ def ppo_policy_loss(inputs: PolicyLossInputs,
                 "none were given: use an engine that returns them, or turn the correction off"
             )
         weights, outside = correction_weights(old_logprobs, inputs.rollout_logprobs, kind=config.correction,
-                                              bounds=config.correction_bounds)  # (B, A), (B, A)
+                                              bounds=config.correction_bounds, action_mask=action_mask)  # (B, A)
         loss = weights.to(loss.dtype) * loss  # (B, A)
         metrics["policy/correction_weight_mean"] = masked_mean(weights, action_mask).detach()
         metrics["policy/correction_clip_frac"] = masked_mean(outside.to(weights.dtype), action_mask).detach()

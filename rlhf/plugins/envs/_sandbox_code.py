@@ -2,8 +2,8 @@
 
 Imported by ``_sandbox_child.py`` (the supervisor, run as ``python -I -S``), never by rlhf:
 `run` turns a fork of the supervisor into the code's process (limits, identity, a fresh
-``__main__``), runs the code and exits; `make_guard` is the best-effort audit hook used where
-an OS layer is missing. Standard library only, cheap imports only.
+``__main__``), runs the code and exits; the best-effort audit hook used where an OS layer is
+missing is in ``_sandbox_guard.py``. Standard library only, cheap imports only.
 """
 
 import _signal as signal  # the C module: `signal` would import enum, ~8 ms at every start
@@ -12,11 +12,13 @@ import os
 import resource
 import sys
 
+from _sandbox_guard import make_guard  # noqa: E402 - a sibling, found through the supervisor's sys.path
+
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 LINUX = sys.platform.startswith("linux")
 HERE = os.path.dirname(os.path.abspath(__file__))
-OWN_FILES = {os.path.join(HERE, "_sandbox_code.py"), os.path.join(HERE, "_sandbox_child.py")}  # hidden in tracebacks
+OWN_FILES = {os.path.join(HERE, name) for name in ("_sandbox_code.py", "_sandbox_child.py", "_sandbox_guard.py")}  # hidden
 
 _libc = None
 
@@ -63,7 +65,7 @@ def report(fd, **message):
 # --- the code's process ----------------------------------------------------------------------
 
 
-def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor):
+def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor, seccomp):
     """Become the code's process: limits, identity, fresh ``__main__``; run; exit. Never returns."""
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -82,6 +84,9 @@ def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor):
         os.close(devnull)
         os.chdir(workdir)
         set_limits(req, uid, nproc)
+        if req.get("cgroup_layers") and LINUX:
+            with open("/proc/self/oom_score_adj", "w") as f:  # the supervisors are exempt, the code is not
+                f.write("0")
         if caps and LINUX:
             with open("/proc/sys/kernel/cap_last_cap") as f:
                 last = int(f.read())
@@ -103,6 +108,10 @@ def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor):
             prctl(PR_SET_DUMPABLE, 1)  # a uid change cleared it; /proc/self must stay the code's own
             if os.getppid() != supervisor:
                 os._exit(1)
+        if seccomp:
+            from _sandbox_seccomp import install
+
+            install(libc())
         os.environ.update(HOME=workdir, TMPDIR=workdir, PWD=workdir)
         sys.path[:] = ["", *sys.path, *(req["site_dirs"] if req["site_packages"] else [])]
         sys.argv[:] = ["-c"]
@@ -238,94 +247,3 @@ def count_tasks(uid):
             except OSError:
                 pass
     return total
-
-
-# --- the best-effort Python guard ------------------------------------------------------------
-
-
-def make_guard(rules, workdir):
-    """An audit hook refusing what the missing OS layers would have stopped (PEP 578).
-
-    Best effort: it cannot be removed from Python, but native code (a C extension) bypasses it.
-    """
-    import _thread
-    import posixpath
-
-    me, local = os.getpid(), _thread._local()
-    allowed_roots = (workdir.rstrip("/") + "/", "/dev/null", "/dev/stdout", "/dev/stderr")
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    file_events = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.link",
-                   "os.symlink", "os.truncate", "os.utime", "os.mkfifo", "os.mknod", "shutil.rmtree"}
-    exec_events = {"os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "os.startfile",
-                   "ctypes.dlsym", "ctypes.call_function", "ctypes.cdata", "ctypes.string_at", "ctypes.wstring_at",
-                   "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames"}
-    net_events = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-                  "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"}
-    getcwd, realpath, isabs, join, startswith = os.getcwd, posixpath.realpath, posixpath.isabs, posixpath.join, str.startswith
-
-    def inside(path):
-        if isinstance(path, int):
-            return True
-        path = os.fsdecode(path)
-        full = realpath(path if isabs(path) else join(getcwd(), path))
-        return full + "/" == allowed_roots[0] or any(startswith(full, root) for root in allowed_roots)
-
-    def descendant(pid):
-        for _ in range(64):
-            if pid == me:
-                return True
-            if pid <= 1:
-                return False
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                return False
-            pid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        return False
-
-    def refuse(what):
-        raise PermissionError(f"sandbox: {what} is not allowed")
-
-    def other_pid(path):
-        """The pid in a /proc/PID/... path when PID is not us or a descendant, else None."""
-        path = realpath(os.fsdecode(path))
-        if not startswith(path, "/proc/"):
-            return None
-        part = path[6:].split("/", 1)[0]
-        return int(part) if part.isdigit() and not descendant(int(part)) else None
-
-    def guard(event, args):
-        if getattr(local, "busy", False):  # our own checks open /proc files: do not recurse
-            return
-        local.busy = True
-        try:
-            check(event, args)
-        finally:
-            local.busy = False
-
-    def check(event, args):
-        if "exec" in rules and event in exec_events:
-            refuse(event)
-        elif "network" in rules and event in net_events:
-            refuse("network access")
-        elif "fork" in rules and event in ("os.fork", "os.forkpty"):
-            refuse(event)
-        elif "procs" in rules and event in ("os.kill", "os.killpg"):
-            if event == "os.killpg" or args[0] <= 0 or not descendant(args[0]):
-                refuse("signalling other processes")
-        elif event == "open":
-            path, mode, flags = args
-            if "procs" in rules and isinstance(path, (str, bytes)) and other_pid(path) is not None:
-                refuse("reading other processes' /proc entries")
-            if "files" in rules:
-                writes = (mode is not None and any(c in mode for c in "wax+")) or (
-                    mode is None and isinstance(flags, int) and flags & write_flags)
-                if writes and path is not None and not inside(path):
-                    refuse(f"writing {path!r} outside the working directory")
-        elif "files" in rules and event in file_events:
-            paths = args[:2] if event in ("os.rename", "os.link") else args[1:2] if event == "os.symlink" else args[:1]
-            if not all(inside(p) for p in paths if isinstance(p, (str, bytes))):
-                refuse(f"{event} outside the working directory")
-
-    return guard

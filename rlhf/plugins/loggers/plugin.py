@@ -96,17 +96,27 @@ def on_run_start(run):
 
 @rlhf.hookimpl
 def on_step_end(run, step, metrics):
-    _append(run, "metrics.jsonl", {"step": step + 1, **metrics})
+    _log_row(run, step + 1, metrics)
+
+
+@rlhf.hookimpl(trylast=True)
+def on_eval(run, step, metrics):
+    _log_row(run, step, metrics)
+
+
+def _log_row(run, step, metrics):
+    """One row of metrics.jsonl (``step``: steps completed), and the same to TensorBoard / W&B."""
+    _append(run, "metrics.jsonl", {"step": step, **metrics})
     out = Path(run.out_dir)
     writer = _open.get(("tensorboard", out))
     if writer is not None:
         for key, value in metrics.items():
             if isinstance(value, (int, float)):
-                writer.add_scalar(key, value, step + 1)
+                writer.add_scalar(key, value, step)
         writer.flush()
     wandb_run = _open.get(("wandb", out))
     if wandb_run is not None:
-        wandb_run.log(dict(metrics), step=step + 1)
+        wandb_run.log(dict(metrics), step=step)
 
 
 @rlhf.hookimpl(trylast=True)

@@ -44,6 +44,11 @@ class KTOObjective(ObjectiveBase):
     """KTO on unpaired desirable / undesirable completions, reference point from mismatched pairs."""
 
     config: KTOConfig
+    # rows for `rlhf plugins check kto` (default column names)
+    sample_rows = [{"prompt": "What is 2 + 3?", "completion": "The answer is 5.", "label": True},
+                   {"prompt": "Say hello.", "completion": "goodbye", "label": False},
+                   {"prompt": "What is 6 + 1?", "completion": "It is 7.", "label": True},
+                   {"prompt": "Name a colour.", "completion": "a dog", "label": False}]
 
     def __init__(self, config: KTOConfig | None = None):
         super().__init__(config or KTOConfig())

@@ -28,6 +28,12 @@ class PRMObjective(ObjectiveBase):
     """Process reward model: labels at placeholder tokens after each step, hard (+/-) or soft."""
 
     config: PRMConfig
+    # for `rlhf plugins check prm`: a placeholder that is one token of the check's tiny tokenizer
+    sample_settings = {"placeholder_token": "<|im_end|>", "reward_tokens": ["+", "-"]}
+    sample_rows = [{"input": "Add 2 and 3.<|im_end|> The sum is 5.<|im_end|>", "label": ["+", "+"]},
+                   {"input": "Add 6 and 1.<|im_end|> The sum is 8.<|im_end|>", "label": ["+", "-"]},
+                   {"input": "Double 4.<|im_end|>", "label": ["-"]},
+                   {"input": "Halve 10.<|im_end|> It is 5.<|im_end|>", "label": ["+", "+"]}]
 
     def __init__(self, config: PRMConfig | None = None):
         super().__init__(config or PRMConfig())

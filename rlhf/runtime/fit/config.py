@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.options import (MODEL_ALIASES, MODEL_SLOTS, ConfigBase, DataOptions, ModelOptions, OptimOptions,
-                                  OutputOptions, RuntimeOptions, Slot, many, opt)
+from rlhf.runtime.options import (MODEL_ALIASES, MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
+                                  OptimOptions, OutputOptions, RuntimeOptions, Slot, best_metric, opt)
 
 FIT_SLOTS: dict[str, Slot] = {**MODEL_SLOTS, "objective": Slot("objective", "objective")}
 
 
 @dataclass(kw_only=True)
-class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputOptions, ConfigBase):
+class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputOptions, EvalOptions, ConfigBase):
     SLOTS: ClassVar[dict[str, Slot]] = FIT_SLOTS
     ALIASES: ClassVar[dict[str, str]] = MODEL_ALIASES
 
@@ -33,7 +33,6 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
     # --- data -------------------------------------------------------------------------------
     max_len: int = opt(2048, "Tokens per sequence at most: prompt + response + EOS (a longer response loses its "
                        "end, EOS kept; a prompt that leaves no room is skipped)", "data")
-    eval_data: list[str] = many("Held-out dataset, evaluated with the objective's metrics (repeatable)", "data")
     eval_split: str = opt("test", "Split to use from --eval-data folders with several splits and hub datasets", "data")
 
     # --- optimisation -----------------------------------------------------------------------
@@ -42,12 +41,6 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
     batch_size: int = opt(32, "Examples per optimizer step, over all ranks (a pair counts once)", "train")
     lr: float | None = opt(None, "Peak learning rate (default: the objective's, e.g. 5e-6 for sft, 5e-7 for dpo)",
                            "train")
-
-    # --- eval -------------------------------------------------------------------------------
-    eval_every: int = opt(0, "Evaluate on --eval-data every N optimizer steps (0: at the end of each epoch)", "output")
-    save_best: str | None = opt(None, "Keep the model that scored best on this eval metric in <out>/best, e.g. "
-                                "eval/loss or eval/accuracy (metrics named *loss are minimised, others maximised; "
-                                "append :min or :max to say)", "output")
 
     def check(self) -> None:
         """Checks that need no data and no model."""
@@ -68,17 +61,3 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
         if self.save_best and not self.eval_data:
             raise ConfigError("--save-best needs --eval-data to score the model on")
         best_metric(self.save_best)
-
-
-def best_metric(spec: str | None) -> tuple[str, str] | None:
-    """``"eval/accuracy"`` -> ``("eval/accuracy", "max")``; ``"eval/loss"`` -> ``("eval/loss", "min")``."""
-    if not spec:
-        return None
-    name, _, direction = spec.partition(":")
-    if not direction:
-        direction = "min" if name.rsplit("/", 1)[-1].endswith("loss") else "max"
-    if direction not in ("min", "max"):
-        raise ConfigError(f"--save-best {spec}: the direction after ':' must be min or max")
-    if not name.startswith("eval/"):
-        name = "eval/" + name
-    return name, direction

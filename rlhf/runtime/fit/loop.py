@@ -20,7 +20,6 @@ Everything the loop needs from the objective is the contract of ``rlhf.core.obje
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -38,10 +37,10 @@ from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.objective import FitModels, Objective
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
-from rlhf.runtime.fit.config import best_metric
+from rlhf.runtime.options import best_metric
 from rlhf.runtime.fit.data import StepOrder
 from rlhf.runtime.fit.plan import FitPlan
-from rlhf.runtime.lifecycle import run_loop
+from rlhf.runtime.lifecycle import SteppedLoop, run_loop
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.trained import TrainedModel
 
@@ -99,7 +98,7 @@ def sum_over_ranks(values: dict[str, float] | None, dist: DistContext) -> dict[s
     return dict(totals)
 
 
-class FitLoop:
+class FitLoop(SteppedLoop):
     def __init__(self, plan: FitPlan, plugins: PluginSet, run: FitRun):
         self.plan, self.config, self.plugins, self.run_ = plan, plan.config, plugins, run
         self.dist = run.dist
@@ -273,13 +272,8 @@ class FitLoop:
         """The trained model to ``directory`` (written like a checkpoint: beside it, fsynced, renamed
         into place), with the objective's entries in its config.json (and ``record`` as best.json)."""
         extra = self.objective.output_config(self.final_statistics())
-
-        def write(tmp: Path) -> None:
-            self.run_.export(tmp, extra)
-            if self.dist.is_main and record is not None:
-                (tmp / "best.json").write_text(json.dumps(record, indent=2))
-
-        self.run_dir.write_final(write, directory)
+        self.run_dir.write_model(directory, lambda tmp: self.run_.export(tmp, extra),
+                                 record={"best.json": record} if record is not None else None)
 
     # --- checkpoints ----------------------------------------------------------------------------
 

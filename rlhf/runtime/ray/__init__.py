@@ -13,17 +13,16 @@ parameters through the object store after every step (``time/sync``); with ``--c
 the engine reads the policy's own weights and nothing travels.
 
 Parity with the local runtime: the same seed and config give the same samples, rewards, losses
-and weights (tests/ray: GRPO on the tiny model with separate actors, and with policy+reference
-colocated across a kill and a resume; checked by hand with LoRA and with ``--colocate all``).
-Each actor seeds itself as the local process does and builds its roles in the local order, so
-the rollout actor samples from the stream the local process samples from. The scope:
+and weights (tests/ray: GRPO on the tiny model with separate actors, PPO with a critic actor, and
+GRPO with policy+reference colocated across a kill and a resume; checked by hand with LoRA and
+with ``--colocate all``). Each actor seeds itself as the local process does and builds its roles
+in the local order; the critic's value head draws from ``seed`` itself, and sampling re-seeds
+after the builds in both runtimes, so the rollout actor samples what the local process samples.
+The scope:
 
-* one rollout worker. With N, worker r takes every N-th prompt and samples from ``seed + r``
-  (after building its model from the common seed): deterministic, but other tokens than one
-  process draws;
-* no critic. The local process initialises the critic's value head from its sampling stream
-  before the first generation, the rollout actor does not: a Ray PPO run is deterministic but
-  samples other tokens than a local one;
+* one rollout worker. With N, worker r takes every N-th prompt and samples from ``seed + r``:
+  deterministic, but other tokens than one process draws (a local run with N torchrun ranks
+  samples like N rollout workers);
 * no dropout in training (it draws from the policy actor's stream, not the sampling one);
 * equal thread counts. A Ray actor gets as many threads as CPUs (one for a fraction); a local
   process with more threads sums floats in another order (differences in the last bits, which

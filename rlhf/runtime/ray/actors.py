@@ -4,8 +4,9 @@ A host builds its roles with the local runtime's per-role builders (rlhf/runtime
 the local runtime's order (reward sources, adapter, tokenizer, policy, reference, critic,
 rollout), right after seeding the way the local runtime seeds itself. So the random numbers a
 host draws match the local process's as long as nothing the host does not build drew before it:
-see the parity note in rlhf/runtime/ray/__init__.py. Rollout ranks above 0 then re-seed with
-``seed + rank``: identically seeded workers would draw the same numbers for different prompts.
+see the parity note in rlhf/runtime/ray/__init__.py. Rollout ranks then re-seed with ``seed +
+rank`` after building, like every local rank (identically seeded workers would draw the same
+numbers), and the critic's head draws from ``seed`` in both runtimes.
 
 Every host builds its own plugin set from installed metadata and reports its fingerprint before
 it loads anything heavy; the driver compares (rlhf/runtime/ray/driver.py). Hosts of a group with
@@ -115,8 +116,8 @@ class WorkerHost:
             else:  # a copy of the policy, loaded like the local runtime loads it (same random draws)
                 model = self.rollout_model = self.adapter.load(config.model, role="policy").requires_grad_(False)
             self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, **synced)
-            if self.rank > 0:  # every rank built from the same seed (same initial weights); now sample apart
-                local.seed_everything(config.seed + self.rank)
+            # as the local runtime does after building: sampling starts from its own seed, rank r apart
+            local.seed_everything(local.sampling_seed(config.seed, self.rank))
         return {"setup_s": time.perf_counter() - began, "dist_rank": self.dist.rank,
                 "world_size": self.dist.world_size}
 
@@ -150,6 +151,24 @@ class WorkerHost:
         assert not result.unexpected_keys, f"the rollout model has no parameters {result.unexpected_keys[:5]}"
         self.workers["rollout"].sync_weights()  # an engine with weights of its own (vllm) takes them now
         return sum(t.numel() * t.element_size() for t in weights.values())
+
+    # --- --async: the producer's copy is this rollout actor's ----------------------------------
+
+    def behaviour_logprobs(self, batch: Any) -> Any:
+        """(B, A) log-probs of a batch under this actor's copy of the policy (the version it samples from)."""
+        from rlhf.runtime.workers import model_logprobs
+
+        config = self.plan.config
+        return model_logprobs(self.rollout_model, batch, micro_batch_size=config.micro_batch_size,
+                              temperature=config.temperature)
+
+    def swap_rng(self, state: Any, fresh_seed: int) -> Any:
+        """Install a random state for sampling (None: one seeded with ``fresh_seed``); return the previous one."""
+        import torch
+
+        previous = torch.get_rng_state()
+        torch.set_rng_state(state if state is not None else torch.Generator().manual_seed(fresh_seed).get_state())
+        return previous
 
     # --- checkpoints and outputs ----------------------------------------------------------------
 

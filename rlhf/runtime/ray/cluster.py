@@ -4,7 +4,8 @@
   and leaves it up.
 * ``--ray-address``: the run connects to that cluster and ships the current directory to the
   workers as their working directory (Ray's ``runtime_env``), so relative paths and
-  ``file.py:attr`` references work there; it disconnects at the end.
+  ``file.py:attr`` references work there; it disconnects at the end. What is shipped, and the
+  size check before it: rlhf/runtime/ray/shipping.py.
 * Otherwise the run starts a local cluster (no dashboard) with enough logical CPUs for the
   requested actors, and shuts it down at the end, even after an error or Ctrl-C.
 
@@ -26,8 +27,7 @@ from rlhf.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Never shipped with the working directory: checkouts, environments and earlier runs.
-SHIPPING_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pyc", "runs", "wandb", ".ray"]
+from rlhf.runtime.ray.shipping import SHIPPING_EXCLUDES, check_size, runtime_excludes  # noqa: F401 - re-exported
 
 
 def import_ray() -> Any:
@@ -42,11 +42,8 @@ def job_runtime_env(config: Any, cwd: Path, out_dir: Path) -> dict[str, Any]:
     """The job-level ``runtime_env``: the working directory when joining a cluster by address."""
     if not config.ray_address:
         return {}
-    excludes = list(SHIPPING_EXCLUDES)
-    try:
-        excludes.append(str(out_dir.resolve().relative_to(cwd.resolve())))  # the run directory itself
-    except ValueError:
-        pass  # the run directory is outside the shipped folder
+    excludes = runtime_excludes(config, cwd, out_dir)
+    check_size(cwd, excludes)  # before Ray zips it: a clear error naming what is big
     return {"working_dir": str(cwd), "excludes": excludes}
 
 

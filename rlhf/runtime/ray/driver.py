@@ -23,7 +23,8 @@ from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.core.settings import setting_fields
 from rlhf.runtime import checkpoint
 from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import build_loader, seed_everything
+from rlhf.runtime.ahead import AheadParts
+from rlhf.runtime.local import build_eval_prompts, build_loader, seed_everything
 from rlhf.runtime.plan import RunPlan, check_run, warn_about
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.workers import RewardWorker
@@ -214,8 +215,33 @@ def make_workers(plan: RunPlan, hosts: list[Host], tokenizer: Any, loader: Any) 
             calls += [(h, h.handle.export_critic.remote(critic_dir)) for h in critic.hosts]
         wait(calls, "export", timeout, hosts)
 
+    ahead = None
+    if rollout.own_copy:  # --async: the rollout actors' copies generate ahead, weights pushed by version
+        ahead = AheadParts(snapshot=policy.snapshot, make_copy=lambda: RayPolicyCopy(rollout, config.seed))
     return Workers(policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
-                   pad_token_id=tokenizer.pad_token_id, export=export, dist=SINGLE)
+                   pad_token_id=tokenizer.pad_token_id, export=export, dist=SINGLE,
+                   eval_prompts=build_eval_prompts(config, tokenizer), ahead=ahead)
+
+
+class RayPolicyCopy:
+    """--async on Ray: the producer's copy of the policy is the rollout actors' own; it takes a version's
+    weights from the object store, computes behaviour log-probs there, and eval (which samples with
+    the same actors) swaps in the newest weights and a random stream of its own."""
+
+    evaluates_here = True
+
+    def __init__(self, rollout: RolloutGroup, seed: int):
+        self.rollout, self.seed = rollout, seed
+        rollout.follow_policy = False
+
+    def load(self, weights: Any) -> None:
+        self.rollout.load_weights(weights)
+
+    def logprobs(self, batch: Any) -> Any:
+        return self.rollout.behaviour_logprobs(batch)
+
+    def swap_rng(self, states: list[Any] | None) -> list[Any]:
+        return self.rollout.swap_rng(states, self.seed + 1_000_003)
 
 
 def resume_hint(out_dir: Path) -> str:

@@ -149,8 +149,9 @@ class TrainedGroup(RoleGroup):
     def nonfinite_in_a_row(self) -> int:
         return self._nonfinite
 
-    def fit(self, batch: Any, *, step: int) -> dict[str, float]:
-        metrics = self._on_all("fit", batch, step=step)
+    def fit(self, batch: Any, *, step: int, **options: Any) -> dict[str, float]:
+        """``options``: passed on to every rank's worker (the policy's ``kl_coef``)."""
+        metrics = self._on_all("fit", batch, step=step, **options)
         self.version += 1
         self._nonfinite = self._wait([(self.hosts[0], self.hosts[0].handle.nonfinite.remote(self.role))],
                                      f"{self.role}.nonfinite_in_a_row")[0]
@@ -177,6 +178,12 @@ class PolicyGroup(TrainedGroup):
     def weights_refs(self) -> list[tuple[Host, Any]]:
         """Object-store references to every rank's answer; rank 0's holds the trainable parameters."""
         return [(host, host.handle.policy_weights.remote()) for host in self.hosts]
+
+    def snapshot(self) -> Any:
+        """A reference to the current trainable parameters in the object store (kept there while held)."""
+        answers = self.weights_refs()
+        self._wait(answers[1:], "policy weights")  # the other ranks take part in gathering sharded weights
+        return answers[0][1]
 
 
 class CriticGroup(TrainedGroup):
@@ -221,11 +228,12 @@ class RolloutGroup(RoleGroup):
                  own_copy: bool):
         super().__init__("rollout", hosts, timeout_s, everyone)
         self.policy, self.own_copy = policy, own_copy
+        self.follow_policy = True  # sync to the newest policy before generating (--async manages versions itself)
         self.synced_version = 0
         self.last_sync = {"seconds": 0.0, "bytes": 0}
 
     def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Any]:
-        if self.own_copy and self.synced_version != self.policy.version:
+        if self.own_copy and self.follow_policy and self.synced_version != self.policy.version:
             self.sync_weights()
         calls = []
         for rank, host in enumerate(self.hosts):
@@ -256,6 +264,23 @@ class RolloutGroup(RoleGroup):
         self.last_sync = {"seconds": time.perf_counter() - began, "bytes": int(loaded[0])}
         log.debug("synced %d bytes of policy weights to %d rollout actor(s) in %.3f s", loaded[0], self.size,
                   self.last_sync["seconds"])
+
+    def load_weights(self, weights: Any) -> None:
+        """Load these policy weights (an object-store reference from `PolicyGroup.snapshot`) into every
+        rollout actor's copy."""
+        self._wait([(host, host.handle.load_policy_weights.remote(weights)) for host in self.hosts],
+                   "rollout load_policy_weights")
+
+    def behaviour_logprobs(self, batch: Any) -> Any:
+        """(B, A) log-probs of a batch under the actors' copy (rollout actor 0 computes them)."""
+        host = self.hosts[0]
+        return self._wait([(host, host.handle.behaviour_logprobs.remote(batch))], "rollout behaviour_logprobs")[0]
+
+    def swap_rng(self, states: list[Any] | None, fresh_seed: int) -> list[Any]:
+        """Install a random state in every rollout actor (None: fresh ones); return the previous ones."""
+        calls = [(host, host.handle.swap_rng.remote(None if states is None else states[rank], fresh_seed + rank))
+                 for rank, host in enumerate(self.hosts)]
+        return self._wait(calls, "rollout swap_rng")
 
     def save(self, directory: Path) -> None:
         """Each rollout actor's RNG states (its sampling stream), so a resumed run samples the same."""

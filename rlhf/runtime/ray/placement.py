@@ -27,11 +27,16 @@ estimator).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 10.0  # while the cluster has not placed the run yet, say so this often
 
 ROLES = ("policy", "reference", "critic", "rollout", "reward")  # also the order a host builds them in
 DP_ROLES = ("policy", "reference", "critic")  # roles whose ranks form a torch.distributed group
@@ -161,23 +166,55 @@ def _count(value: int, flag: str) -> int:
 # --- Ray placement groups ---------------------------------------------------------------------
 
 
+def never_fits(layout: Layout, total: dict[str, float], nodes: list[dict[str, float]]) -> str | None:
+    """Why ``layout`` can never be placed on a cluster with these ``total`` resources and these
+    ``nodes`` (each node's total resources), or None when it could once the cluster is free.
+    Judged on the nodes up now: a cluster whose autoscaler would add bigger nodes is refused."""
+    have = {"CPU": total.get("CPU", 0.0), "GPU": total.get("GPU", 0.0)}
+    need = {"CPU": layout.cpus, "GPU": layout.gpus}
+    short = [f"{need[k]:g} {k}s (the cluster has {have[k]:g})" for k in ("CPU", "GPU") if need[k] > have[k] + 1e-9]
+    if short:
+        return f"the run's actors need {' and '.join(short)} in all: {layout.describe()}"
+    for group in layout.groups:
+        bundle = group.resources.bundle()
+        if nodes and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
+            biggest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
+            return (f"one {group.name} actor needs {group.resources.cpus:g} CPUs and {group.resources.gpus:g} GPUs on "
+                    f"one node, but the largest node has {biggest.get('CPU', 0.0):g} CPUs and "
+                    f"{biggest.get('GPU', 0.0):g} GPUs")
+    return None
+
+
 def create_placement_groups(layout: Layout, timeout_s: float) -> list[Any]:
     """One PACK placement group per host group (one bundle per rank), ready or an error that says
-    what the cluster lacks."""
+    what the cluster lacks: at once when the cluster's total resources can never hold the layout,
+    else after ``timeout_s``, logging progress while waiting for busy resources to free."""
     import ray
-    from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    advice = "Lower --*-cpus/--*-gpus, use fractions, or colocate roles (--colocate)"
+    nodes = [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in ray.nodes() if n.get("Alive")]
+    reason = never_fits(layout, ray.cluster_resources(), nodes)
+    if reason is not None:
+        raise ConfigError(f"the Ray cluster can never place this run: {reason}. {advice}")
     groups = [placement_group([g.resources.bundle()] * g.size, strategy="PACK") for g in layout.groups]
-    try:
-        ray.get([pg.ready() for pg in groups], timeout=timeout_s)
-    except GetTimeoutError:
-        for pg in groups:
-            remove_placement_group(pg)
-        available = ray.cluster_resources()
-        raise ConfigError(
-            f"the Ray cluster could not place the run's actors within {timeout_s:g} s: they need "
-            f"{layout.cpus:g} CPUs and {layout.gpus:g} GPUs in all ({layout.describe()}); the cluster has "
-            f"{available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs. Lower --*-cpus/--*-gpus, "
-            "use fractions, or colocate roles (--colocate)") from None
+    began = time.monotonic()
+    pending = [pg.ready() for pg in groups]
+    while pending:
+        waited = time.monotonic() - began
+        if waited >= timeout_s:
+            for pg in groups:
+                remove_placement_group(pg)
+            available = ray.available_resources()
+            raise ConfigError(
+                f"the Ray cluster could not place the run's actors within {timeout_s:g} s (--ray-timeout-s): they "
+                f"need {layout.cpus:g} CPUs and {layout.gpus:g} GPUs in all ({layout.describe()}); "
+                f"{available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs are free now (other jobs "
+                f"hold the rest). {advice}")
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(PROGRESS_EVERY_S, timeout_s - waited))
+        if pending:
+            available = ray.available_resources()
+            log.warning("Waiting for the Ray cluster to place the run's actors (%.0f s of %g s): they need %g CPUs "
+                        "and %g GPUs, %g CPUs and %g GPUs are free now", time.monotonic() - began, timeout_s,
+                        layout.cpus, layout.gpus, available.get("CPU", 0), available.get("GPU", 0))
     return groups

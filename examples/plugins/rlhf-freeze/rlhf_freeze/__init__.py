@@ -1,0 +1,1 @@
+"""rlhf-freeze: an example rlhf model-adapter plugin package."""

@@ -1,0 +1,1 @@
+"""Built-in reward shapings (``register_reward_shapings``): ``overlong`` and ``truncation``."""

@@ -1,0 +1,168 @@
+"""--async: generation beside training. Exact at staleness 0, staleness bounded and deterministic,
+behaviour log-probs as logp_old, exact resume with in-flight batches, clean shutdown on errors on
+either side, and environments of a batch stepping concurrently."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rlhf.core.errors import RlhfError
+from rlhf.core.plugins import build_plugin_manager
+from rlhf.runtime.local import train
+from tests.helpers import run_cli
+from tests.runtime.test_train import _final_weights, read_jsonl, small_config
+
+TRAINING_KEYS = ("reward/mean", "policy/loss", "policy/grad_norm", "policy/approx_kl", "response/length_mean")
+
+
+def _run(model, task, out, plugins=None, **overrides):
+    train(small_config(model, task, out, **{"steps": 4, **overrides}), plugins=plugins or build_plugin_manager())
+    return read_jsonl(out / "metrics.jsonl")
+
+
+def _samples(out):
+    return [(s["step"], s["completion"], s["reward"]) for s in read_jsonl(out / "samples.jsonl")]
+
+
+def _no_producer_left():
+    return not any(t.name == "rlhf-ahead-generation" for t in threading.enumerate())
+
+
+def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp_path):
+    sync = _run(tiny_model_dir, task, tmp_path / "sync")
+    ahead = _run(tiny_model_dir, task, tmp_path / "async", async_rollout=True, max_staleness=0)
+    assert _samples(tmp_path / "async") == _samples(tmp_path / "sync")
+    assert [{k: m[k] for k in TRAINING_KEYS} for m in ahead] == [{k: m[k] for k in TRAINING_KEYS} for m in sync]
+    assert all(m["async/staleness_max"] == 0 for m in ahead)
+    for (name, a), b in zip(_final_weights(tmp_path / "sync").items(), _final_weights(tmp_path / "async").values()):
+        assert torch.equal(a, b), name
+    assert _no_producer_left()
+
+
+def test_staleness_one_samples_each_batch_from_the_previous_version(tiny_model_dir, task, tmp_path):
+    ahead = _run(tiny_model_dir, task, tmp_path / "async", async_rollout=True, max_staleness=1)
+    assert [m["async/staleness_max"] for m in ahead] == [0, 1, 1, 1]
+    assert [m["async/version"] for m in ahead] == [0, 0, 1, 2]
+    # batches 0 and 1 both come from the initial weights, drawn one after the other: what a run whose
+    # weights never change samples for its first two steps
+    _run(tiny_model_dir, task, tmp_path / "frozen", freeze_actor_steps=2)
+    assert [s for s in _samples(tmp_path / "async") if s[0] <= 2] == \
+        [s for s in _samples(tmp_path / "frozen") if s[0] <= 2]
+    # the loss's logp_old are the behaviour policy's: from step 2 the ratio to the current policy is not 1
+    assert ahead[0]["policy/approx_kl"] == 0 and all(m["policy/approx_kl"] != 0 for m in ahead[1:])
+    # and the run does not depend on timing
+    again = _run(tiny_model_dir, task, tmp_path / "again", async_rollout=True, max_staleness=1)
+    assert [{k: m[k] for k in TRAINING_KEYS} for m in again] == [{k: m[k] for k in TRAINING_KEYS} for m in ahead]
+    assert _samples(tmp_path / "again") == _samples(tmp_path / "async")
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_resume_with_batches_in_flight_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin,
+                                                                        staleness):
+    options = dict(steps=5, save_every=2, async_rollout=True, max_staleness=staleness)
+    straight = _run(tiny_model_dir, task, tmp_path / "straight", **options)
+
+    def crash(step):
+        if step == 2:
+            raise KeyboardInterrupt  # killed right after the step-2 checkpoint
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_model_dir, task, tmp_path / "resumed", plugins=plugins, **options)
+    assert _no_producer_left()
+    inflight = tmp_path / "resumed" / "checkpoints" / "step_2" / "ahead" / "inflight.json"
+    assert inflight.is_file()
+    resumed = _run(tiny_model_dir, task, tmp_path / "resumed", resume=True, **options)
+    assert [{k: m[k] for k in TRAINING_KEYS} for m in resumed] == [{k: m[k] for k in TRAINING_KEYS} for m in straight]
+    assert _samples(tmp_path / "resumed") == _samples(tmp_path / "straight")
+    for (name, a), b in zip(_final_weights(tmp_path / "straight").items(),
+                            _final_weights(tmp_path / "resumed").values()):
+        assert torch.equal(a, b), name
+
+
+def test_an_error_in_generation_stops_the_run_and_the_producer(tiny_model_dir, task, tmp_path):
+    calls = tmp_path / "calls"
+    reward = tmp_path / "failing.py"
+    reward.write_text(f"""
+from pathlib import Path
+def reward_func(completions, **kwargs):
+    path = Path({str(calls)!r})
+    n = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(n + 1))
+    if n == 2:
+        raise ValueError("the reward server went away")
+    return [1.0 for _ in completions]
+""")
+    with pytest.raises(RlhfError, match="the reward server went away"):
+        _run(tiny_model_dir, task, tmp_path / "run", reward=[f"{reward}:reward_func"], async_rollout=True)
+    assert _no_producer_left()
+
+
+def test_an_error_in_training_stops_the_producer(tiny_model_dir, task, tmp_path, make_plugin):
+    def explode(step):
+        if step == 1:
+            raise RuntimeError("a logger broke")
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("exploder", on_step_end=explode))
+    with pytest.raises(Exception, match="a logger broke"):
+        _run(tiny_model_dir, task, tmp_path / "run", plugins=plugins, async_rollout=True, max_staleness=2)
+    assert _no_producer_left()
+
+
+def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task, tmp_path):
+    options = dict(async_rollout=True, max_staleness=1, eval_data=[str(task / "data.jsonl")], eval_max_samples=2,
+                   eval_every=2, filter_groups=True, max_filter_rounds=3)
+    first = _run(tiny_model_dir, task, tmp_path / "a", **options)
+    second = _run(tiny_model_dir, task, tmp_path / "b", **options)
+    timing = ("time/", "throughput/", "async/wait", "async/idle")
+    untimed = lambda rows: [{k: v for k, v in m.items() if not k.startswith(timing)} for m in rows]  # noqa: E731
+    assert untimed(first) == untimed(second)
+    assert [m["step"] for m in first if "eval/reward/mean" in m] == [0, 2, 4]
+
+
+def test_async_is_refused_where_it_cannot_run(tiny_model_dir, task, tmp_path, plugins):
+    result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                               "--reward", str(task / "rewards.py"), "--async", "--runtime", "ray", "--colocate",
+                               "all", "--out", str(tmp_path / "run")])
+    assert result.exit_code != 0 and "--async" in result.output and "--colocate all" in result.output
+    result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                               "--reward", str(task / "rewards.py"), "--async", "--max-staleness", "-1"])
+    assert result.exit_code == 2 and "--max-staleness must be at least 0" in result.output
+
+
+SLOW_ENV = '''
+import random, threading, time
+from rlhf.core.types import StepResult
+
+ACTIVE = {"now": 0, "most": 0}
+LOCK = threading.Lock()
+
+class SlowToolEnv:
+    def reset(self, prompt, label):
+        self.rng = random.Random(hash(prompt))
+        return None
+
+    def step(self, action):
+        with LOCK:
+            ACTIVE["now"] += 1
+            ACTIVE["most"] = max(ACTIVE["most"], ACTIVE["now"])
+        time.sleep(self.rng.uniform(0.05, 0.3))  # a tool call of random duration
+        with LOCK:
+            ACTIVE["now"] -= 1
+        return StepResult(reward=float(ACTIVE["most"]), done=True)
+'''
+
+
+def test_environments_of_a_batch_step_concurrently(tiny_model_dir, task, tmp_path):
+    (tmp_path / "slow_env.py").write_text(SLOW_ENV)
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, steps=1, env=f"{tmp_path / 'slow_env.py'}:SlowToolEnv",
+                       reward=[], prompts_per_step=2, n_samples=3), plugins=build_plugin_manager())
+    # each step reports the most tool calls in flight so far: several ran at once
+    rewards = [s["reward"] for s in read_jsonl(out / "samples.jsonl")]
+    assert max(rewards) > 1, rewards

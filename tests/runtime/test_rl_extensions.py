@@ -1,0 +1,222 @@
+"""The RL loop's extensions end to end on the tiny model: dynamic filtering, eval with
+--save-best, critic warm-up, adaptive KL, length shapings, per-source rewards for estimators."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlhf.core.errors import RlhfError
+from rlhf.core.plugins import build_plugin_manager
+from rlhf.runtime.local import train
+from tests.helpers import run_cli
+from tests.runtime.test_train import read_jsonl, small_config
+
+# Groups of prompts with an even answer all score 1: no variance, nothing for GRPO to learn.
+HALF_CONSTANT = """
+def reward_func(completions, answer, **kwargs):
+    return [1.0 if int(a) % 2 == 0 else len(c) / 10 for c, a in zip(completions, answer)]
+"""
+
+# Rewards always vary, but the OpenRLHF `scores` are constant for even answers.
+SCORED = """
+def reward_func(completions, answer, **kwargs):
+    rewards = [len(c) / 10 for c in completions]
+    scores = [1.0 if int(a) % 2 == 0 else r for r, a in zip(rewards, answer)]
+    return {"rewards": rewards, "scores": scores}
+"""
+
+
+def _reward_file(tmp_path, source, name="reward.py"):
+    path = tmp_path / name
+    path.write_text(source)
+    return str(path)
+
+
+@pytest.mark.parametrize("source", [HALF_CONSTANT, SCORED], ids=["rewards", "scores"])
+def test_filter_trains_on_prompts_per_step_groups_that_vary(tiny_model_dir, task, tmp_path, make_plugin, source):
+    seen = []
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("watcher", on_rewards=lambda trajectories: seen.append(
+        [t.columns["answer"] for t in trajectories])))
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, reward=[_reward_file(tmp_path, source)], prompts_per_step=4,
+                       n_samples=3, micro_batch_size=4, max_new_tokens=6, filter_groups=True, max_filter_rounds=10,
+                       temperature=2.0), plugins=plugins)
+    for answers in seen:  # every step trained on exactly 4 groups of 3, none with an even answer
+        assert len(answers) == 12 and all(int(a) % 2 == 1 for a in answers)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["filter/kept_groups"] == 4 for m in metrics)
+    assert sum(m["filter/dropped_groups"] for m in metrics) > 0
+    assert all(m["filter/rounds"] >= 1 and 0 < m["filter/pass_rate"] <= 1 for m in metrics)
+
+
+def test_filter_that_keeps_nothing_warns_and_trains_on_the_last_round(tiny_model_dir, task, tmp_path, caplog):
+    out = tmp_path / "run"
+    constant = _reward_file(tmp_path, "def reward_func(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
+    train(small_config(tiny_model_dir, task, out, reward=[constant], steps=1, filter_groups=True, max_filter_rounds=2),
+          plugins=build_plugin_manager())
+    metrics = read_jsonl(out / "metrics.jsonl")[0]
+    assert metrics["filter/rounds"] == 2 and metrics["filter/dropped_groups"] == 4
+    assert "no prompt group passed the sample filter" in caplog.text
+
+
+def test_third_party_sample_filter_by_reference(tiny_model_dir, task, tmp_path):
+    filters = tmp_path / "filters.py"
+    filters.write_text("def odd(groups, config):\n    return [int(g[0].columns['answer']) % 2 == 1 for g in groups]\n")
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, steps=2, prompts_per_step=2, sample_filter=f"{filters}:odd",
+                       max_filter_rounds=10), plugins=build_plugin_manager())
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["filter/kept_groups"] == 2 for m in metrics)
+    assert sum(m["filter/dropped_groups"] for m in metrics) > 0
+    assert all(int(s["label"]) % 2 == 1 for s in read_jsonl(out / "samples.jsonl"))
+
+
+def test_eval_runs_at_the_start_every_n_steps_and_at_the_end_and_keeps_the_best(tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    config = dict(steps=5, eval_data=[str(task / "data.jsonl")], eval_every=2, eval_n_samples=2, eval_max_samples=3,
+                  save_best="eval/reward/mean", max_new_tokens=6)
+    train(small_config(tiny_model_dir, task, out, **config), plugins=build_plugin_manager())
+    rows = read_jsonl(out / "metrics.jsonl")
+    evals = [r for r in rows if "eval/reward/mean" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4, 5]
+    assert all(r["eval/prompts"] == 3 and "eval/pass@2" in r and "eval/response/length_mean" in r for r in evals)
+    assert all(r["eval/pass@2"] >= r["eval/pass@1"] for r in evals)
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4, 5]
+
+    best = json.loads((out / "best" / "best.json").read_text())
+    scores = [r["eval/reward/mean"] for r in evals]
+    assert best["value"] == max(scores) and best["step"] == evals[scores.index(max(scores))]["step"]
+    # best/ holds the policy of that step: rerun to that step (constant LR: the same first steps)
+    if best["step"] > 0:
+        again = tmp_path / "again"
+        train(small_config(tiny_model_dir, task, again, **{**config, "steps": best["step"]}),
+              plugins=build_plugin_manager())
+        from transformers import AutoModelForCausalLM
+
+        kept = AutoModelForCausalLM.from_pretrained(out / "best").state_dict()
+        reference = AutoModelForCausalLM.from_pretrained(again / "final").state_dict()
+        assert all(torch.equal(kept[k], reference[k]) for k in kept)
+
+
+def test_save_best_without_eval_data_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
+    result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                               "--reward", str(task / "rewards.py"), "--save-best", "eval/reward/mean"])
+    assert result.exit_code == 2 and "--save-best needs --eval-data" in result.output
+
+
+def test_critic_warm_up_freezes_the_policy(tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, algo="ppo", freeze_actor_steps=2, steps=2),
+          plugins=build_plugin_manager())
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["policy/frozen"] for m in metrics] == [1.0, 1.0]
+    assert all("critic/loss" in m and "policy/loss" not in m for m in metrics)
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert all(torch.equal(final[k], initial[k]) for k in initial)
+
+    thawed = tmp_path / "thawed"
+    train(small_config(tiny_model_dir, task, thawed, algo="ppo", freeze_actor_steps=1, steps=2),
+          plugins=build_plugin_manager())
+    assert [m["policy/frozen"] for m in read_jsonl(thawed / "metrics.jsonl")] == [1.0, 0.0]
+
+
+def test_adaptive_kl_moves_beta_by_the_controller_rule(tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, algo="ppo", steps=3, kl_coef=0.1, kl_target=1e-6, kl_horizon=40),
+          plugins=build_plugin_manager())
+    betas = [m["kl/beta"] for m in read_jsonl(out / "metrics.jsonl")]
+    assert betas[0] == 0.1
+    # step 1 samples from the reference itself: KL 0 < target, the error clips at -0.2, β shrinks by
+    # 1 - 0.2 · 4 samples / 40; afterwards KL is far above the tiny target: β grows by 1 + 0.2 · 4 / 40
+    assert betas[1] == pytest.approx(0.1 * 0.98)
+    assert betas[2] == pytest.approx(betas[1] * 1.02)
+
+
+def test_length_shapings_change_the_reward_the_loss_sees(tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, steps=1, max_new_tokens=4, overlong_buffer=2,
+                       overlong_penalty_factor=0.5, truncated_reward=0.5, temperature=2.0),
+          plugins=build_plugin_manager())
+    metrics = read_jsonl(out / "metrics.jsonl")[0]
+    assert {"overlong/penalized", "overlong/penalty_mean", "truncated/count", "truncated/rate"} <= set(metrics)
+    for sample in read_jsonl(out / "samples.jsonl"):
+        raw = sample["rewards"]["reward_func"]
+        tokens = sample["completion_tokens"]
+        expected = raw - 0.5 * max(0, min(tokens - 2, 2)) / 2
+        if sample["finish_reason"] == "length":
+            expected *= 0.5
+        assert sample["reward"] == pytest.approx(expected)
+
+
+def test_estimator_sees_each_sources_rewards_and_row_metadata(tiny_model_dir, task, tmp_path, make_plugin):
+    """A GDPO-style estimator: each source normalised within its group on its own, then summed."""
+    received = []
+
+    def per_source_grpo(inputs, config):
+        received.append((sorted(inputs.source_rewards), [row["answer"] for row in inputs.metadata]))
+        n = inputs.group_size
+        total = torch.zeros_like(inputs.rewards)
+        for rewards in inputs.source_rewards.values():
+            groups = rewards.view(-1, n)
+            total += ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).view(-1)
+        advantages = total[:, None] * inputs.action_mask
+        return advantages, advantages
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("gdpo", register_advantage_estimators=lambda register: register(
+        "per_source_grpo", per_source_grpo, needs_groups=True)))
+    length = _reward_file(tmp_path, "def length(completions, **kw):\n    return [len(c) / 10 for c in completions]\n",
+                          "length.py")
+    parity = _reward_file(tmp_path, "def parity(completions, **kw):\n    return [len(c) % 2 for c in completions]\n",
+                          "parity.py")
+    out = tmp_path / "run"
+    train(small_config(tiny_model_dir, task, out, steps=1, advantage="per_source_grpo", n_samples=3,
+                       reward=[f"{length}:length", f"{parity}:parity@0.5"]), plugins=plugins)
+    (names, answers), = received
+    assert {"length", "parity"} <= set(names) and len(answers) == 6 and all(a.isdigit() for a in answers)
+
+
+def test_unbiased_gradient_needs_kl_in_the_loss(tiny_model_dir, task, tmp_path):
+    with pytest.raises(RlhfError, match="--kl-unbiased-gradient"):
+        train(small_config(tiny_model_dir, task, tmp_path / "run", algo="ppo", kl_unbiased_gradient=True),
+              plugins=build_plugin_manager())
+    out = tmp_path / "grpo"
+    train(small_config(tiny_model_dir, task, out, steps=1, kl_unbiased_gradient=True, kl_coef=0.1),
+          plugins=build_plugin_manager())
+    assert "policy/kl" in read_jsonl(out / "metrics.jsonl")[0]
+
+
+def test_gspo_and_seq_mask_tis_train_through_the_cli(tiny_model_dir, task, tmp_path, plugins):
+    out = tmp_path / "run"
+    result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                               "--reward", str(task / "rewards.py"), "--policy-loss", "gspo", "--algo-config",
+                               "correction=seq_mask_tis", "--prompts-per-step", "2", "--n-samples", "2",
+                               "--max-new-tokens", "4", "--steps", "1", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    metrics = read_jsonl(out / "metrics.jsonl")[0]
+    assert "policy/clip_frac" in metrics and "policy/mismatch_kl" in metrics
+
+
+@pytest.mark.slow
+def test_filtering_and_eval_under_torchrun_with_two_processes(tiny_model_dir, task, tmp_path):
+    from tests.runtime.test_data_parallel import torchrun
+
+    reward = _reward_file(tmp_path, HALF_CONSTANT)
+    out = tmp_path / "run"
+    torchrun(2, "-m", "rlhf", "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+             "--label-key", "answer", "--reward", reward, "--prompts-per-step", "4", "--n-samples", "2",
+             "--max-new-tokens", "6", "--micro-batch-size", "2", "--lr", "1e-3", "--temperature", "2.0",
+             "--filter-groups", "--max-filter-rounds", "10", "--eval-data", str(task / "data.jsonl"),
+             "--eval-max-samples", "4", "--eval-every", "1", "--steps", "2", "--no-progress", "--out", str(out))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval/reward/mean" in r] == [0, 1, 2]  # once, by the main rank
+    assert all(r["filter/kept_groups"] == 4 for r in rows if "filter/kept_groups" in r)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 2 * 4 * 2 and all(int(s["label"]) % 2 == 1 for s in samples)
