@@ -325,8 +325,9 @@ def on_run_start(run: RunInfo) -> None:
     Called once, after models, plugins and the run directory are set up and before the first
     rollout. ``run`` is an ``rlhf.core.types.RunInfo``: ``config`` (the resolved config as a
     dict), ``out_dir`` (the run directory), ``start_step`` (0, or the step resumed from),
-    ``total_steps`` and ``plugins`` (the fingerprint). A logger that appends to files should
-    drop its rows of steps after ``start_step`` here: a resumed run logs those steps again.
+    ``total_steps`` and ``plugins`` (the fingerprint). Before this call the run directory's
+    ``*.jsonl`` files are cut back to their length when the checkpoint resumed from was written
+    (a resumed run logs the later steps again), so a logger may simply append to its own.
     """
 
 

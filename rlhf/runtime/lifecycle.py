@@ -29,7 +29,7 @@ from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime import checkpoint
 from rlhf.runtime.progress import RL_FIELDS, Progress
-from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.run_dir import RunDirectory, cut_logs, log_sizes
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,12 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], plugins_record: dict[
     """Drive ``loop`` from its first (or resumed) step to ``final/``; returns the run directory."""
     run_dir, dist = loop.run_dir, loop.dist
     run_dir.prepare(config=config, resume=resume, plugins=plugins_record)
-    if resume:
-        state = run_dir.resume(loop.checkpoint_roles())
-        if state is not None:
-            loop.restore(state)
-            loop.start_step = state["step"]
+    state = run_dir.resume(loop.checkpoint_roles()) if resume else None
+    if state is not None:
+        loop.restore(state)
+        loop.start_step = state["step"]
+    if dist.is_main:
+        cut_logs(run_dir.path, state)
     run = RunInfo(config=config, out_dir=run_dir.path, start_step=loop.start_step, total_steps=loop.total_steps,
                   plugins=loop.fingerprint.get("hash", ""))
     bar = Progress(loop.total_steps, loop.start_step, enabled=progress and dist.is_main, fields=fields)
@@ -144,8 +145,8 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], plugins_record: dict[
                 stopping = any(dist.all_gather(stop.requested is not None)) if dist.active else bool(stop.requested)
                 if done == loop.total_steps or (save_every and done % save_every == 0) or stopping:
                     loop.before_checkpoint(done)
-                    path = run_dir.save_checkpoint(done, loop.checkpoint_roles(), loop.trainer_state(),
-                                                   keep=keep_checkpoints)
+                    saved = {**loop.trainer_state(), "log_sizes": log_sizes(run_dir.path) if dist.is_main else {}}
+                    path = run_dir.save_checkpoint(done, loop.checkpoint_roles(), saved, keep=keep_checkpoints)
                     emit("on_checkpoint", run=run, step=done, path=path)
                 loop.after_checkpoint(done)
                 if stopping and done < loop.total_steps:

@@ -158,6 +158,42 @@ class RunDirectory:
         return state
 
 
+def log_sizes(path: Path) -> dict[str, int]:
+    """The length of each ``*.jsonl`` file in the run directory (saved with every checkpoint)."""
+    return {file.name: file.stat().st_size for file in sorted(path.glob("*.jsonl")) if file.is_file()}
+
+
+def cut_logs(path: Path, state: dict[str, Any] | None) -> None:
+    """Cut every ``*.jsonl`` file back to what it held when the checkpoint ``state`` was written
+    (``state`` None: the run starts from step 0, so to nothing). Rows written after the checkpoint
+    would otherwise appear twice once the resumed run logs those steps again."""
+    for file in sorted(path.glob("*.jsonl")):
+        if not file.is_file():
+            continue
+        if state is None:
+            keep = 0
+        elif "log_sizes" in state:
+            keep = state["log_sizes"].get(file.name, 0)
+        else:  # a checkpoint of an earlier version: keep the rows of steps up to its own
+            _cut_to_step(file, state["step"])
+            continue
+        if file.stat().st_size > keep:
+            with open(file, "r+b") as handle:
+                handle.truncate(keep)
+
+
+def _cut_to_step(file: Path, step: int) -> None:
+    kept = []
+    for line in file.read_bytes().splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # the line a crash cut short
+        if line.endswith(b"\n") and isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
+    write_text(file, b"".join(kept).decode())
+
+
 def write_text(path: Path, text: str) -> None:
     """Write a small file whole or not at all (temporary file, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.tmp")

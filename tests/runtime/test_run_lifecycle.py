@@ -233,3 +233,22 @@ def test_the_same_signal_twice_abandons_the_step_the_launchers_sigterm_does_not(
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: now
             time.sleep(1)  # the handler runs between bytecodes; this is where it raises
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_logs_are_cut_back_to_the_checkpoint(tmp_path):
+    from rlhf.runtime.run_dir import cut_logs, log_sizes
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+    state = {"step": 2, "log_sizes": log_sizes(tmp_path)}  # what a checkpoint of step 2 records
+    with open(metrics, "a") as handle:
+        handle.write('{"step": 3}\n{"step": 4, "torn')  # logged after it, and a line a kill cut short
+    (tmp_path / "samples.jsonl").write_text('{"step": 3}\n')  # a file begun after it
+    cut_logs(tmp_path, state)
+    assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n' and (tmp_path / "samples.jsonl").read_text() == ""
+
+    metrics.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "to')
+    cut_logs(tmp_path, {"step": 2})  # a checkpoint from before log_sizes: by step
+    assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
+    cut_logs(tmp_path, None)  # from step 0
+    assert metrics.read_text() == ""

@@ -47,24 +47,6 @@ def _append(run: Any, name: str, record: dict[str, Any]) -> None:
         raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
-def cut_back(path: Path, step: int) -> None:
-    """Keep the rows of steps up to ``step`` (a resumed run writes the later ones again), and drop a
-    torn last line; the file is rewritten through a temporary file."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_bytes().splitlines(keepends=True):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # the line a crash cut short
-        if line.endswith(b"\n") and isinstance(row, dict) and row.get("step", 0) <= step:
-            kept.append(line)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(b"".join(kept))
-    os.replace(tmp, path)
-
-
 def _close(run: Any) -> None:
     for key in [k for k in _open if k[1] == Path(run.out_dir)]:
         handle = _open.pop(key)
@@ -77,8 +59,6 @@ def _close(run: Any) -> None:
 @rlhf.hookimpl
 def on_run_start(run):
     out = Path(run.out_dir)
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        cut_back(out / name, run.start_step)
     if run.config.get("tensorboard"):
         try:
             from torch.utils.tensorboard import SummaryWriter
