@@ -193,8 +193,8 @@ def run_batches(out: Output, total: int, batch_size: int, dist: Any, make: Any, 
 
     batches = -(-total // batch_size)
     first = out.done_items // batch_size
-    bar = Progress(batches, first, enabled=progress and dist.is_main,
-                   fields=((f"{what}/s", "items_per_s", ".2f"), ("tok/s", "tokens_per_s", ".0f")))
+    fields = ((f"{what}/s", "items_per_s", ".2f"),) + ((("tok/s", "tokens_per_s", ".0f"),) if what == "prompts" else ())
+    bar = Progress(batches, first, enabled=progress and dist.is_main, fields=fields)
     started, items_done, tokens_done = time.monotonic(), 0, 0
     try:
         for round_start in range(first, batches, dist.world_size):
