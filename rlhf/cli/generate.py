@@ -24,8 +24,16 @@ _TITLES = {"model": "Model", "data": "Data", "sampling": "Sampling", "reward": "
            "dpo": "DPO", "runtime": "Runtime", "output": "Output"}
 
 
+# Second names: ``--n`` is also ``--n-samples`` (as in rlhf train), which torchrun's own parser does not
+# mistake for an abbreviation of its --nnodes / --nproc-per-node.
+_ALSO = {"n": "--n-samples"}
+
+
 def _flags(plugins: Any, config_cls: type) -> list[Flag]:
+    import dataclasses
+
     flags = config_flags(config_cls, nested=config_cls.NESTED, titles=_TITLES, skip=("components",))
+    flags = [dataclasses.replace(f, names=f.names + (_ALSO[f.dest],)) if f.dest in _ALSO else f for f in flags]
     return flags + component_flags(plugins, config_cls.SLOTS, config_cls.ALIASES)
 
 
