@@ -129,8 +129,11 @@ def build_chat_command() -> click.Command:
         rlhf chat runs/dpo/final --system "You are terse."
         Type a message and press Enter; /reset clears the history, /exit (or Ctrl-D) quits.
         """
+        from transformers.utils import logging as hf_logging
+
         from rlhf.datagen.chat import ChatSettings, run_chat
 
+        hf_logging.disable_progress_bar()
         run_chat(model, ChatSettings(**options))
 
     return chat
