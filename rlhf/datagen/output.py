@@ -1,12 +1,15 @@
 """A JSONL output that a killed job continues without duplicating or tearing a row.
 
-Rows are appended one batch at a time, flushed and fsynced; then ``<out>.progress.json`` is
-replaced atomically with the number of input items finished, the file's length after them,
-counters, and the job's settings. A rerun truncates the file to the recorded length (dropping a
-torn row or a batch written after the last record: the job regenerates it, the same way for a
-fixed seed) and continues with the next item. A finished file keeps its progress record (with
-``"done": true``); a rerun then only reports it. Settings that change the rows (model, seed,
-mode, ...) must match the record's, or the job refuses to mix two outputs in one file.
+Rows are appended one batch at a time (flushed and fsynced); after each batch a line is appended
+to ``<out>.progress.jsonl`` recording how many input items are finished, the output's length in
+bytes after their rows, and counters. Its first line holds the job's settings.
+
+A rerun with the same ``--out`` takes the last record whose length fits the file as it is, cuts
+the file there (dropping a torn row, a batch written after the last record, or whatever a cut
+file ends with) and continues with the next item; the job regenerates what was cut the same way
+for a fixed seed. A finished file (its last record says ``"done"``) is left alone. Settings that
+change the rows (model, seed, mode, ...) must match the first line's, so one file never mixes
+two jobs; a file without a progress log is never overwritten without ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -23,37 +26,54 @@ from rlhf.core.errors import RlhfError
 class ResumableJsonl:
     def __init__(self, path: str | Path, settings: dict[str, Any], *, overwrite: bool = False):
         self.path = Path(path)
-        self.state_path = self.path.with_name(self.path.name + ".progress.json")
+        self.log_path = self.path.with_name(self.path.name + ".progress.jsonl")
         self.settings = json.loads(json.dumps(settings, default=str))
         self.done_items, self.rows, self.finished = 0, 0, False
         self.counters: Counter = Counter()
         if overwrite:
-            self.state_path.unlink(missing_ok=True)
+            self.log_path.unlink(missing_ok=True)
             self.path.unlink(missing_ok=True)
-        self._open()
+        if self.log_path.exists():
+            self._continue()
+        else:
+            self._start()
 
-    def _open(self) -> None:
-        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else None
-        if state is None:
-            if self.path.exists() and self.path.stat().st_size > 0:
-                raise RlhfError(f"{self.path} exists and was not written by this command (no {self.state_path.name}); "
-                                  "choose another --out, or pass --overwrite to replace it")
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_bytes(b"")
-            self._record()
-            return
-        changed = sorted(k for k in set(state["settings"]) | set(self.settings)
-                         if state["settings"].get(k) != self.settings.get(k))
+    def _start(self) -> None:
+        if self.path.exists() and self.path.stat().st_size > 0:
+            raise RlhfError(f"{self.path} exists and was not written by this command (no {self.log_path.name}); "
+                            "choose another --out, or pass --overwrite to replace it")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_bytes(b"")
+        _replace(self.log_path, json.dumps({"settings": self.settings}) + "\n" + self._record() + "\n")
+
+    def _continue(self) -> None:
+        lines = self.log_path.read_text().split("\n")
+        records = []
+        for line in lines[1:]:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # the torn last line of a killed job, or the final newline
+                break
+        try:
+            saved = json.loads(lines[0])["settings"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise RlhfError(f"{self.log_path} is damaged; pass --overwrite to start {self.path} again") from None
+        changed = sorted(k for k in set(saved) | set(self.settings) if saved.get(k) != self.settings.get(k))
         if changed:
-            was = ", ".join(f"{k}={state['settings'].get(k)!r}" for k in changed)
+            was = ", ".join(f"{k}={saved.get(k)!r}" for k in changed)
             raise RlhfError(f"{self.path} was started with other settings ({was}); rerun with those, choose "
-                              "another --out, or pass --overwrite to start again")
-        if not self.path.exists() or self.path.stat().st_size < state["bytes"]:
-            raise RlhfError(f"{self.path} is shorter than its progress record says; pass --overwrite to start again")
-        with open(self.path, "r+b") as handle:  # drop anything after the last recorded batch
-            handle.truncate(state["bytes"])
-        self.done_items, self.rows, self.finished = state["items"], state["rows"], state.get("done", False)
-        self.counters = Counter(state.get("counters", {}))
+                            "another --out, or pass --overwrite to start again")
+        size = self.path.stat().st_size if self.path.exists() else 0
+        fitting = [r for r in records if r["bytes"] <= size]
+        if not fitting:
+            raise RlhfError(f"{self.log_path} has no usable record; pass --overwrite to start {self.path} again")
+        last = fitting[-1]
+        with open(self.path, "ab") as handle:  # drop whatever follows the last recorded batch
+            handle.truncate(last["bytes"])
+        self.done_items, self.rows = last["items"], last["rows"]
+        self.counters, self.finished = Counter(last.get("counters", {})), bool(last.get("done"))
+        if len(fitting) < len(records) or len(records) < len(lines) - 2:  # keep the log true to the file
+            _replace(self.log_path, "".join(line + "\n" for line in lines[: len(fitting) + 1]))
 
     def append(self, rows: list[dict[str, Any]], items: int, counters: dict[str, int] | None = None) -> None:
         """Write ``rows`` (the output of ``items`` more input items), then record the progress."""
@@ -65,15 +85,25 @@ class ResumableJsonl:
         self.done_items += items
         self.rows += len(rows)
         self.counters.update(counters or {})
-        self._record()
+        self._log()
 
     def finish(self) -> None:
         self.finished = True
-        self._record()
+        self._log()
 
-    def _record(self) -> None:
-        state = {"items": self.done_items, "rows": self.rows, "bytes": self.path.stat().st_size,
-                 "counters": dict(self.counters), "done": self.finished, "settings": self.settings}
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, self.state_path)
+    def _record(self) -> str:
+        record = {"items": self.done_items, "rows": self.rows, "bytes": self.path.stat().st_size,
+                  "counters": dict(self.counters)}
+        return json.dumps({**record, "done": True} if self.finished else record)
+
+    def _log(self) -> None:
+        with open(self.log_path, "a") as handle:
+            handle.write(self._record() + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -151,6 +151,18 @@ def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(job, tmp_pa
     assert out.read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
 
 
+def test_a_file_cut_anywhere_is_completed_to_the_same_bytes(plugins, job, tmp_path):
+    ok(plugins, job("whole.jsonl", "--pairs"))
+    whole = (tmp_path / "whole.jsonl").read_bytes()
+    lines = whole.splitlines(keepends=True)
+    for keep in (0, 1, 3, len(lines) - 1):
+        ok(plugins, job("cut.jsonl", "--pairs", "--overwrite" if keep == 0 else "--no-overwrite"))
+        cut = b"".join(lines[:keep]) + lines[keep][:7]  # whole rows, then a torn one
+        (tmp_path / "cut.jsonl").write_bytes(cut)
+        ok(plugins, job("cut.jsonl", "--pairs"))
+        assert (tmp_path / "cut.jsonl").read_bytes() == whole, keep
+
+
 def test_a_rerun_of_a_finished_file_changes_nothing_and_other_settings_are_refused(plugins, job, tmp_path):
     ok(plugins, job("done.jsonl", reward=False))
     before = (tmp_path / "done.jsonl").read_bytes()
