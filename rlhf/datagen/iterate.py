@@ -9,7 +9,7 @@ Round k (1-based), in ``<out>/round_k/``:
 2. ``pairs.jsonl``: the best against the worst sample of each prompt (`rows.make_rows`, mode
    ``pairs``; prompts whose samples tie are skipped and counted);
 3. ``dpo/``: ``rlhf dpo`` on the pairs, starting from and referenced to the round's starting model;
-   its model is ``dpo/final``;
+   its model is ``dpo/final``, also reachable as ``model`` (a link);
 4. ``round.json`` (written last: the round is complete) and one line of ``<out>/metrics.jsonl``.
 
 A rerun continues after the last complete round; inside a round, the generation continues its
@@ -75,6 +75,9 @@ def run_round(config: IterateConfig, k: int, start: str, round_dir: Path, plugin
         raise RlhfError(f"round {k}: the samples of every prompt tie, so there are no pairs to train on; use more "
                         "--n, a higher --temperature or a finer-grained --reward")
     final = _dpo(config, start, round_dir / "pairs.jsonl", round_dir / "dpo", plugins)
+    link = round_dir / "model"
+    if not link.is_symlink():
+        link.symlink_to(Path("dpo") / "final", target_is_directory=True)
     metrics.update({f"dpo/{key}": value for key, value in _last_metrics(round_dir / "dpo").items()})
     record = {"round": k, "start_model": start, "model": str(final.resolve()), **metrics}
     _atomic_write(round_dir / "round.json", json.dumps(record, indent=2))

@@ -207,3 +207,50 @@ def test_two_torchrun_ranks_write_the_file_one_process_writes(job, tmp_path):
         assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()
     assert not list(tmp_path.glob("two.jsonl.rank*"))
+
+
+CHAT_PROMPTS = [{"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+{b}"}],
+                 "answer": str(a + b)} for a in range(2) for b in range(3)]
+# Abstains (None) on completions with a comma: written as null and never selected. With chat
+# prompts, completions reach reward functions as assistant messages (TRL's convention).
+PICKY_REWARD = '''
+def score(completions, answer, **kwargs):
+    texts = [c[0]["content"] for c in completions]
+    return [None if "," in c else float(len(set(c))) + (c.strip() == a) for c, a in zip(texts, answer)]
+'''
+
+
+@pytest.mark.slow
+def test_chat_prompts_and_the_files_feed_rlhf_sft_and_rlhf_dpo_without_conversion(plugins, tiny_model_dir, tmp_path):
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in CHAT_PROMPTS))
+    (tmp_path / "picky.py").write_text(PICKY_REWARD)
+    common = ["generate", "--model", str(tiny_model_dir), "--data", str(tmp_path / "chat.jsonl"), "--input-key",
+              "messages", "--apply-chat-template", "--n", "4", "--max-new-tokens", "6", "--reward",
+              f"{tmp_path / 'picky.py'}:score", "--no-progress"]
+    ok(plugins, common + ["--out", str(tmp_path / "all.jsonl")])
+    samples = read(tmp_path / "all.jsonl")
+    assert [row["prompt"] for row in samples] == [row["messages"] for row in CHAT_PROMPTS]
+    assert all(set(row) == {"prompt", "completions", "rewards", "answer"} for row in samples)
+    for row in samples:
+        for completion, reward in zip(row["completions"], row["rewards"]):
+            assert (reward is None) == ("," in completion)
+    ok(plugins, common + ["--best-of-n", "--out", str(tmp_path / "rs.jsonl")])
+    for row, full in zip(read(tmp_path / "rs.jsonl"), [s for s in samples if any(r is not None for r in s["rewards"])],
+                         strict=True):
+        assert row["reward"] == max(r for r in full["rewards"] if r is not None)
+    ok(plugins, common + ["--conditional", "--out", str(tmp_path / "csft.jsonl")])
+    for row in read(tmp_path / "csft.jsonl"):
+        assert row["prompt"][0] == {"role": "system", "content": "Add."}
+        assert row["prompt"][1]["content"].endswith(f" <rm_score>: {row['reward']:.2f} ")
+    ok(plugins, common + ["--pairs", "--out", str(tmp_path / "pairs.jsonl")])
+    assert read(tmp_path / "pairs.jsonl")
+
+    fit = ["--model", str(tiny_model_dir), "--apply-chat-template", "--steps", "1", "--batch-size", "2",
+           "--micro-batch-size", "2", "--no-progress"]
+    ok(plugins, ["sft", "--data", str(tmp_path / "rs.jsonl"), "--output-key", "response", "--out",
+                 str(tmp_path / "sft"), *fit])
+    ok(plugins, ["sft", "--data", str(tmp_path / "csft.jsonl"), "--output-key", "response", "--out",
+                 str(tmp_path / "csft"), *fit])
+    ok(plugins, ["dpo", "--data", str(tmp_path / "pairs.jsonl"), "--out", str(tmp_path / "dpo"), *fit])
+    for run in ("sft", "csft", "dpo"):
+        assert (tmp_path / run / "final" / "config.json").exists()

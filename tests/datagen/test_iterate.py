@@ -38,6 +38,8 @@ def test_two_rounds_the_second_starting_from_the_first_rounds_model(plugins, tin
     first, second = out / "round_1", out / "round_2"
     assert rounds[0]["start_model"] == str(tiny_model_dir)
     assert rounds[1]["start_model"] == rounds[0]["model"] == str((first / "dpo" / "final").resolve())
+    assert (first / "model").resolve() == (first / "dpo" / "final").resolve()
+    assert {p.name for p in first.iterdir()} >= {"generations.jsonl", "pairs.jsonl", "dpo", "model", "round.json"}
     for r in rounds:
         assert r["pairs"] > 0 and r["reward/chosen_mean"] > r["reward/rejected_mean"]
         assert "dpo/train/loss" in r
