@@ -254,3 +254,27 @@ def test_chat_prompts_and_the_files_feed_rlhf_sft_and_rlhf_dpo_without_conversio
     ok(plugins, ["dpo", "--data", str(tmp_path / "pairs.jsonl"), "--out", str(tmp_path / "dpo"), *fit])
     for run in ("sft", "csft", "dpo"):
         assert (tmp_path / run / "final" / "config.json").exists()
+
+
+def test_rlhf_score_runs_a_reward_model_over_the_file_in_batches(plugins, job, tmp_path, tiny_model_dir):
+    """Batched, padded reward-model scores equal one unpadded forward per prompt + completion."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    torch.manual_seed(0)
+    rm = LlamaForSequenceClassification(config).eval()
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    ok(plugins, job("plain.jsonl", reward=False))
+    ok(plugins, ["score", "--data", str(tmp_path / "plain.jsonl"), "--reward", str(tmp_path / "rm"),
+                 "--reward-rm-batch-size", "3", "--input-template", "Q: {} A:", "--out", str(tmp_path / "rm.jsonl"),
+                 "--no-progress"])
+    for row in read(tmp_path / "rm.jsonl"):
+        for completion, reward in zip(row["completions"], row["rewards"], strict=True):
+            ids = torch.tensor([tokenizer(f"Q: {row['prompt']} A:" + completion)["input_ids"]])
+            with torch.no_grad():
+                expected = float(rm(ids).logits[0, 0])
+            assert reward == pytest.approx(expected, abs=1e-4)
