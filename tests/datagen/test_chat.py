@@ -34,6 +34,7 @@ def answer(child) -> str:
     return child.before.replace("\r\n", "\n").strip("\n")
 
 
+@pytest.mark.slow
 def test_two_turns_through_a_pty_keep_the_history_and_reset_forgets_it(tiny_model_dir):
     env = {**os.environ, "RLHF_LOAD_PLUGINS": "", "OMP_NUM_THREADS": "1", "TERM": "dumb"}
     child = pexpect.spawn(sys.executable, ["-m", "rlhf", "chat", str(tiny_model_dir), "--temperature", "0",

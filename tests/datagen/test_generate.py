@@ -56,6 +56,7 @@ def ok(plugins, args: list[str]):
     return result
 
 
+@pytest.mark.slow
 def test_each_mode_writes_its_rows_and_selects_by_the_rewards_in_the_file(plugins, job, tmp_path):
     ok(plugins, job("all.jsonl"))
     samples = read(tmp_path / "all.jsonl")
@@ -113,6 +114,7 @@ def test_without_a_reward_rows_have_no_rewards_and_the_same_samples(plugins, job
     assert [row["completions"] for row in a] == [row["completions"] for row in b]  # rewards do not touch sampling
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_file_and_another_seed_another(plugins, job, tmp_path):
     ok(plugins, job("one.jsonl", reward=False))
     ok(plugins, job("two.jsonl", reward=False))
@@ -128,6 +130,7 @@ def test_selections_need_a_reward_and_exclude_each_other(plugins, job):
     assert result.exit_code == 2 and "pick one" in result.output
 
 
+@pytest.mark.slow
 def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(job, tmp_path):
     """SIGKILL inside the reward of the third batch (prompts 5-6 of 9); the rerun writes the same
     file as an uninterrupted run. A torn row after the last record is dropped too."""
@@ -151,6 +154,7 @@ def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(job, tmp_pa
     assert out.read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_file_cut_anywhere_is_completed_to_the_same_bytes(plugins, job, tmp_path):
     ok(plugins, job("whole.jsonl", "--pairs"))
     whole = (tmp_path / "whole.jsonl").read_bytes()
@@ -163,6 +167,7 @@ def test_a_file_cut_anywhere_is_completed_to_the_same_bytes(plugins, job, tmp_pa
         assert (tmp_path / "cut.jsonl").read_bytes() == whole, keep
 
 
+@pytest.mark.slow
 def test_a_rerun_of_a_finished_file_changes_nothing_and_other_settings_are_refused(plugins, job, tmp_path):
     ok(plugins, job("done.jsonl", reward=False))
     before = (tmp_path / "done.jsonl").read_bytes()
