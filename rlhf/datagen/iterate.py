@@ -9,7 +9,8 @@ Round k (1-based), in ``<out>/round_k/``:
 2. ``pairs.jsonl``: the best against the worst sample of each prompt (`rows.make_rows`, mode
    ``pairs``; prompts whose samples tie are skipped and counted);
 3. ``dpo/``: ``rlhf dpo`` on the pairs, starting from and referenced to the round's starting model;
-   its model is ``dpo/final``, also reachable as ``model`` (a link);
+   its model is ``dpo/final`` (with LoRA, the merged ``dpo/final/merged``), also reachable as
+   ``model`` (a link);
 4. ``round.json`` (written last: the round is complete) and one line of ``<out>/metrics.jsonl``.
 
 A rerun continues after the last complete round; inside a round, the generation continues its
@@ -77,9 +78,10 @@ def run_round(config: IterateConfig, k: int, start: str, round_dir: Path, plugin
     final = _dpo(config, start, round_dir / "pairs.jsonl", round_dir / "dpo", plugins)
     link = round_dir / "model"
     if not link.is_symlink():
-        link.symlink_to(Path("dpo") / "final", target_is_directory=True)
+        link.symlink_to(final.relative_to(round_dir), target_is_directory=True)
     metrics.update({f"dpo/{key}": value for key, value in _last_metrics(round_dir / "dpo").items()})
-    record = {"round": k, "start_model": start, "model": str(final.resolve()), **metrics}
+    final = final.resolve()  # the next round's --model, the same in a fresh and in a resumed run
+    record = {"round": k, "start_model": start, "model": str(final), **metrics}
     _atomic_write(round_dir / "round.json", json.dumps(record, indent=2))
     records = [json.loads((Path(config.out) / f"round_{i}" / "round.json").read_text()) for i in range(1, k + 1)]
     _atomic_write(Path(config.out) / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
@@ -143,11 +145,16 @@ def _dpo(config: IterateConfig, start: str, pairs: Path, run_dir: Path, plugins:
             values[key] = value
         else:  # the dpo objective's own settings (label_smoothing, ipo, nll_coef, ...)
             values["components"]["objective"][key] = value
+    adapter_settings = values["components"]["model_adapter"]
+    if values.get("lora_rank") or adapter_settings.get("lora_rank") or values["model_adapter"] == "lora":
+        # the next round starts from a full model, not from an adapter on an adapter
+        if "merge_lora" not in values and "merge_lora" not in adapter_settings:
+            values["merge_lora"] = True
     final = run_dir / "final"
     values["resume"] = run_dir.exists() and any(run_dir.iterdir())
     if not (final / "config.json").exists() and not (final / "adapter_config.json").exists():
         fit(FitConfig.from_dict(values), plugins=plugins)
-    return final
+    return final / "merged" if (final / "merged" / "config.json").exists() else final
 
 
 def _last_metrics(run_dir: Path) -> dict[str, float]:

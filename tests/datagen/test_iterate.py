@@ -60,8 +60,15 @@ def test_two_rounds_the_second_starting_from_the_first_rounds_model(plugins, tin
     assert all(set(p) == {"prompt", "chosen", "rejected", "chosen_reward", "rejected_reward"} for p in pairs)
 
     # resumable at round granularity: an unfinished round 2 is redone, round 1 is kept
+    import shutil
+
     round_1_files = {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()}
+    generations = (second / "generations.jsonl").read_bytes()
     (second / "round.json").unlink()
+    shutil.rmtree(second / "dpo" / "final")
+    (second / "generations.jsonl").write_bytes(generations.splitlines(keepends=True)[0][:-5])  # killed mid-row
     ok(plugins, args)
     assert {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()} == round_1_files
+    assert (second / "generations.jsonl").read_bytes() == generations
+    assert (second / "model" / "config.json").exists()
     assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
