@@ -199,11 +199,21 @@ def run_batches(out: Output, total: int, batch_size: int, dist: Any, make: Any, 
     try:
         for round_start in range(first, batches, dist.world_size):
             mine = round_start + dist.rank
-            result = None
+            result, failure = None, None
             if mine < batches:
                 begin, end = mine * batch_size, min(total, (mine + 1) * batch_size)
-                result = (end - begin, *make(begin, end, mine))
-            results = dist.all_gather(result)
+                try:
+                    result = (end - begin, *make(begin, end, mine))
+                except Exception as exc:  # every rank must leave together, not wait for this one forever
+                    if not dist.active:
+                        raise
+                    failure = exc
+            results = dist.all_gather(result if failure is None else f"rank {dist.rank}: {failure}")
+            if failure is not None:
+                raise failure
+            errors = [part for part in results if isinstance(part, str)]
+            if errors:
+                raise RlhfError(f"another rank failed ({errors[0]})")
             if dist.is_main:
                 for part in results:
                     if part is None:

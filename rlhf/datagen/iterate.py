@@ -13,7 +13,7 @@ Round k (1-based), in ``<out>/round_k/``:
    ``model`` (a link);
 4. ``round.json`` (written last: the round is complete) and one line of ``<out>/metrics.jsonl``.
 
-A rerun continues after the last complete round; inside a round, the generation continues its
+One process (not under torchrun). A rerun continues after the last complete round; inside a round, the generation continues its
 file and the DPO run resumes from its latest checkpoint (``--dpo-config save_every=N``).
 """
 
@@ -40,9 +40,13 @@ _DPO_ONLY = ("rounds", "prompts_per_round", "beta", "lr", "epochs", "dpo_batch_s
 
 def iterate(config: IterateConfig, *, plugins: Any = None) -> Path:
     """Run every round not yet complete; returns the run directory."""
+    from rlhf.core.distributed import launched_with_ranks
     from rlhf.core.plugins import build_plugin_manager
 
     config.check()
+    if launched_with_ranks():
+        raise RlhfError("rlhf iterate runs in one process: start it without torchrun (rlhf generate and rlhf dpo "
+                        "each run data-parallel under torchrun on their own)")
     plugins = plugins or build_plugin_manager()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
