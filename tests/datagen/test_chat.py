@@ -84,3 +84,24 @@ def test_a_lora_adapter_directory_loads_on_its_base_model(tiny_model_dir, tmp_pa
         got = model(ids).logits
     assert torch.allclose(got, expected, atol=1e-5)
     assert not torch.allclose(got, plain, atol=1e-3)  # the adapter is applied
+
+
+def test_the_conversation_text_with_the_chat_template_or_an_input_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from rlhf.datagen.chat import ChatSettings, Conversation
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    templated = Conversation(tokenizer, ChatSettings(system="S"))
+    templated.turns = [("hi", "yo")]
+    assert templated.text("2+2") == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+         {"role": "user", "content": "2+2"}], tokenize=False, add_generation_prompt=True)
+    plain = Conversation(tokenizer, ChatSettings(system="S", input_template="User: {}\nBot: "))
+    plain.turns = [("hi", "yo\n")]
+    assert plain.text("2+2") == "S\nUser: hi\nBot: yo\nUser: 2+2\nBot: "
+    # the oldest turns go first when the conversation outgrows the budget
+    plain.turns = [(f"question {i}", f"answer {i}\n") for i in range(50)]
+    ids = plain.ids("last", budget=60)
+    assert len(ids) <= 60 and tokenizer.decode(ids, skip_special_tokens=True).rstrip().endswith("Bot:")
+    assert "question 0" not in tokenizer.decode(ids)
