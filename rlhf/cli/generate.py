@@ -53,18 +53,19 @@ def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> cli
 
 
 def _generate(config: Any, plugins: Any) -> None:
-    from rlhf.core.distributed import launched_with_ranks
     from rlhf.datagen.generate import generate
 
     report = generate(config, plugins=plugins)
-    if not launched_with_ranks() or report.rows or report.prompts:
+    if report is not None:  # the main rank
         click.echo(f"wrote {report.summary()}")
 
 
 def _score(config: Any, plugins: Any) -> None:
     from rlhf.datagen.score import score
 
-    click.echo(f"wrote {score(config, plugins=plugins).summary()}")
+    report = score(config, plugins=plugins)
+    if report is not None:
+        click.echo(f"wrote {report.summary()}")
 
 
 def _iterate(config: Any, plugins: Any) -> None:
@@ -142,7 +143,8 @@ def build_chat_command() -> click.Command:
 def build_datagen_command(plugins: Any, name: str) -> click.Command:
     from rlhf.datagen.config import GenerateConfig, IterateConfig, ScoreConfig
 
-    config_cls, run, doc = {"generate": (GenerateConfig, _generate, GENERATE_DOC), "score": (ScoreConfig, _score, SCORE_DOC),
+    config_cls, run, doc = {"generate": (GenerateConfig, _generate, GENERATE_DOC),
+                            "score": (ScoreConfig, _score, SCORE_DOC),
                             "iterate": (IterateConfig, _iterate, ITERATE_DOC)}[name]
     return _build(plugins, name, config_cls, run, doc)
 

@@ -57,7 +57,8 @@ def load_model(ref: str, settings: ChatSettings) -> tuple[Any, Any]:
     has_tokenizer = any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer_ref = settings.tokenizer or (ref if not adapter or has_tokenizer else base)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_ref, trust_remote_code=settings.trust_remote_code)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_ref,
+                                                               trust_remote_code=settings.trust_remote_code)
         model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
                                                                   trust_remote_code=settings.trust_remote_code)
     except OSError as exc:

@@ -75,7 +75,8 @@ class SamplingOptions:
                       component="rollout_engine")
     n: int = opt(8, "Samples per prompt", "sampling")
     max_new_tokens: int = opt(256, "Generation budget per sample, in tokens", "sampling")
-    max_prompt_length: int = opt(1024, "Prompt tokens kept (longer prompts lose their start, with a warning)", "sampling")
+    max_prompt_length: int = opt(1024, "Prompt tokens kept (longer prompts lose their start, with a warning)",
+                                 "sampling")
     temperature: float = opt(1.0, "Sampling temperature (0: greedy)", "sampling")
     top_p: float = opt(1.0, "Nucleus sampling threshold (1: off)", "sampling")
     seed: int = opt(42, "Random seed: the same seed, data and --batch-size give the same output", "sampling")

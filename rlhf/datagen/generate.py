@@ -38,7 +38,6 @@ class Report:
     prompts: int  # input prompts (or rows) finished
     rows: int  # output rows
     skipped: dict[str, int] = field(default_factory=dict)  # prompts without a row, by reason
-    metrics: dict[str, float] = field(default_factory=dict)
     already_done: bool = False  # the file was complete before this run
 
     def summary(self) -> str:
@@ -95,8 +94,9 @@ class Sampler:
         return samples, tokens
 
 
-def generate(config: GenerateConfig, *, plugins: Any = None) -> Report:
-    """Run ``rlhf generate`` in this process (one rank under torchrun); returns what was written."""
+def generate(config: GenerateConfig, *, plugins: Any = None) -> Report | None:
+    """Run ``rlhf generate`` in this process (one rank under torchrun); returns what was written
+    (None on ranks other than the main one)."""
     import torch
 
     from rlhf.core.distributed import init_from_environment
@@ -159,9 +159,10 @@ class Output:
         self.jsonl, self.done_items, self.finished, self.path = jsonl, done_items, finished, path
         self.already_done = finished
 
-    def report(self) -> Report:
+    def report(self) -> Report | None:
+        """What was written (None on ranks other than the main one, which write nothing)."""
         if self.jsonl is None:
-            return Report(out=self.path, prompts=self.done_items, rows=0)
+            return None
         return Report(out=self.path, prompts=self.jsonl.done_items, rows=self.jsonl.rows,
                       skipped=dict(self.jsonl.counters), already_done=self.already_done)
 

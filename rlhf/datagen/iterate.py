@@ -13,8 +13,9 @@ Round k (1-based), in ``<out>/round_k/``:
    ``model`` (a link);
 4. ``round.json`` (written last: the round is complete) and one line of ``<out>/metrics.jsonl``.
 
-One process (not under torchrun). A rerun continues after the last complete round; inside a round, the generation continues its
-file and the DPO run resumes from its latest checkpoint (``--dpo-config save_every=N``).
+One process (not under torchrun). A rerun continues after the last complete round; inside a round,
+the generation continues its file and the DPO run resumes from its latest checkpoint
+(``--dpo-config save_every=N``).
 """
 
 from __future__ import annotations

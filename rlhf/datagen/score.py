@@ -45,8 +45,9 @@ class PromptText:
         return render_prompt(prompt)
 
 
-def score(config: ScoreConfig, *, plugins: Any = None) -> Report:
-    """Run ``rlhf score`` in this process (one rank under torchrun); returns what was written."""
+def score(config: ScoreConfig, *, plugins: Any = None) -> Report | None:
+    """Run ``rlhf score`` in this process (one rank under torchrun); returns what was written
+    (None on ranks other than the main one)."""
     from rlhf.core.distributed import init_from_environment
     from rlhf.core.plugins import build_plugin_manager
     from rlhf.runtime.data import load_rows, row_origin, row_values
