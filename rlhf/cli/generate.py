@@ -102,8 +102,9 @@ ITERATE_DOC = """Iterative DPO: each round samples from the last round's model, 
     \b
     rlhf iterate --model runs/sft/final --data prompts.jsonl --reward runs/rm/final --rounds 3 --out runs/idpo
 
-    <out>/round_K/ holds generations.jsonl, pairs.jsonl and the DPO run (model in round_K/dpo/final);
-    <out>/metrics.jsonl one line per round. Rerunning continues after the last complete round.
+    <out>/round_K/ holds generations.jsonl, pairs.jsonl, the DPO run (dpo/) and a link to its model
+    (model); <out>/metrics.jsonl one line per round. Rerunning continues after the last complete round.
+    One process: not under torchrun.
     """
 
 
