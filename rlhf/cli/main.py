@@ -45,6 +45,7 @@ def _subcommand_context(ctx: click.Context) -> click.Context:
 def make_cli(plugins: PluginSet) -> click.Group:
     """A fresh ``rlhf`` group with the built-in commands and the plugins' commands."""
     from rlhf.cli.fit import fit_commands
+    from rlhf.cli.generate import datagen_commands
     from rlhf.cli.plugins import plugins_group
     from rlhf.cli.reward import reward_group
     from rlhf.cli.train import train_command
@@ -60,6 +61,8 @@ def make_cli(plugins: PluginSet) -> click.Group:
         rlhf train ...             train a policy with RL (rlhf train --help)
         rlhf sft / rm / dpo ...    offline training: SFT, reward models, preferences
         rlhf fit --objective NAME  offline training with any objective plugin
+        rlhf generate / score      sample and score data: best-of-n, pairs, conditional
+        rlhf iterate / chat        iterative DPO; talk to a model
         rlhf plugins list          what is installed, from which package
         rlhf plugins show NAME     one plugin or component in detail
         """
@@ -68,6 +71,8 @@ def make_cli(plugins: PluginSet) -> click.Group:
     cli.add_command(plugins_group)
     cli.add_command(reward_group)
     cli.add_command(train_command(plugins))
+    for command in datagen_commands(plugins):
+        cli.add_command(command)
     for command in fit_commands(plugins, taken=set(cli.commands)):
         cli.add_command(command)
     plugins.add_commands(cli)

@@ -1,0 +1,156 @@
+"""``rlhf generate``, ``rlhf score``, ``rlhf iterate`` and ``rlhf chat`` (DESIGN §15; docs/generate.md).
+
+Flags come from the config dataclasses in `rlhf.datagen.config` (one per field) and, for the
+rollout engine and the model adapter, from their components' settings (``--engine.<setting>``,
+``--lora-rank``, ...), as in ``rlhf train``. Each command is built on first use (`LazyCommand`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from rlhf.cli.commands import LazyCommand, config_file_option, config_values, quiet_library_progress_bars
+from rlhf.cli.options import Flag, component_flags, config_flags
+
+HELP = {
+    "generate": "Sample n completions per prompt, score them, write JSONL (best-of-n, pairs, conditional SFT).",
+    "score": "Score existing completions with reward sources (batch reward-model inference).",
+    "iterate": "Iterative DPO: rounds of generate -> score -> pairs -> dpo.",
+    "chat": "Talk to a model interactively (chat template, history, /reset, /exit).",
+}
+_TITLES = {"model": "Model", "data": "Data", "sampling": "Sampling", "reward": "Rewards", "iterate": "Rounds",
+           "dpo": "DPO", "runtime": "Runtime", "output": "Output"}
+
+
+# Second names: ``--n`` is also ``--n-samples`` (as in rlhf train), which torchrun's own parser does not
+# mistake for an abbreviation of its --nnodes / --nproc-per-node.
+_ALSO = {"n": "--n-samples"}
+
+
+def _flags(plugins: Any, config_cls: type) -> list[Flag]:
+    import dataclasses
+
+    flags = config_flags(config_cls, nested=config_cls.NESTED, titles=_TITLES, skip=("components",))
+    flags = [dataclasses.replace(f, names=f.names + (_ALSO[f.dest],)) if f.dest in _ALSO else f for f in flags]
+    return flags + component_flags(plugins, config_cls.SLOTS, config_cls.ALIASES)
+
+
+def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> click.Command:
+    flags = _flags(plugins, config_cls)
+
+    def command(**kwargs: Any) -> None:
+        config = config_cls.from_dict(config_values(kwargs, config_cls))
+        quiet_library_progress_bars()
+        run(config, plugins)
+
+    command.__doc__ = doc
+    for flag in reversed(flags):
+        command = flag.option()(command)
+    command = config_file_option(flags, config_cls)(command)
+    return click.command(name, short_help=HELP[name], context_settings={"max_content_width": 120})(command)
+
+
+def _generate(config: Any, plugins: Any) -> None:
+    from rlhf.datagen.generate import generate
+
+    report = generate(config, plugins=plugins)
+    if report is not None:  # the main rank
+        click.echo(f"wrote {report.summary()}")
+
+
+def _score(config: Any, plugins: Any) -> None:
+    from rlhf.datagen.score import score
+
+    report = score(config, plugins=plugins)
+    if report is not None:
+        click.echo(f"wrote {report.summary()}")
+
+
+def _iterate(config: Any, plugins: Any) -> None:
+    from rlhf.datagen.iterate import iterate
+
+    click.echo(f"run finished: {iterate(config, plugins=plugins)}")
+
+
+GENERATE_DOC = """Sample --n completions per prompt with a rollout engine, score them with --reward, write JSONL.
+
+    \b
+    rlhf generate --model runs/sft/final --data prompts.jsonl --n 8 --reward rewards.py:score --out gen.jsonl
+    rlhf generate ... --best-of-n --out rs.jsonl      # {prompt, response, reward}: rlhf sft data
+    rlhf generate ... --pairs --out pairs.jsonl       # {prompt, chosen, rejected, ...}: rlhf dpo data
+    rlhf generate ... --conditional --out csft.jsonl  # score-conditioned prompts (conditional SFT)
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m rlhf generate ...
+
+    Rerunning with the same --out continues a killed run. Formats: docs/generate.md.
+    """
+
+SCORE_DOC = """Score the completions of a JSONL file (e.g. rlhf generate's) with reward sources.
+
+    \b
+    rlhf score --data gen.jsonl --reward runs/rm/final --out scored.jsonl
+    rlhf score --data gen.jsonl --reward rewards.py:score --pairs --out pairs.jsonl
+
+    Rows keep their columns and gain "rewards" (a list of completions) or "reward" (one string);
+    --best-of-n, --pairs and --conditional write the rows rlhf generate writes. See docs/generate.md.
+    """
+
+ITERATE_DOC = """Iterative DPO: each round samples from the last round's model, scores the samples,
+    pairs best against worst and trains DPO on the pairs (reference: the round's starting model).
+
+    \b
+    rlhf iterate --model runs/sft/final --data prompts.jsonl --reward runs/rm/final --rounds 3 --out runs/idpo
+
+    <out>/round_K/ holds generations.jsonl, pairs.jsonl, the DPO run (dpo/) and a link to its model
+    (model); <out>/metrics.jsonl one line per round. Rerunning continues after the last complete round.
+    One process: not under torchrun.
+    """
+
+
+def build_chat_command() -> click.Command:
+    @click.command("chat", short_help=HELP["chat"], context_settings={"max_content_width": 120})
+    @click.argument("model")
+    @click.option("--system", default=None, help="System message opening the conversation")
+    @click.option("--input-template", default=None,
+                  help="Template for each user turn, with {} for the text (instead of the chat template)")
+    @click.option("--tokenizer", default=None, help="Tokenizer directory (default: the model's)")
+    @click.option("--max-new-tokens", default=512, show_default=True, type=int, help="Tokens per answer at most")
+    @click.option("--temperature", default=0.7, show_default=True, type=float, help="Sampling temperature (0: greedy)")
+    @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling threshold (1: off)")
+    @click.option("--seed", default=None, type=int, help="Random seed (default: unseeded)")
+    @click.option("--dtype", default="auto", show_default=True,
+                  type=click.Choice(["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
+                  help="Weights dtype: auto (bf16 on GPU, fp32 on CPU)")
+    @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")
+    @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the checkpoint")
+    def chat(model: str, **options: Any) -> None:
+        """Talk to MODEL (an HF directory, a LoRA adapter directory or a hub name).
+
+        \b
+        rlhf chat runs/dpo/final --system "You are terse."
+        Type a message and press Enter; /reset clears the history, /exit (or Ctrl-D) quits.
+        """
+        from transformers.utils import logging as hf_logging
+
+        from rlhf.datagen.chat import ChatSettings, run_chat
+
+        hf_logging.disable_progress_bar()
+        run_chat(model, ChatSettings(**options))
+
+    return chat
+
+
+def build_datagen_command(plugins: Any, name: str) -> click.Command:
+    from rlhf.datagen.config import GenerateConfig, IterateConfig, ScoreConfig
+
+    config_cls, run, doc = {"generate": (GenerateConfig, _generate, GENERATE_DOC),
+                            "score": (ScoreConfig, _score, SCORE_DOC),
+                            "iterate": (IterateConfig, _iterate, ITERATE_DOC)}[name]
+    return _build(plugins, name, config_cls, run, doc)
+
+
+def datagen_commands(plugins: Any) -> list[click.Command]:
+    """The four commands, each built when used."""
+    return [LazyCommand(name, HELP[name], lambda name=name: build_datagen_command(plugins, name))
+            for name in ("generate", "score", "iterate")] + [LazyCommand("chat", HELP["chat"], build_chat_command)]

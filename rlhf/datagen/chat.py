@@ -1,0 +1,161 @@
+"""``rlhf chat MODEL``: an interactive conversation with any model directory (DESIGN §15).
+
+Each turn is formatted with the tokenizer's chat template over the whole history (an optional
+``--system`` message first), or, with ``--input-template``, as the concatenation of every past
+turn's filled template and answer. Answers are sampled with temperature / top-p and streamed to
+the terminal as they are generated. A LoRA adapter directory (``adapter_config.json``) loads its
+base model with the adapter on top. Commands: ``/reset`` forgets the history, ``/exit`` (or
+Ctrl-D) quits. When the conversation outgrows the model's context, the oldest turns are dropped.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf.core.errors import ConfigError
+
+PROMPT = "> "
+
+
+@dataclass(kw_only=True)
+class ChatSettings:
+    system: str | None = None
+    input_template: str | None = None
+    tokenizer: str | None = None
+    max_new_tokens: int = 512
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    trust_remote_code: bool = False
+
+
+def load_model(ref: str, settings: ChatSettings) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for inference: a full model directory or hub name, or a LoRA adapter
+    directory (its base model from ``adapter_config.json``, with the adapter applied)."""
+    import torch
+    import transformers
+
+    device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if settings.device == "auto" else settings.device))
+    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if settings.dtype == "auto" \
+        else getattr(torch, names.get(settings.dtype, settings.dtype))
+    path = Path(ref)
+    adapter = (path / "adapter_config.json").is_file()
+    base = ref
+    if adapter:
+        from peft import PeftConfig
+
+        base = PeftConfig.from_pretrained(ref).base_model_name_or_path
+        if not base:
+            raise ConfigError(f"{ref}/adapter_config.json names no base model")
+    has_tokenizer = any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer_ref = settings.tokenizer or (ref if not adapter or has_tokenizer else base)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_ref,
+                                                               trust_remote_code=settings.trust_remote_code)
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
+                                                                  trust_remote_code=settings.trust_remote_code)
+    except OSError as exc:
+        raise ConfigError(f"cannot load {ref}: {exc}") from exc
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, ref)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
+
+
+class Conversation:
+    """The history and how it becomes the model's input text."""
+
+    def __init__(self, tokenizer: Any, settings: ChatSettings):
+        if settings.input_template is not None and "{}" not in settings.input_template:
+            raise ConfigError(f"--input-template must contain {{}} where the message goes: {settings.input_template!r}")
+        self.tokenizer, self.settings = tokenizer, settings
+        self.use_template = settings.input_template is None and bool(getattr(tokenizer, "chat_template", None))
+        self.turns: list[tuple[str, str]] = []  # (user, assistant)
+
+    def reset(self) -> None:
+        self.turns = []
+
+    def text(self, message: str, turns: list[tuple[str, str]] | None = None) -> str:
+        turns = self.turns if turns is None else turns
+        system = self.settings.system
+        if self.use_template:
+            messages = [{"role": "system", "content": system}] if system else []
+            for user, assistant in turns:
+                messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+            messages.append({"role": "user", "content": message})
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        template = self.settings.input_template or "{}"
+        past = "".join(template.replace("{}", user) + assistant for user, assistant in turns)
+        return (system + "\n" if system else "") + past + template.replace("{}", message)
+
+    def ids(self, message: str, budget: int) -> list[int]:
+        """The input ids for ``message`` after the history, the oldest turns dropped to fit ``budget``."""
+        turns = list(self.turns)
+        while True:
+            text = self.text(message, turns)
+            ids = self.tokenizer(text, add_special_tokens=not self.use_template)["input_ids"]
+            if len(ids) <= budget or not turns:
+                return list(ids[-budget:])
+            turns = turns[1:]
+
+
+def run_chat(ref: str, settings: ChatSettings, *, stdin: Any = None, stdout: Any = None) -> None:
+    """The REPL: read a line, answer it (streamed), until /exit or end of input."""
+    import torch
+    from transformers import TextStreamer
+
+    stdout = stdout or sys.stdout
+    if settings.seed is not None:
+        torch.manual_seed(settings.seed)
+    model, tokenizer = load_model(ref, settings)
+    conversation = Conversation(tokenizer, settings)
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 4096
+    budget = max(1, context - settings.max_new_tokens)
+    how = "its chat template" if conversation.use_template else (
+        "--input-template" if settings.input_template else "plain text (no chat template)")
+    print(f"chatting with {ref} ({how}); /reset forgets the conversation, /exit quits", file=stdout, flush=True)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    device = next(model.parameters()).device
+    while True:
+        try:
+            message = input(PROMPT) if stdin is None else _read(stdin, stdout)
+        except (EOFError, KeyboardInterrupt):
+            print(file=stdout, flush=True)
+            return
+        message = message.strip()
+        if not message:
+            continue
+        if message in ("/exit", "/quit"):
+            return
+        if message == "/reset":
+            conversation.reset()
+            print("(conversation reset)", file=stdout, flush=True)
+            continue
+        ids = torch.tensor([conversation.ids(message, budget)], device=device)  # (1, P)
+        sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p} \
+            if settings.temperature > 0 else {"do_sample": False}
+        with torch.inference_mode():
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
+                                    max_new_tokens=settings.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                    **sampling)
+        answer = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
+        conversation.turns.append((message, answer))
+        stdout.flush()
+
+
+def _read(stdin: Any, stdout: Any) -> str:
+    print(PROMPT, end="", file=stdout, flush=True)
+    line = stdin.readline()
+    if not line:
+        raise EOFError
+    return line
