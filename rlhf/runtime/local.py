@@ -27,6 +27,7 @@ from rlhf.runtime.export import export_critic, export_policy
 from rlhf.runtime.plan import RunPlan, check_run, warn_about
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
 from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.threads import set_threads
 from rlhf.runtime.trainer import Trainer, Workers
 from rlhf.runtime.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, UpdateSettings
 
@@ -156,8 +157,7 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
         if dist.is_main:
             RunDirectory(plan.derived.out_dir).check_free(resume=config.resume)
         warn_about(plan, plugins, log)
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        set_threads(config.threads)
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()
     finally:

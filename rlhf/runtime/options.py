@@ -102,9 +102,8 @@ class OptimOptions:
 
 @dataclass(kw_only=True)
 class RuntimeOptions:
-    threads: int | None = opt(None, "CPU threads for torch in each process (default: torch's choice). On a machine "
-                              "other jobs share, 1, or start with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads "
-                              "make steps 20-50x slower there)", "runtime")
+    threads: int | None = opt(None, "CPU threads for torch in each process (default: one per core, but no more "
+                              "than the cores the load average leaves free)", "runtime")
 
 
 @dataclass(kw_only=True)
