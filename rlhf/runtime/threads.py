@@ -8,7 +8,7 @@ scheduled), and OpenMP's default wait policy, whose idle threads spin for a whil
 * `prepare_openmp` (before torch is imported: the ``rlhf`` command calls it first) lowers GNU
   OpenMP's spin count (``GOMP_SPINCOUNT``) unless the user set it or ``OMP_WAIT_POLICY``.
 * `choose_threads` takes torch's default thread count (one per core) but no more than the cores
-  the load average leaves free, at least one; ``--threads N`` overrides it.
+  other jobs leave free (`others_load`), at least one; ``--threads N`` overrides it.
 
 Measured figures: benchmarks/README.md, "Threads".
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 from collections.abc import MutableMapping
 
 log = logging.getLogger(__name__)
@@ -40,17 +42,30 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_average() -> float | None:
+def others_load(samples: int = 5, interval: float = 0.02) -> float | None:
+    """How many cores other processes keep busy: the larger of the 1-minute load average and the
+    runnable tasks now (median of a few looks at /proc/loadavg, less this thread), so that jobs
+    started seconds ago count too. None where the system does not say."""
     try:
-        return os.getloadavg()[0]
+        average = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+    running = []
+    for index in range(samples):
+        try:
+            with open("/proc/loadavg") as handle:
+                running.append(int(handle.read().split()[3].split("/")[0]) - 1)  # "R/T": runnable/total
+        except (OSError, IndexError, ValueError):
+            break
+        if index + 1 < samples:
+            time.sleep(interval)
+    return max(average, statistics.median(running)) if running else average
 
 
 def choose_threads(requested: int | None, default: int, *, cores: int | None = None,
                    load: float | None = None) -> int:
-    """``requested`` when given, else ``default`` (torch's count) capped by the cores that the
-    1-minute load average leaves free (rounded), at least 1."""
+    """``requested`` when given, else ``default`` (torch's count) capped by the cores that ``load``
+    (`others_load`) leaves free (rounded), at least 1."""
     if requested is not None:
         return requested
     if load is None:
@@ -64,11 +79,11 @@ def set_threads(requested: int | None) -> int:
     import torch
 
     default = torch.get_num_threads()
-    cores, load = usable_cores(), load_average()
+    cores, load = usable_cores(), others_load()
     threads = choose_threads(requested, default, cores=cores, load=load)
     if threads != default:
         torch.set_num_threads(threads)
     if requested is None and threads < default:
-        log.info("using %d CPU thread(s): load average %.1f on %d cores (--threads N to choose)", threads,
-                 load, cores)
+        log.info("using %d CPU thread(s): other jobs keep %.1f of %d cores busy (--threads N to choose)",
+                 threads, load, cores)
     return threads
