@@ -167,6 +167,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
             raise ConfigError("--data is required (a prompt dataset)")
         if self.prompts_per_step < 1 or self.n_samples < 1 or self.micro_batch_size < 1:
             raise ConfigError("--prompts-per-step, --n-samples and --micro-batch-size must be at least 1")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(f"--max-tokens-per-micro-batch must be at least 1; got {self.max_tokens_per_micro_batch}")
         rollout = self.prompts_per_step * self.n_samples
         train_batch = self.train_batch_size or rollout
         if rollout % train_batch:

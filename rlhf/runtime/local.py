@@ -49,6 +49,7 @@ def update_settings(plan: RunPlan) -> UpdateSettings:
     config = plan.config
     return UpdateSettings(ppo_epochs=config.ppo_epochs, train_batch_size=plan.derived.train_batch_size,
                           micro_batch_size=config.micro_batch_size, max_new_tokens=config.max_new_tokens,
+                          max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, packing=config.packing,
                           seed=config.seed)
 
 
@@ -71,7 +72,8 @@ def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> Pol
 def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> ReferenceWorker:
     config = plan.config
     return ReferenceWorker(adapter.load(config.model, role="reference"), config.micro_batch_size,
-                           config.temperature, dist)
+                           config.temperature, dist, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+                           packing=config.packing)
 
 
 def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:

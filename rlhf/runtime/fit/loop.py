@@ -38,6 +38,7 @@ from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.objective import FitModels, Objective
+from rlhf.core.packing import PackedModel, token_budget_groups
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime.fit.config import best_metric
@@ -117,8 +118,11 @@ class FitLoop:
 
     @property
     def models(self) -> FitModels:
-        """The models as the objective's training forwards call them."""
-        return FitModels(model=self.trained.train_model, reference=self.run_.reference, teacher=self.run_.teacher)
+        """The models as the objective's training forwards call them (packed with ``--packing``)."""
+        models = (self.trained.train_model, self.run_.reference, self.run_.teacher)
+        if self.config.packing:
+            models = tuple(PackedModel(m) if m is not None else None for m in models)
+        return FitModels(model=models[0], reference=models[1], teacher=models[2])
 
     # --- the run --------------------------------------------------------------------------------
 
@@ -192,10 +196,24 @@ class FitLoop:
     # --- passes over examples -------------------------------------------------------------------
 
     def _micro_batches(self, examples: list[Any]) -> list[dict[str, Any]]:
-        size = self.config.micro_batch_size
-        device = self.trained.device
-        return [_to_device(self.objective.collate(examples[i:i + size], self.run_.pad_token_id), device)
-                for i in range(0, len(examples), size)]
+        """``--micro-batch-size`` examples each, or as many as fit ``--max-tokens-per-micro-batch``."""
+        size, max_tokens = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
+        device, pad = self.trained.device, self.run_.pad_token_id
+        if max_tokens is None:
+            groups = [examples[i:i + size] for i in range(0, len(examples), size)]
+        else:
+            masks = [self._attention_mask(self.objective.collate([example], pad)) for example in examples]
+            lengths = [int(mask.sum()) if self.config.packing else int(mask.sum(dim=1).max()) for mask in masks]
+            cuts = token_budget_groups(lengths, max_tokens, rows=[mask.shape[0] for mask in masks],
+                                       packed=self.config.packing)
+            groups = [[examples[i] for i in cut] for cut in cuts]
+        return [_to_device(self.objective.collate(group, pad), device) for group in groups]
+
+    def _attention_mask(self, batch: dict[str, Any]) -> torch.Tensor:
+        if not isinstance(batch.get("attention_mask"), torch.Tensor):
+            raise RlhfError(f"objective {self.config.objective!r} makes batches without an attention_mask; "
+                            "--max-tokens-per-micro-batch needs one to count tokens")
+        return batch["attention_mask"]  # (rows, T)
 
     def _statistics(self, micros: list[dict[str, Any]], compute: Callable[..., dict[str, float] | None]
                     ) -> dict[str, float]:
