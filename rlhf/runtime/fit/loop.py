@@ -196,24 +196,31 @@ class FitLoop:
     # --- passes over examples -------------------------------------------------------------------
 
     def _micro_batches(self, examples: list[Any]) -> list[dict[str, Any]]:
-        """``--micro-batch-size`` examples each, or as many as fit ``--max-tokens-per-micro-batch``."""
+        """``--micro-batch-size`` examples each, or as many as fit ``--max-tokens-per-micro-batch``,
+        cut after sorting by length: padding to the longest of similar lengths, not of any (1.5x less
+        CPU time for forward + backward of mixed lengths, benchmarks/packing.py). Losses are sums
+        over micro-batches, so the order changes nothing but float rounding."""
         size, max_tokens = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
         device, pad = self.trained.device, self.run_.pad_token_id
+        masks = [self._attention_mask(self.objective.collate([example], pad)) for example in examples]
+        lengths = [int(mask.sum(dim=1).max()) if mask is not None else 0 for mask in masks]
+        order = sorted(range(len(examples)), key=lambda i: lengths[i])
         if max_tokens is None:
-            groups = [examples[i:i + size] for i in range(0, len(examples), size)]
+            cuts = [order[i:i + size] for i in range(0, len(order), size)]
         else:
-            masks = [self._attention_mask(self.objective.collate([example], pad)) for example in examples]
-            lengths = [int(mask.sum()) if self.config.packing else int(mask.sum(dim=1).max()) for mask in masks]
-            cuts = token_budget_groups(lengths, max_tokens, rows=[mask.shape[0] for mask in masks],
-                                       packed=self.config.packing)
-            groups = [[examples[i] for i in cut] for cut in cuts]
-        return [_to_device(self.objective.collate(group, pad), device) for group in groups]
+            if any(mask is None for mask in masks):
+                raise RlhfError(f"objective {self.config.objective!r} makes batches without an attention_mask; "
+                                "--max-tokens-per-micro-batch needs one to count tokens")
+            packed = self.config.packing
+            cost = [int(masks[i].sum()) if packed else lengths[i] for i in order]
+            groups = token_budget_groups(cost, max_tokens, rows=[masks[i].shape[0] for i in order], packed=packed)
+            cuts = [[order[i] for i in group] for group in groups]
+        return [_to_device(self.objective.collate([examples[i] for i in cut], pad), device) for cut in cuts]
 
-    def _attention_mask(self, batch: dict[str, Any]) -> torch.Tensor:
-        if not isinstance(batch.get("attention_mask"), torch.Tensor):
-            raise RlhfError(f"objective {self.config.objective!r} makes batches without an attention_mask; "
-                            "--max-tokens-per-micro-batch needs one to count tokens")
-        return batch["attention_mask"]  # (rows, T)
+    @staticmethod
+    def _attention_mask(batch: dict[str, Any]) -> torch.Tensor | None:
+        mask = batch.get("attention_mask")
+        return mask if isinstance(mask, torch.Tensor) else None  # (rows, T)
 
     def _statistics(self, micros: list[dict[str, Any]], compute: Callable[..., dict[str, float] | None]
                     ) -> dict[str, float]:
