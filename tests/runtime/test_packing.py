@@ -171,3 +171,20 @@ def test_a_bad_token_budget_is_a_user_error(tiny_model_dir, data, teacher, tmp_p
                                                                 "--out", str(tmp_path / "x")]
     result = run_cli(plugins, args)
     assert result.exit_code != 0 and "--max-tokens-per-micro-batch must be at least 1" in result.output
+
+
+def test_the_train_options_reach_the_policy_and_reference_settings(tiny_model_dir):
+    from rlhf.runtime.config import TrainConfig
+    from rlhf.runtime.local import build_reference, update_settings
+    from rlhf.runtime.plan import RunPlan
+
+    plugins = build_plugin_manager(load_entrypoints=False)
+    config = TrainConfig(model=str(tiny_model_dir), data=["d"], algo="grpo", kl_coef=0.1, packing=True,
+                         max_tokens_per_micro_batch=96)
+    plan = RunPlan.make(config, plugins)
+    settings = update_settings(plan)
+    assert settings.packing and settings.max_tokens_per_micro_batch == 96
+    reference = build_reference(plan, plan.choices["model_adapter"].load()(plan.component_config("model_adapter")))
+    assert reference.packing and reference.max_tokens == 96
+    with pytest.raises(Exception, match="--max-tokens-per-micro-batch must be at least 1"):
+        TrainConfig(model="m", data=["d"], max_tokens_per_micro_batch=0).derived()
