@@ -8,7 +8,8 @@ scheduled), and OpenMP's default wait policy, whose idle threads spin for a whil
 * `prepare_openmp` (before torch is imported: the ``rlhf`` command calls it first) lowers GNU
   OpenMP's spin count (``GOMP_SPINCOUNT``) unless the user set it or ``OMP_WAIT_POLICY``.
 * `choose_threads` takes torch's default thread count (one per core) but no more than the cores
-  other jobs leave free (`others_load`), at least one; ``--threads N`` overrides it.
+  other jobs leave free (`others_load`), at least one; ``--threads N`` overrides it. The
+  training loops call `adjust_threads` between steps, so the count follows the load.
 
 Measured figures: benchmarks/README.md, "Threads".
 """
@@ -42,24 +43,44 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def others_load(samples: int = 5, interval: float = 0.02) -> float | None:
-    """How many cores other processes keep busy: the larger of the 1-minute load average and the
-    runnable tasks now (median of a few looks at /proc/loadavg, less this thread), so that jobs
-    started seconds ago count too. None where the system does not say."""
+def own_running() -> int:
+    """Threads of this process that are runnable now (OpenMP workers still spinning count)."""
+    count = 0
     try:
-        average = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as handle:
+                count += handle.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            pass
+    return max(count, 1)
+
+
+def others_load(samples: int = 10, interval: float = 0.02) -> float | None:
+    """How many cores other processes keep busy now: the median, over a few looks at
+    /proc/loadavg, of the tasks runnable less this process's. Runnable-now and not the load
+    average, which trails by a minute: it still counts a job that just ended (this user's
+    previous run) and not yet one that just began. Where /proc is missing, the load average;
+    None where the system says neither."""
     running = []
     for index in range(samples):
         try:
             with open("/proc/loadavg") as handle:
-                running.append(int(handle.read().split()[3].split("/")[0]) - 1)  # "R/T": runnable/total
+                total = int(handle.read().split()[3].split("/")[0])  # "R/T": runnable/total
         except (OSError, IndexError, ValueError):
             break
+        running.append(max(total - own_running(), 0))
         if index + 1 < samples:
             time.sleep(interval)
-    return max(average, statistics.median(running)) if running else average
+    if running:
+        return float(statistics.median(running))
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def choose_threads(requested: int | None, default: int, *, cores: int | None = None,
@@ -74,8 +95,41 @@ def choose_threads(requested: int | None, default: int, *, cores: int | None = N
     return max(1, min(default, int(free + 0.5)))
 
 
+class ThreadGovernor:
+    """Chooses the thread count again between steps, as other jobs start and end: a run that
+    began on an idle machine drops to fewer threads when others arrive, and comes back. Called
+    on the thread that runs torch (OpenMP's thread count is per calling thread)."""
+
+    def __init__(self, default: int, cores: int, load: float):
+        self.default, self.cores, self.load = default, cores, load
+
+    def adjust(self) -> int:
+        now = others_load(samples=3, interval=0.002)
+        if now is None:
+            return self.current()
+        self.load = 0.5 * self.load + 0.5 * now  # smoothed over steps: no flapping on one look
+        threads = choose_threads(None, self.default, cores=self.cores, load=self.load)
+        if threads != self.current():
+            import torch
+
+            torch.set_num_threads(threads)
+            log.info("now %d CPU thread(s): other jobs keep %.1f of %d cores busy", threads, self.load, self.cores)
+        return threads
+
+    @staticmethod
+    def current() -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+
+_governor: ThreadGovernor | None = None
+
+
 def set_threads(requested: int | None) -> int:
-    """Set torch's intra-op thread count (`choose_threads`) and return it."""
+    """Set torch's intra-op thread count (`choose_threads`) and return it. Without ``requested``
+    the count follows the load from then on (`adjust_threads` between steps)."""
+    global _governor
     import torch
 
     default = torch.get_num_threads()
@@ -86,4 +140,11 @@ def set_threads(requested: int | None) -> int:
     if requested is None and threads < default:
         log.info("using %d CPU thread(s): other jobs keep %.1f of %d cores busy (--threads N to choose)",
                  threads, load, cores)
+    _governor = ThreadGovernor(default, cores, load) if requested is None and load is not None else None
     return threads
+
+
+def adjust_threads() -> None:
+    """Between steps: follow the load (after `set_threads` without a count; otherwise nothing)."""
+    if _governor is not None:
+        _governor.adjust()

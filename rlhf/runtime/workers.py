@@ -21,6 +21,7 @@ from rlhf.core.types import LossNorm, Trajectory
 from rlhf.rewards.combine import RewardResult, RewardSet
 from rlhf.core.logprobs import token_logprobs
 from rlhf.core.packing import PackedModel, token_budget_groups
+from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.trained import TrainedModel
 
 
@@ -153,6 +154,7 @@ class _TrainedWorker(TrainedModel):
         ranks agree on whether to step, as a rank stepping alone would wait forever in the gradient
         all-reduce.
         """
+        adjust_threads()  # once a step: the CPU thread count follows the machine's load
         self.model.train()
         metrics = MetricMean()
         for minibatch in minibatches(batch, self.settings, step):

@@ -58,3 +58,34 @@ def test_rlhf_command_sets_spin_count_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == SPIN_COUNT
+
+
+def test_the_governor_follows_the_load_between_steps(monkeypatch):
+    import torch
+
+    from rlhf.runtime import threads
+
+    before = torch.get_num_threads()
+    loads = iter([3.0, 3.0, 3.0, 0.0, 0.0, 0.0])
+    monkeypatch.setattr(threads, "others_load", lambda **_: next(loads))
+    governor = threads.ThreadGovernor(default=2, cores=2, load=0.0)
+    try:
+        # smoothed (half the old figure, half the new): 1.5, 2.25, 2.6, then 1.3, 0.66, 0.33 busy cores
+        assert [governor.adjust() for _ in range(6)] == [1, 1, 1, 1, 1, 2]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_requested_count_turns_the_governor_off():
+    import torch
+
+    from rlhf.runtime import threads
+
+    before = torch.get_num_threads()
+    try:
+        assert threads.set_threads(1) == 1 and threads._governor is None
+        threads.adjust_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

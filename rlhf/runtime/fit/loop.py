@@ -46,6 +46,7 @@ from rlhf.runtime.fit.data import StepOrder
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.progress import Progress
 from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.trained import TrainedModel
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class FitLoop:
 
     def step(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
+        adjust_threads()  # the CPU thread count follows the machine's load
         examples = self.objective.step_examples([self.run_.train_examples[i] for i in self.order.indices(step)])
         micros = self._micro_batches(self.dist.shard(examples))
         units = [float(self.objective.units(batch)) for batch in micros]
