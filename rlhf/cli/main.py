@@ -80,6 +80,9 @@ def make_cli(plugins: PluginSet) -> click.Group:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rlhf.runtime.threads import prepare_openmp
+
+    prepare_openmp()  # before anything imports torch: OpenMP reads it once, when torch loads it
     from rlhf.core.distributed import exit_process, launched_with_ranks
 
     plugins = build_plugin_manager()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.core.modeling import accepts_logits_to_keep, base_model
+from rlhf.core.packing import PackedModel, innermost, is_packed, pack_rows
 
 _ROWS_PER_CHUNK = 8
 
@@ -28,8 +29,12 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, A) of each next token, zero before the first action column; entropy (B, A) if asked.
 
-    Gradients flow when called with grad enabled.
+    Gradients flow when called with grad enabled. A `PackedModel` runs the batch packed
+    (`packed_token_logprobs`).
     """
+    if is_packed(model):
+        return packed_token_logprobs(model, input_ids, attention_mask, action_mask, temperature=temperature,
+                                     with_entropy=with_entropy)
     batch_size, length = input_ids.shape  # (B, T)
     start = first_action_position(action_mask)  # logits at positions start..T-2 predict tokens start+1..T-1
     keep = length - start
@@ -55,4 +60,43 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     logprobs = torch.cat([logprobs[:, :start], torch.cat(chunks_lp)], dim=1)  # (B, A)
     if with_entropy:
         entropy = torch.cat([entropy[:, :start], torch.cat(chunks_ent)], dim=1)  # (B, A)
+    return logprobs, entropy
+
+
+_POSITIONS_PER_CHUNK = 2048
+
+
+def packed_token_logprobs(model: PackedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          action_mask: torch.Tensor, *, temperature: float = 1.0,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` with the batch packed into one row (rlhf/core/packing.py): only the action
+    positions are projected to the vocabulary. Log-probs (and entropy) are 0 off the action mask.
+    """
+    batch_size, length = input_ids.shape  # (B, T)
+    packed = pack_rows(input_ids, attention_mask)
+    wanted = action_mask.bool() & (packed.index[:, :-1] >= 0) & (packed.index[:, 1:] >= 0)  # (B, A)
+    rows, cols = wanted.nonzero(as_tuple=True)  # (K,), (K,)
+    at = packed.index[rows, cols]  # (K,) packed positions whose logits predict the action tokens
+    targets = input_ids[rows, cols + 1]  # (K,)
+    logprobs = torch.zeros((batch_size, length - 1), dtype=torch.float32, device=input_ids.device)  # (B, A)
+    entropy = torch.zeros_like(logprobs) if with_entropy else None
+    if at.numel() == 0:
+        return logprobs, entropy
+    inner = model.model
+    kwargs = {"logits_to_keep": at} if accepts_logits_to_keep(type(innermost(inner))) else {}
+    logits = inner(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                   use_cache=False, **kwargs).logits  # (1, K, V) or (1, N, V)
+    logits = logits[0] if kwargs else logits[0, at]  # (K, V)
+    chunks_lp, chunks_ent = [], []
+    for begin in range(0, at.numel(), _POSITIONS_PER_CHUNK):
+        z = logits[begin:begin + _POSITIONS_PER_CHUNK].float()  # (k, V)
+        if temperature != 1.0:
+            z = z / temperature
+        log_p = torch.log_softmax(z, dim=-1)  # (k, V)
+        chunks_lp.append(log_p.gather(-1, targets[begin:begin + _POSITIONS_PER_CHUNK, None]).squeeze(-1))  # (k,)
+        if with_entropy:
+            chunks_ent.append(-(log_p.exp() * log_p).sum(dim=-1))  # (k,)
+    logprobs = logprobs.index_put((rows, cols), torch.cat(chunks_lp))  # (B, A)
+    if with_entropy:
+        entropy = entropy.index_put((rows, cols), torch.cat(chunks_ent))  # (B, A)
     return logprobs, entropy

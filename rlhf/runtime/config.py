@@ -218,6 +218,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         for name, value in (("--lr", self.lr), ("--critic-lr", self.critic_lr)):
             if not value > 0:
                 raise ConfigError(f"{name} must be positive; got {value}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(f"--max-tokens-per-micro-batch must be at least 1; got {self.max_tokens_per_micro_batch}")
         rollout = self.prompts_per_step * self.n_samples
         train_batch = self.train_batch_size or rollout
         if rollout % train_batch:

@@ -28,6 +28,7 @@ from rlhf.runtime.export import export_critic, export_policy
 from rlhf.runtime.plan import RunPlan, check_run, warn_about
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
 from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.threads import set_threads
 from rlhf.runtime.trainer import Trainer, Workers
 from rlhf.runtime.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, UpdateSettings
 
@@ -57,6 +58,7 @@ def update_settings(plan: RunPlan) -> UpdateSettings:
     config = plan.config
     return UpdateSettings(ppo_epochs=config.ppo_epochs, train_batch_size=plan.derived.train_batch_size,
                           micro_batch_size=config.micro_batch_size, max_new_tokens=config.max_new_tokens,
+                          max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, packing=config.packing,
                           seed=config.seed)
 
 
@@ -80,7 +82,8 @@ def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> Pol
 def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> ReferenceWorker:
     config = plan.config
     return ReferenceWorker(adapter.load(config.model, role="reference"), config.micro_batch_size,
-                           config.temperature, dist)
+                           config.temperature, dist, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+                           packing=config.packing)
 
 
 def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:
@@ -220,8 +223,7 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
             RunDirectory(plan.derived.out_dir).check_start(plan.run_config(), resume=config.resume,
                                                            overrides=config.resume_override)
         warn_about(plan, plugins, log)
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        set_threads(config.threads)
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()
     finally:

@@ -93,6 +93,11 @@ class DataOptions:
 @dataclass(kw_only=True)
 class OptimOptions:
     micro_batch_size: int = opt(8, "Samples per forward/backward (gradient accumulation inside a step)", "train")
+    max_tokens_per_micro_batch: int | None = opt(None, "Cut micro-batches by tokens instead of rows: at most this "
+                                                 "many tokens each (padded rows x length; with --packing, real "
+                                                 "tokens), a longer sequence alone", "train")
+    packing: bool = opt(False, "Pack each micro-batch's sequences into one row without padding (attention "
+                        "kept within each sequence) for the log-prob forwards", "train")
     backend: str = opt("torch", "Training backend plugin (its options: --backend.NAME, e.g. --zero-stage)", "train",
                        component="train_backend")
     max_nonfinite_steps: int = opt(3, "Stop after this many NaN/inf optimizer steps in a row (each is skipped)",
@@ -102,9 +107,8 @@ class OptimOptions:
 
 @dataclass(kw_only=True)
 class RuntimeOptions:
-    threads: int | None = opt(None, "CPU threads for torch in each process (default: torch's choice). On a machine "
-                              "other jobs share, 1, or start with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads "
-                              "make steps 20-50x slower there)", "runtime")
+    threads: int | None = opt(None, "CPU threads for torch in each process (default: one per core, but no more "
+                              "than the cores the load average leaves free)", "runtime")
 
 
 @dataclass(kw_only=True)

@@ -17,9 +17,12 @@ import torch
 from rlhf.algorithms import PolicyObjective, ValueObjective, step_norm
 from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import SINGLE, DistContext
+from rlhf.core.errors import RlhfError
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.rewards.combine import RewardResult, RewardSet
 from rlhf.core.logprobs import token_logprobs
+from rlhf.core.packing import PackedModel, token_budget_groups
+from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.trained import TrainedModel
 
 
@@ -30,6 +33,8 @@ class UpdateSettings:
     ppo_epochs: int = 1
     train_batch_size: int  # samples per optimizer step
     micro_batch_size: int  # samples per forward/backward
+    max_tokens_per_micro_batch: int | None = None  # cut micro-batches by tokens instead (`micro_batches`)
+    packing: bool = False  # forwards run packed (rlhf/core/packing.py)
     max_new_tokens: int  # Dr. GRPO's constant normaliser
     seed: int = 0
 
@@ -72,13 +77,20 @@ def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> 
     return out
 
 
-def micro_batches(minibatch: ExperienceBatch, size: int) -> list[tuple[torch.Tensor, ExperienceBatch]]:
+def micro_batches(minibatch: ExperienceBatch, size: int, max_tokens: int | None = None,
+                  packed: bool = False) -> list[tuple[torch.Tensor, ExperienceBatch]]:
     """``(rows, micro-batch)`` pairs of rows of similar length: sorting by length before cutting
     removes most padding (1.5x faster fits on mixed lengths), and losses are sums over rows, so
-    the order changes nothing but float rounding."""
-    order = torch.argsort(minibatch.attention_mask.sum(dim=1), stable=True)  # (b,)
-    return [(order[begin:begin + size], minibatch.select(order[begin:begin + size]))
-            for begin in range(0, minibatch.size, size)]
+    the order changes nothing but float rounding. ``size`` rows each, or with ``max_tokens`` as
+    many as fit that many tokens (`token_budget_groups`: real tokens when ``packed``)."""
+    lengths = minibatch.attention_mask.sum(dim=1)  # (b,)
+    order = torch.argsort(lengths, stable=True)  # (b,)
+    if max_tokens is None:
+        cuts = [order[begin:begin + size] for begin in range(0, minibatch.size, size)]
+    else:
+        groups = token_budget_groups(lengths[order].tolist(), max_tokens, packed=packed)
+        cuts = [order[group] for group in groups]
+    return [(rows, minibatch.select(rows)) for rows in cuts]
 
 
 def my_rows(batch: ExperienceBatch, dist: DistContext) -> ExperienceBatch:
@@ -87,12 +99,13 @@ def my_rows(batch: ExperienceBatch, dist: DistContext) -> ExperienceBatch:
 
 
 def forward_rows(batch: ExperienceBatch, dist: DistContext, size: int,
-                 compute: Callable[[ExperienceBatch], torch.Tensor]) -> torch.Tensor:
+                 compute: Callable[[ExperienceBatch], torch.Tensor], max_tokens: int | None = None,
+                 packed: bool = False) -> torch.Tensor:
     """``compute`` (a per-row (b, A') result) over this rank's rows in micro-batches, put back in
     row order and gathered to (B, A) on every rank."""
     mine = my_rows(batch, dist)
     out = torch.zeros((mine.size, batch.action_mask.shape[1]), dtype=torch.float32)  # (b, A)
-    for rows, micro in micro_batches(mine, size):
+    for rows, micro in micro_batches(mine, size, max_tokens, packed):
         result = compute(micro).cpu()  # (len(rows), A') trimmed to the micro-batch's length
         out[rows, : result.shape[1]] = result
     return gather_rows(out, dist, batch.size)
@@ -111,17 +124,18 @@ def gather_rows(local: torch.Tensor, dist: DistContext, total: int) -> torch.Ten
 
 
 @torch.no_grad()
-def model_logprobs(model: torch.nn.Module, batch: ExperienceBatch, *, micro_batch_size: int, temperature: float,
+def model_logprobs(model: torch.nn.Module, batch: ExperienceBatch, settings: UpdateSettings, *, temperature: float,
                    dist: DistContext = SINGLE) -> torch.Tensor:
     """(B, A) log-probs of a batch's tokens under ``model`` at the sampling temperature, in eval mode,
-    micro-batched as training does (rows of similar length together)."""
+    micro-batched (and packed) as the policy's own forwards are (``settings``)."""
     device = next(model.parameters()).device
+    forward = PackedModel(model) if settings.packing else model
     was_training = model.training
     model.eval()
     try:
-        return forward_rows(batch, dist, micro_batch_size, lambda mb: token_logprobs(
-            model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.action_mask,
-            temperature=temperature)[0])
+        return forward_rows(batch, dist, settings.micro_batch_size, lambda mb: token_logprobs(
+            forward, mb.input_ids.to(device), mb.attention_mask.to(device), mb.action_mask,
+            temperature=temperature)[0], settings.max_tokens_per_micro_batch, settings.packing)
     finally:
         model.train(was_training)
 
@@ -134,10 +148,18 @@ class _TrainedWorker(TrainedModel):
         self.settings = settings
 
     def _forward_rows(self, batch: ExperienceBatch, compute: Callable[[ExperienceBatch], torch.Tensor]) -> torch.Tensor:
-        return forward_rows(batch, self.dist, self.settings.micro_batch_size, compute)
+        settings = self.settings
+        return forward_rows(batch, self.dist, settings.micro_batch_size, compute,
+                            settings.max_tokens_per_micro_batch, settings.packing)
 
     def _my_micro_batches(self, minibatch: ExperienceBatch) -> list[ExperienceBatch]:
-        return [micro for _, micro in micro_batches(my_rows(minibatch, self.dist), self.settings.micro_batch_size)]
+        settings = self.settings
+        return [micro for _, micro in micro_batches(my_rows(minibatch, self.dist), settings.micro_batch_size,
+                                                    settings.max_tokens_per_micro_batch, settings.packing)]
+
+    def _packed(self, model: Any) -> Any:
+        """``model`` as the log-prob forwards call it: packed with ``--packing``."""
+        return PackedModel(model) if self.settings.packing else model
 
     def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss) -> MetricMean:
         """The update loop of every trained role: epochs over shuffled minibatches, one optimizer
@@ -150,6 +172,11 @@ class _TrainedWorker(TrainedModel):
         ranks agree on whether to step, as a rank stepping alone would wait forever in the gradient
         all-reduce.
         """
+        adjust_threads()  # once a step: the CPU thread count follows the machine's load
+        if self.settings.max_tokens_per_micro_batch and self.backend.shards_weights and self.dist.active:
+            # every forward is a collective there, and token budgets give ranks different counts
+            raise RlhfError("--max-tokens-per-micro-batch does not work with a backend that shards the weights "
+                            "(ZeRO-3) over several ranks yet; use --micro-batch-size")
         self.model.train()
         metrics = MetricMean()
         for minibatch in minibatches(batch, self.settings, step):
@@ -186,8 +213,7 @@ class PolicyWorker(_TrainedWorker):
     def logprobs_under(self, model: torch.nn.Module, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A) log-probs of the batch's tokens under ``model`` (the policy, or --async's copy of an
         earlier version of it), computed exactly as the policy's own."""
-        return model_logprobs(model, batch, micro_batch_size=self.settings.micro_batch_size,
-                              temperature=self.objective.temperature, dist=self.dist)
+        return model_logprobs(model, batch, self.settings, temperature=self.objective.temperature, dist=self.dist)
 
     def fit(self, batch: ExperienceBatch, *, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
@@ -198,7 +224,7 @@ class PolicyWorker(_TrainedWorker):
 
     def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm,
                     kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any], float]:
-        logprobs, entropy = token_logprobs(self.train_model, micro.input_ids, micro.attention_mask,
+        logprobs, entropy = token_logprobs(self._packed(self.train_model), micro.input_ids, micro.attention_mask,
                                            micro.action_mask, temperature=self.objective.temperature,
                                            with_entropy=self.objective.needs_entropy)  # (b, A), (b, A) or None
         loss, metrics = self.objective.loss(logprobs, micro, norm, entropy=entropy, kl_coef=kl_coef)
@@ -236,15 +262,17 @@ class ReferenceWorker:
     """The frozen initial policy: log-probs for the KL term (`ReferenceRole`)."""
 
     def __init__(self, model: torch.nn.Module, micro_batch_size: int, temperature: float,
-                 dist: DistContext = SINGLE):
+                 dist: DistContext = SINGLE, *, max_tokens_per_micro_batch: int | None = None, packing: bool = False):
         self.model, self.micro_batch_size, self.temperature, self.dist = model, micro_batch_size, temperature, dist
+        self.max_tokens, self.packing = max_tokens_per_micro_batch, packing
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        model = PackedModel(self.model) if self.packing else self.model
         return forward_rows(batch, self.dist, self.micro_batch_size, lambda mb: token_logprobs(
-            self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
-            temperature=self.temperature)[0])
+            model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
+            temperature=self.temperature)[0], self.max_tokens, self.packing)
 
 
 class RewardWorker:

@@ -143,7 +143,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, data, tmp_path,
     def config(out: Path, **extra) -> FitConfig:
         return FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(data / "kto.jsonl")],
                                     "objective": "kto", "objective.output_key": "completion", "batch_size": 4,
-                                    "micro_batch_size": 2, "epochs": 2, "lr": 1e-2, "lr_scheduler": "cosine",
+                                    "micro_batch_size": 2, "epochs": 2, "lr": 1e-2, "lr_scheduler": "cosine", "threads": 1,
                                     "save_every": 2, "out": str(out), "progress": False, **extra})
 
     straight = tmp_path / "straight"

@@ -111,6 +111,23 @@ def test_greedy_tokens_and_logprobs_equal_generate(model_and_tokenizer):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+def test_shared_prompt_prefill_samples_what_one_prefill_per_row_samples(model_and_tokenizer):
+    """n samples of a prompt share one prefill (its KV cache repeated): with the same random
+    numbers they draw the tokens, and get the log-probs, that n separate copies of the prompt get."""
+    model, tokenizer = model_and_tokenizer
+    prompts = [tokenizer("What is 12 + 7?")["input_ids"], tokenizer("hi")["input_ids"]]  # different lengths
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, return_logprobs=True)
+    engine = HFEngine(model, tokenizer, HFEngineConfig(decoder="direct"))
+    torch.manual_seed(3)
+    shared = engine.generate(prompts, n=4, params=params)
+    torch.manual_seed(3)
+    separate = engine.generate([p for p in prompts for _ in range(4)], n=1, params=params)
+    assert [g.token_ids for g in shared] == [g.token_ids for g in separate]
+    assert len({tuple(g.token_ids) for g in shared}) > 2  # sampled, not n copies of one completion
+    for a, b in zip(shared, separate):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
 def test_direct_decoder_samples_the_models_first_token_distribution(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     prompt = tokenizer("What is 12 + 7?")["input_ids"]

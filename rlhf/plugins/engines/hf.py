@@ -93,7 +93,9 @@ class HFEngine:
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Generation]:
-        rows = [ids for ids in prompts for _ in range(n)]  # n copies of each prompt, contiguous
+        direct = self.uses_direct_decoder(params)
+        shared = direct and n > 1  # the direct decoder prefills each prompt once for its n samples
+        rows = list(prompts) if shared else [ids for ids in prompts for _ in range(n)]  # n copies, contiguous
         width = max(len(p) for p in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
         attention_mask = torch.zeros_like(input_ids)  # (B, P)
@@ -101,8 +103,8 @@ class HFEngine:
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention_mask[row, width - len(ids):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        if self.uses_direct_decoder(params):
-            completions, logprobs = self._decode(input_ids, attention_mask, params)
+        if direct:
+            completions, logprobs = self._decode(input_ids, attention_mask, params, n=n if shared else 1)
         else:
             completions, logprobs = self._hf_generate(input_ids, attention_mask, params)
         completions = completions.cpu()  # (B, N)
@@ -122,25 +124,34 @@ class HFEngine:
         return not params.stop and plain and not base.config.is_encoder_decoder
 
     def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The direct decoder: (B, N) tokens, padded after EOS, and (B, N) log-probs if asked."""
+                params: SamplingParams, n: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The direct decoder: (B, N) tokens, padded after EOS, and (B, N) log-probs if asked.
+
+        ``input_ids`` (B / n, P) holds each prompt once: the prompt is prefilled once and its KV
+        cache repeated for its ``n`` samples (rows ``[p0s0 .. p0s(n-1), p1s0, ...]``), which saves
+        (n - 1) / n of the prefill (most of the work with long prompts).
+        """
         from transformers import DynamicCache
 
-        batch_size = input_ids.shape[0]
         base = base_model(self.model)
         cache = DynamicCache(config=base.config)
+        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B / n, P), left padding starts at 0
+        keep = {"logits_to_keep": 1} if accepts_logits_to_keep(type(base)) else {}  # the prompt needs no logits
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, **keep).logits[:, -1]  # (B / n, V)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)  # (B, V)
+            input_ids, attention_mask = input_ids.repeat_interleave(n, dim=0), attention_mask.repeat_interleave(n, dim=0)
+            positions = positions.repeat_interleave(n, dim=0)  # (B, P)
+        batch_size = input_ids.shape[0]
         mask = torch.cat([attention_mask, attention_mask.new_ones((batch_size, params.max_new_tokens))], dim=1)
-        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P), left padding starts at 0
         next_position = positions[:, -1:] + 1  # (B, 1)
         eos = torch.tensor(sorted(self.eos_ids), device=input_ids.device)
         tokens = input_ids.new_full((batch_size, params.max_new_tokens), self.pad_id)  # (B, N)
         logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device) \
             if params.return_logprobs else None  # (B, N)
         finished = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)  # (B,)
-
-        keep = {"logits_to_keep": 1} if accepts_logits_to_keep(type(base)) else {}  # the prompt needs no logits
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, **keep).logits[:, -1]  # (B, V)
         width = input_ids.shape[1]
         for t in range(params.max_new_tokens):
             scores = self._process(logits.float(), params)  # (B, V)

@@ -54,6 +54,8 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
                             ("--epochs", self.epochs)):
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1; got {value}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(f"--max-tokens-per-micro-batch must be at least 1; got {self.max_tokens_per_micro_batch}")
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"--steps must be at least 1; got {self.steps}")
         if self.lr is not None and not self.lr > 0:

@@ -28,6 +28,7 @@ from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.fit.text import TextFormatter
 from rlhf.runtime.local import seed_everything
 from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.threads import set_threads
 from rlhf.runtime.trained import TrainedModel
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,7 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
         if plugins.broken:
             log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
                         ", ".join(r.label for r in plugins.broken))
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        set_threads(config.threads)
         run, plan = build_run(plan, dist)
         return FitLoop(plan, plugins, run).run()
     finally:

@@ -156,11 +156,11 @@ class WorkerHost:
 
     def behaviour_logprobs(self, batch: Any) -> Any:
         """(B, A) log-probs of a batch under this actor's copy of the policy (the version it samples from)."""
+        from rlhf.runtime import local
         from rlhf.runtime.workers import model_logprobs
 
-        config = self.plan.config
-        return model_logprobs(self.rollout_model, batch, micro_batch_size=config.micro_batch_size,
-                              temperature=config.temperature)
+        return model_logprobs(self.rollout_model, batch, local.update_settings(self.plan),
+                              temperature=self.plan.config.temperature)
 
     def swap_rng(self, state: Any, fresh_seed: int) -> Any:
         """Install a random state for sampling (None: one seeded with ``fresh_seed``); return the previous one."""
