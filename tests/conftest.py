@@ -25,6 +25,10 @@ for _key, _value in {
     "RAY_USAGE_STATS_ENABLED": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "WANDB_MODE": "disabled",
+    # A fixed thread count: runs compared bit for bit within a test must not follow the machine's load
+    # (rlhf.runtime.threads), and one thread per process keeps a shared 2-core machine fast.
+    "RLHF_THREADS": "1",
+    "GOMP_SPINCOUNT": "10000",
 }.items():
     os.environ.setdefault(_key, _value)
 # A developer's own settings must not change what the tests see.

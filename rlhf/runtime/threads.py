@@ -128,9 +128,18 @@ _governor: ThreadGovernor | None = None
 
 def set_threads(requested: int | None) -> int:
     """Set torch's intra-op thread count (`choose_threads`) and return it. Without ``requested``
-    the count follows the load from then on (`adjust_threads` between steps)."""
+    (``--threads``, else the environment variable ``RLHF_THREADS``) the count follows the load
+    from then on (`adjust_threads` between steps)."""
     global _governor
     import torch
+
+    if requested is None and os.environ.get("RLHF_THREADS", "").strip():
+        try:
+            requested = max(1, int(os.environ["RLHF_THREADS"]))
+        except ValueError:
+            from rlhf.core.errors import ConfigError
+
+            raise ConfigError(f"RLHF_THREADS must be a number of threads, got {os.environ['RLHF_THREADS']!r}") from None
 
     default = torch.get_num_threads()
     cores, load = usable_cores(), others_load()
