@@ -186,16 +186,14 @@ class WorkerHost:
         return self.workers[role].nonfinite_in_a_row if role in _TRAINED else None
 
     def load(self, role: str, directory: str) -> int | None:
-        import torch
-
-        from rlhf.runtime.checkpoint import set_rng_state
+        from rlhf.runtime.checkpoint import load_tensors, set_rng_state
 
         path = Path(directory)
         if role in _TRAINED:
             self.workers[role].load(path)
         rng = path / f"rng_{self.rank}.pt"
         if rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=False))
+            set_rng_state(load_tensors(rng))  # tensors and plain data only: a crafted file is refused
         else:  # e.g. a checkpoint of the local runtime: sampling continues from this host's seed
             log.warning("%s has no RNG state for %s rank %d; its random numbers restart from the seed",
                         path, role, self.rank)

@@ -51,7 +51,9 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     plan = RunPlan.make(config, plugins)
     check_run(plan, world_size=1)  # the trainer loop runs once, here; the actors shard within each call
     _check_actor_counts(plan)
-    RunDirectory(plan.derived.out_dir).check_free(resume=config.resume)  # before paying for a cluster
+    # before paying for a cluster: a free (or resumable) directory, writable, options unchanged on --resume
+    RunDirectory(plan.derived.out_dir).check_start(plan.run_config(), resume=config.resume,
+                                                   overrides=config.resume_override)
     warn_about(plan, plugins, log)
     seed_everything(config.seed)
     plan, tokenizer, loader = _driver_side(plan)
