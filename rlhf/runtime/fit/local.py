@@ -15,7 +15,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import PluginSet, build_plugin_manager
