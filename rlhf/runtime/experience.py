@@ -19,7 +19,10 @@ from rlhf.algorithms import compute_advantages, kl_divergence
 from rlhf.core.batch import ExperienceBatch
 
 if TYPE_CHECKING:
+    import torch
+
     from rlhf.algorithms import ResolvedAlgorithm
+    from rlhf.core.types import Trajectory
     from rlhf.core.plugins import PluginSet
 
 
@@ -55,3 +58,21 @@ class ExperienceMaker:
         )  # (B, A), (B, A)
         return replace(batch, old_logprobs=old, ref_logprobs=ref, values=values, kl=kl, advantages=advantages,
                        returns=returns)
+
+
+def source_rewards(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """Each reward source's rewards as (B,) float tensors (NaN where the source gave none), for
+    ``AdvantageInputs.source_rewards``."""
+    import torch
+
+    names = sorted({name for t in trajectories for name in t.rewards})
+    return {name: torch.tensor([t.rewards.get(name) if t.rewards.get(name) is not None else float("nan")
+                                for t in trajectories], dtype=torch.float32) for name in names}
+
+
+def row_metadata(trajectory: Trajectory) -> dict[str, Any]:
+    """What an advantage estimator learns about a row (``AdvantageInputs.metadata``): its dataset
+    columns (label included), the trajectory's info, finish reason, turns, policy tokens and score."""
+    return {**trajectory.columns, "label": trajectory.label, "info": dict(trajectory.info),
+            "finish_reason": trajectory.finish_reason, "num_turns": trajectory.num_turns,
+            "num_policy_tokens": trajectory.num_policy_tokens, "score": trajectory.score}

@@ -47,3 +47,32 @@ def _env_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
         "env/env_tokens_mean": sum(len(t.token_ids) - t.prompt_length - t.num_policy_tokens
                                    for t in trajectories) / count,
     }
+
+
+def sequence_kl(batch: ExperienceBatch, metrics: dict[str, float]) -> float:
+    """The step's KL to the reference for the adaptive controller: the mean over samples of each
+    sample's token-mean KL (OpenRLHF's), or the training loss's KL when no KL was computed before."""
+    if batch.kl is not None:
+        mask = batch.loss_mask  # (B, A)
+        per_sample = (batch.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (B,)
+        counted = mask.sum(dim=1) > 0  # (B,)
+        return float(per_sample[counted].mean()) if counted.any() else 0.0
+    return float(metrics.get("policy/kl", 0.0))
+
+
+def _is_count(key: str) -> bool:
+    return key.endswith(("failures", "skipped", "/count")) or "/failures/" in key
+
+
+def merge_round_metrics(rounds: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Reward metrics of several sampling rounds (dynamic filtering): counts summed, means weighted
+    by each round's samples."""
+    if len(rounds) == 1:
+        return dict(rounds[0][0])
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, size in rounds:
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + (value if _is_count(key) else value * size)
+            weights[key] = weights.get(key, 0.0) + size
+    return {key: total if _is_count(key) else total / weights[key] for key, total in sums.items()}

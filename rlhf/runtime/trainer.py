@@ -34,13 +34,13 @@ from rlhf.core.types import RunInfo, Trajectory
 from rlhf.runtime.ahead import AheadGeneration, AheadParts, Prepared
 from rlhf.runtime.data import PromptLoader
 from rlhf.runtime.evaluation import Evaluator
-from rlhf.runtime.experience import ExperienceMaker
+from rlhf.runtime.experience import ExperienceMaker, row_metadata, source_rewards
 from rlhf.runtime.options import best_metric
 from rlhf.runtime.plan import RunPlan
 from rlhf.runtime.lifecycle import SteppedLoop, run_loop
 from rlhf.runtime.progress import RL_FIELDS
 from rlhf.runtime.run_dir import RunDirectory
-from rlhf.runtime.step_metrics import step_metrics
+from rlhf.runtime.step_metrics import merge_round_metrics, sequence_kl, step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -394,46 +394,3 @@ class Trainer(SteppedLoop):
             log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
                         "\n  ".join(differences))
 
-
-# --- step helpers -------------------------------------------------------------------------------
-
-
-def source_rewards(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
-    """Each reward source's rewards as (B,) float tensors (NaN where the source gave none)."""
-    names = sorted({name for t in trajectories for name in t.rewards})
-    return {name: torch.tensor([t.rewards.get(name) if t.rewards.get(name) is not None else float("nan")
-                                for t in trajectories], dtype=torch.float32) for name in names}
-
-
-def row_metadata(trajectory: Trajectory) -> dict[str, Any]:
-    """What an advantage estimator learns about a row: its dataset columns (label included), the
-    trajectory's info, finish reason, turns, policy tokens and score."""
-    return {**trajectory.columns, "label": trajectory.label, "info": dict(trajectory.info),
-            "finish_reason": trajectory.finish_reason, "num_turns": trajectory.num_turns,
-            "num_policy_tokens": trajectory.num_policy_tokens, "score": trajectory.score}
-
-
-def sequence_kl(batch: Any, metrics: dict[str, float]) -> float:
-    """The step's KL to the reference for the adaptive controller: the mean over samples of each
-    sample's token-mean KL (OpenRLHF's), or the training loss's KL when no KL was computed before."""
-    if batch.kl is not None:
-        mask = batch.loss_mask  # (B, A)
-        per_sample = (batch.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (B,)
-        counted = mask.sum(dim=1) > 0  # (B,)
-        return float(per_sample[counted].mean()) if counted.any() else 0.0
-    return float(metrics.get("policy/kl", 0.0))
-
-
-def merge_round_metrics(rounds: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-    """Reward metrics of several sampling rounds: counts summed, means weighted by samples."""
-    if len(rounds) == 1:
-        return dict(rounds[0][0])
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    for metrics, size in rounds:
-        for key, value in metrics.items():
-            counted = key.endswith(("failures", "skipped")) or "/failures/" in key or key.endswith("/count")
-            sums[key] = sums.get(key, 0.0) + (value if counted else value * size)
-            weights[key] = weights.get(key, 0.0) + (1 if counted else size)
-    return {k: sums[k] if k.endswith(("failures", "skipped")) or "/failures/" in k or k.endswith("/count")
-            else sums[k] / weights[k] for k in sums}
