@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.plugin_kit.checks.target import Target, expect_close, expect_tensor
+from rlhf.plugin_kit.checks.target import Target, expect_close, expect_tensor, guarded
 
 B, T = 2, 7
 
@@ -22,8 +22,8 @@ def check(target: Target) -> list[str]:
 
     ref = str(target.tiny_model())
     roles = tuple(target.capabilities.get("roles") or ("policy",))
-    adapter = _call(target, "creating the adapter", lambda: target.obj(target.config(model=ref, tokenizer=ref)))
-    tokenizer = _call(target, "load_tokenizer", lambda: adapter.load_tokenizer(ref))
+    adapter = guarded(target, "creating the adapter", lambda: target.obj(target.config(model=ref, tokenizer=ref)))
+    tokenizer = guarded(target, "load_tokenizer", lambda: adapter.load_tokenizer(ref))
     if getattr(tokenizer, "pad_token_id", None) is None:
         raise target.fail("load_tokenizer returned a tokenizer without a pad token; set one")
     torch.manual_seed(0)
@@ -31,7 +31,7 @@ def check(target: Target) -> list[str]:
     attention_mask = torch.ones(B, T, dtype=torch.long)  # (B, T)
     attention_mask[1, -2:] = 0
 
-    policy = _call(target, "load(role='policy')", lambda: adapter.load(ref, role="policy"))
+    policy = guarded(target, "load(role='policy')", lambda: adapter.load(ref, role="policy"))
     vocab = len(tokenizer)
     logits = _logits(target, "policy", policy, input_ids, attention_mask)
     if logits.shape[:2] != (B, T) or logits.shape[2] < vocab:
@@ -39,7 +39,7 @@ def check(target: Target) -> list[str]:
     trainable = [p for p in policy.parameters() if p.requires_grad]
     if not trainable:
         raise target.fail("the policy has no trainable parameter")
-    generated = _call(target, "policy.generate", lambda: policy.generate(
+    generated = guarded(target, "policy.generate", lambda: policy.generate(
         input_ids=input_ids[:1], attention_mask=attention_mask[:1], max_new_tokens=3, do_sample=False,
         pad_token_id=tokenizer.pad_token_id))
     if generated.shape[1] <= T:
@@ -51,8 +51,8 @@ def check(target: Target) -> list[str]:
         lines.append(_check_reference(target, adapter, ref, policy, logits, input_ids, attention_mask))
     for role in ("critic", "reward"):
         if role in roles:
-            model = _call(target, f"load(role={role!r})", lambda r=role: adapter.load(ref, role=r))
-            values = _call(target, f"the {role}'s forward", lambda m=model: m(input_ids, attention_mask))
+            model = guarded(target, f"load(role={role!r})", lambda r=role: adapter.load(ref, role=r))
+            values = guarded(target, f"the {role}'s forward", lambda m=model: m(input_ids, attention_mask))
             values = getattr(values, "logits", values)
             expect_tensor(target, f"the {role}'s values", values, (B, T))
             if values.dtype != torch.float32:
@@ -60,7 +60,7 @@ def check(target: Target) -> list[str]:
             lines.append(f"{role}: values ({B}, {T}) float32")
             if role == "critic":
                 out = target.workdir() / "critic"
-                _call(target, "save_critic", lambda m=model: adapter.save_critic(m, tokenizer, out))
+                guarded(target, "save_critic", lambda m=model: adapter.save_critic(m, tokenizer, out))
                 if not (out / "config.json").exists():
                     raise target.fail(f"save_critic wrote no config.json in {out}")
                 lines.append("save_critic writes a model directory")
@@ -69,7 +69,7 @@ def check(target: Target) -> list[str]:
     policy.eval()
     with torch.no_grad():
         expected = _logits(target, "policy", policy, input_ids, attention_mask)
-    _call(target, "save", lambda: adapter.save(policy, tokenizer, out))
+    guarded(target, "save", lambda: adapter.save(policy, tokenizer, out))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -92,7 +92,7 @@ def _check_reference(target: Target, adapter: Any, ref: str, policy: Any, logits
 
     was_training = policy.training
     trainable_before = [p.requires_grad for p in policy.parameters()]
-    reference = _call(target, "load(role='reference')", lambda: adapter.load(ref, role="reference"))
+    reference = guarded(target, "load(role='reference')", lambda: adapter.load(ref, role="reference"))
     if [p.requires_grad for p in policy.parameters()] != trainable_before or policy.training != was_training:
         raise target.fail("loading the reference changed the policy's trainability or train/eval mode")
     shared = {id(p) for p in policy.parameters()}  # LoRA's reference is a view of the policy: shared is fine
@@ -118,17 +118,9 @@ def _check_reference(target: Target, adapter: Any, ref: str, policy: Any, logits
 
 
 def _logits(target: Target, who: str, model: Any, input_ids: Any, attention_mask: Any) -> Any:
-    out = _call(target, f"the {who}'s forward", lambda: model(input_ids=input_ids, attention_mask=attention_mask))
+    out = guarded(target, f"the {who}'s forward", lambda: model(input_ids=input_ids, attention_mask=attention_mask))
     logits = getattr(out, "logits", None)
     if logits is None:
         raise target.fail(f"the {who}'s forward should return an object with .logits, got {type(out).__name__}")
     return logits.float()
 
-
-def _call(target: Target, what: str, fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception as exc:
-        if type(exc).__name__ == "ContractError":
-            raise
-        raise target.fail(f"{what} raised {type(exc).__name__}: {exc}") from exc

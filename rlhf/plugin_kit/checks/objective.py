@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from rlhf.plugin_kit.checks.target import Target
+from rlhf.plugin_kit.checks.target import Target, guarded
 
 TEXTS = ["What is 2 + 3?", "The answer is 5.", "Say hello to the world.", "hello world!"]
 
@@ -37,13 +37,13 @@ def check(target: Target) -> list[str]:
                 **CHECK_RUN_VALUES, "model": ref, "tokenizer": ref}, who=target.label, flag="--objective")
         except Exception as exc:
             raise target.fail(f"its config class cannot be built for the check: {exc}") from exc
-    objective = _call(target, "creating the objective", lambda: target.obj(config))
+    objective = guarded(target, "creating the objective", lambda: target.obj(config))
     flags = target.capabilities
     head = flags.get("head", "lm")
     adapter = _adapter(target)
     tokenizer = adapter.load_tokenizer(ref)
     text = TextFormatter(tokenizer, max_len=64)
-    columns = _call(target, "columns()", objective.columns)
+    columns = guarded(target, "columns()", objective.columns)
     rows = list(getattr(target.obj, "sample_rows", None) or
                 [{c: TEXTS[(i + j) % len(TEXTS)] for j, c in enumerate(columns)} for i in range(4)])
     examples = []
@@ -57,7 +57,7 @@ def check(target: Target) -> list[str]:
             raise target.fail(f"encode(row {i}) raised {type(exc).__name__}: {exc}") from exc
     if len(examples) < 2:
         raise target.fail("the check needs at least two rows (sample_rows)")
-    examples = _call(target, "step_examples()", lambda: objective.step_examples(examples))
+    examples = guarded(target, "step_examples()", lambda: objective.step_examples(examples))
     lines = [f"columns {columns}: {len(examples)} rows encoded"]
 
     torch.manual_seed(0)
@@ -70,15 +70,15 @@ def check(target: Target) -> list[str]:
     pad = tokenizer.pad_token_id
 
     def run(part: list[Any], what: str) -> tuple[Any, dict[str, Any], float]:
-        batch = _call(target, f"collate ({what})", lambda: objective.collate(part, pad))
+        batch = guarded(target, f"collate ({what})", lambda: objective.collate(part, pad))
         if not isinstance(batch, dict):
             raise target.fail(f"collate should return a dict of tensors, got {type(batch).__name__}")
         with torch.no_grad():
-            stats = _call(target, "step_statistics", lambda: objective.step_statistics(models, batch))
-        units = float(_call(target, "units", lambda: objective.units(batch)))
+            stats = guarded(target, "step_statistics", lambda: objective.step_statistics(models, batch))
+        units = float(guarded(target, "units", lambda: objective.units(batch)))
         if not units > 0:
             raise target.fail(f"units(batch) should be positive, got {units} ({what})")
-        result = _call(target, f"loss ({what})", lambda: objective.loss(models, batch, stats_all or stats or {}))
+        result = guarded(target, f"loss ({what})", lambda: objective.loss(models, batch, stats_all or stats or {}))
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
             raise target.fail(f"loss should return (loss tensor, metrics dict), got {type(result).__name__}")
         loss, metrics = result
@@ -118,7 +118,7 @@ def check(target: Target) -> list[str]:
                           f"batch {loss.item():.6g}: loss must be the mean over units(batch), so the step gradient "
                           "does not depend on the micro-batch size")
     lines.append("two micro-batches weighted by their units give the whole batch's loss")
-    extra = _call(target, "output_config", lambda: objective.output_config(stats_all or {}))
+    extra = guarded(target, "output_config", lambda: objective.output_config(stats_all or {}))
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as exc:
@@ -139,11 +139,3 @@ def _adapter(target: Target) -> Any:
                                     who="the 'hf' model adapter", flag="--model-adapter")
     return component.load()(config)
 
-
-def _call(target: Target, what: str, fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception as exc:
-        if type(exc).__name__ == "ContractError":
-            raise
-        raise target.fail(f"{what} raised {type(exc).__name__}: {exc}") from exc

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rlhf.plugin_kit.checks.target import Target
+from rlhf.plugin_kit.checks.target import Target, guarded
 
 N = 3
 MAX_NEW = 6
@@ -28,13 +28,13 @@ def check(target: Target) -> list[str]:
     ref = target.tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(ref)
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    engine = _call(target, "creating the engine", lambda: target.obj(model, tokenizer, target.config(
+    engine = guarded(target, "creating the engine", lambda: target.obj(model, tokenizer, target.config(
         model=str(ref), tokenizer=str(ref), max_new_tokens=MAX_NEW)))
     prompts = [tokenizer("What is 2 + 3?")["input_ids"], tokenizer("Say hello")["input_ids"]]
     eos = tokenizer.eos_token_id
 
     def generate(params: SamplingParams, what: str) -> list[Any]:
-        out = _call(target, f"generate ({what})", lambda: engine.generate(prompts, n=N, params=params))
+        out = guarded(target, f"generate ({what})", lambda: engine.generate(prompts, n=N, params=params))
         if not isinstance(out, list) or len(out) != len(prompts) * N:
             size = len(out) if isinstance(out, list) else type(out).__name__
             raise target.fail(f"generate(2 prompts, n={N}) should return a list of {2 * N} Generation, got {size} "
@@ -86,15 +86,7 @@ def check(target: Target) -> list[str]:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-        _call(target, "load_weights()", engine.load_weights)
+        guarded(target, "load_weights()", engine.load_weights)
         lines.append("load_weights() takes the policy's new weights")
     return lines
 
-
-def _call(target: Target, what: str, fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception as exc:
-        if type(exc).__name__ == "ContractError":
-            raise
-        raise target.fail(f"{what} raised {type(exc).__name__}: {exc}") from exc

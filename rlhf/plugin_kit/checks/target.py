@@ -128,3 +128,13 @@ def expect_close(target: Target, what: str, got: torch.Tensor, expected: torch.T
 
 def finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def guarded(target: Target, what: str, fn: Any) -> Any:
+    """``fn()``; any exception but a `ContractError` becomes one saying that ``what`` raised it."""
+    try:
+        return fn()
+    except ContractError:
+        raise
+    except Exception as exc:
+        raise target.fail(f"{what} raised {type(exc).__name__}: {exc}") from exc

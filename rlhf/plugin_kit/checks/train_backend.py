@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from rlhf.plugin_kit.checks.target import Target, finite_number
+from rlhf.plugin_kit.checks.target import Target, finite_number, guarded
 
 B, T = 2, 8
 
@@ -49,7 +49,7 @@ def check(target: Target) -> list[str]:
     lines.append("a NaN gradient: step() changes nothing and reports skipped 1.0")
 
     _backward(target, backend, batches[1])
-    _call(target, "zero_grad()", backend.zero_grad)
+    guarded(target, "zero_grad()", backend.zero_grad)
     _expect_no_gradient(target, backend, "after zero_grad()")
     lines.append("zero_grad() drops accumulated gradients")
 
@@ -63,7 +63,7 @@ def check(target: Target) -> list[str]:
 def _state_dict_round_trip(target: Target, backend: Any, ref: Any, batches: list[Any]) -> str:
     import torch
 
-    state = _call(target, "state_dict()", backend.state_dict)
+    state = guarded(target, "state_dict()", backend.state_dict)
     buffer = io.BytesIO()
     try:
         torch.save(state, buffer)
@@ -74,7 +74,7 @@ def _state_dict_round_trip(target: Target, backend: Any, ref: Any, batches: list
     twin_model = _load_model(ref)
     twin_model.load_state_dict(backend.model.state_dict() if hasattr(backend, "model") else _weights(backend))
     twin = _make(target, twin_model)
-    _call(target, "load_state_dict()", lambda: twin.load_state_dict(state))
+    guarded(target, "load_state_dict()", lambda: twin.load_state_dict(state))
     for b in (backend, twin):
         _backward(target, b, batches[2])
         _step(target, b)
@@ -86,9 +86,9 @@ def _state_dict_round_trip(target: Target, backend: Any, ref: Any, batches: list
 
 def _checkpoint_round_trip(target: Target, backend: Any, ref: Any, batches: list[Any]) -> str:
     folder = target.workdir() / "backend-checkpoint"
-    _call(target, "save_checkpoint()", lambda: backend.save_checkpoint(folder))
+    guarded(target, "save_checkpoint()", lambda: backend.save_checkpoint(folder))
     twin = _make(target, _load_model(ref))
-    _call(target, "load_checkpoint()", lambda: twin.load_checkpoint(folder))
+    guarded(target, "load_checkpoint()", lambda: twin.load_checkpoint(folder))
     for b in (backend, twin):
         _backward(target, b, batches[2])
         _step(target, b)
@@ -107,7 +107,7 @@ def _load_model(ref: Any) -> Any:
 
 def _make(target: Target, model: Any) -> Any:
     config = target.config(lr=1e-2, total_steps=10, micro_batch_size=B)
-    return _call(target, "creating the backend", lambda: target.obj(model, config))
+    return guarded(target, "creating the backend", lambda: target.obj(model, config))
 
 
 def _backward(target: Target, backend: Any, input_ids: Any, scale: float = 1.0) -> None:
@@ -119,11 +119,11 @@ def _backward(target: Target, backend: Any, input_ids: Any, scale: float = 1.0) 
                                                  input_ids[:, 1:].reshape(-1))
         backend.backward(loss * scale)
 
-    _call(target, "a forward through train_module and backward(loss)", run)
+    guarded(target, "a forward through train_module and backward(loss)", run)
 
 
 def _step(target: Target, backend: Any) -> dict[str, float]:
-    result = _call(target, "step()", backend.step)
+    result = guarded(target, "step()", backend.step)
     if not isinstance(result, dict) or not {"grad_norm", "lr", "skipped"} <= set(result):
         raise target.fail(f"step() should return a dict with grad_norm, lr and skipped, got {result!r}")
     if not (finite_number(result["lr"]) and result["skipped"] in (0.0, 1.0)):
@@ -151,13 +151,5 @@ def _expect_no_gradient(target: Target, backend: Any, when: str) -> None:
     if left:
         raise target.fail(f"gradients are left on {left[0]} (and {len(left) - 1} more) {when}; clear them")
 
-
-def _call(target: Target, what: str, fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception as exc:
-        if type(exc).__name__ == "ContractError":
-            raise
-        raise target.fail(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
