@@ -42,7 +42,10 @@ def closed_venv(tmp_path_factory) -> Path:
     try:
         import numpy
 
-        (site / "numpy").symlink_to(Path(numpy.__file__).parent)
+        package = Path(numpy.__file__).parent
+        (site / "numpy").symlink_to(package)
+        if (package.parent / "numpy.libs").is_dir():  # its bundled shared libraries (OpenBLAS)
+            (site / "numpy.libs").symlink_to(package.parent / "numpy.libs")
     except ImportError:
         pass
     yield venv / "bin" / "python"

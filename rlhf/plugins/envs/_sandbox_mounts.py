@@ -256,6 +256,30 @@ def python_layout(sys):
             site_prefixes = [venv, sys.base_prefix] if system else [venv]
             break
     site_dirs = [d for d in site.getsitepackages(site_prefixes) if os.path.isdir(d)]
-    paths = sorted({os.path.realpath(p) for p in (*prefixes, *site_dirs)})
+    paths = sorted({os.path.realpath(p) for p in (*prefixes, *site_dirs, *linked_elsewhere(site_dirs))})
     paths = [p for p in paths if not any(p != q and under(p, q) for q in paths)]
     return {"python_paths": paths, "site_dirs": site_dirs}
+
+
+def linked_elsewhere(site_dirs):
+    """What site-packages reach outside themselves: the targets of symlinked entries (a package
+    linked from another environment) and the directories named in ``.pth`` files (editable
+    installs), so they stay visible when they live under a masked directory such as /tmp."""
+    found = []
+    for directory in site_dirs:
+        try:
+            entries = os.listdir(directory)
+        except OSError:
+            continue
+        for name in entries:
+            path = os.path.join(directory, name)
+            if os.path.islink(path) and os.path.exists(path):
+                found.append(path)
+            elif name.endswith(".pth"):
+                try:
+                    with open(path) as f:
+                        lines = [line.strip() for line in f]
+                except OSError:
+                    continue
+                found += [line for line in lines if line.startswith("/") and os.path.isdir(line)]
+    return found
