@@ -97,16 +97,14 @@ class Sampler:
 def generate(config: GenerateConfig, *, plugins: Any = None) -> Report | None:
     """Run ``rlhf generate`` in this process (one rank under torchrun); returns what was written
     (None on ranks other than the main one)."""
-    import torch
-
     from rlhf.core.distributed import init_from_environment
     from rlhf.core.plugins import build_plugin_manager
     from rlhf.runtime.data import PromptFormatter, load_prompts
+    from rlhf.runtime.threads import set_threads
 
     mode = config.check()
     plugins = plugins or build_plugin_manager()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
+    set_threads(config.threads)  # --threads, else the count the machine's load leaves free
     values = run_values(config)
     settings = config.components
     adapter_cls, adapter_config = component(plugins, GENERATE_SLOTS["model_adapter"], config.model_adapter,

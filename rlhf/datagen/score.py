@@ -52,12 +52,11 @@ def score(config: ScoreConfig, *, plugins: Any = None) -> Report | None:
     from rlhf.core.plugins import build_plugin_manager
     from rlhf.runtime.data import load_rows, row_origin, row_values
 
+    from rlhf.runtime.threads import set_threads
+
     mode = config.check()
     plugins = plugins or build_plugin_manager()
-    if config.threads is not None:
-        import torch
-
-        torch.set_num_threads(config.threads)
+    set_threads(config.threads)  # --threads, else the count the machine's load leaves free
     rewards = load_reward_set(config, plugins)
     text = PromptText(config)
     dataset = load_rows(list(config.data), split=config.data_split,

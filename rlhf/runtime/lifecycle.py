@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from abc import ABC, abstractmethod
 import signal
 import threading
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ from rlhf.runtime.run_dir import RunDirectory, cut_logs, log_sizes
 log = logging.getLogger(__name__)
 
 
-class SteppedLoop:
+class SteppedLoop(ABC):
     """What `run_loop` drives: a training loop implements the abstract calls, and may use the
     others (called in this order: ``begin``, then per step ``run_step``, ``after_step``, and when a
     checkpoint is due ``before_checkpoint``; then ``after_checkpoint``; ``end`` always, last)."""
@@ -46,25 +47,25 @@ class SteppedLoop:
     start_step: int
     fingerprint: dict[str, Any]
 
+    @abstractmethod
     def run_step(self, step: int, run: RunInfo) -> dict[str, float]:
         """One step; its metrics (for ``on_step_end`` and the loggers)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def checkpoint_roles(self) -> dict[str, Any]:
         """What a checkpoint saves: name -> an object with ``save(dir)`` / ``load(dir)``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def trainer_state(self) -> dict[str, Any]:
         """JSON data saved with them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def restore(self, state: dict[str, Any]) -> None:
         """The trainer state of the checkpoint resumed from (its roles are loaded already)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def export_final(self, directory: Path) -> None:
         """The trained model(s) into ``directory``, on every rank."""
-        raise NotImplementedError
 
     def begin(self, run: RunInfo) -> None:
         """Before the first step (after ``on_run_start``)."""
