@@ -43,11 +43,16 @@ TARGETS = [
     "rlhf/plugins/algorithms/returns.py", "rlhf/plugins/algorithms/rloo.py",
     "rlhf/runtime/workers.py", "rlhf/runtime/experience.py", "rlhf/runtime/trainer.py", "rlhf/core/logprobs.py",
     "rlhf/runtime/local.py", "rlhf/runtime/plan.py", "rlhf/rewards/combine.py",
+    # the RL loop's extensions (issue 17) and --async (issue 18)
+    "rlhf/plugins/algorithms/gspo_loss.py", "rlhf/algorithms/kl_control.py", "rlhf/plugins/filters/dynamic.py",
+    "rlhf/plugins/shaping/overlong.py", "rlhf/plugins/shaping/truncation.py", "rlhf/runtime/evaluation.py",
+    "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py",
 ]
 FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
               "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
               "tests/runtime/test_multiturn.py",
-              "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py"]
+              "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
+              "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py"]
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
@@ -61,15 +66,15 @@ CURATED = [
      "micro.action_mask,", "temperature not passed to the training log-probs"),
     ("rlhf/algorithms/presets.py", "return optimizer_steps_per_rollout > 1 or self.kl_in_reward",
      "return self.kl_in_reward", "old log-probs not recomputed for several optimizer steps"),
-    ("rlhf/runtime/experience.py", "sample_mask=batch.sample_mask.bool(), config=",
-     "config=", "sample_mask dropped before the advantages"),
+    ("rlhf/runtime/experience.py", "sample_mask=batch.sample_mask.bool(), source_rewards=",
+     "source_rewards=", "sample_mask dropped before the advantages"),
     ("rlhf/runtime/workers.py", "mb.attention_mask.to(self.device))[:, :-1])",
      "mb.attention_mask.to(self.device))[:, 1:])", "critic values read one position late"),
     ("rlhf/runtime/workers.py", "values = self.train_model(micro.input_ids, micro.attention_mask)[:, :-1]",
      "values = self.train_model(micro.input_ids, micro.attention_mask)[:, 1:]", "critic trained one position late"),
     ("rlhf/plugins/models/hf.py", 'return self._from_pretrained("AutoModelForCausalLM", ref).eval().requires_grad_(False)',
      "return self._policy[1]", "the reference is the policy module"),
-    ("rlhf/runtime/workers.py", "temperature=self.temperature)[0])", "temperature=1.0)[0])",
+    ("rlhf/runtime/workers.py", "temperature=self.temperature)[0], self.max_tokens", "temperature=1.0)[0], self.max_tokens",
      "reference log-probs at temperature 1"),
     ("rlhf/algorithms/losses.py", "kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)", "kl = kl",
      "KL not clamped"),

@@ -166,3 +166,30 @@ def test_truncation_scales_or_replaces_the_reward_of_cut_completions():
     assert scaled == pytest.approx([0.4, 0.8, 0.3]) and metrics["truncated/count"] == 2.0
     replaced, _ = truncation_shaping(trajectories, [0.8, 0.8, 0.6], TruncationConfig(truncated_reward=-1.0))
     assert replaced == [-1.0, 0.8, -1.0]
+
+
+def test_gspo_scales_with_the_advantage_and_clips_on_the_right_side():
+    logp = torch.tensor([[0.3, 0.3]], requires_grad=True)  # s = exp(0.3) = 1.35, outside [0.8, 1.2]
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    up, _ = policy_loss("gspo", logp=logp, logp_old=old, advantages=torch.full((1, 2), 2.0), action_mask=mask)
+    down, _ = policy_loss("gspo", logp=logp, logp_old=old, advantages=torch.full((1, 2), -2.0), action_mask=mask)
+    assert up.item() == pytest.approx(-1.2 * 2.0)  # positive advantage: the clipped ratio caps the gain
+    assert down.item() == pytest.approx(math.exp(0.3) * 2.0)  # negative: the unclipped (larger) loss
+
+
+def test_the_unbiased_kl_weight_is_clamped_at_ten():
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    ref, old = torch.tensor([[-1.0]]), torch.tensor([[-3.0]])  # π/π_old = e³ ≈ 20, clamped to 10
+    kl = kl_divergence("k3", logp, ref, unbiased_gradient=True, logp_old=old)
+    kl.sum().backward()
+    assert logp.grad.item() == pytest.approx(10.0 * 1.0)  # w·δ with δ = logp - ref = 1
+
+
+def test_metrics_of_several_sampling_rounds_sum_counts_and_weight_means():
+    from rlhf.runtime.step_metrics import merge_round_metrics
+
+    rounds = [({"reward/mean": 1.0, "reward/failures": 2.0, "reward/src/count": 1.0}, 4),
+              ({"reward/mean": 0.0, "reward/failures": 1.0, "reward/src/count": 3.0}, 12)]
+    assert merge_round_metrics(rounds) == {"reward/mean": 0.25, "reward/failures": 3.0, "reward/src/count": 4.0}
+    assert merge_round_metrics(rounds[:1]) == rounds[0][0]

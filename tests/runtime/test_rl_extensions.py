@@ -187,10 +187,16 @@ def test_unbiased_gradient_needs_kl_in_the_loss(tiny_model_dir, task, tmp_path):
     with pytest.raises(RlhfError, match="--kl-unbiased-gradient"):
         train(small_config(tiny_model_dir, task, tmp_path / "run", algo="ppo", kl_unbiased_gradient=True),
               plugins=build_plugin_manager())
-    out = tmp_path / "grpo"
-    train(small_config(tiny_model_dir, task, out, steps=1, kl_unbiased_gradient=True, kl_coef=0.1),
-          plugins=build_plugin_manager())
-    assert "policy/kl" in read_jsonl(out / "metrics.jsonl")[0]
+    # Step 1 samples from the reference itself: δ = 0 on every token. k1's own gradient is β per token,
+    # the unbiased one w·δ = 0: with the flag the step's gradient is the policy loss's alone.
+    norms = {}
+    for name, options in (("unbiased", dict(kl_unbiased_gradient=True)), ("k1", {}), ("no_kl", dict(kl_in="none"))):
+        out = tmp_path / name
+        train(small_config(tiny_model_dir, task, out, steps=1, kl_estimator="k1", kl_coef=0.1, **options),
+              plugins=build_plugin_manager())
+        norms[name] = read_jsonl(out / "metrics.jsonl")[0]["policy/grad_norm"]
+    assert norms["unbiased"] == pytest.approx(norms["no_kl"], rel=1e-5)
+    assert norms["k1"] != pytest.approx(norms["no_kl"], rel=1e-3)
 
 
 def test_gspo_and_seq_mask_tis_train_through_the_cli(tiny_model_dir, task, tmp_path, plugins):
