@@ -14,6 +14,7 @@ import torch
 
 from rlhf.core.modeling import accepts_logits_to_keep, base_model
 from rlhf.core.packing import PackedModel, innermost, is_packed, pack_rows
+from rlhf.core.prefix_sharing import SharedRows, shared_logits_at
 
 _ROWS_PER_CHUNK = 8
 
@@ -87,16 +88,42 @@ def packed_token_logprobs(model: PackedModel, input_ids: torch.Tensor, attention
     logits = inner(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
                    use_cache=False, **kwargs).logits  # (1, K, V) or (1, N, V)
     logits = logits[0] if kwargs else logits[0, at]  # (K, V)
+    return _scatter_logprobs(logits, targets, (rows, cols), logprobs, entropy, temperature)
+
+
+def shared_token_logprobs(model: torch.nn.Module, rows: SharedRows, input_ids: torch.Tensor,
+                          action_mask: torch.Tensor, *, temperature: float = 1.0,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of a (B, T) batch laid out by `rlhf.core.prefix_sharing.share_prefixes`
+    (rows of a group share their common prefix's forward). Log-probs (and entropy) (B, A) are 0 off
+    the action mask; gradients flow when enabled."""
+    batch_size, length = input_ids.shape  # (B, T)
+    wanted = action_mask.bool() & (rows.index[:, :-1] >= 0) & (rows.index[:, 1:] >= 0)  # (B, A)
+    row, col = wanted.nonzero(as_tuple=True)  # (K,), (K,)
+    targets = input_ids[row, col + 1]  # (K,)
+    logprobs = torch.zeros((batch_size, length - 1), dtype=torch.float32, device=input_ids.device)  # (B, A)
+    entropy = torch.zeros_like(logprobs) if with_entropy else None
+    if row.numel() == 0:
+        return logprobs, entropy
+    logits = shared_logits_at(model, rows, rows.index[row, col])  # (K, V)
+    return _scatter_logprobs(logits, targets, (row, col), logprobs, entropy, temperature)
+
+
+def _scatter_logprobs(logits: torch.Tensor, targets: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
+                      logprobs: torch.Tensor, entropy: torch.Tensor | None,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / τ)[target] (and entropy) of K positions, logits (K, V), targets (K,),
+    written at ``where`` (rows (K,), columns (K,)) into the zero (B, A) ``logprobs`` / ``entropy``."""
     chunks_lp, chunks_ent = [], []
-    for begin in range(0, at.numel(), _POSITIONS_PER_CHUNK):
+    for begin in range(0, targets.numel(), _POSITIONS_PER_CHUNK):
         z = logits[begin:begin + _POSITIONS_PER_CHUNK].float()  # (k, V)
         if temperature != 1.0:
             z = z / temperature
         log_p = torch.log_softmax(z, dim=-1)  # (k, V)
         chunks_lp.append(log_p.gather(-1, targets[begin:begin + _POSITIONS_PER_CHUNK, None]).squeeze(-1))  # (k,)
-        if with_entropy:
+        if entropy is not None:
             chunks_ent.append(-(log_p.exp() * log_p).sum(dim=-1))  # (k,)
-    logprobs = logprobs.index_put((rows, cols), torch.cat(chunks_lp))  # (B, A)
-    if with_entropy:
-        entropy = entropy.index_put((rows, cols), torch.cat(chunks_ent))  # (B, A)
+    logprobs = logprobs.index_put(where, torch.cat(chunks_lp))  # (B, A)
+    if entropy is not None:
+        entropy = entropy.index_put(where, torch.cat(chunks_ent))  # (B, A)
     return logprobs, entropy

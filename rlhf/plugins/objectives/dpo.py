@@ -6,6 +6,11 @@ smoothing ε, −(1 − ε) log σ(βh) − ε log σ(−βh); IPO (h − 1/(2β
 (``rlhf.objectives.dpo_loss``, OpenRLHF's ``DPOLoss``). ``--nll-coef c`` adds c × the chosen
 responses' NLL (per-token mean, averaged over pairs, as OpenRLHF). Mean over pairs; one unit
 per pair. The reference is the starting model (with LoRA: the same weights, adapter off).
+Chosen and rejected share their prompt's forward (``--share-prompt``, on by default:
+`rlhf.core.prefix_sharing`): one row per pair, prompt + chosen + rejected, each response
+attending to the prompt and itself. The log-probs are the separate forwards' up to float
+rounding; the first micro-batch of a run checks that against separate forwards and falls back to
+them, with a warning, for a model that does not take the mask.
 Metrics: ``accuracy`` (share of pairs whose implicit reward β(log π − log π_ref) is higher for
 the chosen), ``margin`` (mean reward gap), ``chosen_reward``, ``rejected_reward``.
 """
@@ -15,10 +20,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import logging
+
 from rlhf.core.objective import FitModels, ObjectiveBase, TextFormat
-from rlhf.objectives import dpo_loss, response_mask, sequence_logps, token_batch, token_logps
+from rlhf.objectives import dpo_loss, response_mask, sequence_logps, shared_token_logps, token_batch, token_logps
 from rlhf.plugins.objectives.config import DPOConfig
 from rlhf.plugins.objectives.pairs import pair_columns, pair_texts
+
+log = logging.getLogger(__name__)
 
 
 class DPOObjective(ObjectiveBase):
@@ -28,6 +37,7 @@ class DPOObjective(ObjectiveBase):
 
     def __init__(self, config: DPOConfig | None = None):
         super().__init__(config or DPOConfig())
+        self.shares_prompt: bool | None = None if self.config.share_prompt else False  # None: not checked yet
 
     def columns(self) -> list[str]:
         return pair_columns(self.config)
@@ -52,11 +62,11 @@ class DPOObjective(ObjectiveBase):
         import torch
 
         pairs = len(batch["input_ids"]) // 2
-        inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
         mask = batch["loss_mask"][:, 1:]  # (2P, A)
-        sums, means = sequence_logps(token_logps(models.model, *inputs), mask)  # (2P,), (2P,)
+        forward = self._forward(models.model, batch)
+        sums, means = sequence_logps(forward(models.model), mask)  # (2P,), (2P,)
         with torch.no_grad():
-            ref_sums, _ = sequence_logps(token_logps(models.reference, *inputs), mask)  # (2P,)
+            ref_sums, _ = sequence_logps(forward(models.reference), mask)  # (2P,)
         config = self.config
         loss, chosen_rewards, rejected_rewards = dpo_loss(sums[:pairs], sums[pairs:], ref_sums[:pairs],
                                                           ref_sums[pairs:], beta=config.beta,
@@ -67,6 +77,40 @@ class DPOObjective(ObjectiveBase):
             loss = loss + config.nll_coef * nll
             metrics["nll"] = float(nll.detach())
         return loss, metrics
+
+    def _forward(self, model: Any, batch: dict[str, Any]) -> Any:
+        """``m -> (2P, A) log-probs of the learnt tokens under m`` (the policy or the reference), the
+        pair's prompt shared when it can be; the first call checks that against separate forwards."""
+        import torch
+
+        from rlhf.core.packing import is_packed
+        from rlhf.core.prefix_sharing import can_share, share_prefixes
+
+        inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+        if self.shares_prompt is False or is_packed(model) or not can_share(model):
+            return lambda m: token_logps(m, *inputs)
+        pairs = len(batch["input_ids"]) // 2
+        rows = share_prefixes(batch["input_ids"], batch["attention_mask"], [(i, pairs + i) for i in range(pairs)])
+
+        def forward(m: Any) -> Any:
+            if can_share(m):
+                return shared_token_logps(m, rows, batch["input_ids"], batch["loss_mask"])
+            return token_logps(m, *inputs)
+
+        if self.shares_prompt is None:
+            was_training = model.training
+            model.eval()  # no dropout: the two forwards must see the same weights
+            with torch.no_grad():
+                difference = (forward(model) - token_logps(model, *inputs)).abs().max()  # over (2P, A)
+            model.train(was_training)
+            tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2  # nats per token
+            self.shares_prompt = bool(difference <= tolerance)
+            if not self.shares_prompt:
+                log.warning("dpo: the model's log-probs with a shared prompt differ from separate forwards by "
+                            "%.3g; chosen and rejected run separately (--no-share-prompt skips this check)",
+                            float(difference))
+                return lambda m: token_logps(m, *inputs)
+        return forward
 
 
 def preference_metrics(chosen_rewards: Any, rejected_rewards: Any) -> dict[str, float]:

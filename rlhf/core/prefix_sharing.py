@@ -1,0 +1,134 @@
+"""Prefix sharing: sequences that begin with the same tokens run through a causal LM as one row.
+
+A group of rows (a DPO pair's chosen and rejected, the n samples of one prompt) shares its
+longest common prefix, usually the prompt. ``share_prefixes`` lays each group out as one row:
+the prefix once, then every row's remainder after it::
+
+    prefix p0 p1 p2 | row a: a3 a4 | row b: b3 b4 b5
+    positions 0 1 2 |         3  4 |         3  4  5
+
+with a mask under which a token attends to the prefix and to the earlier tokens of its own
+remainder, never to another row's. Each row then sees exactly the context and positions it has
+alone, so the logits equal the unshared forward's up to float rounding, and the model runs the
+prefix once instead of once per row (a DPO pair of prompt P and responses C1, C2: P + C1 + C2
+tokens instead of 2P + C1 + C2; benchmarks/README.md has the figures).
+
+The mask is a (G, 1, L, L) tensor handed to the model as ``attention_mask``; transformers'
+models take such a 4D mask as given with the ``sdpa`` and ``eager`` attention implementations
+(boolean for sdpa, additive for eager). Flash-attention takes no custom mask, so those models
+are not shared (`can_share`): use ``--packing`` there.
+
+Shape legend: ``B`` rows, ``T`` tokens, ``A = T - 1`` predicted positions, ``G`` groups, ``L``
+tokens of the longest group row, ``K`` predicted tokens, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf.core.modeling import accepts_logits_to_keep
+from rlhf.core.packing import innermost
+
+_MASKED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class SharedRows:
+    input_ids: torch.Tensor  # (G, L) each group's prefix, then its rows' remainders; padded on the right
+    position_ids: torch.Tensor  # (G, L) a token's position in its own row
+    allowed: torch.Tensor  # (G, L, L) query attends key: the prefix and its own remainder, causally
+    index: torch.Tensor  # (B, T) where each real token sits in the flattened (G·L) rows; -1 on padding
+
+
+def common_prefix(rows: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every row of ``rows`` has in common."""
+    shortest = min(len(row) for row in rows)
+    for length in range(shortest):
+        token = rows[0][length]
+        if any(row[length] != token for row in rows[1:]):
+            return length
+    return shortest
+
+
+def share_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   groups: Sequence[Sequence[int]]) -> SharedRows:
+    """Lay out (B, T) rows, padded on either side, as one row per group of ``groups`` (lists of row
+    indices, together covering every row once), each group's common prefix run once."""
+    real = attention_mask.bool().cpu()  # (B, T)
+    ids = input_ids.cpu()
+    tokens = [ids[row][real[row]].tolist() for row in range(ids.shape[0])]
+    columns = [real[row].nonzero().squeeze(1).tolist() for row in range(ids.shape[0])]
+    group_ids, group_pos, group_seg = [], [], []
+    places: list[tuple[int, int, int, int]] = []  # (row, column, group, slot) for every real token
+    for g, members in enumerate(groups):
+        shared = common_prefix([tokens[row] for row in members])
+        row_ids, pos, seg = list(tokens[members[0]][:shared]), list(range(shared)), [0] * shared
+        for order, row in enumerate(members, start=1):
+            for i, column in enumerate(columns[row]):
+                if i < shared:
+                    places.append((row, column, g, i))
+                else:
+                    places.append((row, column, g, len(row_ids)))
+                    row_ids.append(tokens[row][i])
+                    pos.append(i)
+                    seg.append(order)
+        group_ids.append(row_ids)
+        group_pos.append(pos)
+        group_seg.append(seg)
+    length = max(len(row) for row in group_ids)
+    count = len(groups)
+    out_ids = torch.zeros((count, length), dtype=ids.dtype)  # (G, L)
+    positions = torch.zeros((count, length), dtype=torch.long)  # (G, L)
+    segments = torch.full((count, length), -1, dtype=torch.long)  # (G, L) 0 prefix, k row k's remainder, -1 pad
+    for g in range(count):
+        n = len(group_ids[g])
+        out_ids[g, :n] = torch.tensor(group_ids[g], dtype=ids.dtype)
+        positions[g, :n] = torch.tensor(group_pos[g])
+        segments[g, :n] = torch.tensor(group_seg[g])
+    valid = segments >= 0  # (G, L)
+    query_seg, key_seg = segments[:, :, None], segments[:, None, :]  # (G, L, 1), (G, 1, L)
+    allowed = (valid[:, :, None] & valid[:, None, :] & (positions[:, None, :] <= positions[:, :, None])
+               & ((key_seg == 0) | (key_seg == query_seg)))  # (G, L, L)
+    allowed |= torch.eye(length, dtype=torch.bool)[None]  # padding attends itself: no all-masked row
+    index = torch.full(ids.shape, -1, dtype=torch.long)  # (B, T)
+    if places:
+        where = torch.tensor(places, dtype=torch.long)  # (N, 4)
+        index[where[:, 0], where[:, 1]] = where[:, 2] * length + where[:, 3]
+    device = input_ids.device
+    return SharedRows(input_ids=out_ids.to(device), position_ids=positions.to(device), allowed=allowed.to(device),
+                      index=index.to(device))
+
+
+def can_share(model: Any) -> bool:
+    """Whether ``model`` takes a custom 4D attention mask (transformers' sdpa or eager attention)."""
+    config = getattr(innermost(model), "config", None)
+    return getattr(config, "_attn_implementation", None) in _MASKED_ATTENTION
+
+
+def attention_mask_4d(model: Any, allowed: torch.Tensor) -> torch.Tensor:
+    """(G, 1, L, L) mask for ``model``: boolean for sdpa, 0 / dtype-min added to the scores otherwise."""
+    inner = innermost(model)
+    if inner.config._attn_implementation == "sdpa":
+        return allowed[:, None]
+    dtype = next(inner.parameters()).dtype
+    blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)  # (G, L, L)
+    return blocked.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.Tensor:
+    """(K, V) logits at the flattened positions ``flat`` (K,) of ``rows``; only those positions'
+    columns are projected to the vocabulary. Gradients flow when enabled."""
+    length = rows.input_ids.shape[1]
+    group, column = flat // length, flat % length  # (K,), (K,)
+    needed = torch.unique(column)  # (C,) sorted columns some group needs logits at
+    inner = innermost(model)
+    kwargs = {"logits_to_keep": needed} if accepts_logits_to_keep(type(inner)) else {}
+    logits = model(input_ids=rows.input_ids, position_ids=rows.position_ids,
+                   attention_mask=attention_mask_4d(model, rows.allowed), use_cache=False, **kwargs).logits
+    if kwargs:  # (G, C, V)
+        return logits[group, torch.searchsorted(needed, column)]
+    return logits[group, column]  # from (G, L, V)

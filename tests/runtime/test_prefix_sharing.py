@@ -1,0 +1,163 @@
+"""Prefix sharing (rlhf/core/prefix_sharing.py, ``rlhf dpo --share-prompt``):
+
+* the layout by hand: each group's common prefix once, then its rows' remainders, positions as in
+  the rows, a mask that keeps each remainder to the prefix and itself;
+* log-probs, entropy and their gradients equal the separate forwards' (sdpa and eager), for a pair
+  with a shared prompt, responses that begin alike in a group of three, a row that is a prefix of
+  another, a group of one, rows padded on the left and on the right;
+* ``rlhf dpo`` takes the same optimizer steps with and without sharing, and a model that does not
+  take the mask is caught on the first micro-batch and run unshared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
+from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.prefix_sharing import common_prefix, share_prefixes
+from tests.helpers import run_cli
+from tests.objectives.test_fit import command_args, data, read_jsonl, teacher  # noqa: F401 (fixtures)
+from tests.runtime.recording import RecordingBackend, recording_plugin
+from tests.runtime.test_training_math import assert_same_gradients
+
+
+def test_common_prefix_by_hand():
+    assert common_prefix([[1, 2, 3], [1, 2, 4, 5]]) == 2
+    assert common_prefix([[1, 2], [1, 2, 4]]) == 2  # one row is a prefix of the other
+    assert common_prefix([[7, 8, 9]]) == 3  # a group of one: the whole row
+    assert common_prefix([[1, 2, 3], [1, 5], [1, 2, 3]]) == 1
+    assert common_prefix([[4], [5]]) == 0
+
+
+def test_share_prefixes_lays_out_groups_by_hand():
+    ids = torch.tensor([[0, 1, 2, 3, 4],   # left-padded: real 1 2 3 4
+                        [1, 2, 5, 0, 0],   # right-padded: real 1 2 5
+                        [9, 8, 0, 0, 0]])  # a group of its own
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    rows = share_prefixes(ids, mask, [[0, 1], [2]])
+    # group 0: prefix 1 2, then row 0's 3 4, then row 1's 5; group 1: 9 8 and padding
+    assert rows.input_ids.tolist() == [[1, 2, 3, 4, 5], [9, 8, 0, 0, 0]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    assert rows.index.tolist() == [[-1, 0, 1, 2, 3], [0, 1, 4, -1, -1], [5, 6, -1, -1, -1]]
+    t, f = True, False
+    assert rows.allowed[0].tolist() == [
+        [t, f, f, f, f],   # prefix, causal
+        [t, t, f, f, f],
+        [t, t, t, f, f],   # row 0's remainder: the prefix and itself
+        [t, t, t, t, f],
+        [t, t, f, f, t],   # row 1's remainder: the prefix and itself, not row 0's tokens
+    ]
+    assert rows.allowed[1].tolist() == [
+        [t, f, f, f, f],
+        [t, t, f, f, f],
+        [f, f, t, f, f],   # padding attends itself only (no all-masked row), nothing attends padding
+        [f, f, f, t, f],
+        [f, f, f, f, t],
+    ]
+
+
+def shared_batch():
+    """8 rows in 4 groups, padded on both sides; actions on every real token after the third."""
+    prompt, other = [11, 12, 13, 14], [21, 22]
+    rows = [prompt + [30, 31, 32], prompt + [40, 41],          # a DPO pair
+            prompt + [50, 51, 52, 53], prompt + [50, 51, 60],  # responses that begin alike
+            other + [70], other + [70, 71, 72],                # a row that is a prefix of the other, with
+            [80, 81, 82, 83],                                  # a group of one
+            prompt + [50, 51, 52, 90]]                         # the third of rows 2 and 3's group
+    width = 10
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 1 if r % 2 else 0  # odd rows left-padded by one
+        ids[r, start:start + len(row)] = torch.tensor(row)
+        mask[r, start:start + len(row)] = 1
+    actions = torch.zeros((len(rows), width - 1))
+    for r in range(len(rows)):
+        real = mask[r].nonzero().flatten()
+        actions[r, int(real[2]):int(real[-1])] = 1  # predicts tokens 3.. of the row
+    groups = [[0, 1], [2, 3, 7], [4, 5], [6]]
+    return ids, mask, actions, groups
+
+
+@pytest.fixture(params=["sdpa", "eager"])
+def lm(request, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=request.param)
+
+
+def test_shared_logprobs_entropy_and_gradients_equal_the_separate_ones(lm):
+    ids, mask, actions, groups = shared_batch()
+    rows = share_prefixes(ids, mask, groups)
+    assert rows.input_ids.shape[0] == 4
+    assert rows.index[rows.index >= 0].unique().numel() == int(mask.sum()) - 4 - 2 * 6 - 3  # prefixes run once
+    plain, plain_entropy = token_logprobs(lm, ids, mask, actions, temperature=0.7, with_entropy=True)
+    shared, shared_entropy = shared_token_logprobs(lm, rows, ids, actions, temperature=0.7, with_entropy=True)
+    assert torch.allclose(shared * actions, plain * actions, atol=1e-5)
+    assert torch.allclose(shared_entropy * actions, plain_entropy * actions, atol=1e-5)
+    assert (shared * (1 - actions)).abs().max() == 0  # nothing off the action mask
+    assert (plain[actions.bool()] < 0).all()  # every compared value is a real log-prob
+
+    def grads(forward):
+        lm.zero_grad()
+        logprobs, entropy = forward()
+        ((logprobs + 0.1 * entropy) * actions).sum().backward()
+        return {name: p.grad.clone() for name, p in lm.named_parameters()}
+
+    expected = grads(lambda: token_logprobs(lm, ids, mask, actions, with_entropy=True))
+    got = grads(lambda: shared_token_logprobs(lm, rows, ids, actions, with_entropy=True))
+    assert_same_gradients(got, expected, atol=1e-5)
+
+
+def dpo_steps(tiny_model_dir, data, teacher, out, extra):  # noqa: F811 (fixtures)
+    plugins = build_plugin_manager(load_entrypoints=False)
+    plugins.register(recording_plugin())
+    RecordingBackend.steps.clear()
+    args = command_args("dpo", tiny_model_dir, data, teacher) + [
+        "--batch-size", "4", "--micro-batch-size", "2", "--steps", "2", "--lr", "0.1",
+        "--backend", "recording", "--out", str(out), "--no-progress"] + extra
+    result = run_cli(plugins, args)
+    assert result.exit_code == 0, result.output
+    return list(RecordingBackend.steps), read_jsonl(out / "metrics.jsonl"), result.output
+
+
+def assert_same_steps(got, expected):
+    (steps, metrics, _), (expected_steps, expected_metrics, _) = got, expected
+    assert len(steps) == len(expected_steps) == 2
+    for a, b in zip(steps, expected_steps):
+        assert_same_gradients(a, b, atol=1e-5)
+    for a, b in zip(metrics, expected_metrics):
+        for key in ("train/loss", "train/margin", "train/nll"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), key
+
+
+def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, data, teacher, tmp_path, monkeypatch):  # noqa: F811
+    calls = []
+    import rlhf.core.prefix_sharing as sharing
+
+    real = sharing.share_prefixes
+    monkeypatch.setattr(sharing, "share_prefixes", lambda *a: calls.append(1) or real(*a))
+    shared = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "shared", [])
+    assert calls, "the default dpo run did not share its prompts"
+    calls.clear()
+    separate = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "separate", ["--no-share-prompt"])
+    assert not calls
+    assert_same_steps(shared, separate)
+
+
+def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, data, teacher, tmp_path, monkeypatch,  # noqa: F811
+                                                     caplog):
+    import rlhf.core.prefix_sharing as sharing
+
+    separate = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "separate", ["--no-share-prompt"])
+    # a model whose attention reaches across rows: every real token sees every earlier one
+    monkeypatch.setattr(sharing, "attention_mask_4d",
+                        lambda model, allowed: torch.ones_like(allowed).tril()[:, None])
+    with caplog.at_level("WARNING"):
+        broken = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "broken", [])
+    assert "differ from separate forwards" in caplog.text + broken[2]
+    assert_same_steps(broken, separate)
