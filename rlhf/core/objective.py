@@ -87,12 +87,15 @@ class FitModels:
 
     ``model`` is the trained model as training forwards must call it (the backend's train module:
     its forward is what the backend's backward follows); ``reference`` and ``teacher`` are frozen
-    and present only when the objective declares it needs them.
+    and present only when the objective declares it needs them. ``share_prompt``: the run allows
+    sequences that begin alike to share their prefix's forward (``--share-prompt``,
+    `rlhf.core.prefix_sharing`).
     """
 
     model: torch.nn.Module
     reference: torch.nn.Module | None = None
     teacher: torch.nn.Module | None = None
+    share_prompt: bool = False
 
 
 @runtime_checkable

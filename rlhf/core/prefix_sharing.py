@@ -24,7 +24,8 @@ tokens of the longest group row, ``K`` predicted tokens, ``V`` vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,9 @@ from rlhf.core.modeling import accepts_logits_to_keep
 from rlhf.core.packing import innermost
 
 _MASKED_ATTENTION = ("sdpa", "eager")
+_VERDICT = "_rlhf_prefix_sharing_checked"  # `checked_for_sharing`'s verdict, kept on the model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -132,3 +136,26 @@ def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.
     if kwargs:  # (G, C, V)
         return logits[group, torch.searchsorted(needed, column)]
     return logits[group, column]  # from (G, L, V)
+
+
+def checked_for_sharing(model: Any, shared: Callable[[], torch.Tensor], separate: Callable[[], torch.Tensor],
+                        who: str) -> bool:
+    """Whether ``model`` may run shared forwards. The first call per model compares ``shared()``
+    and ``separate()``, (B, A) log-probs of the same tokens with and without sharing, and keeps the
+    verdict on the model; they must agree up to float rounding (1e-3 nats per token in float32,
+    5e-2 in half precision). A model that ignores the 4D mask fails, with a warning naming ``who``."""
+    verdict = model.__dict__.get(_VERDICT)
+    if verdict is None:
+        was_training = model.training
+        model.eval()  # no dropout: both forwards must see the same function
+        try:
+            with torch.no_grad():
+                difference = float((shared() - separate()).abs().max())  # over (B, A)
+        finally:
+            model.train(was_training)
+        verdict = difference <= (1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2)
+        if not verdict:
+            log.warning("%s: the model's log-probs with a shared prompt differ from separate forwards by %.3g; its "
+                        "sequences run separately (--no-share-prompt skips this check)", who, difference)
+        model.__dict__[_VERDICT] = verdict
+    return verdict

@@ -59,7 +59,7 @@ def update_settings(plan: RunPlan) -> UpdateSettings:
     return UpdateSettings(ppo_epochs=config.ppo_epochs, train_batch_size=plan.derived.train_batch_size,
                           micro_batch_size=config.micro_batch_size, max_new_tokens=config.max_new_tokens,
                           max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, packing=config.packing,
-                          seed=config.seed)
+                          share_prompt=config.share_prompt, seed=config.seed)
 
 
 def build_adapter(plan: RunPlan) -> Any:
@@ -83,7 +83,7 @@ def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> 
     config = plan.config
     return ReferenceWorker(adapter.load(config.model, role="reference"), config.micro_batch_size,
                            config.temperature, dist, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                           packing=config.packing)
+                           packing=config.packing, share_prompt=config.share_prompt)
 
 
 def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:

@@ -20,8 +20,9 @@ from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.rewards.combine import RewardResult, RewardSet
-from rlhf.core.logprobs import token_logprobs
-from rlhf.core.packing import PackedModel, token_budget_groups
+from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
+from rlhf.core.packing import PackedModel, is_packed, token_budget_groups
+from rlhf.core.prefix_sharing import can_share, checked_for_sharing, common_prefix, share_prefixes
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.trained import TrainedModel
 
@@ -35,12 +36,13 @@ class UpdateSettings:
     micro_batch_size: int  # samples per forward/backward
     max_tokens_per_micro_batch: int | None = None  # cut micro-batches by tokens instead (`micro_batches`)
     packing: bool = False  # forwards run packed (rlhf/core/packing.py)
+    share_prompt: bool = False  # a prompt's samples share its forward when that pays (`shared_micro_batches`)
     max_new_tokens: int  # Dr. GRPO's constant normaliser
     seed: int = 0
 
 
 # A micro-batch's share of the minibatch loss, its metrics and their weight (its loss tokens).
-MicroLoss = Callable[[ExperienceBatch, LossNorm], tuple[torch.Tensor, dict[str, Any], float]]
+MicroLoss = Callable[["MicroBatch", LossNorm], tuple[torch.Tensor, dict[str, Any], float]]
 
 
 class MetricMean:
@@ -93,21 +95,97 @@ def micro_batches(minibatch: ExperienceBatch, size: int, max_tokens: int | None 
     return [(rows, minibatch.select(rows)) for rows in cuts]
 
 
+# A prompt's samples share its forward when that needs at most this share of the padded tokens:
+# below it the saving outweighs the mask's cost (benchmarks/README.md, prefix sharing).
+SHARE_AT_MOST = 0.9
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    rows: torch.Tensor  # (b,) the micro-batch's rows in the batch it was cut from
+    batch: ExperienceBatch
+    groups: list[list[int]] | None = None  # rows of one prompt, to share its forward; None: run unshared
+
+
+def shared_micro_batches(minibatch: ExperienceBatch, size: int) -> list[MicroBatch] | None:
+    """``size`` rows each, a prompt's samples (``group_index``) together, each micro-batch with its
+    groups of rows that share the prompt's forward (`rlhf.core.prefix_sharing`); None when that
+    would not save a tenth of the tokens of length-sorted padded micro-batches (`micro_batches`)."""
+    lengths = minibatch.attention_mask.sum(dim=1)  # (b,)
+    by_length = torch.argsort(lengths, stable=True)  # (b,)
+    padded = sum(len(cut) * int(lengths[cut].max()) for cut in by_length.split(size))
+    group_count = int(minibatch.group_index.max()) + 1
+    group_length = lengths.new_zeros(group_count).scatter_reduce(0, minibatch.group_index, lengths, "amax")  # (groups,)
+    key = group_length[minibatch.group_index] * group_count + minibatch.group_index  # (b,)
+    order = torch.argsort(key * (lengths.max() + 1) + lengths, stable=True)  # (b,) groups of similar length together
+    planned, shared = [], 0
+    for rows in order.split(size):
+        micro = minibatch.select(rows)
+        members: dict[int, list[int]] = defaultdict(list)
+        for row, group in enumerate(micro.group_index.tolist()):
+            members[group].append(row)
+        groups = list(members.values())
+        real = micro.attention_mask.bool()  # (b', T)
+        tokens = [micro.input_ids[row][real[row]].tolist() for row in range(micro.size)]
+        row_length = [sum(len(tokens[r]) for r in group) - (len(group) - 1) * common_prefix([tokens[r] for r in group])
+                      for group in groups]
+        shared += len(groups) * max(row_length)
+        planned.append(MicroBatch(rows, micro, groups))
+    return planned if shared <= SHARE_AT_MOST * padded else None
+
+
+def micro_logprobs(model: Any, micro: MicroBatch, *, temperature: float, with_entropy: bool = False,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of a micro-batch's rows under ``model`` (packed if it is a `PackedModel`),
+    its prompts' forwards shared when it has ``groups`` and the model takes that."""
+    batch = micro.batch
+    input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    action_mask = batch.action_mask.to(device)
+
+    def separate() -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs(model, input_ids, attention_mask, action_mask, temperature=temperature,
+                              with_entropy=with_entropy)
+
+    if micro.groups is None or is_packed(model) or not can_share(model):
+        return separate()
+    rows = share_prefixes(input_ids, attention_mask, micro.groups)
+
+    def shared() -> tuple[torch.Tensor, torch.Tensor | None]:
+        return shared_token_logprobs(model, rows, input_ids, action_mask, temperature=temperature,
+                                     with_entropy=with_entropy)
+
+    if checked_for_sharing(model, lambda: shared()[0] * action_mask, lambda: separate()[0] * action_mask, "train"):
+        return shared()
+    return separate()
+
+
 def my_rows(batch: ExperienceBatch, dist: DistContext) -> ExperienceBatch:
     """This rank's rows of a batch every rank holds (rows rank, rank + W, ...)."""
     return batch if not dist.active else batch.select(dist.shard(list(range(batch.size))))
 
 
+def plan_micro_batches(minibatch: ExperienceBatch, size: int, max_tokens: int | None = None, packed: bool = False,
+                       share: bool = False) -> list[MicroBatch]:
+    """`shared_micro_batches` when ``share`` allows it (not with token budgets or packing) and
+    pays, else `micro_batches`."""
+    if share and max_tokens is None and not packed:
+        shared = shared_micro_batches(minibatch, size)
+        if shared is not None:
+            return shared
+    return [MicroBatch(rows, micro) for rows, micro in micro_batches(minibatch, size, max_tokens, packed)]
+
+
 def forward_rows(batch: ExperienceBatch, dist: DistContext, size: int,
-                 compute: Callable[[ExperienceBatch], torch.Tensor], max_tokens: int | None = None,
-                 packed: bool = False) -> torch.Tensor:
-    """``compute`` (a per-row (b, A') result) over this rank's rows in micro-batches, put back in
-    row order and gathered to (B, A) on every rank."""
+                 compute: Callable[[MicroBatch], torch.Tensor], max_tokens: int | None = None,
+                 packed: bool = False, share: bool = False) -> torch.Tensor:
+    """``compute`` (a per-row (b, A') result) over this rank's rows in micro-batches
+    (`plan_micro_batches`; prompts shared on one rank only), put back in row order and gathered to
+    (B, A) on every rank."""
     mine = my_rows(batch, dist)
     out = torch.zeros((mine.size, batch.action_mask.shape[1]), dtype=torch.float32)  # (b, A)
-    for rows, micro in micro_batches(mine, size, max_tokens, packed):
+    for micro in plan_micro_batches(mine, size, max_tokens, packed, share and not dist.active):
         result = compute(micro).cpu()  # (len(rows), A') trimmed to the micro-batch's length
-        out[rows, : result.shape[1]] = result
+        out[micro.rows, : result.shape[1]] = result
     return gather_rows(out, dist, batch.size)
 
 
@@ -133,9 +211,9 @@ def model_logprobs(model: torch.nn.Module, batch: ExperienceBatch, settings: Upd
     was_training = model.training
     model.eval()
     try:
-        return forward_rows(batch, dist, settings.micro_batch_size, lambda mb: token_logprobs(
-            forward, mb.input_ids.to(device), mb.attention_mask.to(device), mb.action_mask,
-            temperature=temperature)[0], settings.max_tokens_per_micro_batch, settings.packing)
+        return forward_rows(batch, dist, settings.micro_batch_size, lambda micro: micro_logprobs(
+            forward, micro, temperature=temperature, device=device)[0], settings.max_tokens_per_micro_batch,
+            settings.packing, settings.share_prompt)
     finally:
         model.train(was_training)
 
@@ -147,21 +225,22 @@ class _TrainedWorker(TrainedModel):
         super().__init__(model, backend, dist)
         self.settings = settings
 
-    def _forward_rows(self, batch: ExperienceBatch, compute: Callable[[ExperienceBatch], torch.Tensor]) -> torch.Tensor:
+    def _forward_rows(self, batch: ExperienceBatch, compute: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
         settings = self.settings
         return forward_rows(batch, self.dist, settings.micro_batch_size, compute,
                             settings.max_tokens_per_micro_batch, settings.packing)
 
-    def _my_micro_batches(self, minibatch: ExperienceBatch) -> list[ExperienceBatch]:
+    def _my_micro_batches(self, minibatch: ExperienceBatch, share: bool) -> list[MicroBatch]:
         settings = self.settings
-        return [micro for _, micro in micro_batches(my_rows(minibatch, self.dist), settings.micro_batch_size,
-                                                    settings.max_tokens_per_micro_batch, settings.packing)]
+        return plan_micro_batches(my_rows(minibatch, self.dist), settings.micro_batch_size,
+                                  settings.max_tokens_per_micro_batch, settings.packing,
+                                  share and settings.share_prompt and not self.dist.active)
 
     def _packed(self, model: Any) -> Any:
         """``model`` as the log-prob forwards call it: packed with ``--packing``."""
         return PackedModel(model) if self.settings.packing else model
 
-    def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss) -> MetricMean:
+    def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss, share: bool = False) -> MetricMean:
         """The update loop of every trained role: epochs over shuffled minibatches, one optimizer
         step per minibatch, gradients accumulated over this rank's micro-batches.
 
@@ -184,8 +263,9 @@ class _TrainedWorker(TrainedModel):
             if norm.num_tokens == 0:
                 continue
             finite, step_loss = True, 0.0
-            for micro in self._my_micro_batches(minibatch):
-                loss, loss_metrics, weight = micro_loss(micro.to(self.device), norm)
+            for micro in self._my_micro_batches(minibatch, share):
+                loss, loss_metrics, weight = micro_loss(MicroBatch(micro.rows, micro.batch.to(self.device),
+                                                                   micro.groups), norm)
                 self.backend.backward(loss)
                 if not torch.isfinite(loss):
                     finite = False
@@ -219,16 +299,16 @@ class PolicyWorker(_TrainedWorker):
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
         ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1.
         ``kl_coef``: this step's β of the KL term when adaptive (default: the objective's)."""
-        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef))
+        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef), share=True)
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
-    def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm,
+    def _micro_loss(self, micro: MicroBatch, norm: LossNorm,
                     kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any], float]:
-        logprobs, entropy = token_logprobs(self._packed(self.train_model), micro.input_ids, micro.attention_mask,
-                                           micro.action_mask, temperature=self.objective.temperature,
+        logprobs, entropy = micro_logprobs(self._packed(self.train_model), micro,
+                                           temperature=self.objective.temperature,
                                            with_entropy=self.objective.needs_entropy)  # (b, A), (b, A) or None
-        loss, metrics = self.objective.loss(logprobs, micro, norm, entropy=entropy, kl_coef=kl_coef)
-        return loss, metrics, float(micro.loss_mask.sum())
+        loss, metrics = self.objective.loss(logprobs, micro.batch, norm, entropy=entropy, kl_coef=kl_coef)
+        return loss, metrics, float(micro.batch.loss_mask.sum())
 
 
 class CriticWorker(_TrainedWorker):
@@ -243,8 +323,8 @@ class CriticWorker(_TrainedWorker):
     def values(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A): the value of the state before each action token."""
         self.model.eval()
-        values = self._forward_rows(batch, lambda mb: self.model(mb.input_ids.to(self.device),
-                                                                 mb.attention_mask.to(self.device))[:, :-1])
+        values = self._forward_rows(batch, lambda micro: self.model(micro.batch.input_ids.to(self.device),
+                                                                    micro.batch.attention_mask.to(self.device))[:, :-1])
         return values * batch.action_mask  # masked positions carry V = 0
 
     def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
@@ -252,27 +332,29 @@ class CriticWorker(_TrainedWorker):
         metrics = self._fit(batch, step, self._micro_loss)
         return {k if "/" in k else f"critic/{k}": v for k, v in metrics.result(self.dist).items()}
 
-    def _micro_loss(self, micro: ExperienceBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
-        values = self.train_model(micro.input_ids, micro.attention_mask)[:, :-1]  # (b, A)
-        loss, metrics = self.objective.loss(values, micro, norm)
-        return loss, metrics, float(micro.loss_mask.sum())
+    def _micro_loss(self, micro: MicroBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
+        batch = micro.batch
+        values = self.train_model(batch.input_ids, batch.attention_mask)[:, :-1]  # (b, A)
+        loss, metrics = self.objective.loss(values, batch, norm)
+        return loss, metrics, float(batch.loss_mask.sum())
 
 
 class ReferenceWorker:
     """The frozen initial policy: log-probs for the KL term (`ReferenceRole`)."""
 
     def __init__(self, model: torch.nn.Module, micro_batch_size: int, temperature: float,
-                 dist: DistContext = SINGLE, *, max_tokens_per_micro_batch: int | None = None, packing: bool = False):
+                 dist: DistContext = SINGLE, *, max_tokens_per_micro_batch: int | None = None, packing: bool = False,
+                 share_prompt: bool = False):
         self.model, self.micro_batch_size, self.temperature, self.dist = model, micro_batch_size, temperature, dist
-        self.max_tokens, self.packing = max_tokens_per_micro_batch, packing
+        self.max_tokens, self.packing, self.share_prompt = max_tokens_per_micro_batch, packing, share_prompt
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         model = PackedModel(self.model) if self.packing else self.model
-        return forward_rows(batch, self.dist, self.micro_batch_size, lambda mb: token_logprobs(
-            model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.action_mask,
-            temperature=self.temperature)[0], self.max_tokens, self.packing)
+        return forward_rows(batch, self.dist, self.micro_batch_size, lambda micro: micro_logprobs(
+            model, micro, temperature=self.temperature, device=self.device)[0], self.max_tokens, self.packing,
+            self.share_prompt)
 
 
 class RewardWorker:

@@ -194,8 +194,8 @@ def test_length_sorted_micro_batches_cover_every_row_once_and_results_keep_row_o
     sizes = [int(micro.attention_mask.sum(dim=1).max()) for _, micro in pieces]
     assert sizes == sorted(sizes) and sizes[0] < batch.input_ids.shape[1]  # short rows together, less padding
     with torch.no_grad():
-        sorted_lp = forward_rows(batch, SINGLE, 2, lambda mb: token_logprobs(
-            model, mb.input_ids, mb.attention_mask, mb.action_mask)[0])
+        sorted_lp = forward_rows(batch, SINGLE, 2, lambda micro: token_logprobs(
+            model, micro.batch.input_ids, micro.batch.attention_mask, micro.batch.action_mask)[0])
         whole_lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
     mask = batch.action_mask.bool()
     assert torch.allclose(sorted_lp[mask], whole_lp[mask], atol=1e-5)

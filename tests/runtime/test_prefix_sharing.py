@@ -161,3 +161,125 @@ def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, data, teach
         broken = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "broken", [])
     assert "differ from separate forwards" in caplog.text + broken[2]
     assert_same_steps(broken, separate)
+
+
+# --- rlhf train: a prompt's samples share its forward ---------------------------------------
+
+
+def grouped_batch(prompts: int = 4, samples: int = 3, seed: int = 5):
+    """``prompts`` x ``samples`` rows, a prompt's samples sharing its 10-16 tokens, completions of
+    2-8 tokens; random advantages on the completions."""
+    from rlhf.core.types import Trajectory
+    from rlhf.core.batch import collate
+
+    generator = torch.Generator().manual_seed(seed)
+    trajectories = []
+    for group in range(prompts):
+        prompt = torch.randint(5, 300, (10 + 2 * group,), generator=generator).tolist()
+        for sample in range(samples):
+            completion = torch.randint(5, 300, (2 + (group + 2 * sample) % 7,), generator=generator).tolist()
+            trajectories.append(Trajectory(token_ids=prompt + completion,
+                                           loss_mask=[0] * len(prompt) + [1] * len(completion),
+                                           prompt_length=len(prompt), prompt="", prompt_text="", completion_text="",
+                                           group=group))
+    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(len(trajectories)),
+                    sample_mask=torch.ones(len(trajectories)))
+    batch.advantages = torch.randn(batch.action_mask.shape, generator=generator) * batch.action_mask  # (B, A)
+    batch.returns = torch.zeros_like(batch.action_mask)  # (B, A)
+    return batch
+
+
+def test_shared_micro_batches_keep_a_prompts_samples_together_and_only_when_it_pays():
+    from rlhf.runtime.workers import plan_micro_batches, shared_micro_batches
+
+    batch = grouped_batch()
+    planned = shared_micro_batches(batch, 4)
+    assert planned is not None
+    assert sorted(int(r) for micro in planned for r in micro.rows) == list(range(12))  # every row once
+    for micro in planned:
+        for group in micro.groups:  # a group: rows of one prompt, all of the micro-batch's rows of that prompt
+            assert len({int(micro.batch.group_index[r]) for r in group}) == 1
+        assert sorted(r for group in micro.groups for r in group) == list(range(micro.batch.size))
+    assert any(len(group) == 3 for micro in planned for group in micro.groups)  # whole groups where they fit
+    # one sample per prompt: nothing to share, length-sorted padded micro-batches instead
+    single = grouped_batch(samples=1)
+    assert shared_micro_batches(single, 2) is None
+    assert all(micro.groups is None for micro in plan_micro_batches(single, 2, share=True))
+    assert all(micro.groups is None for micro in plan_micro_batches(batch, 4, share=True, packed=True))
+
+
+def policy_step(model, batch, *, share, micro_batch_size=4, ppo_epochs=1, train_batch_size=None):
+    from rlhf.algorithms import resolve_algorithm
+    from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+
+    RecordingBackend.steps.clear()
+    settings = UpdateSettings(train_batch_size=train_batch_size or batch.size, micro_batch_size=micro_batch_size,
+                              max_new_tokens=8, share_prompt=share, ppo_epochs=ppo_epochs)
+    algo = resolve_algorithm("grpo", n_samples=3, kl_coef=0.0, plugins=build_plugin_manager(load_entrypoints=False))
+    worker = PolicyWorker(model, RecordingBackend(model), settings, algo.policy_objective(None, entropy_coef=0.05))
+    logprobs = worker.logprobs(batch)
+    batch.old_logprobs = logprobs
+    metrics = worker.fit(batch, step=0)
+    return list(RecordingBackend.steps), metrics, logprobs
+
+
+@pytest.mark.parametrize(("micro", "epochs", "minibatch"), [(4, 1, None), (6, 2, 6), (12, 1, None)])
+def test_a_policy_step_is_the_same_with_shared_prompts(tiny_model_dir, monkeypatch, micro, epochs, minibatch):
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import rlhf.runtime.workers as workers
+
+    calls = []
+    real = workers.share_prefixes
+    monkeypatch.setattr(workers, "share_prefixes", lambda *a: calls.append(1) or real(*a))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = grouped_batch()
+    expected, expected_metrics, expected_logprobs = policy_step(copy.deepcopy(model), batch, share=False,
+                                                                micro_batch_size=micro, ppo_epochs=epochs,
+                                                                train_batch_size=minibatch)
+    assert not calls
+    got, metrics, logprobs = policy_step(copy.deepcopy(model), batch, share=True, micro_batch_size=micro,
+                                         ppo_epochs=epochs, train_batch_size=minibatch)
+    assert calls, "the prompts were not shared"
+    assert len(got) == len(expected) == epochs * (12 // (minibatch or 12))
+    for a, b in zip(got, expected):
+        assert_same_gradients(a, b, atol=1e-5)
+    for key in ("policy/loss", "policy/entropy", "policy/clip_frac"):
+        assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
+    mask = batch.action_mask
+    assert torch.allclose(logprobs * mask, expected_logprobs * mask, atol=1e-5)
+
+
+def test_reference_logprobs_are_the_same_with_shared_prompts(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.runtime.workers import ReferenceWorker
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = grouped_batch()
+    shared = ReferenceWorker(model, 4, 0.8, share_prompt=True).logprobs(batch)
+    separate = ReferenceWorker(model, 4, 0.8, share_prompt=False).logprobs(batch)
+    mask = batch.action_mask
+    assert (separate[mask.bool()] < 0).all()
+    assert torch.allclose(shared * mask, separate * mask, atol=1e-5)
+
+
+def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypatch, caplog):
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import rlhf.core.prefix_sharing as sharing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = grouped_batch()
+    expected, _, expected_logprobs = policy_step(copy.deepcopy(model), batch, share=False)
+    monkeypatch.setattr(sharing, "attention_mask_4d", lambda model, allowed: torch.ones_like(allowed).tril()[:, None])
+    with caplog.at_level("WARNING"):
+        got, _, logprobs = policy_step(copy.deepcopy(model), batch, share=True)
+    assert "train: the model's log-probs with a shared prompt differ" in caplog.text
+    for a, b in zip(got, expected):
+        assert_same_gradients(a, b, atol=1e-5)
+    assert torch.allclose(logprobs * batch.action_mask, expected_logprobs * batch.action_mask, atol=1e-5)

@@ -227,7 +227,7 @@ def test_the_runs_seed_shuffles_the_minibatches(tiny_model_dir, task, tmp_path):
     plan = RunPlan.make(config(tiny_model_dir, task, tmp_path / "run", seed=123, ppo_epochs=3, train_batch_size=4),
                         build_plugin_manager(load_entrypoints=False))
     assert update_settings(plan) == UpdateSettings(ppo_epochs=3, train_batch_size=4, micro_batch_size=4,
-                                                   max_new_tokens=6, seed=123)
+                                                   max_new_tokens=6, share_prompt=True, seed=123)
 
 
 def test_the_reward_is_the_sources_plus_the_environments():

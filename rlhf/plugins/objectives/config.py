@@ -61,8 +61,6 @@ class DPOConfig(PairConfig):
     label_smoothing: float = _opt(0.0, "ε of conservative DPO (cDPO): the share of pairs assumed mislabelled")
     ipo: bool = _opt(False, "IPO: the squared loss (h - 1/(2β))² instead of -log σ(βh)")
     nll_coef: float = _opt(0.0, "Weight of an NLL term on the chosen responses (per-token mean), added to the loss")
-    share_prompt: bool = _opt(True, "Run each pair's common prefix (its prompt) once for chosen and rejected: the "
-                              "same log-probs, fewer tokens (sdpa/eager attention; not with --packing)")
 
     def __post_init__(self) -> None:
         if self.beta <= 0:

@@ -9,8 +9,8 @@ per pair. The reference is the starting model (with LoRA: the same weights, adap
 Chosen and rejected share their prompt's forward (``--share-prompt``, on by default:
 `rlhf.core.prefix_sharing`): one row per pair, prompt + chosen + rejected, each response
 attending to the prompt and itself. The log-probs are the separate forwards' up to float
-rounding; the first micro-batch of a run checks that against separate forwards and falls back to
-them, with a warning, for a model that does not take the mask.
+rounding; each model's first micro-batch checks that against separate forwards and falls back
+to them, with a warning, for a model that does not take the mask.
 Metrics: ``accuracy`` (share of pairs whose implicit reward β(log π − log π_ref) is higher for
 the chosen), ``margin`` (mean reward gap), ``chosen_reward``, ``rejected_reward``.
 """
@@ -20,14 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import logging
-
 from rlhf.core.objective import FitModels, ObjectiveBase, TextFormat
 from rlhf.objectives import dpo_loss, response_mask, sequence_logps, shared_token_logps, token_batch, token_logps
 from rlhf.plugins.objectives.config import DPOConfig
 from rlhf.plugins.objectives.pairs import pair_columns, pair_texts
-
-log = logging.getLogger(__name__)
 
 
 class DPOObjective(ObjectiveBase):
@@ -37,7 +33,6 @@ class DPOObjective(ObjectiveBase):
 
     def __init__(self, config: DPOConfig | None = None):
         super().__init__(config or DPOConfig())
-        self.shares_prompt: bool | None = None if self.config.share_prompt else False  # None: not checked yet
 
     def columns(self) -> list[str]:
         return pair_columns(self.config)
@@ -63,7 +58,7 @@ class DPOObjective(ObjectiveBase):
 
         pairs = len(batch["input_ids"]) // 2
         mask = batch["loss_mask"][:, 1:]  # (2P, A)
-        forward = self._forward(models.model, batch)
+        forward = self._forward(batch, models.share_prompt)
         sums, means = sequence_logps(forward(models.model), mask)  # (2P,), (2P,)
         with torch.no_grad():
             ref_sums, _ = sequence_logps(forward(models.reference), mask)  # (2P,)
@@ -78,38 +73,29 @@ class DPOObjective(ObjectiveBase):
             metrics["nll"] = float(nll.detach())
         return loss, metrics
 
-    def _forward(self, model: Any, batch: dict[str, Any]) -> Any:
-        """``m -> (2P, A) log-probs of the learnt tokens under m`` (the policy or the reference), the
-        pair's prompt shared when it can be; the first call checks that against separate forwards."""
-        import torch
-
+    def _forward(self, batch: dict[str, Any], share: bool) -> Any:
+        """``m -> (2P, A) log-probs of the learnt tokens under m`` (the policy or the reference), each
+        pair's prompt shared when ``share`` and the model takes it (`checked_for_sharing`)."""
         from rlhf.core.packing import is_packed
-        from rlhf.core.prefix_sharing import can_share, share_prefixes
+        from rlhf.core.prefix_sharing import can_share, checked_for_sharing, share_prefixes
 
         inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-        if self.shares_prompt is False or is_packed(model) or not can_share(model):
-            return lambda m: token_logps(m, *inputs)
         pairs = len(batch["input_ids"]) // 2
-        rows = share_prefixes(batch["input_ids"], batch["attention_mask"], [(i, pairs + i) for i in range(pairs)])
+        rows = share_prefixes(batch["input_ids"], batch["attention_mask"],
+                              [(i, pairs + i) for i in range(pairs)]) if share else None
 
         def forward(m: Any) -> Any:
-            if can_share(m):
+            def shared() -> Any:
                 return shared_token_logps(m, rows, batch["input_ids"], batch["loss_mask"])
-            return token_logps(m, *inputs)
 
-        if self.shares_prompt is None:
-            was_training = model.training
-            model.eval()  # no dropout: the two forwards must see the same weights
-            with torch.no_grad():
-                difference = (forward(model) - token_logps(model, *inputs)).abs().max()  # over (2P, A)
-            model.train(was_training)
-            tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2  # nats per token
-            self.shares_prompt = bool(difference <= tolerance)
-            if not self.shares_prompt:
-                log.warning("dpo: the model's log-probs with a shared prompt differ from separate forwards by "
-                            "%.3g; chosen and rejected run separately (--no-share-prompt skips this check)",
-                            float(difference))
-                return lambda m: token_logps(m, *inputs)
+            def separate() -> Any:
+                return token_logps(m, *inputs)
+
+            if rows is not None and not is_packed(m) and can_share(m) and \
+                    checked_for_sharing(m, shared, separate, "dpo"):
+                return shared()
+            return separate()
+
         return forward
 
 

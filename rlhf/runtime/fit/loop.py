@@ -120,7 +120,8 @@ class FitLoop(SteppedLoop):
         models = (self.trained.train_model, self.run_.reference, self.run_.teacher)
         if self.config.packing:
             models = tuple(PackedModel(m) if m is not None else None for m in models)
-        return FitModels(model=models[0], reference=models[1], teacher=models[2])
+        return FitModels(model=models[0], reference=models[1], teacher=models[2],
+                         share_prompt=self.config.share_prompt and not self.config.packing)
 
     # --- the run --------------------------------------------------------------------------------
 
