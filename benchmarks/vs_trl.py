@@ -48,7 +48,7 @@ def run_ours(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib
         loss_agg="token_mean", prompts_per_step=args.prompts, n_samples=args.n, max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr, adam_betas="0.9,0.95",
         weight_decay=0.0, max_grad_norm=1.0, lr_scheduler="constant", clip_low=0.2, clip_high=0.2,
-        temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=args.seed))
+        temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=args.seed, share_prompt=args.share_prompt))
     plugins = build_plugin_manager()
     clock = benchlib.StepClock()
     plugins.register(benchlib.step_clock_plugin(clock), name="benchmark_step_clock")
@@ -107,6 +107,8 @@ def run_trl(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     benchlib.add_step_arguments(parser, rounds=3, other="TRL", kl_help="β on both sides (> 0 loads a reference model)")
+    parser.add_argument("--no-share-prompt", dest="share_prompt", action="store_false",
+                        help="rlhf without --share-prompt (a prompt's samples run their own forwards)")
     args = parser.parse_args()
     try:
         import trl  # noqa: F401

@@ -18,8 +18,10 @@ An environment drives one trajectory. The runtime creates an instance per trajec
   none from the env. The optional class attribute ``stop`` gives those of the first turn.
 * The trajectory reward is the sum of step rewards plus the reward sources'. ``info`` dicts are
   kept with the trajectory.
-* ``reset``, ``step`` and ``close`` may each be ``async def``. Sync methods run on the event loop:
-  anything slow (running code, HTTP) should be async, or every trajectory waits.
+* ``reset``, ``step`` and ``close`` may each be ``async def``. Sync ``reset`` and ``step`` run in a
+  worker thread, so the environments of a batch step concurrently; an environment whose methods
+  are cheap (no I/O, no waiting) sets the class attribute ``blocking = False`` and they run
+  inline, without the thread hop (the default single-turn environment does).
 * Environment classes must be importable by module path (Ray workers import them).
 * Optional class attributes for ``rlhf plugins check``: ``sample_actions`` (scripted model turns),
   ``sample_prompt``, ``sample_label``.
@@ -116,6 +118,7 @@ class AsyncEnv:
             raise EnvContractError(f"{type(env).__qualname__} is not an environment: it needs reset() and step()")
         self.env = env
         self.name = name or type(env).__qualname__
+        self.call = call_maybe_async if getattr(env, "blocking", True) is False else call_in_thread
 
     @property
     def stop(self) -> list[str] | None:
@@ -124,7 +127,7 @@ class AsyncEnv:
 
     async def reset(self, prompt: Any, label: Any, columns: Mapping[str, Any] | None = None) -> str | None:
         kwargs = _declared(self.env.reset, columns or {})
-        observation = await call_in_thread(self.env.reset, prompt, label, **kwargs)
+        observation = await self.call(self.env.reset, prompt, label, **kwargs)
         if observation is not None and not isinstance(observation, str):
             raise EnvContractError(
                 f"{self.name}.reset must return the text to append after the prompt (a str) or None, "
@@ -133,7 +136,7 @@ class AsyncEnv:
         return observation
 
     async def step(self, action_text: str) -> StepResult:
-        return as_step_result(await call_in_thread(self.env.step, action_text), f"{self.name}.step")
+        return as_step_result(await self.call(self.env.step, action_text), f"{self.name}.step")
 
     async def close(self) -> None:
         close = getattr(self.env, "close", None)

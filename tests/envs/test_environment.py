@@ -203,3 +203,34 @@ def test_check_env_requires_an_importable_class():
 
     with pytest.raises(EnvContractError, match="cannot be pickled by reference"):
         check_env(Local)
+
+
+def test_plain_methods_run_in_a_worker_thread_unless_the_env_says_they_do_not_block():
+    import threading
+
+    class Recording:
+        def __init__(self):
+            self.threads = []
+
+        def reset(self, prompt, label):
+            self.threads.append(threading.get_ident())
+
+        def step(self, action_text):
+            self.threads.append(threading.get_ident())
+            return StepResult(done=True)
+
+    class Cheap(Recording):
+        blocking = False
+
+    async def run(env):
+        wrapped = AsyncEnv(env)
+        await wrapped.reset("p", "l")
+        await wrapped.step("a")
+        return threading.get_ident()
+
+    blocking, cheap = Recording(), Cheap()
+    loop_thread = asyncio.run(run(blocking))
+    assert len(blocking.threads) == 2 and loop_thread not in blocking.threads
+    loop_thread = asyncio.run(run(cheap))
+    assert cheap.threads == [loop_thread, loop_thread]
+    assert SingleTurnEnv.blocking is False  # the default env runs inline

@@ -15,6 +15,7 @@ class SingleTurnEnv:
     """One model turn; the reward comes from the reward sources."""
 
     stop = None
+    blocking = False  # nothing to wait for: reset and step run inline, not in a worker thread
 
     def reset(self, prompt: Any, label: Any, **columns: Any) -> None:
         return None
