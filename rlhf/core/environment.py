@@ -40,6 +40,7 @@ import json
 import math
 import pickle
 from collections.abc import Awaitable, Mapping
+from functools import lru_cache
 from typing import Any, Protocol, runtime_checkable
 
 from rlhf.core.errors import RlhfError
@@ -147,14 +148,30 @@ class AsyncEnv:
 def _declared(fn: Any, columns: Mapping[str, Any]) -> dict[str, Any]:
     """The columns ``fn`` declares (all of them when it takes ``**kwargs``); never prompt/label."""
     columns = {k: v for k, v in columns.items() if k not in ("prompt", "label")}
+    function = getattr(fn, "__func__", None)  # a bound method: its function, read once per class
     try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
+        names = _keyword_names(function, True) if function is not None else _keyword_names(fn, False)
+    except TypeError:  # unhashable callable
+        names = _keyword_names.__wrapped__(fn, False)
+    if names is None:
         return dict(columns)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return dict(columns)
-    names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
     return {k: v for k, v in columns.items() if k in names}
+
+
+@lru_cache(maxsize=1024)
+def _keyword_names(fn: Any, bound: bool) -> frozenset[str] | None:
+    """The names ``fn`` takes by keyword (less its first parameter when ``bound``: a method's
+    self); None when it takes ``**kwargs`` or has no readable signature."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if bound and params and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        params = params[1:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params
+                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
 def as_step_result(obj: Any, who: str = "step") -> StepResult:
