@@ -47,12 +47,15 @@ TARGETS = [
     "rlhf/plugins/algorithms/gspo_loss.py", "rlhf/algorithms/kl_control.py", "rlhf/plugins/filters/dynamic.py",
     "rlhf/plugins/shaping/overlong.py", "rlhf/plugins/shaping/truncation.py", "rlhf/runtime/evaluation.py",
     "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py",
+    # shared prompts (issue 21)
+    "rlhf/core/prefix_sharing.py",
 ]
 FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
               "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
               "tests/runtime/test_multiturn.py",
               "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
-              "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py"]
+              "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
+              "tests/runtime/test_prefix_sharing.py"]
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
@@ -62,8 +65,8 @@ CURATED = [
      "kl = kl_divergence(kl_estimator, logp.detach(), ref_logp,", "KL in the loss on detached log-probs"),
     ("rlhf/algorithms/objective.py", "advantages=batch.advantages, action_mask=batch.loss_mask,",
      "advantages=batch.advantages, action_mask=batch.action_mask,", "loss masked with action_mask, not loss_mask"),
-    ("rlhf/runtime/workers.py", "micro.action_mask, temperature=self.objective.temperature,",
-     "micro.action_mask,", "temperature not passed to the training log-probs"),
+    ("rlhf/runtime/workers.py", "micro,\n                                           temperature=self.objective.temperature,",
+     "micro, temperature=1.0,", "temperature not passed to the training log-probs"),
     ("rlhf/algorithms/presets.py", "return optimizer_steps_per_rollout > 1 or self.kl_in_reward",
      "return self.kl_in_reward", "old log-probs not recomputed for several optimizer steps"),
     ("rlhf/runtime/experience.py", "sample_mask=batch.sample_mask.bool(), source_rewards=",

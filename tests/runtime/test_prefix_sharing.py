@@ -283,3 +283,18 @@ def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypa
     for a, b in zip(got, expected):
         assert_same_gradients(a, b, atol=1e-5)
     assert torch.allclose(logprobs * batch.action_mask, expected_logprobs * batch.action_mask, atol=1e-5)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_share_prompt_reaches_the_policy_and_reference_settings(tiny_model_dir, share):
+    from rlhf.runtime.config import TrainConfig
+    from rlhf.runtime.local import build_reference, update_settings
+    from rlhf.runtime.plan import RunPlan
+
+    plugins = build_plugin_manager(load_entrypoints=False)
+    config = TrainConfig(model=str(tiny_model_dir), data=["d"], algo="grpo", kl_coef=0.1, share_prompt=share)
+    plan = RunPlan.make(config, plugins)
+    assert update_settings(plan).share_prompt is share
+    reference = build_reference(plan, plan.choices["model_adapter"].load()(plan.component_config("model_adapter")))
+    assert reference.share_prompt is share
+    assert TrainConfig(model="m", data=["d"]).share_prompt is True  # the default

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from rlhf.core.settings import run_field
 
-DECODERS = ("auto", "direct", "generate")
+DECODERS = ("auto", "lean", "direct", "generate")
 
 
 @dataclass(kw_only=True)
@@ -18,7 +18,9 @@ class HFEngineConfig:
     generation_batch_size: int | None = field(
         default=None, metadata={"help": "Prompts per generate call (None: all at once)"})
     decoder: str = field(default="auto", metadata={
-        "help": "auto (direct when the model and the request allow it), direct, or generate (model.generate)"})
+        "help": "auto (lean, else direct, when the model and the request allow it), lean (direct with the lean "
+                "step of Llama-architecture models), direct (a loop over the model's forward), or generate "
+                "(model.generate)"})
     synced_gpus: bool = run_field("synced_generation", False, "Ranks decode in lockstep until every rank has "
                                   "finished (the policy's weights are sharded over ranks: each forward is a collective)")
 

@@ -15,6 +15,11 @@ Two decoders sample the same distribution from the same logits:
   per row): ``torch.multinomial`` draws an exponential per vocabulary entry there, about 30 ms per
   token for 32 rows of a 32k vocabulary. Used when there are no stop strings and the model is a
   plain decoder-only transformers model (no model-specific input preparation).
+* ``lean``: ``direct`` with each decode step run by `LeanDecoder`
+  (rlhf/plugins/engines/lean_decode.py): the model's own modules over a cache allocated once,
+  without the forward's per-call machinery; the same logits. For Llama-architecture models with
+  sdpa attention; ``auto`` uses it there. The engine's first decode step checks it against the
+  model's forward and falls back to ``direct``, with a warning, if they differ.
 * ``generate``: ``model.generate``, for stop strings (matched on text across token boundaries)
   and for every other model. Greedy decoding gives the same tokens in both.
 
@@ -24,6 +29,7 @@ Shape legend: ``B`` rows (prompts x n), ``P`` prompt positions (left padded), ``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +38,9 @@ import torch
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.modeling import accepts_logits_to_keep, base_model
 from rlhf.plugins.engines.config import DECODERS, HFEngineConfig
+from rlhf.plugins.engines.lean_decode import LeanDecoder, lean_decoder_supported
+
+log = logging.getLogger(__name__)
 
 __all__ = ["HFEngine", "HFEngineConfig", "sample_categorical"]
 
@@ -65,6 +74,10 @@ class HFEngine:
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
             else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        if self.config.decoder == "lean" and not lean_decoder_supported(model):
+            raise ValueError("decoder 'lean' needs a Llama-architecture model (LlamaForCausalLM, or Qwen2 / Mistral "
+                             "without sliding windows) with sdpa attention; use decoder=direct")
+        self.lean_agrees: bool | None = None  # the lean step's logits against the forward's: checked once
 
     @property
     def device(self) -> torch.device:
@@ -116,7 +129,7 @@ class HFEngine:
 
     def uses_direct_decoder(self, params: SamplingParams) -> bool:
         if self.config.decoder != "auto":
-            return self.config.decoder == "direct"
+            return self.config.decoder in ("direct", "lean")
         from transformers import GenerationMixin
 
         base = base_model(self.model)  # PEFT
@@ -145,6 +158,8 @@ class HFEngine:
             input_ids, attention_mask = input_ids.repeat_interleave(n, dim=0), attention_mask.repeat_interleave(n, dim=0)
             positions = positions.repeat_interleave(n, dim=0)  # (B, P)
         batch_size = input_ids.shape[0]
+        lean = LeanDecoder(self.model, cache, attention_mask, input_ids.shape[1] + params.max_new_tokens) \
+            if self.uses_lean_step() else None
         mask = torch.cat([attention_mask, attention_mask.new_ones((batch_size, params.max_new_tokens))], dim=1)
         next_position = positions[:, -1:] + 1  # (B, 1)
         eos = torch.tensor(sorted(self.eos_ids), device=input_ids.device)
@@ -166,10 +181,32 @@ class HFEngine:
             finished |= torch.isin(chosen, eos)
             if t + 1 == params.max_new_tokens or self._all_finished(finished):
                 return tokens[:, : t + 1], (logprobs[:, : t + 1] if logprobs is not None else None)
-            logits = self.model(input_ids=chosen[:, None], attention_mask=mask[:, : width + t + 1],
-                                position_ids=next_position, past_key_values=cache, use_cache=True).logits[:, -1]
+            if lean is not None and self.lean_agrees:
+                logits = lean.step(chosen, next_position)  # (B, V)
+            else:
+                logits = self.model(input_ids=chosen[:, None], attention_mask=mask[:, : width + t + 1],
+                                    position_ids=next_position, past_key_values=cache, use_cache=True).logits[:, -1]
+                if lean is not None:  # the first step of the engine's life: the lean one must agree
+                    self.lean_agrees = self._lean_check(lean.step(chosen, next_position), logits)
+                    lean = lean if self.lean_agrees else None
             next_position = next_position + 1
         return tokens, logprobs
+
+    def uses_lean_step(self) -> bool:
+        """Decode steps by `LeanDecoder`: decoder auto or lean, a supported model, not in lockstep
+        over ranks (sharded weights gather inside the model's forward), and not found to differ."""
+        return (self.config.decoder in ("auto", "lean") and self.lean_agrees is not False
+                and not self.config.synced_gpus and lean_decoder_supported(self.model))
+
+    def _lean_check(self, lean_logits: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Whether the lean step's logits (B, V) equal the forward's up to float rounding."""
+        tolerance = 1e-4 if logits.dtype == torch.float32 else 5e-2
+        difference = float((lean_logits.float() - logits.float()).abs().max())
+        if difference > tolerance * max(1.0, float(logits.float().abs().max())):
+            log.warning("hf engine: the lean decode step's logits differ from the model's forward by %.3g; decoding "
+                        "through the forward (decoder=direct skips this check)", difference)
+            return False
+        return True
 
     def _all_finished(self, finished: torch.Tensor) -> bool:
         """Every row has ended; with ``synced_gpus``, on every rank (a rank that is done keeps decoding padding)."""

@@ -1,0 +1,153 @@
+"""The engine's lean decode step (rlhf/plugins/engines/lean_decode.py) gives the model's forward:
+
+* sampled tokens and log-probs equal the ``direct`` decoder's under the same seed (left-padded
+  prompts of different lengths, n samples sharing a prefill, rows ending early), and its logits
+  equal the forward's at every step, on a Llama and on a Qwen2 (biased projections, grouped
+  key-value heads);
+* ``auto`` uses it where it is supported, never for other models or with sharded weights;
+  ``decoder=lean`` on an unsupported model is an error;
+* a lean step that differs from the forward is caught on the engine's first step: a warning and
+  the forward from then on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.core.rollout import SamplingParams
+from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig
+from rlhf.plugins.engines.lean_decode import LeanDecoder, lean_decoder_supported
+
+
+def build(kind: str, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    if kind == "llama":
+        return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="sdpa", eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return Qwen2ForCausalLM(config).eval(), tokenizer
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def model_and_tokenizer(request, tiny_model_dir):
+    return build(request.param, tiny_model_dir)
+
+
+def prompts(tokenizer):
+    return [tokenizer("What is 12 + 7?")["input_ids"], tokenizer("hi")["input_ids"],
+            tokenizer("Say many a's please")["input_ids"]]
+
+
+def test_the_lean_step_is_used_where_supported(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    assert lean_decoder_supported(model)
+    assert HFEngine(model, tokenizer).uses_lean_step()
+    assert not HFEngine(model, tokenizer, HFEngineConfig(decoder="direct")).uses_lean_step()
+    assert not HFEngine(model, tokenizer, HFEngineConfig(synced_gpus=True)).uses_lean_step()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_lean_samples_what_the_direct_decoder_samples(model_and_tokenizer, temperature):
+    model, tokenizer = model_and_tokenizer
+    params = SamplingParams(max_new_tokens=16, temperature=temperature, return_logprobs=True)
+    runs = {}
+    for decoder in ("lean", "direct"):
+        engine = HFEngine(model, tokenizer, HFEngineConfig(decoder=decoder))
+        for _ in range(2):  # the second call runs on the lean step alone (the first one checks it)
+            torch.manual_seed(4)
+            runs[decoder] = engine.generate(prompts(tokenizer), n=3, params=params)
+        assert engine.lean_agrees is (True if decoder == "lean" else None)
+    lean, direct = runs["lean"], runs["direct"]
+    assert [g.token_ids for g in lean] == [g.token_ids for g in direct]
+    if temperature > 0:
+        assert len({tuple(g.token_ids) for g in lean}) > 3  # sampled, not copies
+    for a, b in zip(lean, direct):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
+
+
+def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer):
+    from transformers import DynamicCache
+
+    model, tokenizer = model_and_tokenizer
+    rows = prompts(tokenizer)
+    width = max(map(len, rows))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])  # (B, P) left-padded
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # (B, P)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # (B, P)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        lean = LeanDecoder(model, cache, mask, width + 8)
+        for t in range(8):
+            tokens = torch.randint(5, 200, (len(rows),), generator=generator)  # (B,)
+            step_positions = positions[:, -1:] + 1 + t  # (B, 1)
+            full_mask = torch.cat([mask, torch.ones((len(rows), t + 1), dtype=mask.dtype)], dim=1)
+            expected = model(input_ids=tokens[:, None], attention_mask=full_mask, position_ids=step_positions,
+                             past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
+            got = lean.step(tokens, step_positions)  # (B, V)
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), t
+
+
+def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    assert not lean_decoder_supported(eager)
+    assert not HFEngine(eager, tokenizer).uses_lean_step()
+    with pytest.raises(ValueError, match="decoder 'lean' needs a Llama-architecture model"):
+        HFEngine(eager, tokenizer, HFEngineConfig(decoder="lean"))
+    from transformers import MistralConfig, MistralForCausalLM
+
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                sliding_window=16, attn_implementation="sdpa"))
+    assert not lean_decoder_supported(windowed)
+
+
+def test_a_lean_step_that_differs_is_caught_on_the_first_step(tiny_model_dir, monkeypatch, caplog):
+    model, tokenizer = build("llama", tiny_model_dir)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, return_logprobs=True)
+    expected = HFEngine(model, tokenizer, HFEngineConfig(decoder="direct")).generate(prompts(tokenizer), n=2,
+                                                                                    params=params)
+    real_step = LeanDecoder.step
+    monkeypatch.setattr(LeanDecoder, "step", lambda self, tokens, positions: real_step(self, tokens, positions) + 1e-2)
+    engine = HFEngine(model, tokenizer)
+    with caplog.at_level("WARNING"):
+        got = engine.generate(prompts(tokenizer), n=2, params=params)
+    assert engine.lean_agrees is False and not engine.uses_lean_step()
+    assert "lean decode step's logits differ" in caplog.text
+    assert [g.token_ids for g in got] == [g.token_ids for g in expected]
+    assert [g.logprobs for g in got] == [g.logprobs for g in expected]
+
+
+def test_lean_runs_the_lora_layers_of_a_peft_policy(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = build("llama", tiny_model_dir)
+    wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)  # the adapter changes the logits
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, return_logprobs=True)
+    assert HFEngine(wrapped, tokenizer).uses_lean_step()
+    lean = HFEngine(wrapped, tokenizer, HFEngineConfig(decoder="lean")).generate(prompts(tokenizer), n=1, params=params)
+    direct = HFEngine(wrapped, tokenizer, HFEngineConfig(decoder="direct")).generate(prompts(tokenizer), n=1,
+                                                                                    params=params)
+    with wrapped.disable_adapter():
+        plain = HFEngine(wrapped, tokenizer, HFEngineConfig(decoder="direct")).generate(prompts(tokenizer), n=1,
+                                                                                       params=params)
+    assert [g.token_ids for g in lean] == [g.token_ids for g in direct]
+    assert [g.logprobs for g in lean] != [g.logprobs for g in plain]  # the adapter mattered
+    for a, b in zip(lean, direct):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
