@@ -65,21 +65,17 @@ def share_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     real = attention_mask.bool().cpu()  # (B, T)
     ids = input_ids.cpu()
     tokens = [ids[row][real[row]].tolist() for row in range(ids.shape[0])]
-    columns = [real[row].nonzero().squeeze(1).tolist() for row in range(ids.shape[0])]
     group_ids, group_pos, group_seg = [], [], []
-    places: list[tuple[int, int, int, int]] = []  # (row, column, group, slot) for every real token
+    slots: dict[int, tuple[int, int, int]] = {}  # row -> (group, shared, offset): token i at i, or offset + i - shared
     for g, members in enumerate(groups):
         shared = common_prefix([tokens[row] for row in members])
         row_ids, pos, seg = list(tokens[members[0]][:shared]), list(range(shared)), [0] * shared
         for order, row in enumerate(members, start=1):
-            for i, column in enumerate(columns[row]):
-                if i < shared:
-                    places.append((row, column, g, i))
-                else:
-                    places.append((row, column, g, len(row_ids)))
-                    row_ids.append(tokens[row][i])
-                    pos.append(i)
-                    seg.append(order)
+            rest = tokens[row][shared:]
+            slots[row] = (g, shared, len(row_ids))
+            row_ids += rest
+            pos += range(shared, shared + len(rest))
+            seg += [order] * len(rest)
         group_ids.append(row_ids)
         group_pos.append(pos)
         group_seg.append(seg)
@@ -99,9 +95,10 @@ def share_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor,
                & ((key_seg == 0) | (key_seg == query_seg)))  # (G, L, L)
     allowed |= torch.eye(length, dtype=torch.bool)[None]  # padding attends itself: no all-masked row
     index = torch.full(ids.shape, -1, dtype=torch.long)  # (B, T)
-    if places:
-        where = torch.tensor(places, dtype=torch.long)  # (N, 4)
-        index[where[:, 0], where[:, 1]] = where[:, 2] * length + where[:, 3]
+    for row, (g, shared, offset) in slots.items():
+        slot = torch.arange(len(tokens[row]))  # (n,) the row's real tokens in order
+        slot = torch.where(slot < shared, slot, slot + (offset - shared))  # (n,)
+        index[row, real[row]] = g * length + slot
     device = input_ids.device
     return SharedRows(input_ids=out_ids.to(device), position_ids=positions.to(device), allowed=allowed.to(device),
                       index=index.to(device))
