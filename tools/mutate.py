@@ -47,15 +47,15 @@ TARGETS = [
     "rlhf/plugins/algorithms/gspo_loss.py", "rlhf/algorithms/kl_control.py", "rlhf/plugins/filters/dynamic.py",
     "rlhf/plugins/shaping/overlong.py", "rlhf/plugins/shaping/truncation.py", "rlhf/runtime/evaluation.py",
     "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py",
-    # shared prompts (issue 21)
-    "rlhf/core/prefix_sharing.py",
+    # shared prompts and the lean decode step (issue 21)
+    "rlhf/core/prefix_sharing.py", "rlhf/plugins/engines/lean_decode.py",
 ]
 FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
               "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
               "tests/runtime/test_multiturn.py",
               "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
               "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
-              "tests/runtime/test_prefix_sharing.py"]
+              "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py"]
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [

@@ -37,11 +37,13 @@ SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 def lean_decoder_supported(model: Any) -> bool:
     """Whether `LeanDecoder` reproduces ``model``'s forward: a supported class with sdpa attention
-    and no sliding window, its layers built as Llama's."""
+    and no sliding window, its layers built as Llama's, its weights not partitioned by ZeRO-3."""
     base = base_model(model)
     config = getattr(base, "config", None)
     if type(base).__name__ not in SUPPORTED or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
+    if any(hasattr(parameter, "ds_id") for parameter in base.parameters()):
+        return False  # DeepSpeed ZeRO-3 partitions: the model's forward gathers them
     inner = getattr(base, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")):
