@@ -112,6 +112,10 @@ def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                                 sliding_window=16, attn_implementation="sdpa"))
     assert not lean_decoder_supported(windowed)
+    llama, _ = build("llama", tiny_model_dir)
+    assert lean_decoder_supported(llama)
+    next(llama.parameters()).ds_id = 0  # as DeepSpeed ZeRO-3 marks the parameters it partitions
+    assert not lean_decoder_supported(llama)
 
 
 def test_a_lean_step_that_differs_is_caught_on_the_first_step(tiny_model_dir, monkeypatch, caplog):
