@@ -106,9 +106,12 @@ class HFEngine:
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Generation]:
+        rows = [ids for ids in prompts for _ in range(n)]  # n copies, contiguous
         direct = self.uses_direct_decoder(params)
-        shared = direct and n > 1  # the direct decoder prefills each prompt once for its n samples
-        rows = list(prompts) if shared else [ids for ids in prompts for _ in range(n)]  # n copies, contiguous
+        if direct:  # the direct decoder prefills each distinct prompt once, for every row that starts with it
+            first: dict[tuple[int, ...], int] = {}
+            source = torch.tensor([first.setdefault(tuple(ids), len(first)) for ids in rows])  # (B,) prefill row
+            rows = [list(ids) for ids in first]
         width = max(len(p) for p in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
         attention_mask = torch.zeros_like(input_ids)  # (B, P)
@@ -117,7 +120,7 @@ class HFEngine:
             attention_mask[row, width - len(ids):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         if direct:
-            completions, logprobs = self._decode(input_ids, attention_mask, params, n=n if shared else 1)
+            completions, logprobs = self._decode(input_ids, attention_mask, params, source.to(self.device))
         else:
             completions, logprobs = self._hf_generate(input_ids, attention_mask, params)
         completions = completions.cpu()  # (B, N)
@@ -136,27 +139,28 @@ class HFEngine:
         plain = type(base).prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
         return not params.stop and plain and not base.config.is_encoder_decoder
 
-    def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                params: SamplingParams, n: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The direct decoder: (B, N) tokens, padded after EOS, and (B, N) log-probs if asked.
 
-        ``input_ids`` (B / n, P) holds each prompt once: the prompt is prefilled once and its KV
-        cache repeated for its ``n`` samples (rows ``[p0s0 .. p0s(n-1), p1s0, ...]``), which saves
-        (n - 1) / n of the prefill (most of the work with long prompts).
+        ``input_ids`` (U, P) holds each distinct prompt once and ``source`` (B,) names the prompt
+        each output row continues (None: row b continues prompt b). A prompt is prefilled once and
+        its KV cache copied to its rows, which saves (B - U) / B of the prefill: most of the work
+        with long prompts, whether the n samples of a prompt come in one call (``n``) or as rows
+        of their own (the rollout's trajectories).
         """
         from transformers import DynamicCache
 
         base = base_model(self.model)
         cache = DynamicCache(config=base.config)
-        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B / n, P), left padding starts at 0
+        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (U, P), left padding starts at 0
         keep = {"logits_to_keep": 1} if accepts_logits_to_keep(type(base)) else {}  # the prompt needs no logits
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, **keep).logits[:, -1]  # (B / n, V)
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)  # (B, V)
-            input_ids, attention_mask = input_ids.repeat_interleave(n, dim=0), attention_mask.repeat_interleave(n, dim=0)
-            positions = positions.repeat_interleave(n, dim=0)  # (B, P)
+                            past_key_values=cache, use_cache=True, **keep).logits[:, -1]  # (U, V)
+        if source is not None and not torch.equal(source, torch.arange(len(source), device=source.device)):
+            cache.batch_select_indices(source)
+            logits, positions = logits[source], positions[source]  # (B, V), (B, P)
+            input_ids, attention_mask = input_ids[source], attention_mask[source]  # (B, P)
         batch_size = input_ids.shape[0]
         lean = LeanDecoder(self.model, cache, attention_mask, input_ids.shape[1] + params.max_new_tokens) \
             if self.uses_lean_step() else None
