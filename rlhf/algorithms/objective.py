@@ -108,6 +108,25 @@ class PolicyObjective:
     def needs_entropy(self) -> bool:
         return self.entropy_coef > 0
 
+    def trained_rows(self, batch: ExperienceBatch) -> torch.Tensor | None:
+        """(B,) bool: the rows of ``batch`` that can add to the loss or its gradient; None when the
+        objective cannot tell (every row trains).
+
+        A row whose advantages are 0 on all its loss tokens adds exactly 0 to both when the policy
+        loss is advantage-weighted (its registration says ``advantage_weighted``: ``ppo`` and
+        ``gspo``, where every token's loss is its advantage times a finite factor), the loss's
+        aggregation sums per-row terms over step-wide counts (``sums_rows``: every built-in one)
+        and there is no KL or entropy term. GRPO / RLOO groups whose samples all scored the same
+        are such rows; the trainer skips their forwards.
+        """
+        if self.kl_coef > 0 or self.entropy_coef > 0 or not self.policy_loss.capabilities.get("advantage_weighted"):
+            return None
+        own = self.policy_loss.capabilities.get("aggregation")  # resolved as `policy_loss` resolves it
+        aggregation = load_component("loss_aggregation", own) if own else self.aggregation
+        if not aggregation.capabilities.get("sums_rows"):
+            return None
+        return ((batch.advantages != 0) & batch.loss_mask.bool()).any(dim=1)  # (B,)
+
     def loss(self, logprobs: torch.Tensor, batch: ExperienceBatch, norm: LossNorm, *,
              entropy: torch.Tensor | None = None, kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """The micro-batch's share of the step loss. logprobs, entropy (b, A) from the training

@@ -2,8 +2,9 @@
 
 ``logprobs[:, t] = log softmax(z_t / τ)[token_{t+1}]`` with float32 logits z and the sampling
 temperature τ, so training sees the distribution the engine sampled from. Only positions from
-the first action token on are projected to the vocabulary (prompts need no logits), and the
-vocabulary softmax runs in row chunks to bound float32 memory.
+the first action token on are projected to the vocabulary (prompts need no logits), a row's
+last token is not run at all (it predicts nothing; `without_last_token`), and the vocabulary
+softmax runs in row chunks to bound float32 memory.
 
 Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions, ``V`` vocabulary.
 """
@@ -25,6 +26,17 @@ def first_action_position(action_mask: torch.Tensor) -> int:
     return int(any_action.nonzero()[0]) if any_action.any() else 0
 
 
+def without_last_token(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) ``attention_mask`` with each row's last real token unset (any padding side): that token
+    is only a target, nothing after it is predicted, so a forward that scores next tokens need not
+    run it (one token per row less: 1/T of the work)."""
+    mask = attention_mask.clone()  # (B, T)
+    last = mask.shape[1] - 1 - mask.long().flip(1).argmax(dim=1)  # (B,) index of the last real token
+    rows = mask.bool().any(dim=1).nonzero().squeeze(1)  # (b,) rows with a real token
+    mask[rows, last[rows]] = 0
+    return mask
+
+
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    action_mask: torch.Tensor, *, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -38,16 +50,16 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
                                      with_entropy=with_entropy)
     batch_size, length = input_ids.shape  # (B, T)
     start = first_action_position(action_mask)  # logits at positions start..T-2 predict tokens start+1..T-1
-    keep = length - start
-    kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(base_model(model))) else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
-    logits = logits[:, -keep:-1, :]  # (B, A - start, V): the last position predicts nothing
-    targets = input_ids[:, start + 1:]  # (B, A - start)
-
+    keep = length - 1 - start
     logprobs = input_ids.new_zeros((batch_size, length - 1), dtype=torch.float32)  # (B, A)
     entropy = torch.zeros_like(logprobs) if with_entropy else None
-    if keep <= 1:
+    if keep <= 0:
         return logprobs, entropy
+    kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(base_model(model))) else {}
+    # The last column is padding or a row's last token, which predicts nothing: it is not run.
+    logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False,
+                   **kwargs).logits[:, -keep:, :]  # (B, A - start, V)
+    targets = input_ids[:, start + 1:]  # (B, A - start)
     chunks_lp, chunks_ent = [], []
     for rows in range(0, batch_size, _ROWS_PER_CHUNK):
         z = logits[rows:rows + _ROWS_PER_CHUNK].float()  # (b, A', V)
@@ -71,11 +83,12 @@ def packed_token_logprobs(model: PackedModel, input_ids: torch.Tensor, attention
                           action_mask: torch.Tensor, *, temperature: float = 1.0,
                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` with the batch packed into one row (rlhf/core/packing.py): only the action
-    positions are projected to the vocabulary. Log-probs (and entropy) are 0 off the action mask.
+    positions are projected to the vocabulary, and rows' last tokens are left out of the pack.
+    Log-probs (and entropy) are 0 off the action mask.
     """
     batch_size, length = input_ids.shape  # (B, T)
-    packed = pack_rows(input_ids, attention_mask)
-    wanted = action_mask.bool() & (packed.index[:, :-1] >= 0) & (packed.index[:, 1:] >= 0)  # (B, A)
+    packed = pack_rows(input_ids, without_last_token(attention_mask))
+    wanted = action_mask.bool() & (packed.index[:, :-1] >= 0)  # (B, A) an action token predicted from a packed one
     rows, cols = wanted.nonzero(as_tuple=True)  # (K,), (K,)
     at = packed.index[rows, cols]  # (K,) packed positions whose logits predict the action tokens
     targets = input_ids[rows, cols + 1]  # (K,)
@@ -95,10 +108,11 @@ def shared_token_logprobs(model: torch.nn.Module, rows: SharedRows, input_ids: t
                           action_mask: torch.Tensor, *, temperature: float = 1.0,
                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of a (B, T) batch laid out by `rlhf.core.prefix_sharing.share_prefixes`
-    (rows of a group share their common prefix's forward). Log-probs (and entropy) (B, A) are 0 off
-    the action mask; gradients flow when enabled."""
+    (rows of a group share their common prefix's forward), best of ``without_last_token(attention_mask)``:
+    a row's last token predicts nothing. Log-probs (and entropy) (B, A) are 0 off the action mask;
+    gradients flow when enabled."""
     batch_size, length = input_ids.shape  # (B, T)
-    wanted = action_mask.bool() & (rows.index[:, :-1] >= 0) & (rows.index[:, 1:] >= 0)  # (B, A)
+    wanted = action_mask.bool() & (rows.index[:, :-1] >= 0)  # (B, A) an action token predicted from a laid-out one
     row, col = wanted.nonzero(as_tuple=True)  # (K,), (K,)
     targets = input_ids[row, col + 1]  # (K,)
     logprobs = torch.zeros((batch_size, length - 1), dtype=torch.float32, device=input_ids.device)  # (B, A)

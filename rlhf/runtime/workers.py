@@ -20,7 +20,7 @@ from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.rewards.combine import RewardResult, RewardSet
-from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
+from rlhf.core.logprobs import shared_token_logprobs, token_logprobs, without_last_token
 from rlhf.core.packing import PackedModel, is_packed, token_budget_groups
 from rlhf.core.prefix_sharing import can_share, checked_for_sharing, common_prefix, share_prefixes
 from rlhf.runtime.threads import adjust_threads
@@ -148,7 +148,7 @@ def micro_logprobs(model: Any, micro: MicroBatch, *, temperature: float, with_en
 
     if micro.groups is None or is_packed(model) or not can_share(model):
         return separate()
-    rows = share_prefixes(input_ids, attention_mask, micro.groups)
+    rows = share_prefixes(input_ids, without_last_token(attention_mask), micro.groups)
 
     def shared() -> tuple[torch.Tensor, torch.Tensor | None]:
         return shared_token_logprobs(model, rows, input_ids, action_mask, temperature=temperature,
@@ -240,13 +240,15 @@ class _TrainedWorker(TrainedModel):
         """``model`` as the log-prob forwards call it: packed with ``--packing``."""
         return PackedModel(model) if self.settings.packing else model
 
-    def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss, share: bool = False) -> MetricMean:
+    def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss, share: bool = False,
+             trained_rows: Callable[[ExperienceBatch], torch.Tensor | None] | None = None) -> MetricMean:
         """The update loop of every trained role: epochs over shuffled minibatches, one optimizer
         step per minibatch, gradients accumulated over this rank's micro-batches.
 
         ``micro_loss(micro, norm) -> (loss, metrics, weight)`` gives a micro-batch's share of the
         minibatch loss (normalised by minibatch-wide counts, so accumulation reproduces the
-        full-batch gradient). A non-finite loss on any rank skips the step on every rank: each rank
+        full-batch gradient). ``trained_rows(minibatch)``: the rows that can add to the loss
+        (`_rows_that_train`). A non-finite loss on any rank skips the step on every rank: each rank
         still runs all its forwards and backwards (collectives under DeepSpeed ZeRO), then the
         ranks agree on whether to step, as a rank stepping alone would wait forever in the gradient
         all-reduce.
@@ -263,6 +265,7 @@ class _TrainedWorker(TrainedModel):
             if norm.num_tokens == 0:
                 continue
             finite, step_loss = True, 0.0
+            minibatch = self._rows_that_train(minibatch, trained_rows, share and self.settings.share_prompt, metrics)
             for micro in self._my_micro_batches(minibatch, share):
                 loss, loss_metrics, weight = micro_loss(MicroBatch(micro.rows, micro.batch.to(self.device),
                                                                    micro.groups), norm)
@@ -275,6 +278,30 @@ class _TrainedWorker(TrainedModel):
             finite = all(self.dist.all_gather(finite))
             metrics.add(self.step_metrics(step_loss, finite))
         return metrics
+
+    def _rows_that_train(self, minibatch: ExperienceBatch, trained_rows: Callable[[ExperienceBatch], Any] | None,
+                         whole_groups: bool, metrics: MetricMean) -> ExperienceBatch:
+        """The minibatch without the rows ``trained_rows`` says add exactly nothing to the loss and its
+        gradient (zero advantages, `PolicyObjective.trained_rows`): their forwards and backwards are
+        skipped, the step's counts (``norm``) still include them. ``whole_groups``: a row is
+        skipped only with its prompt's other samples (shared forwards want whole groups). Metric
+        ``zero_advantage_frac``: the share of such rows. They are skipped in one process only
+        (under torchrun every rank runs the same number of micro-batches). When no row trains, one
+        is kept: the optimizer then steps with zero gradients, as it would over the whole
+        minibatch (momentum and weight decay still apply)."""
+        keep = trained_rows(minibatch) if trained_rows is not None else None  # (b,)
+        if keep is None:
+            return minibatch
+        if whole_groups:
+            groups = minibatch.group_index  # (b,)
+            alive = torch.zeros(int(groups.max()) + 1, dtype=torch.long).scatter_reduce(
+                0, groups, keep.long(), "amax")  # (groups,) 1 where a sample of the prompt trains
+            keep = alive[groups].bool()  # (b,)
+        metrics.add({"zero_advantage_frac": 1.0 - float(keep.float().mean())})
+        if bool(keep.all()) or self.dist.active:
+            return minibatch
+        rows = keep.nonzero().squeeze(1) if bool(keep.any()) else torch.zeros(1, dtype=torch.long)  # (b',)
+        return minibatch.select(rows)
 
 
 class PolicyWorker(_TrainedWorker):
@@ -299,7 +326,8 @@ class PolicyWorker(_TrainedWorker):
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
         ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1.
         ``kl_coef``: this step's β of the KL term when adaptive (default: the objective's)."""
-        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef), share=True)
+        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef), share=True,
+                            trained_rows=self.objective.trained_rows)
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
     def _micro_loss(self, micro: MicroBatch, norm: LossNorm,

@@ -111,21 +111,44 @@ def test_greedy_tokens_and_logprobs_equal_generate(model_and_tokenizer):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
-def test_shared_prompt_prefill_samples_what_one_prefill_per_row_samples(model_and_tokenizer):
-    """n samples of a prompt share one prefill (its KV cache repeated): with the same random
-    numbers they draw the tokens, and get the log-probs, that n separate copies of the prompt get."""
+def one_prefill_per_row(engine, rows, params):
+    """The direct decoder with every row prefilled on its own (no prompt shared): (B, N) tokens, log-probs."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), engine.pad_id, dtype=torch.long)  # (B, P) left-padded
+    attention_mask = torch.zeros_like(input_ids)  # (B, P)
+    for row, ids in enumerate(rows):
+        input_ids[row, width - len(ids):], attention_mask[row, width - len(ids):] = torch.tensor(ids), 1
+    with torch.inference_mode():
+        return engine._decode(input_ids, attention_mask, params)
+
+
+def test_a_prompt_is_prefilled_once_for_all_the_rows_that_continue_it(model_and_tokenizer):
+    """Rows that continue the same prompt share one prefill, its KV cache copied to each, whether
+    they are the n samples of one prompt or the same prompt given again as rows of its own (as the
+    rollout gives a group's trajectories), in any order: with the same random numbers they draw the
+    tokens, and get the log-probs, that one prefill per row gets."""
     model, tokenizer = model_and_tokenizer
-    prompts = [tokenizer("What is 12 + 7?")["input_ids"], tokenizer("hi")["input_ids"]]  # different lengths
+    a, b = tokenizer("What is 12 + 7?")["input_ids"], tokenizer("hi")["input_ids"]  # different lengths
     params = SamplingParams(max_new_tokens=12, temperature=0.9, return_logprobs=True)
     engine = HFEngine(model, tokenizer, HFEngineConfig(decoder="direct"))
-    torch.manual_seed(3)
-    shared = engine.generate(prompts, n=4, params=params)
-    torch.manual_seed(3)
-    separate = engine.generate([p for p in prompts for _ in range(4)], n=1, params=params)
-    assert [g.token_ids for g in shared] == [g.token_ids for g in separate]
-    assert len({tuple(g.token_ids) for g in shared}) > 2  # sampled, not n copies of one completion
-    for a, b in zip(shared, separate):
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    prefill_rows = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    try:
+        for rows, n in (([a, b], 4), ([a, b, a, a, b, b, a, b], 1)):
+            expected_rows = [p for p in rows for _ in range(n)]
+            prefill_rows.clear()
+            torch.manual_seed(3)
+            shared = engine.generate(rows, n=n, params=params)
+            assert prefill_rows[0][0] == 2  # the prefill: one row per distinct prompt
+            torch.manual_seed(3)
+            tokens, logprobs = one_prefill_per_row(engine, expected_rows, params)  # (B, N), (B, N)
+            assert [g.token_ids for g in shared] == [row.tolist() for row in tokens]
+            assert len({tuple(g.token_ids) for g in shared}) > 2  # sampled, not copies of one completion
+            for generation, row in zip(shared, logprobs):
+                assert torch.allclose(torch.tensor(generation.logprobs), row, atol=1e-5)
+    finally:
+        hook.remove()
 
 
 def test_direct_decoder_samples_the_models_first_token_distribution(model_and_tokenizer):
@@ -225,8 +248,9 @@ def test_token_logprobs_at_unit_temperature_and_through_peft(model_and_tokenizer
     import copy
 
     wrapped = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    shapes = []
+    shapes, inputs = [], []
     hook = wrapped.get_base_model().lm_head.register_forward_hook(lambda m, i, out: shapes.append(out.shape))
+    run = wrapped.get_base_model().model.register_forward_hook(lambda m, i, out: inputs.append(out[0].shape[1]))
     try:
         for candidate in (model, wrapped):  # a fresh LoRA adapter is zero: the same function
             with torch.no_grad():
@@ -234,7 +258,26 @@ def test_token_logprobs_at_unit_temperature_and_through_peft(model_and_tokenizer
             torch.testing.assert_close(logprobs[mask], expected[mask], atol=1e-5, rtol=1e-5)
     finally:
         hook.remove()
-    # The first action is token 2 of row 2 (predicted at position 1): 4 of the 5 positions need logits,
-    # also through the PEFT wrapper (it passes logits_to_keep on to the model).
-    assert shapes == [torch.Size([2, 4, model.config.vocab_size])]
+        run.remove()
+    # The last column only holds targets: the model runs 4 of the 5 tokens. The first action is token
+    # 2 of row 2 (predicted at position 1): positions 1-3 need logits, also through the PEFT wrapper
+    # (it passes logits_to_keep on to the model).
+    assert inputs == [4]
+    assert shapes == [torch.Size([2, 3, model.config.vocab_size])]
     assert math.isfinite(float(logprobs[mask].sum()))
+
+
+def test_without_last_token_unsets_each_rows_last_real_token_on_either_padding_side():
+    from rlhf.core.logprobs import without_last_token
+    from rlhf.core.prefix_sharing import share_prefixes
+
+    mask = torch.tensor([[1, 1, 1, 0, 0],  # right-padded
+                         [0, 0, 1, 1, 1],  # left-padded
+                         [0, 0, 0, 0, 0],  # empty
+                         [1, 0, 0, 0, 0]])  # one token
+    assert without_last_token(mask).tolist() == [[1, 1, 0, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [0] * 5]
+    assert mask.sum() == 7, "the mask given is left as it was"
+    # two rows of one prompt laid out without their last tokens: prompt 2 + 1 + 2 instead of 2 + 2 + 3
+    ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 9, 10, 11]])
+    rows = share_prefixes(ids, without_last_token(torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])), [[0, 1]])
+    assert rows.input_ids.tolist() == [[5, 6, 7, 9, 10]]

@@ -58,23 +58,24 @@ def corrects_mismatch(config) -> bool:
 def register_policy_losses(register):
     register("ppo", f"{_HERE}.ppo_loss:ppo_policy_loss",
              description="PPO clipped surrogate (asymmetric clip, dual clip, TIS/ICEPOP correction)",
-             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", needs_rollout_logprobs=corrects_mismatch)
+             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", needs_rollout_logprobs=corrects_mismatch,
+             advantage_weighted=True)
     register("gspo", f"{_HERE}.gspo_loss:gspo_policy_loss",
              description="GSPO: sequence-level ratio exp(mean log-ratio), clipped, per-sequence mean",
              config_cls=f"{_HERE}.ppo_config:PPOLossConfig", needs_rollout_logprobs=corrects_mismatch,
-             aggregation="seq_mean_token_mean")
+             aggregation="seq_mean_token_mean", advantage_weighted=True)
 
 
 @rlhf.hookimpl
 def register_loss_aggregations(register):
     register("token_mean", f"{_HERE}.aggregation:token_mean",
-             description="Σ ℓ m / tokens of the whole optimizer step")
+             description="Σ ℓ m / tokens of the whole optimizer step", sums_rows=True)
     register("seq_mean_token_mean", f"{_HERE}.aggregation:seq_mean_token_mean",
-             description="mean over sequences of each sequence's token mean")
+             description="mean over sequences of each sequence's token mean", sums_rows=True)
     register("seq_mean_token_sum", f"{_HERE}.aggregation:seq_mean_token_sum",
-             description="mean over sequences of each sequence's token sum")
+             description="mean over sequences of each sequence's token sum", sums_rows=True)
     register("seq_mean_token_sum_norm", f"{_HERE}.aggregation:seq_mean_token_sum_norm",
-             description="mean over sequences of token sum / max new tokens (Dr. GRPO)")
+             description="mean over sequences of token sum / max new tokens (Dr. GRPO)", sums_rows=True)
 
 
 @rlhf.hookimpl

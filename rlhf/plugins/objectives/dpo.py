@@ -76,12 +76,13 @@ class DPOObjective(ObjectiveBase):
     def _forward(self, batch: dict[str, Any], share: bool) -> Any:
         """``m -> (2P, A) log-probs of the learnt tokens under m`` (the policy or the reference), each
         pair's prompt shared when ``share`` and the model takes it (`checked_for_sharing`)."""
+        from rlhf.core.logprobs import without_last_token
         from rlhf.core.packing import is_packed
         from rlhf.core.prefix_sharing import can_share, checked_for_sharing, share_prefixes
 
         inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
         pairs = len(batch["input_ids"]) // 2
-        rows = share_prefixes(batch["input_ids"], batch["attention_mask"],
+        rows = share_prefixes(batch["input_ids"], without_last_token(batch["attention_mask"]),
                               [(i, pairs + i) for i in range(pairs)]) if share else None
 
         def forward(m: Any) -> Any:
