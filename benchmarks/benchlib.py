@@ -27,7 +27,14 @@ PROMPT = "Say many a's please {}"
 REWARD_SOURCE = (
     "def count_a(completions, **kwargs):\n"
     "    return [float(c.count('a')) for c in completions]\n"
+    "\n\n"
+    "def count_a_dense(completions, **kwargs):\n"
+    "    # count_a plus a per-completion tie-break below 0.1: the samples of a prompt never all score\n"
+    "    # alike, so no advantage is zero and every sample trains (count_a is 0 for most completions\n"
+    "    # of a model that rarely writes an a, such as small32k's)\n"
+    "    return [c.count('a') + (sum(map(ord, c)) % 1000) / 10_000 for c in completions]\n"
 )
+REWARDS = ("count_a", "count_a_dense")
 
 
 def add_step_arguments(parser: Any, *, rounds: int, other: str, kl_help: str) -> None:
@@ -90,7 +97,8 @@ def model_dir(name: str, root: Path) -> Path:
 
 
 def write_task(root: Path, num_prompts: int = 64) -> tuple[Path, Path]:
-    """A prompt file and a reward file (count of the letter a) shared by every benchmark."""
+    """A prompt file and a reward file (`REWARDS`: the count of the letter a, and the same with a
+    tie-break that makes every sample's advantage nonzero) shared by every benchmark."""
     data, reward = root / "prompts.jsonl", root / "count_a.py"
     data.write_text("".join(json.dumps({"prompt": PROMPT.format(i)}) + "\n" for i in range(num_prompts)))
     reward.write_text(REWARD_SOURCE)

@@ -6,7 +6,9 @@ tokens, one optimizer step per rollout over the same micro-batches, the same β 
 model on either side), learning rate, AdamW betas, gradient clipping and constant LR,
 temperature 1 with top-k and top-p off, the token-mean loss (TRL's ``dapo``), no gradient
 checkpointing (TRL turns it on by default; it would add a forward pass), and the same reward
-function. Runs alternate (ours, TRL, ours, ...); each run's first step is dropped and the
+function (``--reward``: with ``count_a`` a prompt whose samples all score alike has zero
+advantages, and rlhf skips their update, which TRL runs; ``count_a_dense`` gives every sample a
+nonzero advantage, so both sides train every sample). Runs alternate (ours, TRL, ours, ...); each run's first step is dropped and the
 medians of the rest are reported, with samples/s (= G x n / median step time) and generated
 tokens per step. Wall clock and this process's CPU time are both reported: on a shared machine
 CPU time is the steadier figure (with one torch thread it is the work done, whatever else runs).
@@ -44,7 +46,7 @@ def run_ours(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib
 
     shutil.rmtree(out, ignore_errors=True)
     config = TrainConfig.from_dict(dict(
-        model=str(model), data=[str(data)], reward=[f"{reward}:count_a"], algo="grpo", kl_coef=args.kl_coef,
+        model=str(model), data=[str(data)], reward=[f"{reward}:{args.reward}"], algo="grpo", kl_coef=args.kl_coef,
         loss_agg="token_mean", prompts_per_step=args.prompts, n_samples=args.n, max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr, adam_betas="0.9,0.95",
         weight_decay=0.0, max_grad_norm=1.0, lr_scheduler="constant", clip_low=0.2, clip_high=0.2,
@@ -94,7 +96,7 @@ def run_trl(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.
                 clock.metrics[-1]["tokens"] = logs["completions/mean_length"] * rollout
 
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model),
-                          reward_funcs=import_object(f"{reward}:count_a"), args=config,
+                          reward_funcs=import_object(f"{reward}:{args.reward}"), args=config,
                           train_dataset=Dataset.from_list(prompts),
                           processing_class=AutoTokenizer.from_pretrained(model), callbacks=[Stamp()])
 
@@ -109,6 +111,9 @@ def main() -> None:
     benchlib.add_step_arguments(parser, rounds=3, other="TRL", kl_help="β on both sides (> 0 loads a reference model)")
     parser.add_argument("--no-share-prompt", dest="share_prompt", action="store_false",
                         help="rlhf without --share-prompt (a prompt's samples run their own forwards)")
+    parser.add_argument("--reward", choices=benchlib.REWARDS, default="count_a",
+                        help="count_a (the letter a; a group whose samples all score alike has zero advantages, "
+                             "and rlhf skips its update) or count_a_dense (a tie-break added: every sample trains)")
     args = parser.parse_args()
     try:
         import trl  # noqa: F401
@@ -132,6 +137,7 @@ def main() -> None:
     wall: dict[str, list[float]] = {name: [] for name in sides}
     cpu: dict[str, list[float]] = {name: [] for name in sides}
     tokens: dict[str, list[float]] = {name: [] for name in sides}
+    skipped: list[float] = []  # rlhf's share of samples whose update it skipped (zero advantages)
     for round_ in range(args.rounds):
         for name, run in sides.items():
             torch.manual_seed(args.seed + round_)
@@ -140,6 +146,8 @@ def main() -> None:
             wall[name] += benchlib.steady(clock.intervals)
             cpu[name] += benchlib.steady(clock.cpu_intervals)
             tokens[name] += [m["tokens"] for m in benchlib.steady(clock.metrics) if "tokens" in m]
+            skipped += [m["policy/zero_advantage_frac"] for m in benchlib.steady(clock.metrics)
+                        if "policy/zero_advantage_frac" in m]
             print(f"round {round_ + 1} {name:>4}: {benchlib.median(benchlib.steady(clock.intervals)):.4f} s/step",
                   flush=True)
 
@@ -150,6 +158,9 @@ def main() -> None:
     for name in sides:
         print(f"{name:6}{med(wall[name]):14.4f}{med(cpu[name]):14.4f}{rollout / med(wall[name]):11.1f}"
               f"{med(tokens[name]):13.0f}")
+    if skipped:
+        print(f"rlhf skipped the update of {100 * sum(skipped) / len(skipped):.0f}% of the samples "
+              f"(zero advantages; --reward {args.reward})")
     print(f"speed-up rlhf / trl: {med(wall['trl']) / med(wall['rlhf']):.2f}x wall clock, "
           f"{med(cpu['trl']) / med(cpu['rlhf']):.2f}x CPU time (goal >= 1.5x)")
 

@@ -285,8 +285,9 @@ class _TrainedWorker(TrainedModel):
         gradient (zero advantages, `PolicyObjective.trained_rows`): their forwards and backwards are
         skipped, the step's counts (``norm``) still include them. ``whole_groups``: a row is
         skipped only with its prompt's other samples (shared forwards want whole groups). Metric
-        ``zero_advantage_frac``: the share of such rows. They are skipped in one process only
-        (under torchrun every rank runs the same number of micro-batches). When no row trains, one
+        ``zero_advantage_frac``: the share of the minibatch's rows that add nothing (whole groups
+        with ``whole_groups``). They are skipped in one process only (under torchrun every rank
+        runs the same number of micro-batches, and trains them all). When no row trains, one
         is kept: the optimizer then steps with zero gradients, as it would over the whole
         minibatch (momentum and weight decay still apply)."""
         keep = trained_rows(minibatch) if trained_rows is not None else None  # (b,)

@@ -1,9 +1,9 @@
 """The engine's lean decode step (rlhf/plugins/engines/lean_decode.py) gives the model's forward:
 
 * sampled tokens and log-probs equal the ``direct`` decoder's under the same seed (left-padded
-  prompts of different lengths, n samples sharing a prefill, rows ending early), and its logits
-  equal the forward's at every step, on a Llama and on a Qwen2 (biased projections, grouped
-  key-value heads);
+  prompts of different lengths, n samples sharing a prefill and its cache, rows ending early),
+  and its logits equal the forward's at every step (a prompt's cache kept once for its samples,
+  or copied per row), on a Llama and on a Qwen2 (biased projections, grouped key-value heads);
 * ``auto`` uses it where it is supported, never for other models or with sharded weights;
   ``decoder=lean`` on an unsupported model is an error;
 * a lean step that differs from the forward is caught on the engine's first step: a warning and
@@ -73,28 +73,38 @@ def test_lean_samples_what_the_direct_decoder_samples(model_and_tokenizer, tempe
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
 
 
-def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer):
+@pytest.mark.parametrize("source", [None, [0, 0, 1, 1, 2, 2], [2, 0, 1, 0]],
+                         ids=["a-row-per-prompt", "a-prompts-samples-together", "any-order"])
+def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer, source):
+    """The prompt's cache kept once for its samples (``source`` in groups) or copied per row (any
+    other order) gives the logits of the model's forward over a cache with a row per sample."""
     from transformers import DynamicCache
 
     model, tokenizer = model_and_tokenizer
     rows = prompts(tokenizer)
     width = max(map(len, rows))
-    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])  # (B, P) left-padded
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # (B, P)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)  # (B, P)
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])  # (U, P) left-padded
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # (U, P)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # (U, P)
+    source = torch.tensor(source) if source is not None else None
+    expand = source if source is not None else torch.arange(len(rows))  # (B,)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-        lean = LeanDecoder(model, cache, mask, width + 8)
+        lean = LeanDecoder(model, cache, mask, 8, source)
+        cache.batch_select_indices(expand)  # the forward's cache: a row per sample
+        mask, positions = mask[expand], positions[expand]  # (B, P)
         for t in range(8):
-            tokens = torch.randint(5, 200, (len(rows),), generator=generator)  # (B,)
+            tokens = torch.randint(5, 200, (len(expand),), generator=generator)  # (B,)
             step_positions = positions[:, -1:] + 1 + t  # (B, 1)
-            full_mask = torch.cat([mask, torch.ones((len(rows), t + 1), dtype=mask.dtype)], dim=1)
+            full_mask = torch.cat([mask, torch.ones((len(expand), t + 1), dtype=mask.dtype)], dim=1)
             expected = model(input_ids=tokens[:, None], attention_mask=full_mask, position_ids=step_positions,
                              past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
             got = lean.step(tokens, step_positions)  # (B, V)
             assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), t
+    if source is not None and len(source) == 6:
+        assert lean.prompt_keys[0].shape[0] == 3  # one cache row per prompt, not per sample
 
 
 def test_unsupported_models_decode_through_the_forward(tiny_model_dir):

@@ -157,13 +157,15 @@ class HFEngine:
         keep = {"logits_to_keep": 1} if accepts_logits_to_keep(type(base)) else {}  # the prompt needs no logits
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                             past_key_values=cache, use_cache=True, **keep).logits[:, -1]  # (U, V)
+        # The lean step keeps a prompt's cache once for its rows; the model's forward needs a row each.
+        lean = LeanDecoder(self.model, cache, attention_mask, params.max_new_tokens, source) \
+            if self.uses_lean_step() else None
         if source is not None and not torch.equal(source, torch.arange(len(source), device=source.device)):
-            cache.batch_select_indices(source)
+            if lean is None or not self.lean_agrees:
+                cache.batch_select_indices(source)
             logits, positions = logits[source], positions[source]  # (B, V), (B, P)
             input_ids, attention_mask = input_ids[source], attention_mask[source]  # (B, P)
         batch_size = input_ids.shape[0]
-        lean = LeanDecoder(self.model, cache, attention_mask, input_ids.shape[1] + params.max_new_tokens) \
-            if self.uses_lean_step() else None
         mask = torch.cat([attention_mask, attention_mask.new_ones((batch_size, params.max_new_tokens))], dim=1)
         next_position = positions[:, -1:] + 1  # (B, 1)
         eos = torch.tensor(sorted(self.eos_ids), device=input_ids.device)

@@ -2,25 +2,27 @@
 
 One decode step of a small model spends most of its time outside the arithmetic: the
 transformers forward builds a mask, re-derives positions, grows a ``DynamicCache`` by
-concatenation and wraps every output. `LeanDecoder` runs a step as the model's own modules and
-functions would, in the same order, with the same attention function (transformers'
-``sdpa_attention_forward``), but over a key/value cache allocated once for the whole generation:
+concatenation and wraps every output. `LeanDecoder` runs a step with the model's own modules
+and functions, in the same order, over caches allocated once for the whole generation:
 
     h = embed(token); cos, sin = rotary(h, position)
-    per layer: x = norm1(h); q, k, v = proj(x); rotate q, k; cache k, v at the position;
-               h = h + o_proj(sdpa(q, cache_k[:S], cache_v[:S], valid keys)); h = h + mlp(norm2(h))
+    per layer: x = norm1(h); q, k, v = proj(x); rotate q, k; cache k, v at the step;
+               h = h + o_proj(attend(q, [prompt k, v; own k, v])); h = h + mlp(norm2(h))
     logits = lm_head(norm(h))
 
-so the logits equal the model's forward (tested bit for bit on a tiny Llama, and to float
-rounding on Qwen2); LoRA layers run as they would (the projections are the modules, wrapped or
-not). The prefill is the model's own forward; its cache, already expanded to one row per
-sample, is copied in. Supported: ``LlamaForCausalLM``, and ``Qwen2ForCausalLM`` / ``MistralForCausalLM``
-without sliding-window attention, with sdpa attention; anything else decodes through the model's
-forward. On a 2-layer 64-wide model one step takes about 0.5 ms instead of 0.65 ms
-(benchmarks/README.md).
+The attention is softmax(q·kᵀ / √D)·v written out over two caches: the prompt's keys and values,
+kept once per prompt (a prompt's n samples read them together: n times less memory traffic over
+the prompt, which dominates decoding with long prompts and many samples), and each row's own
+decoded tokens. The logits equal the model's forward to float rounding (tested on Llama and on
+Qwen2 with biases and grouped-query heads); LoRA layers run as they would (the projections are
+the modules, wrapped or not). The prefill is the model's own forward. Supported:
+``LlamaForCausalLM``, and ``Qwen2ForCausalLM`` / ``MistralForCausalLM`` without sliding-window
+attention, with sdpa attention; anything else decodes through the model's forward. Figures:
+benchmarks/README.md.
 
-Shape legend: ``B`` rows, ``S`` cached positions, ``C`` capacity (prompt + new tokens),
-``H``/``K`` query/key-value heads, ``D`` head size, ``V`` vocabulary.
+Shape legend: ``B`` rows, ``U`` distinct prompts (n = B / U rows each), ``P`` prompt positions,
+``S`` decoded tokens, ``N`` new tokens at most, ``H``/``K`` query/key-value heads (g = H / K),
+``D`` head size, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -62,29 +64,35 @@ def lean_decoder_supported(model: Any) -> bool:
 class LeanDecoder:
     """Decode steps of ``model`` after a prefill whose ``DynamicCache`` it takes over."""
 
-    def __init__(self, model: Any, cache: Any, key_mask: torch.Tensor, capacity: int):
-        """``cache``: the prefill's ``DynamicCache`` (B rows); ``key_mask`` (B, P): 1 on the
-        prompt's real tokens; ``capacity``: positions to hold (P + new tokens)."""
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    def __init__(self, model: Any, cache: Any, key_mask: torch.Tensor, new_tokens: int,
+                 source: torch.Tensor | None = None):
+        """``cache``: the prefill's ``DynamicCache``, one row per distinct prompt (U rows);
+        ``key_mask`` (U, P): 1 on the prompts' real tokens; ``new_tokens``: decode steps to hold;
+        ``source`` (B,): the prompt each decoded row continues (None: row b continues prompt b).
 
+        The prompts' keys and values stay one per prompt: when the rows are the prompts' samples
+        in order, n each (``source`` = 0,0,..,1,1,..), a prompt's n rows read its cache together
+        (n times less attention memory traffic over the prompt); otherwise each row gets a copy."""
         base = base_model(model)
         self.inner, self.head = base.model, base.lm_head
-        self.attend = sdpa_attention_forward
         self.rotate = [sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb for layer in self.inner.layers]
-        rows, length = key_mask.shape  # (B, P)
-        self.keys, self.values = [], []
-        for index in range(len(self.inner.layers)):
-            layer_cache = cache.layers[index]
-            keys, values = layer_cache.keys, layer_cache.values  # (B, K, P, D)
-            store_k = keys.new_zeros((rows, keys.shape[1], capacity, keys.shape[3]))  # (B, K, C, D)
-            store_v = torch.zeros_like(store_k)  # (B, K, C, D)
-            store_k[:, :, :length], store_v[:, :, :length] = keys, values
-            self.keys.append(store_k)
-            self.values.append(store_v)
-        self.valid = torch.ones((rows, capacity), dtype=torch.bool, device=key_mask.device)  # (B, C)
-        self.valid[:, :length] = key_mask.bool()
-        self.padded = not bool(key_mask.bool().all())  # no padding: no mask, as the model's forward does
-        self.length = length
+        prompts = key_mask.shape[0]
+        if source is not None and not _in_groups(source, prompts):
+            key_mask = key_mask[source]  # (B, P) a copy of the prompt per row
+            self.prompt_keys = [layer.keys[source] for layer in cache.layers]  # (B, K, P, D) each
+            self.prompt_values = [layer.values[source] for layer in cache.layers]
+        else:
+            self.prompt_keys = [layer.keys for layer in cache.layers]  # (U, K, P, D) each
+            self.prompt_values = [layer.values for layer in cache.layers]
+        self.prompts = key_mask.shape[0]  # U
+        self.rows = len(source) if source is not None else self.prompts  # B
+        self.prompt_valid = key_mask.bool()[:, None, None, :]  # (U, 1, 1, P)
+        self.padded = not bool(key_mask.bool().all())  # no padding: no mask
+        store = self.prompt_keys[0]
+        shape = (self.rows, store.shape[1], new_tokens, store.shape[3])  # (B, K, N, D)
+        self.keys = [store.new_zeros(shape) for _ in self.inner.layers]
+        self.values = [store.new_zeros(shape) for _ in self.inner.layers]
+        self.length = 0  # tokens decoded so far
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) after feeding ``tokens`` (B,) at ``positions`` (B, 1) (their positions in their
@@ -92,7 +100,6 @@ class LeanDecoder:
         slot, length = self.length, self.length + 1
         hidden = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
         cos, sin = self.inner.rotary_emb(hidden, positions)
-        mask = self.valid[:, None, None, :length] if self.padded else None  # (B, 1, 1, S) or None
         rows = tokens.shape[0]
         for index, layer in enumerate(self.inner.layers):
             attention = layer.self_attn
@@ -105,9 +112,41 @@ class LeanDecoder:
             query, key = self.rotate[index](query, key, cos, sin)
             self.keys[index][:, :, slot:length] = key
             self.values[index][:, :, slot:length] = value
-            out, _ = self.attend(attention, query, self.keys[index][:, :, :length], self.values[index][:, :, :length],
-                                 mask, dropout=0.0, scaling=attention.scaling)  # (B, 1, H, D)
-            hidden = residual + attention.o_proj(out.reshape(rows, 1, -1).contiguous())
+            out = self._attend(index, query, length, attention.scaling)  # (B, H, D)
+            hidden = residual + attention.o_proj(out.reshape(rows, 1, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         self.length = length
         return self.head(self.inner.norm(hidden))[:, -1]  # (B, V)
+
+    def _attend(self, index: int, query: torch.Tensor, length: int, scaling: float) -> torch.Tensor:
+        """softmax(q·k / √D) v over the row's prompt and its ``length`` decoded tokens, (B, H, D).
+
+        query (B, H, 1, D), H = K·g (grouped-query heads: head k·g + i reads key head k). The
+        prompt part runs per prompt, its n rows' queries stacked against its one cache."""
+        prompt_k, prompt_v = self.prompt_keys[index], self.prompt_values[index]  # (U, K, P, D)
+        own_k, own_v = self.keys[index][:, :, :length], self.values[index][:, :, :length]  # (B, K, S, D)
+        units, heads, prompt_len, size = prompt_k.shape
+        rows, groups = query.shape[0], query.shape[1] // heads
+        n = rows // units
+        by_prompt = query.reshape(units, n, heads, groups, size).transpose(1, 2)  # (U, K, n, g, D)
+        scores_prompt = torch.matmul(by_prompt.reshape(units, heads, n * groups, size),
+                                     prompt_k.transpose(-1, -2))  # (U, K, n·g, P)
+        if self.padded:
+            scores_prompt = scores_prompt.masked_fill(~self.prompt_valid, float("-inf"))
+        scores_prompt = scores_prompt.view(units, heads, n, groups, prompt_len).transpose(1, 2)  # (U, n, K, g, P)
+        by_row = query.reshape(rows, heads, groups, size)  # (B, K, g, D)
+        scores_own = torch.matmul(by_row, own_k.transpose(-1, -2))  # (B, K, g, S)
+        scores = torch.cat([scores_prompt.reshape(rows, heads, groups, prompt_len), scores_own], dim=-1)
+        probs = torch.softmax(scores.float() * scaling, dim=-1).to(query.dtype)  # (B, K, g, P + S)
+        probs_prompt = probs[..., :prompt_len].reshape(units, n, heads, groups, prompt_len).transpose(1, 2)
+        out_prompt = torch.matmul(probs_prompt.reshape(units, heads, n * groups, prompt_len), prompt_v)  # (U, K, n·g, D)
+        out_prompt = out_prompt.view(units, heads, n, groups, size).transpose(1, 2)  # (U, n, K, g, D)
+        out = out_prompt.reshape(rows, heads, groups, size) + torch.matmul(probs[..., prompt_len:], own_v)  # (B, K, g, D)
+        return out.reshape(rows, heads * groups, size)  # (B, H, D)
+
+
+def _in_groups(source: torch.Tensor, prompts: int) -> bool:
+    """Whether ``source`` (B,) lists each of ``prompts`` prompts the same number of times, in order."""
+    rows = source.numel()
+    return rows % prompts == 0 and torch.equal(
+        source.cpu(), torch.arange(prompts).repeat_interleave(rows // prompts))
