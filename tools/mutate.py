@@ -47,15 +47,17 @@ TARGETS = [
     "rlhf/plugins/algorithms/gspo_loss.py", "rlhf/algorithms/kl_control.py", "rlhf/plugins/filters/dynamic.py",
     "rlhf/plugins/shaping/overlong.py", "rlhf/plugins/shaping/truncation.py", "rlhf/runtime/evaluation.py",
     "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py",
-    # shared prompts and the lean decode step (issue 21)
-    "rlhf/core/prefix_sharing.py", "rlhf/plugins/engines/lean_decode.py",
+    # shared prompts, the lean decode step and the prompt's prefill (issue 21)
+    "rlhf/core/prefix_sharing.py", "rlhf/plugins/engines/lean_decode.py", "rlhf/plugins/engines/hf.py",
+    "rlhf/algorithms/objective.py",
 ]
 FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
               "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
               "tests/runtime/test_multiturn.py",
               "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
               "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
-              "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py"]
+              "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
+              "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py"]
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
@@ -84,6 +86,15 @@ CURATED = [
     ("rlhf/runtime/workers.py", "norm = step_norm(minibatch, self.settings.max_new_tokens)",
      "norm = step_norm(micro_batches(minibatch, self.settings.micro_batch_size)[0][1], self.settings.max_new_tokens)",
      "loss normalised per micro-batch instead of per step"),
+    ("rlhf/runtime/workers.py", "minibatch = self._rows_that_train(minibatch, trained_rows, share and",
+     "norm = step_norm(self._rows_that_train(minibatch, trained_rows, False, metrics), self.settings.max_new_tokens)\n"
+     "            minibatch = self._rows_that_train(minibatch, trained_rows, share and",
+     "the step's counts leave out the skipped zero-advantage rows"),
+    ("rlhf/algorithms/objective.py", "if self.kl_coef > 0 or self.entropy_coef > 0 or not",
+     "if not", "zero-advantage rows skipped although the KL or entropy term trains them"),
+    ("rlhf/runtime/workers.py", "if bool(keep.any()) else torch.zeros(1, dtype=torch.long)",
+     "if bool(keep.any()) else torch.zeros(0, dtype=torch.long)",
+     "a minibatch where no row trains leaves the gradients None (AdamW skips momentum and decay)"),
 ]
 
 SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,

@@ -146,16 +146,20 @@ def test_the_policy_gradient_is_minus_the_aggregated_advantage_weighted_score(mo
     assert_same_gradients(got, gradients(model, expected))
 
 
-def test_a_dropped_sample_adds_nothing_to_the_gradient(base_model, plugins):
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01], ids=["skipped-row", "trained-row"])
+def test_a_dropped_sample_adds_nothing_to_the_gradient(base_model, plugins, entropy_coef):
+    """Without an entropy term the dropped row is not even run (zero advantages on its loss tokens);
+    with one every row runs, and the loss mask must leave it out."""
     batch = make_batch()
     batch.advantages = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(4)) * \
         batch.action_mask  # (B, A)
     batch.advantages[5] = 50.0 * batch.action_mask[5]  # a skipped sample with a large advantage
     batch.sample_mask[5] = 0.0
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, plugins=plugins)
-    with_dropped, _ = fit_once(copy.deepcopy(base_model), batch, algo.policy_objective(None))
+    objective = algo.policy_objective(None, entropy_coef=entropy_coef)
+    with_dropped, _ = fit_once(copy.deepcopy(base_model), batch, objective)
     kept = batch.select([r for r in range(ROWS) if r != 5])
-    without, _ = fit_once(copy.deepcopy(base_model), kept, algo.policy_objective(None))
+    without, _ = fit_once(copy.deepcopy(base_model), kept, objective)
     assert_same_gradients(with_dropped, without)
 
 
