@@ -85,11 +85,16 @@ def register_advantage_estimators(register: Register) -> None:
 def register_policy_losses(register: Register) -> None:
     """Register per-token policy losses (``--policy-loss NAME``).
 
-    ``register(name, loss, *, config_cls=None, needs_rollout_logprobs=False, aggregation=None)``.
+    ``register(name, loss, *, config_cls=None, needs_rollout_logprobs=False, aggregation=None,
+    advantage_weighted=False)``.
     ``needs_rollout_logprobs``: the loss reads ``inputs.rollout_logprobs`` (the engine is then asked
     for them); a bool, or a function of the loss's config object (``ppo`` needs them only with a
     mismatch ``correction``). ``aggregation``: a loss aggregation name this loss is always reduced
     with, whatever the run's ``--loss-agg`` (``gspo``: ``seq_mean_token_mean``); None: the run's.
+    ``advantage_weighted``: every token's loss is its advantage times a finite factor, so a row
+    whose advantages are all 0 adds exactly 0 to the loss and its gradient; with an aggregation
+    that ``sums_rows`` and no KL or entropy term, training then skips such rows' forwards
+    (``ppo`` and ``gspo`` declare it).
 
     ``loss(inputs, config) -> (per_token_loss, metrics)`` with ``inputs`` an
     ``rlhf.core.types.PolicyLossInputs``: ``logprobs (B, A)`` (with grad), ``old_logprobs``,
@@ -119,7 +124,9 @@ def register_kl_estimators(register: Register) -> None:
 def register_loss_aggregations(register: Register) -> None:
     """Register loss aggregations (``--loss-agg NAME``).
 
-    ``register(name, aggregate)``.
+    ``register(name, aggregate, *, sums_rows=False)``. ``sums_rows``: the result is a sum of
+    per-row terms over the step's counts, so a row whose per-token losses are 0 adds 0 (every
+    built-in aggregation; it lets training skip zero-advantage rows, see ``register_policy_losses``).
 
     ``aggregate(loss, action_mask, norm) -> scalar tensor``: ``loss`` and ``action_mask``
     (float 0/1) are one micro-batch ``(B, A)``; ``norm`` is an ``rlhf.core.types.LossNorm``
