@@ -57,7 +57,8 @@ FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/
               "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
               "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
               "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
-              "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py"]
+              "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py",
+              "tests/runtime/test_packing.py"]
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [

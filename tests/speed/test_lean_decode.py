@@ -124,6 +124,11 @@ def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
     assert not lean_decoder_supported(windowed)
     llama, _ = build("llama", tiny_model_dir)
     assert lean_decoder_supported(llama)
+    renamed, _ = build("llama", tiny_model_dir)
+    attention = renamed.model.layers[0].self_attn
+    attention.qkv = attention.q_proj  # an architecture that names its projections otherwise
+    del attention.q_proj
+    assert not lean_decoder_supported(renamed)
     next(llama.parameters()).ds_id = 0  # as DeepSpeed ZeRO-3 marks the parameters it partitions
     assert not lean_decoder_supported(llama)
 
