@@ -41,7 +41,7 @@ TARGETS = [
     "rlhf/plugins/algorithms/grpo.py", "rlhf/plugins/algorithms/kl.py", "rlhf/plugins/algorithms/mismatch.py",
     "rlhf/plugins/algorithms/ppo_loss.py", "rlhf/plugins/algorithms/reinforce.py",
     "rlhf/plugins/algorithms/returns.py", "rlhf/plugins/algorithms/rloo.py",
-    "rlhf/runtime/workers.py", "rlhf/runtime/experience.py", "rlhf/runtime/trainer.py", "rlhf/core/logprobs.py",
+    "rlhf/runtime/workers.py", "rlhf/runtime/micro_batches.py", "rlhf/runtime/experience.py", "rlhf/runtime/trainer.py", "rlhf/core/logprobs.py",
     "rlhf/runtime/local.py", "rlhf/runtime/plan.py", "rlhf/rewards/combine.py",
     # the RL loop's extensions (issue 17) and --async (issue 18)
     "rlhf/plugins/algorithms/gspo_loss.py", "rlhf/algorithms/kl_control.py", "rlhf/plugins/filters/dynamic.py",
@@ -85,7 +85,8 @@ CURATED = [
     ("rlhf/algorithms/losses.py", "kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)", "kl = kl",
      "KL not clamped"),
     ("rlhf/runtime/workers.py", "norm = step_norm(minibatch, self.settings.max_new_tokens)",
-     "norm = step_norm(micro_batches(minibatch, self.settings.micro_batch_size)[0][1], self.settings.max_new_tokens)",
+     "norm = step_norm(minibatch.select(torch.arange(min(self.settings.micro_batch_size, minibatch.size))), "
+     "self.settings.max_new_tokens)",
      "loss normalised per micro-batch instead of per step"),
     ("rlhf/runtime/workers.py", "minibatch = self._rows_that_train(minibatch, trained_rows, share and",
      "norm = step_norm(self._rows_that_train(minibatch, trained_rows, False, metrics), self.settings.max_new_tokens)\n"

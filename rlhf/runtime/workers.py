@@ -21,8 +21,9 @@ from rlhf.core.errors import RlhfError
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.rewards.combine import RewardResult, RewardSet
 from rlhf.core.logprobs import shared_token_logprobs, token_logprobs, without_last_token
-from rlhf.core.packing import PackedModel, is_packed, token_budget_groups
-from rlhf.core.prefix_sharing import can_share, checked_for_sharing, common_prefix, share_prefixes
+from rlhf.core.packing import PackedModel, is_packed
+from rlhf.core.prefix_sharing import can_share, checked_for_sharing, share_prefixes
+from rlhf.runtime.micro_batches import MicroBatch, minibatches, my_rows, plan_micro_batches
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.trained import TrainedModel
 
@@ -68,72 +69,6 @@ class MetricMean:
         return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
 
-def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> list[ExperienceBatch]:
-    """Shuffled minibatches for every epoch, with a per-(seed, step, epoch) order (resumable)."""
-    out = []
-    for epoch in range(settings.ppo_epochs):
-        generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step * 1_009 + epoch)
-        order = torch.randperm(batch.size, generator=generator)
-        for begin in range(0, batch.size, settings.train_batch_size):
-            out.append(batch.select(order[begin:begin + settings.train_batch_size]))
-    return out
-
-
-def micro_batches(minibatch: ExperienceBatch, size: int, max_tokens: int | None = None,
-                  packed: bool = False) -> list[tuple[torch.Tensor, ExperienceBatch]]:
-    """``(rows, micro-batch)`` pairs of rows of similar length: sorting by length before cutting
-    removes most padding (1.5x faster fits on mixed lengths), and losses are sums over rows, so
-    the order changes nothing but float rounding. ``size`` rows each, or with ``max_tokens`` as
-    many as fit that many tokens (`token_budget_groups`: real tokens when ``packed``)."""
-    lengths = minibatch.attention_mask.sum(dim=1)  # (b,)
-    order = torch.argsort(lengths, stable=True)  # (b,)
-    if max_tokens is None:
-        cuts = [order[begin:begin + size] for begin in range(0, minibatch.size, size)]
-    else:
-        groups = token_budget_groups(lengths[order].tolist(), max_tokens, packed=packed)
-        cuts = [order[group] for group in groups]
-    return [(rows, minibatch.select(rows)) for rows in cuts]
-
-
-# A prompt's samples share its forward when that needs at most this share of the padded tokens:
-# below it the saving outweighs the mask's cost (benchmarks/README.md, prefix sharing).
-SHARE_AT_MOST = 0.9
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    rows: torch.Tensor  # (b,) the micro-batch's rows in the batch it was cut from
-    batch: ExperienceBatch
-    groups: list[list[int]] | None = None  # rows of one prompt, to share its forward; None: run unshared
-
-
-def shared_micro_batches(minibatch: ExperienceBatch, size: int) -> list[MicroBatch] | None:
-    """``size`` rows each, a prompt's samples (``group_index``) together, each micro-batch with its
-    groups of rows that share the prompt's forward (`rlhf.core.prefix_sharing`); None when that
-    would not save a tenth of the tokens of length-sorted padded micro-batches (`micro_batches`)."""
-    lengths = minibatch.attention_mask.sum(dim=1)  # (b,)
-    by_length = torch.argsort(lengths, stable=True)  # (b,)
-    padded = sum(len(cut) * int(lengths[cut].max()) for cut in by_length.split(size))
-    group_count = int(minibatch.group_index.max()) + 1
-    group_length = lengths.new_zeros(group_count).scatter_reduce(0, minibatch.group_index, lengths, "amax")  # (groups,)
-    key = group_length[minibatch.group_index] * group_count + minibatch.group_index  # (b,)
-    order = torch.argsort(key * (lengths.max() + 1) + lengths, stable=True)  # (b,) groups of similar length together
-    planned, shared = [], 0
-    for rows in order.split(size):
-        micro = minibatch.select(rows)
-        members: dict[int, list[int]] = defaultdict(list)
-        for row, group in enumerate(micro.group_index.tolist()):
-            members[group].append(row)
-        groups = list(members.values())
-        real = micro.attention_mask.bool()  # (b', T)
-        tokens = [micro.input_ids[row][real[row]].tolist() for row in range(micro.size)]
-        row_length = [sum(len(tokens[r]) for r in group) - (len(group) - 1) * common_prefix([tokens[r] for r in group])
-                      for group in groups]
-        shared += len(groups) * max(row_length)
-        planned.append(MicroBatch(rows, micro, groups))
-    return planned if shared <= SHARE_AT_MOST * padded else None
-
-
 def micro_logprobs(model: Any, micro: MicroBatch, *, temperature: float, with_entropy: bool = False,
                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of a micro-batch's rows under ``model`` (packed if it is a `PackedModel`),
@@ -157,22 +92,6 @@ def micro_logprobs(model: Any, micro: MicroBatch, *, temperature: float, with_en
     if checked_for_sharing(model, lambda: shared()[0] * action_mask, lambda: separate()[0] * action_mask, "train"):
         return shared()
     return separate()
-
-
-def my_rows(batch: ExperienceBatch, dist: DistContext) -> ExperienceBatch:
-    """This rank's rows of a batch every rank holds (rows rank, rank + W, ...)."""
-    return batch if not dist.active else batch.select(dist.shard(list(range(batch.size))))
-
-
-def plan_micro_batches(minibatch: ExperienceBatch, size: int, max_tokens: int | None = None, packed: bool = False,
-                       share: bool = False) -> list[MicroBatch]:
-    """`shared_micro_batches` when ``share`` allows it (not with token budgets or packing) and
-    pays, else `micro_batches`."""
-    if share and max_tokens is None and not packed:
-        shared = shared_micro_batches(minibatch, size)
-        if shared is not None:
-            return shared
-    return [MicroBatch(rows, micro) for rows, micro in micro_batches(minibatch, size, max_tokens, packed)]
 
 
 def forward_rows(batch: ExperienceBatch, dist: DistContext, size: int,

@@ -190,7 +190,7 @@ def grouped_batch(prompts: int = 4, samples: int = 3, seed: int = 5):
 
 
 def test_shared_micro_batches_keep_a_prompts_samples_together_and_only_when_it_pays():
-    from rlhf.runtime.workers import plan_micro_batches, shared_micro_batches
+    from rlhf.runtime.micro_batches import plan_micro_batches, shared_micro_batches
 
     batch = grouped_batch()
     planned = shared_micro_batches(batch, 4)

@@ -208,7 +208,7 @@ def test_a_saved_worker_loads_back_exactly(base_model, tmp_path, plugins):
 
 
 def test_minibatches_are_a_seeded_permutation_per_step_and_epoch():
-    from rlhf.runtime.workers import minibatches
+    from rlhf.runtime.micro_batches import minibatches
 
     batch = make_batch()
     batch.input_ids[:, 0] = torch.arange(ROWS)  # row ids, to read the order back
