@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.core.masked import last_real_index
 from rlhf.core.modeling import accepts_logits_to_keep, base_model
 from rlhf.core.packing import PackedModel, innermost, is_packed, pack_rows
 from rlhf.core.prefix_sharing import SharedRows, shared_logits_at
@@ -31,7 +32,7 @@ def without_last_token(attention_mask: torch.Tensor) -> torch.Tensor:
     is only a target, nothing after it is predicted, so a forward that scores next tokens need not
     run it (one token per row less: 1/T of the work)."""
     mask = attention_mask.clone()  # (B, T)
-    last = mask.shape[1] - 1 - mask.long().flip(1).argmax(dim=1)  # (B,) index of the last real token
+    last = last_real_index(mask)  # (B,)
     rows = mask.bool().any(dim=1).nonzero().squeeze(1)  # (b,) rows with a real token
     mask[rows, last[rows]] = 0
     return mask

@@ -18,6 +18,13 @@ def as_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def last_real_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) the column of each row's last real token of a (B, T) 0/1 mask, any padding side (T - 1
+    for a row with none)."""
+    mask = attention_mask.long()  # (B, T)
+    return mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)  # (B,)
+
+
 def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``x`` where ``mask`` is nonzero, 0 elsewhere (same shape as ``x``)."""
     assert mask.shape == x.shape, f"mask {tuple(mask.shape)} does not match tensor {tuple(x.shape)}"

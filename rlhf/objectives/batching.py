@@ -78,7 +78,8 @@ def last_token_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention
     ``model(input_ids, attention_mask)`` returns a value per position (B, T), as a model of head
     ``score`` does.
     """
+    from rlhf.core.masked import last_real_index
+
     values = model(input_ids, attention_mask)  # (B, T)
-    mask = attention_mask.long()  # (B, T)
-    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # (B,) index of the last real token
+    last = last_real_index(attention_mask)  # (B,)
     return values.gather(1, last[:, None]).squeeze(1)  # (B,)

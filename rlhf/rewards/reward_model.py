@@ -135,6 +135,8 @@ class RewardModelWorker:
 
     def forward(self, input_ids: Any, attention_mask: Any) -> Any:
         """Rewards ``(B,)`` for token ids ``(B, T)`` with any padding."""
+        from rlhf.core.masked import last_real_index
+
         if self.head is None:  # a classifier with its own pooling
             return self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]  # (B,)
         mask = attention_mask.long()  # (B, T)
@@ -142,7 +144,7 @@ class RewardModelWorker:
         hidden = self.base(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids).last_hidden_state  # (B, T, H)
         values = self.head(hidden).squeeze(-1)  # (B, T)
-        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # (B,) index of the last real token
+        last = last_real_index(mask)  # (B,)
         return values.gather(1, last[:, None]).squeeze(1)  # (B,)
 
 
