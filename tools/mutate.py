@@ -49,7 +49,7 @@ TARGETS = [
     "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py",
     # shared prompts, the lean decode step and the prompt's prefill (issue 21)
     "rlhf/core/prefix_sharing.py", "rlhf/plugins/engines/lean_decode.py", "rlhf/plugins/engines/hf.py",
-    "rlhf/algorithms/objective.py",
+    "rlhf/algorithms/objective.py", "rlhf/core/segment_attention.py",
 ]
 FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
               "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
@@ -58,7 +58,7 @@ FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/
               "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
               "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
               "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py",
-              "tests/runtime/test_packing.py"]
+              "tests/runtime/test_packing.py", "tests/runtime/test_segment_attention.py"]
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
@@ -97,6 +97,10 @@ CURATED = [
     ("rlhf/runtime/workers.py", "if bool(keep.any()) else torch.zeros(1, dtype=torch.long)",
      "if bool(keep.any()) else torch.zeros(0, dtype=torch.long)",
      "a minibatch where no row trains leaves the gradients None (AdamW skips momentum and decay)"),
+    ("rlhf/core/segment_attention.py", "dtype=torch.bool, device=device).tril() & layout.segment_valid[:, :, None, :]",
+     "dtype=torch.bool, device=device).tril()", "a segment's queries see the padding slots of its own keys"),
+    ("rlhf/core/segment_attention.py", "seen = (layout.prefix_valid[:, None, :] & causal)",
+     "seen = (layout.prefix_valid[:, None, :] | causal)", "the prefix attends past a shorter group's prefix"),
 ]
 
 SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from rlhf.core.modeling import accepts_logits_to_keep
+from rlhf.core.modeling import accepts_logits_to_keep, base_model
 from rlhf.core.packing import innermost
+from rlhf.core.segment_attention import segment_forward_supported, shared_forward_hidden
 
 _MASKED_ATTENTION = ("sdpa", "eager")
 _VERDICT = "_rlhf_prefix_sharing_checked"  # `checked_for_sharing`'s verdict, kept on the model
@@ -46,6 +47,7 @@ class SharedRows:
     position_ids: torch.Tensor  # (G, L) a token's position in its own row
     allowed: torch.Tensor  # (G, L, L) query attends key: the prefix and its own remainder, causally
     index: torch.Tensor  # (B, T) where each real token sits in the flattened (G·L) rows; -1 on padding
+    segments: torch.Tensor  # (G, L) 0 on the prefix, k on the k-th row's remainder, -1 on padding
 
 
 def common_prefix(rows: Sequence[Sequence[int]]) -> int:
@@ -101,7 +103,7 @@ def share_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         index[row, real[row]] = g * length + slot
     device = input_ids.device
     return SharedRows(input_ids=out_ids.to(device), position_ids=positions.to(device), allowed=allowed.to(device),
-                      index=index.to(device))
+                      index=index.to(device), segments=segments.to(device))
 
 
 def can_share(model: Any) -> bool:
@@ -122,7 +124,14 @@ def attention_mask_4d(model: Any, allowed: torch.Tensor) -> torch.Tensor:
 
 def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.Tensor:
     """(K, V) logits at the flattened positions ``flat`` (K,) of ``rows``; only those positions'
-    columns are projected to the vocabulary. Gradients flow when enabled."""
+    columns are projected to the vocabulary. Gradients flow when enabled.
+
+    A Llama-architecture model not wrapped for data parallelism runs with attention per segment
+    (`rlhf.core.segment_attention`: the prefix's and each remainder's own scores, not the whole
+    masked row's); any other model runs its forward under the row's mask."""
+    if innermost(model) is base_model(model) and segment_forward_supported(model):
+        hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, rows.segments)  # (G, L, hidden)
+        return base_model(model).lm_head(hidden.reshape(-1, hidden.shape[-1])[flat])  # (K, V)
     length = rows.input_ids.shape[1]
     group, column = flat // length, flat % length  # (K,), (K,)
     needed = torch.unique(column)  # (C,) sorted columns some group needs logits at

@@ -155,6 +155,7 @@ def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, data, teach
 
     separate = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "separate", ["--no-share-prompt"])
     # a model whose attention reaches across rows: every real token sees every earlier one
+    monkeypatch.setattr(sharing, "segment_forward_supported", lambda model: False)  # its own forward, masked
     monkeypatch.setattr(sharing, "attention_mask_4d",
                         lambda model, allowed: torch.ones_like(allowed).tril()[:, None])
     with caplog.at_level("WARNING"):
@@ -276,6 +277,7 @@ def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypa
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     batch = grouped_batch()
     expected, _, expected_logprobs = policy_step(copy.deepcopy(model), batch, share=False)
+    monkeypatch.setattr(sharing, "segment_forward_supported", lambda model: False)  # its own forward, masked
     monkeypatch.setattr(sharing, "attention_mask_4d", lambda model, allowed: torch.ones_like(allowed).tril()[:, None])
     with caplog.at_level("WARNING"):
         got, _, logprobs = policy_step(copy.deepcopy(model), batch, share=True)

@@ -32,33 +32,11 @@ from typing import Any
 
 import torch
 
-from rlhf.core.modeling import base_model
-
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
+from rlhf.core.modeling import base_model, llama_like
 
 def lean_decoder_supported(model: Any) -> bool:
-    """Whether `LeanDecoder` reproduces ``model``'s forward: a supported class with sdpa attention
-    and no sliding window, its layers built as Llama's, its weights not partitioned by ZeRO-3."""
-    base = base_model(model)
-    config = getattr(base, "config", None)
-    if type(base).__name__ not in SUPPORTED or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    if any(hasattr(parameter, "ds_id") for parameter in base.parameters()):
-        return False  # DeepSpeed ZeRO-3 partitions: the model's forward gathers them
-    inner = getattr(base, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")):
-        return False
-    for layer in layers:
-        attention = getattr(layer, "self_attn", None)
-        if attention is None or getattr(attention, "sliding_window", None) is not None:
-            return False
-        if not all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
-            return False
-        if not all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp")):
-            return False
-    return getattr(config, "sliding_window", None) is None or type(base).__name__ == "Qwen2ForCausalLM"
+    """Whether `LeanDecoder` reproduces ``model``'s forward (`rlhf.core.modeling.llama_like`)."""
+    return llama_like(model)
 
 
 class LeanDecoder:

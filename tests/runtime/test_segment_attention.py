@@ -1,0 +1,155 @@
+"""Attention per segment over prefix-shared rows (rlhf/core/segment_attention.py):
+
+* the layout by hand: where the prefix and each remainder lie in a group row;
+* `segment_attention` equals sdpa under the rows' mask, outputs and the gradients of q, k and v, on
+  rows padded on both sides, a row that is a prefix of another, a group of one, groups whose
+  prefixes differ in length, with and without grouped key-value heads;
+* the shared forward of a Llama and a Qwen2 (biased projections, grouped heads) gives the separate
+  forwards' log-probs and parameter gradients, and is the path taken for them;
+* models it does not reproduce (eager attention, gradient checkpointing, attention dropout in
+  training, a data-parallel wrapper) run their own forward under the mask;
+* a segment forward that went wrong is caught on the first micro-batch: a warning, then separate
+  forwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlhf.core.prefix_sharing as sharing
+import rlhf.core.segment_attention as segments
+from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
+from rlhf.core.prefix_sharing import share_prefixes
+from rlhf.core.segment_attention import segment_attention, segment_forward_supported, segment_layout
+from tests.runtime.test_prefix_sharing import shared_batch
+from tests.runtime.test_training_math import assert_same_gradients
+
+
+def test_segment_layout_by_hand():
+    # group 0: prefix 1 2, row 0's remainder 3 4, row 1's 5; group 1: a row of its own, then padding
+    layout = segment_layout(torch.tensor([[0, 0, 1, 1, 2], [0, 0, -1, -1, -1]]))
+    t, f = True, False
+    assert layout.prefix_valid.tolist() == [[t, t], [t, t]]
+    assert layout.segment_at.tolist() == [[[2, 3], [4, 0]], [[0, 0], [0, 0]]]
+    assert layout.segment_valid.tolist() == [[[t, t], [t, f]], [[f, f], [f, f]]]
+    assert layout.length == 5
+    shorter = segment_layout(torch.tensor([[0, 1, 1, -1], [0, 0, 0, 1]]))  # prefixes of 1 and 3 tokens
+    assert shorter.prefix_valid.tolist() == [[t, f, f], [t, t, t]]
+    assert shorter.segment_at.tolist() == [[[1, 2]], [[3, 0]]]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_segment_attention_equals_sdpa_under_the_mask(kv_heads):
+    ids, mask, _, groups = shared_batch()
+    rows = share_prefixes(ids, mask, groups)
+    torch.manual_seed(0)
+    count, length = rows.input_ids.shape
+    query = torch.randn(count, 4, length, 8, requires_grad=True)  # (G, H, L, D)
+    key = torch.randn(count, kv_heads, length, 8, requires_grad=True)  # (G, K, L, D)
+    value = torch.randn(count, kv_heads, length, 8, requires_grad=True)
+    real = rows.segments >= 0  # (G, L)
+    upstream = torch.randn(count, length, 4, 8) * real[:, :, None, None]  # gradients only at real tokens
+
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=rows.allowed[:, None], scale=0.3, enable_gqa=kv_heads != 4).transpose(1, 2)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (query, key, value))
+    got = segment_attention(query, key, value, segment_layout(rows.segments), 0.3)  # (G, L, H, D)
+    got_grads = torch.autograd.grad((got * upstream).sum(), (query, key, value))
+
+    assert torch.allclose(got[real], expected[real], atol=1e-5)
+    assert (got[~real] == 0).all()
+    for a, b in zip(got_grads, expected_grads):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert max(float(g.abs().max()) for g in got_grads) > 0
+
+
+def qwen2(tiny_model_dir):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def model(request, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    if request.param == "llama":
+        return AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    return qwen2(tiny_model_dir)
+
+
+def test_the_shared_forward_gives_the_separate_logprobs_and_gradients(model, monkeypatch):
+    calls = []
+    real = segments.shared_forward_hidden
+    monkeypatch.setattr(sharing, "shared_forward_hidden", lambda *a: calls.append(1) or real(*a))
+    ids, mask, actions, groups = shared_batch()
+    rows = share_prefixes(ids, mask, groups)
+
+    def run(forward):
+        model.zero_grad()
+        logprobs, entropy = forward()
+        ((logprobs + 0.1 * entropy) * actions).sum().backward()
+        return logprobs * actions, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    expected, expected_grads = run(lambda: token_logprobs(model, ids, mask, actions, with_entropy=True))
+    got, got_grads = run(lambda: shared_token_logprobs(model, rows, ids, actions, with_entropy=True))
+    assert calls, "the shared forward did not run per segment"
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert (expected[actions.bool()] < 0).all()
+    assert_same_gradients(got_grads, expected_grads, atol=1e-5)
+
+
+def test_models_it_does_not_reproduce_run_their_own_forward(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    assert segment_forward_supported(llama)
+    assert not segment_forward_supported(AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                                              attn_implementation="eager"))
+    llama.gradient_checkpointing_enable()
+    assert not segment_forward_supported(llama)  # its layers would recompute with their own attention
+    dropping = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa", attention_dropout=0.1)
+    assert not segment_forward_supported(dropping.train())
+    assert segment_forward_supported(dropping.eval())
+
+
+def test_a_data_parallel_wrapper_runs_the_masked_forward(tiny_model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    class Wrapper(torch.nn.Module):  # as DDP and DeepSpeed's engine hold the model: its forward must run
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kwargs):
+            return self.module(**kwargs)
+
+    monkeypatch.setattr(sharing, "shared_forward_hidden", lambda *a: pytest.fail("bypassed the wrapper"))
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    ids, mask, actions, groups = shared_batch()
+    got, _ = shared_token_logprobs(Wrapper(lm), share_prefixes(ids, mask, groups), ids, actions)
+    expected, _ = token_logprobs(lm, ids, mask, actions)
+    assert torch.allclose(got * actions, expected * actions, atol=1e-5)
+
+
+def test_a_wrong_segment_forward_is_caught_and_run_separately(tiny_model_dir, monkeypatch, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.core.prefix_sharing import checked_for_sharing
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    real = segments.segment_attention
+    monkeypatch.setattr(segments, "segment_attention", lambda *a: real(*a) * 0.5)  # a bug in the attention
+    ids, mask, actions, groups = shared_batch()
+    rows = share_prefixes(ids, mask, groups)
+    with caplog.at_level("WARNING"):
+        used = checked_for_sharing(lm, lambda: shared_token_logprobs(lm, rows, ids, actions)[0] * actions,
+                                   lambda: token_logprobs(lm, ids, mask, actions)[0] * actions, "train")
+    assert not used
+    assert "differ from separate forwards" in caplog.text
