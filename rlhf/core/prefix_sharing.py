@@ -33,7 +33,8 @@ import torch
 
 from rlhf.core.modeling import accepts_logits_to_keep, base_model
 from rlhf.core.packing import innermost
-from rlhf.core.segment_attention import segment_forward_supported, shared_forward_hidden
+from rlhf.core.segment_attention import (segment_forward_supported, segment_layout, segments_pay,
+                                         shared_forward_hidden)
 
 _MASKED_ATTENTION = ("sdpa", "eager")
 _VERDICT = "_rlhf_prefix_sharing_checked"  # `checked_for_sharing`'s verdict, kept on the model
@@ -127,11 +128,13 @@ def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.
     columns are projected to the vocabulary. Gradients flow when enabled.
 
     A Llama-architecture model not wrapped for data parallelism runs with attention per segment
-    (`rlhf.core.segment_attention`: the prefix's and each remainder's own scores, not the whole
-    masked row's); any other model runs its forward under the row's mask."""
+    where that pays (`rlhf.core.segment_attention`: the prefix's and each remainder's own scores,
+    not the whole masked row's); any other model runs its forward under the row's mask."""
     if innermost(model) is base_model(model) and segment_forward_supported(model):
-        hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, rows.segments)  # (G, L, hidden)
-        return base_model(model).lm_head(hidden.reshape(-1, hidden.shape[-1])[flat])  # (K, V)
+        layout = segment_layout(rows.segments)
+        if segments_pay(layout):
+            hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, layout)  # (G, L, hidden)
+            return base_model(model).lm_head(hidden.reshape(-1, hidden.shape[-1])[flat])  # (K, V)
     length = rows.input_ids.shape[1]
     group, column = flat // length, flat % length  # (K,), (K,)
     needed = torch.unique(column)  # (C,) sorted columns some group needs logits at

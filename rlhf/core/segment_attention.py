@@ -15,7 +15,9 @@ padding positions, which nothing reads, get zeros.
 
 `shared_forward_hidden` runs a Llama-architecture model (`rlhf.core.modeling.llama_like`) over
 shared rows with its own modules in its forward's order and this attention in place of the
-model's; `rlhf.core.prefix_sharing.shared_logits_at` uses it where the model allows it.
+model's; `rlhf.core.prefix_sharing.shared_logits_at` uses it where the model allows it and it
+pays (`segments_pay`: two attention calls and their gathers cost about as much as 32k masked
+scores per head on a CPU, so short rows such as DPO pairs keep the single masked call).
 
 Shape legend: ``G`` group rows, ``L`` their length, ``P`` the longest prefix, ``n`` segments per
 group at most, ``S`` the longest segment, ``H``/``K`` query/key-value heads, ``D`` head size.
@@ -58,6 +60,19 @@ def segment_layout(segments: torch.Tensor) -> SegmentLayout:
     segment_at = torch.where(segment_valid, starts[:, :, None] + offsets[None, None], 0)  # (G, n, S)
     return SegmentLayout(prefix_valid=prefix_valid, segment_at=segment_at, segment_valid=segment_valid,
                          length=length)
+
+
+SEGMENTS_PAY_FROM = 32_768  # masked scores per head a micro-batch must save (measured on CPU, benchmarks/README.md)
+
+
+def segments_pay(layout: SegmentLayout) -> bool:
+    """Whether attention per segment saves at least `SEGMENTS_PAY_FROM` of the scores a masked
+    attention over the whole rows computes: G·L² against G·(P² + n·S·(P + S)), padded sizes."""
+    groups, count, longest = layout.segment_at.shape
+    prefix = layout.prefix_valid.shape[1]
+    dense = groups * layout.length ** 2
+    pieces = groups * (prefix ** 2 + count * longest * (prefix + longest))
+    return dense - pieces >= SEGMENTS_PAY_FROM
 
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SegmentLayout,
@@ -126,12 +141,12 @@ def segment_forward_supported(model: Any) -> bool:
 
 
 def shared_forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                          segments: torch.Tensor) -> torch.Tensor:
-    """The final-norm hidden states (G, L, hidden) of laid-out rows: ``input_ids``, ``position_ids``
-    and ``segments`` (G, L) as `rlhf.core.prefix_sharing.share_prefixes` makes them. Gradients flow
-    when enabled; LoRA-wrapped projections run as they are."""
+                          layout: SegmentLayout) -> torch.Tensor:
+    """The final-norm hidden states (G, L, hidden) of laid-out rows: ``input_ids`` and
+    ``position_ids`` (G, L) as `rlhf.core.prefix_sharing.share_prefixes` makes them, ``layout``
+    `segment_layout` of their segments. Gradients flow when enabled; LoRA-wrapped projections run
+    as they are."""
     inner = base_model(model).model
-    layout = segment_layout(segments)
     hidden = inner.embed_tokens(input_ids)  # (G, L, hidden)
     cos, sin = inner.rotary_emb(hidden, position_ids)
     groups, length = input_ids.shape

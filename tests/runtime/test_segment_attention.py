@@ -1,6 +1,7 @@
 """Attention per segment over prefix-shared rows (rlhf/core/segment_attention.py):
 
-* the layout by hand: where the prefix and each remainder lie in a group row;
+* the layout by hand: where the prefix and each remainder lie in a group row, and when attention
+  per segment pays (many or long remainders) and when it does not (DPO-sized pairs);
 * `segment_attention` equals sdpa under the rows' mask, outputs and the gradients of q, k and v, on
   rows padded on both sides, a row that is a prefix of another, a group of one, groups whose
   prefixes differ in length, with and without grouped key-value heads;
@@ -21,7 +22,7 @@ import rlhf.core.prefix_sharing as sharing
 import rlhf.core.segment_attention as segments
 from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
 from rlhf.core.prefix_sharing import share_prefixes
-from rlhf.core.segment_attention import segment_attention, segment_forward_supported, segment_layout
+from rlhf.core.segment_attention import segment_attention, segment_forward_supported, segment_layout, segments_pay
 from tests.runtime.test_prefix_sharing import shared_batch
 from tests.runtime.test_training_math import assert_same_gradients
 
@@ -37,6 +38,25 @@ def test_segment_layout_by_hand():
     shorter = segment_layout(torch.tensor([[0, 1, 1, -1], [0, 0, 0, 1]]))  # prefixes of 1 and 3 tokens
     assert shorter.prefix_valid.tolist() == [[t, f, f], [t, t, t]]
     assert shorter.segment_at.tolist() == [[[1, 2]], [[3, 0]]]
+
+
+@pytest.fixture
+def segments_always_pay(monkeypatch):
+    """The tests' rows are short: take the segment path whatever it saves."""
+    monkeypatch.setattr(segments, "SEGMENTS_PAY_FROM", 0)
+
+
+def layout_of(prefix: int, remainders: list[int], groups: int = 1):
+    row = [0] * prefix + [k for k, size in enumerate(remainders, start=1) for _ in range(size)]
+    return segment_layout(torch.tensor([row] * groups))
+
+
+def test_segments_pay_for_many_or_long_remainders_only():
+    # dense G·L² against G·(P² + n·S·(P + S)) scores: saved 30,192 / 59,648 / 7,200 / 1,048,576
+    assert not segments_pay(layout_of(9, [34] * 4, groups=2))  # the RL benchmark's rows: about even
+    assert segments_pay(layout_of(9, [32] * 8))  # 8 samples per prompt
+    assert not segments_pay(layout_of(15, [15, 15], groups=8))  # DPO pairs: the masked call is cheaper
+    assert segments_pay(layout_of(128, [128] * 8))
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -84,7 +104,7 @@ def model(request, tiny_model_dir):
     return qwen2(tiny_model_dir)
 
 
-def test_the_shared_forward_gives_the_separate_logprobs_and_gradients(model, monkeypatch):
+def test_the_shared_forward_gives_the_separate_logprobs_and_gradients(model, monkeypatch, segments_always_pay):
     calls = []
     real = segments.shared_forward_hidden
     monkeypatch.setattr(sharing, "shared_forward_hidden", lambda *a: calls.append(1) or real(*a))
@@ -119,7 +139,7 @@ def test_models_it_does_not_reproduce_run_their_own_forward(tiny_model_dir):
     assert segment_forward_supported(dropping.eval())
 
 
-def test_a_data_parallel_wrapper_runs_the_masked_forward(tiny_model_dir, monkeypatch):
+def test_a_data_parallel_wrapper_runs_the_masked_forward(tiny_model_dir, monkeypatch, segments_always_pay):
     from transformers import AutoModelForCausalLM
 
     class Wrapper(torch.nn.Module):  # as DDP and DeepSpeed's engine hold the model: its forward must run
@@ -138,7 +158,8 @@ def test_a_data_parallel_wrapper_runs_the_masked_forward(tiny_model_dir, monkeyp
     assert torch.allclose(got * actions, expected * actions, atol=1e-5)
 
 
-def test_a_wrong_segment_forward_is_caught_and_run_separately(tiny_model_dir, monkeypatch, caplog):
+def test_a_wrong_segment_forward_is_caught_and_run_separately(tiny_model_dir, monkeypatch, caplog,
+                                                            segments_always_pay):
     from transformers import AutoModelForCausalLM
 
     from rlhf.core.prefix_sharing import checked_for_sharing
