@@ -101,6 +101,8 @@ CURATED = [
      "dtype=torch.bool, device=device).tril()", "a segment's queries see the padding slots of its own keys"),
     ("rlhf/core/segment_attention.py", "seen = (layout.prefix_valid[:, None, :] & causal)",
      "seen = (layout.prefix_valid[:, None, :] | causal)", "the prefix attends past a shorter group's prefix"),
+    ("rlhf/runtime/workers.py", "return loss, metrics, float(micro.batch.loss_mask.sum())",
+     "return loss, metrics, float(micro.batch.action_mask.sum())", "policy metrics weighted by action, not loss, tokens"),
 ]
 
 SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,

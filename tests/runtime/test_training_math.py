@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -161,6 +162,25 @@ def test_a_dropped_sample_adds_nothing_to_the_gradient(base_model, plugins, entr
     kept = batch.select([r for r in range(ROWS) if r != 5])
     without, _ = fit_once(copy.deepcopy(base_model), kept, objective)
     assert_same_gradients(with_dropped, without)
+
+
+def test_the_steps_metrics_are_means_over_its_loss_tokens_however_it_is_split(base_model, plugins):
+    """Micro-batch metrics are weighted by their loss tokens: with dropped samples (action tokens
+    that are not loss tokens) the step's KL and entropy equal one micro-batch's over every row."""
+    batch = make_batch()
+    generator = torch.Generator().manual_seed(6)
+    batch.advantages = torch.randn(batch.action_mask.shape, generator=generator) * batch.action_mask  # (B, A)
+    batch.ref_logprobs = -5.0 + torch.randn(batch.action_mask.shape, generator=generator)  # (B, A)
+    batch.sample_mask[1] = batch.sample_mask[2] = 0.0  # both in the first micro-batch of 3
+    algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.05, plugins=plugins)
+    objective = algo.policy_objective(None, entropy_coef=0.01)
+    _, whole = fit_once(copy.deepcopy(base_model), batch, objective, micro_batch_size=ROWS)
+    _, split = fit_once(copy.deepcopy(base_model), batch, objective, micro_batch_size=3)
+    for key in ("policy/kl", "policy/entropy"):
+        assert math.isclose(split[key], whole[key], rel_tol=1e-5), key
+    logprobs, log_p = full_logprobs(base_model, batch)
+    entropy = -(log_p.exp() * log_p).sum(dim=-1)  # (B, A)
+    assert math.isclose(whole["policy/entropy"], float(token_mean(entropy, batch.loss_mask)), rel_tol=1e-4)
 
 
 def test_a_nonfinite_step_is_skipped_and_the_count_resets_after_a_good_one(base_model, plugins):
