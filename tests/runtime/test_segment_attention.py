@@ -5,8 +5,8 @@
 * `segment_attention` equals sdpa under the rows' mask, outputs and the gradients of q, k and v, on
   rows padded on both sides, a row that is a prefix of another, a group of one, groups whose
   prefixes differ in length, with and without grouped key-value heads;
-* the shared forward of a Llama and a Qwen2 (biased projections, grouped heads) gives the separate
-  forwards' log-probs and parameter gradients, and is the path taken for them;
+* the shared forward of a Llama, a Qwen2 (biased projections, grouped heads) and a Llama with LoRA
+  adapters gives the separate forwards' log-probs and parameter gradients, and is the path taken;
 * models it does not reproduce (eager attention, gradient checkpointing, attention dropout in
   training, a data-parallel wrapper) run their own forward under the mask;
 * a segment forward that went wrong is caught on the first micro-batch: a warning, then separate
@@ -95,13 +95,20 @@ def qwen2(tiny_model_dir):
     return Qwen2ForCausalLM(config)
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "llama-lora"])
 def model(request, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
+    if request.param == "qwen2":
+        return qwen2(tiny_model_dir)
+    llama = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     if request.param == "llama":
-        return AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
-    return qwen2(tiny_model_dir)
+        return llama
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(llama, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                            init_lora_weights=False))
 
 
 def test_the_shared_forward_gives_the_separate_logprobs_and_gradients(model, monkeypatch, segments_always_pay):
@@ -115,7 +122,7 @@ def test_the_shared_forward_gives_the_separate_logprobs_and_gradients(model, mon
         model.zero_grad()
         logprobs, entropy = forward()
         ((logprobs + 0.1 * entropy) * actions).sum().backward()
-        return logprobs * actions, {name: p.grad.clone() for name, p in model.named_parameters()}
+        return logprobs * actions, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
     expected, expected_grads = run(lambda: token_logprobs(model, ids, mask, actions, with_entropy=True))
     got, got_grads = run(lambda: shared_token_logprobs(model, rows, ids, actions, with_entropy=True))
