@@ -3,7 +3,7 @@
 A group row of `rlhf.core.prefix_sharing` holds a prefix, then the remainders (segments) of the
 group's n rows. Under its mask a prefix token sees the prefix causally and a segment token sees the
 whole prefix and its own segment causally, so dense attention over the row computes (P + n·S)²
-scores, most of them masked: 4.5x the scores of the n separate rows for a 128-token prompt and
+scores, most of them masked: 2.5x the scores of the n separate rows for a 128-token prompt and
 eight 128-token samples. Here each piece attends only to what it sees:
 
     prefix  p:  softmax(q_p·k_pᵀ·s + causal) v_p                       (G, H, P, D)
