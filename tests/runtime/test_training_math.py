@@ -178,7 +178,7 @@ def test_the_steps_metrics_are_means_over_its_loss_tokens_however_it_is_split(ba
     _, split = fit_once(copy.deepcopy(base_model), batch, objective, micro_batch_size=3)
     for key in ("policy/kl", "policy/entropy"):
         assert math.isclose(split[key], whole[key], rel_tol=1e-5), key
-    logprobs, log_p = full_logprobs(base_model, batch)
+    _, log_p = full_logprobs(base_model, batch)
     entropy = -(log_p.exp() * log_p).sum(dim=-1)  # (B, A)
     assert math.isclose(whole["policy/entropy"], float(token_mean(entropy, batch.loss_mask)), rel_tol=1e-4)
 

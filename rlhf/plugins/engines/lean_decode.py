@@ -34,6 +34,7 @@ import torch
 
 from rlhf.core.modeling import base_model, llama_like
 
+
 def lean_decoder_supported(model: Any) -> bool:
     """Whether `LeanDecoder` reproduces ``model``'s forward (`rlhf.core.modeling.llama_like`)."""
     return llama_like(model)
