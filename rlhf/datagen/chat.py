@@ -69,7 +69,12 @@ def load_model(ref: str, settings: ChatSettings) -> tuple[Any, Any]:
         model = PeftModel.from_pretrained(model, ref)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    if device.type == "cpu":
+        from rlhf.core.cpu_linear import use_onednn_linears
+
+        use_onednn_linears(model)
+    return model, tokenizer
 
 
 class Conversation:

@@ -112,6 +112,10 @@ class RewardModelWorker:
                 raise RewardConfigError(f"{self.path}/config.json has no mean and std to normalize rewards with")
             self.mean, self.std = float(config.mean), max(float(config.std), 1e-8)
         self.model = model.to(self.device).eval()
+        if self.device.type == "cpu":
+            from rlhf.core.cpu_linear import use_onednn_linears
+
+            use_onednn_linears(self.model)
 
     def score(self, texts: list[str]) -> list[float]:
         """One reward per text."""

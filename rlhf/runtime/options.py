@@ -38,7 +38,7 @@ MODEL_SLOTS = {slot.field: slot for slot in (Slot("model_adapter", "model"), Slo
 # Short flags of the model adapter's and the backend's settings (they were run fields once): setting -> slot.
 MODEL_ALIASES: dict[str, str] = {
     **dict.fromkeys(("attn_implementation", "gradient_checkpointing", "chat_template", "lora_rank", "lora_alpha",
-                     "lora_dropout", "target_modules", "load_in_4bit", "merge_lora", "value_head_prefix"),
+                     "lora_dropout", "target_modules", "load_in_4bit", "merge_lora", "value_head_prefix", "cpu_linear"),
                     "model_adapter"),
     **dict.fromkeys(("weight_decay", "adam_betas", "max_grad_norm", "lr_scheduler", "warmup_ratio", "zero_stage",
                      "offload_optimizer", "offload_params"), "backend"),

@@ -18,6 +18,8 @@ class HFModelConfig:
     trust_remote_code: bool = run_field("trust_remote_code", False, "Run model code shipped with the checkpoint")
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
+    cpu_linear: str = field(default="auto", metadata={
+        "help": "Linear layers on a CPU: auto (oneDNN where MKL runs below the CPU's width), onednn or torch"})
     chat_template: str | None = field(default=None, metadata={"help": "Jinja file replacing the chat template"})
     value_head_prefix: str = field(default="score", metadata={
         "help": "Name of the critic's value head (read from reward-model checkpoints, used when saving)"})

@@ -10,6 +10,8 @@ classifier, see `reward.py`). Options, each one flag of ``rlhf train``:
   flash-attn package and a CUDA GPU; asking for it without them is a ConfigError);
 * ``gradient_checkpointing``: activations recomputed in backward (non-reentrant, so it also
   works when only LoRA weights train);
+* ``cpu_linear``: on a CPU, ``auto`` runs float32 linear layers through oneDNN where torch's
+  default (MKL) uses half the vector width (`rlhf.core.cpu_linear`), ``onednn`` always, ``torch`` never;
 * ``trust_remote_code``: opt-in to model code shipped with a checkpoint;
 * the tokenizer gets a pad token when it has none (EOS, else UNK), and ``chat_template`` (a Jinja
   file) replaces its chat template before any prompt is formatted;
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from rlhf.core.adapter import ModelAdapterBase
+from rlhf.core.cpu_linear import check_mode, use_onednn_linears
 from rlhf.core.errors import ConfigError
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.critic import CriticModel
@@ -50,6 +53,7 @@ class HFModelAdapter(ModelAdapterBase):
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         check_attention(self.config.attn_implementation, self.device)
+        check_mode(self.config.cpu_linear)
         self.lora: Any = None
         if self.config.lora_rank > 0:
             self.lora = LoRA(self.config, self.device)
@@ -75,6 +79,12 @@ class HFModelAdapter(ModelAdapterBase):
     def load(self, ref: str, *, role: str) -> torch.nn.Module:
         if role not in ROLES:
             raise ValueError(f"the hf adapter builds {', '.join(ROLES)} models, not {role!r}")
+        model = self._load(ref, role=role)
+        if self.device.type == "cpu":
+            use_onednn_linears(model, self.config.cpu_linear)
+        return model
+
+    def _load(self, ref: str, *, role: str) -> torch.nn.Module:
         if role == "reference":
             if self.lora is not None and self._policy is not None and self._policy[0] == ref:
                 return self.lora.reference_view(self._policy[1])  # the base weights, held once

@@ -1,0 +1,155 @@
+"""oneDNN linear layers (`rlhf.core.cpu_linear`) give nn.Linear's outputs and gradients, take the
+oneDNN path only where they should, and reach every model the hf adapter loads on a CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from rlhf.core import cpu_linear
+from rlhf.core.cpu_linear import ONEDNN_FROM, OneDnnLinear, use_onednn_linears
+from rlhf.core.errors import ConfigError
+from rlhf.core.logprobs import token_logprobs
+from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
+
+pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="this torch has no oneDNN kernels")
+
+
+def pair(in_features: int, out_features: int, *, bias: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(seed)
+    plain = nn.Linear(in_features, out_features, bias=bias)
+    fast = copy.deepcopy(plain)
+    assert use_onednn_linears(fast, "onednn") == 1 and type(fast) is OneDnnLinear
+    return plain, fast
+
+
+def grads(layer: nn.Linear, x: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.detach().requires_grad_(True)
+    layer.zero_grad()
+    out = layer(x)
+    out.backward(upstream)
+    return out.detach(), [x.grad] + [p.grad for p in layer.parameters() if p.requires_grad]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("shape", [(96, 128), (3, 40, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [128, 200])  # square and not: a transposed weight would show
+def test_outputs_and_gradients_equal_nn_linear(shape, bias, out_features):
+    plain, fast = pair(128, out_features, bias=bias)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=generator)
+    upstream = torch.randn(*shape[:-1], out_features, generator=generator)
+    assert x.numel() // 128 * 128 * out_features >= ONEDNN_FROM  # the oneDNN path, not the fallback
+    want, want_grads = grads(plain, x, upstream)
+    got, got_grads = grads(fast, x, upstream)
+    assert got.shape == want.shape and close(got, want)
+    assert len(got_grads) == len(want_grads) == 2 + bias
+    for g, w in zip(got_grads, want_grads):
+        assert g.shape == w.shape and close(g, w)
+    # the products really differ from MKL's in rounding only: not bit-equal is fine, 1e-5 is not
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_strided_inputs_frozen_weights_and_no_grad():
+    plain, fast = pair(128, 256, bias=True)
+    x = torch.randn(128, 64).t()  # (64, 128), not contiguous
+    upstream = torch.randn(64, 256)
+    for layer in (plain, fast):
+        layer.requires_grad_(False)  # a frozen base weight (LoRA, the reference): only ∂x flows
+    want, (want_dx,) = grads(plain, x, upstream)
+    got, (got_dx,) = grads(fast, x, upstream)
+    assert close(got, want) and close(got_dx, want_dx)
+    with torch.no_grad():
+        assert close(fast(x), plain(x))
+    with torch.inference_mode():
+        assert close(fast(x), plain(x))
+
+
+def test_which_calls_take_onednn(monkeypatch):
+    taken = []
+    real = cpu_linear._OneDnnLinearFunction.apply
+    monkeypatch.setattr(cpu_linear._OneDnnLinearFunction, "apply", lambda *a: taken.append(1) or real(*a))
+    _, fast = pair(128, 128, bias=False)
+    big = torch.randn(64, 128, requires_grad=True)  # 64·128·128 = 2^20 multiply-adds: the threshold
+    fast(big)
+    assert taken == [1]
+    fast(torch.randn(63, 128, requires_grad=True))  # below it: MKL's call is cheaper
+    assert taken == [1]
+    fast.double()
+    fast(big.double())  # float64 keeps nn.Linear's own forward
+    assert taken == [1]
+    fast.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fast(big).dtype == torch.bfloat16  # autocast still casts: nn.Linear's path
+    assert taken == [1]
+    fast.weight.ds_id = 7  # a DeepSpeed ZeRO-3 partition: DeepSpeed's linear
+    fast(big)
+    assert taken == [1]
+
+
+def test_only_plain_linear_layers_change_and_modes_are_checked(monkeypatch):
+    class Custom(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), Custom(4, 4), nn.Sequential(nn.Linear(4, 2)), nn.ReLU())
+    assert use_onednn_linears(copy.deepcopy(model), "torch") == 0
+    assert use_onednn_linears(model, "onednn") == 2
+    assert [type(m).__name__ for m in model.modules()] == ["Sequential", "OneDnnLinear", "Custom", "Sequential",
+                                                            "OneDnnLinear", "ReLU"]
+    monkeypatch.setattr(cpu_linear, "onednn_pays", lambda: False)
+    assert use_onednn_linears(nn.Linear(4, 4), "auto") == 0
+    monkeypatch.setattr(cpu_linear, "onednn_pays", lambda: True)
+    assert use_onednn_linears(nn.Linear(4, 4), "auto") == 1
+    with pytest.raises(ConfigError, match="--cpu-linear must be one of auto, onednn, torch; got 'mkl'"):
+        use_onednn_linears(model, "mkl")
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
+    with pytest.raises(ConfigError, match="no oneDNN"):
+        cpu_linear.check_mode("onednn")
+
+
+@pytest.mark.parametrize("vendor, capability, pays", [("AuthenticAMD", "AVX512", True), ("GenuineIntel", "AVX512", False),
+                                                      ("AuthenticAMD", "AVX2", False), ("", "AVX512", False)])
+def test_auto_means_an_avx512_cpu_not_made_by_intel(monkeypatch, vendor, capability, pays):
+    monkeypatch.setattr(cpu_linear, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    cpu_linear.onednn_pays.cache_clear()
+    try:
+        assert cpu_linear.onednn_pays() is pays
+    finally:
+        cpu_linear.onednn_pays.cache_clear()
+
+
+def test_the_adapter_gives_a_model_the_same_logprobs_and_gradients(tiny_model_dir):
+    """The tiny Llama (hidden 64, MLP 256) on 6 x 24 tokens: its MLP products take oneDNN."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 300, (6, 24), generator=generator)  # (B, T)
+    mask = torch.ones_like(ids)
+    action_mask = torch.ones(6, 23)
+    outputs = {}
+    for mode in ("torch", "onednn"):
+        adapter = HFModelAdapter(HFModelConfig(device="cpu", cpu_linear=mode))
+        model = adapter.load(str(tiny_model_dir), role="policy")
+        count = sum(type(m) is OneDnnLinear for m in model.modules())
+        assert count == (0 if mode == "torch" else 2 * 7 + 1)  # q k v o gate up down per layer, lm_head
+        logprobs, _ = token_logprobs(model, ids, mask, action_mask)  # (B, T - 1)
+        (logprobs * action_mask).sum().backward()
+        outputs[mode] = logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}
+        reference = adapter.load(str(tiny_model_dir), role="reference")
+        assert sum(type(m) is OneDnnLinear for m in reference.modules()) == count
+    (want, want_grads), (got, got_grads) = outputs["torch"], outputs["onednn"]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert want_grads.keys() == got_grads.keys()
+    for name, grad in want_grads.items():
+        assert close(got_grads[name], grad), name
+
+
+def test_unknown_mode_is_a_config_error_before_loading():
+    with pytest.raises(ConfigError, match="--cpu-linear must be one of"):
+        HFModelAdapter(HFModelConfig(device="cpu", cpu_linear="fast"))
