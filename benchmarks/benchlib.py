@@ -52,6 +52,20 @@ def add_step_arguments(parser: Any, *, rounds: int, other: str, kl_help: str) ->
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None, help="models, task and run folders (default: a temp folder)")
+    add_cpu_linear_argument(parser)
+
+
+def add_cpu_linear_argument(parser: Any) -> None:
+    parser.add_argument("--cpu-linear", choices=["auto", "onednn", "torch"], default="auto",
+                        help="our side's --cpu-linear (torch: MKL's products, as TRL and the bare loop use)")
+
+
+def cpu_linear_line(mode: str) -> str:
+    """Which products our side's linear layers run (rlhf.core.cpu_linear)."""
+    from rlhf.core.cpu_linear import onednn_pays
+
+    onednn = mode == "onednn" or (mode == "auto" and onednn_pays())
+    return f"rlhf's CPU linear layers: {'oneDNN' if onednn else 'torch default (MKL)'} (--cpu-linear {mode})"
 
 
 def setup_environment(threads: int | None) -> int:

@@ -39,7 +39,7 @@ def our_steps(args, model: Path, data: Path, reward: Path, out: Path) -> benchli
         model=str(model), data=[str(data)], reward=[f"{reward}:count_a"], algo="grpo",
         prompts_per_step=args.prompts, n_samples=args.n, max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr, kl_coef=args.kl_coef,
-        temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=args.seed))
+        temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=args.seed, cpu_linear=args.cpu_linear))
     plugins = build_plugin_manager()
     clock = benchlib.StepClock()
     plugins.register(benchlib.step_clock_plugin(clock), name="benchmark_step_clock")
@@ -128,6 +128,7 @@ def main() -> None:
     model = benchlib.model_dir(args.model, root)
     data, reward = benchlib.write_task(root)
     print(benchlib.machine_line(threads))
+    print(benchlib.cpu_linear_line(args.cpu_linear))
     print(f"model {args.model}  G={args.prompts} n={args.n} new tokens={args.max_new_tokens} "
           f"micro batch={args.micro_batch_size} beta={args.kl_coef}  {args.steps} steps x {args.rounds} rounds")
 

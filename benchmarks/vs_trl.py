@@ -50,7 +50,8 @@ def run_ours(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib
         loss_agg="token_mean", prompts_per_step=args.prompts, n_samples=args.n, max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr, adam_betas="0.9,0.95",
         weight_decay=0.0, max_grad_norm=1.0, lr_scheduler="constant", clip_low=0.2, clip_high=0.2,
-        temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=args.seed, share_prompt=args.share_prompt))
+        temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=args.seed, share_prompt=args.share_prompt,
+        cpu_linear=args.cpu_linear))
     plugins = build_plugin_manager()
     clock = benchlib.StepClock()
     plugins.register(benchlib.step_clock_plugin(clock), name="benchmark_step_clock")
@@ -129,6 +130,7 @@ def main() -> None:
     model = benchlib.model_dir(args.model, root)
     data, reward = benchlib.write_task(root)
     print(benchlib.machine_line(threads))
+    print(benchlib.cpu_linear_line(args.cpu_linear))
     print(f"model {args.model}  G={args.prompts} n={args.n} new tokens={args.max_new_tokens} "
           f"micro batch={args.micro_batch_size} beta={args.kl_coef} lr={args.lr}  "
           f"{args.steps} steps x {args.rounds} rounds, alternating")

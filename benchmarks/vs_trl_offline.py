@@ -70,7 +70,8 @@ def run_ours(args, model: Path, data: Path, out: Path) -> benchlib.StepClock:
         "--model", str(model), "--data", str(data), "--batch-size", str(args.batch_size),
         "--micro-batch-size", str(args.micro_batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
         "--adam-betas", "0.9,0.95", "--weight-decay", "0", "--max-grad-norm", "1.0", "--lr-scheduler", "constant",
-        "--out", str(out), "--no-progress", "--seed", str(args.seed)] + extra, standalone_mode=False)
+        "--out", str(out), "--no-progress", "--seed", str(args.seed), "--cpu-linear", args.cpu_linear] + extra,
+        standalone_mode=False)
     return clock
 
 
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--packing", action="store_true", help="--packing on our side, padding_free on TRL's (SFT)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None)
+    benchlib.add_cpu_linear_argument(parser)
     args = parser.parse_args()
     try:
         import trl  # noqa: F401
@@ -144,6 +146,7 @@ def main() -> None:
     sft, pairs = write_data(root, rows=args.batch_size * (args.steps + 1), seed=args.seed)
     data = sft if args.task == "sft" else pairs
     print(benchlib.machine_line(threads))
+    print(benchlib.cpu_linear_line(args.cpu_linear))
     print(f"{args.task} model {args.model}  batch {args.batch_size} micro {args.micro_batch_size}  "
           f"{args.steps} steps x {args.rounds} rounds, alternating")
     sides = {"rlhf": run_ours, "trl": run_trl}

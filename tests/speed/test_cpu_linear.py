@@ -4,6 +4,7 @@ oneDNN path only where they should, and reach every model the hf adapter loads o
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -153,3 +154,41 @@ def test_the_adapter_gives_a_model_the_same_logprobs_and_gradients(tiny_model_di
 def test_unknown_mode_is_a_config_error_before_loading():
     with pytest.raises(ConfigError, match="--cpu-linear must be one of"):
         HFModelAdapter(HFModelConfig(device="cpu", cpu_linear="fast"))
+
+
+def test_the_cli_flag_reaches_the_models_and_the_run_matches(tiny_model_dir, task, tmp_path, plugins, monkeypatch):
+    """`rlhf train --cpu-linear onednn|torch`: the policy's training products go through oneDNN or
+    not, and one step's metrics agree to float rounding."""
+    from tests.helpers import run_cli
+
+    rewards = tmp_path / "dense.py"  # every sample a different reward: the step has a real loss and gradient
+    rewards.write_text("def dense(completions, **kwargs):\n    return [sum(map(ord, c)) % 97 / 97 for c in completions]\n")
+    calls = []
+    real = cpu_linear._OneDnnLinearFunction.apply
+    monkeypatch.setattr(cpu_linear._OneDnnLinearFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    metrics = {}
+    for mode in ("torch", "onednn"):
+        calls.clear()
+        out = tmp_path / mode
+        result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                                   "--reward", f"{rewards}:dense", "--lr", "1e-3",
+                                   "--n-samples", "4", "--prompts-per-step", "4", "--max-new-tokens", "8",
+                                   "--steps", "1", "--out", str(out), "--no-progress", "--threads", "1",
+                                   "--cpu-linear", mode])
+        assert result.exit_code == 0, result.output
+        assert bool(calls) == (mode == "onednn")
+        metrics[mode] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert metrics["torch"]["policy/grad_norm"] > 1e-3 and metrics["torch"]["reward/std"] > 0
+    for key in ("reward/mean", "policy/loss", "policy/grad_norm", "response/length_mean"):
+        assert metrics["onednn"][key] == pytest.approx(metrics["torch"][key], rel=1e-4, abs=1e-7), key
+
+
+def test_an_unknown_cli_value_is_one_line(tiny_model_dir, task, tmp_path, plugins):
+    from tests.helpers import run_cli
+
+    result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                               "--label-key", "answer", "--reward", "examples/rewards.py:exact_match",
+                               "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress", "--cpu-linear", "mkl"])
+    assert result.exit_code == 2, result.output
+    assert "--cpu-linear must be one of auto, onednn, torch; got 'mkl'" in result.output
+    assert "Traceback" not in result.output
