@@ -50,6 +50,8 @@ TARGETS = [
     # shared prompts, the lean decode step and the prompt's prefill (issue 21)
     "rlhf/core/prefix_sharing.py", "rlhf/plugins/engines/lean_decode.py", "rlhf/plugins/engines/hf.py",
     "rlhf/algorithms/objective.py", "rlhf/core/segment_attention.py",
+    # oneDNN linear layers on a CPU (issue 21, fifth round)
+    "rlhf/core/cpu_linear.py",
 ]
 FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
               "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
@@ -58,7 +60,8 @@ FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/
               "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
               "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
               "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py",
-              "tests/runtime/test_packing.py", "tests/runtime/test_segment_attention.py"]
+              "tests/runtime/test_packing.py", "tests/runtime/test_segment_attention.py",
+              "tests/speed/test_cpu_linear.py"]
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
@@ -103,6 +106,12 @@ CURATED = [
      "seen = (layout.prefix_valid[:, None, :] | causal)", "the prefix attends past a shorter group's prefix"),
     ("rlhf/runtime/workers.py", "return loss, metrics, float(micro.batch.loss_mask.sum())",
      "return loss, metrics, float(micro.batch.action_mask.sum())", "policy metrics weighted by action, not loss, tokens"),
+    ("rlhf/core/cpu_linear.py", "grad_x = _product(grad_rows, weight.t())", "grad_x = _product(grad_rows, weight)",
+     "oneDNN linear: the input gradient through W, not Wᵀ"),
+    ("rlhf/core/cpu_linear.py", "grad_weight = _product(grad_rows.t(), rows.t())",
+     "grad_weight = _product(rows.t(), grad_rows.t())", "oneDNN linear: the weight gradient transposed"),
+    ("rlhf/core/cpu_linear.py", "grad_bias = grad_rows.sum(dim=0)", "grad_bias = grad_rows.mean(dim=0)",
+     "oneDNN linear: the bias gradient averaged over rows"),
 ]
 
 SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,

@@ -3,8 +3,8 @@
 torch's float32 ``F.linear`` on a CPU calls MKL's sgemm, and MKL runs its AVX2 kernels on
 processors that are not Intel's even where they have AVX-512: on one core of an AMD EPYC (Zen 5)
 it reaches ~100 GFLOP/s. oneDNN, which torch also ships, picks its kernels by instruction set and
-runs AVX-512 there: 2.0-2.3x for a small model's products (290 x 256 x 1024: 1.50 -> 0.65 ms;
-32 rows while decoding: 188 -> 108 us), the same float32 arithmetic (results equal to rounding).
+runs AVX-512 there: 2.0-2.3x per training product (290 x 256 -> 1024: 1.56 -> 0.76 ms), 1.5x
+per decoding product (32 rows: 190 -> 122 us), the same float32 arithmetic (equal to rounding).
 A linear layer's three products, each as oneDNN's ``x·Wᵀ``, both operands read in place:
 
     forward      y  = x·Wᵀ + b          x (M, K), W (N, K), y (M, N)
@@ -17,21 +17,22 @@ A linear layer's three products, each as oneDNN's ``x·Wᵀ``, both operands rea
 call takes it only where it can and pays: a float32 CPU input, no autocast, no torch.compile
 tracing, not a DeepSpeed ZeRO-3 partitioned weight, and a product of at least `ONEDNN_FROM`
 multiply-adds (a oneDNN call costs ~10 us more than MKL's, so tiny products keep MKL); every
-other call is ``nn.Linear``'s own. ``--model-adapter.cpu_linear``: ``auto`` (oneDNN where MKL
-does not use AVX-512: an AVX-512 CPU not made by Intel, `onednn_pays`), ``onednn`` or ``torch``.
+other call is ``nn.Linear``'s own. oneDNN builds a kernel the first time it sees a shape (~0.35
+ms, then cached), which runs whose micro-batches all differ in token count pay: ~2 % of a step
+(padding the rows up to a few fixed counts saved nothing: the copies cost as much).
+``--model-adapter.cpu_linear``: ``auto`` (oneDNN where MKL does not use AVX-512: an AVX-512 CPU
+not made by Intel, `onednn_pays`), ``onednn`` or ``torch``.
 Measured figures: benchmarks/README.md, "oneDNN linear layers".
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
+from torch.autograd.function import once_differentiable
 
 MODES = ("auto", "onednn", "torch")
 ONEDNN_FROM = 1 << 20  # multiply-adds (M·N·K) of a product from which oneDNN beats MKL despite its call cost
@@ -41,9 +42,9 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _cpu_vendor() -> str:
+def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     try:
-        with open("/proc/cpuinfo") as handle:
+        with open(cpuinfo) as handle:
             for line in handle:
                 if line.startswith("vendor_id"):
                     return line.split(":", 1)[1].strip()
@@ -75,6 +76,7 @@ class _OneDnnLinearFunction(torch.autograd.Function):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (..., N)
 
     @staticmethod
+    @once_differentiable  # a second derivative through these products is an error, not a wrong number
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         grad_rows = grad.reshape(-1, grad.shape[-1])  # (M, N)

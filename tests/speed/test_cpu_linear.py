@@ -73,6 +73,29 @@ def test_strided_inputs_frozen_weights_and_no_grad():
         assert close(fast(x), plain(x))
 
 
+@pytest.mark.parametrize("reduce", ["sum", "strided"])
+def test_upstream_gradients_that_are_expanded_or_strided(reduce):
+    """out.sum() hands backward a stride-0 gradient, a slice a strided one."""
+    plain, fast = pair(128, 256, bias=True)
+    x = torch.randn(4, 40, 128)
+    results = []
+    for layer in (plain, fast):
+        leaf = x.clone().requires_grad_(True)
+        out = layer(leaf)
+        (out.sum() if reduce == "sum" else out[:, ::2, 3:].mean()).backward()
+        results.append([leaf.grad, layer.weight.grad, layer.bias.grad])
+    for got, want in zip(results[1], results[0]):
+        assert close(got, want)
+
+
+def test_a_second_derivative_is_an_error_not_a_wrong_number():
+    _, fast = pair(128, 128, bias=False)
+    x = torch.randn(64, 128, requires_grad=True)
+    (grad,) = torch.autograd.grad(fast(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
 def test_which_calls_take_onednn(monkeypatch):
     taken = []
     real = cpu_linear._OneDnnLinearFunction.apply
@@ -93,6 +116,9 @@ def test_which_calls_take_onednn(monkeypatch):
     fast.weight.ds_id = 7  # a DeepSpeed ZeRO-3 partition: DeepSpeed's linear
     fast(big)
     assert taken == [1]
+    _, wide = pair(128, 512, bias=False)  # the count is M·N·K, N ≠ K
+    wide(torch.randn(16, 128, requires_grad=True))  # 16·512·128 = 2^20
+    assert taken == [1, 1]
 
 
 def test_only_plain_linear_layers_change_and_modes_are_checked(monkeypatch):
@@ -125,6 +151,13 @@ def test_auto_means_an_avx512_cpu_not_made_by_intel(monkeypatch, vendor, capabil
         assert cpu_linear.onednn_pays() is pays
     finally:
         cpu_linear.onednn_pays.cache_clear()
+
+
+def test_the_vendor_is_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
+    assert cpu_linear._cpu_vendor(str(cpuinfo)) == "AuthenticAMD"
+    assert cpu_linear._cpu_vendor(str(tmp_path / "missing")) == ""
 
 
 def test_the_adapter_gives_a_model_the_same_logprobs_and_gradients(tiny_model_dir):
