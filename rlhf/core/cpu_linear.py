@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from rlhf.core.errors import ConfigError
+
 MODES = ("auto", "onednn", "torch")
 ONEDNN_FROM = 1 << 20  # multiply-adds (M·N·K) of a product from which oneDNN beats MKL despite its call cost
 
@@ -61,9 +63,9 @@ def onednn_pays() -> bool:
             and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and _cpu_vendor() not in ("", "GenuineIntel"))
 
 
-def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a·bᵀ through oneDNN: a (M, K), b (N, K), either strided as it comes; (M, N)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a·bᵀ (+ bias) through oneDNN: a (..., K), b (N, K), either strided as it comes; (..., N)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
 class _OneDnnLinearFunction(torch.autograd.Function):
@@ -73,7 +75,7 @@ class _OneDnnLinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (..., N)
+        return _product(x, weight, bias)  # (..., N)
 
     @staticmethod
     @once_differentiable  # a second derivative through these products is an error, not a wrong number
@@ -113,13 +115,11 @@ class OneDnnLinear(nn.Linear):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _OneDnnLinearFunction.apply(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (..., N)
+        return _product(x, weight, bias)  # (..., N)
 
 
 def check_mode(mode: str) -> None:
     """A ConfigError for a mode not in `MODES`, or ``onednn`` where this torch has no oneDNN."""
-    from rlhf.core.errors import ConfigError
-
     if mode not in MODES:
         raise ConfigError(f"--cpu-linear must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "onednn" and not onednn_available():
