@@ -58,11 +58,13 @@ class SFTObjective(ObjectiveBase):
 
 def multiturn_example(messages: Any, last: Any, text: TextFormat) -> tuple[list[int], list[int]]:
     """A conversation with every assistant turn learnt: token spans found by tokenizing the template of
-    each prefix (the template's role markers keep the boundaries stable)."""
+    each prefix (the template's role markers keep the boundaries stable). Each turn's span ends with
+    what the template puts after it; the text ends at its last real token (trailing newlines
+    dropped), then EOS, so the last turn is encoded as `response_example` encodes it."""
     if not isinstance(messages, list):
         raise BadRow("--multiturn needs a conversation (a list of messages)")
     messages = list(messages) + ([last] if isinstance(last, dict) else list(last) if isinstance(last, list) else [])
-    ids = text.ids(text.chat(messages))
+    ids = text.ids(text.chat(messages).rstrip("\n"))  # EOS follows the last real token, as in `TextFormat.response`
     mask = [0] * len(ids)
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") != "assistant":
