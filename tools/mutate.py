@@ -1,13 +1,15 @@
 """Mutation testing of the math and the training wiring: would the fast tests notice a bug?
 
     python tools/mutate.py                      # curated mutants + 120 drawn from the operators below
-    python tools/mutate.py --sample 0           # only the curated ones (the wiring bugs of issue 14)
+    python tools/mutate.py --sample 0           # only the curated ones (wiring bugs reviews found)
+    python tools/mutate.py --per-area 15        # curated + 15 drawn from each area
     python tools/mutate.py --sample 400 --jobs 2 --seed 3 --json mutants.json
 
 Each mutant changes one spot of one file in a copy of the repository (never this checkout) and
-runs the fast tests there (`FAST_TESTS`, ``-x``); a mutant is *killed* when they fail (or time
-out), and *survives* when they pass. Survivors are printed with file, line and change: each is a
-missing test or an equivalent mutant. The kill rate is killed / (killed + survived).
+runs the fast tests of the file's area there (`AREAS`, ``-x``); a mutant is *killed* when they
+fail (or time out), and *survives* when they pass. Survivors are printed with file, line and
+change: each is a missing test or an equivalent mutant. The kill rate is killed / (killed +
+survived), printed per area (RL math, RL wiring, fit loop, objectives, fast paths) and in all.
 
 Operators (applied to the `TARGETS` files, outside docstrings, asserts, f-strings, annotations
 and ``raise`` statements): arithmetic and comparison operators swapped, unary minus and ``not``
@@ -34,34 +36,62 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TARGETS = [
-    "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/objective.py",
-    "rlhf/algorithms/presets.py", "rlhf/core/masked.py", "rlhf/core/batch.py",
-    "rlhf/plugins/algorithms/aggregation.py", "rlhf/plugins/algorithms/gae.py", "rlhf/plugins/algorithms/groups.py",
-    "rlhf/plugins/algorithms/grpo.py", "rlhf/plugins/algorithms/kl.py", "rlhf/plugins/algorithms/mismatch.py",
-    "rlhf/plugins/algorithms/ppo_loss.py", "rlhf/plugins/algorithms/reinforce.py",
-    "rlhf/plugins/algorithms/returns.py", "rlhf/plugins/algorithms/rloo.py",
-    "rlhf/runtime/workers.py", "rlhf/runtime/micro_batches.py", "rlhf/runtime/experience.py", "rlhf/runtime/trainer.py", "rlhf/core/logprobs.py",
-    "rlhf/runtime/local.py", "rlhf/runtime/plan.py", "rlhf/rewards/combine.py",
-    # the RL loop's extensions (issue 17) and --async (issue 18)
-    "rlhf/plugins/algorithms/gspo_loss.py", "rlhf/algorithms/kl_control.py", "rlhf/plugins/filters/dynamic.py",
-    "rlhf/plugins/shaping/overlong.py", "rlhf/plugins/shaping/truncation.py", "rlhf/runtime/evaluation.py",
-    "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py",
-    # shared prompts, the lean decode step and the prompt's prefill (issue 21)
-    "rlhf/core/prefix_sharing.py", "rlhf/plugins/engines/lean_decode.py", "rlhf/plugins/engines/hf.py",
-    "rlhf/algorithms/objective.py", "rlhf/core/segment_attention.py",
-    # oneDNN linear layers on a CPU (issue 21, fifth round)
-    "rlhf/core/cpu_linear.py",
-]
-FAST_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
-              "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
-              "tests/runtime/test_multiturn.py",
-              "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
-              "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
-              "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
-              "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py",
-              "tests/runtime/test_packing.py", "tests/runtime/test_segment_attention.py",
-              "tests/speed/test_cpu_linear.py"]
+RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
+            "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
+            "tests/runtime/test_multiturn.py",
+            "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
+            "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
+            "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
+            "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py",
+            "tests/runtime/test_packing.py", "tests/runtime/test_segment_attention.py",
+            "tests/speed/test_cpu_linear.py"]
+OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/runtime/test_data.py"]
+
+# area: (files mutated, fast tests run on each of its mutants). Kill rates are reported per area.
+AREAS = {
+    "RL math": ([
+        "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/objective.py",
+        "rlhf/algorithms/presets.py", "rlhf/algorithms/kl_control.py", "rlhf/core/masked.py", "rlhf/core/batch.py",
+        "rlhf/plugins/algorithms/aggregation.py", "rlhf/plugins/algorithms/gae.py",
+        "rlhf/plugins/algorithms/groups.py", "rlhf/plugins/algorithms/grpo.py", "rlhf/plugins/algorithms/kl.py",
+        "rlhf/plugins/algorithms/mismatch.py", "rlhf/plugins/algorithms/ppo_loss.py",
+        "rlhf/plugins/algorithms/reinforce.py", "rlhf/plugins/algorithms/returns.py",
+        "rlhf/plugins/algorithms/rloo.py", "rlhf/plugins/algorithms/gspo_loss.py", "rlhf/rewards/combine.py",
+        "rlhf/plugins/filters/dynamic.py", "rlhf/plugins/shaping/overlong.py", "rlhf/plugins/shaping/truncation.py",
+    ], RL_TESTS),
+    "RL wiring": ([
+        "rlhf/runtime/workers.py", "rlhf/runtime/micro_batches.py", "rlhf/runtime/experience.py",
+        "rlhf/runtime/trainer.py", "rlhf/runtime/local.py", "rlhf/runtime/plan.py", "rlhf/runtime/evaluation.py",
+        "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py",
+    ], RL_TESTS),
+    "fit loop": ([
+        "rlhf/runtime/fit/loop.py", "rlhf/runtime/fit/data.py", "rlhf/runtime/fit/text.py", "rlhf/runtime/fit/local.py",
+    ], OFFLINE_TESTS),
+    "objectives": ([
+        "rlhf/objectives/batching.py", "rlhf/objectives/language.py", "rlhf/objectives/preference.py",
+        "rlhf/objectives/process.py", "rlhf/plugins/objectives/sft.py", "rlhf/plugins/objectives/reward_model.py",
+        "rlhf/plugins/objectives/dpo.py", "rlhf/plugins/objectives/kto.py", "rlhf/plugins/objectives/prm.py",
+        "rlhf/plugins/objectives/distill.py", "rlhf/plugins/objectives/pairs.py", "rlhf/rewards/reward_model.py",
+    ], OFFLINE_TESTS),
+    "fast paths": ([
+        "rlhf/core/logprobs.py", "rlhf/core/prefix_sharing.py", "rlhf/core/segment_attention.py",
+        "rlhf/core/cpu_linear.py", "rlhf/plugins/engines/lean_decode.py", "rlhf/plugins/engines/hf.py",
+    ], RL_TESTS + OFFLINE_TESTS),
+}
+TARGETS = [file for files, _ in AREAS.values() for file in files]
+
+
+def area_of(file: str) -> str:
+    return next((name for name, (files, _) in AREAS.items() if file in files), "other")
+
+
+def tests_of(file: str) -> list[str]:
+    """The fast tests a mutant of ``file`` runs (its area's; every area's for a file in none)."""
+    area = area_of(file)
+    if area == "other":
+        return list(dict.fromkeys(t for _, tests in AREAS.values() for t in tests))
+    return AREAS[area][1]
+
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
@@ -112,6 +142,35 @@ CURATED = [
      "grad_weight = _product(rows.t(), grad_rows.t())", "oneDNN linear: the weight gradient transposed"),
     ("rlhf/core/cpu_linear.py", "grad_bias = grad_rows.sum(dim=0)", "grad_bias = grad_rows.mean(dim=0)",
      "oneDNN linear: the bias gradient averaged over rows"),
+    # the offline half (issue 31): objectives feeding the wrong tensor into correct math, masks, positions
+    ("rlhf/plugins/objectives/dpo.py", "ref_sums, _ = sequence_logps(forward(models.reference), mask)",
+     "ref_sums, _ = sequence_logps(forward(models.model), mask)", "dpo: the reference log-probs taken from the policy"),
+    ("rlhf/plugins/objectives/dpo.py", "nll = -means[:pairs].mean()", "nll = -means[pairs:].mean()",
+     "dpo: --nll-coef's term on the rejected responses"),
+    ("rlhf/plugins/objectives/kto.py",
+     "reference, _ = sequence_logps(token_logps(models.reference, *inputs), mask)  # (B,)\n        return",
+     "reference, _ = sequence_logps(token_logps(models.model, *inputs), mask)  # (B,)\n        return",
+     "kto: the reference point from the policy alone (always 0)"),
+    ("rlhf/plugins/objectives/kto.py", "other = examples[(index + 1) % len(examples)]", "other = example",
+     "kto: the reference point from each sample's own completion, not a mismatched one"),
+    ("rlhf/plugins/objectives/kto.py", "undesirable_weight=config.undesirable_weight)",
+     "undesirable_weight=config.desirable_weight)", "kto: the desirable weight on the undesirable samples"),
+    ("rlhf/plugins/objectives/distill.py", "loss = (1 - coef) * sft + coef * kd", "loss = coef * sft + (1 - coef) * kd",
+     "distill: the SFT and KD weights swapped"),
+    ("rlhf/objectives/batching.py", "return [0] * prompt_len + [1] * (length - prompt_len)",
+     "return [0] * (prompt_len - 1) + [1] * (length - prompt_len + 1)",
+     "the loss mask one token early (the prompt's last token learnt)"),
+    ("rlhf/objectives/batching.py", "return values.gather(1, last[:, None]).squeeze(1)",
+     "return values.gather(1, (last - 1).clamp(min=0)[:, None]).squeeze(1)",
+     "rm: trained at the token before the last (scored at the last)"),
+    ("rlhf/plugins/objectives/reward_model.py", "margin = batch[\"margin\"] if self.config.margin_key else None",
+     "margin = None", "rm: --margin-key ignored"),
+    ("rlhf/plugins/objectives/sft.py",
+     "start = len(text.ids(text.chat(messages[:index], generation_prompt=True))) if index else 0",
+     "start = len(text.ids(text.chat(messages[:index], generation_prompt=False))) if index else 0",
+     "--multiturn: the generation prompt learnt with each assistant turn"),
+    ("rlhf/plugins/objectives/prm.py", "per_token[position] = label", "per_token[position - 1] = label",
+     "prm: labels one position before the placeholders"),
 ]
 
 SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,
@@ -131,6 +190,10 @@ class Mutant:
     source: str  # the whole mutated file
     status: str = "pending"  # killed, survived, timeout, invalid
     seconds: float = 0.0
+
+    @property
+    def area(self) -> str:
+        return area_of(self.file)
 
 
 # --- generating mutants ---------------------------------------------------------------------------
@@ -272,9 +335,9 @@ def make_copy() -> Path:
     return copy
 
 
-def run_tests(copy: Path, timeout: float) -> str:
+def run_tests(copy: Path, timeout: float, tests: list[str]) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *FAST_TESTS]
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
     try:
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -285,9 +348,9 @@ def run_tests(copy: Path, timeout: float) -> str:
 def run(mutants: list[Mutant], jobs: int, timeout: float) -> None:
     copies = [make_copy() for _ in range(jobs)]
     try:
-        for copy in copies:
-            if run_tests(copy, timeout * 3) != "survived":
-                raise SystemExit(f"the fast tests fail on the unmutated code (in {copy}); fix that first")
+        every_test = list(dict.fromkeys(t for _, tests in AREAS.values() for t in tests))
+        if run_tests(copies[0], timeout * 5, every_test) != "survived":
+            raise SystemExit(f"the fast tests fail on the unmutated code (in {copies[0]}); fix that first")
         free = list(copies)
 
         def one(mutant: Mutant) -> Mutant:
@@ -297,7 +360,7 @@ def run(mutants: list[Mutant], jobs: int, timeout: float) -> None:
             began = time.perf_counter()
             try:
                 target.write_text(mutant.source)
-                mutant.status = run_tests(copy, timeout)
+                mutant.status = run_tests(copy, timeout, tests_of(mutant.file))
             finally:
                 target.write_text(original)
                 free.append(copy)
@@ -315,31 +378,47 @@ def run(mutants: list[Mutant], jobs: int, timeout: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sample", type=int, default=120, help="operator mutants drawn at random (0: none)")
+    parser.add_argument("--per-area", type=int, default=None,
+                        help="instead of --sample: this many operator mutants drawn from each area")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once (one repository copy each)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant before it counts as killed")
-    parser.add_argument("--files", nargs="*", default=TARGETS, help="files to mutate (default: the math and wiring)")
+    parser.add_argument("--files", nargs="*", default=TARGETS, help="files to mutate (default: every area's)")
     parser.add_argument("--json", type=Path, help="write every mutant's result here")
     args = parser.parse_args()
 
     drawn = [m for file in args.files for m in mutants_of(file)]
     random.Random(args.seed).shuffle(drawn)
-    mutants = curated_mutants() + drawn[: args.sample]
-    print(f"{len(drawn)} operator mutants in {len(args.files)} files; running {len(mutants)} "
-          f"({len(mutants) - min(args.sample, len(drawn))} curated)", flush=True)
+    if args.per_area is not None:
+        drawn = [m for area in AREAS for m in [d for d in drawn if d.area == area][:args.per_area]]
+    else:
+        drawn = drawn[:args.sample]
+    curated = [m for m in curated_mutants() if m.file in args.files]
+    mutants = curated + drawn
+    print(f"running {len(mutants)} mutants ({len(curated)} curated, {len(drawn)} drawn from the operators) "
+          f"in {len(args.files)} files", flush=True)
     run(mutants, args.jobs, args.timeout)
-    killed = [m for m in mutants if m.status in ("killed", "timeout")]
+    print()
+    for area in [*AREAS, "other"]:
+        print_rate(area, [m for m in mutants if m.area == area])
+    print_rate("all", mutants)
     survived = [m for m in mutants if m.status == "survived"]
-    curated = [m for m in mutants if m.what.startswith("[curated]")]
-    print(f"\nkill rate: {len(killed)}/{len(killed) + len(survived)} = "
-          f"{len(killed) / max(1, len(killed) + len(survived)):.1%}  "
-          f"(curated: {sum(m.status != 'survived' for m in curated)}/{len(curated)} killed)")
     for mutant in survived:
-        print(f"  survived: {mutant.file}:{mutant.line}  {mutant.what}")
+        print(f"  survived: [{mutant.area}] {mutant.file}:{mutant.line}  {mutant.what}")
     if args.json:
-        args.json.write_text(json.dumps([{k: v for k, v in asdict(m).items() if k != "source"} for m in mutants],
-                                        indent=2))
+        args.json.write_text(json.dumps([{k: v for k, v in asdict(m).items() if k != "source"} | {"area": m.area}
+                                         for m in mutants], indent=2))
     sys.exit(1 if any(m.status == "survived" for m in curated) else 0)
+
+
+def print_rate(label: str, mutants: list[Mutant]) -> None:
+    if not mutants:
+        return
+    killed = sum(m.status in ("killed", "timeout") for m in mutants)
+    counted = sum(m.status in ("killed", "timeout", "survived") for m in mutants)
+    curated = [m for m in mutants if m.what.startswith("[curated]")]
+    print(f"kill rate {label:10s} {killed}/{counted} = {killed / max(1, counted):.1%}  "
+          f"(curated {sum(m.status != 'survived' for m in curated)}/{len(curated)})")
 
 
 if __name__ == "__main__":
