@@ -219,7 +219,7 @@ def test_each_epoch_is_a_new_shuffle_of_all_the_data_and_resume_takes_the_same_s
 
     RecordingSFT.steps = []
     fit(config(tmp_path / "straight"), plugins=plugins_with())
-    straight = RecordingSFT.steps; print("STRAIGHT", straight)
+    straight = RecordingSFT.steps
     assert len(straight) == 12 and all(len(step) == 2 for step in straight)
     epochs = [[prompt for step in straight[begin:begin + 4] for prompt in step] for begin in (0, 4, 8)]
     everything = sorted(f"Q: {w}?" for w in WORDS)
@@ -237,4 +237,4 @@ def test_each_epoch_is_a_new_shuffle_of_all_the_data_and_resume_takes_the_same_s
     assert RecordingSFT.steps == straight[:7]
     RecordingSFT.steps = []
     fit(config(interrupted, resume=True), plugins=plugins_with())
-    print("RESUMED", RecordingSFT.steps); assert RecordingSFT.steps == straight[6:]  # from the step-6 checkpoint: steps 7-12 as in the straight run
+    assert RecordingSFT.steps == straight[6:]  # from the step-6 checkpoint: steps 7-12 as in the straight run
