@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -329,6 +330,8 @@ class Trainer(SteppedLoop):
             raise RlhfError(f"--save-best {self.config.save_best}: the eval reports no {name}; it reports "
                             f"{', '.join(sorted(self.last_eval))}")
         value = self.last_eval[name]
+        if not math.isfinite(value):  # a NaN eval (every eval reward skipped) is never best
+            return
         if self.best is not None and not (value < self.best["value"] if direction == "min"
                                           else value > self.best["value"]):
             return

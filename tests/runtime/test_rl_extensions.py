@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
+import rlhf
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.local import train
@@ -226,3 +228,84 @@ def test_filtering_and_eval_under_torchrun_with_two_processes(tiny_model_dir, ta
     assert all(r["filter/kept_groups"] == 4 for r in rows if "filter/kept_groups" in r)
     samples = read_jsonl(out / "samples.jsonl")
     assert len(samples) == 2 * 4 * 2 and all(int(s["label"]) % 2 == 1 for s in samples)
+
+
+# --- --save-best with evals the test chooses ------------------------------------------------------
+
+class ScriptedEvalReward:
+    """A reward that gives every eval sample the next value of ``script`` (None: no score, so the
+    eval's ``eval/reward/mean`` is NaN) and training samples their length / 10. Eval prompts start
+    with "EVAL"; an eval is scored in one call."""
+
+    script: list[float | None] = []
+
+    @staticmethod
+    def reward(prompts, completions, **kwargs):
+        if all(prompt.startswith("EVAL") for prompt in prompts):
+            value = ScriptedEvalReward.script.pop(0)
+            return [value] * len(completions)
+        return [len(c) / 10 for c in completions]
+
+
+def _scripted_eval_run(tiny_model_dir, task, tmp_path, make_plugin, **overrides):
+    """(plugins, config): ``--reward scripted_eval``, eval on two EVAL prompts after every step, best by
+    ``eval/reward/mean``."""
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text("".join(json.dumps({"prompt": f"EVAL: what is {a} + 1?", "answer": str(a + 1)}) + "\n"
+                                 for a in range(2)))
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("scripted_eval_reward", register_rewards=lambda register: register(
+        "scripted_eval", ScriptedEvalReward.reward)))
+    config = dict(reward=["scripted_eval"], eval_data=[str(eval_data)], eval_every=1, save_best="eval/reward/mean",
+                  max_new_tokens=3, **overrides)
+    return plugins, small_config(tiny_model_dir, task, tmp_path / "run", **config)
+
+
+def test_a_nan_eval_is_never_best(tiny_model_dir, task, tmp_path, make_plugin):
+    """Evals before step 1 (no score: NaN), after step 1 (1.0) and after step 2 (NaN): no best/ after
+    the first, then step 1's policy is best and stays."""
+    out = tmp_path / "run"
+    best_exists: list[bool] = []
+    plugins, config = _scripted_eval_run(tiny_model_dir, task, tmp_path, make_plugin, steps=2)
+    plugins.register(make_plugin("look_for_best", on_step_end=lambda step: best_exists.append(
+        (out / "best").exists())))  # runs before the eval after that step
+    ScriptedEvalReward.script = [None, 1.0, None]
+    train(config, plugins=plugins)
+    assert ScriptedEvalReward.script == []
+    rows = read_jsonl(out / "metrics.jsonl")
+    evals = [float(r["eval/reward/mean"]) for r in rows if "eval/reward/mean" in r]  # NaN is written "nan"
+    assert len(evals) == 3 and math.isnan(evals[0]) and evals[1] == 1.0 and math.isnan(evals[2])
+    assert best_exists == [False, True]
+    assert json.loads((out / "best" / "best.json").read_text()) == {"metric": "eval/reward/mean", "value": 1.0,
+                                                                    "step": 1}
+
+
+def test_resume_keeps_the_best_of_the_interrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
+    """Evals 1, 2, 5 (best, after step 2), then killed after step 3, before its eval (the checkpoint is
+    step 2's); the resumed run's evals, 0.5 and 3, are worse than 5: best/ keeps step 2's policy."""
+    out = tmp_path / "run"
+
+    def kill_after_step_3(step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    plugins, config = _scripted_eval_run(tiny_model_dir, task, tmp_path, make_plugin, steps=4, save_every=1)
+    plugins.register(make_plugin("killer", on_step_end=rlhf.hookimpl(trylast=True)(kill_after_step_3)))
+    ScriptedEvalReward.script = [1.0, 2.0, 5.0]
+    with pytest.raises(KeyboardInterrupt):
+        train(config, plugins=plugins)
+    assert ScriptedEvalReward.script == []
+    best_json = (out / "best" / "best.json").read_text()
+    assert json.loads(best_json) == {"metric": "eval/reward/mean", "value": 5.0, "step": 2}
+    best_weights = (out / "best" / "model.safetensors").read_bytes()
+
+    plugins, config = _scripted_eval_run(tiny_model_dir, task, tmp_path, make_plugin, steps=4, save_every=1,
+                                         resume=True)
+    ScriptedEvalReward.script = [0.5, 3.0]
+    train(config, plugins=plugins)
+    assert ScriptedEvalReward.script == []
+    evals = {r["step"]: r["eval/reward/mean"] for r in read_jsonl(out / "metrics.jsonl") if "eval/reward/mean" in r}
+    assert evals == {0: 1.0, 1: 2.0, 2: 5.0, 3: 0.5, 4: 3.0}
+    assert (out / "best" / "best.json").read_text() == best_json
+    assert (out / "best" / "model.safetensors").read_bytes() == best_weights
+    assert (out / "final" / "model.safetensors").read_bytes() != best_weights  # training went on after step 2
