@@ -1,4 +1,5 @@
-"""A training backend for tests: plain SGD that keeps every optimizer step's gradient.
+"""A training backend for tests: plain SGD that keeps every optimizer step's gradient and the
+weights it was taken at.
 
 Registered as ``recording`` by `recording_plugin`, it lets a test run the real training path
 (``rlhf train`` or a worker's ``fit``) and compare the gradient it produced with one computed
@@ -19,6 +20,12 @@ from rlhf.core.backend import TrainBackendBase
 
 class RecordingBackend(TrainBackendBase):
     steps: list[dict[str, torch.Tensor]] = []  # every instance's steps, in order: {parameter name: gradient}
+    weights: list[dict[str, torch.Tensor]] = []  # the weights each of those gradients was taken at
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.steps.clear()
+        cls.weights.clear()
 
     def __init__(self, model: torch.nn.Module, config: Any = None, lr: float = 0.0):
         super().__init__(model)
@@ -32,6 +39,7 @@ class RecordingBackend(TrainBackendBase):
         grads = {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                  for name, p in self.params.items()}
         RecordingBackend.steps.append(grads)
+        RecordingBackend.weights.append({name: p.detach().clone() for name, p in self.params.items()})
         norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
         with torch.no_grad():
             for name, p in self.params.items():
