@@ -232,3 +232,44 @@ def test_async_trains_against_the_behaviour_policys_logprobs(tiny_model_dir, tas
         loss = ppo_loss(trained, behaviour, estimate["advantages"], action_mask)
         expected = policy.gradient(loss)
         assert_same_gradients(RecordingBackend.steps[step * steps_per_rollout], expected)
+
+
+# --- b. adaptive β with KL in the reward ------------------------------------------------------------
+
+
+def sequence_mean_kl(kl: torch.Tensor, action_mask: torch.Tensor) -> float:
+    """The mean over samples of each sample's token-mean KL: what the controller is told."""
+    per_sample = (kl * action_mask).sum(dim=1) / action_mask.sum(dim=1)  # (B,)
+    return float(per_sample.mean())
+
+
+def test_adaptive_beta_reaches_the_next_steps_rewards(tiny_model_dir, task, reward, tmp_path, plugins):
+    """β_{k+1} = β_k·(1 + clip(KL_k / target − 1, ±0.2)·B / horizon) after step k, and step k + 1's
+    per-token reward −β·kl must use that β: the estimator receives it, and ``kl/beta`` reports it.
+    A controller whose update is dropped, applied one step late or early, or not passed to the
+    experience (the preset's fixed β in the reward while the metric moves) fails here. The target
+    is set so that step 1's error, KL_1 / target − 1 = 0.1, is not clipped: the KL the controller
+    is told counts too."""
+    beta, horizon = 0.05, 20
+    common = ["--algo", "reinforce_pp", "--advantage", "recorded", "--kl-in", "reward", "--kl-coef", str(beta),
+              "--kl-estimator", "k2", "--kl-horizon", str(horizon), "--lr", "1e-2"]  # k2 ≥ 0: a KL ratio > 0
+    # KL_1 does not depend on the target (step 0 samples from the reference: KL 0, error clipped at -0.2)
+    recorder = Recorder()
+    plugins.register(recorder.module())
+    train_cli(plugins, tiny_model_dir, task, reward, tmp_path / "probe", *common, "--kl-target", "1e-6", "--steps", "2")
+    kl_1 = sequence_mean_kl(recorder.estimates[1]["kl"], recorder.estimates[1]["action_mask"])
+    assert kl_1 > 1e-4
+    recorder.estimates.clear()
+    target = kl_1 / 1.1
+    train_cli(plugins, tiny_model_dir, task, reward, tmp_path / "run", *common, "--kl-target", repr(target),
+              "--steps", "3")
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    expected = [beta]
+    for estimate in recorder.estimates[:-1]:
+        kl = sequence_mean_kl(estimate["kl"], estimate["action_mask"])
+        error = min(max(kl / target - 1.0, -0.2), 0.2)
+        expected.append(expected[-1] * (1.0 + error * ROLLOUT_ROWS / horizon))
+    assert expected[1] == pytest.approx(beta * (1 - 0.2 * ROLLOUT_ROWS / horizon))
+    assert expected[2] == pytest.approx(expected[1] * (1 + 0.1 * ROLLOUT_ROWS / horizon), rel=1e-4)
+    assert [e["kl_coef"] for e in recorder.estimates] == pytest.approx(expected, rel=1e-9)
+    assert [m["kl/beta"] for m in metrics] == pytest.approx(expected, rel=1e-9)
