@@ -88,15 +88,18 @@ class Recorder:
 
 
 class ProducerLag:
-    """A plugin that makes --async generation lag training: the batch of step s ≥ 1 is held (in
-    ``on_rewards``, on the producer's thread) until the trainer has finished step s − 1, then for
-    ``delay_s`` more. The trainer's weights have then moved on from the version that sampled the
-    batch, and a checkpoint after step s − 1 is taken while the batch is still being made."""
+    """A plugin that makes --async generation lag training as far as --max-staleness K allows: the
+    batch of step s (steps numbered from 0, as ``on_step_end`` numbers them) is held in
+    ``on_rewards``, on the producer's thread, until the trainer has finished step s − K, then for
+    ``delay_s`` more. The trainer's weights have then moved on from version s − K, which sampled
+    the batch, and a checkpoint written right after step s − K finds the batch still being made."""
 
-    def __init__(self, delay_s: float = 0.0):
-        self.delay_s = delay_s
+    def __init__(self, staleness: int, delay_s: float = 0.0):
+        self.staleness, self.delay_s = staleness, delay_s
         self.finished = -1  # the last step the trainer finished
         self.changed = threading.Condition()
+        self.finished_at: dict[int, float] = {}
+        self.checkpoint_waits: dict[int, float] = {}  # checkpoint after N steps: seconds from step N - 1's end
 
     def module(self) -> Any:
         import types
@@ -107,14 +110,19 @@ class ProducerLag:
             self._finish(run.start_step - 1)  # a resumed run's earlier steps are done
 
         def on_step_end(step):
+            self.finished_at[step] = time.perf_counter()
             self._finish(step)
+
+        def on_checkpoint(step):
+            self.checkpoint_waits[step] = time.perf_counter() - self.finished_at[step - 1]
 
         def on_rewards(step):
             with self.changed:
-                assert self.changed.wait_for(lambda: self.finished >= step - 1, timeout=60), "the trainer stalled"
+                released = self.changed.wait_for(lambda: self.finished >= step - self.staleness, timeout=60)
+            assert released, "the trainer stalled"
             time.sleep(self.delay_s)
 
-        for hook in (on_run_start, on_step_end, on_rewards):
+        for hook in (on_run_start, on_step_end, on_checkpoint, on_rewards):
             setattr(module, hook.__name__, rlhf.hookimpl(hook))
         return module
 
@@ -199,7 +207,7 @@ def test_async_trains_against_the_behaviour_policys_logprobs(tiny_model_dir, tas
     recorder = Recorder()
     plugins.register(recording_plugin())
     plugins.register(recorder.module())
-    plugins.register(ProducerLag().module())  # the trainer's weights are version s when batch s is made
+    plugins.register(ProducerLag(staleness=1).module())  # the trainer holds version s when batch s is made
     RecordingBackend.clear()
     train_cli(plugins, tiny_model_dir, task, reward, tmp_path / "run", "--algo", "reinforce_pp", "--advantage",
               "recorded", "--backend", "recording", "--lr", "0.5", "--train-batch-size", str(ROLLOUT_ROWS),
@@ -273,3 +281,57 @@ def test_adaptive_beta_reaches_the_next_steps_rewards(tiny_model_dir, task, rewa
     assert expected[2] == pytest.approx(expected[1] * (1 + 0.1 * ROLLOUT_ROWS / horizon), rel=1e-4)
     assert [e["kl_coef"] for e in recorder.estimates] == pytest.approx(expected, rel=1e-9)
     assert [m["kl/beta"] for m in metrics] == pytest.approx(expected, rel=1e-9)
+
+
+# --- c. an --async checkpoint while generation lags ---------------------------------------------
+
+UNTIMED = ("time/", "throughput/", "async/wait_s", "async/idle_s")
+
+
+def untimed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in row.items() if not k.startswith(UNTIMED)} for row in rows]
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+
+
+def test_async_checkpoint_while_generation_lags_resumes_exactly(tiny_model_dir, task, reward, tmp_path, plugins,
+                                                               make_plugin):
+    """--max-staleness 2, generation slower than training: the batch of step 3 (numbered from 0)
+    is still being made when the checkpoint after two steps (``step_2``) is written. The checkpoint
+    must wait for it and hold it (with batch 2, and the random state after both), so a run killed there and resumed trains on
+    the same batches and ends with the same metrics, samples and weights, bit for bit. A
+    checkpoint that did not wait (or a resume that did not restore the in-flight batches) would
+    regenerate them from newer weights, or mid-way through the random stream."""
+    staleness = 2
+    options = ["--lr", "1e-2", "--steps", "5", "--save-every", "2", "--async", "--max-staleness", str(staleness)]
+    lag = ProducerLag(staleness, delay_s=0.2)
+    plugins.register(lag.module())
+
+    assert train_cli(plugins, tiny_model_dir, task, reward, tmp_path / "straight", *options) == 0
+    straight = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
+    assert [m["async/version"] for m in straight] == [0, 0, 0, 1, 2]
+
+    @rlhf.hookimpl(trylast=True)  # after the lag plugin has seen the checkpoint
+    def killed_after_the_checkpoint(step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    plugins.register(make_plugin("killer", on_checkpoint=killed_after_the_checkpoint))
+    lag.checkpoint_waits.clear()
+    assert train_cli(plugins, tiny_model_dir, task, reward, tmp_path / "resumed", *options) == 130
+    plugins.unregister("killer")
+    # batch 3 was released when the second step ended and took 0.2 s more: the checkpoint waited for it
+    assert lag.checkpoint_waits[2] >= 0.2
+    inflight = json.loads((tmp_path / "resumed" / "checkpoints" / "step_2" / "ahead" / "inflight.json").read_text())
+    assert [(batch["step"], batch["version"]) for batch in inflight] == [(2, 0), (3, 1)]
+
+    assert train_cli(plugins, tiny_model_dir, task, reward, tmp_path / "resumed", *options, "--resume") == 0
+    assert untimed(read_jsonl(tmp_path / "resumed" / "metrics.jsonl")) == untimed(straight)
+    assert read_jsonl(tmp_path / "resumed" / "samples.jsonl") == read_jsonl(tmp_path / "straight" / "samples.jsonl")
+    resumed_weights = final_weights(tmp_path / "resumed")
+    for name, weight in final_weights(tmp_path / "straight").items():
+        assert torch.equal(resumed_weights[name], weight), name
