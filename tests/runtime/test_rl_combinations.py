@@ -203,7 +203,9 @@ def test_async_trains_against_the_behaviour_policys_logprobs(tiny_model_dir, tas
     weights that sampled. A trainer that recomputed the old log-probs with the weights it trains
     (what a synchronous run does when an optimizer step or the KL needs them) would see a ratio
     of exactly 1 at each step's first optimizer step and the trained policy's KL: the importance
-    correction for the staleness would be lost, and this test's gradient and KL would differ."""
+    correction for the staleness would be lost, and this test's gradient and KL would differ.
+    Generation is held back until the trainer has moved on (`ProducerLag`), so a producer that
+    took the log-probs from the trainer's live policy instead of its own copy fails too."""
     recorder = Recorder()
     plugins.register(recording_plugin())
     plugins.register(recorder.module())
@@ -301,11 +303,12 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 def test_async_checkpoint_while_generation_lags_resumes_exactly(tiny_model_dir, task, reward, tmp_path, plugins,
                                                                make_plugin):
     """--max-staleness 2, generation slower than training: the batch of step 3 (numbered from 0)
-    is still being made when the checkpoint after two steps (``step_2``) is written. The checkpoint
-    must wait for it and hold it (with batch 2, and the random state after both), so a run killed there and resumed trains on
-    the same batches and ends with the same metrics, samples and weights, bit for bit. A
-    checkpoint that did not wait (or a resume that did not restore the in-flight batches) would
-    regenerate them from newer weights, or mid-way through the random stream."""
+    is still being made when the checkpoint after two steps (``step_2``) is written. The
+    checkpoint must wait for it and hold it (with batch 2, and the random state after both), so a
+    run killed there and resumed trains on the same batches and ends with the same metrics,
+    samples and weights, bit for bit. A checkpoint that did not wait (or a resume that did not
+    restore the in-flight batches) would regenerate them from newer weights, or mid-way through
+    the random stream."""
     staleness = 2
     options = ["--lr", "1e-2", "--steps", "5", "--save-every", "2", "--async", "--max-staleness", str(staleness)]
     lag = ProducerLag(staleness, delay_s=0.2)
