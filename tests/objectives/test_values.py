@@ -3,8 +3,8 @@ computation written here from the models' own forwards.
 
 A test runs the objective's command (``rlhf sft``, ``rlhf rm``, ...) in-process for two optimizer
 steps over the same four rows (``--batch-size 4``: step 2 is the second epoch) in micro-batches of
-two, on the recording backend (plain SGD that keeps each step's gradient and the weights the step
-started from). It then rebuilds the trained model as it was before step 2, encodes the rows by
+two, on the recording backend (plain SGD that keeps each step's gradient and the weights it was
+taken at). It then rebuilds the trained model as it was before step 2, encodes the rows by
 hand (prompt tokens, response tokens, EOS; nothing from ``rlhf``), computes the method's formula
 with plain torch, and asserts that step 2's metrics in metrics.jsonl (the loss, every metric the
 objective logs, the step's units) and step 2's gradient equal it.
@@ -71,8 +71,7 @@ def train_two_steps(args: list[str], out: Path, lr: float) -> tuple[dict, dict, 
     """Step 2's metrics row, the weights step 2 started from and step 2's gradient."""
     plugins = build_plugin_manager(load_entrypoints=False)
     plugins.register(recording_plugin())
-    RecordingBackend.steps.clear()
-    RecordingBackend.weights_before.clear()
+    RecordingBackend.clear()
     result = run_cli(plugins, args + ["--batch-size", str(BATCH), "--micro-batch-size", str(MICRO), "--steps", "2",
                                       "--lr", str(lr), "--backend", "recording", "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
@@ -80,7 +79,7 @@ def train_two_steps(args: list[str], out: Path, lr: float) -> tuple[dict, dict, 
     train = [row for row in rows if "train/loss" in row]
     assert [row["step"] for row in train] == [1, 2]
     assert len(RecordingBackend.steps) == 2
-    return train[1], RecordingBackend.weights_before[1], RecordingBackend.steps[1]
+    return train[1], RecordingBackend.weights[1], RecordingBackend.steps[1]
 
 
 def assert_step(logged: dict, expected: dict[str, torch.Tensor], units: float) -> None:

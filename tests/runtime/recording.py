@@ -1,10 +1,10 @@
-"""A training backend for tests: plain SGD that keeps every optimizer step's gradient.
+"""A training backend for tests: plain SGD that keeps every optimizer step's gradient and the
+weights it was taken at.
 
 Registered as ``recording`` by `recording_plugin`, it lets a test run the real training path
 (``rlhf train`` or a worker's ``fit``) and compare the gradient it produced with one computed
-independently from the formula. It also keeps the trained parameters as they were before
-each step (``weights_before``), so a test can recompute a later step's loss from the model the
-loop actually trained at that step.
+independently from the formula, or recompute a later step's loss from the weights the loop
+actually trained at that step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from rlhf.core.backend import TrainBackendBase
 
 class RecordingBackend(TrainBackendBase):
     steps: list[dict[str, torch.Tensor]] = []  # every instance's steps, in order: {parameter name: gradient}
-    weights_before: list[dict[str, torch.Tensor]] = []  # likewise: {parameter name: value before the step}
+    weights: list[dict[str, torch.Tensor]] = []  # the weights each of those gradients was taken at
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.steps.clear()
+        cls.weights.clear()
 
     def __init__(self, model: torch.nn.Module, config: Any = None, lr: float = 0.0):
         super().__init__(model)
@@ -35,7 +40,7 @@ class RecordingBackend(TrainBackendBase):
         grads = {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                  for name, p in self.params.items()}
         RecordingBackend.steps.append(grads)
-        RecordingBackend.weights_before.append({name: p.detach().clone() for name, p in self.params.items()})
+        RecordingBackend.weights.append({name: p.detach().clone() for name, p in self.params.items()})
         norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
         with torch.no_grad():
             for name, p in self.params.items():

@@ -111,7 +111,7 @@ def test_a_packed_lm_returns_the_padded_logits_and_a_value_head_runs_padded(lm):
 def policy_step(model, batch, *, packing, micro_batch_size=8, max_tokens=None):
     from rlhf.algorithms import resolve_algorithm
 
-    RecordingBackend.steps.clear()
+    RecordingBackend.clear()
     settings = UpdateSettings(train_batch_size=batch.size, micro_batch_size=micro_batch_size,
                               max_new_tokens=MAX_NEW, packing=packing, max_tokens_per_micro_batch=max_tokens)
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, plugins=build_plugin_manager(load_entrypoints=False))
@@ -149,7 +149,7 @@ def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(comman
         out = tmp_path / f"run{len(runs)}"
         plugins = build_plugin_manager(load_entrypoints=False)
         plugins.register(recording_plugin())
-        RecordingBackend.steps.clear()
+        RecordingBackend.clear()
         args = command_args(command, tiny_model_dir, data, teacher) + [
             "--batch-size", "4", "--micro-batch-size", "4", "--steps", "2", "--lr", "0.1",
             "--backend", "recording", "--out", str(out), "--no-progress"] + extra

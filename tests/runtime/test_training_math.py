@@ -88,7 +88,7 @@ def assert_same_gradients(got, expected, atol=1e-6):
 
 
 def fit_once(model, batch, objective, *, micro_batch_size=3, worker_cls=PolicyWorker):
-    RecordingBackend.steps.clear()
+    RecordingBackend.clear()
     settings = UpdateSettings(train_batch_size=batch.size, micro_batch_size=micro_batch_size, max_new_tokens=MAX_NEW)
     worker = worker_cls(model, RecordingBackend(model), settings, objective)
     metrics = worker.fit(batch, step=0)
@@ -391,7 +391,7 @@ def test_micro_batch_size_1_and_4_give_the_same_gradients_and_weights(tiny_model
     plugins.register(recording_plugin())
     runs = {}
     for size in (1, 4):
-        RecordingBackend.steps.clear()
+        RecordingBackend.clear()
         out = train(config(tiny_model_dir, task, tmp_path / f"mb{size}", backend="recording", micro_batch_size=size,
                            ppo_epochs=2, train_batch_size=4, kl_coef=0.05, entropy_coef=0.01), plugins=plugins)
         from transformers import AutoModelForCausalLM

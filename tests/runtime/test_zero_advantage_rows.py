@@ -87,7 +87,7 @@ def fit(model, batch, *, skip, share, micro_batch_size=4, monkeypatch=None, step
                         real(m, micro, **kw))
     if not skip:
         monkeypatch.setattr(PolicyObjective, "trained_rows", lambda self, batch: None)
-    RecordingBackend.steps.clear()
+    RecordingBackend.clear()
     settings = UpdateSettings(train_batch_size=batch.size, micro_batch_size=micro_batch_size, max_new_tokens=8,
                               share_prompt=share)
     worker = PolicyWorker(model, RecordingBackend(model), settings, objective())

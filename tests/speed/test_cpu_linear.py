@@ -87,6 +87,32 @@ def test_upstream_gradients_that_are_expanded_or_strided(reduce):
         assert close(got, want)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_weight_gets_its_gradient_when_the_input_needs_none(monkeypatch, bias):
+    """The first layer after a frozen embedding (or a LoRA A matrix behind frozen layers): the input
+    needs no gradient, the weight does. oneDNN's private op has no autograd kernel, so such a call
+    must still go through the autograd function, whose backward must give ∂W (and ∂b) equal to
+    nn.Linear's, and compute no ∂x."""
+    products = []
+    real = cpu_linear._product
+    monkeypatch.setattr(cpu_linear, "_product", lambda *args: products.append(1) or real(*args))
+    plain, fast = pair(128, 256, bias=bias)
+    embedding = nn.Embedding(300, 128).requires_grad_(False)
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 300, (4, 40), generator=generator)  # (B, T): 160 rows, 160·256·128 > 2^20
+    upstream = torch.randn(4, 40, 256, generator=generator)  # (B, T, N)
+    results = []
+    for layer in (plain, fast):
+        x = embedding(ids)  # (B, T, K), needs no gradient
+        assert not x.requires_grad
+        layer(x).backward(upstream)
+        results.append([p.grad for p in layer.parameters()])
+    assert len(products) == 2  # oneDNN's forward and ∂W, no ∂x
+    assert len(results[1]) == 1 + bias
+    for got, want in zip(results[1], results[0]):
+        assert got is not None and close(got, want)
+
+
 def test_a_second_derivative_is_an_error_not_a_wrong_number():
     _, fast = pair(128, 128, bias=False)
     x = torch.randn(64, 128, requires_grad=True)
@@ -181,6 +207,37 @@ def test_the_adapter_gives_a_model_the_same_logprobs_and_gradients(tiny_model_di
     assert want_grads.keys() == got_grads.keys()
     for name, grad in want_grads.items():
         assert close(got_grads[name], grad), name
+
+
+def test_lora_matrices_behind_frozen_layers_get_nn_linears_gradients(tiny_model_dir, monkeypatch):
+    """With LoRA the embeddings and norms are frozen: the first layer's A matrices see an input that
+    needs no gradient while their weights train. Rank 64 on 8 x 40 tokens puts their products
+    (320·64·64 multiply-adds) on the oneDNN path; every LoRA gradient equals the torch model's."""
+    inputs_needing_grad = []
+    real = cpu_linear._OneDnnLinearFunction.apply
+    monkeypatch.setattr(cpu_linear._OneDnnLinearFunction, "apply",
+                        lambda x, *rest: inputs_needing_grad.append(x.requires_grad) or real(x, *rest))
+    ids = torch.randint(5, 300, (8, 40), generator=torch.Generator().manual_seed(3))  # (B, T)
+    mask = torch.ones_like(ids)  # (B, T)
+    action_mask = torch.ones(8, 39)  # (B, A)
+    gradients = {}
+    for mode in ("torch", "onednn"):
+        torch.manual_seed(0)  # the same LoRA A matrices in both models
+        model = HFModelAdapter(HFModelConfig(device="cpu", cpu_linear=mode, lora_rank=64)).load(
+            str(tiny_model_dir), role="policy")
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # B starts at 0, which would give every A a zero gradient
+            for name, weight in model.named_parameters():
+                if "lora_B" in name:
+                    weight.copy_(0.1 * torch.randn(weight.shape, generator=generator))
+        logprobs, _ = token_logprobs(model, ids, mask, action_mask)  # (B, A)
+        (logprobs * action_mask).sum().backward()
+        gradients[mode] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert False in inputs_needing_grad and True in inputs_needing_grad  # both kinds of call took oneDNN
+    assert gradients["torch"].keys() == gradients["onednn"].keys() and gradients["torch"]
+    for name, grad in gradients["torch"].items():
+        assert float(grad.abs().max()) > 0, name
+        assert gradients["onednn"][name] is not None and close(gradients["onednn"][name], grad), name
 
 
 def test_unknown_mode_is_a_config_error_before_loading():
