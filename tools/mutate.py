@@ -44,7 +44,7 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
             "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
             "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py",
             "tests/runtime/test_packing.py", "tests/runtime/test_segment_attention.py",
-            "tests/speed/test_cpu_linear.py"]
+            "tests/speed/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py"]
 
@@ -185,6 +185,14 @@ CURATED = [
      "            return\n", "", "RL: a NaN eval becomes the best"),
     ("rlhf/runtime/trainer.py", "self.best, self.last_eval = state.get(\"best\"), state.get(\"last_eval\") or {}",
      "self.best, self.last_eval = None, state.get(\"last_eval\") or {}", "RL: --resume forgets the best eval"),
+    # RL options in combination (issue 31)
+    ("rlhf/runtime/experience.py", "        if old is None and self.recompute_old:\n",
+     "        if self.recompute_old:\n", "async: old log-probs recomputed with the trained policy, not the behaviour's"),
+    ("rlhf/runtime/ahead.py", "        if self.staleness > 0:\n            prepared.batch = replace(",
+     "        if self.staleness > 1:\n            prepared.batch = replace(",
+     "async: the producer's behaviour log-probs dropped at staleness 1"),
+    ("rlhf/runtime/trainer.py", "        self.kl.update(sequence_kl(batch, metrics), batch.size)\n", "",
+     "adaptive KL: β never updated"),
 ]
 
 SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,
