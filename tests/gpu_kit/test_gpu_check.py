@@ -67,7 +67,7 @@ def test_the_dry_run_bundles_plans_and_runs_checks_offline(dry_run):
     assert {"step 1 loss", "step 1 grad norm", "step 2 loss"} <= set(packing)
     assert all(packing[name]["ok"] is True for name in ("step 1 loss", "step 1 grad norm", "step 2 loss"))
     assert checks["sft_packing"]["figures"]["step 1 loss diff"] < 1e-4  # float32 on a CPU
-    assert checks["sft_packing"]["figures"]["packed tokens/s"] > 0
+    assert checks["sft_packing"]["figures"]["packed units/s"] > 0
 
     tests = checks["pytest_gpu"]["tests"]
     assert tests and all("test_cuda_numerics.py::" in t["name"] and "[cuda-" in t["name"] for t in tests)

@@ -46,7 +46,7 @@ def rl_figures(verdict: Verdict, outcome: Outcome, prefix: str = "") -> None:
         "reward first": first,
         "reward last": last,
         "s/step": steady_median(series(metrics, "time/step")),
-        "tokens/s": steady_median(series(metrics, "throughput/tokens_per_s")),
+        "generated tokens/s": steady_median(series(metrics, "throughput/tokens_per_s")),  # over the whole step
         "rollout s/step": steady_median(series(metrics, "time/rollout")),
         "train s/step": steady_median(series(metrics, "time/train")),
         "peak alloc GiB": outcome.peak_alloc_gib,
@@ -164,12 +164,12 @@ def packing_judge(ctx: Context, outcomes: list[Outcome]) -> Verdict:
     step 2 is the informative one)."""
     verdict = Verdict()
     padded, packed = outcomes[0].metrics, outcomes[1].metrics
-    for outcome in outcomes:
+    for outcome in outcomes:  # units: SFT's loss tokens, DPO's pairs
         steps = series(outcome.metrics, "time/step")
         units = series(outcome.metrics, "train/units")
         rates = [u / s for u, s in zip(units, steps) if s > 0]
         verdict.figures[f"{outcome.label} s/step"] = steady_median(steps)
-        verdict.figures[f"{outcome.label} tokens/s"] = steady_median(rates)
+        verdict.figures[f"{outcome.label} units/s"] = steady_median(rates)
         verdict.figures[f"{outcome.label} peak alloc GiB"] = outcome.peak_alloc_gib
     verdict.figures["loss first"], verdict.figures["loss last"] = ends(series(padded, "train/loss"))
     compare(verdict, "step 1 loss", at_step(packed, 1, "train/loss"), at_step(padded, 1, "train/loss"), ctx.precision)
@@ -226,7 +226,7 @@ CHECKS = (
           prepare=grpo_113m_prepare, runs=grpo_113m_runs, judge=grpo_113m_judge, alone=True),
     Check("pytest_gpu", "pytest -m gpu: CUDA numerics (packing, shared prompts and segment attention, chunked "
           "log-probs against full ones), flash-attn, QLoRA and vLLM tests where installed",
-          timeout_s=180, expected_s=80, execute=pytest_gpu),
+          timeout_s=180, expected_s=50, execute=pytest_gpu),
     Check("deepspeed_zero3", "GRPO on the tiny model, --backend deepspeed --zero-stage 3, 3 steps: "
           "step 1 equals the torch backend's", timeout_s=150, expected_s=50,
           prepare=deepspeed_prepare, runs=deepspeed_runs(3), judge=deepspeed_judge),
