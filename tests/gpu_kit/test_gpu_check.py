@@ -24,6 +24,7 @@ from tests.helpers import ROOT
 from tools.gpu_kit import bundle
 from tools.gpu_kit.__main__ import expected_wall
 from tools.gpu_kit.checks import CHECKS, Check
+from tools.gpu_kit.report import compact
 from tools.gpu_kit.runner import Runner
 from tools.gpu_kit.runs import Context
 
@@ -147,6 +148,9 @@ def test_the_driver_reports_passes_timeouts_deaths_and_failures(tmp_path):
     assert "| hangs | timeout |" in table and "FAIL: loss equal (1 vs 2)" in table
     log = (tmp_path / "out" / "gpu_check.log").read_text()
     assert "===== dies =====" in log and "boom" in log
+    last = compact(report)  # what the end of the device call's output shows
+    assert last[0].startswith("pass    passes") and "s/step 0.5" in last[0]
+    assert "FAIL: loss equal (1 vs 2)" in last[3] and last[-1].startswith("gpu kit: 1 pass, 2 fail, 1 timeout")
 
 
 def test_a_failed_required_check_or_a_spent_budget_leaves_the_rest_unstarted(tmp_path):

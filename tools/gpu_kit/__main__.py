@@ -96,6 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     install_s=args.install_s, say=lambda line: print(line, flush=True))
     summary = runner.run(checks)
     print(report.markdown(summary), flush=True)
+    print("\n".join(report.compact(summary)), flush=True)  # last: what a truncated output still shows
     return 0 if summary["summary"]["fail"] == 0 and summary["summary"]["timeout"] == 0 else 1
 
 

@@ -26,15 +26,15 @@ def environment(ctx: Context) -> Verdict:
 
     verdict = Verdict()
     figures = verdict.figures
-    figures["python"] = platform.python_version()
-    figures.update({name: version_of(name) for name in PACKAGES})
-    figures["torch cuda"] = torch.version.cuda
     cuda = torch.cuda.is_available()
     if cuda:
         properties = torch.cuda.get_device_properties(0)
         figures["gpu"] = properties.name
         figures["gpu memory GiB"] = properties.total_memory / 2**30
         figures["bf16 supported"] = torch.cuda.is_bf16_supported()
+    figures["python"] = platform.python_version()
+    figures.update({name: version_of(name) for name in PACKAGES})
+    figures["torch cuda"] = torch.version.cuda
     if ctx.cpu:
         verdict.judge("a CUDA GPU is visible", None, "not judged: the dry run runs on the CPU")
     else:

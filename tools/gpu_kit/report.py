@@ -83,6 +83,16 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def compact(report: dict[str, Any], width: int = 220) -> list[str]:
+    """One line per check (status, name, seconds, and its figures, or its criteria when it did not
+    pass), then the counts: the end of the output."""
+    lines = [f"{r['status']:<7} {r['name']:<16} {number(r['wall_s']):>6} s  "
+             f"{figures_cell(r['figures']) if r['status'] == 'pass' else criteria_cell(r)}"[:width]
+             for r in report["checks"]]
+    counts = ", ".join(f"{n} {status}" for status, n in report["summary"].items() if n)
+    return [*lines, f"gpu kit: {counts} in {report['wall_s']:.0f} s; details in gpu_check.md and gpu_check.json"]
+
+
 def write(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "gpu_check.json", out / "gpu_check.md"
