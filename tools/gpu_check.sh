@@ -11,7 +11,8 @@
 # The device call: command "bash tools/gpu_check.sh --device", carry [".gpu-bundle"], timeout_s 420.
 # Options: --bundle-dir DIR (default .gpu-bundle), --leave-out a,b (packages not to bundle, e.g. bitsandbytes,
 # 41 MiB), --out DIR (default $OUT), --only a,b (checks by name), --budget-s N (default 270: the checks'
-# wall-clock budget), --jobs N. PYTHON picks the interpreter (python3).
+# wall-clock budget), --jobs N. PYTHON picks the interpreter (python3); GPU_CHECK_WORK and GPU_CHECK_SITE the
+# device half's scratch and install folders (/tmp/rlhf-gpu-check, /tmp/rlhf-gpu-site).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
@@ -51,7 +52,8 @@ dry_run() {
 }
 
 device() {
-    local out=${OUT_DIR:-$PWD/gpu-check-out} work=/tmp/rlhf-gpu-check site=/tmp/rlhf-gpu-site
+    local out=${OUT_DIR:-$PWD/gpu-check-out} work=${GPU_CHECK_WORK:-/tmp/rlhf-gpu-check}
+    local site=${GPU_CHECK_SITE:-/tmp/rlhf-gpu-site}
     if ! ls "$BUNDLE"/*.whl >/dev/null 2>&1; then
         echo "gpu_check.sh: no wheels in $BUNDLE: build them on the CPU machine (bash tools/gpu_check.sh) and carry" \
              "the folder ([\"$BUNDLE\"])" >&2

@@ -3,6 +3,8 @@
 * the dry run builds this checkout's wheel, lists the rest of the bundle and the transfer size,
   prints the device plan with every check's commands, and runs checks at toy sizes through the
   device half's driver: their processes, results, comparisons and the JSON, table and log;
+* the device half installs a bundle without network, runs this checkout, and without a GPU stops
+  after the environment check, still writing its report;
 * every check's rlhf commands parse, at the GPU's sizes and the dry run's;
 * the driver reports a check that passes, one that outlives its timeout, one that dies without a
   result, skips the rest after a required check fails and what the budget leaves no room for;
@@ -80,6 +82,28 @@ def test_the_dry_run_bundles_plans_and_runs_checks_offline(dry_run):
     assert "| gpu test | outcome |" in table and "vLLM and flash-attn" in table
     log = (root / "out" / "gpu_check.log").read_text()
     assert "===== sft_packing =====" in log and "rlhf sft" in log
+
+
+def test_the_device_half_installs_the_bundle_and_stops_without_a_gpu(dry_run):
+    root, _ = dry_run  # its bundle: this checkout's wheel alone, which any Python installs
+    env = {**os.environ, "PYTHON": sys.executable, "RLHF_LOAD_PLUGINS": "", "OUT": str(root / "device-out"),
+           "GPU_CHECK_WORK": str(root / "device-work"), "GPU_CHECK_SITE": str(root / "device-site"),
+           "CUDA_VISIBLE_DEVICES": ""}
+    script = str(ROOT / "tools" / "gpu_check.sh")
+    empty = subprocess.run(["bash", script, "--device", "--bundle-dir", str(root / "nothing")], capture_output=True,
+                           text=True, env=env, timeout=60)
+    assert empty.returncode == 2 and "no wheels in" in empty.stderr
+    result = subprocess.run(["bash", script, "--device", "--bundle-dir", str(root / "bundle"), "--only",
+                             "environment,ppo_critic"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]  # no CUDA: the required check fails
+    assert (root / "device-site" / "rlhf").is_dir()  # installed without network
+    report = json.loads((root / "device-out" / "gpu_check.json").read_text())
+    assert report["mode"] == "gpu" and report["install_s"] is not None
+    environment, ppo = report["checks"]
+    criteria = {c["name"]: c["ok"] for c in environment["criteria"]}
+    assert criteria["a CUDA GPU is visible"] is False and criteria["rlhf imports from this checkout"] is True
+    assert ppo["status"] == "skip" and "required check environment" in ppo["skipped"]
+    assert result.stdout.rstrip().splitlines()[-1].startswith("gpu kit: 1 fail, 1 skip")
 
 
 @pytest.mark.parametrize("cpu", [False, True], ids=["gpu-sizes", "dry-run-sizes"])
