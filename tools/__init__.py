@@ -1,0 +1,1 @@
+"""Developer tools run from the repository root (``python tools/mutate.py``, ``python3 -m tools.gpu_kit``)."""
