@@ -177,6 +177,16 @@ def test_the_driver_reports_passes_timeouts_deaths_and_failures(tmp_path):
     assert "FAIL: loss equal (1 vs 2)" in last[3] and last[-1].startswith("gpu kit: 1 pass, 2 fail, 1 timeout")
 
 
+def test_a_second_run_in_the_same_work_folder_starts_each_check_afresh(tmp_path):
+    """A warm device keeps the last call's work folder: its run directories must not be found again
+    (rlhf refuses an --out that already holds a run)."""
+    stale = tmp_path / "work" / "passes" / "run" / "metrics.jsonl"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}\n")
+    results, _ = fake_run(tmp_path, [fake("passes")])
+    assert results["passes"]["status"] == "pass" and not stale.exists()
+
+
 def test_a_failed_required_check_or_a_spent_budget_leaves_the_rest_unstarted(tmp_path):
     results, _ = fake_run(tmp_path / "a", [fake("fails", required=True), fake("passes")])
     assert results["passes"]["status"] == "skip" and "the required check fails did not pass" in results["passes"]["skipped"]

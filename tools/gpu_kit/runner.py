@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,8 +86,8 @@ class Runner:
         if left < self.min_start_s:
             return None
         work = self.work / check.name
-        work.mkdir(parents=True, exist_ok=True)
-        (work / "result.json").unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)  # a second call on a warm machine must not find the last runs
+        work.mkdir(parents=True)
         log = open(work / "log.txt", "w")
         process = subprocess.Popen(self.command(check, work), cwd=self.repo, env=self.environment(check.alone, work),
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
