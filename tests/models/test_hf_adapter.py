@@ -188,3 +188,28 @@ def test_chat_template_file_replaces_the_tokenizers_template(tmp_path, tiny_mode
 def test_unknown_role_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="not 'judge'"):
         adapter().load(str(tiny_model_dir), role="judge")
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_loading_on_a_gpu_sets_whether_sdpa_may_use_cudnn(enabled, monkeypatch):
+    """cuDNN's attention builds a plan per new sequence length (seconds each on an H200): off unless asked."""
+    switched: list[bool] = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", switched.append)
+    gpu = adapter(cudnn_attention=enabled)
+    monkeypatch.setattr(gpu, "device", torch.device("cuda"))
+    monkeypatch.setattr(gpu, "_load", lambda ref, role: torch.nn.Linear(2, 2))
+    gpu.load("any", role="policy")
+    assert switched == [enabled]
+    switched.clear()
+    monkeypatch.setattr(hf_module.HFModelAdapter, "_load", lambda self, ref, role: torch.nn.Linear(2, 2))
+    adapter(cudnn_attention=enabled).load("any", role="policy")
+    assert switched == []  # on a CPU nothing is switched
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_is_off_after_loading_on_a_gpu_unless_asked(tiny_model_dir):
+    HFModelAdapter(HFModelConfig(device="cuda", dtype="bf16")).load(str(tiny_model_dir), role="policy")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    HFModelAdapter(HFModelConfig(device="cuda", dtype="bf16", cudnn_attention=True)).load(str(tiny_model_dir),
+                                                                                           role="reference")
+    assert torch.backends.cuda.cudnn_sdp_enabled()

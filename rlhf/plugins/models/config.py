@@ -20,6 +20,9 @@ class HFModelConfig:
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
     cpu_linear: str = field(default="auto", metadata={
         "help": "Linear layers on a CPU: auto (oneDNN where MKL runs below the CPU's width), onednn or torch"})
+    cudnn_attention: bool = field(default=False, metadata={
+        "help": "Let sdpa use cuDNN's attention on a CUDA GPU (off: it builds a plan for every new sequence length, "
+                "up to 2 s each)"})
     chat_template: str | None = field(default=None, metadata={"help": "Jinja file replacing the chat template"})
     value_head_prefix: str = field(default="score", metadata={
         "help": "Name of the critic's value head (read from reward-model checkpoints, used when saving)"})

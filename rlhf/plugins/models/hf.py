@@ -12,6 +12,10 @@ classifier, see `reward.py`). Options, each one flag of ``rlhf train``:
   works when only LoRA weights train);
 * ``cpu_linear``: on a CPU, ``auto`` runs float32 linear layers through oneDNN where torch's
   default (MKL) uses half the vector width (`rlhf.core.cpu_linear`), ``onednn`` always, ``torch`` never;
+* ``cudnn_attention``: on a CUDA GPU, whether PyTorch's sdpa may pick cuDNN's attention kernels
+  (off by default: cuDNN builds an execution plan for every new sequence length, which rollouts,
+  varying batch lengths and ``--packing`` meet on most calls; sdpa then takes its flash or
+  memory-efficient kernels, which need no plan);
 * ``trust_remote_code``: opt-in to model code shipped with a checkpoint;
 * the tokenizer gets a pad token when it has none (EOS, else UNK), and ``chat_template`` (a Jinja
   file) replaces its chat template before any prompt is formatted;
@@ -82,6 +86,8 @@ class HFModelAdapter(ModelAdapterBase):
         model = self._load(ref, role=role)
         if self.device.type == "cpu":
             use_onednn_linears(model, self.config.cpu_linear)
+        if self.device.type == "cuda":
+            torch.backends.cuda.enable_cudnn_sdp(self.config.cudnn_attention)  # process-wide, as the device is
         return model
 
     def _load(self, ref: str, *, role: str) -> torch.nn.Module:
