@@ -199,3 +199,64 @@ def test_prm_labels_exactly_the_placeholder_positions(tokenizer):
     assert labels == [minus if i == positions[0] else plus if i == positions[1] else -100 for i in range(len(ids))]
     _, soft = objective.encode({"input": "cat @ dog dog @", "label": [0.25, 1]}, formatter(tokenizer))
     assert soft == [0.25 if i == positions[0] else 1.0 if i == positions[1] else -100 for i in range(len(ids))]
+
+
+# --- a tokenizer that adds BOS (as Llama's do) ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tiny_model_dir):
+    """The tiny tokenizer, made to put BOS before every text it encodes with special tokens."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", tokenizer.bos_token_id)])
+    assert tokenizer("Q: hi?")["input_ids"][0] == tokenizer.bos_token_id
+    return tokenizer
+
+
+def test_the_prompt_starts_with_bos_as_rlhf_train_feeds_it_and_nothing_else_gets_one(bos_tokenizer):
+    bos = bos_tokenizer.bos_token_id
+    ids, mask = SFTObjective().encode({"prompt": "Q: hi?", "response": "hello"}, formatter(bos_tokenizer))
+    expected_ids, expected_mask = sequence(bos_tokenizer, ("Q: hi?", 0), ("hello", 1), (EOS, 1))
+    assert (ids, mask) == ([bos] + expected_ids, [0] + expected_mask)
+    chosen, _ = DPOObjective(DPOConfig()).encode({"prompt": "Q: hi?", "chosen": "hello", "rejected": "go away"},
+                                                 formatter(bos_tokenizer))
+    assert chosen == ([bos] + expected_ids, [0] + expected_mask)
+    # under a chat template the template's text carries its own special tokens: no BOS is added
+    ids, _ = SFTObjective().encode({"prompt": "Q: hi?", "response": "hello"},
+                                   formatter(bos_tokenizer, apply_chat_template=True))
+    assert bos not in ids
+
+
+# --- lengths --------------------------------------------------------------------------------------
+
+
+def test_a_prompt_two_tokens_short_of_max_len_keeps_one_response_token_and_eos(tokenizer):
+    prompt = sequence(tokenizer, ("Q: 2 + 3?", 0))[0]
+    response = sequence(tokenizer, ("the quick brown fox", 1))[0]
+    ids, mask = SFTObjective().encode({"prompt": "Q: 2 + 3?", "response": "the quick brown fox"},
+                                      formatter(tokenizer, max_len=len(prompt) + 2))
+    assert ids == prompt + response[:1] + [tokenizer.eos_token_id] and mask == [0] * len(prompt) + [1, 1]
+    with pytest.raises(SkipExample):
+        SFTObjective().encode({"prompt": "Q: 2 + 3?", "response": "5"}, formatter(tokenizer, max_len=len(prompt) + 1))
+
+
+def test_an_overlong_multiturn_conversation_is_cut_with_eos_last(tokenizer):
+    text_options, settings, row, segments = SFT_CASES["multiturn"]
+    full_ids, full_mask = sequence(tokenizer, *segments)
+    max_len = len(full_ids) - 3
+    ids, mask = SFTObjective(SFTConfig(**settings)).encode(row, formatter(tokenizer, max_len=max_len, **text_options))
+    assert ids == full_ids[:max_len - 1] + [tokenizer.eos_token_id]
+    assert mask == full_mask[:max_len]
+
+
+def test_a_multiturn_conversation_ending_with_the_user_learns_no_eos(tokenizer):
+    row = {"prompt": [{"role": "user", "content": "Q: hi?"}, {"role": "assistant", "content": "hello"},
+                      {"role": "user", "content": "thanks"}]}
+    ids, mask = SFTObjective(SFTConfig(output_key=None, multiturn=True)).encode(
+        row, formatter(tokenizer, apply_chat_template=True))
+    assert (ids, mask) == sequence(tokenizer, (turn("user", "Q: hi?") + GENERATION_PROMPT, 0),
+                                   ("hello<|im_end|>\n", 1), (turn("user", "thanks").rstrip("\n"), 0), (EOS, 0))

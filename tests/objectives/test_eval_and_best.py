@@ -238,3 +238,24 @@ def test_each_epoch_is_a_new_shuffle_of_all_the_data_and_resume_takes_the_same_s
     RecordingSFT.steps = []
     fit(config(interrupted, resume=True), plugins=plugins_with())
     assert RecordingSFT.steps == straight[6:]  # from the step-6 checkpoint: steps 7-12 as in the straight run
+
+
+@pytest.mark.parametrize(("direction", "script"), [("max", [1.0, 2.0, 2.0, 0.5]), ("min", [2.0, 1.0, 1.0, 3.0])])
+def test_a_tie_keeps_the_earlier_best(direction, script, tiny_model_dir, data, tmp_path, make_plugin):
+    """Only a strictly better eval replaces best/: steps 2 and 3 tie, step 2 stays best."""
+    out = tmp_path / "run"
+    ScriptedEvalSFT.script = list(script)
+    fit(scripted_config(tiny_model_dir, data, out, save_best=f"eval/quality:{direction}"),
+        plugins=scripted_plugins(make_plugin))
+    assert ScriptedEvalSFT.script == []
+    assert json.loads((out / "best" / "best.json").read_text())["step"] == 2
+
+
+def test_max_samples_takes_that_many_rows(tiny_model_dir, data, tmp_path):
+    """--max-samples 4 of 8 rows, 2 a step: an epoch is 2 steps."""
+    out = tmp_path / "run"
+    result = run_cli(build_plugin_manager(load_entrypoints=False), [
+        "sft", "--model", str(tiny_model_dir), "--data", str(data / "sft.jsonl"), "--max-samples", "4",
+        "--batch-size", "2", "--steps", "1", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert read_jsonl(out / "metrics.jsonl")[0]["train/epoch"] == 0.5

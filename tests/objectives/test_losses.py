@@ -123,3 +123,35 @@ def test_sequence_logps_sum_and_mean_over_the_mask():
     logps = torch.tensor([[-1.0, -2.0, -4.0], [-3.0, 0.0, 0.0]])
     sums, means = sequence_logps(logps, torch.tensor([[0, 1, 1], [0, 0, 0]]))
     assert sums.tolist() == [-6.0, 0.0] and means.tolist() == [-3.0, 0.0]
+
+
+def test_sequence_logps_of_a_single_learnt_token_is_that_token():
+    sums, means = sequence_logps(torch.tensor([[-1.0, -2.5, -4.0]]), torch.tensor([[0, 1, 0]]))
+    assert sums.tolist() == [-2.5] and means.tolist() == [-2.5]
+
+
+def test_prm_loss_ignores_a_placeholder_labelled_minus_100():
+    placeholder, plus, minus = 9, 3, 4
+    input_ids = torch.tensor([[1, 9, 2, 9]])
+    logits = torch.zeros(1, 4, 6)
+    logits[0, 1, plus] = math.log(3)  # step 1: p(+) = 3/4 among {+, −}
+    labels = torch.tensor([[-100, plus, -100, -100]])  # step 2 has no label (e.g. cut by --max-len)
+    loss, _ = prm_loss(input_ids, logits, labels, placeholder_token_id=placeholder, reward_token_ids=[plus, minus])
+    assert loss.item() == approx(-math.log(0.75), abs=1e-6)
+
+
+def test_kto_rewards_carry_no_gradient():
+    policy = torch.tensor([1.0], requires_grad=True)
+    _, chosen, rejected, _ = kto_loss(policy, policy * 2, torch.tensor([0.3]), torch.tensor([0.0]), torch.tensor([0.0]),
+                                      torch.tensor([0.0]), beta=1.0)
+    assert not chosen.requires_grad and not rejected.requires_grad
+
+
+def test_distillation_of_bf16_logits_is_computed_in_float32():
+    generator = torch.Generator().manual_seed(0)
+    student = (torch.randn(2, 5, 64, generator=generator) * 3).bfloat16()  # (B, T, V)
+    teacher = (torch.randn(2, 5, 64, generator=generator) * 3).bfloat16()
+    mask = torch.ones(2, 5)
+    p = teacher.double().softmax(-1)  # the same bf16 values, in float64
+    expected = -(p * student.double().log_softmax(-1)).sum(-1).mean()
+    assert distillation_loss(student, teacher, mask).item() == approx(expected.item(), rel=2e-6)

@@ -89,6 +89,7 @@ def assert_step(logged: dict, expected: dict[str, torch.Tensor], units: float) -
     for name, value in expected.items():
         assert logged[f"train/{name}"] == pytest.approx(float(value.detach()), rel=1e-4, abs=1e-6), name
     assert logged["train/units"] == units
+    assert 0 < logged["time/step"] < 60
 
 
 def causal_lm(model_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
@@ -328,3 +329,20 @@ def test_prm_is_the_cross_entropy_over_the_reward_tokens_at_each_placeholder(lab
     accuracy = (step_logits.argmax(-1) == target.argmax(-1)).float().mean()
     assert_step(logged, {"loss": loss, "accuracy": accuracy}, units=float(len(target)))
     assert_same_gradients(grad, gradients(loss, dict(model.named_parameters())), atol=1e-5)
+
+
+def test_dpo_runs_each_pair_as_one_row_sharing_its_prompt_unless_told_not_to(tiny_model_dir, tmp_path, monkeypatch):
+    """The numbers above are the same either way; this pins that the default takes the shared forward."""
+    from rlhf.plugins.objectives import dpo as dpo_module
+
+    shared_calls: list[int] = []
+    original = dpo_module.shared_token_logps
+    monkeypatch.setattr(dpo_module, "shared_token_logps",
+                        lambda *args, **kwargs: shared_calls.append(1) or original(*args, **kwargs))
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIR_ROWS)
+    args = ["dpo", "--model", str(tiny_model_dir), "--data", str(data)]
+    train_two_steps(args, tmp_path / "shared", lr=0.1)
+    assert shared_calls
+    shared_calls.clear()
+    train_two_steps(args + ["--no-share-prompt"], tmp_path / "separate", lr=0.1)
+    assert not shared_calls
