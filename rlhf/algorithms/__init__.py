@@ -1,4 +1,4 @@
-"""The algorithm math as plain functions, for the trainer, plugins, notebooks and tests (DESIGN §6).
+"""The algorithm math as plain functions, for the trainer, plugins, notebooks and tests (docs/algorithms.md).
 
 Training calls `PolicyObjective` / `ValueObjective` (``objective.py``), which are
 `policy_objective` / `value_loss` with the run's components: what these functions compute is

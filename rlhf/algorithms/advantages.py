@@ -1,4 +1,4 @@
-"""`compute_advantages`: any registered advantage estimator, with its inputs checked (DESIGN §6).
+"""`compute_advantages`: any registered advantage estimator, with its inputs checked (docs/algorithms.md).
 
 Shape legend: ``B`` sequences (the n samples of a prompt are contiguous rows), ``A`` action positions.
 """

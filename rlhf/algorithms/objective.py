@@ -1,4 +1,4 @@
-"""What training differentiates: the policy objective and the value objective (DESIGN §6).
+"""What training differentiates: the policy objective and the value objective (docs/algorithms.md).
 
     L_policy = agg(ℓ) + β·agg(clamp(kl(logp, logp_ref), ±10)) − c·agg(H)
     L_value  = 0.5·agg(max((V_clip − G)², (V − G)²))

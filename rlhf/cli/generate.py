@@ -1,4 +1,4 @@
-"""``rlhf generate``, ``rlhf score``, ``rlhf iterate`` and ``rlhf chat`` (DESIGN §15; docs/generate.md).
+"""``rlhf generate``, ``rlhf score``, ``rlhf iterate`` and ``rlhf chat`` (docs/generate.md).
 
 Flags come from the config dataclasses in `rlhf.datagen.config` (one per field) and, for the
 rollout engine and the model adapter, from their components' settings (``--engine.<setting>``,

@@ -58,7 +58,7 @@ def build_train_command(plugins: Any) -> click.Command:
         if not values.get("data"):
             raise click.UsageError("--data is required (a prompt dataset file, folder or hub name)")
         config = TrainConfig.from_dict(values)
-        if config.ray_address and config.runtime != "ray":  # DESIGN §10: an address means the Ray runtime
+        if config.ray_address and config.runtime != "ray":  # docs/architecture.md: an address means the Ray runtime
             config = dataclasses.replace(config, runtime="ray")
         quiet_library_progress_bars()
         state = click.get_current_context().find_object(CliState)

@@ -1,4 +1,4 @@
-"""`ExperienceBatch`: trajectories as right-padded tensors (DESIGN §4).
+"""`ExperienceBatch`: trajectories as right-padded tensors (docs/architecture.md).
 
 Shape legend: ``B`` sequences (the n samples of a prompt are contiguous rows), ``T`` tokens,
 ``A = T - 1`` action positions: position t holds what predicts token t+1, so

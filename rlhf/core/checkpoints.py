@@ -1,7 +1,7 @@
 """Reading weights and head layouts out of a saved Hugging Face model directory.
 
 Shared by the reward-model source (`rlhf.rewards`) and the critic (`rlhf.plugins.models`),
-which load the same two checkpoint layouts (DESIGN §7):
+which load the same two checkpoint layouts (docs/rewards.md):
 
 * ``classifier``: a ``*ForSequenceClassification`` directory with one label; its linear head is
   ``score`` (every causal-LM family in transformers names it so);

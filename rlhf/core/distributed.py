@@ -8,7 +8,7 @@ The scheme (the same under a launcher such as torchrun and under Ray):
 * loss normalisers (token and sequence counts) are those of the whole minibatch, so each rank's
   micro-batch losses are its share of the step loss;
 * backends **sum** gradients over ranks, so the step gradient is the full-minibatch gradient
-  whatever the number of ranks (DESIGN §6: ``token_mean`` does not depend on the split).
+  whatever the number of ranks (docs/algorithms.md: ``token_mean`` does not depend on the split).
 """
 
 from __future__ import annotations

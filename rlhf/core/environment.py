@@ -1,4 +1,4 @@
-"""The environment contract (DESIGN §8) and the host-side helpers the rollout loop uses.
+"""The environment contract (docs/environments.md) and the host-side helpers the rollout loop uses.
 
 An environment drives one trajectory. The runtime creates an instance per trajectory
 (``env_cls()``, or ``env_cls(config)`` when it was registered with a ``config_cls``), then::

@@ -3,7 +3,7 @@
 SFT, reward models, DPO, KTO, PRM and distillation are each an objective; the fit loop
 (``rlhf/runtime/fit/``) does everything else: data loading and order, models, micro-batches and
 gradient accumulation, data parallelism, the training backend, eval, checkpoints and outputs
-(DESIGN §14). The runtime makes ``objective_cls(config)`` once per process (``config``: an
+(docs/objectives.md). The runtime makes ``objective_cls(config)`` once per process (``config``: an
 instance of the registered ``config_cls`` holding the user's ``--objective.*`` settings, or
 None) and calls, in this order:
 

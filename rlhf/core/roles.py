@@ -1,4 +1,4 @@
-"""The roles a training run drives, as the trainer loop sees them (DESIGN §10).
+"""The roles a training run drives, as the trainer loop sees them (docs/architecture.md).
 
 The local runtime implements each with a plain worker class in this process
 (``rlhf/runtime/workers.py``, ``rlhf/runtime/rollout.py``); the Ray runtime with a handle that fans

@@ -1,4 +1,4 @@
-"""Data types shared by the runtime and plugins (DESIGN §4). No torch at import time.
+"""Data types shared by the runtime and plugins (docs/architecture.md). No torch at import time.
 
 Shape legend: ``B`` sequences (n samples of a prompt are contiguous rows), ``A`` action
 positions (``T - 1``: position t holds the log-prob of token t+1).

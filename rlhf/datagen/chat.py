@@ -1,4 +1,4 @@
-"""``rlhf chat MODEL``: an interactive conversation with any model directory (DESIGN §15).
+"""``rlhf chat MODEL``: an interactive conversation with any model directory (docs/generate.md).
 
 Each turn is formatted with the tokenizer's chat template over the whole history (an optional
 ``--system`` message first), or, with ``--input-template``, as the concatenation of every past

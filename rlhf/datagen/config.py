@@ -1,4 +1,4 @@
-"""Options of ``rlhf generate``, ``rlhf score`` and ``rlhf iterate`` (DESIGN §15), one dataclass each.
+"""Options of ``rlhf generate``, ``rlhf score`` and ``rlhf iterate`` (docs/generate.md), one dataclass each.
 
 They are built from the option groups every command shares (``rlhf.runtime.options``: model,
 data, runtime) plus their own; each field is one flag (``max_new_tokens`` -> ``--max-new-tokens``)

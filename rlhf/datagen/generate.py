@@ -1,5 +1,5 @@
 """``rlhf generate``: batch inference with a rollout-engine plugin, n samples per prompt, scored by
-any reward sources, written as JSONL rows the trainers read (DESIGN §15; formats in `rows.py`).
+any reward sources, written as JSONL rows the trainers read (docs/generate.md; formats in `rows.py`).
 
 Prompts are formatted as ``rlhf train`` formats them (chat template, input template, left
 truncation to ``--max-prompt-length``) and cut into batches of ``--batch-size`` prompts in data

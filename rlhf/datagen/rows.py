@@ -1,4 +1,4 @@
-"""What one prompt's samples become in the output file: one function per mode (DESIGN §15).
+"""What one prompt's samples become in the output file: one function per mode (docs/generate.md).
 
 * ``samples``: ``{"prompt", "completions": [...], "rewards": [...]}`` (rewards only when scored),
   plus ``"label"`` and every other column of the input row;

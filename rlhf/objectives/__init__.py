@@ -1,4 +1,4 @@
-"""The math of the offline objectives as plain functions (DESIGN §14), for the objective plugins,
+"""The math of the offline objectives as plain functions (docs/objectives.md), for the objective plugins,
 notebooks and tests. Each equals OpenRLHF's loss class of the same purpose on the same inputs:
 
 ===========================  =================================================================

@@ -1,4 +1,4 @@
-"""Reward sources (DESIGN §7): the host machinery that ``rlhf train --reward`` uses, and its public API.
+"""Reward sources (docs/rewards.md): the host machinery that ``rlhf train --reward`` uses, and its public API.
 
 Python functions called by signature (``calling.py``), remote HTTP servers speaking OpenRLHF's
 protocol (``remote.py``, and ``server.py`` for ``rlhf reward serve``), reward models

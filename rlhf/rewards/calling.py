@@ -1,5 +1,5 @@
 """Python reward functions, called by signature so functions written for OpenRLHF, TRL and verl run
-unchanged (DESIGN §7).
+unchanged (docs/rewards.md).
 
 A function receives only the parameters it declares (plus everything else through ``**kwargs``):
 

@@ -1,4 +1,4 @@
-"""From ``--reward SPEC[@WEIGHT]`` to reward sources (DESIGN §7).
+"""From ``--reward SPEC[@WEIGHT]`` to reward sources (docs/rewards.md).
 
 SPEC resolves, in order: an ``http(s)://`` URL (several, comma-separated, are load-balanced); a
 registered reward name; ``file.py[:func]`` (default ``reward_func``); ``module:attr``; a directory

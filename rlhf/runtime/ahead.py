@@ -1,4 +1,4 @@
-"""Asynchronous RL in the local runtime (``--async``, DESIGN §16): generation beside training.
+"""Asynchronous RL in the local runtime (``--async``, docs/async.md): generation beside training.
 
 A background thread (the *producer*) prepares the batch of each step (prompts, rollouts, rewards,
 shaping, filtering, collation: exactly what a synchronous step does first) on its own copy of the

@@ -1,4 +1,4 @@
-"""Experience: a collated rollout batch completed with what the updates need (DESIGN §5).
+"""Experience: a collated rollout batch completed with what the updates need (docs/architecture.md).
 
     old = policy log-probs          (only when several optimizer steps share the rollout, or KL is in the reward;
                                      --async with staleness > 0: the behaviour policy's, made with the batch)

@@ -1,4 +1,4 @@
-"""Rollouts: prompts -> trajectories, over one or many turns with an environment (DESIGN §8).
+"""Rollouts: prompts -> trajectories, over one or many turns with an environment (docs/environments.md).
 
 Every trajectory gets its own environment. A turn is batched across every trajectory still
 running: the engine generates (stopping at EOS, the budget, or the environment's stop strings),

@@ -1,4 +1,4 @@
-"""The run directory (DESIGN §11): what a run writes, and how it continues.
+"""The run directory (docs/runs.md): what a run writes, and how it continues.
 
     <out>/config.yaml        the resolved config (rerun it with --config)
     <out>/config.until_step_N.yaml   the config a resumed run replaced (it ran up to step N)

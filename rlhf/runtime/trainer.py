@@ -1,4 +1,4 @@
-"""The training loop (DESIGN §5), the same for every runtime.
+"""The training loop (docs/architecture.md), the same for every runtime.
 
 One step: G prompts -> n trajectories each -> rewards -> experience (old/reference log-probs,
 values, KL) -> advantages -> policy (and critic) updates -> weight sync -> log -> checkpoint.

@@ -1,4 +1,4 @@
-"""DESIGN §6 written the slow, obvious way: Python floats and loops, one sample at a time.
+"""The math of docs/algorithms.md written the slow, obvious way: Python floats and loops, one sample at a time.
 
 The property tests compare the vectorised estimators against this on random batches, so an error
 in either shows up as a disagreement. (String switches are fine in a test oracle.)

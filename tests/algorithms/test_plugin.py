@@ -37,7 +37,7 @@ ESTIMATOR_FLAGS = {  # name: (needs_critic, needs_groups)
     "dr_grpo": (False, True),
 }
 
-# DESIGN §6's preset table: estimator, KL placement, KL estimator, β, aggregation.
+# docs/algorithms.md's preset table: estimator, KL placement, KL estimator, β, aggregation.
 PRESET_TABLE = {
     "ppo": ("gae", "reward", "k1", 0.01, "token_mean"),
     "reinforce_pp": ("reinforce_pp", "reward", "k1", 0.01, "token_mean"),

@@ -1,4 +1,4 @@
-"""DESIGN §6's reference values and other hand-computed examples, in float32 like a real run.
+"""The reference values of docs/algorithms.md and other hand-computed examples, in float32 like a real run.
 
 Every expected number here was worked out by hand (the derivation is in the comment above it).
 """
@@ -30,7 +30,7 @@ def _mask(lengths: list[int], width: int) -> torch.Tensor:
     return mask
 
 
-# --- DESIGN §6: group shaping, n = 4, r = [1, 0, 0, 0] ----------------------------------------
+# --- docs/algorithms.md: group shaping, n = 4, r = [1, 0, 0, 0] ----------------------------------------
 
 # mean 0.25; unbiased std sqrt((0.75² + 3·0.25²)/3) = 0.5; leave-one-out means [0, 1/3, 1/3, 1/3].
 GROUP_VALUES = {
@@ -71,7 +71,7 @@ def test_reinforce_pp_baseline_before_whitening_is_the_group_mean_baseline(plugi
     assert advantages[:, 0].tolist() == approx([0.75 / sigma, -0.25 / sigma, -0.25 / sigma, -0.25 / sigma], rel=1e-6)
 
 
-# --- DESIGN §6: KL estimators at δ = 0.2 -------------------------------------------------------
+# --- docs/algorithms.md: KL estimators at δ = 0.2 -------------------------------------------------------
 
 @pytest.mark.parametrize("estimator, expected", [("k1", 0.2), ("k2", 0.02), ("k3", 0.0187308)])
 def test_kl_estimators_reproduce_design_values(plugins, estimator, expected):
@@ -87,7 +87,7 @@ def test_kl_is_clamped_to_ten_and_masked(plugins):
     assert masked.tolist() == [[10.0, 0.0, -1.0]]
 
 
-# --- DESIGN §6: whitening example ---------------------------------------------------------------
+# --- docs/algorithms.md: whitening example ---------------------------------------------------------------
 
 def test_reinforce_pp_baseline_whitening_example(plugins):
     # Two prompts × 2 samples, r = [[1, 0], [1, 1]], lengths [2, 1, 3, 1], γ = 1, no KL.

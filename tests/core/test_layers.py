@@ -1,4 +1,4 @@
-"""The layers of DESIGN §2, machine-checked: ``cli -> runtime -> core <- plugins``.
+"""The layers of docs/architecture.md, machine-checked: ``cli -> runtime -> core <- plugins``.
 
 * no import circle between rlhf's modules (imports inside functions count; those under
   ``if TYPE_CHECKING:`` do not run, so they do not);

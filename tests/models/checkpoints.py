@@ -1,4 +1,4 @@
-"""Tiny reward-model checkpoints in the two layouts of DESIGN §7, built offline for the model tests."""
+"""Tiny reward-model checkpoints in the two layouts of docs/rewards.md, built offline for the model tests."""
 
 from __future__ import annotations
 

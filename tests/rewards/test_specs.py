@@ -1,4 +1,4 @@
-"""`--reward SPEC[@WEIGHT]`: the resolution order of DESIGN §7, weights, names and clear errors."""
+"""`--reward SPEC[@WEIGHT]`: the resolution order of docs/rewards.md, weights, names and clear errors."""
 
 from __future__ import annotations
 

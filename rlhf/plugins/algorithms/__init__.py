@@ -1,4 +1,4 @@
-"""Built-in algorithm math (DESIGN §6): advantage estimators, KL estimators, the PPO policy loss and
+"""Built-in algorithm math (docs/algorithms.md): advantage estimators, KL estimators, the PPO policy loss and
 loss aggregations, registered by `rlhf.plugins.algorithms.plugin`. The objective that combines
 them and the critic's clipped value loss are the host's (``rlhf.algorithms``).
 

@@ -1,4 +1,5 @@
-"""The built-in algorithms plugin: registers DESIGN §6 through the same hooks third parties use.
+"""The built-in algorithms plugin: registers the algorithm math of docs/algorithms.md through the
+same hooks third parties use.
 
 Every torch-using object is registered by ``"module:attr"`` reference with an explicit
 description, so importing this module (``rlhf --help``, ``rlhf plugins list``) imports no torch.

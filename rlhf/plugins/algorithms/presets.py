@@ -1,4 +1,4 @@
-"""Algorithm presets (``--algo NAME``): the defaults of DESIGN §6, each overridable by its own flag
+"""Algorithm presets (``--algo NAME``): the defaults of docs/algorithms.md, each overridable by its own flag
 (``--advantage``, ``--policy-loss``, ``--kl-estimator``, ``--kl-coef``, ``--kl-in``, ``--loss-agg``).
 
 KL is either in the reward (k1, β = 0.01) or in the loss (k3, β = 0.001), never both. Whether a

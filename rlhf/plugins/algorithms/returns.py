@@ -1,5 +1,5 @@
 """From sequence rewards to per-token advantages: reward placement, discounted returns, GAE and
-batch whitening (DESIGN §6). Every built-in estimator uses these; they differ only in how they
+batch whitening (docs/algorithms.md). Every built-in estimator uses these; they differ only in how they
 shape the sequence reward first (``groups.py``) and in whether they whiten.
 
 The order is OpenRLHF's (``experience_maker.compute_advantages_and_returns``):

@@ -1,11 +1,11 @@
 """A critic: a transformer backbone plus a scalar value head on every position (PPO's V(s)).
 
 ``values[:, t]`` estimates the return from the state that ends at token t, so with
-``values[:, :-1]`` position t lines up with the action that produces token t+1 (DESIGN §4).
+``values[:, :-1]`` position t lines up with the action that produces token t+1 (docs/architecture.md).
 The head is ``nn.Linear(hidden, 1)`` stored under ``value_head_prefix``.
 
 Initialisation (OpenRLHF's ``critic_pretrain``): from a reward-model checkpoint when the critic's
-checkpoint has a scalar head, in either layout of DESIGN §7 (a one-label
+checkpoint has a scalar head, in either layout of docs/rewards.md (a one-label
 ``*ForSequenceClassification``, whose ``score`` head becomes the value head, or a base model with
 ``<prefix>.weight``); otherwise (the policy, or any causal LM) a fresh head, N(0, 1/(H+1)) as
 OpenRLHF draws it. Layout detection and tensor reading are shared with the reward-model source

@@ -1,4 +1,4 @@
-"""The ``hf`` model adapter: any ``AutoModelForCausalLM`` directory or hub name (DESIGN §9).
+"""The ``hf`` model adapter: any ``AutoModelForCausalLM`` directory or hub name (docs/models.md).
 
 Roles: ``policy`` (trainable), ``reference`` (frozen, eval mode), ``critic`` (a backbone with a
 scalar value head, see `critic.py`), ``reward`` (the same, saved as a one-label sequence

@@ -1,1 +1,1 @@
-"""The offline fit loop (DESIGN §14): ``fit(config)`` trains one model with one objective plugin."""
+"""The offline fit loop (docs/objectives.md): ``fit(config)`` trains one model with one objective plugin."""

@@ -1,4 +1,4 @@
-"""The fit loop (DESIGN §14): one loop for every offline objective (SFT, RM, DPO, KTO, PRM, KD, ...).
+"""The fit loop (docs/objectives.md): one loop for every offline objective (SFT, RM, DPO, KTO, PRM, KD, ...).
 
 One optimizer step:
 

@@ -1,4 +1,4 @@
-"""The Ray runtime (DESIGN §10): the local runtime's workers as Ray actors, the same trainer loop.
+"""The Ray runtime (docs/architecture.md): the local runtime's workers as Ray actors, the same trainer loop.
 
 ``rlhf train --runtime ray ...`` (or `train` here) places the roles (policy, reference, critic,
 rollout, reward) in actor groups with their own resources (placement.py), builds each role
