@@ -63,7 +63,7 @@ AREAS = {
     "RL wiring": ([
         "rlhf/runtime/workers.py", "rlhf/runtime/micro_batches.py", "rlhf/runtime/experience.py",
         "rlhf/runtime/trainer.py", "rlhf/runtime/local.py", "rlhf/runtime/plan.py", "rlhf/runtime/evaluation.py",
-        "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py",
+        "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py", "rlhf/plugins/models/hf.py",
     ], RL_TESTS),
     "fit loop": ([
         "rlhf/runtime/fit/loop.py", "rlhf/runtime/fit/data.py", "rlhf/runtime/fit/text.py", "rlhf/runtime/fit/local.py",
