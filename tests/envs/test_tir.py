@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rlhf.core.types import StepResult
-from rlhf.plugins.envs.sandbox import SandboxResult
+from rlhf.sandbox import SandboxResult
 from rlhf.plugins.envs.tir import (
     STOP,
     TIRConfig,

@@ -38,7 +38,7 @@ from typing import Any
 
 from rlhf.core.errors import RlhfError
 from rlhf.core.types import StepResult
-from rlhf.plugins.envs.sandbox import SandboxConfig, SandboxResult, run_code_async
+from rlhf.sandbox import SandboxConfig, SandboxResult, run_code_async
 
 FENCE_STOP = "```\n"
 STOP = [FENCE_STOP]
@@ -161,7 +161,7 @@ class TIREnv:
         prelude = "\n".join(self.cells) if cfg.persist_state else ""
         memory_mb = cfg.sandbox_options.get("memory_mb", cfg.memory_mb)
         if cfg.sandbox_url:
-            from rlhf.plugins.envs.remote_sandbox import RemoteSandbox
+            from rlhf.sandbox.remote import RemoteSandbox
 
             if prelude:
                 code = _silenced(prelude) + code

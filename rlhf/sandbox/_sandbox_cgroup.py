@@ -1,6 +1,6 @@
 """Memory and process limits on a whole sandboxed process tree, through a cgroup per call.
 
-Host side of ``rlhf.plugins.envs.sandbox`` (standard library only). RLIMIT_AS bounds one
+Host side of ``rlhf.sandbox`` (standard library only). RLIMIT_AS bounds one
 process and RLIMIT_NPROC counts a uid's processes; a cgroup bounds the sum over every process the
 code starts. `create` makes one cgroup for a call (v2: ``memory.max``, ``memory.swap.max``,
 ``pids.max`` under ``<cgroup2 mount>/rlhf-sandbox``; v1: ``memory.limit_in_bytes`` and

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.plugins.envs.sandbox import SandboxResult
+from rlhf.sandbox import SandboxResult
 
 RETRY_BASE_S = 0.5
 

@@ -1,4 +1,4 @@
-"""Host-side helpers of ``rlhf.plugins.envs.sandbox``: the Python layout to keep visible, the
+"""Host-side helpers of ``rlhf.sandbox``: the Python layout to keep visible, the
 one-time warning about missing isolation layers, signal messages and killing a sandbox uid.
 Standard library only."""
 

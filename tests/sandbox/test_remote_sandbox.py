@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from rlhf.plugins.envs import remote_sandbox, tir
-from rlhf.plugins.envs.remote_sandbox import RemoteSandbox
-from rlhf.plugins.envs.sandbox import run_code
+from rlhf.plugins.envs import tir
+from rlhf.sandbox import remote as remote_sandbox
+from rlhf.sandbox.remote import RemoteSandbox
+from rlhf.sandbox import run_code
 from rlhf.plugins.envs.tir import TIRConfig, TIREnv
 
 web = pytest.importorskip("aiohttp.web")

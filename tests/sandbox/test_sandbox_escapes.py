@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.plugins.envs.sandbox import run_code
+from rlhf.sandbox import run_code
 
 from .conftest import needs_linux
 
@@ -79,7 +79,7 @@ def _run(code: str, **kwargs):
 def host_in(python: Path, code: str, **kwargs) -> dict:
     """`run_code` called by a host process running ``python`` (rlhf itself in a closed venv)."""
     script = (f"import dataclasses, json, sys\nsys.path.insert(0, {str(REPO)!r})\n"
-              "from rlhf.plugins.envs.sandbox import run_code\n"
+              "from rlhf.sandbox import run_code\n"
               f"r = run_code({textwrap.dedent(code)!r}, **{kwargs!r})\n"
               "print(json.dumps(dataclasses.asdict(r)))\n")
     out = subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True, timeout=60)
@@ -245,7 +245,7 @@ def test_memory_limit_covers_the_whole_tree(cgroup):
             pids.append(pid)
         print("statuses", [os.waitpid(p, 0)[1] for p in pids])
     """
-    from rlhf.plugins.envs import _sandbox_cgroup
+    from rlhf.sandbox import _sandbox_cgroup
 
     if cgroup is None and _sandbox_cgroup.discover()["memory"] is None:
         pytest.skip("no writable memory cgroup here (the case cgroup=False covers the fallback)")
@@ -269,8 +269,8 @@ def test_isolation_reports_the_layers():
 def test_a_missing_layer_is_warned_about_once():
     import warnings
 
-    import rlhf.plugins.envs._sandbox_host as host
-    import rlhf.plugins.envs.sandbox as sandbox
+    import rlhf.sandbox._sandbox_host as host
+    import rlhf.sandbox as sandbox
 
     host._warned.clear()
     start = {"isolation": ["pid_ns", "net_ns", "mount_ns", "readonly_fs", "minimal_dev", "proc_sys_ro", "uid",

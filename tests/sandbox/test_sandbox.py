@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from rlhf.plugins.envs import sandbox
-from rlhf.plugins.envs.sandbox import SANDBOX_UIDS, SandboxConfig, run_code, run_code_async
+import rlhf.sandbox as sandbox
+from rlhf.sandbox import SANDBOX_UIDS, SandboxConfig, run_code, run_code_async
 
 from .conftest import needs_linux
 

@@ -1,6 +1,6 @@
 """One sandboxed execution, host side: start the supervisor (``_sandbox_child.py``), feed it
 the request, read its output and status pipe under the timeouts and caps, clean up, and turn
-what happened into a `SandboxResult`. Used by ``rlhf.plugins.envs.sandbox.run_code``.
+what happened into a `SandboxResult`. Used by ``rlhf.sandbox.run_code``.
 Standard library only."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Supervisor of one sandboxed execution; the other half of ``rlhf.plugins.envs.sandbox``.
+"""Supervisor of one sandboxed execution; the other half of ``rlhf.sandbox``.
 
 ``sandbox.run_code`` runs this file as ``python -I -S _sandbox_child.py`` (never imports it;
 the code's own process lives in ``_sandbox_code.py``):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.plugins.envs.sandbox import OUTPUT_KILL_FACTOR, run_code
+from rlhf.sandbox import OUTPUT_KILL_FACTOR, run_code
 
 from .conftest import needs_linux
 

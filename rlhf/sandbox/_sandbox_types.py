@@ -1,5 +1,5 @@
 """The settings and the result of one sandboxed execution; public as
-``rlhf.plugins.envs.sandbox.SandboxConfig`` and ``SandboxResult`` (see that module for the layers)."""
+``rlhf.sandbox.SandboxConfig`` and ``SandboxResult`` (see that module for the layers)."""
 
 from __future__ import annotations
 
