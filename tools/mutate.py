@@ -63,7 +63,7 @@ AREAS = {
     "RL wiring": ([
         "rlhf/runtime/workers.py", "rlhf/runtime/micro_batches.py", "rlhf/runtime/experience.py",
         "rlhf/runtime/trainer.py", "rlhf/runtime/local.py", "rlhf/runtime/plan.py", "rlhf/runtime/evaluation.py",
-        "rlhf/runtime/step_metrics.py", "rlhf/runtime/ahead.py", "rlhf/plugins/models/hf.py",
+        "rlhf/runtime/step_metrics.py", "rlhf/runtime/async_generation.py", "rlhf/plugins/models/hf.py",
     ], RL_TESTS),
     "fit loop": ([
         "rlhf/runtime/fit/loop.py", "rlhf/runtime/fit/data.py", "rlhf/runtime/fit/text.py", "rlhf/runtime/fit/local.py",
@@ -188,7 +188,7 @@ CURATED = [
     # RL options in combination (issue 31)
     ("rlhf/runtime/experience.py", "        if old is None and self.recompute_old:\n",
      "        if self.recompute_old:\n", "async: old log-probs recomputed with the trained policy, not the behaviour's"),
-    ("rlhf/runtime/ahead.py", "        if self.staleness > 0:\n            prepared.batch = replace(",
+    ("rlhf/runtime/async_generation.py", "        if self.staleness > 0:\n            prepared.batch = replace(",
      "        if self.staleness > 1:\n            prepared.batch = replace(",
      "async: the producer's behaviour log-probs dropped at staleness 1"),
     ("rlhf/runtime/trainer.py", "        self.kl.update(sequence_kl(batch, metrics), batch.size)\n", "",

@@ -21,7 +21,7 @@ import torch
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import PluginSet, build_plugin_manager
-from rlhf.runtime.ahead import AheadParts
+from rlhf.runtime.async_generation import AsyncParts
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
 from rlhf.runtime.export import export_critic, export_policy
@@ -203,7 +203,7 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
         pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
-        ahead=AheadParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
+        async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
                                                                                                     tokenizer))),
         export=lambda out_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist),

@@ -32,7 +32,7 @@ from rlhf.core.plugins import PluginSet
 from rlhf.core.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, RolloutRole
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import RunInfo, Trajectory
-from rlhf.runtime.ahead import AheadGeneration, AheadParts, Prepared
+from rlhf.runtime.async_generation import AsyncGeneration, AsyncParts, Prepared
 from rlhf.runtime.data import PromptLoader
 from rlhf.runtime.evaluation import Evaluator
 from rlhf.runtime.experience import ExperienceMaker, row_metadata, source_rewards
@@ -60,7 +60,7 @@ class Workers:
     export: Callable[[Path], None]  # writes the final policy (and --save-critic's critic); called on every rank
     dist: DistContext = SINGLE  # data-parallel ranks when started by a launcher (every rank runs this loop)
     eval_prompts: list[Any] | None = None  # formatted --eval-data prompts (None: no eval)
-    ahead: AheadParts | None = None  # what --async needs (None: this runtime does not support it)
+    async_parts: AsyncParts | None = None  # what --async needs (None: this runtime does not support it)
 
 
 class Timer:
@@ -82,7 +82,7 @@ class Timer:
 
 class Trainer(SteppedLoop):
     def __init__(self, plan: RunPlan, plugins: PluginSet, workers: Workers):
-        self.plan, self.config, self.plugins, self.w = plan, plan.config, plugins, workers
+        self.plan, self.config, self.plugins, self.workers = plan, plan.config, plugins, workers
         self.dist = workers.dist
         self.run_dir = RunDirectory(plan.derived.out_dir, self.dist)
         self.total_steps = plan.total_steps(len(workers.loader))
@@ -103,7 +103,7 @@ class Trainer(SteppedLoop):
         self.best_spec = best_metric(self.config.save_best)
         self.best: dict[str, Any] | None = None  # {"metric", "value", "step"} of the policy in <out>/best
         self.last_eval: dict[str, float] = {}
-        self.ahead = self._ahead() if self.config.async_rollout else None
+        self.async_generation = self._async_generation() if self.config.async_rollout else None
         # async: eval samples from a stream of its own, so the producer's stays deterministic
         self.eval_stream: dict[str, Any] = {"rng": None}
 
@@ -121,8 +121,8 @@ class Trainer(SteppedLoop):
 
     def begin(self, run: RunInfo) -> None:
         self._run_info = run
-        if self.ahead is not None:
-            self.ahead.start(self.start_step)
+        if self.async_generation is not None:
+            self.async_generation.start(self.start_step)
         if self.start_step == 0:
             self._evaluate(0, run)
 
@@ -136,27 +136,27 @@ class Trainer(SteppedLoop):
         return self.last_eval
 
     def before_checkpoint(self, done: int) -> None:
-        if self.ahead is not None:
-            self.ahead.quiesce(done)  # the in-flight batches, made, go into the checkpoint
+        if self.async_generation is not None:
+            self.async_generation.quiesce(done)  # the in-flight batches, made, go into the checkpoint
 
     def after_checkpoint(self, done: int) -> None:
-        if self.ahead is not None:
-            self.ahead.publish(done)
+        if self.async_generation is not None:
+            self.async_generation.publish(done)
 
     def end(self) -> None:
-        if self.ahead is not None:
-            self.ahead.close()
+        if self.async_generation is not None:
+            self.async_generation.close()
 
     def export_final(self, directory: Path) -> None:
-        self.run_dir.write_model(directory, self.w.export)
+        self.run_dir.write_model(directory, self.workers.export)
 
     def step(self, step: int, run: RunInfo) -> dict[str, float]:
-        w, timer = self.w, Timer()
-        if self.ahead is None:
+        w, timer = self.workers, Timer()
+        if self.async_generation is None:
             prepared = self._prepare(step, run, w.rollout, timer)
             extra: dict[str, float] = {}
         else:
-            prepared, waited = self.ahead.next(step)
+            prepared, waited = self.async_generation.next(step)
             timer.seconds.update(prepared.seconds)  # the producer's rollout and reward time for this batch
             staleness = float(step - prepared.version)
             extra = {"async/staleness_mean": staleness, "async/staleness_max": staleness, "async/wait_s": waited,
@@ -174,7 +174,7 @@ class Trainer(SteppedLoop):
                 train.update(w.critic.fit(batch, step=step))
             self._check_finite()
         with timer("sync"):
-            if not frozen and self.ahead is None:  # --async: the producer takes weights by version
+            if not frozen and self.async_generation is None:  # --async: the producer takes weights by version
                 w.rollout.sync_weights()  # in-process engines share the weights; others get them pushed
         metrics = step_metrics(trajectories, batch, reward_metrics, train, timer.done())
         metrics["kl/beta"] = self.kl.value
@@ -192,7 +192,7 @@ class Trainer(SteppedLoop):
                                    dtype=torch.float32)  # (B,)
             sample_mask = torch.tensor([t.reward is not None for t in trajectories], dtype=torch.float32)  # (B,)
             self._emit("on_rewards", run=run, step=step, trajectories=trajectories, rewards=rewards)
-            batch = collate(trajectories, pad_token_id=self.w.pad_token_id, rewards=rewards * sample_mask,
+            batch = collate(trajectories, pad_token_id=self.workers.pad_token_id, rewards=rewards * sample_mask,
                             sample_mask=sample_mask)
         return Prepared(step=step, version=step, trajectories=trajectories, batch=batch, reward_metrics=reward_metrics,
                         seconds=dict(timer.seconds))
@@ -201,7 +201,7 @@ class Trainer(SteppedLoop):
                  rollout: RolloutRole) -> tuple[list[Trajectory], dict[str, float]]:
         """Sample, score and shape ``--prompts-per-step`` prompt groups; with a sample filter, drop the
         groups it rejects and sample new prompts until enough are kept (``--max-filter-rounds``)."""
-        config, w, n = self.config, self.w, self.config.n_samples
+        config, w, n = self.config, self.workers, self.config.n_samples
         wanted = config.prompts_per_step
         kept: list[list[Trajectory]] = []
         rounds = dropped = sampled = 0
@@ -268,7 +268,7 @@ class Trainer(SteppedLoop):
         per prompt group. Every rank gets ``(trajectories, keep (one bool per group), metrics)``."""
         if self.dist.is_main:
             self._emit("on_rollout_end", run=run, step=step, trajectories=trajectories)
-            result = self.w.reward.score(trajectories)
+            result = self.workers.reward.score(trajectories)
             result.assign(trajectories)
             metrics = dict(result.metrics)
             totals = [t.reward for t in trajectories]
@@ -296,31 +296,33 @@ class Trainer(SteppedLoop):
 
     # --- async ----------------------------------------------------------------------------------
 
-    def _ahead(self) -> AheadGeneration:
-        parts = self.w.ahead
+    def _async_generation(self) -> AsyncGeneration:
+        parts = self.workers.async_parts
         if parts is None:
             raise RlhfError("--async is not available with this runtime yet: use the local runtime")
         staleness = self.config.max_staleness
-        return AheadGeneration(parts=parts, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
-                               max_staleness=staleness, total_steps=self.total_steps, pad_token_id=self.w.pad_token_id)
+        return AsyncGeneration(parts=parts, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
+                               max_staleness=staleness, total_steps=self.total_steps,
+                               pad_token_id=self.workers.pad_token_id)
 
     # --- eval -----------------------------------------------------------------------------------
 
     def _evaluator(self) -> Evaluator | None:
         config = self.config
-        if not self.w.eval_prompts:
+        if not self.workers.eval_prompts:
             return None
         temperature = config.eval_temperature if config.eval_temperature is not None else config.temperature
         params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature, top_p=config.top_p)
-        return Evaluator(prompts=self.w.eval_prompts, n_samples=config.eval_n_samples, every=config.eval_every,
-                         params=params, rollout=self.w.rollout, reward=self.w.reward, gather=self._gather,
+        return Evaluator(prompts=self.workers.eval_prompts, n_samples=config.eval_n_samples, every=config.eval_every,
+                         params=params, rollout=self.workers.rollout, reward=self.workers.reward, gather=self._gather,
                          dist=self.dist)
 
     def _evaluate(self, done: int, run: RunInfo) -> None:
         """Eval after ``done`` steps when due: ``on_eval`` (metrics.jsonl rows), and ``--save-best``."""
         if self.evaluator is None or not self.evaluator.due(done, self.total_steps):
             return
-        with self.ahead.separate_stream(self.eval_stream) if self.ahead is not None else contextlib.nullcontext():
+        generation = self.async_generation
+        with generation.separate_stream(self.eval_stream) if generation is not None else contextlib.nullcontext():
             self.last_eval = self.evaluator.run()
         self._emit("on_eval", run=run, step=done, metrics=self.last_eval)
         if self.best_spec is None:
@@ -336,7 +338,7 @@ class Trainer(SteppedLoop):
                                           else value > self.best["value"]):
             return
         self.best = {"metric": name, "value": value, "step": done}
-        self.run_dir.write_model(self.run_dir.path / "best", self.w.export, record={"best.json": self.best})
+        self.run_dir.write_model(self.run_dir.path / "best", self.workers.export, record={"best.json": self.best})
 
     def _check_rewards(self, step: int, metrics: dict[str, float]) -> None:
         """A reward source that failed on every sample teaches nothing: say so, and stop after
@@ -358,7 +360,7 @@ class Trainer(SteppedLoop):
 
     def _check_finite(self) -> None:
         for name in ("policy", "critic"):
-            role = getattr(self.w, name)
+            role = getattr(self.workers, name)
             if role is not None and role.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
                 raise RlhfError(
                     f"the {name} loss or gradient was NaN/inf for {role.nonfinite_in_a_row} optimizer steps in a "
@@ -372,21 +374,22 @@ class Trainer(SteppedLoop):
 
     def checkpoint_roles(self) -> dict[str, Any]:
         """What a checkpoint holds: the trained roles, and the rollout when it keeps state of its own."""
-        roles = {name: getattr(self.w, name) for name in ("policy", "critic") if getattr(self.w, name) is not None}
-        if self.w.rollout.stateful:
-            roles["rollout"] = self.w.rollout
-        if self.ahead is not None:
-            roles["ahead"] = self.ahead  # in-flight batches
+        roles = {name: getattr(self.workers, name) for name in ("policy", "critic")
+                 if getattr(self.workers, name) is not None}
+        if self.workers.rollout.stateful:
+            roles["rollout"] = self.workers.rollout
+        if self.async_generation is not None:
+            roles["ahead"] = self.async_generation  # in-flight batches (in the checkpoint's ahead/)
         return roles
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"loader": self.w.loader.state_dict(), "fingerprint": self.fingerprint,
+        return {"loader": self.workers.loader.state_dict(), "fingerprint": self.fingerprint,
                 "world_size": self.dist.world_size, "kl": self.kl.state_dict(), "best": self.best,
                 "last_eval": self.last_eval,
                 "eval_rng": None if self.eval_stream["rng"] is None else [s.tolist() for s in self.eval_stream["rng"]]}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.w.loader.load_state_dict(state["loader"])
+        self.workers.loader.load_state_dict(state["loader"])
         if "kl" in state:
             self.kl.load_state_dict(state["kl"])
         self.best, self.last_eval = state.get("best"), state.get("last_eval") or {}

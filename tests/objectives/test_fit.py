@@ -321,12 +321,12 @@ def test_zero3_takes_the_same_steps_as_the_torch_backend(command, tiny_model_dir
 
 def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_dir, data, tmp_path):
     from rlhf.runtime.fit.config import FitConfig
-    from rlhf.runtime.fit.local import build_run
+    from rlhf.runtime.fit.local import build_parts
     from rlhf.runtime.fit.plan import FitPlan
 
     config = FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(data / "pairs.jsonl")],
                                   "objective": "dpo", "lora_rank": 4, "batch_size": 4, "out": str(tmp_path / "r")})
-    run, _ = build_run(FitPlan.make(config, build_plugin_manager(load_entrypoints=False)))
+    run, _ = build_parts(FitPlan.make(config, build_plugin_manager(load_entrypoints=False)))
     trained = {p.data_ptr() for p in run.trained.model.parameters()}
     reference = list(run.reference.parameters())
     assert reference and all(p.data_ptr() in trained for p in reference)  # one copy of the base weights

@@ -379,7 +379,7 @@ def test_async_on_ray_generates_ahead_like_the_local_async_run(ray_cluster, tiny
     ray_out = tmp_path / "ray"
     ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", **extra))
     assert_no_actors_left()
-    assert not any(t.name == "rlhf-ahead-generation" for t in threading.enumerate())
+    assert not any(t.name == "rlhf-async-generation" for t in threading.enumerate())
     assert samples(ray_out) == samples(tmp_path / "local")
     rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("local", "ray")}
     assert [r.get("async/staleness_max") for r in rows["ray"] if "reward/mean" in r] == [0, 1, 1]

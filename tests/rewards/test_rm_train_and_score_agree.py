@@ -49,12 +49,12 @@ def objective_scores(model_dir: Path, data: Path) -> list[tuple[float, float]]:
 
     from rlhf.core.objective import FitModels
     from rlhf.runtime.fit.config import FitConfig
-    from rlhf.runtime.fit.local import build_run
+    from rlhf.runtime.fit.local import build_parts
     from rlhf.runtime.fit.plan import FitPlan
 
     config = FitConfig.from_dict({"model": str(model_dir), "data": [str(data)], "objective": "rm", "batch_size": 1,
                                   "out": str(model_dir.parent / "scored-by-objective")})
-    run, _ = build_run(FitPlan.make(config, build_plugin_manager(load_entrypoints=False)))
+    run, _ = build_parts(FitPlan.make(config, build_plugin_manager(load_entrypoints=False)))
     batch = run.objective.collate(run.train_examples, run.pad_token_id)  # rows: chosen (P, T), then rejected
     run.trained.model.eval()
     with torch.no_grad():

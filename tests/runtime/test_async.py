@@ -28,7 +28,7 @@ def _samples(out):
 
 
 def _no_producer_left():
-    return not any(t.name == "rlhf-ahead-generation" for t in threading.enumerate())
+    return not any(t.name == "rlhf-async-generation" for t in threading.enumerate())
 
 
 def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp_path):

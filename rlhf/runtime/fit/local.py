@@ -21,7 +21,7 @@ from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.data import load_rows
 from rlhf.runtime.fit.config import FitConfig
 from rlhf.runtime.fit.data import encode_rows
-from rlhf.runtime.fit.loop import FitLoop, FitRun
+from rlhf.runtime.fit.loop import FitLoop, FitParts
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.fit.text import TextFormatter
 from rlhf.runtime.local import seed_everything
@@ -53,7 +53,7 @@ def export_model(adapter: Any, tokenizer: Any, trained: TrainedModel, out_dir: P
         path.write_text(json.dumps({**values, **extra}, indent=2, sort_keys=True))
 
 
-def build_run(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitRun, FitPlan]:
+def build_parts(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitParts, FitPlan]:
     """Everything the loop drives, and the plan completed with the data's size."""
     config = plan.config
     seed_everything(config.seed)
@@ -77,11 +77,11 @@ def build_run(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitRun, FitPla
     trained = TrainedModel(model, backend, dist)
     reference = adapter.load(config.model, role="reference") if plan.needs_reference else None
     teacher = adapter.load(config.teacher, role="reference") if plan.needs_teacher else None
-    run = FitRun(objective=objective, trained=trained, reference=reference, teacher=teacher,
+    parts = FitParts(objective=objective, trained=trained, reference=reference, teacher=teacher,
                  train_examples=train_examples, eval_examples=eval_examples, pad_token_id=tokenizer.pad_token_id,
                  export=lambda out_dir, extra: export_model(adapter, tokenizer, trained, out_dir, extra, dist),
                  dist=dist)
-    return run, plan
+    return parts, plan
 
 
 def check_fit(plan: FitPlan, *, world_size: int) -> None:
@@ -98,7 +98,7 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
     plugins = plugins or build_plugin_manager()
     plan = FitPlan.make(config, plugins)
     dist = init_from_environment()
-    run = None
+    parts = None
     try:
         check_fit(plan, world_size=dist.world_size)
         if dist.is_main:
@@ -108,8 +108,8 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
             log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
                         ", ".join(r.label for r in plugins.broken))
         set_threads(config.threads)
-        run, plan = build_run(plan, dist)
-        return FitLoop(plan, plugins, run).run()
+        parts, plan = build_parts(plan, dist)
+        return FitLoop(plan, plugins, parts).run()
     finally:
-        del run  # the models and their backends (which hold process groups) go before the group does
+        del parts  # the models and their backends (which hold process groups) go before the group does
         dist.close()

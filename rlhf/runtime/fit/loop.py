@@ -52,7 +52,7 @@ PROGRESS_FIELDS = (("loss", "train/loss", ".4f"), ("eval", "eval/loss", ".4f"), 
 
 
 @dataclass(kw_only=True)
-class FitRun:
+class FitParts:
     """Everything the fit loop drives, built by the runtime (``rlhf.runtime.fit.local``)."""
 
     objective: Objective
@@ -101,13 +101,13 @@ def sum_over_ranks(values: dict[str, float] | None, dist: DistContext) -> dict[s
 
 
 class FitLoop(SteppedLoop):
-    def __init__(self, plan: FitPlan, plugins: PluginSet, run: FitRun):
-        self.plan, self.config, self.plugins, self.run_ = plan, plan.config, plugins, run
-        self.dist = run.dist
-        self.objective = run.objective
-        self.trained = run.trained
+    def __init__(self, plan: FitPlan, plugins: PluginSet, parts: FitParts):
+        self.plan, self.config, self.plugins, self.parts = plan, plan.config, plugins, parts
+        self.dist = parts.dist
+        self.objective = parts.objective
+        self.trained = parts.trained
         self.run_dir = RunDirectory(self.config.out_dir, self.dist)
-        self.order = StepOrder(len(run.train_examples), self.config.batch_size, self.config.seed)
+        self.order = StepOrder(len(parts.train_examples), self.config.batch_size, self.config.seed)
         self.total_steps = plan.total_steps
         self.fingerprint = plugin_fingerprint(plugins)
         self.best_spec = best_metric(self.config.save_best)
@@ -117,7 +117,7 @@ class FitLoop(SteppedLoop):
     @property
     def models(self) -> FitModels:
         """The models as the objective's training forwards call them (packed with ``--packing``)."""
-        models = (self.trained.train_model, self.run_.reference, self.run_.teacher)
+        models = (self.trained.train_model, self.parts.reference, self.parts.teacher)
         if self.config.packing:
             models = tuple(PackedModel(m) if m is not None else None for m in models)
         return FitModels(model=models[0], reference=models[1], teacher=models[2],
@@ -148,7 +148,7 @@ class FitLoop(SteppedLoop):
     def step(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
         adjust_threads()  # the CPU thread count follows the machine's load
-        examples = self.objective.step_examples([self.run_.train_examples[i] for i in self.order.indices(step)])
+        examples = self.objective.step_examples([self.parts.train_examples[i] for i in self.order.indices(step)])
         micros = self._micro_batches(self.dist.shard(examples))
         units = [float(self.objective.units(batch)) for batch in micros]
         step_units = sum(sum(part) for part in self.dist.all_gather(units))
@@ -186,7 +186,7 @@ class FitLoop(SteppedLoop):
         CPU time for forward + backward of mixed lengths, benchmarks/packing.py). Losses are sums
         over micro-batches, so the order changes nothing but float rounding."""
         size, max_tokens = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
-        device, pad = self.trained.device, self.run_.pad_token_id
+        device, pad = self.trained.device, self.parts.pad_token_id
         masks = [self._attention_mask(self.objective.collate([example], pad)) for example in examples]
         lengths = [int(mask.sum(dim=1).max()) if mask is not None else 0 for mask in masks]
         order = sorted(range(len(examples)), key=lambda i: lengths[i])
@@ -241,9 +241,9 @@ class FitLoop(SteppedLoop):
 
     def evaluate(self) -> dict[str, float]:
         """The objective's loss and metrics on the eval examples (no grad, eval mode): ``eval/*``."""
-        if not self.run_.eval_examples:
+        if not self.parts.eval_examples:
             return {}
-        examples = self.objective.step_examples(list(self.run_.eval_examples))
+        examples = self.objective.step_examples(list(self.parts.eval_examples))
         passes = list(self._passes(examples))
         stats: dict[str, float] | None = None
         self.trained.model.eval()
@@ -267,7 +267,7 @@ class FitLoop(SteppedLoop):
         sums: dict[str, float] | None = None
         self.trained.model.eval()
         with torch.no_grad():
-            for batch, counted in self._passes(list(self.run_.train_examples)):
+            for batch, counted in self._passes(list(self.parts.train_examples)):
                 part = self.objective.final_statistics(self.models, batch)
                 if part is None:
                     break
@@ -278,7 +278,7 @@ class FitLoop(SteppedLoop):
     # --- eval schedule, best model, outputs ------------------------------------------------------
 
     def _eval_due(self, done: int) -> bool:
-        if not self.run_.eval_examples:
+        if not self.parts.eval_examples:
             return False
         every = self.config.eval_every or self.order.steps_per_epoch
         return done % every == 0 or done == self.total_steps
@@ -303,7 +303,7 @@ class FitLoop(SteppedLoop):
         """The trained model to ``directory`` (written like a checkpoint: beside it, fsynced, renamed
         into place), with the objective's entries in its config.json (and ``record`` as best.json)."""
         extra = self.objective.output_config(self.final_statistics())
-        self.run_dir.write_model(directory, lambda tmp: self.run_.export(tmp, extra),
+        self.run_dir.write_model(directory, lambda tmp: self.parts.export(tmp, extra),
                                  record={"best.json": record} if record is not None else None)
 
     # --- checkpoints ----------------------------------------------------------------------------

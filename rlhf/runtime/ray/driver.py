@@ -23,7 +23,7 @@ from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.core.settings import setting_fields
 from rlhf.runtime import checkpoint
 from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.ahead import AheadParts
+from rlhf.runtime.async_generation import AsyncParts
 from rlhf.runtime.local import build_eval_prompts, build_loader, seed_everything
 from rlhf.runtime.plan import RunPlan, check_run, warn_about
 from rlhf.runtime.run_dir import RunDirectory
@@ -217,12 +217,12 @@ def make_workers(plan: RunPlan, hosts: list[Host], tokenizer: Any, loader: Any) 
             calls += [(h, h.handle.export_critic.remote(critic_dir)) for h in critic.hosts]
         wait(calls, "export", timeout, hosts)
 
-    ahead = None
+    async_parts = None
     if rollout.own_copy:  # --async: the rollout actors' copies generate ahead, weights pushed by version
-        ahead = AheadParts(snapshot=policy.snapshot, make_copy=lambda: RayPolicyCopy(rollout, config.seed))
+        async_parts = AsyncParts(snapshot=policy.snapshot, make_copy=lambda: RayPolicyCopy(rollout, config.seed))
     return Workers(policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
                    pad_token_id=tokenizer.pad_token_id, export=export, dist=SINGLE,
-                   eval_prompts=build_eval_prompts(config, tokenizer), ahead=ahead)
+                   eval_prompts=build_eval_prompts(config, tokenizer), async_parts=async_parts)
 
 
 class RayPolicyCopy:

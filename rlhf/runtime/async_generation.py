@@ -56,7 +56,7 @@ class PolicyCopy(Protocol):
     evaluates_here: bool  # eval samples with this same rollout (Ray): it must hold the newest weights then
 
     def load(self, snapshot: Any) -> None:
-        """Take the weights of a published version (what `AheadParts.snapshot` returned)."""
+        """Take the weights of a published version (what `AsyncParts.snapshot` returned)."""
 
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A) log-probs of the batch under the copy, computed as the trainer computes them."""
@@ -67,7 +67,7 @@ class PolicyCopy(Protocol):
 
 
 @dataclass(kw_only=True)
-class AheadParts:
+class AsyncParts:
     """What a runtime that supports --async gives the trainer: the policy's current weights as a
     snapshot, and a copy of the policy to generate with (made when the run starts, after a resume)."""
 
@@ -92,7 +92,7 @@ class Stopped(Exception):
     """The trainer closed the producer."""
 
 
-class AheadGeneration:
+class AsyncGeneration:
     """The producer thread and the hand-over of batches and weights (see the module docstring).
 
     ``prepare(step, rollout)`` makes the batch of a step with the given rollout role (the
@@ -101,7 +101,7 @@ class AheadGeneration:
     synchronous run).
     """
 
-    def __init__(self, *, parts: AheadParts, prepare: Callable[[int, Any], Prepared], max_staleness: int,
+    def __init__(self, *, parts: AsyncParts, prepare: Callable[[int, Any], Prepared], max_staleness: int,
                  total_steps: int, pad_token_id: int):
         self.parts, self.prepare = parts, prepare
         self.staleness, self.total, self.pad_token_id = max_staleness, total_steps, pad_token_id
@@ -124,7 +124,7 @@ class AheadGeneration:
         self.copy_version = self.first_version = start_step  # a resumed run has no older weights
         self.publish(start_step)
         self.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
-        self.thread = threading.Thread(target=self._run, name="rlhf-ahead-generation", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="rlhf-async-generation", daemon=True)
         self.thread.start()
 
     def next(self, step: int) -> tuple[Prepared, float]:
