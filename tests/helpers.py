@@ -1,9 +1,13 @@
-"""Fixtures and helpers shared by the tests (loaded through ``pytest_plugins``)."""
+"""Fixtures and helpers shared by the tests (loaded through ``pytest_plugins``): test files import
+what they share from here, never from each other."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
+import re
+import subprocess
 import sys
 import textwrap
 import types
@@ -108,3 +112,214 @@ def bare_plugins() -> PluginSet:
     """A fresh plugin set with no built-ins and no entry points: for tests of the registry mechanics
     that register their own components (k1, grpo, ...) without clashing with rlhf's."""
     return build_plugin_manager(load_entrypoints=False, builtins=())
+
+
+# --- files and runs ---------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def small_config(model_dir, task, out, **overrides):
+    """A two-step ``rlhf train`` config on the toy task (2 prompts x 2 samples, 4 new tokens)."""
+    from rlhf.runtime.config import TrainConfig
+
+    values = dict(model=str(model_dir), data=[str(task / "data.jsonl")], label_key="answer",
+                  reward=[str(task / "rewards.py")], prompts_per_step=2, n_samples=2, max_new_tokens=4,
+                  micro_batch_size=2, steps=2, lr=1e-3, out=str(out), progress=False, seed=7)
+    values.update(overrides)
+    return TrainConfig.from_dict(values)
+
+
+def final_weights(out: Path) -> dict[str, Any]:
+    """The state dict of a run's ``final/`` causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+
+
+def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def pip_install(source: Path, target: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(source)],
+        check=True, capture_output=True, text=True,
+    )
+
+
+def readme_plugin_files() -> dict[str, str]:
+    """The files of the README's "Write a plugin" example, keyed by their path comment."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Write a plugin", 1)[1].split("\n## ", 1)[0]
+    files = {}
+    for block in re.findall(r"```(?:toml|python)\n(.*?)```", section, re.S):
+        first, _, body = block.partition("\n")
+        match = re.match(r"#\s*(\S+)$", first)
+        if match:
+            files[match.group(1)] = body
+    return files
+
+
+# --- gradients and batches ----------------------------------------------------------------------
+
+
+def assert_same_gradients(got, expected, atol=1e-6):
+    """``{name: gradient}`` dicts equal, to ``atol`` times the largest expected entry (and 1e-4 relative)."""
+    import torch
+
+    assert got.keys() == expected.keys()
+    scale = max(float(g.abs().max()) for g in expected.values())
+    assert scale > 1e-4, "the expected gradient is zero: the test checks nothing"
+    for name, grad in expected.items():
+        assert torch.allclose(got[name], grad, atol=atol * max(scale, 1.0), rtol=1e-4), name
+
+
+ROWS, MAX_NEW = 8, 8  # make_batch's rows, and the budget the step counts are normalised with
+
+
+def make_batch(seed: int = 1):
+    """8 rows (4 prompts x 2 samples) of random tokens with different prompt and completion lengths."""
+    import torch
+
+    from rlhf.core.batch import collate
+    from rlhf.core.types import Trajectory
+
+    generator = torch.Generator().manual_seed(seed)
+    trajectories = []
+    for row in range(ROWS):
+        prompt = torch.randint(5, 300, (3 + row % 3,), generator=generator).tolist()
+        completion = torch.randint(5, 300, (2 + row % 5,), generator=generator).tolist()
+        trajectories.append(Trajectory(token_ids=prompt + completion,
+                                       loss_mask=[0] * len(prompt) + [1] * len(completion),
+                                       prompt_length=len(prompt), prompt="", prompt_text="", completion_text="",
+                                       group=row // 2))
+    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(ROWS), sample_mask=torch.ones(ROWS))
+    batch.advantages = torch.zeros_like(batch.action_mask)  # (B, A)
+    batch.returns = torch.zeros_like(batch.action_mask)  # (B, A)
+    return batch
+
+
+def grouped_batch(prompts: int = 4, samples: int = 3, seed: int = 5):
+    """``prompts`` x ``samples`` rows, a prompt's samples sharing its 10-16 tokens, completions of
+    2-8 tokens; random advantages on the completions."""
+    import torch
+
+    from rlhf.core.batch import collate
+    from rlhf.core.types import Trajectory
+
+    generator = torch.Generator().manual_seed(seed)
+    trajectories = []
+    for group in range(prompts):
+        prompt = torch.randint(5, 300, (10 + 2 * group,), generator=generator).tolist()
+        for sample in range(samples):
+            completion = torch.randint(5, 300, (2 + (group + 2 * sample) % 7,), generator=generator).tolist()
+            trajectories.append(Trajectory(token_ids=prompt + completion,
+                                           loss_mask=[0] * len(prompt) + [1] * len(completion),
+                                           prompt_length=len(prompt), prompt="", prompt_text="", completion_text="",
+                                           group=group))
+    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(len(trajectories)),
+                    sample_mask=torch.ones(len(trajectories)))
+    batch.advantages = torch.randn(batch.action_mask.shape, generator=generator) * batch.action_mask  # (B, A)
+    batch.returns = torch.zeros_like(batch.action_mask)  # (B, A)
+    return batch
+
+
+def shared_batch():
+    """8 rows in 4 groups, padded on both sides; actions on every real token after the third."""
+    import torch
+
+    prompt, other = [11, 12, 13, 14], [21, 22]
+    rows = [prompt + [30, 31, 32], prompt + [40, 41],          # a DPO pair
+            prompt + [50, 51, 52, 53], prompt + [50, 51, 60],  # responses that begin alike
+            other + [70], other + [70, 71, 72],                # a row that is a prefix of the other, with
+            [80, 81, 82, 83],                                  # a group of one
+            prompt + [50, 51, 52, 90]]                         # the third of rows 2 and 3's group
+    width = 10
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 1 if r % 2 else 0  # odd rows left-padded by one
+        ids[r, start:start + len(row)] = torch.tensor(row)
+        mask[r, start:start + len(row)] = 1
+    actions = torch.zeros((len(rows), width - 1))
+    for r in range(len(rows)):
+        real = mask[r].nonzero().flatten()
+        actions[r, int(real[2]):int(real[-1])] = 1  # predicts tokens 3.. of the row
+    groups = [[0, 1], [2, 3, 7], [4, 5], [6]]
+    return ids, mask, actions, groups
+
+
+# --- the fit loop's data ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fit_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Eight rows of each objective's data: words of various lengths, so micro-batches pad."""
+    root = tmp_path_factory.mktemp("fit-data")
+    words = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]
+    n = len(words)
+    write_jsonl(root / "sft.jsonl", [{"prompt": f"Q: {w}?", "response": f"{w} {w}"} for w in words])
+    write_jsonl(root / "pairs.jsonl", [{"prompt": f"Q: {w}?", "chosen": w, "rejected": words[(i + 3) % n]}
+                                       for i, w in enumerate(words)])
+    write_jsonl(root / "kto.jsonl", [{"prompt": f"Q: {w}?", "completion": w if i % 3 else words[(i + 1) % n],
+                                      "label": bool(i % 3)} for i, w in enumerate(words)])
+    write_jsonl(root / "steps.jsonl", [{"input": f"{w} @ {words[(i + 1) % n]} @", "label": ["+", "-"] if i % 2
+                                        else ["-", "+"]} for i, w in enumerate(words)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def fit_teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another random model with the same tokenizer."""
+    from rlhf.core.references import import_object
+
+    build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
+    return build(tmp_path_factory.mktemp("teacher"), seed=7)
+
+
+def command_args(command: str, model: Path, data: Path, teacher: Path) -> list[str]:
+    """The arguments of each offline command on ``fit_data``'s files."""
+    return {
+        "sft": ["sft", "--data", str(data / "sft.jsonl")],
+        "rm": ["rm", "--data", str(data / "pairs.jsonl"), "--normalize-reward"],
+        "dpo": ["dpo", "--data", str(data / "pairs.jsonl"), "--beta", "0.5", "--nll-coef", "0.2"],
+        "kto": ["kto", "--data", str(data / "kto.jsonl"), "--output-key", "completion"],
+        "prm": ["prm", "--data", str(data / "steps.jsonl"), "--placeholder-token", "@", "--reward-tokens", "+", "-"],
+        "distill": ["distill", "--data", str(data / "sft.jsonl"), "--teacher", str(teacher)],
+        "fit": ["fit", "--objective", "dpo", "--data", str(data / "pairs.jsonl"), "--objective.ipo",
+                "--objective.beta", "0.5"],
+    }[command] + ["--model", str(model)]
+
+
+def objective_scores(model_dir: Path, data: Path) -> list[tuple[float, float]]:
+    """``(chosen, rejected)`` raw scores of every row of ``data``, as the ``rm`` objective computes them
+    in training: its ``encode`` and ``collate``, the model loaded as ``rlhf rm`` loads a reward model,
+    then its ``scores``."""
+    import torch
+
+    from rlhf.core.objective import FitModels
+    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.fit.local import build_parts
+    from rlhf.runtime.fit.plan import FitPlan
+
+    config = FitConfig.from_dict({"model": str(model_dir), "data": [str(data)], "objective": "rm", "batch_size": 1,
+                                  "out": str(model_dir.parent / "scored-by-objective")})
+    parts, _ = build_parts(FitPlan.make(config, build_plugin_manager(load_entrypoints=False)))
+    batch = parts.objective.collate(parts.train_examples, parts.pad_token_id)  # rows: chosen (P, T), then rejected
+    parts.trained.model.eval()
+    with torch.no_grad():
+        chosen, rejected = parts.objective.scores(FitModels(model=parts.trained.model), batch)  # (P,), (P,)
+    return list(zip(chosen.tolist(), rejected.tolist()))

@@ -5,23 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import pip_install, readme_plugin_files
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def pip_install(source: Path, target: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(source)],
-        check=True, capture_output=True, text=True,
-    )
 
 
 def rlhf_cli(target: Path, *args: str) -> subprocess.CompletedProcess:
@@ -45,22 +37,9 @@ def test_pip_installed_example_plugin_is_listed_with_version_and_component(tmp_p
     assert "object:      rlhf_hello.plugin:says_hello" in shown
 
 
-def _readme_files() -> dict[str, str]:
-    """The files of the README's "Write a plugin" example, keyed by their path comment."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Write a plugin", 1)[1].split("\n## ", 1)[0]
-    files = {}
-    for block in re.findall(r"```(?:toml|python)\n(.*?)```", section, re.S):
-        first, _, body = block.partition("\n")
-        match = re.match(r"#\s*(\S+)$", first)
-        if match:
-            files[match.group(1)] = body
-    return files
-
-
 @pytest.mark.slow
 def test_the_readme_plugin_example_installs_and_shows_up(tmp_path):
-    files = _readme_files()
+    files = readme_plugin_files()
     assert "pyproject.toml" in files and len(files) >= 2, f"README example files not found: {sorted(files)}"
     package = tmp_path / "readme-plugin"
     for relative, text in files.items():

@@ -13,7 +13,6 @@ most lr / 600 after 8 optimizer steps; one element at lr / 450 in a ZeRO-3 run a
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import yaml
 
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train
-from tests.helpers import run_cli
+from tests.helpers import read_jsonl, run_cli
 
 pytestmark = pytest.mark.deepspeed
 HERE = Path(__file__).parent
@@ -41,10 +40,6 @@ def run_values(model_dir, task, out, **overrides):
                   lr_scheduler="cosine", out=str(out), progress=False, seed=7)
     values.update(overrides)
     return values
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from rlhf.plugins.models.lora import AdapterDisabledModel
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train
 from rlhf.core.logprobs import token_logprobs
-from tests.helpers import run_cli
+from tests.helpers import read_jsonl, run_cli
 
 
 def small_config(model_dir, task, out, **overrides):
@@ -190,10 +190,6 @@ def _final_adapter(out):
     from safetensors.torch import load_file
 
     return load_file(str(out / "final" / "adapter_model.safetensors"))
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.slow

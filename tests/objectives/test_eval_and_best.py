@@ -27,19 +27,9 @@ from rlhf.plugins.objectives.sft import SFTObjective
 from rlhf.runtime.fit.config import FitConfig
 from rlhf.runtime.fit.data import _epoch_order
 from rlhf.runtime.fit.local import fit
-from tests.helpers import run_cli
-from tests.rewards.test_rm_train_and_score_agree import objective_scores
+from tests.helpers import objective_scores, read_jsonl, run_cli, write_jsonl
 
 WORDS = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -15,49 +15,10 @@ import torch
 import rlhf
 
 from rlhf.core.plugins import build_plugin_manager
-from tests.helpers import run_cli
+from tests.helpers import assert_same_gradients, command_args, read_jsonl, run_cli, torchrun, write_jsonl
 from tests.runtime.recording import RecordingBackend, recording_plugin
-from tests.runtime.test_data_parallel import torchrun
-from tests.runtime.test_training_math import assert_same_gradients
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Eight rows of each objective's data: words of various lengths, so micro-batches pad."""
-    root = tmp_path_factory.mktemp("fit-data")
-    words = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]
-    n = len(words)
-    write_jsonl(root / "sft.jsonl", [{"prompt": f"Q: {w}?", "response": f"{w} {w}"} for w in words])
-    write_jsonl(root / "pairs.jsonl", [{"prompt": f"Q: {w}?", "chosen": w, "rejected": words[(i + 3) % n]}
-                                       for i, w in enumerate(words)])
-    write_jsonl(root / "kto.jsonl", [{"prompt": f"Q: {w}?", "completion": w if i % 3 else words[(i + 1) % n],
-                                      "label": bool(i % 3)} for i, w in enumerate(words)])
-    write_jsonl(root / "steps.jsonl", [{"input": f"{w} @ {words[(i + 1) % n]} @", "label": ["+", "-"] if i % 2
-                                        else ["-", "+"]} for i, w in enumerate(words)])
-    return root
-
-
-def command_args(command: str, model: Path, data: Path, teacher: Path) -> list[str]:
-    return {
-        "sft": ["sft", "--data", str(data / "sft.jsonl")],
-        "rm": ["rm", "--data", str(data / "pairs.jsonl"), "--normalize-reward"],
-        "dpo": ["dpo", "--data", str(data / "pairs.jsonl"), "--beta", "0.5", "--nll-coef", "0.2"],
-        "kto": ["kto", "--data", str(data / "kto.jsonl"), "--output-key", "completion"],
-        "prm": ["prm", "--data", str(data / "steps.jsonl"), "--placeholder-token", "@", "--reward-tokens", "+", "-"],
-        "distill": ["distill", "--data", str(data / "sft.jsonl"), "--teacher", str(teacher)],
-        "fit": ["fit", "--objective", "dpo", "--data", str(data / "pairs.jsonl"), "--objective.ipo", "--objective.beta", "0.5"],
-    }[command] + ["--model", str(model)]
 
 
 def weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -66,18 +27,9 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Another random model with the same tokenizer."""
-    from rlhf.core.references import import_object
-
-    build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
-    return build(tmp_path_factory.mktemp("teacher"), seed=7)
-
-
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto", "prm", "distill", "fit"])
 def test_each_command_trains_and_the_step_does_not_depend_on_the_micro_batch_size(
-        command, tiny_model_dir, data, teacher, tmp_path):
+        command, tiny_model_dir, fit_data, fit_teacher, tmp_path):
     """Two optimizer steps of 4 examples, in micro-batches of 1 and of 4: the same gradients (the
     recording backend keeps them; plain SGD, as Adam would magnify rounding noise) and weights."""
     runs = []
@@ -86,7 +38,7 @@ def test_each_command_trains_and_the_step_does_not_depend_on_the_micro_batch_siz
         plugins = build_plugin_manager(load_entrypoints=False)
         plugins.register(recording_plugin())
         RecordingBackend.steps.clear()
-        args = command_args(command, tiny_model_dir, data, teacher) + [
+        args = command_args(command, tiny_model_dir, fit_data, fit_teacher) + [
             "--batch-size", "4", "--micro-batch-size", str(micro), "--steps", "2", "--lr", "0.1",
             "--backend", "recording", "--out", str(out), "--no-progress"]
         result = run_cli(plugins, args)
@@ -108,14 +60,15 @@ def test_each_command_trains_and_the_step_does_not_depend_on_the_micro_batch_siz
     assert any(not torch.allclose(start[n], v) for n, v in final_one.items() if n in start)  # it did train
 
 
-def test_the_rm_command_writes_a_sequence_classifier_that_rlhf_train_scores_with(tiny_model_dir, data, tmp_path):
+def test_the_rm_command_writes_a_sequence_classifier_that_rlhf_train_scores_with(tiny_model_dir, fit_data, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf.core.types import Trajectory
     from rlhf.rewards import load_rewards
 
     out = tmp_path / "rm"
-    result = run_cli(build_plugin_manager(load_entrypoints=False), command_args("rm", tiny_model_dir, data, data) + [
+    args = command_args("rm", tiny_model_dir, fit_data, fit_data)
+    result = run_cli(build_plugin_manager(load_entrypoints=False), args + [
         "--batch-size", "4", "--steps", "2", "--lr", "1e-2", "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     config = json.loads((out / "final" / "config.json").read_text())
@@ -136,12 +89,12 @@ def test_the_rm_command_writes_a_sequence_classifier_that_rlhf_train_scores_with
     assert scored == pytest.approx(expected, abs=1e-4)
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, data, tmp_path, make_plugin):
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, fit_data, tmp_path, make_plugin):
     from rlhf.runtime.fit.config import FitConfig
     from rlhf.runtime.fit.local import fit
 
     def config(out: Path, **extra) -> FitConfig:
-        return FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(data / "kto.jsonl")],
+        return FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(fit_data / "kto.jsonl")],
                                     "objective": "kto", "objective.output_key": "completion", "batch_size": 4,
                                     "micro_batch_size": 2, "epochs": 2, "lr": 1e-2, "lr_scheduler": "cosine", "threads": 1,
                                     "save_every": 2, "out": str(out), "progress": False, **extra})
@@ -170,10 +123,11 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, data, tmp_path,
         assert torch.equal(value, weights(interrupted / "final")[name]), name
 
 
-def test_eval_runs_on_schedule_and_save_best_keeps_the_best_model(tiny_model_dir, data, tmp_path):
+def test_eval_runs_on_schedule_and_save_best_keeps_the_best_model(tiny_model_dir, fit_data, tmp_path):
     out = tmp_path / "run"
-    result = run_cli(build_plugin_manager(load_entrypoints=False), command_args("dpo", tiny_model_dir, data, data) + [
-        "--eval-data", str(data / "pairs.jsonl"), "--batch-size", "2", "--micro-batch-size", "2", "--steps", "4",
+    args = command_args("dpo", tiny_model_dir, fit_data, fit_data)
+    result = run_cli(build_plugin_manager(load_entrypoints=False), args + [
+        "--eval-data", str(fit_data / "pairs.jsonl"), "--batch-size", "2", "--micro-batch-size", "2", "--steps", "4",
         "--lr", "1e-2", "--eval-every", "2", "--save-best", "eval/accuracy", "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     metrics = read_jsonl(out / "metrics.jsonl")
@@ -190,14 +144,14 @@ def test_eval_runs_on_schedule_and_save_best_keeps_the_best_model(tiny_model_dir
 
 
 @pytest.mark.slow
-def test_two_ranks_take_the_same_steps_as_one(tiny_model_dir, data, tmp_path):
+def test_two_ranks_take_the_same_steps_as_one(tiny_model_dir, fit_data, tmp_path):
     """KTO under torchrun: the step's reference point and units are summed over both ranks."""
     finals = []
     for nproc in (1, 2):
         out = tmp_path / f"ranks{nproc}"
-        torchrun(nproc, "-m", "rlhf", *command_args("kto", tiny_model_dir, data, data), "--batch-size", "4",
+        torchrun(nproc, "-m", "rlhf", *command_args("kto", tiny_model_dir, fit_data, fit_data), "--batch-size", "4",
                  "--micro-batch-size", "1", "--steps", "2", "--lr", "1e-2", "--out", str(out), "--no-progress",
-                 "--eval-data", str(data / "kto.jsonl"), cwd=ROOT)
+                 "--eval-data", str(fit_data / "kto.jsonl"), cwd=ROOT)
         finals.append((weights(out / "final"), read_jsonl(out / "metrics.jsonl")))
     (one, one_metrics), (two, two_metrics) = finals
     for name, value in one.items():
@@ -218,8 +172,8 @@ def fit_error(args: list[str]) -> str:
     return result.output
 
 
-def test_a_missing_column_names_the_file_and_the_columns_present(tiny_model_dir, data, tmp_path):
-    output = fit_error(["rm", "--model", str(tiny_model_dir), "--data", str(data / "sft.jsonl"),
+def test_a_missing_column_names_the_file_and_the_columns_present(tiny_model_dir, fit_data, tmp_path):
+    output = fit_error(["rm", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
                         "--out", str(tmp_path / "r")])
     assert "sft.jsonl: no column 'chosen' (columns: prompt, response)" in output
 
@@ -245,19 +199,19 @@ def test_a_pair_whose_chosen_equals_its_rejected_is_counted_and_skipped(tiny_mod
     assert len(read_jsonl(tmp_path / "r" / "metrics.jsonl")) == 1  # one usable pair, one step
 
 
-def test_an_objective_that_distills_says_it_needs_a_teacher(tiny_model_dir, data, tmp_path):
-    output = fit_error(["distill", "--model", str(tiny_model_dir), "--data", str(data / "sft.jsonl"),
+def test_an_objective_that_distills_says_it_needs_a_teacher(tiny_model_dir, fit_data, tmp_path):
+    output = fit_error(["distill", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
                         "--out", str(tmp_path / "r")])
     assert "pass --teacher MODEL" in output
 
 
-def test_an_unknown_objective_suggests_the_closest(tiny_model_dir, data, tmp_path):
+def test_an_unknown_objective_suggests_the_closest(tiny_model_dir, fit_data, tmp_path):
     output = fit_error(["fit", "--objective", "dpp", "--model", str(tiny_model_dir), "--data",
-                        str(data / "sft.jsonl"), "--out", str(tmp_path / "r")])
+                        str(fit_data / "sft.jsonl"), "--out", str(tmp_path / "r")])
     assert "dpo" in output
 
 
-def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, data, tmp_path, make_plugin):
+def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, fit_data, tmp_path, make_plugin):
     """A plugin registering its own objective (here: SFT on the responses' first token only)."""
     from rlhf.core.objective import ObjectiveBase, require
     from rlhf.objectives import sft_loss, token_batch
@@ -287,7 +241,7 @@ def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, data, tmp
         "first_token", FirstToken, default_lr=1e-3)))
     out = tmp_path / "run"
     result = run_cli(plugins, ["fit", "--objective", "first_token", "--model", str(tiny_model_dir), "--data",
-                               str(data / "sft.jsonl"), "--batch-size", "4", "--out", str(out), "--no-progress"])
+                               str(fit_data / "sft.jsonl"), "--batch-size", "4", "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     assert len(read_jsonl(out / "metrics.jsonl")) == 2
     assert read_jsonl(out / "metrics.jsonl")[0]["train/units"] == 4.0  # one learnt token per example
@@ -298,16 +252,17 @@ def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, data, tmp
 
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("command", ["dpo", "rm"])
-def test_zero3_takes_the_same_steps_as_the_torch_backend(command, tiny_model_dir, data, tmp_path):
+def test_zero3_takes_the_same_steps_as_the_torch_backend(command, tiny_model_dir, fit_data, tmp_path):
     """ZeRO-3 (parameters sharded; exported through full_weights) against the torch backend, with
     eval and --save-best exporting mid-run."""
     finals = {}
     for backend in ("torch", "deepspeed"):
         out = tmp_path / backend
         extra = ["--zero-stage", "3"] if backend == "deepspeed" else []
-        result = run_cli(build_plugin_manager(load_entrypoints=False), command_args(command, tiny_model_dir, data, data)
+        args = command_args(command, tiny_model_dir, fit_data, fit_data)
+        result = run_cli(build_plugin_manager(load_entrypoints=False), args
                          + ["--batch-size", "4", "--micro-batch-size", "2", "--steps", "2", "--lr", "1e-3",
-                            "--eval-data", str(data / "pairs.jsonl"), "--eval-every", "1", "--save-best",
+                            "--eval-data", str(fit_data / "pairs.jsonl"), "--eval-every", "1", "--save-best",
                             "eval/loss", "--backend", backend, *extra, "--out", str(out), "--no-progress"])
         assert result.exit_code == 0, result.output
         finals[backend] = (weights(out / "final"), read_jsonl(out / "metrics.jsonl"))
@@ -319,12 +274,12 @@ def test_zero3_takes_the_same_steps_as_the_torch_backend(command, tiny_model_dir
         assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-4)
 
 
-def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_dir, data, tmp_path):
+def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_dir, fit_data, tmp_path):
     from rlhf.runtime.fit.config import FitConfig
     from rlhf.runtime.fit.local import build_parts
     from rlhf.runtime.fit.plan import FitPlan
 
-    config = FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(data / "pairs.jsonl")],
+    config = FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(fit_data / "pairs.jsonl")],
                                   "objective": "dpo", "lora_rank": 4, "batch_size": 4, "out": str(tmp_path / "r")})
     run, _ = build_parts(FitPlan.make(config, build_plugin_manager(load_entrypoints=False)))
     trained = {p.data_ptr() for p in run.trained.model.parameters()}

@@ -15,15 +15,11 @@ from pathlib import Path
 import pytest
 
 from rlhf.core.plugins import build_plugin_manager
-from tests.helpers import run_cli
+from tests.helpers import read_jsonl, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples" / "tiny-model"
 PIPELINE = ROOT / "examples" / "pipeline"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def fit(args: list[str], out: Path) -> list[dict]:

@@ -18,7 +18,6 @@ asserts that the quantity such a bug would erase is far from zero at step 2.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -26,19 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.core.plugins import build_plugin_manager
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, assert_same_gradients, run_cli, write_jsonl
 from tests.runtime.recording import RecordingBackend, recording_plugin
-from tests.runtime.test_training_math import assert_same_gradients
 
 # Loop-level entries of a step's metrics (the rest is the objective's: its loss and its metrics).
 LOOP_METRICS = {"train/grad_norm", "train/lr", "train/skipped", "train/skipped_steps", "train/epoch", "train/units"}
 BATCH, MICRO = 4, 2
 PROMPTS = ["Q: cat?", "Q: the quick brown fox?", "Q: 12 + 7?", "Q: say hello to the world?"]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

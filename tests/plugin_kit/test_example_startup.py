@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.core.test_example_plugin import _readme_files, pip_install
+from tests.helpers import pip_install, readme_plugin_files
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 7
@@ -26,7 +25,7 @@ def _example_sources(tmp_path: Path) -> list[Path]:
         sources.append(tmp_path / "src" / package.name)
         shutil.copytree(package, sources[-1], ignore=shutil.ignore_patterns("build", "*.egg-info"))
     readme = tmp_path / "src" / "readme-plugin"
-    for relative, text in _readme_files().items():
+    for relative, text in readme_plugin_files().items():
         (readme / relative).parent.mkdir(parents=True, exist_ok=True)
         (readme / relative).write_text(text)
     return [*sources, readme]

@@ -5,7 +5,6 @@ run with a message naming it and a resumable checkpoint, and nothing is left run
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ import rlhf
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train as local_train
-from tests.helpers import write_task
+from tests.helpers import read_jsonl, write_task
 from tests.ray.conftest import actor_processes
 
 pytestmark = pytest.mark.ray
@@ -77,10 +76,6 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def samples(out):

@@ -25,41 +25,11 @@ import pytest
 
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.core.rollout import Generation
-from tests.helpers import run_cli
+from tests.helpers import objective_scores, read_jsonl, run_cli, write_jsonl
 
 WORDS = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]
 PAIRS = [{"prompt": f"Q: {word}?", "chosen": word, "rejected": WORDS[(index + 3) % len(WORDS)]}
          for index, word in enumerate(WORDS)]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def objective_scores(model_dir: Path, data: Path) -> list[tuple[float, float]]:
-    """``(chosen, rejected)`` raw scores of every row of ``data``, as the ``rm`` objective computes them
-    in training: its ``encode`` and ``collate``, the model loaded as ``rlhf rm`` loads a reward model,
-    then its ``scores``."""
-    import torch
-
-    from rlhf.core.objective import FitModels
-    from rlhf.runtime.fit.config import FitConfig
-    from rlhf.runtime.fit.local import build_parts
-    from rlhf.runtime.fit.plan import FitPlan
-
-    config = FitConfig.from_dict({"model": str(model_dir), "data": [str(data)], "objective": "rm", "batch_size": 1,
-                                  "out": str(model_dir.parent / "scored-by-objective")})
-    run, _ = build_parts(FitPlan.make(config, build_plugin_manager(load_entrypoints=False)))
-    batch = run.objective.collate(run.train_examples, run.pad_token_id)  # rows: chosen (P, T), then rejected
-    run.trained.model.eval()
-    with torch.no_grad():
-        chosen, rejected = run.objective.scores(FitModels(model=run.trained.model), batch)  # (P,), (P,)
-    return list(zip(chosen.tolist(), rejected.tolist()))
 
 
 @pytest.fixture(scope="module")

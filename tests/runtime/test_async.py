@@ -12,8 +12,7 @@ import torch
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.local import train
-from tests.helpers import run_cli
-from tests.runtime.test_train import _final_weights, read_jsonl, small_config
+from tests.helpers import final_weights, read_jsonl, run_cli, small_config
 
 TRAINING_KEYS = ("reward/mean", "policy/loss", "policy/grad_norm", "policy/approx_kl", "response/length_mean")
 
@@ -37,7 +36,7 @@ def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp
     assert _samples(tmp_path / "async") == _samples(tmp_path / "sync")
     assert [{k: m[k] for k in TRAINING_KEYS} for m in ahead] == [{k: m[k] for k in TRAINING_KEYS} for m in sync]
     assert all(m["async/staleness_max"] == 0 for m in ahead)
-    for (name, a), b in zip(_final_weights(tmp_path / "sync").items(), _final_weights(tmp_path / "async").values()):
+    for (name, a), b in zip(final_weights(tmp_path / "sync").items(), final_weights(tmp_path / "async").values()):
         assert torch.equal(a, b), name
     assert _no_producer_left()
 
@@ -79,8 +78,8 @@ def test_resume_with_batches_in_flight_reproduces_the_uninterrupted_run(tiny_mod
     resumed = _run(tiny_model_dir, task, tmp_path / "resumed", resume=True, **options)
     assert [{k: m[k] for k in TRAINING_KEYS} for m in resumed] == [{k: m[k] for k in TRAINING_KEYS} for m in straight]
     assert _samples(tmp_path / "resumed") == _samples(tmp_path / "straight")
-    for (name, a), b in zip(_final_weights(tmp_path / "straight").items(),
-                            _final_weights(tmp_path / "resumed").values()):
+    for (name, a), b in zip(final_weights(tmp_path / "straight").items(),
+                            final_weights(tmp_path / "resumed").values()):
         assert torch.equal(a, b), name
 
 

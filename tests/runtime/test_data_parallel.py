@@ -4,23 +4,13 @@ and `torchrun -m rlhf train` runs, checkpoints and resumes with two processes (g
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers import torchrun
 
 HERE = Path(__file__).parent
-
-
-def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
 
 
 @pytest.mark.slow

@@ -21,10 +21,8 @@ from rlhf.core.logprobs import token_logprobs
 from rlhf.core.packing import PackedModel, pack_rows, token_budget_groups, unpack
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.workers import PolicyWorker, UpdateSettings
-from tests.helpers import run_cli
-from tests.objectives.test_fit import command_args, data, read_jsonl, teacher  # noqa: F401 (fixtures)
+from tests.helpers import MAX_NEW, assert_same_gradients, command_args, make_batch, read_jsonl, run_cli
 from tests.runtime.recording import RecordingBackend, recording_plugin
-from tests.runtime.test_training_math import MAX_NEW, assert_same_gradients, make_batch
 
 
 def test_pack_rows_and_unpack_by_hand():
@@ -141,8 +139,8 @@ def test_a_policy_step_is_the_same_packed_and_in_token_budget_micro_batches(tiny
 
 
 @pytest.mark.parametrize("command", ["sft", "dpo", "kto", "distill"])
-def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(command, tiny_model_dir, data, teacher,
-                                                                          tmp_path):
+def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(command, tiny_model_dir, fit_data,
+                                                                          fit_teacher, tmp_path):
     """Padded micro-batches of 4 against packed ones of 1 example and packed token-budget ones."""
     runs = []
     for extra in ([], ["--packing", "--micro-batch-size", "1"], ["--packing", "--max-tokens-per-micro-batch", "40"]):
@@ -150,7 +148,7 @@ def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(comman
         plugins = build_plugin_manager(load_entrypoints=False)
         plugins.register(recording_plugin())
         RecordingBackend.clear()
-        args = command_args(command, tiny_model_dir, data, teacher) + [
+        args = command_args(command, tiny_model_dir, fit_data, fit_teacher) + [
             "--batch-size", "4", "--micro-batch-size", "4", "--steps", "2", "--lr", "0.1",
             "--backend", "recording", "--out", str(out), "--no-progress"] + extra
         result = run_cli(plugins, args)
@@ -165,9 +163,9 @@ def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(comman
             assert math.isclose(a["train/loss"], b["train/loss"], rel_tol=1e-4, abs_tol=1e-6)
 
 
-def test_a_bad_token_budget_is_a_user_error(tiny_model_dir, data, teacher, tmp_path):
+def test_a_bad_token_budget_is_a_user_error(tiny_model_dir, fit_data, fit_teacher, tmp_path):
     plugins = build_plugin_manager(load_entrypoints=False)
-    args = command_args("sft", tiny_model_dir, data, teacher) + ["--max-tokens-per-micro-batch", "0",
+    args = command_args("sft", tiny_model_dir, fit_data, fit_teacher) + ["--max-tokens-per-micro-batch", "0",
                                                                 "--out", str(tmp_path / "x")]
     result = run_cli(plugins, args)
     assert result.exit_code != 0 and "--max-tokens-per-micro-batch must be at least 1" in result.output

@@ -19,10 +19,9 @@ import torch
 from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.core.prefix_sharing import common_prefix, share_prefixes
-from tests.helpers import run_cli
-from tests.objectives.test_fit import command_args, data, read_jsonl, teacher  # noqa: F401 (fixtures)
+from tests.helpers import (assert_same_gradients, command_args, grouped_batch, read_jsonl, run_cli,
+                           shared_batch)
 from tests.runtime.recording import RecordingBackend, recording_plugin
-from tests.runtime.test_training_math import assert_same_gradients
 
 
 def test_common_prefix_by_hand():
@@ -60,29 +59,6 @@ def test_share_prefixes_lays_out_groups_by_hand():
     ]
 
 
-def shared_batch():
-    """8 rows in 4 groups, padded on both sides; actions on every real token after the third."""
-    prompt, other = [11, 12, 13, 14], [21, 22]
-    rows = [prompt + [30, 31, 32], prompt + [40, 41],          # a DPO pair
-            prompt + [50, 51, 52, 53], prompt + [50, 51, 60],  # responses that begin alike
-            other + [70], other + [70, 71, 72],                # a row that is a prefix of the other, with
-            [80, 81, 82, 83],                                  # a group of one
-            prompt + [50, 51, 52, 90]]                         # the third of rows 2 and 3's group
-    width = 10
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):
-        start = 1 if r % 2 else 0  # odd rows left-padded by one
-        ids[r, start:start + len(row)] = torch.tensor(row)
-        mask[r, start:start + len(row)] = 1
-    actions = torch.zeros((len(rows), width - 1))
-    for r in range(len(rows)):
-        real = mask[r].nonzero().flatten()
-        actions[r, int(real[2]):int(real[-1])] = 1  # predicts tokens 3.. of the row
-    groups = [[0, 1], [2, 3, 7], [4, 5], [6]]
-    return ids, mask, actions, groups
-
-
 @pytest.fixture(params=["sdpa", "eager"])
 def lm(request, tiny_model_dir):
     from transformers import AutoModelForCausalLM
@@ -113,11 +89,11 @@ def test_shared_logprobs_entropy_and_gradients_equal_the_separate_ones(lm):
     assert_same_gradients(got, expected, atol=1e-5)
 
 
-def dpo_steps(tiny_model_dir, data, teacher, out, extra):  # noqa: F811 (fixtures)
+def dpo_steps(tiny_model_dir, fit_data, fit_teacher, out, extra):
     plugins = build_plugin_manager(load_entrypoints=False)
     plugins.register(recording_plugin())
     RecordingBackend.steps.clear()
-    args = command_args("dpo", tiny_model_dir, data, teacher) + [
+    args = command_args("dpo", tiny_model_dir, fit_data, fit_teacher) + [
         "--batch-size", "4", "--micro-batch-size", "2", "--steps", "2", "--lr", "0.1",
         "--backend", "recording", "--out", str(out), "--no-progress"] + extra
     result = run_cli(plugins, args)
@@ -135,59 +111,36 @@ def assert_same_steps(got, expected):
             assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), key
 
 
-def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, data, teacher, tmp_path, monkeypatch):  # noqa: F811
+def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, fit_data, fit_teacher, tmp_path, monkeypatch):
     calls = []
     import rlhf.core.prefix_sharing as sharing
 
     real = sharing.share_prefixes
     monkeypatch.setattr(sharing, "share_prefixes", lambda *a: calls.append(1) or real(*a))
-    shared = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "shared", [])
+    shared = dpo_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path / "shared", [])
     assert calls, "the default dpo run did not share its prompts"
     calls.clear()
-    separate = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "separate", ["--no-share-prompt"])
+    separate = dpo_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path / "separate", ["--no-share-prompt"])
     assert not calls
     assert_same_steps(shared, separate)
 
 
-def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, data, teacher, tmp_path, monkeypatch,  # noqa: F811
+def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, fit_data, fit_teacher, tmp_path, monkeypatch,
                                                      caplog):
     import rlhf.core.prefix_sharing as sharing
 
-    separate = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "separate", ["--no-share-prompt"])
+    separate = dpo_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path / "separate", ["--no-share-prompt"])
     # a model whose attention reaches across rows: every real token sees every earlier one
     monkeypatch.setattr(sharing, "segment_forward_supported", lambda model: False)  # its own forward, masked
     monkeypatch.setattr(sharing, "attention_mask_4d",
                         lambda model, allowed: torch.ones_like(allowed).tril()[:, None])
     with caplog.at_level("WARNING"):
-        broken = dpo_steps(tiny_model_dir, data, teacher, tmp_path / "broken", [])
+        broken = dpo_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path / "broken", [])
     assert "differ from separate forwards" in caplog.text + broken[2]
     assert_same_steps(broken, separate)
 
 
 # --- rlhf train: a prompt's samples share its forward ---------------------------------------
-
-
-def grouped_batch(prompts: int = 4, samples: int = 3, seed: int = 5):
-    """``prompts`` x ``samples`` rows, a prompt's samples sharing its 10-16 tokens, completions of
-    2-8 tokens; random advantages on the completions."""
-    from rlhf.core.types import Trajectory
-    from rlhf.core.batch import collate
-
-    generator = torch.Generator().manual_seed(seed)
-    trajectories = []
-    for group in range(prompts):
-        prompt = torch.randint(5, 300, (10 + 2 * group,), generator=generator).tolist()
-        for sample in range(samples):
-            completion = torch.randint(5, 300, (2 + (group + 2 * sample) % 7,), generator=generator).tolist()
-            trajectories.append(Trajectory(token_ids=prompt + completion,
-                                           loss_mask=[0] * len(prompt) + [1] * len(completion),
-                                           prompt_length=len(prompt), prompt="", prompt_text="", completion_text="",
-                                           group=group))
-    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(len(trajectories)),
-                    sample_mask=torch.ones(len(trajectories)))
-    batch.advantages = torch.randn(batch.action_mask.shape, generator=generator) * batch.action_mask  # (B, A)
-    batch.returns = torch.zeros_like(batch.action_mask)  # (B, A)
-    return batch
 
 
 def test_shared_micro_batches_keep_a_prompts_samples_together_and_only_when_it_pays():

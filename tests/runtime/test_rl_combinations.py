@@ -28,7 +28,7 @@ import torch
 import rlhf
 from rlhf.algorithms.components import load_component
 from rlhf.core.plugins import PluginSet
-from tests.helpers import run_cli
+from tests.helpers import read_jsonl, run_cli
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
 # Every sample a different reward: the advantages are never all zero.
@@ -36,10 +36,6 @@ DENSE_REWARD = "def dense(completions, **kwargs):\n    return [sum(map(ord, c)) 
 PROMPTS_PER_STEP, N_SAMPLES = 2, 2
 ROLLOUT_ROWS = PROMPTS_PER_STEP * N_SAMPLES
 CLIP = 0.2  # the ppo loss's default ε (both sides)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def train_cli(plugins: PluginSet, model_dir: Path, task: Path, reward: Path, out: Path, *options: str) -> int:

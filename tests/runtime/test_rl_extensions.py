@@ -13,8 +13,7 @@ import rlhf
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.local import train
-from tests.helpers import run_cli
-from tests.runtime.test_train import read_jsonl, small_config
+from tests.helpers import read_jsonl, run_cli, small_config, torchrun
 
 # Groups of prompts with an even answer all score 1: no variance, nothing for GRPO to learn.
 HALF_CONSTANT = """
@@ -214,7 +213,6 @@ def test_gspo_and_seq_mask_tis_train_through_the_cli(tiny_model_dir, task, tmp_p
 
 @pytest.mark.slow
 def test_filtering_and_eval_under_torchrun_with_two_processes(tiny_model_dir, task, tmp_path):
-    from tests.runtime.test_data_parallel import torchrun
 
     reward = _reward_file(tmp_path, HALF_CONSTANT)
     out = tmp_path / "run"

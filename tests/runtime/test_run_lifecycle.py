@@ -20,8 +20,7 @@ from rlhf.core.errors import RlhfError
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.local import train
 from rlhf.runtime.run_dir import RunDirectory
-from tests.helpers import run_cli
-from tests.runtime.test_train import read_jsonl, small_config
+from tests.helpers import read_jsonl, run_cli, small_config
 
 
 def train_args(model, task, out, *extra):

@@ -23,8 +23,7 @@ import rlhf.core.segment_attention as segments
 from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
 from rlhf.core.prefix_sharing import share_prefixes
 from rlhf.core.segment_attention import segment_attention, segment_forward_supported, segment_layout, segments_pay
-from tests.runtime.test_prefix_sharing import shared_batch
-from tests.runtime.test_training_math import assert_same_gradients
+from tests.helpers import assert_same_gradients, shared_batch
 
 
 def test_segment_layout_by_hand():

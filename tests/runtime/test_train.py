@@ -18,19 +18,7 @@ from rlhf.core.errors import RlhfError
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train
-from tests.helpers import run_cli
-
-
-def small_config(model_dir, task, out, **overrides):
-    values = dict(model=str(model_dir), data=[str(task / "data.jsonl")], label_key="answer",
-                  reward=[str(task / "rewards.py")], prompts_per_step=2, n_samples=2, max_new_tokens=4,
-                  micro_batch_size=2, steps=2, lr=1e-3, out=str(out), progress=False, seed=7)
-    values.update(overrides)
-    return TrainConfig.from_dict(values)
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from tests.helpers import final_weights, read_jsonl, run_cli, small_config
 
 
 def test_cli_run_writes_a_complete_run_directory(tiny_model_dir, task, tmp_path):
@@ -128,12 +116,6 @@ def test_reward_edits_in_on_rewards_reach_the_loss(tiny_model_dir, task, tmp_pat
     assert metrics["reward/mean"] == 0.0 and metrics["policy/loss"] == 0.0  # GRPO advantages all 0
 
 
-def _final_weights(out):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
-
-
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
     # a fixed thread count: the default follows the machine's load, and float sums depend on it
     straight = tmp_path / "straight"
@@ -159,7 +141,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path,
     assert resumed == expected  # steps 1-2 before the crash, 3-4 after the resume: step 3's first rows were cut
     samples = lambda out: [(s["step"], s["completion"]) for s in read_jsonl(out / "samples.jsonl")]  # noqa: E731
     assert samples(interrupted) == samples(straight)
-    for (name, a), b in zip(_final_weights(straight).items(), _final_weights(interrupted).values()):
+    for (name, a), b in zip(final_weights(straight).items(), final_weights(interrupted).values()):
         assert torch.equal(a, b), name
 
 

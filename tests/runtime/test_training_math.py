@@ -29,9 +29,9 @@ from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train
 from rlhf.runtime.plan import RunPlan
 from rlhf.runtime.workers import CriticWorker, PolicyWorker, UpdateSettings
+from tests.helpers import MAX_NEW, ROWS, assert_same_gradients, make_batch
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
-ROWS, MAX_NEW = 8, 8
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +44,6 @@ def base_model(tiny_model_dir):
 @pytest.fixture
 def model(base_model):
     return copy.deepcopy(base_model)
-
-
-def make_batch(seed: int = 1):
-    """8 rows (4 prompts x 2 samples) of random tokens with different prompt and completion lengths."""
-    generator = torch.Generator().manual_seed(seed)
-    trajectories = []
-    for row in range(ROWS):
-        prompt = torch.randint(5, 300, (3 + row % 3,), generator=generator).tolist()
-        completion = torch.randint(5, 300, (2 + row % 5,), generator=generator).tolist()
-        trajectories.append(Trajectory(token_ids=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
-                                       prompt_length=len(prompt), prompt="", prompt_text="", completion_text="",
-                                       group=row // 2))
-    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(ROWS), sample_mask=torch.ones(ROWS))
-    batch.advantages = torch.zeros_like(batch.action_mask)  # (B, A)
-    batch.returns = torch.zeros_like(batch.action_mask)  # (B, A)
-    return batch
 
 
 def full_logprobs(model, batch, temperature: float = 1.0):
@@ -77,14 +61,6 @@ def gradients(model, loss):
     model.zero_grad()
     loss.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def assert_same_gradients(got, expected, atol=1e-6):
-    assert got.keys() == expected.keys()
-    scale = max(float(g.abs().max()) for g in expected.values())
-    assert scale > 1e-4, "the expected gradient is zero: the test checks nothing"
-    for name, grad in expected.items():
-        assert torch.allclose(got[name], grad, atol=atol * max(scale, 1.0), rtol=1e-4), name
 
 
 def fit_once(model, batch, objective, *, micro_batch_size=3, worker_cls=PolicyWorker):

@@ -18,8 +18,7 @@ import torch
 from rlhf.algorithms import resolve_algorithm
 from rlhf.core.plugins import build_plugin_manager
 from tests.runtime.recording import RecordingBackend
-from tests.runtime.test_prefix_sharing import grouped_batch
-from tests.runtime.test_training_math import assert_same_gradients
+from tests.helpers import assert_same_gradients, grouped_batch
 
 
 def plugins():
