@@ -18,6 +18,7 @@ import torch
 from rlhf.algorithms import (
     AlgorithmConfigError,
     LoadedComponent,
+    aggregate_loss,
     compute_advantages,
     load_component,
     policy_loss,
@@ -172,6 +173,16 @@ def test_a_reference_or_a_function_works_without_registration(plugins):
     assert loss.item() == -0.5
     with pytest.raises(AlgorithmConfigError, match="not a policy loss"):
         load_component("policy_loss", load_component("kl_estimator", "k1", plugins=plugins))
+
+
+def test_the_functions_find_components_of_the_plugin_set_they_are_given(plugins, make_plugin):
+    """A component only a run's own plugin set has (not the process-wide default one) is found by name."""
+    plugins.register(make_plugin("halving", register_loss_aggregations=lambda register: register(
+        "halved_token_mean", lambda loss, action_mask, norm: (loss * action_mask).sum() / norm.num_tokens / 2)))
+    assert aggregate_loss("halved_token_mean", torch.ones(1, 2), torch.ones(1, 2), plugins=plugins).item() == 0.5
+    loss, _ = policy_loss("ppo", logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
+                          action_mask=torch.ones(1, 2), aggregation="halved_token_mean", plugins=plugins)
+    assert loss.item() == -0.5
 
 
 def test_a_broken_estimator_output_names_the_estimator(plugins, make_plugin):
