@@ -74,6 +74,9 @@ AREAS = {
         "rlhf/plugins/objectives/dpo.py", "rlhf/plugins/objectives/kto.py", "rlhf/plugins/objectives/prm.py",
         "rlhf/plugins/objectives/distill.py", "rlhf/plugins/objectives/pairs.py", "rlhf/rewards/reward_model.py",
     ], OFFLINE_TESTS),
+    "run lifecycle": ([
+        "rlhf/runtime/best_model.py",
+    ], RL_TESTS + OFFLINE_TESTS),
     "fast paths": ([
         "rlhf/core/logprobs.py", "rlhf/core/prefix_sharing.py", "rlhf/core/segment_attention.py",
         "rlhf/core/cpu_linear.py", "rlhf/plugins/engines/lean_decode.py", "rlhf/plugins/engines/hf.py",
@@ -173,18 +176,20 @@ CURATED = [
     ("rlhf/plugins/objectives/prm.py", "per_token[position] = label", "per_token[position - 1] = label",
      "prm: labels one position before the placeholders"),
     # eval, best model and data order (issue 31)
-    ("rlhf/runtime/fit/loop.py", "examples = self.objective.step_examples(list(self.run_.eval_examples))",
-     "examples = self.objective.step_examples(list(self.run_.train_examples))", "fit: eval on the training set"),
+    ("rlhf/runtime/fit/loop.py", "examples = self.objective.step_examples(list(self.parts.eval_examples))",
+     "examples = self.objective.step_examples(list(self.parts.train_examples))", "fit: eval on the training set"),
     ("rlhf/runtime/fit/loop.py", "return done % every == 0 or done == self.total_steps", "return done % every == 0",
      "fit: no final eval when the step count is not a multiple of --eval-every"),
-    ("rlhf/runtime/fit/loop.py", "        self.best = state.get(\"best\")", "        self.best = None",
-     "fit: --resume forgets the best eval"),
+    ("rlhf/runtime/fit/loop.py", "        self.best_model.record = state.get(\"best\")",
+     "        self.best_model.record = None", "fit: --resume forgets the best eval"),
     ("rlhf/runtime/fit/data.py", "order = _epoch_order(self.num_examples, self.seed, epoch)",
      "order = _epoch_order(self.num_examples, self.seed, 0)", "fit: the same shuffle every epoch"),
-    ("rlhf/runtime/trainer.py", "        if not math.isfinite(value):  # a NaN eval (every eval reward skipped) is never best\n"
-     "            return\n", "", "RL: a NaN eval becomes the best"),
-    ("rlhf/runtime/trainer.py", "self.best, self.last_eval = state.get(\"best\"), state.get(\"last_eval\") or {}",
-     "self.best, self.last_eval = None, state.get(\"last_eval\") or {}", "RL: --resume forgets the best eval"),
+    ("rlhf/runtime/best_model.py", "        if not math.isfinite(value):\n            return\n", "",
+     "a NaN eval becomes the best"),
+    ("rlhf/runtime/best_model.py", "if not (value < best if direction == \"min\" else value > best):",
+     "if not (value <= best if direction == \"min\" else value >= best):", "a tie replaces the best"),
+    ("rlhf/runtime/trainer.py", "self.best_model.record, self.last_eval = state.get(\"best\"), state.get(\"last_eval\") or {}",
+     "self.best_model.record, self.last_eval = None, state.get(\"last_eval\") or {}", "RL: --resume forgets the best eval"),
     # RL options in combination (issue 31)
     ("rlhf/runtime/experience.py", "        if old is None and self.recompute_old:\n",
      "        if self.recompute_old:\n", "async: old log-probs recomputed with the trained policy, not the behaviour's"),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,10 +32,10 @@ from rlhf.core.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, R
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import RunInfo, Trajectory
 from rlhf.runtime.async_generation import AsyncGeneration, AsyncParts, Prepared
+from rlhf.runtime.best_model import BestModel
 from rlhf.runtime.data import PromptLoader
 from rlhf.runtime.evaluation import Evaluator
 from rlhf.runtime.experience import ExperienceMaker, row_metadata, source_rewards
-from rlhf.runtime.options import best_metric
 from rlhf.runtime.plan import RunPlan
 from rlhf.runtime.lifecycle import SteppedLoop, run_loop
 from rlhf.runtime.progress import RL_FIELDS
@@ -100,8 +99,7 @@ class Trainer(SteppedLoop):
         self.sample_filter = plan.sample_filter() if self.dist.is_main else None
         self.shapings = plan.reward_shapings(plugins) if self.dist.is_main else []
         self.evaluator = self._evaluator()
-        self.best_spec = best_metric(self.config.save_best)
-        self.best: dict[str, Any] | None = None  # {"metric", "value", "step"} of the policy in <out>/best
+        self.best_model = BestModel(self.config.save_best)  # --save-best
         self.last_eval: dict[str, float] = {}
         self.async_generation = self._async_generation() if self.config.async_rollout else None
         # async: eval samples from a stream of its own, so the producer's stays deterministic
@@ -325,20 +323,8 @@ class Trainer(SteppedLoop):
         with generation.separate_stream(self.eval_stream) if generation is not None else contextlib.nullcontext():
             self.last_eval = self.evaluator.run()
         self._emit("on_eval", run=run, step=done, metrics=self.last_eval)
-        if self.best_spec is None:
-            return
-        name, direction = self.best_spec
-        if name not in self.last_eval:
-            raise RlhfError(f"--save-best {self.config.save_best}: the eval reports no {name}; it reports "
-                            f"{', '.join(sorted(self.last_eval))}")
-        value = self.last_eval[name]
-        if not math.isfinite(value):  # a NaN eval (every eval reward skipped) is never best
-            return
-        if self.best is not None and not (value < self.best["value"] if direction == "min"
-                                          else value > self.best["value"]):
-            return
-        self.best = {"metric": name, "value": value, "step": done}
-        self.run_dir.write_model(self.run_dir.path / "best", self.workers.export, record={"best.json": self.best})
+        self.best_model.consider(self.last_eval, done, lambda record: self.run_dir.write_model(
+            self.run_dir.path / "best", self.workers.export, record={"best.json": record}))
 
     def _check_rewards(self, step: int, metrics: dict[str, float]) -> None:
         """A reward source that failed on every sample teaches nothing: say so, and stop after
@@ -384,7 +370,7 @@ class Trainer(SteppedLoop):
 
     def trainer_state(self) -> dict[str, Any]:
         return {"loader": self.workers.loader.state_dict(), "fingerprint": self.fingerprint,
-                "world_size": self.dist.world_size, "kl": self.kl.state_dict(), "best": self.best,
+                "world_size": self.dist.world_size, "kl": self.kl.state_dict(), "best": self.best_model.record,
                 "last_eval": self.last_eval,
                 "eval_rng": None if self.eval_stream["rng"] is None else [s.tolist() for s in self.eval_stream["rng"]]}
 
@@ -392,7 +378,7 @@ class Trainer(SteppedLoop):
         self.workers.loader.load_state_dict(state["loader"])
         if "kl" in state:
             self.kl.load_state_dict(state["kl"])
-        self.best, self.last_eval = state.get("best"), state.get("last_eval") or {}
+        self.best_model.record, self.last_eval = state.get("best"), state.get("last_eval") or {}
         if state.get("eval_rng") is not None:
             self.eval_stream["rng"] = [torch.tensor(s, dtype=torch.uint8) for s in state["eval_rng"]]
         differences = fingerprint_differences(state["fingerprint"], self.fingerprint)

@@ -249,3 +249,14 @@ def test_max_samples_takes_that_many_rows(tiny_model_dir, data, tmp_path):
         "--batch-size", "2", "--steps", "1", "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     assert read_jsonl(out / "metrics.jsonl")[0]["train/epoch"] == 0.5
+
+
+def test_a_save_best_metric_the_eval_does_not_report_names_those_it_does(tiny_model_dir, data, tmp_path,
+                                                                         make_plugin):
+    from rlhf.core.errors import RlhfError
+
+    ScriptedEvalSFT.script = [1.0] * 4
+    with pytest.raises(RlhfError, match=r"--save-best eval/qualty: the eval reports no eval/qualty; it reports "
+                                        r"eval/loss, eval/quality$"):
+        fit(scripted_config(tiny_model_dir, data, tmp_path / "run", save_best="eval/qualty"),
+            plugins=scripted_plugins(make_plugin))

@@ -21,7 +21,6 @@ Everything the loop needs from the objective is the contract of ``rlhf.core.obje
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -38,7 +37,7 @@ from rlhf.core.objective import FitModels, Objective
 from rlhf.core.packing import PackedModel, token_budget_groups
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
-from rlhf.runtime.options import best_metric
+from rlhf.runtime.best_model import BestModel
 from rlhf.runtime.fit.data import StepOrder
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.lifecycle import SteppedLoop, run_loop
@@ -110,8 +109,7 @@ class FitLoop(SteppedLoop):
         self.order = StepOrder(len(parts.train_examples), self.config.batch_size, self.config.seed)
         self.total_steps = plan.total_steps
         self.fingerprint = plugin_fingerprint(plugins)
-        self.best_spec = best_metric(self.config.save_best)
-        self.best: dict[str, Any] | None = None  # {"metric", "value", "step"} of the model in <out>/best
+        self.best_model = BestModel(self.config.save_best)  # --save-best
         self.start_step = 0
 
     @property
@@ -139,7 +137,8 @@ class FitLoop(SteppedLoop):
         done = step + 1
         if self._eval_due(done):
             metrics.update(self.evaluate())
-            self._keep_if_best(metrics, done)
+            self.best_model.consider(metrics, done, lambda record: self._export(self.run_dir.path / "best",
+                                                                                record))
         return metrics
 
     def export_final(self, directory: Path) -> None:
@@ -283,22 +282,6 @@ class FitLoop(SteppedLoop):
         every = self.config.eval_every or self.order.steps_per_epoch
         return done % every == 0 or done == self.total_steps
 
-    def _keep_if_best(self, metrics: dict[str, float], done: int) -> None:
-        if self.best_spec is None:
-            return
-        name, direction = self.best_spec
-        if name not in metrics:
-            raise RlhfError(f"--save-best {self.config.save_best}: the eval reports no {name}; it reports "
-                            f"{', '.join(sorted(k for k in metrics if k.startswith('eval/')))}")
-        value = metrics[name]
-        if not math.isfinite(value):
-            return
-        if self.best is not None and not (value < self.best["value"] if direction == "min"
-                                          else value > self.best["value"]):
-            return
-        self.best = {"metric": name, "value": value, "step": done}
-        self._export(self.run_dir.path / "best", record=self.best)
-
     def _export(self, directory: Path, record: dict[str, Any] | None = None) -> None:
         """The trained model to ``directory`` (written like a checkpoint: beside it, fsynced, renamed
         into place), with the objective's entries in its config.json (and ``record`` as best.json)."""
@@ -312,7 +295,7 @@ class FitLoop(SteppedLoop):
         return {"model": self.trained}
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "world_size": self.dist.world_size, "best": self.best,
+        return {"fingerprint": self.fingerprint, "world_size": self.dist.world_size, "best": self.best_model.record,
                 "num_examples": self.order.num_examples}
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -323,7 +306,7 @@ class FitLoop(SteppedLoop):
         if differences and self.dist.is_main:
             log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
                         "\n  ".join(differences))
-        self.best = state.get("best")
+        self.best_model.record = state.get("best")
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
