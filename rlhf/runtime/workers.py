@@ -8,7 +8,6 @@ Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ from rlhf.core.prefix_sharing import can_share, checked_for_sharing, share_prefi
 from rlhf.runtime.micro_batches import MicroBatch, minibatches, my_rows, plan_micro_batches
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.trained import TrainedModel
+from rlhf.runtime.weighted_means import WeightedMeans
 
 
 @dataclass(kw_only=True)
@@ -44,29 +44,6 @@ class UpdateSettings:
 
 # A micro-batch's share of the minibatch loss, its metrics and their weight (its loss tokens).
 MicroLoss = Callable[["MicroBatch", LossNorm], tuple[torch.Tensor, dict[str, Any], float]]
-
-
-class MetricMean:
-    """Averages per-micro-batch metrics, weighting each by its number of loss tokens."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
-
-    def add(self, metrics: dict[str, Any], weight: float = 1.0) -> None:
-        for key, value in metrics.items():
-            value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-            self.sums[key] += value * weight
-            self.weights[key] += weight
-
-    def result(self, dist: DistContext = SINGLE) -> dict[str, float]:
-        """Weighted means, over every rank's additions when data-parallel."""
-        sums, weights = defaultdict(float), defaultdict(float)
-        for rank_sums, rank_weights in dist.all_gather((dict(self.sums), dict(self.weights))):
-            for key, value in rank_sums.items():
-                sums[key] += value
-                weights[key] += rank_weights[key]
-        return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
 
 def micro_logprobs(model: Any, micro: MicroBatch, *, temperature: float, with_entropy: bool = False,
@@ -160,7 +137,7 @@ class _TrainedWorker(TrainedModel):
         return PackedModel(model) if self.settings.packing else model
 
     def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss, share: bool = False,
-             trained_rows: Callable[[ExperienceBatch], torch.Tensor | None] | None = None) -> MetricMean:
+             trained_rows: Callable[[ExperienceBatch], torch.Tensor | None] | None = None) -> WeightedMeans:
         """The update loop of every trained role: epochs over shuffled minibatches, one optimizer
         step per minibatch, gradients accumulated over this rank's micro-batches.
 
@@ -178,7 +155,7 @@ class _TrainedWorker(TrainedModel):
             raise RlhfError("--max-tokens-per-micro-batch does not work with a backend that shards the weights "
                             "(ZeRO-3) over several ranks yet; use --micro-batch-size")
         self.model.train()
-        metrics = MetricMean()
+        metrics = WeightedMeans()
         for minibatch in minibatches(batch, self.settings, step):
             norm = step_norm(minibatch, self.settings.max_new_tokens)
             if norm.num_tokens == 0:
@@ -199,7 +176,7 @@ class _TrainedWorker(TrainedModel):
         return metrics
 
     def _rows_that_train(self, minibatch: ExperienceBatch, trained_rows: Callable[[ExperienceBatch], Any] | None,
-                         whole_groups: bool, metrics: MetricMean) -> ExperienceBatch:
+                         whole_groups: bool, metrics: WeightedMeans) -> ExperienceBatch:
         """The minibatch without the rows ``trained_rows`` says add exactly nothing to the loss and its
         gradient (zero advantages, `PolicyObjective.trained_rows`): their forwards and backwards are
         skipped, the step's counts (``norm``) still include them. ``whole_groups``: a row is

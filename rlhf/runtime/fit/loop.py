@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.lifecycle import SteppedLoop, run_loop
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.threads import adjust_threads
+from rlhf.runtime.weighted_means import WeightedMeans, sum_over_ranks
 from rlhf.runtime.trained import TrainedModel
 
 log = logging.getLogger(__name__)
@@ -63,40 +63,6 @@ class FitParts:
     pad_token_id: int
     export: Callable[[Path, dict[str, Any]], None]  # (directory, config.json entries); called on every rank
     dist: DistContext = SINGLE
-
-
-class WeightedMeans:
-    """Weighted means of metrics over micro-batches and ranks. A value is a float (weighted by the
-    micro-batch's units) or a ``(mean, weight)`` pair."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
-
-    def add(self, metrics: dict[str, Any], units: float) -> None:
-        for key, value in metrics.items():
-            mean, weight = value if isinstance(value, tuple) else (value, units)
-            mean = float(mean.detach()) if isinstance(mean, torch.Tensor) else float(mean)
-            if weight > 0:
-                self.sums[key] += mean * float(weight)
-                self.weights[key] += float(weight)
-
-    def result(self, dist: DistContext) -> dict[str, float]:
-        sums: dict[str, float] = defaultdict(float)
-        weights: dict[str, float] = defaultdict(float)
-        for rank_sums, rank_weights in dist.all_gather((dict(self.sums), dict(self.weights))):
-            for key, value in rank_sums.items():
-                sums[key] += value
-                weights[key] += rank_weights[key]
-        return {key: sums[key] / weights[key] for key in sums if weights[key] > 0}
-
-
-def sum_over_ranks(values: dict[str, float] | None, dist: DistContext) -> dict[str, float]:
-    totals: dict[str, float] = defaultdict(float)
-    for part in dist.all_gather(values or {}):
-        for key, value in part.items():
-            totals[key] += value
-    return dict(totals)
 
 
 class FitLoop(SteppedLoop):
@@ -151,7 +117,7 @@ class FitLoop(SteppedLoop):
         micros = self._micro_batches(self.dist.shard(examples))
         units = [float(self.objective.units(batch)) for batch in micros]
         step_units = sum(sum(part) for part in self.dist.all_gather(units))
-        stats = self._statistics(micros, self.objective.step_statistics)
+        stats = self._statistics([(batch, True) for batch in micros], self.objective.step_statistics)
         trained, means = self.trained, WeightedMeans()
         trained.model.train()
         finite = True
@@ -209,18 +175,20 @@ class FitLoop(SteppedLoop):
         mask = batch.get("attention_mask")
         return mask if isinstance(mask, torch.Tensor) else None  # (rows, T)
 
-    def _statistics(self, micros: list[dict[str, Any]], compute: Callable[..., dict[str, float] | None]
-                    ) -> dict[str, float]:
-        """``compute(models, batch)`` summed over the micro-batches and the ranks, no grad, eval
-        mode; empty when the objective has no such pass (its first answer is None)."""
+    def _statistics(self, passes: Iterable[tuple[dict[str, Any], bool]],
+                    compute: Callable[..., dict[str, float] | None]) -> dict[str, float]:
+        """``compute(models, batch)`` summed over the counted ``(batch, counted)`` passes and the ranks,
+        no grad, eval mode; empty when the objective has no such pass (its first answer is None).
+        The step's statistics, the eval's and the final ones are all this."""
         sums: dict[str, float] | None = None
         self.trained.model.eval()
         with torch.no_grad():
-            for batch in micros:
+            for batch, counted in passes:
                 part = compute(self.models, batch)
                 if part is None:
                     break
-                sums = {k: (sums or {}).get(k, 0.0) + float(v) for k, v in part.items()}
+                if counted:
+                    sums = {k: (sums or {}).get(k, 0.0) + float(v) for k, v in part.items()}
         return sum_over_ranks(sums, self.dist)
 
     def _passes(self, examples: list[Any]) -> Iterator[tuple[dict[str, Any], bool]]:
@@ -244,17 +212,9 @@ class FitLoop(SteppedLoop):
             return {}
         examples = self.objective.step_examples(list(self.parts.eval_examples))
         passes = list(self._passes(examples))
-        stats: dict[str, float] | None = None
-        self.trained.model.eval()
+        stats = self._statistics(passes, self.objective.step_statistics)
         means = WeightedMeans()
         with torch.no_grad():
-            for batch, counted in passes:
-                part = self.objective.step_statistics(self.models, batch)
-                if part is None:
-                    break
-                if counted:
-                    stats = {k: (stats or {}).get(k, 0.0) + float(v) for k, v in part.items()}
-            stats = sum_over_ranks(stats, self.dist)
             for batch, counted in passes:
                 loss, metrics = self.objective.loss(self.models, batch, stats)
                 if counted:
@@ -263,16 +223,7 @@ class FitLoop(SteppedLoop):
 
     def final_statistics(self) -> dict[str, float]:
         """The objective's ``final_statistics`` over the training examples (no grad, eval mode)."""
-        sums: dict[str, float] | None = None
-        self.trained.model.eval()
-        with torch.no_grad():
-            for batch, counted in self._passes(list(self.parts.train_examples)):
-                part = self.objective.final_statistics(self.models, batch)
-                if part is None:
-                    break
-                if counted:
-                    sums = {k: (sums or {}).get(k, 0.0) + float(v) for k, v in part.items()}
-        return sum_over_ranks(sums, self.dist)
+        return self._statistics(self._passes(list(self.parts.train_examples)), self.objective.final_statistics)
 
     # --- eval schedule, best model, outputs ------------------------------------------------------
 
