@@ -44,7 +44,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
             "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
             "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py",
             "tests/runtime/test_packing.py", "tests/runtime/test_segment_attention.py",
-            "tests/speed/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py"]
+            "tests/speed/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py",
+            "tests/runtime/test_run_lifecycle.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/runtime/test_packing.py"]
 

@@ -262,6 +262,30 @@ def test_mismatch_correction_weights(plugins, correction, weights):
     assert metrics["policy/mismatch_kl"].item() == approx(-math.log(4) / 4, abs=1e-6)
 
 
+def test_the_correction_bounds_are_inclusive():
+    """A ratio exactly at a bound is inside [lo, hi]: icepop keeps it, tis leaves it as it is."""
+    from rlhf.plugins.algorithms.mismatch import correction_weights
+
+    logp_old = torch.full((1, 3), -1.0)
+    rollout_logp = logp_old - torch.tensor([[0.5, 1.0, 2.0]]).log()
+    ratio = (logp_old - rollout_logp).exp()  # (1, 3), as the correction computes it
+    low, high = float(ratio[0, 0]), float(ratio[0, 2])
+    for kind in ("icepop", "tis"):
+        weights, outside = correction_weights(logp_old, rollout_logp, kind=kind, bounds=(low, high))
+        assert weights.tolist() == ratio.tolist() and not outside.any(), kind
+
+
+def test_masked_sums_and_means_over_a_dimension():
+    from rlhf.core.masked import masked_mean, masked_sum
+
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert masked_sum(x, mask, dim=1).tolist() == [3.0, 0.0]
+    assert masked_mean(x, mask, dim=1).tolist() == [1.5, 0.0]  # an empty row's mean is 0
+    assert masked_mean(x, mask, dim=0).tolist() == [1.0, 2.0, 0.0]
+    assert masked_mean(x, mask).item() == 1.5
+
+
 # --- loss aggregations on a hand-computed 2×3 example -------------------------------------------
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])

@@ -28,7 +28,7 @@ import torch
 import rlhf
 from rlhf.algorithms.components import load_component
 from rlhf.core.plugins import PluginSet
-from tests.helpers import read_jsonl, run_cli
+from tests.helpers import assert_same_gradients, final_weights, read_jsonl, run_cli
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
 # Every sample a different reward: the advantages are never all zero.
@@ -176,14 +176,6 @@ def ppo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tenso
     return -(surrogate * mask).sum() / mask.sum()
 
 
-def assert_same_gradients(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == expected.keys()
-    scale = max(float(g.abs().max()) for g in expected.values())
-    assert scale > 1e-4, "the expected gradient is zero: the test checks nothing"
-    for name, grad in expected.items():
-        assert torch.allclose(got[name], grad, rtol=1e-4, atol=1e-5 * scale), name
-
-
 # --- a. --async: the behaviour policy's log-probs -----------------------------------------------
 
 
@@ -237,7 +229,7 @@ def test_async_trains_against_the_behaviour_policys_logprobs(tiny_model_dir, tas
         # the step's first optimizer step: the whole rollout batch, the PPO loss with logp_old = behaviour
         loss = ppo_loss(trained, behaviour, estimate["advantages"], action_mask)
         expected = policy.gradient(loss)
-        assert_same_gradients(RecordingBackend.steps[step * steps_per_rollout], expected)
+        assert_same_gradients(RecordingBackend.steps[step * steps_per_rollout], expected, atol=1e-5)
 
 
 # --- b. adaptive β with KL in the reward ------------------------------------------------------------
@@ -281,6 +273,33 @@ def test_adaptive_beta_reaches_the_next_steps_rewards(tiny_model_dir, task, rewa
     assert [m["kl/beta"] for m in metrics] == pytest.approx(expected, rel=1e-9)
 
 
+def test_adaptive_beta_reaches_the_next_steps_loss(tiny_model_dir, task, reward, tmp_path, plugins):
+    """With KL in the loss, the β of step s's KL term is the controller's after step s − 1 (the
+    ``kl/beta`` of that step's metrics), not the preset's fixed β: step s's gradient is that of
+    token_mean(−Â·ρ) + β_s·token_mean(k3), computed here from the recorded weights."""
+    recorder = Recorder()
+    plugins.register(recording_plugin())
+    plugins.register(recorder.module())
+    RecordingBackend.clear()
+    train_cli(plugins, tiny_model_dir, task, reward, tmp_path / "run", "--algo", "reinforce_pp", "--advantage",
+              "recorded", "--kl-in", "loss", "--kl-estimator", "k3", "--kl-coef", "0.5", "--kl-target", "1e-6",
+              "--kl-horizon", "1", "--backend", "recording", "--lr", "0.5", "--train-batch-size", str(ROLLOUT_ROWS),
+              "--steps", "3")
+    betas = [m["kl/beta"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert betas[0] == 0.5 and abs(betas[2] - betas[0]) > 0.1  # the controller moved β
+    policy = Policy(tiny_model_dir)
+    step = 2
+    input_ids, attention, action_mask = padded(recorder.trajectories[step])  # (B, T), (B, T), (B, A)
+    with torch.no_grad():
+        reference = policy.set(RecordingBackend.weights[0]).logprobs(input_ids, attention)  # (B, A)
+    trained = policy.set(RecordingBackend.weights[step]).logprobs(input_ids, attention)  # (B, A), with grad
+    delta = trained - reference  # (B, A)
+    k3 = (torch.exp(-delta) - 1 + delta).clamp(-10, 10)  # (B, A)
+    loss = ppo_loss(trained, trained.detach(), recorder.estimates[step]["advantages"], action_mask) \
+        + betas[step] * (k3 * action_mask).sum() / action_mask.sum()
+    assert_same_gradients(RecordingBackend.steps[step], policy.gradient(loss), atol=1e-5)
+
+
 # --- c. an --async checkpoint while generation lags ---------------------------------------------
 
 UNTIMED = ("time/", "throughput/", "async/wait_s", "async/idle_s")
@@ -288,12 +307,6 @@ UNTIMED = ("time/", "throughput/", "async/wait_s", "async/idle_s")
 
 def untimed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in row.items() if not k.startswith(UNTIMED)} for row in rows]
-
-
-def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
 
 
 def test_async_checkpoint_while_generation_lags_resumes_exactly(tiny_model_dir, task, reward, tmp_path, plugins,
