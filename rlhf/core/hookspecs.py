@@ -352,8 +352,9 @@ def on_rollout_end(run: RunInfo, step: int, trajectories: list[Trajectory]) -> N
 def on_rewards(run: RunInfo, step: int, trajectories: list[Trajectory], rewards: torch.Tensor) -> None:
     """Rewards of a rollout batch were computed (before advantages).
 
-    ``rewards`` is the combined reward per trajectory, float32 ``(B,)``; implementations may
-    edit it in place (e.g. a length penalty). Per-source scores are in
+    ``rewards`` is the combined reward per trajectory, float32 ``(B,)``, 0 for a trajectory whose
+    reward was skipped (``trajectory.reward`` None; it trains nothing whatever is written here);
+    implementations may edit it in place (e.g. a length penalty). Per-source scores are in
     ``trajectory.rewards``.
     """
 

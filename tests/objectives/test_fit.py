@@ -297,3 +297,23 @@ def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_di
         base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(**batch).logits
     assert torch.allclose(reference_logits, base_logits, atol=1e-5)
     assert not torch.allclose(trained_logits, base_logits, atol=1e-3)
+
+
+def test_resume_warns_about_a_changed_plugin_set_and_only_then(tiny_model_dir, fit_data, tmp_path, make_plugin,
+                                                               caplog):
+    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.fit.local import fit
+
+    def config(steps: int, **extra) -> FitConfig:
+        return FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(fit_data / "sft.jsonl")],
+                                    "objective": "sft", "batch_size": 4, "steps": steps, "save_every": 1,
+                                    "threads": 1, "out": str(tmp_path / "run"), "progress": False, **extra})
+
+    fit(config(1), plugins=build_plugin_manager(load_entrypoints=False))
+    caplog.clear()
+    fit(config(2, resume=True, resume_override=["steps"]), plugins=build_plugin_manager(load_entrypoints=False))
+    assert "different plugin set" not in caplog.text
+    plugins = build_plugin_manager(load_entrypoints=False)
+    plugins.register(make_plugin("newcomer", on_step_end=lambda step: None))
+    fit(config(3, resume=True, resume_override=["steps"]), plugins=plugins)
+    assert "resuming with a different plugin set" in caplog.text

@@ -116,6 +116,19 @@ def test_reward_edits_in_on_rewards_reach_the_loss(tiny_model_dir, task, tmp_pat
     assert metrics["reward/mean"] == 0.0 and metrics["policy/loss"] == 0.0  # GRPO advantages all 0
 
 
+def test_on_rewards_sees_0_for_a_sample_whose_reward_was_skipped(tiny_model_dir, task, tmp_path, plugins,
+                                                                make_plugin):
+    (tmp_path / "half.py").write_text("def reward_func(completions, **kwargs):\n"
+                                      "    return [None if i % 2 else 0.5 for i in range(len(completions))]\n")
+    seen = []
+    plugins.register(make_plugin("watcher", on_rewards=lambda trajectories, rewards: seen.append(
+        ([t.reward for t in trajectories], rewards.tolist()))))
+    train(small_config(tiny_model_dir, task, tmp_path / "run", steps=1, reward=[str(tmp_path / "half.py")]),
+          plugins=plugins)
+    (scores, rewards), = seen
+    assert None in scores and rewards == [0.0 if score is None else score for score in scores]
+
+
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
     # a fixed thread count: the default follows the machine's load, and float sums depend on it
     straight = tmp_path / "straight"
