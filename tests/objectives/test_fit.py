@@ -199,6 +199,12 @@ def test_a_pair_whose_chosen_equals_its_rejected_is_counted_and_skipped(tiny_mod
     assert len(read_jsonl(tmp_path / "r" / "metrics.jsonl")) == 1  # one usable pair, one step
 
 
+def test_a_margin_column_the_data_lacks_names_the_file_and_the_columns(tiny_model_dir, fit_data, tmp_path):
+    message = fit_error(["rm", "--model", str(tiny_model_dir), "--data", str(fit_data / "pairs.jsonl"),
+                         "--margin-key", "margin", "--out", str(tmp_path / "run")])
+    assert "pairs.jsonl" in message and "margin" in message and "chosen" in message
+
+
 def test_an_objective_that_distills_says_it_needs_a_teacher(tiny_model_dir, fit_data, tmp_path):
     output = fit_error(["distill", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
                         "--out", str(tmp_path / "r")])

@@ -110,8 +110,9 @@ def gradients(loss: torch.Tensor, named: dict[str, torch.nn.Parameter]) -> dict[
 # --- sft ---------------------------------------------------------------------------------------
 
 
-SFT_ROWS = [{"prompt": p, "response": r} for p, r in zip(PROMPTS, ["cat cat", "jumps over the lazy dog", "19",
-                                                                    "hello world!"])]
+# the last prompt is one token: the loss mask's second position is then a response token
+SFT_ROWS = [{"prompt": p, "response": r} for p, r in zip(PROMPTS[:3] + ["7"], ["cat cat", "jumps over the lazy dog",
+                                                                              "19", "hello world!"])]
 
 
 def test_sft_is_the_mean_nll_of_every_response_token_of_the_step(tiny_model_dir, tokenizer, tmp_path):

@@ -153,3 +153,34 @@ def test_rlhf_train_with_the_reward_model_scores_the_training_pairs_as_training_
     assert len(rewards) == 2 * len(PAIRS)
     check_against_training(trained_rm, [(rewards[row["prompt"], row["chosen"]],
                                          rewards[row["prompt"], row["rejected"]]) for row in PAIRS])
+
+
+def test_a_tokenizer_that_adds_bos_scores_as_it_trained(tiny_model_dir, tmp_path):
+    """Training encodes prompt + response + EOS without special tokens; a scorer that let the
+    tokenizer add its BOS (as Llama's do) would read a different sequence."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from rlhf.rewards import load_reward
+
+    model_dir = tmp_path / "bos-model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", tokenizer.bos_token_id)])
+    tokenizer.save_pretrained(model_dir)
+    assert AutoTokenizer.from_pretrained(model_dir)("cat")["input_ids"][0] == tokenizer.bos_token_id
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    out = tmp_path / "rm"
+    result = run_cli(build_plugin_manager(load_entrypoints=False), [
+        "rm", "--model", str(model_dir), "--data", str(pairs), "--batch-size", "4", "--steps", "1", "--lr", "1e-2",
+        "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    raw = objective_scores(out / "final", pairs)
+    source = load_reward(str(out / "final"), plugins=build_plugin_manager(load_entrypoints=False))
+    prompts = [row["prompt"] for row in PAIRS]
+    chosen = source.score(prompts, [row["chosen"] for row in PAIRS])
+    rejected = source.score(prompts, [row["rejected"] for row in PAIRS])
+    assert list(zip(chosen, rejected)) == [pytest.approx(pair, abs=1e-4) for pair in raw]
