@@ -323,3 +323,26 @@ def test_resume_warns_about_a_changed_plugin_set_and_only_then(tiny_model_dir, f
     plugins.register(make_plugin("newcomer", on_step_end=lambda step: None))
     fit(config(3, resume=True, resume_override=["steps"]), plugins=plugins)
     assert "resuming with a different plugin set" in caplog.text
+
+
+def test_under_sharded_weights_a_rank_short_of_micro_batches_repeats_one_uncounted():
+    """Every forward is a collective under ZeRO-3: a rank with fewer eval micro-batches than another
+    runs its first one again, and that pass counts for nothing."""
+    from types import SimpleNamespace
+
+    from rlhf.runtime.fit.loop import FitLoop
+
+    class TwoRanks:
+        active = True
+
+        def shard(self, examples):
+            return examples
+
+        def all_gather(self, count):
+            return [count, count + 1]  # the other rank has one micro-batch more
+
+    loop = SimpleNamespace(dist=TwoRanks(), trained=SimpleNamespace(backend=SimpleNamespace(shards_weights=True)),
+                           _micro_batches=lambda examples: [[example] for example in examples])
+    assert list(FitLoop._passes(loop, ["a", "b"])) == [(["a"], True), (["b"], True), (["a"], False)]
+    loop.trained.backend.shards_weights = False  # forwards are not collectives: no extra pass
+    assert list(FitLoop._passes(loop, ["a", "b"])) == [(["a"], True), (["b"], True)]

@@ -89,6 +89,22 @@ def test_shared_logprobs_entropy_and_gradients_equal_the_separate_ones(lm):
     assert_same_gradients(got, expected, atol=1e-5)
 
 
+def test_the_masked_shared_forward_projects_only_the_positions_it_scores(lm):
+    """Under the row's mask (segments do not pay for a batch this small), the model is asked for
+    logits at the columns some action needs only (``logits_to_keep``), not at every position."""
+    ids, mask, actions, groups = shared_batch()
+    rows = share_prefixes(ids, mask, groups)
+    calls = []
+    handle = lm.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    try:
+        shared_token_logprobs(lm, rows, ids, actions)
+    finally:
+        handle.remove()
+    (kwargs,) = calls
+    kept = kwargs["logits_to_keep"]
+    assert 0 < kept.numel() < rows.input_ids.shape[1]
+
+
 def dpo_steps(tiny_model_dir, fit_data, fit_teacher, out, extra):
     plugins = build_plugin_manager(load_entrypoints=False)
     plugins.register(recording_plugin())
