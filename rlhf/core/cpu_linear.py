@@ -1,10 +1,10 @@
 """Linear layers on a CPU through oneDNN's matrix product where torch's default runs at half speed.
 
 torch's float32 ``F.linear`` on a CPU calls MKL's sgemm, and MKL runs its AVX2 kernels on
-processors that are not Intel's even where they have AVX-512: on one core of an AMD EPYC (Zen 5)
-it reaches ~100 GFLOP/s. oneDNN, which torch also ships, picks its kernels by instruction set and
-runs AVX-512 there: 2.0-2.3x per training product (290 x 256 -> 1024: 1.56 -> 0.76 ms), 1.5x
-per decoding product (32 rows: 190 -> 122 us), the same float32 arithmetic (equal to rounding).
+processors that are not Intel's even where they have AVX-512, so it runs at half the CPU's
+vector width there. oneDNN, which torch also ships, picks its kernels by instruction set and runs
+AVX-512: the same float32 arithmetic (equal to rounding), faster per product for training and
+decoding alike.
 A linear layer's three products, each as oneDNN's ``x·Wᵀ``, both operands read in place:
 
     forward      y  = x·Wᵀ + b          x (M, K), W (N, K), y (M, N)
@@ -16,9 +16,9 @@ A linear layer's three products, each as oneDNN's ``x·Wᵀ``, both operands rea
 `OneDnnLinear`, a subclass: weights, state dicts, LoRA wrapping and saving are unchanged). A
 call takes it only where it can and pays: a float32 CPU input, no autocast, no torch.compile
 tracing, not a DeepSpeed ZeRO-3 partitioned weight, and a product of at least `ONEDNN_FROM`
-multiply-adds (a oneDNN call costs ~10 us more than MKL's, so tiny products keep MKL); every
-other call is ``nn.Linear``'s own. oneDNN builds a kernel the first time it sees a shape (~0.35
-ms, then cached), which runs whose micro-batches all differ in token count pay: ~2 % of a step
+multiply-adds (a oneDNN call has a fixed cost above MKL's, so tiny products keep MKL); every
+other call is ``nn.Linear``'s own. oneDNN builds a kernel the first time it sees a shape, then
+caches it, which runs whose micro-batches all differ in token count pay a little of each step
 (padding the rows up to a few fixed counts saved nothing: the copies cost as much).
 ``--model-adapter.cpu_linear``: ``auto`` (oneDNN where MKL does not use AVX-512: an AVX-512 CPU
 not made by Intel, `onednn_pays`), ``onednn`` or ``torch``.

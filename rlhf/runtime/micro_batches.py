@@ -35,7 +35,7 @@ def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> 
 def micro_batches(minibatch: ExperienceBatch, size: int, max_tokens: int | None = None,
                   packed: bool = False) -> list[tuple[torch.Tensor, ExperienceBatch]]:
     """``(rows, micro-batch)`` pairs of rows of similar length: sorting by length before cutting
-    removes most padding (1.5x faster fits on mixed lengths), and losses are sums over rows, so
+    removes most padding (benchmarks/packing.py measures the fits on mixed lengths), and losses are sums over rows, so
     the order changes nothing but float rounding. ``size`` rows each, or with ``max_tokens`` as
     many as fit that many tokens (`token_budget_groups`: real tokens when ``packed``)."""
     lengths = minibatch.attention_mask.sum(dim=1)  # (b,)

@@ -1,6 +1,6 @@
 """CPU threads that stay fast on a machine other jobs share.
 
-Two things make a torch process on a busy CPU 10-50x slower than on an idle one: more intra-op
+Two things make a torch process on a busy CPU many times slower than on an idle one: more intra-op
 threads than the cores free for them (every parallel op then waits for a thread that is not
 scheduled), and OpenMP's default wait policy, whose idle threads spin for a while (GNU OpenMP:
 300,000 rounds) before they sleep, burning the time slice the missing thread needs. So:

@@ -42,7 +42,7 @@ class TorchBackend(TrainBackendBase):
         self.config = config
         self.params = [p for p in model.parameters() if p.requires_grad]
         assert self.params, "the model has no trainable parameters"
-        # One fused kernel per parameter instead of a dozen ops: 5x faster steps on a CPU.
+        # One fused kernel per parameter instead of a dozen ops per parameter.
         fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.adam_betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay, fused=fused or None)

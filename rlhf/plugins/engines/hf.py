@@ -12,8 +12,8 @@ Two decoders sample the same distribution from the same logits:
   spends a fifth of a small model's decode time on per-token machinery (logits-processor and
   stopping-criteria objects, re-preparing inputs, rebuilding masks); this loop does only the
   forward, the sampling and the EOS bookkeeping. On a CPU it samples by inverse CDF (one uniform
-  per row): ``torch.multinomial`` draws an exponential per vocabulary entry there, about 30 ms per
-  token for 32 rows of a 32k vocabulary. Used when there are no stop strings and the model is a
+  per row): ``torch.multinomial`` draws an exponential per vocabulary entry there, which costs
+  more than the forward of a small model at a large vocabulary. Used when there are no stop strings and the model is a
   plain decoder-only transformers model (no model-specific input preparation).
 * ``lean``: ``direct`` with each decode step run by `LeanDecoder`
   (rlhf/plugins/engines/lean_decode.py): the model's own modules over a cache allocated once,

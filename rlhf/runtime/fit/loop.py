@@ -147,8 +147,8 @@ class FitLoop(SteppedLoop):
 
     def _micro_batches(self, examples: list[Any]) -> list[dict[str, Any]]:
         """``--micro-batch-size`` examples each, or as many as fit ``--max-tokens-per-micro-batch``,
-        cut after sorting by length: padding to the longest of similar lengths, not of any (1.5x less
-        CPU time for forward + backward of mixed lengths, benchmarks/packing.py). Losses are sums
+        cut after sorting by length: padding to the longest of similar lengths, not of any (less
+        CPU time for forward + backward of mixed lengths: benchmarks/packing.py). Losses are sums
         over micro-batches, so the order changes nothing but float rounding."""
         size, max_tokens = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
         device, pad = self.trained.device, self.parts.pad_token_id
