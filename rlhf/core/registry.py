@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import ComponentConflictError, PluginError, UnknownComponentError
 from rlhf.core.kinds import Kind
+from rlhf.core.settings import check_config_cls
 
 if TYPE_CHECKING:
     from rlhf.core.plugins import PluginRecord
@@ -59,7 +60,12 @@ class Component:
 
     def load_config_cls(self) -> type | None:
         if isinstance(self.config_cls, str):
-            self.config_cls = self._import(self.config_cls, " (config_cls)")
+            config_cls = self._import(self.config_cls, " (config_cls)")
+            problem = check_config_cls(config_cls)
+            if problem:
+                raise PluginError(f"{self.kind.title} {self.name!r} from {self.provider.label}: config_cls "
+                                  f"{self.config_cls!r} should be {problem}")
+            self.config_cls = config_cls
         return self.config_cls
 
     def _import(self, ref: str, what: str) -> Any:
@@ -97,6 +103,14 @@ def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
         problem = kind.check(obj)
         if problem:
             raise TypeError(f"{kind.title} {name!r} should be {problem}, got {type(obj).__name__}")
+    if isinstance(config_cls, str):
+        if ":" not in config_cls:
+            raise ValueError(f"{kind.title} {name!r}: a lazy config_cls must read 'module.path:attr', got "
+                             f"{config_cls!r}")
+    elif config_cls is not None:
+        problem = check_config_cls(config_cls)
+        if problem:
+            raise TypeError(f"{kind.title} {name!r}: config_cls should be {problem}, got {config_cls!r}")
     if description is None:
         description = "" if isinstance(obj, str) else _first_doc_line(obj)
     return Component(

@@ -62,6 +62,24 @@ def test_config_class_is_kept_with_the_component(make_plugin, bare_plugins):
     assert bare_plugins.registry("policy_loss").component("clipped").load_config_cls() is ClipConfig
 
 
+def test_a_config_class_that_cannot_hold_settings_is_refused_at_registration(make_plugin, bare_plugins):
+    class NotADataclass:
+        clip: float = 0.2
+
+    record = bare_plugins.register(make_plugin("rlhf_odd_config", register_policy_losses=lambda register: register(
+        "odd", lambda inputs, config: None, config_cls=NotADataclass)))
+    bare_plugins.registries()
+    assert record.status == "error" and "policy loss 'odd': config_cls should be a dataclass" in record.error
+
+
+def test_a_lazy_config_class_is_checked_when_it_is_loaded(fake_site, make_plugin, bare_plugins):
+    fake_site.add("rlhf-lazy-config", "0.1", {}, {"rlhf_lazy_config": "class Settings:\n    clip = 0.2\n"})
+    bare_plugins.register(make_plugin("rlhf_lazy_config_plugin", register_policy_losses=lambda register: register(
+        "lazy_config", lambda inputs, config: None, config_cls="rlhf_lazy_config:Settings")))
+    with pytest.raises(PluginError, match="config_cls 'rlhf_lazy_config:Settings' should be a dataclass"):
+        bare_plugins.registry("policy_loss").component("lazy_config").load_config_cls()
+
+
 def test_lazy_reference_is_imported_only_on_lookup(fake_site, make_plugin, bare_plugins):
     fake_site.add("rlhf-lazy", "0.1", {}, {"rlhf_lazy_impl": """
         def score(completions):
