@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     import torch
 
     from rlhf.core.batch import ExperienceBatch
+    from rlhf.core.rewards import RewardResult
     from rlhf.core.rollout import SamplingParams
     from rlhf.core.types import Trajectory
-    from rlhf.rewards.combine import RewardResult
 
 
 @runtime_checkable

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlhf.rewards.failures import RewardFailure, apply_policy
+from rlhf.core.rewards import RewardFailure, RewardResult
+from rlhf.rewards.failures import apply_policy
 from rlhf.rewards.options import ON_ERROR_CHOICES
 from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
 from rlhf.rewards.threads import start_in_background
@@ -28,28 +28,6 @@ if TYPE_CHECKING:
     from rlhf.core.types import Trajectory
 
 RESERVED_NAMES = ("mean", "failures", "skipped")  # metric keys of the set itself
-
-
-@dataclass
-class RewardResult:
-    """Rewards of one batch: the total per sample, each source's scores, and metrics."""
-
-    total: list[float | None]  # weighted sum; None = drop the sample from the loss
-    per_source: dict[str, list[float | None]]  # after the policy: failures are 0 (zero) or None (skip)
-    metrics: dict[str, float]
-    scores: dict[str, list[float | None]] = field(default_factory=dict)  # OpenRLHF `scores`, by source
-    first_error: RewardFailure | None = None  # the first failure of this call, if any
-    # Per sample, when a source gave `scores`: the weighted sum of each source's score (its reward
-    # where it gave none). Empty: the scores are the totals.
-    combined_scores: list[float | None] = field(default_factory=list)
-
-    def assign(self, trajectories: Sequence[Trajectory]) -> None:
-        """Write ``reward``, ``rewards`` (per source) and ``score`` into the trajectories."""
-        assert len(trajectories) == len(self.total), f"{len(trajectories)} trajectories, {len(self.total)} rewards"
-        for i, trajectory in enumerate(trajectories):
-            trajectory.reward = self.total[i]
-            trajectory.rewards = {name: values[i] for name, values in self.per_source.items()}
-            trajectory.score = self.combined_scores[i] if self.combined_scores else self.total[i]
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

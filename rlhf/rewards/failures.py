@@ -9,9 +9,9 @@ log the first failure of each source once, with its traceback, and count the res
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from rlhf.core.errors import ConfigError, RlhfError
+from rlhf.core.rewards import RewardFailure
 
 logger = logging.getLogger("rlhf.rewards")
 
@@ -26,26 +26,6 @@ class RewardError(RlhfError):
 
 class RewardConfigError(RewardError, ConfigError):
     """A reward source cannot run at all (bad spec, missing input, unreachable setup); never a sample failure."""
-
-
-@dataclass
-class RewardFailure:
-    """One sample that a source could not score."""
-
-    source: str  # the source's metric name
-    where: str  # function with its file or module, URL, or model directory
-    index: int  # sample index in the scored batch
-    reason: str  # "exception", "timeout", "wrong length", "not finite", "bad value", "http"
-    message: str  # one line
-    prompt: str = ""  # excerpt of the sample's prompt
-    traceback: str = ""  # the original traceback text, when there was an exception
-
-    def describe(self) -> str:
-        text = (f"reward {self.source!r} ({self.where}) failed on sample {self.index} ({self.reason}): "
-                f"{self.message}\n  prompt: {self.prompt!r}")
-        if self.traceback:
-            text += "\n" + self.traceback.rstrip()
-        return text
 
 
 def excerpt(text: object, limit: int = 120) -> str:

@@ -18,7 +18,8 @@ from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 from rlhf.core.types import LossNorm, Trajectory
-from rlhf.rewards.combine import RewardResult, RewardSet
+from rlhf.core.rewards import RewardResult
+from rlhf.rewards.combine import RewardSet
 from rlhf.core.logprobs import shared_token_logprobs, token_logprobs, without_last_token
 from rlhf.core.packing import PackedModel, is_packed
 from rlhf.core.prefix_sharing import can_share, checked_for_sharing, share_prefixes
