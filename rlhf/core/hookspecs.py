@@ -62,22 +62,21 @@ Register = Callable[..., None]
 def register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators (``--advantage NAME``).
 
-    ``register(name, estimator, *, needs_critic=False, needs_groups=False, config_cls=None)``.
-    ``needs_critic``: the run must build a critic and pass values. ``needs_groups``: the
-    estimator compares the n samples of a prompt; the runtime refuses to start with n < 2.
-
-    ``estimator(inputs, config) -> (advantages, returns)`` with ``inputs`` an
-    ``rlhf.core.types.AdvantageInputs``: ``rewards (B,)`` float sequence rewards,
-    ``action_mask (B, A)`` float 0/1, ``kl (B, A)`` per-token KL to place in the reward or
-    ``None``, ``kl_coef`` (β), ``values (B, A)`` or ``None``, ``group_size`` (n; rows of one
-    prompt are contiguous) and ``sample_mask (B,)`` bool or ``None`` (False: leave the sample
-    out of group statistics and whitening and give it advantage and return 0),
-    ``source_rewards`` (``{source name: (B,)}``, NaN where a source gave none) and ``metadata``
-    (one dict per row: dataset columns, ``label``, ``info``, ``finish_reason``, ...). ``config`` is
-    an ``rlhf.core.types.AdvantageConfig`` (``gamma``, ``lambd``, ``std_norm``,
-    ``reward_clip``), or an instance of ``config_cls``, which should subclass it. Both
-    outputs are ``(B, A)`` and zero where ``action_mask`` is 0. Called once per rollout
-    batch, under ``torch.no_grad()``; ``rlhf.algorithms.compute_advantages`` calls it by name.
+    - ``register(name, estimator, *, needs_critic=False, needs_groups=False, config_cls=None)``;
+      ``needs_critic``: the run must build a critic and pass values; ``needs_groups``: the
+      estimator compares the n samples of a prompt, and the runtime refuses to start with n < 2.
+    - ``estimator(inputs, config) -> (advantages, returns)``, both ``(B, A)`` and zero where
+      ``action_mask`` is 0; called once per rollout batch, under ``torch.no_grad()``
+      (``rlhf.algorithms.compute_advantages`` calls it by name).
+    - ``inputs`` (``rlhf.core.types.AdvantageInputs``): ``rewards (B,)`` float sequence rewards,
+      ``action_mask (B, A)`` float 0/1, ``kl (B, A)`` per-token KL to place in the reward or
+      ``None``, ``kl_coef`` (β), ``values (B, A)`` or ``None``, ``group_size`` (n; rows of one
+      prompt are contiguous), ``sample_mask (B,)`` bool or ``None`` (False: leave the sample out
+      of group statistics and whitening, give it advantage and return 0), ``source_rewards``
+      (``{source name: (B,)}``, NaN where a source gave none) and ``metadata`` (one dict per row:
+      dataset columns, ``label``, ``info``, ``finish_reason``, ...).
+    - ``config``: an ``rlhf.core.types.AdvantageConfig`` (``gamma``, ``lambd``, ``std_norm``,
+      ``reward_clip``), or an instance of ``config_cls``, which should subclass it.
     """
 
 
@@ -85,26 +84,25 @@ def register_advantage_estimators(register: Register) -> None:
 def register_policy_losses(register: Register) -> None:
     """Register per-token policy losses (``--policy-loss NAME``).
 
-    ``register(name, loss, *, config_cls=None, needs_rollout_logprobs=False, aggregation=None,
-    advantage_weighted=False)``.
-    ``needs_rollout_logprobs``: the loss reads ``inputs.rollout_logprobs`` (the engine is then asked
-    for them); a bool, or a function of the loss's config object (``ppo`` needs them only with a
-    mismatch ``correction``). ``aggregation``: a loss aggregation name this loss is always reduced
-    with, whatever the run's ``--loss-agg`` (``gspo``: ``seq_mean_token_mean``); None: the run's.
-    ``advantage_weighted``: every token's loss is its advantage times a finite factor, so a row
-    whose advantages are all 0 adds exactly 0 to the loss and its gradient; with an aggregation
-    that ``sums_rows`` and no KL or entropy term, training then skips such rows' forwards
-    (``ppo`` and ``gspo`` declare it).
-
-    ``loss(inputs, config) -> (per_token_loss, metrics)`` with ``inputs`` an
-    ``rlhf.core.types.PolicyLossInputs``: ``logprobs (B, A)`` (with grad), ``old_logprobs``,
-    ``advantages``, ``action_mask`` (float 0/1; all ``(B, A)``) and ``rollout_logprobs (B, A)``
-    or ``None`` (log-probs reported by the rollout engine). ``config`` is an instance of
-    ``config_cls`` or ``None``. Returns the loss per token ``(B, A)``, 0 where ``action_mask``
-    is 0 (the host aggregates it with the run's loss aggregation), and a dict of detached
-    scalars under namespaced keys (``policy/clip_frac``, ``policy/approx_kl``, ...). Called
-    once per micro-batch by ``rlhf.algorithms.policy_objective``, which training uses: the host
-    adds the KL and entropy terms and the aggregation.
+    - ``register(name, loss, *, config_cls=None, needs_rollout_logprobs=False, aggregation=None,
+      advantage_weighted=False)``.
+    - ``needs_rollout_logprobs``: the loss reads ``inputs.rollout_logprobs`` (the engine is then
+      asked for them); a bool, or a function of the loss's config object (``ppo`` needs them only
+      with a mismatch ``correction``).
+    - ``aggregation``: a loss aggregation this loss is always reduced with, whatever the run's
+      ``--loss-agg`` (``gspo``: ``seq_mean_token_mean``); None: the run's.
+    - ``advantage_weighted``: every token's loss is its advantage times a finite factor, so a row
+      whose advantages are all 0 adds exactly 0 to the loss and its gradient; with an aggregation
+      that ``sums_rows`` and no KL or entropy term, training then skips such rows' forwards
+      (``ppo`` and ``gspo`` declare it).
+    - ``loss(inputs, config) -> (per_token_loss, metrics)``: ``inputs`` an
+      ``rlhf.core.types.PolicyLossInputs`` (``logprobs (B, A)`` with grad, ``old_logprobs``,
+      ``advantages``, ``action_mask`` float 0/1, all ``(B, A)``, and ``rollout_logprobs (B, A)``
+      or ``None``: the rollout engine's log-probs); ``config`` an instance of ``config_cls`` or
+      ``None``. The loss per token is ``(B, A)`` and 0 where ``action_mask`` is 0; the metrics are
+      detached scalars under namespaced keys (``policy/clip_frac``, ``policy/approx_kl``, ...).
+    - Called once per micro-batch by ``rlhf.algorithms.policy_objective``, which training uses:
+      the host adds the KL and entropy terms and the aggregation.
     """
 
 
@@ -166,17 +164,18 @@ def register_rewards(register: Register) -> None:
 def register_sample_filters(register: Register) -> None:
     """Register sample filters (``--filter-groups`` with ``--sample-filter NAME``).
 
-    ``register(name, sample_filter, *, config_cls=None)``.
-
-    ``sample_filter(groups, config) -> keep``: ``groups`` is the step's rollout as a list of
-    prompt groups, each the list of its n scored ``rlhf.core.types.Trajectory`` (``reward``:
-    the total after reward shaping, None when dropped; ``rewards``: per source; ``score``: the
-    reward functions' OpenRLHF ``scores`` when they gave them, else the total before shaping;
-    ``finish_reason``, ``num_policy_tokens``, ``columns``, ``info``). Returns one bool per group,
-    decided from that group's contents (not its position): False drops the whole group, and the loop samples new prompts until ``--prompts-per-step``
-    groups are kept (at most ``--max-filter-rounds`` rounds). ``config`` is an instance of
-    ``config_cls`` (its settings ``--sample-filter.<field>``; run fields such as
-    ``filter_range``) or None. Called on the main process only; must be deterministic.
+    - ``register(name, sample_filter, *, config_cls=None)``.
+    - ``sample_filter(groups, config) -> keep``: ``groups`` is the step's rollout as a list of
+      prompt groups, each the list of its n scored ``rlhf.core.types.Trajectory`` (``reward``:
+      the total after reward shaping, None when dropped; ``rewards``: per source; ``score``: the
+      reward functions' OpenRLHF ``scores`` when they gave them, else the total before shaping;
+      ``finish_reason``, ``num_policy_tokens``, ``columns``, ``info``).
+    - Returns one bool per group, decided from that group's contents (not its position): False
+      drops the whole group, and the loop samples new prompts until ``--prompts-per-step`` groups
+      are kept (at most ``--max-filter-rounds`` rounds).
+    - ``config``: an instance of ``config_cls`` (its settings ``--sample-filter.<field>``; run
+      fields such as ``filter_range``) or None.
+    - Called on the main process only; must be deterministic.
     """
 
 
@@ -185,16 +184,17 @@ def register_reward_shapings(register: Register) -> None:
     """Register reward shapings (``--reward-shaping NAME``; ``overlong`` and ``truncation`` are
     turned on by ``--overlong-buffer`` and ``--truncated-reward``).
 
-    ``register(name, shaping, *, config_cls=None)``.
-
-    ``shaping(trajectories, rewards, config) -> (rewards, metrics)``: ``rewards`` is the list of
-    each trajectory's total reward after the reward sources (None: the sample is dropped from
-    the loss; keep it None); return the shaped list and a dict of scalar metrics (namespaced,
-    e.g. ``overlong/penalized``). Trajectories give lengths (``num_policy_tokens``: tokens the
-    policy generated, never environment tokens), ``finish_reason`` ("length" when cut by the
-    limit) and everything a reward sees. ``config`` is an instance of ``config_cls`` built from
-    run fields (``max_new_tokens``, ``overlong_buffer``, ...) or None. Shapings run in the order
-    overlong, truncation, then ``--reward-shaping`` order.
+    - ``register(name, shaping, *, config_cls=None)``.
+    - ``shaping(trajectories, rewards, config) -> (rewards, metrics)``: ``rewards`` is each
+      trajectory's total reward after the reward sources (None: the sample is dropped from the
+      loss; keep it None); return the shaped list and a dict of scalar metrics (namespaced, e.g.
+      ``overlong/penalized``).
+    - Trajectories give lengths (``num_policy_tokens``: tokens the policy generated, never
+      environment tokens), ``finish_reason`` ("length" when cut by the limit) and everything a
+      reward sees.
+    - ``config``: an instance of ``config_cls`` built from run fields (``max_new_tokens``,
+      ``overlong_buffer``, ...) or None.
+    - Shapings run in the order overlong, truncation, then ``--reward-shaping`` order.
     """
 
 
@@ -202,27 +202,29 @@ def register_reward_shapings(register: Register) -> None:
 def register_envs(register: Register) -> None:
     """Register rollout environments (``--env NAME``; ``--env module:Class`` needs no plugin).
 
-    ``register(name, env_cls, *, config_cls=None, multi_turn=True, gives_rewards=True)``.
-    ``multi_turn``: episodes may take several model turns (``single_turn`` declares False);
-    ``gives_rewards``: step rewards can train a model without ``--reward`` (a run with an env that
-    declares False must have a reward source). A ``module:Class`` env may declare both (and
-    ``config_cls``) as class attributes. The contract (in full:
-    ``rlhf.core.environment``): the runtime creates one instance per trajectory, ``env_cls()``,
-    or ``env_cls(config)`` when registered with a ``config_cls``; calls
-    ``reset(prompt, label, **columns) -> str | None`` (text appended after the prompt, or
-    ``None``) and then, after each model turn, ``step(action_text) -> StepResult`` (an
-    ``rlhf.core.types.StepResult(observation, reward, done, info, stop)``). ``action_text`` is
-    the turn's decoded text including the stop string that ended it. The observation is
-    appended with loss mask 0; ``stop`` lists stop strings for the next turn (besides EOS and
-    the run's own) and an optional class attribute ``stop`` gives those of the first turn. The
-    trajectory reward is the sum of the step rewards plus the reward sources'. The episode ends
-    when ``done`` is true, at ``--max-turns`` or when the token budget is spent; ``close()``
-    is then called if the env has one. ``reset``, ``step`` and ``close`` may be ``async def``
-    (a slow sync method blocks every trajectory). ``columns`` are the other dataset columns;
-    only those ``reset`` declares are passed, unless it takes ``**columns``. A label that is a
-    dict (or a JSON object string) with an ``env_func`` key routes its sample to that env
-    (name or ``module:Class``), which receives the label as a dict. ``rlhf plugins check
-    NAME`` runs a scripted episode (actions from the class's ``sample_actions``).
+    - ``register(name, env_cls, *, config_cls=None, multi_turn=True, gives_rewards=True)``;
+      ``multi_turn``: episodes may take several model turns (``single_turn`` declares False);
+      ``gives_rewards``: step rewards can train a model without ``--reward`` (a run with an env
+      that declares False must have a reward source). A ``module:Class`` env may declare both (and
+      ``config_cls``) as class attributes.
+    - One instance per trajectory: ``env_cls()``, or ``env_cls(config)`` with a ``config_cls``.
+    - ``reset(prompt, label, **columns) -> str | None``: text appended after the prompt, or
+      ``None``. ``columns`` are the other dataset columns; only those ``reset`` declares are
+      passed, unless it takes ``**columns``.
+    - After each model turn, ``step(action_text) -> StepResult`` (``rlhf.core.types.StepResult(
+      observation, reward, done, info, stop)``); ``action_text`` is the turn's decoded text
+      including the stop string that ended it. The observation is appended with loss mask 0;
+      ``stop`` lists stop strings for the next turn (besides EOS and the run's own); an optional
+      class attribute ``stop`` gives those of the first turn.
+    - The trajectory reward is the sum of the step rewards plus the reward sources'. The episode
+      ends when ``done`` is true, at ``--max-turns`` or when the token budget is spent;
+      ``close()`` is then called if the env has one.
+    - ``reset``, ``step`` and ``close`` may be ``async def`` (a slow sync method blocks every
+      trajectory).
+    - A label that is a dict (or a JSON object string) with an ``env_func`` key routes its sample
+      to that env (name or ``module:Class``), which receives the label as a dict.
+    - The whole contract: ``rlhf.core.environment``; ``rlhf plugins check NAME`` runs a scripted
+      episode (actions from the class's ``sample_actions``).
     """
 
 
@@ -230,21 +232,23 @@ def register_envs(register: Register) -> None:
 def register_models(register: Register) -> None:
     """Register model adapters (``--model-adapter NAME``).
 
-    ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"),
-    config_cls=None)``; ``adapter_cls`` implements ``rlhf.core.adapter.ModelAdapter``
-    (``ModelAdapterBase`` gives ``save`` and ``save_critic``). The runtime creates
-    ``adapter_cls(config)`` once per process (``config``: an instance of ``config_cls`` with the
-    user's ``--model-adapter.NAME`` settings and its run fields, or None) and calls
-    ``adapter.load_tokenizer(ref)``, then ``adapter.load(ref, role=ROLE)`` for each role it
-    needs, ``policy`` first, on the same instance; ``ref`` is a local directory or a hub name.
-    ``policy`` and ``reference`` return a causal LM (``model(input_ids, attention_mask).logits``
-    and ``generate``); the reference is frozen and may share the policy's weights (LoRA: the
-    policy with its adapter switched off), so it must not change the policy's trainability or
-    mode, and training the policy must not change the reference's outputs. ``critic`` returns a module with ``forward(input_ids, attention_mask) -> values (B, T)``
-    float32, the value of the state ending at each token. At the end of a run,
-    ``adapter.save(model, tokenizer, out_dir)`` (optional; default ``save_pretrained``) writes
-    the final policy, and with ``--save-critic`` ``adapter.save_critic(model, tokenizer,
-    out_dir)`` (optional; default the critic's ``save_pretrained``) writes the critic.
+    - ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"),
+      config_cls=None)``; ``adapter_cls`` implements ``rlhf.core.adapter.ModelAdapter``
+      (``ModelAdapterBase`` gives ``save`` and ``save_critic``).
+    - One instance per process, ``adapter_cls(config)`` (``config``: an instance of ``config_cls``
+      with the user's ``--model-adapter.NAME`` settings and its run fields, or None).
+    - ``adapter.load_tokenizer(ref)``, then ``adapter.load(ref, role=ROLE)`` for each role the run
+      needs, ``policy`` first, on the same instance; ``ref`` is a local directory or a hub name.
+    - ``policy`` and ``reference`` are causal LMs (``model(input_ids, attention_mask).logits``
+      and ``generate``). The reference is frozen and may share the policy's weights (LoRA: the
+      policy with its adapter switched off), so it must not change the policy's trainability or
+      mode, and training the policy must not change the reference's outputs.
+    - ``critic`` (and ``reward``) return a module with ``forward(input_ids, attention_mask) ->
+      values (B, T)`` float32, the value of the state ending at each token.
+    - At the end of a run ``adapter.save(model, tokenizer, out_dir)`` (optional; default
+      ``save_pretrained``) writes the final policy, and with ``--save-critic``
+      ``adapter.save_critic(model, tokenizer, out_dir)`` (optional; default the critic's
+      ``save_pretrained``) the critic.
     """
 
 
@@ -252,17 +256,18 @@ def register_models(register: Register) -> None:
 def register_rollout_engines(register: Register) -> None:
     """Register rollout (generation) engines (``--engine NAME``).
 
-    ``register(name, engine_cls, *, needs_gpu=False, config_cls=None)``; ``engine_cls`` implements
-    ``rlhf.core.rollout.RolloutEngine``. The runtime creates ``engine_cls(model, tokenizer,
-    config)`` with the policy model and calls
-    ``generate(prompts, *, n, params) -> list[Generation]``: ``prompts`` are token-id lists,
-    ``params`` an ``rlhf.core.rollout.SamplingParams``; the result has ``n`` completions per
-    prompt, contiguous (``[p0s0 .. p0s(n-1), p1s0, ...]``), each an
-    ``rlhf.core.rollout.Generation`` (tokens with EOS when generated, finish reason, and
-    per-token log-probs when ``params.return_logprobs``). An engine whose ``shares_weights``
-    attribute is True reads the policy's weights in place; otherwise the runtime calls
-    ``load_weights()`` after each optimizer step: take the weights from the policy module the
-    engine was built with (``load_weights(state)`` loads the given full weights instead).
+    - ``register(name, engine_cls, *, needs_gpu=False, config_cls=None)``; ``engine_cls``
+      implements ``rlhf.core.rollout.RolloutEngine``.
+    - ``engine_cls(model, tokenizer, config)`` with the policy model.
+    - ``generate(prompts, *, n, params) -> list[Generation]``: ``prompts`` are token-id lists,
+      ``params`` an ``rlhf.core.rollout.SamplingParams``; ``n`` completions per prompt,
+      contiguous (``[p0s0 .. p0s(n-1), p1s0, ...]``), each an ``rlhf.core.rollout.Generation``
+      (tokens with EOS when generated, finish reason, and per-token log-probs when
+      ``params.return_logprobs``).
+    - Weights: an engine whose ``shares_weights`` attribute is True reads the policy's weights in
+      place; otherwise the runtime calls ``load_weights()`` after each optimizer step (take the
+      weights from the policy module the engine was built with; ``load_weights(state)`` loads the
+      given full weights instead).
     """
 
 
@@ -270,18 +275,20 @@ def register_rollout_engines(register: Register) -> None:
 def register_train_backends(register: Register) -> None:
     """Register training backends (``--backend NAME``).
 
-    ``register(name, backend_cls, *, needs_gpu=False, config_cls=None)``; ``backend_cls``
-    implements ``rlhf.core.backend.TrainBackend`` (subclass ``TrainBackendBase`` for the
-    defaults). The runtime creates ``backend_cls(model, config)`` per trained model (the config's
-    run fields ``lr``, ``total_steps``, ``micro_batch_size`` are that model's). Per micro-batch
-    it calls ``backward(loss)`` on a loss from a forward through ``train_module`` (each
-    micro-batch loss is already its share of the step loss, so gradients add up; over ranks the
-    backend sums them); per optimizer step ``step() -> {"grad_norm", "lr", "skipped"}`` (clip,
-    then step unless the gradient is NaN/inf; gradients are cleared either way); ``zero_grad()``
-    to drop a step. Checkpoints: ``state_dict()`` / ``load_state_dict()`` (main rank), or with
-    ``shards_state`` ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` on every rank. With
-    ``shards_weights`` every forward is a collective (ranks generate in lockstep) and exports
-    gather the weights inside ``full_weights()``.
+    - ``register(name, backend_cls, *, needs_gpu=False, config_cls=None)``; ``backend_cls``
+      implements ``rlhf.core.backend.TrainBackend`` (subclass ``TrainBackendBase`` for the
+      defaults).
+    - ``backend_cls(model, config)`` per trained model (the config's run fields ``lr``,
+      ``total_steps``, ``micro_batch_size`` are that model's).
+    - Per micro-batch ``backward(loss)``, on a loss from a forward through ``train_module``: each
+      micro-batch loss is already its share of the step loss, so gradients add up; over ranks
+      the backend sums them.
+    - Per optimizer step ``step() -> {"grad_norm", "lr", "skipped"}``: clip, then step unless the
+      gradient is NaN/inf; gradients are cleared either way. ``zero_grad()`` drops a step.
+    - Checkpoints: ``state_dict()`` / ``load_state_dict()`` (main rank), or with ``shards_state``
+      ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` on every rank.
+    - With ``shards_weights`` every forward is a collective (ranks generate in lockstep) and
+      exports gather the weights inside ``full_weights()``.
     """
 
 
@@ -289,26 +296,29 @@ def register_train_backends(register: Register) -> None:
 def register_objectives(register: Register) -> None:
     """Register offline training objectives (``rlhf fit --objective NAME``; SFT, DPO, ... are built-ins).
 
-    ``register(name, objective_cls, *, config_cls=None, needs_reference=False, needs_teacher=False,
-    head="lm", default_lr=1e-5, command=False)``; ``objective_cls`` implements
-    ``rlhf.core.objective.Objective`` (subclass ``ObjectiveBase`` for the optional parts). The
-    fit loop creates ``objective_cls(config)`` (``config``: an instance of ``config_cls`` with the
-    user's ``--objective.NAME`` settings, or None) and calls ``columns()``, ``encode(row, text)``
-    per dataset row (an example; raise ``SkipExample`` or ``BadRow``), per optimizer step
-    ``step_examples(examples)``, ``collate(examples, pad_token_id)`` per micro-batch (a dict of
-    tensors), optionally ``step_statistics(models, batch)`` (sums over the whole step, passed on
-    as ``stats``), and ``loss(models, batch, stats) -> (loss, metrics)``: the mean loss over
-    the micro-batch's ``units(batch)``, which the loop scales by units / step units, so the
-    step gradient does not depend on micro-batch size or rank count. ``models`` is an
-    ``rlhf.core.objective.FitModels``: ``model`` (the trained model), ``reference`` (with
-    ``needs_reference``: the frozen start, or with LoRA the adapter switched off), ``teacher``
-    (with ``needs_teacher``: ``--teacher``). ``head``: ``"lm"`` trains a causal LM, ``"score"``
-    a model whose forward returns one value per position ``(B, T)`` and which is saved as a
-    one-label sequence classifier. ``default_lr``: the learning rate without ``--lr``.
-    ``command``: also offer ``rlhf NAME`` with the objective's settings as plain flags (a name
-    that is already a command is refused). At the end, ``final_statistics`` and
-    ``output_config(stats)`` add entries to the saved ``config.json``. The whole contract is in
-    ``rlhf.core.objective``; the math of the built-ins in ``rlhf.objectives``.
+    - ``register(name, objective_cls, *, config_cls=None, needs_reference=False,
+      needs_teacher=False, head="lm", default_lr=1e-5, command=False)``; ``objective_cls``
+      implements ``rlhf.core.objective.Objective`` (subclass ``ObjectiveBase`` for the optional
+      parts).
+    - One instance, ``objective_cls(config)`` (``config``: an instance of ``config_cls`` with the
+      user's ``--objective.NAME`` settings, or None).
+    - ``columns()``; ``encode(row, text)`` per dataset row (an example; raise ``SkipExample`` or
+      ``BadRow``); per optimizer step ``step_examples(examples)``; ``collate(examples,
+      pad_token_id)`` per micro-batch (a dict of tensors); optionally ``step_statistics(models,
+      batch)`` (sums over the whole step, passed on as ``stats``).
+    - ``loss(models, batch, stats) -> (loss, metrics)``: the mean loss over the micro-batch's
+      ``units(batch)``, which the loop scales by units / step units, so the step gradient does
+      not depend on micro-batch size or rank count.
+    - ``models`` (``rlhf.core.objective.FitModels``): ``model`` (the trained model),
+      ``reference`` (with ``needs_reference``: the frozen start, or with LoRA the adapter
+      switched off), ``teacher`` (with ``needs_teacher``: ``--teacher``).
+    - ``head``: ``"lm"`` trains a causal LM, ``"score"`` a model whose forward returns one value
+      per position ``(B, T)`` and which is saved as a one-label sequence classifier.
+      ``default_lr``: the learning rate without ``--lr``. ``command``: also offer ``rlhf NAME``
+      with the objective's settings as plain flags (a name that is already a command is refused).
+    - At the end, ``final_statistics`` and ``output_config(stats)`` add entries to the saved
+      ``config.json``.
+    - The whole contract: ``rlhf.core.objective``; the math of the built-ins: ``rlhf.objectives``.
     """
 
 
