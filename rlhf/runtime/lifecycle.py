@@ -116,11 +116,24 @@ class StopRequest:
         log.warning("%s: finishing this step, then writing a checkpoint (send it again to stop at once)", name)
 
 
-def run_loop(loop: SteppedLoop, *, config: dict[str, Any], plugins_record: dict[str, Any], resume: bool,
-             save_every: int, keep_checkpoints: int, progress: bool, command: str,
-             fields: tuple[tuple[str, str, str], ...] = RL_FIELDS) -> Path:
+def check_run_start(run_config: dict[str, Any], plugins: PluginSet, *, out_dir: Path, resume: bool,
+                    overrides: list[str], is_main: bool = True) -> None:
+    """What every runtime checks before it builds anything (local, torchrun, fit and the Ray driver,
+    before it pays for a cluster): a run directory that is free, or resumable with the same options
+    (``--resume-override`` excepted), and writable; a warning naming any plugin that failed to load."""
+    if is_main:
+        RunDirectory(out_dir).check_start(run_config, resume=resume, overrides=overrides)
+    if plugins.broken:
+        log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
+                    ", ".join(r.label for r in plugins.broken))
+
+
+def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_every: int, keep_checkpoints: int,
+             progress: bool, command: str, fields: tuple[tuple[str, str, str], ...] = RL_FIELDS) -> Path:
     """Drive ``loop`` from its first (or resumed) step to ``final/``; returns the run directory."""
     run_dir, dist = loop.run_dir, loop.dist
+    plugins_record = {"fingerprint": loop.fingerprint,
+                      "plugins": [record.to_json() for record in loop.plugins.records if record.loaded]}
     run_dir.prepare(config=config, resume=resume, plugins=plugins_record)
     state = run_dir.resume(loop.checkpoint_roles()) if resume else None
     if state is not None:

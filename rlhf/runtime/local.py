@@ -27,7 +27,7 @@ from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_
 from rlhf.runtime.export import export_critic, export_policy
 from rlhf.runtime.plan import RunPlan, check_run, warn_about
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
-from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.lifecycle import check_run_start
 from rlhf.runtime.threads import set_threads
 from rlhf.runtime.trainer import Trainer, Workers
 from rlhf.runtime.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, UpdateSettings
@@ -219,10 +219,9 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     workers = None
     try:
         check_run(plan, world_size=dist.world_size)
-        if dist.is_main:
-            RunDirectory(plan.derived.out_dir).check_start(plan.run_config(), resume=config.resume,
-                                                           overrides=config.resume_override)
-        warn_about(plan, plugins, log)
+        check_run_start(plan.run_config(), plugins, out_dir=plan.derived.out_dir, resume=config.resume,
+                        overrides=config.resume_override, is_main=dist.is_main)
+        warn_about(plan, log)
         set_threads(config.threads)
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()

@@ -263,10 +263,7 @@ def check_run(plan: RunPlan, *, world_size: int) -> None:
         raise ConfigError(f"--threads must be at least 1; got {config.threads}")
 
 
-def warn_about(plan: RunPlan, plugins: PluginSet, log: Any) -> None:
-    """Warnings both runtimes print before a run: broken plugins, options that will do nothing."""
-    if plugins.broken:
-        log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
-                    ", ".join(r.label for r in plugins.broken))
+def warn_about(plan: RunPlan, log: Any) -> None:
+    """Warnings both RL runtimes print before a run: options that will do nothing."""
     if plan.config.save_critic and not plan.algorithm.needs_critic:
         log.warning("--save-critic: algorithm %r trains no critic; none is saved", plan.config.algo)

@@ -109,9 +109,8 @@ class Trainer(SteppedLoop):
 
     def run(self) -> Path:
         """The run's lifecycle (``rlhf.runtime.lifecycle``): resume, steps, checkpoints, ``final/``."""
-        plugins = {"fingerprint": self.fingerprint, "plugins": [r.to_json() for r in self.plugins.records if r.loaded]}
         fields = RL_FIELDS + ((("eval", "eval/reward/mean", ".3f"),) if self.evaluator is not None else ())
-        return run_loop(self, config=self.plan.run_config(), plugins_record=plugins, resume=self.config.resume,
+        return run_loop(self, config=self.plan.run_config(), resume=self.config.resume,
                         save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
                         progress=self.config.progress, command="train", fields=fields)
 

@@ -346,3 +346,16 @@ def test_under_sharded_weights_a_rank_short_of_micro_batches_repeats_one_uncount
     assert list(FitLoop._passes(loop, ["a", "b"])) == [(["a"], True), (["b"], True), (["a"], False)]
     loop.trained.backend.shards_weights = False  # forwards are not collectives: no extra pass
     assert list(FitLoop._passes(loop, ["a", "b"])) == [(["a"], True), (["b"], True)]
+
+
+def test_a_run_names_the_plugins_that_failed_to_load(tiny_model_dir, fit_data, tmp_path, make_plugin, caplog):
+    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.fit.local import fit
+
+    plugins = build_plugin_manager(load_entrypoints=False)
+    plugins.register(make_plugin("rlhf_broken_plugin", register_rewards=lambda register: 1 / 0))
+    plugins.registries()
+    fit(FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(fit_data / "sft.jsonl")], "objective": "sft",
+                             "batch_size": 4, "steps": 1, "threads": 1, "out": str(tmp_path / "run"),
+                             "progress": False}), plugins=plugins)
+    assert "some plugins failed to load (see `rlhf plugins list`): rlhf_broken_plugin" in caplog.text

@@ -199,12 +199,12 @@ def test_options_that_would_do_nothing_are_warned_about(plugins, caplog):
 
     log = logging.getLogger("test")
     with caplog.at_level(logging.WARNING):
-        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="grpo", save_critic=True), plugins), plugins, log)
+        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="grpo", save_critic=True), plugins), log)
     assert "--save-critic: algorithm 'grpo' trains no critic" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="ppo", save_critic=True), plugins), plugins, log)
-        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="grpo"), plugins), plugins, log)
+        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="ppo", save_critic=True), plugins), log)
+        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="grpo"), plugins), log)
     assert caplog.text == ""
 
 

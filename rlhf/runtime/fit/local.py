@@ -24,8 +24,8 @@ from rlhf.runtime.fit.data import encode_rows
 from rlhf.runtime.fit.loop import FitLoop, FitParts
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.fit.text import TextFormatter
+from rlhf.runtime.lifecycle import check_run_start
 from rlhf.runtime.local import seed_everything
-from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.threads import set_threads
 from rlhf.runtime.trained import TrainedModel
 
@@ -101,12 +101,8 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
     parts = None
     try:
         check_fit(plan, world_size=dist.world_size)
-        if dist.is_main:
-            RunDirectory(plan.config.out_dir).check_start(plan.run_config(), resume=config.resume,
-                                                          overrides=config.resume_override)
-        if plugins.broken:
-            log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
-                        ", ".join(r.label for r in plugins.broken))
+        check_run_start(plan.run_config(), plugins, out_dir=plan.config.out_dir, resume=config.resume,
+                        overrides=config.resume_override, is_main=dist.is_main)
         set_threads(config.threads)
         parts, plan = build_parts(plan, dist)
         return FitLoop(plan, plugins, parts).run()

@@ -91,9 +91,7 @@ class FitLoop(SteppedLoop):
 
     def run(self) -> Path:
         """The run's lifecycle (``rlhf.runtime.lifecycle``): resume, steps, checkpoints, ``final/``."""
-        config = self.plan.run_config()
-        plugins = {"fingerprint": self.fingerprint, "plugins": [r.to_json() for r in self.plugins.records if r.loaded]}
-        return run_loop(self, config=config, plugins_record=plugins, resume=self.config.resume,
+        return run_loop(self, config=self.plan.run_config(), resume=self.config.resume,
                         save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
                         progress=self.config.progress, command="fit", fields=PROGRESS_FIELDS)
 

@@ -26,7 +26,7 @@ from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.async_generation import AsyncParts
 from rlhf.runtime.local import build_eval_prompts, build_loader, seed_everything
 from rlhf.runtime.plan import RunPlan, check_run, warn_about
-from rlhf.runtime.run_dir import RunDirectory
+from rlhf.runtime.lifecycle import check_run_start
 from rlhf.runtime.workers import RewardWorker
 from rlhf.runtime.ray.cluster import Cluster, import_ray
 from rlhf.runtime.ray.groups import (CriticGroup, Host, PolicyGroup, ReferenceGroup, RewardGroup, RolloutGroup,
@@ -52,9 +52,9 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     check_run(plan, world_size=1)  # the trainer loop runs once, here; the actors shard within each call
     _check_actor_counts(plan)
     # before paying for a cluster: a free (or resumable) directory, writable, options unchanged on --resume
-    RunDirectory(plan.derived.out_dir).check_start(plan.run_config(), resume=config.resume,
-                                                   overrides=config.resume_override)
-    warn_about(plan, plugins, log)
+    check_run_start(plan.run_config(), plugins, out_dir=plan.derived.out_dir, resume=config.resume,
+                    overrides=config.resume_override)
+    warn_about(plan, log)
     seed_everything(config.seed)
     plan, tokenizer, loader = _driver_side(plan)
     layout = plan_layout(config, needs_reference=plan.algorithm.needs_reference,
