@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.runtime.checkpoint import load_tensors, save_tensors
+from rlhf.runtime.weighted_means import WeightedMeans
 
 
 class TrainedModel:
@@ -24,11 +26,32 @@ class TrainedModel:
         self.device = next(model.parameters()).device
         self.nonfinite_in_a_row = 0
 
-    def step_metrics(self, my_loss: float, finite: bool) -> dict[str, float]:
-        """Take the optimizer step; its metrics. Each rank holds a share of the step loss, and the
-        metric mean runs over ranks, so the share is scaled by the world size: the mean is the sum."""
+    def optimizer_step(self, shares: Iterable[Callable[[], tuple[torch.Tensor, dict[str, Any], float]]],
+                       means: WeightedMeans) -> None:
+        """One optimizer step over this rank's micro-batches, the same in every training loop.
+
+        Each of ``shares`` computes one micro-batch's share of the step loss (normalised by the
+        whole step's counts, so the shares' gradients add up to the step's), its metrics and their
+        weight. Every share's backward runs, whatever happens (every rank runs all its forwards and
+        backwards: they are collectives under DeepSpeed ZeRO); a share's metrics go into ``means``
+        while every share so far was finite. Then the ranks agree: a NaN/inf share on any rank drops
+        the step on every rank (a rank stepping alone would wait forever in the gradient all-reduce).
+        ``means`` also gets the step's own metrics (weight 1): ``loss``, the step loss (every rank's
+        shares summed: the mean over ranks of this rank's sum times the world size; NaN for a
+        dropped step), ``grad_norm``, ``lr`` and ``skipped_steps``.
+        """
+        finite, my_loss = True, 0.0
+        for compute in shares:
+            share, metrics, weight = compute()
+            self.backend.backward(share)
+            if not torch.isfinite(share.detach()):
+                finite = False
+            elif finite:
+                my_loss += float(share.detach())
+                means.add(metrics, weight)
+        finite = all(self.dist.all_gather(finite))
         loss = my_loss * self.dist.world_size if finite else math.nan
-        return {"loss": loss, **self.apply_step(finite)}
+        means.add({"loss": loss, **self.apply_step(finite)})
 
     def apply_step(self, finite: bool) -> dict[str, float]:
         """Step the optimizer when every rank's loss was finite (``finite``, agreed over ranks), else drop the step."""

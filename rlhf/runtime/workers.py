@@ -161,19 +161,11 @@ class _TrainedWorker(TrainedModel):
             norm = step_norm(minibatch, self.settings.max_new_tokens)
             if norm.num_tokens == 0:
                 continue
-            finite, step_loss = True, 0.0
             minibatch = self._rows_that_train(minibatch, trained_rows, share and self.settings.share_prompt, metrics)
-            for micro in self._my_micro_batches(minibatch, share):
-                loss, loss_metrics, weight = micro_loss(MicroBatch(micro.rows, micro.batch.to(self.device),
-                                                                   micro.groups), norm)
-                self.backend.backward(loss)
-                if not torch.isfinite(loss):
-                    finite = False
-                elif finite:
-                    step_loss += float(loss.detach())
-                    metrics.add(loss_metrics, weight=weight)
-            finite = all(self.dist.all_gather(finite))
-            metrics.add(self.step_metrics(step_loss, finite))
+            micros = self._my_micro_batches(minibatch, share)
+            self.optimizer_step([lambda micro=micro: micro_loss(MicroBatch(micro.rows, micro.batch.to(self.device),
+                                                                           micro.groups), norm)
+                                 for micro in micros], metrics)
         return metrics
 
     def _rows_that_train(self, minibatch: ExperienceBatch, trained_rows: Callable[[ExperienceBatch], Any] | None,

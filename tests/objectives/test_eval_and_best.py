@@ -260,3 +260,40 @@ def test_a_save_best_metric_the_eval_does_not_report_names_those_it_does(tiny_mo
                                         r"eval/loss, eval/quality$"):
         fit(scripted_config(tiny_model_dir, data, tmp_path / "run", save_best="eval/qualty"),
             plugins=scripted_plugins(make_plugin))
+
+
+class NaNOnCueSFT(SFTObjective):
+    """SFT whose training loss is NaN on the steps listed in ``nan_steps`` (counted from 1)."""
+
+    nan_steps: set[int] = set()
+    calls = 0
+
+    def step_examples(self, examples):
+        NaNOnCueSFT.calls += 1
+        return examples
+
+    def loss(self, models, batch, stats):
+        loss, metrics = super().loss(models, batch, stats)
+        if NaNOnCueSFT.calls in NaNOnCueSFT.nan_steps:
+            loss = loss * float("nan")
+        return loss, metrics
+
+
+def test_a_nan_loss_skips_the_step_and_too_many_in_a_row_stop_the_run(tiny_model_dir, data, tmp_path, make_plugin,
+                                                                      caplog):
+    from rlhf.core.errors import RlhfError
+
+    plugins = build_plugin_manager(load_entrypoints=False)
+    plugins.register(make_plugin("nan_objective", register_objectives=lambda register: register(
+        "nan_sft", NaNOnCueSFT, config_cls=SFTConfig, default_lr=1e-2)))
+    NaNOnCueSFT.nan_steps, NaNOnCueSFT.calls = {1, 3, 4}, 0
+    config = FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(data / "sft.jsonl")],
+                                  "objective": "nan_sft", "batch_size": 2, "steps": 4, "max_nonfinite_steps": 2,
+                                  "threads": 1, "out": str(tmp_path / "run"), "progress": False})
+    with pytest.raises(RlhfError, match="NaN/inf for 2 optimizer steps in a row"):
+        fit(config, plugins=plugins)
+    assert "step 1: the loss or gradient was NaN/inf; the optimizer step was skipped" in caplog.text
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]  # the stopping step is not logged
+    assert rows[0]["train/skipped_steps"] == 1.0 and math.isnan(float(rows[0]["train/loss"]))  # written as "nan"
+    assert rows[1]["train/skipped_steps"] == 0.0 and math.isfinite(rows[1]["train/loss"])

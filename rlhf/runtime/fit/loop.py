@@ -11,7 +11,8 @@ One optimizer step:
 4. per micro-batch, ``loss`` (a mean over its units) scaled by ``units / step units`` and handed
    to the backend's ``backward``: the accumulated gradient is that of the mean over the whole
    step, whatever the micro-batch size or the number of ranks (backends sum the ranks' shares);
-5. the optimizer step, skipped on every rank when any rank's loss was NaN/inf;
+5. the optimizer step (`TrainedModel.optimizer_step`, the RL workers' too), skipped on every rank
+   when any rank's loss was NaN/inf;
 6. metrics (weighted means over ranks), eval on ``--eval-data`` when due, ``--save-best``,
    lifecycle events and checkpoints, as in the RL loop.
 
@@ -118,24 +119,21 @@ class FitLoop(SteppedLoop):
         stats = self._statistics([(batch, True) for batch in micros], self.objective.step_statistics)
         trained, means = self.trained, WeightedMeans()
         trained.model.train()
-        finite = True
-        for batch, batch_units in zip(micros, units):
+
+        def share(batch: dict[str, Any], batch_units: float) -> tuple[torch.Tensor, dict[str, Any], float]:
+            """A micro-batch's share of the step loss: its mean loss scaled by its share of the units."""
             loss, metrics = self.objective.loss(self.models, batch, stats)
-            share = loss * (batch_units / step_units) if step_units > 0 else loss * 0.0
-            trained.backend.backward(share)  # every rank runs every backward (collectives under ZeRO)
-            if not torch.isfinite(loss.detach()):
-                finite = False
-            elif finite:
-                means.add({"loss": loss.detach(), **metrics}, batch_units)
-        finite = all(self.dist.all_gather(finite))
-        optimizer = trained.apply_step(finite)
-        if not finite:
-            if trained.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
-                raise RlhfError(f"the loss was NaN/inf for {trained.nonfinite_in_a_row} optimizer steps in a row "
-                                "(each was skipped); lower --lr, check the data, or raise --max-nonfinite-steps")
-            log.warning("step %d: the loss was NaN/inf; the optimizer step was skipped", step + 1)
+            return (loss * (batch_units / step_units) if step_units > 0 else loss * 0.0), metrics, batch_units
+
+        trained.optimizer_step([lambda batch=batch, batch_units=batch_units: share(batch, batch_units)
+                                for batch, batch_units in zip(micros, units)], means)
         metrics = {f"train/{k}": v for k, v in means.result(self.dist).items()}
-        metrics.update({f"train/{k}": float(v) for k, v in optimizer.items()})
+        if metrics.get("train/skipped_steps"):
+            if trained.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+                raise RlhfError(f"the loss or gradient was NaN/inf for {trained.nonfinite_in_a_row} optimizer steps "
+                                "in a row (each was skipped); lower --lr, check the data, or raise "
+                                "--max-nonfinite-steps")
+            log.warning("step %d: the loss or gradient was NaN/inf; the optimizer step was skipped", step + 1)
         metrics["train/epoch"] = (step + 1) / self.order.steps_per_epoch
         metrics["train/units"] = step_units
         metrics["time/step"] = time.perf_counter() - started
