@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rlhf.core.distributed import SINGLE, DistContext
+from rlhf.core.errors import RlhfError
 from rlhf.runtime.checkpoint import load_tensors, save_tensors
 from rlhf.runtime.weighted_means import WeightedMeans
 
@@ -52,6 +53,13 @@ class TrainedModel:
         finite = all(self.dist.all_gather(finite))
         loss = my_loss * self.dist.world_size if finite else math.nan
         means.add({"loss": loss, **self.apply_step(finite)})
+
+    def check_token_budget(self, max_tokens: int | None) -> None:
+        """``--max-tokens-per-micro-batch`` gives ranks different numbers of micro-batches, and every
+        forward is a collective when the backend shards the weights (ZeRO-3) over several ranks."""
+        if max_tokens and self.backend.shards_weights and self.dist.active:
+            raise RlhfError("--max-tokens-per-micro-batch does not work with a backend that shards the weights "
+                            "(ZeRO-3) over several ranks yet; use --micro-batch-size")
 
     def apply_step(self, finite: bool) -> dict[str, float]:
         """Step the optimizer when every rank's loss was finite (``finite``, agreed over ranks), else drop the step."""

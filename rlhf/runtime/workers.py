@@ -16,7 +16,6 @@ import torch
 from rlhf.algorithms import PolicyObjective, ValueObjective, step_norm
 from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import SINGLE, DistContext
-from rlhf.core.errors import RlhfError
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.core.rewards import RewardResult
 from rlhf.rewards.combine import RewardSet
@@ -151,10 +150,7 @@ class _TrainedWorker(TrainedModel):
         all-reduce.
         """
         adjust_threads()  # once a step: the CPU thread count follows the machine's load
-        if self.settings.max_tokens_per_micro_batch and self.backend.shards_weights and self.dist.active:
-            # every forward is a collective there, and token budgets give ranks different counts
-            raise RlhfError("--max-tokens-per-micro-batch does not work with a backend that shards the weights "
-                            "(ZeRO-3) over several ranks yet; use --micro-batch-size")
+        self.check_token_budget(self.settings.max_tokens_per_micro_batch)
         self.model.train()
         metrics = WeightedMeans()
         for minibatch in minibatches(batch, self.settings, step):

@@ -454,3 +454,19 @@ def test_a_sample_without_a_reward_is_left_out_of_the_group_statistics(tiny_mode
     assert SEEN_MASKS == [[True, False, True, True, True, True, True, True]]
     assert SEEN_REWARDS == [[0.0, 0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]  # the dropped sample's reward is a plain 0
     assert metrics_of(out)[0]["reward/skipped"] == 1.0
+
+
+def test_token_budgets_are_refused_where_every_forward_is_a_collective():
+    from types import SimpleNamespace
+
+    from rlhf.core.errors import RlhfError
+    from rlhf.runtime.trained import TrainedModel
+
+    model = torch.nn.Linear(2, 2)
+    sharded = SimpleNamespace(train_module=model, shards_weights=True)
+    two_ranks = SimpleNamespace(active=True, world_size=2)
+    with pytest.raises(RlhfError, match="--max-tokens-per-micro-batch does not work with a backend that shards"):
+        TrainedModel(model, sharded, two_ranks).check_token_budget(64)
+    TrainedModel(model, sharded, two_ranks).check_token_budget(None)
+    TrainedModel(model, SimpleNamespace(train_module=model, shards_weights=False), two_ranks).check_token_budget(64)
+    TrainedModel(model, sharded, SimpleNamespace(active=False, world_size=1)).check_token_budget(64)

@@ -154,9 +154,7 @@ class FitLoop(SteppedLoop):
         if max_tokens is None:
             cuts = [order[i:i + size] for i in range(0, len(order), size)]
         else:
-            if self.trained.backend.shards_weights and self.dist.active:  # forwards are collectives there
-                raise RlhfError("--max-tokens-per-micro-batch does not work with a backend that shards the "
-                                "weights (ZeRO-3) over several ranks yet; use --micro-batch-size")
+            self.trained.check_token_budget(max_tokens)
             if any(mask is None for mask in masks):
                 raise RlhfError(f"objective {self.config.objective!r} makes batches without an attention_mask; "
                                 "--max-tokens-per-micro-batch needs one to count tokens")
