@@ -1,6 +1,7 @@
-"""Writing the trained models out, the same in both runtimes: the policy to ``<out>/final`` and,
-with ``--save-critic``, the critic to ``<out>/critic``, each as the model adapter lays it out
-(``ModelAdapter.save`` / ``save_critic``).
+"""Writing the trained models out, the same in every loop and runtime: the trained model (the RL
+policy, the fit loop's model) to ``<out>/final`` (and ``best/``) and, with ``--save-critic``, the
+critic to ``<out>/critic``, each as the model adapter lays it out (``ModelAdapter.save`` /
+``save_critic``); the fit loop's objective may add entries to the saved ``config.json``.
 
 Called on every rank of the role: a backend that shards the weights gathers them inside
 ``full_weights()`` with every rank taking part, while the main rank writes.
@@ -8,6 +9,7 @@ Called on every rank of the role: a backend that shards the weights gathers them
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,16 @@ from rlhf.core.adapter import ModelAdapter
 from rlhf.core.distributed import DistContext
 
 
-def export_policy(adapter: ModelAdapter, tokenizer: Any, policy: Any, out_dir: Path, dist: DistContext) -> None:
-    with policy.backend.full_weights():
+def export_model(adapter: ModelAdapter, tokenizer: Any, trained: Any, out_dir: Path, dist: DistContext, *,
+                 config_entries: dict[str, Any] | None = None) -> None:
+    """``trained`` (a `TrainedModel`) saved by the adapter; ``config_entries`` merged into its config.json."""
+    with trained.backend.full_weights():
         if dist.is_main:
-            adapter.save(policy.model, tokenizer, Path(out_dir))
+            adapter.save(trained.model, tokenizer, Path(out_dir))
+    if dist.is_main and config_entries:
+        path = Path(out_dir) / "config.json"
+        values = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**values, **config_entries}, indent=2, sort_keys=True))
 
 
 def export_critic(adapter: ModelAdapter, tokenizer: Any, critic: Any, out_dir: Path, dist: DistContext) -> None:

@@ -24,7 +24,7 @@ from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.async_generation import AsyncParts
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
-from rlhf.runtime.export import export_critic, export_policy
+from rlhf.runtime.export import export_critic, export_model
 from rlhf.runtime.plan import RunPlan, check_run, warn_about
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
 from rlhf.runtime.lifecycle import check_run_start
@@ -148,7 +148,7 @@ def build_eval_prompts(config: TrainConfig, tokenizer: Any) -> list[Any] | None:
 def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, critic: Any, out_dir: Path,
                  dist: DistContext = SINGLE) -> None:
     """The final policy to ``out_dir`` and, with ``--save-critic``, the critic to ``<out>/critic``."""
-    export_policy(adapter, tokenizer, policy, out_dir, dist)
+    export_model(adapter, tokenizer, policy, out_dir, dist)
     if critic is not None and plan.config.save_critic:
         export_critic(adapter, tokenizer, critic, plan.derived.out_dir / "critic", dist)
 

@@ -10,7 +10,6 @@ model with its adapter switched off) and teacher when the objective needs them.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.data import load_rows
+from rlhf.runtime.export import export_model
 from rlhf.runtime.fit.config import FitConfig
 from rlhf.runtime.fit.data import encode_rows
 from rlhf.runtime.fit.loop import FitLoop, FitParts
@@ -39,18 +39,6 @@ def encode_data(plan: FitPlan, objective: Any, text: TextFormatter, paths: list[
                      max_samples=config.max_samples, seed=config.seed,
                      hint=f"set the {config.objective} objective's column options (see `rlhf {config.objective} --help`)")
     return encode_rows(rows, objective, text, what=what)
-
-
-def export_model(adapter: Any, tokenizer: Any, trained: TrainedModel, out_dir: Path, extra: dict[str, Any],
-                 dist: DistContext) -> None:
-    """The trained model as the adapter lays it out, ``extra`` merged into its config.json."""
-    with trained.backend.full_weights():
-        if dist.is_main:
-            adapter.save(trained.model, tokenizer, Path(out_dir))
-    if dist.is_main and extra:
-        path = Path(out_dir) / "config.json"
-        values = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**values, **extra}, indent=2, sort_keys=True))
 
 
 def build_parts(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitParts, FitPlan]:
@@ -79,7 +67,8 @@ def build_parts(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitParts, Fi
     teacher = adapter.load(config.teacher, role="reference") if plan.needs_teacher else None
     parts = FitParts(objective=objective, trained=trained, reference=reference, teacher=teacher,
                  train_examples=train_examples, eval_examples=eval_examples, pad_token_id=tokenizer.pad_token_id,
-                 export=lambda out_dir, extra: export_model(adapter, tokenizer, trained, out_dir, extra, dist),
+                 export=lambda out_dir, extra: export_model(adapter, tokenizer, trained, out_dir, dist,
+                                                       config_entries=extra),
                  dist=dist)
     return parts, plan
 

@@ -199,10 +199,10 @@ class WorkerHost:
                         path, role, self.rank)
         return self.workers[role].nonfinite_in_a_row if role in _TRAINED else None
 
-    def export_policy(self, out_dir: str) -> None:
-        from rlhf.runtime.export import export_policy
+    def export_model(self, out_dir: str) -> None:
+        from rlhf.runtime.export import export_model
 
-        export_policy(self.adapter, self.tokenizer, self.workers["policy"], Path(out_dir), self.dist)
+        export_model(self.adapter, self.tokenizer, self.workers["policy"], Path(out_dir), self.dist)
 
     def export_critic(self, out_dir: str) -> None:
         """The critic as the local runtime saves it (``--save-critic``); called on every rank."""

@@ -211,7 +211,7 @@ def make_workers(plan: RunPlan, hosts: list[Host], tokenizer: Any, loader: Any) 
     def export(out_dir: Path) -> None:
         """Every rank takes part (a sharding backend gathers the weights); rank 0 writes."""
         target = str(Path(out_dir).resolve())
-        calls = [(h, h.handle.export_policy.remote(target)) for h in policy.hosts]
+        calls = [(h, h.handle.export_model.remote(target)) for h in policy.hosts]
         if critic is not None and config.save_critic:
             critic_dir = str(plan.derived.out_dir.resolve() / "critic")
             calls += [(h, h.handle.export_critic.remote(critic_dir)) for h in critic.hosts]
