@@ -26,6 +26,7 @@ from typing import Any
 
 from rlhf.core.distributed import DistContext
 from rlhf.core.errors import RunInterrupted
+from rlhf.core.fingerprint import fingerprint_differences
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime import checkpoint
@@ -137,6 +138,10 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
     run_dir.prepare(config=config, resume=resume, plugins=plugins_record)
     state = run_dir.resume(loop.checkpoint_roles()) if resume else None
     if state is not None:
+        differences = fingerprint_differences(state["fingerprint"], loop.fingerprint)
+        if differences and dist.is_main:
+            log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
+                        "\n  ".join(differences))
         loop.restore(state)
         loop.start_step = state["step"]
     if dist.is_main:

@@ -26,7 +26,7 @@ from rlhf.algorithms.kl_control import KLController
 from rlhf.core.batch import collate
 from rlhf.core.distributed import SINGLE, DistContext, unshard
 from rlhf.core.errors import RlhfError
-from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
+from rlhf.core.fingerprint import plugin_fingerprint
 from rlhf.core.plugins import PluginSet
 from rlhf.core.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, RolloutRole
 from rlhf.core.rollout import SamplingParams
@@ -380,8 +380,4 @@ class Trainer(SteppedLoop):
         self.best_model.record, self.last_eval = state.get("best"), state.get("last_eval") or {}
         if state.get("eval_rng") is not None:
             self.eval_stream["rng"] = [torch.tensor(s, dtype=torch.uint8) for s in state["eval_rng"]]
-        differences = fingerprint_differences(state["fingerprint"], self.fingerprint)
-        if differences and self.dist.is_main:
-            log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
-                        "\n  ".join(differences))
 

@@ -32,7 +32,7 @@ import torch
 
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
-from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
+from rlhf.core.fingerprint import plugin_fingerprint
 from rlhf.core.objective import FitModels, Objective
 from rlhf.core.packing import PackedModel, token_budget_groups
 from rlhf.core.plugins import PluginSet
@@ -247,10 +247,6 @@ class FitLoop(SteppedLoop):
         if state.get("num_examples") != self.order.num_examples:
             raise RlhfError(f"--resume: the checkpoint was trained on {state.get('num_examples')} examples, this run "
                             f"has {self.order.num_examples}; resume with the same data and options")
-        differences = fingerprint_differences(state["fingerprint"], self.fingerprint)
-        if differences and self.dist.is_main:
-            log.warning("resuming with a different plugin set than the checkpoint was written with:\n  %s",
-                        "\n  ".join(differences))
         self.best_model.record = state.get("best")
 
 
