@@ -52,7 +52,7 @@ OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "test
 # area: (files mutated, fast tests run on each of its mutants). Kill rates are reported per area.
 AREAS = {
     "RL math": ([
-        "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/objective.py",
+        "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/training_loss.py",
         "rlhf/algorithms/presets.py", "rlhf/algorithms/kl_control.py", "rlhf/core/masked.py", "rlhf/core/batch.py",
         "rlhf/plugins/algorithms/aggregation.py", "rlhf/plugins/algorithms/gae.py",
         "rlhf/plugins/algorithms/groups.py", "rlhf/plugins/algorithms/grpo.py", "rlhf/plugins/algorithms/kl.py",
@@ -100,13 +100,13 @@ def tests_of(file: str) -> list[str]:
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
-    ("rlhf/algorithms/objective.py", "loss = loss - entropy_coef * aggregate_loss",
-     "loss = loss + entropy_coef * aggregate_loss", "entropy bonus with the wrong sign"),
-    ("rlhf/algorithms/objective.py", "kl = kl_divergence(kl_estimator, logp, ref_logp,",
-     "kl = kl_divergence(kl_estimator, logp.detach(), ref_logp,", "KL in the loss on detached log-probs"),
-    ("rlhf/algorithms/objective.py", "advantages=batch.advantages, action_mask=batch.loss_mask,",
-     "advantages=batch.advantages, action_mask=batch.action_mask,", "loss masked with action_mask, not loss_mask"),
-    ("rlhf/runtime/workers.py", "micro,\n                                           temperature=self.objective.temperature,",
+    ("rlhf/algorithms/training_loss.py", "total = total - entropy_coef * aggregate(",
+     "total = total + entropy_coef * aggregate(", "entropy bonus with the wrong sign"),
+    ("rlhf/algorithms/training_loss.py", "kl = clamped_kl(kl_estimator, logp, ref_logp,",
+     "kl = clamped_kl(kl_estimator, logp.detach(), ref_logp,", "KL in the loss on detached log-probs"),
+    ("rlhf/algorithms/training_loss.py", "advantages=batch.advantages, mask=batch.loss_mask,",
+     "advantages=batch.advantages, mask=batch.action_mask,", "loss masked with action_mask, not loss_mask"),
+    ("rlhf/runtime/workers.py", "micro,\n                                           temperature=self.training_loss.temperature,",
      "micro, temperature=1.0,", "temperature not passed to the training log-probs"),
     ("rlhf/algorithms/presets.py", "return optimizer_steps_per_rollout > 1 or self.kl_in_reward",
      "return self.kl_in_reward", "old log-probs not recomputed for several optimizer steps"),
@@ -120,7 +120,7 @@ CURATED = [
      "return self._policy[1]", "the reference is the policy module"),
     ("rlhf/runtime/workers.py", "temperature=self.temperature, device=self.device)[0]",
      "temperature=1.0, device=self.device)[0]", "reference log-probs at temperature 1"),
-    ("rlhf/algorithms/losses.py", "kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)", "kl = kl",
+    ("rlhf/algorithms/training_loss.py", "kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)", "kl = kl",
      "KL not clamped"),
     ("rlhf/runtime/workers.py", "norm = step_norm(minibatch, self.settings.max_new_tokens)",
      "norm = step_norm(minibatch.select(torch.arange(min(self.settings.micro_batch_size, minibatch.size))), "
@@ -130,7 +130,7 @@ CURATED = [
      "norm = step_norm(self._rows_that_train(minibatch, trained_rows, False, metrics), self.settings.max_new_tokens)\n"
      "            minibatch = self._rows_that_train(minibatch, trained_rows, share and",
      "the step's counts leave out the skipped zero-advantage rows"),
-    ("rlhf/algorithms/objective.py", "if self.kl_coef > 0 or self.entropy_coef > 0 or not",
+    ("rlhf/algorithms/training_loss.py", "if self.kl_coef > 0 or self.entropy_coef > 0 or not",
      "if not", "zero-advantage rows skipped although the KL or entropy term trains them"),
     ("rlhf/runtime/workers.py", "if bool(keep.any()) else torch.zeros(1, dtype=torch.long)",
      "if bool(keep.any()) else torch.zeros(0, dtype=torch.long)",
@@ -147,6 +147,11 @@ CURATED = [
      "grad_weight = _product(rows.t(), grad_rows.t())", "oneDNN linear: the weight gradient transposed"),
     ("rlhf/core/cpu_linear.py", "grad_bias = grad_rows.sum(dim=0)", "grad_bias = grad_rows.mean(dim=0)",
      "oneDNN linear: the bias gradient averaged over rows"),
+    ("rlhf/algorithms/training_loss.py", "    total = aggregate(loss_aggregation or aggregation, per_token, mask, norm)",
+     "    total = aggregate(aggregation, per_token, mask, norm)", "gspo's own aggregation ignored in training"),
+    ("rlhf/algorithms/training_loss.py", "        if not self.loss_aggregation.capabilities.get(\"sums_rows\"):",
+     "        if not self.aggregation.capabilities.get(\"sums_rows\"):",
+     "zero-advantage rows judged by the run's aggregation, not the loss's own"),
     # the offline half (issue 31): objectives feeding the wrong tensor into correct math, masks, positions
     ("rlhf/plugins/objectives/dpo.py", "ref_sums, _ = sequence_logps(forward(models.reference), mask)",
      "ref_sums, _ = sequence_logps(forward(models.model), mask)", "dpo: the reference log-probs taken from the policy"),

@@ -1,8 +1,8 @@
 """The algorithm math as plain functions, for the trainer, plugins, notebooks and tests (docs/algorithms.md).
 
-Training calls `PolicyObjective` / `ValueObjective` (``objective.py``), which are
-`policy_objective` / `value_loss` with the run's components: what these functions compute is
-what a run optimises.
+Training calls `PolicyTrainingLoss` / `ValueTrainingLoss` (``training_loss.py``: the whole
+formula, L = agg(ℓ) + β·agg(kl) − c·agg(H), in one place), which compute what `policy_objective` /
+`value_loss` compute from names: what these functions give is what a run optimises.
 
 Every function takes the component to use as its first argument: a registered name (``"grpo"``,
 ``"k3"``, ``"ppo"``, ``"token_mean"``), a ``"module.path:attr"`` or ``"file.py:attr"`` reference,
@@ -36,14 +36,15 @@ from __future__ import annotations
 
 from rlhf.algorithms.advantages import compute_advantages
 from rlhf.algorithms.components import AlgorithmConfigError, ComponentRef, LoadedComponent, load_component
-from rlhf.algorithms.losses import (KL_CLAMP, aggregate_loss, clipped_value_error, entropy_from_logits,
-                                    kl_divergence, policy_loss, value_loss)
-from rlhf.algorithms.objective import PolicyObjective, ValueObjective, policy_objective, step_norm
+from rlhf.algorithms.losses import (aggregate_loss, entropy_from_logits, kl_divergence, policy_loss, policy_objective,
+                                    value_loss)
 from rlhf.algorithms.presets import KL_PLACEMENTS, ResolvedAlgorithm, resolve_algorithm
+from rlhf.algorithms.training_loss import (KL_CLAMP, PolicyTrainingLoss, ValueTrainingLoss, clipped_value_error,
+                                           step_norm)
 
 __all__ = [
-    "KL_CLAMP", "KL_PLACEMENTS", "AlgorithmConfigError", "ComponentRef", "LoadedComponent", "PolicyObjective",
-    "ResolvedAlgorithm", "ValueObjective", "aggregate_loss", "clipped_value_error", "compute_advantages",
+    "KL_CLAMP", "KL_PLACEMENTS", "AlgorithmConfigError", "ComponentRef", "LoadedComponent", "PolicyTrainingLoss",
+    "ResolvedAlgorithm", "ValueTrainingLoss", "aggregate_loss", "clipped_value_error", "compute_advantages",
     "entropy_from_logits", "kl_divergence", "load_component", "policy_loss", "policy_objective",
     "resolve_algorithm", "step_norm", "value_loss",
 ]

@@ -1,8 +1,9 @@
-"""The loss pieces as functions: KL estimate, loss aggregation, policy loss, value loss, entropy.
+"""The loss pieces as functions of names: KL estimate, loss aggregation, policy loss, value loss,
+entropy, and `policy_objective`, the whole policy loss a run differentiates.
 
 Each resolves its component through the registries (a name, a reference, a `LoadedComponent` or
-the function) and checks shapes; `rlhf.algorithms.objective` combines them into what training
-differentiates.
+the function) and computes what `rlhf.algorithms.training_loss` computes in training, with the
+same code: these are for notebooks, tests and plugins that want the run's numbers.
 
 Shape legend: ``B`` sequences, ``A`` action positions, ``V`` vocabulary.
 """
@@ -11,19 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rlhf.algorithms.components import AlgorithmConfigError, ComponentRef, build_config, check_shape, load_component
-from rlhf.core.errors import PluginError
-from rlhf.core.types import LossNorm, PolicyLossInputs
+from rlhf.algorithms.components import ComponentRef, LoadedComponent, build_config, load_component
+from rlhf.algorithms.training_loss import (KL_CLAMP, KL_IS_WEIGHT_CLIP, aggregate, clamped_kl,  # noqa: F401
+                                           clipped_value_error, loss_norm, per_token_policy_loss,
+                                           policy_training_loss, value_training_loss)
 
 if TYPE_CHECKING:
     import torch
 
     from rlhf.core.plugins import PluginSet
-
-KL_CLAMP = 10.0  # every KL estimate is clamped to [-10, 10]
-
-
-KL_IS_WEIGHT_CLIP = 10.0  # the importance weight of the unbiased KL gradient is clamped above at this
 
 
 def kl_divergence(estimator: ComponentRef, logp: torch.Tensor, logp_ref: torch.Tensor, *,
@@ -33,48 +30,14 @@ def kl_divergence(estimator: ComponentRef, logp: torch.Tensor, logp_ref: torch.T
 
     With δ = logp - logp_ref: k1 = δ, k2 = δ²/2, k3 = exp(-δ) - 1 + δ. logp, logp_ref (B, A);
     action_mask (B, A) optional, zeroes masked positions. Differentiable in ``logp`` (the KL
-    term of the loss). Returns (B, A).
-
-    ``unbiased_gradient``: the value stays the estimator's, but the gradient becomes the
-    importance-weighted score-function gradient of the reverse KL, ∇ = w·δ·∇logp with
-    w = min(exp(logp - logp_old), 10) detached (w = 1 without ``logp_old``), whatever the
-    estimator: kl ← value.detach() + w·δ²/2 - (w·δ²/2).detach() (OpenRLHF 0.11's
-    ``compute_approx_kl(unbiased_gradient=True)``). Samples come from the old policy, so
-    E_old[w·δ·∇logp] = ∇ KL(π ‖ π_ref); the plain estimators' pathwise gradients are biased
-    for it (k1's is 1 on every token).
+    term of the loss). Returns (B, A). ``unbiased_gradient``: the estimator's value with the
+    importance-weighted reverse-KL gradient w·δ·∇logp, w = min(exp(logp - logp_old), 10)
+    (`rlhf.algorithms.training_loss.clamped_kl`; OpenRLHF 0.11's
+    ``compute_approx_kl(unbiased_gradient=True)``).
     """
-    import torch
-
     component = load_component("kl_estimator", estimator, plugins=plugins)
-    check_shape("logp_ref", logp_ref, tuple(logp.shape))
-    kl = component(logp, logp_ref)  # (B, A)
-    if not isinstance(kl, torch.Tensor) or kl.shape != logp.shape:
-        raise PluginError(f"kl estimator {component.name!r} must return a tensor of shape {tuple(logp.shape)}")
-    kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)  # (B, A)
-    if unbiased_gradient:
-        delta = logp.float() - logp_ref.float()  # (B, A)
-        weight = 1.0
-        if logp_old is not None:
-            check_shape("logp_old", logp_old, tuple(logp.shape))
-            weight = (logp.float() - logp_old.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()  # (B, A)
-        surrogate = weight * delta.pow(2) / 2  # (B, A): its gradient is w·δ·∇logp
-        kl = kl.detach() + surrogate - surrogate.detach()  # (B, A): the estimator's value, the surrogate's gradient
-    if action_mask is not None:
-        check_shape("action_mask", action_mask, tuple(logp.shape))
-        kl = torch.where(action_mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device))  # (B, A)
-    return kl
-
-
-def loss_norm(action_mask: torch.Tensor, num_tokens: Any = None, num_sequences: Any = None,
-              max_new_tokens: int | None = None) -> LossNorm:
-    """Step-wide counts for the aggregations; those not given are counted from ``action_mask``
-    (B, A), which is then the whole step: action tokens, and sequences with at least one."""
-    mask = action_mask.bool()  # (B, A)
-    if num_tokens is None:
-        num_tokens = float(mask.sum())
-    if num_sequences is None:
-        num_sequences = float(mask.any(dim=-1).sum())
-    return LossNorm(num_tokens=num_tokens, num_sequences=num_sequences, max_new_tokens=max_new_tokens)
+    return clamped_kl(component, logp, logp_ref, mask=action_mask, unbiased_gradient=unbiased_gradient,
+                      logp_old=logp_old)
 
 
 def aggregate_loss(aggregation: ComponentRef, loss: torch.Tensor, action_mask: torch.Tensor, *,
@@ -88,13 +51,18 @@ def aggregate_loss(aggregation: ComponentRef, loss: torch.Tensor, action_mask: t
     micro-batches and ranks); None: counted from this batch. Returns a scalar.
     """
     component = load_component("loss_aggregation", aggregation, plugins=plugins)
-    check_shape("action_mask", action_mask, tuple(loss.shape))
-    norm = loss_norm(action_mask, num_tokens, num_sequences, max_new_tokens)
-    return component(loss, action_mask.to(loss.dtype), norm)
+    return aggregate(component, loss, action_mask, loss_norm(action_mask, num_tokens, num_sequences, max_new_tokens))
 
 
 _POLICY_DEFAULTS = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "correction": None,
                     "correction_bounds": (0.5, 5.0)}
+
+
+def loss_aggregation_of(loss: LoadedComponent, aggregation: ComponentRef, *,
+                        plugins: PluginSet | None = None) -> LoadedComponent:
+    """The aggregation of a policy loss's ℓ term: its own when it declares one (gspo's
+    ``seq_mean_token_mean``), else ``aggregation`` (the run's)."""
+    return load_component("loss_aggregation", loss.capabilities.get("aggregation") or aggregation, plugins=plugins)
 
 
 def policy_loss(name: ComponentRef, *, logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
@@ -119,53 +87,50 @@ def policy_loss(name: ComponentRef, *, logp: torch.Tensor, logp_old: torch.Tenso
     ``config`` replaces the clip / correction keywords with a ready-made config object.
     Returns ``(loss (), metrics)`` with ``policy/clip_frac``, ``policy/approx_kl``, ...
     """
-    import torch
-
     component = load_component("policy_loss", name, plugins=plugins)
-    shape = tuple(logp.shape)
-    for arg, tensor in (("logp_old", logp_old), ("advantages", advantages), ("action_mask", action_mask),
-                        ("rollout_logp", rollout_logp)):
-        if tensor is not None:
-            check_shape(arg, tensor, shape)
     settings = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip, "correction": correction,
                 "correction_bounds": tuple(correction_bounds)}
     config = build_config(component, None, settings, _POLICY_DEFAULTS, config)
-    mask = action_mask.to(logp.dtype)  # (B, A)
-    inputs = PolicyLossInputs(logprobs=logp, old_logprobs=logp_old, advantages=advantages, action_mask=mask,
-                              rollout_logprobs=rollout_logp)
-    result = component(inputs, config)
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
-            and tuple(result[0].shape) == shape):
-        raise PluginError(f"policy loss {component.name!r} must return (per_token_loss, metrics) with a "
-                          f"loss of shape {shape}")
-    per_token_loss, metrics = result
-    # A loss defined with its own aggregation (gspo: per sequence) declares it; it wins over the run's.
-    aggregation = component.capabilities.get("aggregation") or aggregation
-    loss = aggregate_loss(aggregation, per_token_loss, mask, num_tokens=num_tokens, num_sequences=num_sequences,
-                          max_new_tokens=max_new_tokens, plugins=plugins)
-    return loss, dict(metrics)
+    per_token, metrics = per_token_policy_loss(component, config, logp=logp, logp_old=logp_old,
+                                               advantages=advantages, mask=action_mask, rollout_logp=rollout_logp)
+    norm = loss_norm(action_mask, num_tokens, num_sequences, max_new_tokens)
+    return aggregate(loss_aggregation_of(component, aggregation, plugins=plugins), per_token, action_mask,
+                     norm), metrics
 
 
-def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                        clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token max((V_clip - G)², (V - G)²), V_clip = V_old + clamp(V - V_old, -c, c), and where the
-    clipped term is the larger. values (B, A) with grad; old_values, returns (B, A).
+def policy_objective(name: ComponentRef = "ppo", *, logp: torch.Tensor, logp_old: torch.Tensor,
+                     advantages: torch.Tensor, action_mask: torch.Tensor, ref_logp: torch.Tensor | None = None,
+                     kl_estimator: ComponentRef = "k3", kl_coef: float = 0.0, entropy: torch.Tensor | None = None,
+                     entropy_coef: float = 0.0, aggregation: ComponentRef = "token_mean",
+                     num_tokens: float | None = None, num_sequences: float | None = None,
+                     max_new_tokens: int | None = None, rollout_logp: torch.Tensor | None = None,
+                     kl_unbiased_gradient: bool = False, config: Any = None,
+                     plugins: PluginSet | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The policy's loss for one micro-batch, as training computes it: agg(ℓ) + β·agg(clamp(kl)) − c·agg(H)
+    (`rlhf.algorithms.training_loss.policy_training_loss`).
 
-    Schulman et al. 2017 (arXiv:1707.06347) as OpenAI baselines' ``ppo2`` and OpenRLHF clip the
-    critic: the new value may move at most ``clip`` from the value at rollout time, and the larger
-    of the clipped and unclipped squared errors is kept. ``clip=None``: (V - G)².
-    Returns ``(error (B, A), clipped (B, A) bool)``.
+    logp (B, A) with grad; logp_old, advantages, action_mask (the loss mask), ref_logp, entropy
+    (with grad), rollout_logp (B, A). The KL term needs ``ref_logp`` and is computed on ``logp``
+    itself, so its gradient flows (β = ``kl_coef``; 0 leaves the term out). The entropy term
+    needs ``entropy`` (c = ``entropy_coef``; 0 leaves it out). ``num_tokens`` /
+    ``num_sequences`` / ``max_new_tokens`` are the optimizer step's (None: this batch is the
+    step). ``config`` is the policy loss's own config object (e.g. ``PPOLossConfig``).
+    ``kl_unbiased_gradient``: the KL term keeps its value but takes the importance-weighted
+    reverse-KL gradient w·δ·∇logp, w = min(exp(logp - logp_old), 10) (see `kl_divergence`).
+
+    Returns ``(loss (), metrics)``: the policy loss's metrics, plus ``policy/kl`` (token mean of
+    the clamped KL) with the KL term and ``policy/entropy`` (token mean of H) with the entropy term.
     """
-    import torch
-
-    for name, tensor in (("old_values", old_values), ("returns", returns)):
-        check_shape(name, tensor, tuple(values.shape))
-    unclipped = (values - returns).pow(2)  # (B, A)
-    if clip is None:
-        return unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
-    values_clipped = old_values + (values - old_values).clamp(-clip, clip)  # (B, A)
-    clipped = (values_clipped - returns).pow(2)  # (B, A)
-    return torch.max(clipped, unclipped), (clipped > unclipped).detach()
+    loss = load_component("policy_loss", name, plugins=plugins)
+    run_aggregation = load_component("loss_aggregation", aggregation, plugins=plugins)
+    return policy_training_loss(
+        loss=loss, loss_config=build_config(loss, None, _POLICY_DEFAULTS, _POLICY_DEFAULTS, config),
+        aggregation=run_aggregation, loss_aggregation=loss_aggregation_of(loss, run_aggregation, plugins=plugins),
+        kl_estimator=load_component("kl_estimator", kl_estimator, plugins=plugins), logp=logp, logp_old=logp_old,
+        advantages=advantages, mask=action_mask, norm=loss_norm(action_mask, num_tokens, num_sequences,
+                                                                max_new_tokens),
+        ref_logp=ref_logp, kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef, rollout_logp=rollout_logp,
+        kl_unbiased_gradient=kl_unbiased_gradient)
 
 
 def value_loss(*, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
@@ -179,19 +144,10 @@ def value_loss(*, values: torch.Tensor, old_values: torch.Tensor, returns: torch
     with ``critic/clip_frac`` (share of tokens where the clipped error is the larger) and
     ``critic/values`` (mean value over action tokens).
     """
-    from rlhf.core.masked import masked_mean
-
-    if clip is not None and not clip > 0:
-        raise AlgorithmConfigError(f"value clip must be positive (or None for no clipping), got {clip}")
-    check_shape("action_mask", action_mask, tuple(values.shape))
-    error, clipped = clipped_value_error(values, old_values, returns, clip)  # (B, A), (B, A)
-    loss = 0.5 * aggregate_loss(aggregation, error, action_mask, num_tokens=num_tokens, num_sequences=num_sequences,
-                                max_new_tokens=max_new_tokens, plugins=plugins)
-    metrics = {
-        "critic/clip_frac": masked_mean(clipped.to(error.dtype), action_mask).detach(),
-        "critic/values": masked_mean(values.detach(), action_mask),
-    }
-    return loss, metrics
+    return value_training_loss(values=values, old_values=old_values, returns=returns, mask=action_mask,
+                               norm=loss_norm(action_mask, num_tokens, num_sequences, max_new_tokens),
+                               aggregation=load_component("loss_aggregation", aggregation, plugins=plugins),
+                               clip=clip)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

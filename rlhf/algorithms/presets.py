@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf.algorithms.advantages import groups_message
 from rlhf.algorithms.components import AlgorithmConfigError, ComponentRef, LoadedComponent, load_component
-from rlhf.algorithms.objective import PolicyObjective, ValueObjective
+from rlhf.algorithms.training_loss import PolicyTrainingLoss, ValueTrainingLoss
 from rlhf.core.types import AdvantageConfig, AlgorithmPreset
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ class ResolvedAlgorithm:
     policy_loss: LoadedComponent
     kl_estimator: LoadedComponent
     loss_agg: LoadedComponent
+    policy_loss_agg: LoadedComponent  # the aggregation of the ℓ term: the loss's own (gspo's), else loss_agg
     kl_in: str  # "reward", "loss" or "none": KL goes to exactly one place
     kl_coef: float  # β
     n_samples: int
@@ -44,7 +45,7 @@ class ResolvedAlgorithm:
 
     @property
     def kl_in_loss(self) -> bool:
-        """The policy objective has a KL term (β > 0, KL placed in the loss)."""
+        """The policy's loss has a KL term (β > 0, KL placed in the loss)."""
         return self.kl_in == "loss" and self.kl_coef > 0
 
     @property
@@ -64,23 +65,25 @@ class ResolvedAlgorithm:
         flag = self.policy_loss.capabilities.get("needs_rollout_logprobs", False)
         return bool(flag(policy_loss_config) if callable(flag) else flag)
 
-    def policy_objective(self, policy_loss_config: Any, *, entropy_coef: float = 0.0, temperature: float = 1.0,
-                         kl_unbiased_gradient: bool = False) -> PolicyObjective:
-        """The run's policy objective; ``policy_loss_config`` is the policy loss's own config object."""
+    def policy_training_loss(self, policy_loss_config: Any, *, entropy_coef: float = 0.0, temperature: float = 1.0,
+                             kl_unbiased_gradient: bool = False) -> PolicyTrainingLoss:
+        """The run's policy loss (`rlhf.algorithms.training_loss`); ``policy_loss_config`` is the policy
+        loss's own config object."""
         if kl_unbiased_gradient and not self.kl_in_loss:
             raise AlgorithmConfigError("--kl-unbiased-gradient changes the gradient of the KL term of the loss, and "
                                        f"this run has none (KL in {self.kl_in}, β {self.kl_coef}): use --kl-in loss "
                                        "with --kl-coef > 0, or drop the flag")
-        return PolicyObjective(policy_loss=self.policy_loss, policy_loss_config=policy_loss_config,
-                               aggregation=self.loss_agg, kl_estimator=self.kl_estimator,
-                               kl_coef=self.kl_coef if self.kl_in_loss else 0.0, entropy_coef=entropy_coef,
-                               temperature=temperature, kl_unbiased_gradient=kl_unbiased_gradient)
+        return PolicyTrainingLoss(loss=self.policy_loss, loss_config=policy_loss_config,
+                                  loss_aggregation=self.policy_loss_agg, aggregation=self.loss_agg,
+                                  kl_estimator=self.kl_estimator, kl_coef=self.kl_coef if self.kl_in_loss else 0.0,
+                                  entropy_coef=entropy_coef, temperature=temperature,
+                                  kl_unbiased_gradient=kl_unbiased_gradient)
 
-    def value_objective(self, clip: float | None = 0.5) -> ValueObjective:
-        """The critic's objective: the clipped value loss with the run's loss aggregation."""
+    def value_training_loss(self, clip: float | None = 0.5) -> ValueTrainingLoss:
+        """The critic's loss: the clipped value loss with the run's loss aggregation."""
         if clip is not None and not clip > 0:
             raise AlgorithmConfigError(f"--value-clip must be positive (or None for no clipping), got {clip}")
-        return ValueObjective(aggregation=self.loss_agg, clip=clip)
+        return ValueTrainingLoss(aggregation=self.loss_agg, clip=clip)
 
     # The registered objects themselves, for a trainer that calls them directly (raw: the KL
     # estimator is not clamped, the policy loss is per token).
@@ -140,11 +143,14 @@ def resolve_algorithm(algo: ComponentRef = "grpo", *, advantage: ComponentRef | 
     loss = load_component("policy_loss", policy_loss or preset.policy_loss, plugins=plugins)
     kl = load_component("kl_estimator", kl_estimator or preset.kl_estimator, plugins=plugins)
     aggregation = load_component("loss_aggregation", loss_agg or preset.loss_agg, plugins=plugins)
+    own = loss.capabilities.get("aggregation")
+    loss_aggregation = load_component("loss_aggregation", own, plugins=plugins) if own else aggregation
     needs_groups = bool(estimator.capabilities.get("needs_groups"))
     if needs_groups and n_samples < 2:
         raise AlgorithmConfigError(groups_message(estimator.name, n_samples))
     return ResolvedAlgorithm(
         algo=preset_component.name, advantage=estimator, policy_loss=loss, kl_estimator=kl, loss_agg=aggregation,
+        policy_loss_agg=loss_aggregation,
         kl_in=kl_in, kl_coef=float(kl_coef), n_samples=n_samples,
         needs_critic=bool(estimator.capabilities.get("needs_critic")), needs_groups=needs_groups,
         needs_reference=kl_in != "none" and kl_coef > 0,

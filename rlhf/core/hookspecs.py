@@ -101,8 +101,9 @@ def register_policy_losses(register: Register) -> None:
       or ``None``: the rollout engine's log-probs); ``config`` an instance of ``config_cls`` or
       ``None``. The loss per token is ``(B, A)`` and 0 where ``action_mask`` is 0; the metrics are
       detached scalars under namespaced keys (``policy/clip_frac``, ``policy/approx_kl``, ...).
-    - Called once per micro-batch by ``rlhf.algorithms.policy_objective``, which training uses:
-      the host adds the KL and entropy terms and the aggregation.
+    - Called once per micro-batch by the run's training loss (rlhf/algorithms/training_loss.py;
+      ``rlhf.algorithms.policy_objective`` computes the same from names): the host adds the KL and
+      entropy terms and the aggregation.
     """
 
 

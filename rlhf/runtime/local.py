@@ -73,10 +73,10 @@ def build_backend(plan: RunPlan, model: torch.nn.Module, lr: float) -> Any:
 def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> PolicyWorker:
     config = plan.config
     model = adapter.load(config.model, role="policy")
-    objective = plan.algorithm.policy_objective(plan.policy_loss_config, entropy_coef=config.entropy_coef,
+    training_loss = plan.algorithm.policy_training_loss(plan.policy_loss_config, entropy_coef=config.entropy_coef,
                                                 temperature=config.temperature,
                                                 kl_unbiased_gradient=config.kl_unbiased_gradient)
-    return PolicyWorker(model, build_backend(plan, model, config.lr), update_settings(plan), objective, dist)
+    return PolicyWorker(model, build_backend(plan, model, config.lr), update_settings(plan), training_loss, dist)
 
 
 def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> ReferenceWorker:
@@ -93,7 +93,7 @@ def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> Cri
     seed_everything(config.seed)
     model = adapter.load(config.critic_model or config.model, role="critic")
     return CriticWorker(model, build_backend(plan, model, config.critic_lr), update_settings(plan),
-                        plan.algorithm.value_objective(config.value_clip), dist)
+                        plan.algorithm.value_training_loss(config.value_clip), dist)
 
 
 def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tokenizer: Any, *,

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlhf.algorithms import PolicyObjective, ValueObjective, step_norm
+from rlhf.algorithms import PolicyTrainingLoss, ValueTrainingLoss, step_norm
 from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.types import LossNorm, Trajectory
@@ -167,7 +167,7 @@ class _TrainedWorker(TrainedModel):
     def _rows_that_train(self, minibatch: ExperienceBatch, trained_rows: Callable[[ExperienceBatch], Any] | None,
                          whole_groups: bool, metrics: WeightedMeans) -> ExperienceBatch:
         """The minibatch without the rows ``trained_rows`` says add exactly nothing to the loss and its
-        gradient (zero advantages, `PolicyObjective.trained_rows`): their forwards and backwards are
+        gradient (zero advantages, `PolicyTrainingLoss.trained_rows`): their forwards and backwards are
         skipped, the step's counts (``norm``) still include them. ``whole_groups``: a row is
         skipped only with its prompt's other samples (shared forwards want whole groups). Metric
         ``zero_advantage_frac``: the share of the minibatch's rows that add nothing (whole groups
@@ -193,10 +193,10 @@ class _TrainedWorker(TrainedModel):
 class PolicyWorker(_TrainedWorker):
     """Computes the policy's log-probs and runs its PPO-style updates (`PolicyRole`)."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, objective: PolicyObjective,
+    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, training_loss: PolicyTrainingLoss,
                  dist: DistContext = SINGLE):
         super().__init__(model, backend, settings, dist)
-        self.objective = objective
+        self.training_loss = training_loss
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
@@ -206,32 +206,32 @@ class PolicyWorker(_TrainedWorker):
     def logprobs_under(self, model: torch.nn.Module, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A) log-probs of the batch's tokens under ``model`` (the policy, or --async's copy of an
         earlier version of it), computed exactly as the policy's own."""
-        return model_logprobs(model, batch, self.settings, temperature=self.objective.temperature, dist=self.dist)
+        return model_logprobs(model, batch, self.settings, temperature=self.training_loss.temperature, dist=self.dist)
 
     def fit(self, batch: ExperienceBatch, *, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
         ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1.
         ``kl_coef``: this step's β of the KL term when adaptive (default: the objective's)."""
         metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef), share=True,
-                            trained_rows=self.objective.trained_rows)
+                            trained_rows=self.training_loss.trained_rows)
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
     def _micro_loss(self, micro: MicroBatch, norm: LossNorm,
                     kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any], float]:
         logprobs, entropy = micro_logprobs(self._packed(self.train_model), micro,
-                                           temperature=self.objective.temperature,
-                                           with_entropy=self.objective.needs_entropy)  # (b, A), (b, A) or None
-        loss, metrics = self.objective.loss(logprobs, micro.batch, norm, entropy=entropy, kl_coef=kl_coef)
+                                           temperature=self.training_loss.temperature,
+                                           with_entropy=self.training_loss.needs_entropy)  # (b, A), (b, A) or None
+        loss, metrics = self.training_loss(logprobs, micro.batch, norm, entropy=entropy, kl_coef=kl_coef)
         return loss, metrics, float(micro.batch.loss_mask.sum())
 
 
 class CriticWorker(_TrainedWorker):
     """Computes values and fits them to the returns with the clipped value loss (`CriticRole`)."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, objective: ValueObjective,
+    def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, training_loss: ValueTrainingLoss,
                  dist: DistContext = SINGLE):
         super().__init__(model, backend, settings, dist)
-        self.objective = objective
+        self.training_loss = training_loss
 
     @torch.no_grad()
     def values(self, batch: ExperienceBatch) -> torch.Tensor:
@@ -249,7 +249,7 @@ class CriticWorker(_TrainedWorker):
     def _micro_loss(self, micro: MicroBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
         batch = micro.batch
         values = self.train_model(batch.input_ids, batch.attention_mask)[:, :-1]  # (b, A)
-        loss, metrics = self.objective.loss(values, batch, norm)
+        loss, metrics = self.training_loss(values, batch, norm)
         return loss, metrics, float(batch.loss_mask.sum())
 
 

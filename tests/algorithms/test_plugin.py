@@ -238,7 +238,7 @@ def test_kl_is_in_the_objective_only_when_placed_in_the_loss(plugins, algo, kl_i
     from rlhf.algorithms import resolve_algorithm
 
     resolved = resolve_algorithm(algo, kl_in=kl_in, kl_coef=0.02, n_samples=2, plugins=plugins)
-    assert resolved.policy_objective(None).kl_coef == in_loss
+    assert resolved.policy_training_loss(None).kl_coef == in_loss
     assert resolved.kl_in_reward == (kl_in == "reward") and resolved.kl_in_loss == (kl_in == "loss")
 
 

@@ -40,9 +40,9 @@ def fit(model_dir: str, stage: int, dist) -> dict:
     batch.advantages, batch.returns = compute_advantages(algo.advantage, rewards=batch.rewards,
                                                          action_mask=batch.action_mask, group_size=2)
     settings = UpdateSettings(ppo_epochs=2, train_batch_size=4, micro_batch_size=1, max_new_tokens=8, seed=3)
-    objective = algo.policy_objective(None)
+    training_loss = algo.policy_training_loss(None)
     backend = DeepSpeedBackend(model, DeepSpeedConfig(lr=1e-2, zero_stage=stage, micro_batch_size=1))
-    worker = PolicyWorker(model, backend, settings, objective, dist)
+    worker = PolicyWorker(model, backend, settings, training_loss, dist)
     batch.old_logprobs = worker.logprobs(batch)
     metrics = worker.fit(batch, step=0)
     with backend.full_weights():

@@ -41,8 +41,8 @@ def main(model_dir: str, out: str, poison: str = "") -> None:
         advantages[5] = float("nan")  # (A,): row 5 is trained by rank 1 of 2
     batch.advantages, batch.returns = advantages, returns
     settings = UpdateSettings(ppo_epochs=2, train_batch_size=4, micro_batch_size=1, max_new_tokens=8, seed=3)
-    objective = algo.policy_objective(None)
-    worker = PolicyWorker(model, TorchBackend(model, BackendConfig(lr=1e-2)), settings, objective, dist)
+    training_loss = algo.policy_training_loss(None)
+    worker = PolicyWorker(model, TorchBackend(model, BackendConfig(lr=1e-2)), settings, training_loss, dist)
     batch.old_logprobs = worker.logprobs(batch)
     metrics = worker.fit(batch, step=0)
     if dist.is_main:

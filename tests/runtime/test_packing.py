@@ -113,7 +113,7 @@ def policy_step(model, batch, *, packing, micro_batch_size=8, max_tokens=None):
     settings = UpdateSettings(train_batch_size=batch.size, micro_batch_size=micro_batch_size,
                               max_new_tokens=MAX_NEW, packing=packing, max_tokens_per_micro_batch=max_tokens)
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, plugins=build_plugin_manager(load_entrypoints=False))
-    worker = PolicyWorker(model, RecordingBackend(model), settings, algo.policy_objective(None, entropy_coef=0.05))
+    worker = PolicyWorker(model, RecordingBackend(model), settings, algo.policy_training_loss(None, entropy_coef=0.05))
     metrics = worker.fit(batch, step=0)
     return RecordingBackend.steps[0], metrics, worker.logprobs(batch)
 

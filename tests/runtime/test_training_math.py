@@ -63,10 +63,10 @@ def gradients(model, loss):
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def fit_once(model, batch, objective, *, micro_batch_size=3, worker_cls=PolicyWorker):
+def fit_once(model, batch, training_loss, *, micro_batch_size=3, worker_cls=PolicyWorker):
     RecordingBackend.clear()
     settings = UpdateSettings(train_batch_size=batch.size, micro_batch_size=micro_batch_size, max_new_tokens=MAX_NEW)
-    worker = worker_cls(model, RecordingBackend(model), settings, objective)
+    worker = worker_cls(model, RecordingBackend(model), settings, training_loss)
     metrics = worker.fit(batch, step=0)
     assert len(RecordingBackend.steps) == 1
     return RecordingBackend.steps[0], metrics
@@ -83,7 +83,7 @@ def test_kl_in_the_loss_has_the_estimators_gradient_against_a_distant_reference(
     offset = torch.rand(batch.action_mask.shape, generator=torch.Generator().manual_seed(2)) + 0.5  # (B, A) in [0.5, 1.5)
     batch.ref_logprobs = (start - offset) * batch.action_mask  # far from the policy, inside the ±10 clamp
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.5, kl_estimator=estimator, plugins=plugins)
-    got, metrics = fit_once(model, batch, algo.policy_objective(None))  # SGD with lr 0: the weights stay
+    got, metrics = fit_once(model, batch, algo.policy_training_loss(None))  # SGD with lr 0: the weights stay
 
     logp, _ = full_logprobs(model, batch)
     kl = KL_FORMULAS[estimator](logp - batch.ref_logprobs)  # (B, A), δ = logp - logp_ref
@@ -92,10 +92,40 @@ def test_kl_in_the_loss_has_the_estimators_gradient_against_a_distant_reference(
     assert metrics["policy/kl"] == pytest.approx(float(token_mean(kl, batch.loss_mask)), rel=1e-4)
 
 
+def test_gspo_trains_per_sequence_whatever_the_runs_aggregation(model, plugins, make_plugin):
+    """GSPO's registration declares its own aggregation (per sequence): under ``--loss-agg
+    token_mean`` the policy step's gradient is that of the mean over sequences of each sequence's
+    token mean of ℓ, and with zero advantages on some rows those rows are still skipped exactly."""
+    batch = make_batch()
+    advantages = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(4))  # (B, A)
+    advantages[:2] = 0  # two rows (one prompt group) that add nothing
+    batch.advantages = advantages * batch.action_mask
+    algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, policy_loss="gspo", loss_agg="token_mean",
+                             plugins=plugins)
+    training_loss = algo.policy_training_loss(None)
+    assert training_loss.trained_rows(batch).tolist() == [False, False] + [True] * (ROWS - 2)
+    got, _ = fit_once(model, batch, training_loss)
+
+    logp, _ = full_logprobs(model, batch)  # on-policy: ratio 1, ℓ = −s·Â with s = exp(mean(logp − logp.detach()))
+    mask = batch.loss_mask  # (B, A)
+    mean_log_ratio = ((logp - logp.detach()) * mask).sum(dim=1) / mask.sum(dim=1)  # (B,)
+    per_token = -torch.exp(mean_log_ratio)[:, None] * batch.advantages  # (B, A)
+    per_sequence = (per_token * mask).sum(dim=1) / mask.sum(dim=1)  # (B,)
+    assert_same_gradients(got, gradients(model, per_sequence.mean()))
+    # the rows GSPO skips depend on its own aggregation, not on the run's (here one that is no sum of rows)
+    plugins.register(make_plugin("squared_mean", register_loss_aggregations=lambda register: register(
+        "squared_mean", lambda loss, action_mask, norm: ((loss * action_mask).sum() / norm.num_tokens) ** 2)))
+    squared = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, policy_loss="gspo", loss_agg="squared_mean",
+                                plugins=plugins)
+    assert squared.policy_training_loss(None).trained_rows(batch) is not None
+    assert resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, loss_agg="squared_mean",
+                             plugins=plugins).policy_training_loss(None).trained_rows(batch) is None  # ppo: the run's
+
+
 def test_the_entropy_bonus_has_the_gradient_of_minus_c_times_the_mean_entropy(model, plugins):
     batch = make_batch()
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, plugins=plugins)
-    got, metrics = fit_once(model, batch, algo.policy_objective(None, entropy_coef=0.1, temperature=0.7))
+    got, metrics = fit_once(model, batch, algo.policy_training_loss(None, entropy_coef=0.1, temperature=0.7))
     _, log_p = full_logprobs(model, batch, temperature=0.7)
     entropy = -(log_p.exp() * log_p).sum(dim=-1)  # (B, A)
     expected = gradients(model, -0.1 * token_mean(entropy, batch.loss_mask))
@@ -117,7 +147,7 @@ def test_the_policy_gradient_is_minus_the_aggregated_advantage_weighted_score(mo
     batch.advantages = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(3)) * \
         batch.action_mask  # (B, A)
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, loss_agg=aggregation, plugins=plugins)
-    got, _ = fit_once(model, batch, algo.policy_objective(None))
+    got, _ = fit_once(model, batch, algo.policy_training_loss(None))
     logp, _ = full_logprobs(model, batch)
     expected = -AGGREGATIONS[aggregation](batch.advantages * logp, batch.loss_mask)
     assert_same_gradients(got, gradients(model, expected))
@@ -133,10 +163,10 @@ def test_a_dropped_sample_adds_nothing_to_the_gradient(base_model, plugins, entr
     batch.advantages[5] = 50.0 * batch.action_mask[5]  # a skipped sample with a large advantage
     batch.sample_mask[5] = 0.0
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, plugins=plugins)
-    objective = algo.policy_objective(None, entropy_coef=entropy_coef)
-    with_dropped, _ = fit_once(copy.deepcopy(base_model), batch, objective)
+    training_loss = algo.policy_training_loss(None, entropy_coef=entropy_coef)
+    with_dropped, _ = fit_once(copy.deepcopy(base_model), batch, training_loss)
     kept = batch.select([r for r in range(ROWS) if r != 5])
-    without, _ = fit_once(copy.deepcopy(base_model), kept, objective)
+    without, _ = fit_once(copy.deepcopy(base_model), kept, training_loss)
     assert_same_gradients(with_dropped, without)
 
 
@@ -149,9 +179,9 @@ def test_the_steps_metrics_are_means_over_its_loss_tokens_however_it_is_split(ba
     batch.ref_logprobs = -5.0 + torch.randn(batch.action_mask.shape, generator=generator)  # (B, A)
     batch.sample_mask[1] = batch.sample_mask[2] = 0.0  # both in the first micro-batch of 3
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.05, plugins=plugins)
-    objective = algo.policy_objective(None, entropy_coef=0.01)
-    _, whole = fit_once(copy.deepcopy(base_model), batch, objective, micro_batch_size=ROWS)
-    _, split = fit_once(copy.deepcopy(base_model), batch, objective, micro_batch_size=3)
+    training_loss = algo.policy_training_loss(None, entropy_coef=0.01)
+    _, whole = fit_once(copy.deepcopy(base_model), batch, training_loss, micro_batch_size=ROWS)
+    _, split = fit_once(copy.deepcopy(base_model), batch, training_loss, micro_batch_size=3)
     for key in ("policy/kl", "policy/entropy"):
         assert math.isclose(split[key], whole[key], rel_tol=1e-5), key
     _, log_p = full_logprobs(base_model, batch)
@@ -163,7 +193,7 @@ def test_a_nonfinite_step_is_skipped_and_the_count_resets_after_a_good_one(base_
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, plugins=plugins)
     settings = UpdateSettings(train_batch_size=ROWS, micro_batch_size=4, max_new_tokens=MAX_NEW)
     model = copy.deepcopy(base_model)
-    worker = PolicyWorker(model, RecordingBackend(model, lr=1e-2), settings, algo.policy_objective(None))
+    worker = PolicyWorker(model, RecordingBackend(model, lr=1e-2), settings, algo.policy_training_loss(None))
     good, bad = make_batch(), make_batch()
     good.advantages = torch.ones_like(good.action_mask) * good.action_mask
     bad.advantages = good.advantages.clone()
@@ -186,7 +216,7 @@ def test_a_saved_worker_loads_back_exactly(base_model, tmp_path, plugins):
     def worker():
         model = copy.deepcopy(base_model)
         return PolicyWorker(model, TorchBackend(model, BackendConfig(lr=1e-2, total_steps=10, lr_scheduler="cosine")),
-                            settings, algo.policy_objective(None))
+                            settings, algo.policy_training_loss(None))
 
     batch = make_batch()
     batch.advantages = torch.ones_like(batch.action_mask) * batch.action_mask
@@ -256,9 +286,9 @@ def test_a_dropped_sample_adds_nothing_to_the_critics_gradient(plugins):
     batch.returns = torch.rand(batch.action_mask.shape, generator=torch.Generator().manual_seed(9)) * 300
     batch.returns[2] = 1e4 * batch.action_mask[2]  # a dropped sample with an outlandish return
     batch.sample_mask[2] = 0.0
-    objective = resolve_algorithm("ppo", n_samples=1, plugins=plugins).value_objective(clip=None)
-    with_dropped, _ = fit_once(PositionCritic(), batch, objective, worker_cls=CriticWorker)
-    without, _ = fit_once(PositionCritic(), batch.select([r for r in range(ROWS) if r != 2]), objective,
+    training_loss = resolve_algorithm("ppo", n_samples=1, plugins=plugins).value_training_loss(clip=None)
+    with_dropped, _ = fit_once(PositionCritic(), batch, training_loss, worker_cls=CriticWorker)
+    without, _ = fit_once(PositionCritic(), batch.select([r for r in range(ROWS) if r != 2]), training_loss,
                           worker_cls=CriticWorker)
     assert float(with_dropped["w"]) == pytest.approx(float(without["w"]), rel=1e-5)
 
@@ -298,14 +328,14 @@ def test_kl_goes_into_the_reward_when_it_is_placed_there(plugins):
 def test_critic_value_t_is_the_output_at_token_t_in_values_and_in_training(plugins):
     batch = make_batch()
     critic = PositionCritic()
-    objective = resolve_algorithm("ppo", n_samples=1, plugins=plugins).value_objective(clip=0.5)
+    training_loss = resolve_algorithm("ppo", n_samples=1, plugins=plugins).value_training_loss(clip=0.5)
     worker = CriticWorker(critic, RecordingBackend(critic), UpdateSettings(train_batch_size=ROWS, micro_batch_size=3,
-                                                                         max_new_tokens=MAX_NEW), objective)
+                                                                         max_new_tokens=MAX_NEW), training_loss)
     values = worker.values(batch)  # (B, A)
     assert torch.equal(values, 0.5 * batch.input_ids[:, :-1].float() * batch.action_mask)
     batch.values = values
     batch.returns = torch.rand(batch.action_mask.shape, generator=torch.Generator().manual_seed(5)) * 300
-    got, _ = fit_once(critic, batch, objective, worker_cls=CriticWorker)
+    got, _ = fit_once(critic, batch, training_loss, worker_cls=CriticWorker)
     # at the old values V_clip = V, so the loss is 0.5·mean((V − G)²) and dL/dw = mean((V − G)·token_t)
     ids = batch.input_ids[:, :-1].float()
     expected = token_mean((0.5 * ids - batch.returns) * ids, batch.loss_mask)
@@ -318,10 +348,11 @@ def test_the_critic_loss_uses_the_runs_aggregation_with_the_steps_counts(plugins
     ids = batch.input_ids[:, :-1].float()
     batch.values = 0.5 * ids * batch.action_mask
     batch.returns = torch.rand(batch.action_mask.shape, generator=torch.Generator().manual_seed(8)) * 300
-    objective = resolve_algorithm("ppo", n_samples=1, loss_agg=aggregation, plugins=plugins).value_objective(clip=0.5)
+    training_loss = resolve_algorithm("ppo", n_samples=1, loss_agg=aggregation,
+                                  plugins=plugins).value_training_loss(clip=0.5)
     micro = batch.select([0, 1, 2])  # one micro-batch of a step of 8 rows
     norm = step_norm(batch, MAX_NEW)
-    loss, _ = objective.loss(0.5 * micro.input_ids[:, :-1].float(), micro, norm)
+    loss, _ = training_loss(0.5 * micro.input_ids[:, :-1].float(), micro, norm)
     error = (0.5 * micro.input_ids[:, :-1].float() - micro.returns) ** 2 * micro.loss_mask  # (b, A)
     per_row = error.sum(-1) / (micro.loss_mask.sum(-1) if aggregation == "seq_mean_token_mean" else MAX_NEW)
     expected = 0.5 * per_row.sum() / (batch.loss_mask.sum(-1) > 0).sum()  # the step's sequences, not the micro's
@@ -331,13 +362,13 @@ def test_the_critic_loss_uses_the_runs_aggregation_with_the_steps_counts(plugins
 def test_the_critic_is_clipped_around_its_old_values_with_the_runs_clip(plugins):
     batch = make_batch()
     critic = PositionCritic()
-    objective = resolve_algorithm("ppo", n_samples=1, plugins=plugins).value_objective(clip=0.2)
+    training_loss = resolve_algorithm("ppo", n_samples=1, plugins=plugins).value_training_loss(clip=0.2)
     ids = batch.input_ids[:, :-1].float()  # (B, A)
     offsets = torch.rand(ids.shape, generator=torch.Generator().manual_seed(7)) - 0.5  # (B, A) in [-0.5, 0.5)
     batch.values = (0.5 * ids + offsets) * batch.action_mask  # old values off by up to ±0.5: some clipped
     # returns past the old values, so where |V - V_old| > clip the clipped error is the larger (no gradient)
     batch.returns = batch.values - 3 * offsets
-    got, _ = fit_once(critic, batch, objective, worker_cls=CriticWorker)
+    got, _ = fit_once(critic, batch, training_loss, worker_cls=CriticWorker)
     w = torch.tensor(0.5, requires_grad=True)
     values = w * ids
     clipped = batch.values + (values - batch.values).clamp(-0.2, 0.2)

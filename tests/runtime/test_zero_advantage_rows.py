@@ -1,7 +1,7 @@
 """Rows whose advantages are all zero add nothing to an advantage-weighted loss: the policy update
 skips their forwards and takes the same step.
 
-`PolicyObjective.trained_rows` says which rows can add to the loss (only for losses registered
+`PolicyTrainingLoss.trained_rows` says which rows can add to the loss (only for losses registered
 ``advantage_weighted`` with a ``sums_rows`` aggregation and no KL or entropy term), and
 `_TrainedWorker._rows_that_train` drops the others (whole groups when prompts are shared) while
 the step's counts keep them. The tests compare the recorded gradients and the loss with a run that
@@ -25,10 +25,10 @@ def plugins():
     return build_plugin_manager(load_entrypoints=False)
 
 
-def objective(**overrides):
+def training_loss(**overrides):
     entropy_coef = overrides.pop("entropy_coef", 0.0)
     algo = resolve_algorithm("grpo", n_samples=3, plugins=plugins(), **{"kl_coef": 0.0, **overrides})
-    return algo.policy_objective(None, entropy_coef=entropy_coef)
+    return algo.policy_training_loss(None, entropy_coef=entropy_coef)
 
 
 def idle_batch():
@@ -42,16 +42,16 @@ def idle_batch():
 
 def test_trained_rows_are_those_with_a_nonzero_advantage_on_a_loss_token():
     batch, zero = idle_batch()
-    assert torch.equal(objective().trained_rows(batch), ~zero)
-    assert torch.equal(objective(policy_loss="gspo").trained_rows(batch), ~zero)
+    assert torch.equal(training_loss().trained_rows(batch), ~zero)
+    assert torch.equal(training_loss(policy_loss="gspo").trained_rows(batch), ~zero)
     for agg in ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
-        assert torch.equal(objective(loss_agg=agg).trained_rows(batch), ~zero)
+        assert torch.equal(training_loss(loss_agg=agg).trained_rows(batch), ~zero)
     # an advantage outside the loss mask does not make a row train
     batch.advantages[0] = 1.0  # (A,) every position, row 0's action tokens included...
     batch.sample_mask[0] = 0.0  # ...but the sample is dropped (its reward failed): nothing of it is learnt
-    assert not bool(objective().trained_rows(batch)[0])
+    assert not bool(training_loss().trained_rows(batch)[0])
     batch.sample_mask[0] = 1.0
-    assert bool(objective().trained_rows(batch)[0])
+    assert bool(training_loss().trained_rows(batch)[0])
 
 
 def custom_loss(inputs, config):
@@ -72,11 +72,11 @@ def custom_aggregation(loss, action_mask, norm):
 ])
 def test_every_row_trains_unless_the_objective_can_tell(overrides):
     batch, _ = idle_batch()
-    assert objective(**overrides).trained_rows(batch) is None
+    assert training_loss(**overrides).trained_rows(batch) is None
 
 
 def fit(model, batch, *, skip, share, micro_batch_size=4, monkeypatch=None, steps=1):
-    from rlhf.algorithms.objective import PolicyObjective
+    from rlhf.algorithms.training_loss import PolicyTrainingLoss
     import rlhf.runtime.workers as workers
     from rlhf.runtime.workers import PolicyWorker, UpdateSettings
 
@@ -85,11 +85,11 @@ def fit(model, batch, *, skip, share, micro_batch_size=4, monkeypatch=None, step
     monkeypatch.setattr(workers, "micro_logprobs", lambda m, micro, **kw: rows.append(micro.batch.size) or
                         real(m, micro, **kw))
     if not skip:
-        monkeypatch.setattr(PolicyObjective, "trained_rows", lambda self, batch: None)
+        monkeypatch.setattr(PolicyTrainingLoss, "trained_rows", lambda self, batch: None)
     RecordingBackend.clear()
     settings = UpdateSettings(train_batch_size=batch.size, micro_batch_size=micro_batch_size, max_new_tokens=8,
                               share_prompt=share)
-    worker = PolicyWorker(model, RecordingBackend(model), settings, objective())
+    worker = PolicyWorker(model, RecordingBackend(model), settings, training_loss())
     metrics = [worker.fit(batch, step=step) for step in range(steps)]
     monkeypatch.undo()
     return list(RecordingBackend.steps), metrics, sum(rows)
@@ -140,7 +140,7 @@ def test_a_step_where_no_row_trains_still_gives_every_parameter_a_zero_gradient(
     batch.advantages = torch.zeros_like(batch.advantages)  # (B, A)
     NoneGradRecorder.missing.clear()
     settings = UpdateSettings(train_batch_size=batch.size, micro_batch_size=4, max_new_tokens=8)
-    metrics = PolicyWorker(model, NoneGradRecorder(model), settings, objective()).fit(batch, step=0)
+    metrics = PolicyWorker(model, NoneGradRecorder(model), settings, training_loss()).fit(batch, step=0)
     assert sum(rows) == 1
     assert NoneGradRecorder.missing == [[]]
     assert metrics["policy/zero_advantage_frac"] == 1.0 and metrics["policy/loss"] == 0.0
