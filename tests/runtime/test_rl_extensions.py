@@ -307,3 +307,33 @@ def test_resume_keeps_the_best_of_the_interrupted_run(tiny_model_dir, task, tmp_
     assert (out / "best" / "best.json").read_text() == best_json
     assert (out / "best" / "model.safetensors").read_bytes() == best_weights
     assert (out / "final" / "model.safetensors").read_bytes() != best_weights  # training went on after step 2
+
+
+def test_the_controllers_kl_leaves_out_skipped_samples():
+    """The adaptive β is told the mean over counted samples of each sample's token-mean KL: a sample
+    whose reward was skipped (loss mask 0, action mask 1) is not one of them."""
+    from types import SimpleNamespace
+
+    from rlhf.runtime.step_metrics import sequence_kl
+
+    kl = torch.tensor([[0.2, 0.4, 0.0], [5.0, 5.0, 5.0], [0.1, 0.1, 0.1]])  # (B, A)
+    action_mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    loss_mask = action_mask * torch.tensor([[1.0], [0.0], [1.0]])  # the second sample skipped
+    batch = SimpleNamespace(kl=kl, action_mask=action_mask, loss_mask=loss_mask)
+    assert sequence_kl(batch, {}) == pytest.approx((0.3 + 0.1) / 2)
+    assert sequence_kl(SimpleNamespace(kl=None), {"policy/kl": 0.7}) == 0.7
+
+
+def test_eval_pass_at_n_is_the_share_of_prompts_solved_in_n_tries():
+    from types import SimpleNamespace
+
+    from rlhf.core.rewards import RewardResult
+    from rlhf.runtime.evaluation import eval_metrics
+
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # 3 prompts x 2 samples: solved once, never, twice
+    trajectories = [SimpleNamespace(num_policy_tokens=4, finish_reason="stop") for _ in rewards]
+    reward = SimpleNamespace(score=lambda t: RewardResult(total=rewards, per_source={}, metrics={}))
+    metrics = eval_metrics(trajectories, reward, n_samples=2)
+    assert metrics["eval/pass@2"] == pytest.approx(2 / 3)
+    assert metrics["eval/pass@1"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)
+    assert metrics["eval/reward/mean"] == pytest.approx(0.5) and metrics["eval/prompts"] == 3

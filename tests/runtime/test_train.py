@@ -130,9 +130,12 @@ def test_on_rewards_sees_0_for_a_sample_whose_reward_was_skipped(tiny_model_dir,
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
-    # a fixed thread count: the default follows the machine's load, and float sums depend on it
+    # a fixed thread count: the default follows the machine's load, and float sums depend on it; an adaptive β, so
+    # the KL controller's state must come back too
+    adaptive = {"kl_target": 1e-4, "kl_horizon": 4}
     straight = tmp_path / "straight"
-    train(small_config(tiny_model_dir, task, straight, steps=4, save_every=2, threads=1), plugins=build_plugin_manager())
+    train(small_config(tiny_model_dir, task, straight, steps=4, save_every=2, threads=1, **adaptive),
+          plugins=build_plugin_manager())
 
     def crash(step):
         if step == 2:
@@ -142,14 +145,17 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path,
     plugins = build_plugin_manager()
     plugins.register(make_plugin("killer", on_step_end=rlhf.hookimpl(trylast=True)(crash)))  # after the loggers
     with pytest.raises(KeyboardInterrupt):
-        train(small_config(tiny_model_dir, task, interrupted, steps=4, save_every=2, threads=1), plugins=plugins)
+        train(small_config(tiny_model_dir, task, interrupted, steps=4, save_every=2, threads=1, **adaptive),
+              plugins=plugins)
     assert not (interrupted / "final").exists()
     assert [m["step"] for m in read_jsonl(interrupted / "metrics.jsonl")] == [1, 2, 3]
-    train(small_config(tiny_model_dir, task, interrupted, steps=4, save_every=2, resume=True, threads=1),
+    train(small_config(tiny_model_dir, task, interrupted, steps=4, save_every=2, resume=True, threads=1,
+                       **adaptive),
           plugins=build_plugin_manager())
 
-    keys = ("reward/mean", "policy/loss", "policy/grad_norm", "response/length_mean")
+    keys = ("reward/mean", "policy/loss", "policy/grad_norm", "response/length_mean", "kl/beta")
     expected = [{k: m[k] for k in keys} for m in read_jsonl(straight / "metrics.jsonl")]
+    assert len({m["kl/beta"] for m in expected}) == 4  # β moved at every step
     resumed = [{k: m[k] for k in keys} for m in read_jsonl(interrupted / "metrics.jsonl")]
     assert resumed == expected  # steps 1-2 before the crash, 3-4 after the resume: step 3's first rows were cut
     samples = lambda out: [(s["step"], s["completion"]) for s in read_jsonl(out / "samples.jsonl")]  # noqa: E731
