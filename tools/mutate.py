@@ -47,7 +47,7 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
             "tests/speed/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py",
             "tests/runtime/test_run_lifecycle.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
-                 "tests/runtime/test_data.py", "tests/runtime/test_packing.py"]
+                 "tests/runtime/test_data.py", "tests/runtime/test_packing.py", "tests/rewards/test_specs.py"]
 
 # area: (files mutated, fast tests run on each of its mutants). Kill rates are reported per area.
 AREAS = {

@@ -260,3 +260,11 @@ def test_a_multiturn_conversation_ending_with_the_user_learns_no_eos(tokenizer):
         row, formatter(tokenizer, apply_chat_template=True))
     assert (ids, mask) == sequence(tokenizer, (turn("user", "Q: hi?") + GENERATION_PROMPT, 0),
                                    ("hello<|im_end|>\n", 1), (turn("user", "thanks").rstrip("\n"), 0), (EOS, 0))
+
+
+def test_max_len_must_leave_room_for_a_prompt_a_response_and_eos(tokenizer):
+    from rlhf.core.errors import ConfigError
+
+    assert formatter(tokenizer, max_len=3).max_len == 3
+    with pytest.raises(ConfigError, match="--max-len must leave room"):
+        formatter(tokenizer, max_len=2)

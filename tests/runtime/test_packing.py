@@ -163,6 +163,26 @@ def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(comman
             assert math.isclose(a["train/loss"], b["train/loss"], rel_tol=1e-4, abs_tol=1e-6)
 
 
+def test_a_padded_token_budget_counts_every_row_of_an_example(tiny_model_dir, fit_data, fit_teacher, tmp_path,
+                                                             monkeypatch):
+    """A DPO example is two rows (chosen, rejected): a padded micro-batch of k examples costs
+    2k x its longest row, and stays within --max-tokens-per-micro-batch (one example may exceed it)."""
+    from rlhf.plugins.objectives.dpo import DPOObjective
+
+    shapes = []
+    collate = DPOObjective.collate
+    monkeypatch.setattr(DPOObjective, "collate", lambda self, examples, pad: shapes.append(
+        (len(examples), tuple(collate(self, examples, pad)["input_ids"].shape))) or collate(self, examples, pad))
+    budget = 60
+    args = command_args("dpo", tiny_model_dir, fit_data, fit_teacher) + [
+        "--batch-size", "8", "--steps", "1", "--max-tokens-per-micro-batch", str(budget), "--out", str(tmp_path / "run"),
+        "--no-progress"]
+    result = run_cli(build_plugin_manager(load_entrypoints=False), args)
+    assert result.exit_code == 0, result.output
+    micro_batches = [(examples, rows * width) for examples, (rows, width) in shapes if examples > 1]
+    assert micro_batches and all(tokens <= budget for _, tokens in micro_batches)
+
+
 def test_a_bad_token_budget_is_a_user_error(tiny_model_dir, fit_data, fit_teacher, tmp_path):
     plugins = build_plugin_manager(load_entrypoints=False)
     args = command_args("sft", tiny_model_dir, fit_data, fit_teacher) + ["--max-tokens-per-micro-batch", "0",
