@@ -45,19 +45,11 @@ class LoadedComponent:
 
 ComponentRef = Union[str, LoadedComponent, Callable[..., Any]]
 
-_default_plugins: PluginSet | None = None
-
-
 def plugin_set(plugins: PluginSet | None) -> PluginSet:
-    """``plugins``, or the process-wide set built on first use."""
-    global _default_plugins
-    if plugins is not None:
-        return plugins
-    if _default_plugins is None:
-        from rlhf.core.plugins import build_plugin_manager
+    """``plugins``, or the process-wide set of installed plugins built on first use."""
+    from rlhf.core.plugins import installed_plugins
 
-        _default_plugins = build_plugin_manager()
-    return _default_plugins
+    return installed_plugins(plugins)
 
 
 def load_component(kind: str, ref: ComponentRef, *, plugins: PluginSet | None = None) -> LoadedComponent:

@@ -40,13 +40,14 @@ class LazyCommand(click.Command):
         return self.command.get_help(ctx)
 
 
-def config_file_option(flags: list[Flag], config_cls: Any, aliases: dict[str, str] | None = None) -> Any:
+def config_file_option(flags: list[Flag], config_cls: Any) -> Any:
     """``--config run.yaml``: the file's values become click's defaults, so explicit flags win.
 
     Keys are the flags' names (``_`` or ``-``); component settings may be ``components: {slot:
-    {...}}``, dotted keys (``backend.zero_stage``) or a short alias (``zero_stage``; ``aliases``
-    overrides the config class's). Nested groups may be mappings."""
-    aliases = config_cls.ALIASES if aliases is None else aliases
+    {...}}``, dotted keys (``backend.zero_stage``) or a setting's short flag (``zero_stage``, when
+    the command has ``--zero-stage``). Nested groups may be mappings."""
+    aliases = {flag.dest.partition(SLOT_SEPARATOR)[2]: flag.dest.partition(SLOT_SEPARATOR)[0] for flag in flags
+               if SLOT_SEPARATOR in flag.dest and len(flag.names) > 1}
 
     def load(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
         if value is None:
@@ -67,7 +68,7 @@ def config_file_option(flags: list[Flag], config_cls: Any, aliases: dict[str, st
             prefix = config_cls.NESTED[key][0]
             mapping.update({f"{prefix}_{str(k).replace('-', '_')}": v for k, v in mapping.pop(key).items()})
         try:
-            components = gather_components(mapping, config_cls.SLOTS, aliases)
+            components = gather_components(mapping, config_cls.setting_slots(), aliases)
         except ConfigError as exc:
             raise click.BadParameter(f"{value}: {exc}", ctx, param) from None
         for slot, settings in components.items():

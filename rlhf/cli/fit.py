@@ -36,25 +36,16 @@ _EXAMPLES = {
 def fit_flags(plugins: Any, objective: Any = None) -> list[Flag]:
     """The flags of ``rlhf fit`` (``objective`` None) or of one objective's command."""
     from rlhf.runtime.fit.config import FIT_SLOTS, FitConfig
-    from rlhf.runtime.options import MODEL_ALIASES, MODEL_SLOTS
+    from rlhf.runtime.options import MODEL_SLOTS
 
     skip = ("components",) + (("objective",) if objective is not None else ())
-    flags = config_flags(FitConfig, titles=_GROUP_TITLES, skip=skip) + component_flags(plugins, MODEL_SLOTS,
-                                                                                          MODEL_ALIASES)
+    flags = config_flags(FitConfig, titles=_GROUP_TITLES, skip=skip) + component_flags(
+        plugins, MODEL_SLOTS, FitConfig.short_flags(plugins))
     if objective is None:
         return flags + component_flags(plugins, {"objective": FIT_SLOTS["objective"]}, {})
     taken = {name for flag in flags for name in flag.names}
     own = setting_flags(FIT_SLOTS["objective"], objective.name, objective.load_config_cls(), plain=True)
     return flags + [Flag(**{**vars(flag), "names": tuple(n for n in flag.names if n not in taken)}) for flag in own]
-
-
-def plain_aliases(flags: list[Flag]) -> dict[str, str]:
-    """Setting -> slot of the objective settings that have a plain flag (for config files)."""
-    from rlhf.runtime.options import MODEL_ALIASES
-
-    own = {flag.dest.partition(SLOT_SEPARATOR)[2]: "objective" for flag in flags
-           if flag.dest.startswith("objective" + SLOT_SEPARATOR) and len(flag.names) > 1}
-    return {**MODEL_ALIASES, **own}
 
 
 class VariadicCommand(click.Command):
@@ -97,9 +88,9 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
             raise click.UsageError("--model is required (a local HF model directory or a hub name)")
         if not values.get("data"):
             raise click.UsageError("--data is required (a dataset file, folder or hub name)")
-        config = FitConfig.from_dict(values)
-        quiet_library_progress_bars()
         state = click.get_current_context().find_object(CliState)
+        config = FitConfig.from_dict(values, state.plugins)
+        quiet_library_progress_bars()
         out = fit(config, plugins=state.plugins)
         click.echo(f"run finished: {out}")
 
@@ -108,7 +99,7 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
 
     for flag in reversed(flags):
         command = flag.option()(command)
-    command = config_file_option(flags, FitConfig, plain_aliases(flags))(command)
+    command = config_file_option(flags, FitConfig)(command)
     cls = type("FitCommand", (VariadicCommand,), {"variadic": frozenset(
         n for flag in flags if flag.multiple and SLOT_SEPARATOR in flag.dest and _is_list(flag.hint)
         for n in flag.names)})

@@ -34,14 +34,14 @@ def _flags(plugins: Any, config_cls: type) -> list[Flag]:
 
     flags = config_flags(config_cls, nested=config_cls.NESTED, titles=_TITLES, skip=("components",))
     flags = [dataclasses.replace(f, names=f.names + (_ALSO[f.dest],)) if f.dest in _ALSO else f for f in flags]
-    return flags + component_flags(plugins, config_cls.SLOTS, config_cls.ALIASES)
+    return flags + component_flags(plugins, config_cls.setting_slots(), config_cls.short_flags(plugins))
 
 
 def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> click.Command:
     flags = _flags(plugins, config_cls)
 
     def command(**kwargs: Any) -> None:
-        config = config_cls.from_dict(config_values(kwargs, config_cls))
+        config = config_cls.from_dict(config_values(kwargs, config_cls), plugins)
         quiet_library_progress_bars()
         run(config, plugins)
 

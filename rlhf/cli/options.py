@@ -139,7 +139,8 @@ def component_flags(plugins: Any, slots: Mapping[str, Any], aliases: Mapping[str
                     default_config: Mapping[str, type] = ()) -> list[Flag]:
     """``--<slot>.<setting>`` for every setting of every registered component of each slot's kind.
 
-    ``slots``: field -> `Slot`; ``aliases``: setting -> slot, the short flag a setting also has;
+    ``slots``: field -> `Slot`; ``aliases``: setting -> slot, the short flags the registered
+    components declare (``ConfigBase.short_flags``);
     ``default_config``: slot -> the config class components without one receive (estimators get
     ``AdvantageConfig``). A component whose config class cannot be imported is left out here
     (``rlhf plugins list`` shows why).
@@ -174,7 +175,8 @@ def _setting_flag(slot: Any, name: str, owners: list[tuple[str, dataclasses.Fiel
     names = (f"{slot.flag}.{name.replace('_', '-')}",) + ((_flag_name(name),) if alias else ())
     help_text = f"[{slot.flag[2:]} option of {', '.join(components)}] {first.metadata.get('help', '')}{shown}"
     multiple = typing.get_origin(_base_type(hint)) is list
-    return Flag(dest=f"{slot.field}{SLOT_SEPARATOR}{name}", names=names, hint=hint, help=help_text, multiple=multiple)
+    return Flag(dest=f"{slot.field}{SLOT_SEPARATOR}{name}", names=names, hint=hint, help=help_text, multiple=multiple,
+                nargs=first.metadata.get("nargs"))
 
 
 def setting_flags(slot: Any, component: str, config_cls: type | None, *, plain: bool) -> list[Flag]:

@@ -148,7 +148,9 @@ def _describe_component(component: Component) -> str:
         f"{component.kind.name} {component.name}",
         f"  provided by: {component.provider.label}",
         f"  description: {component.description or '-'}",
-        f"  selected by: {component.kind.flag} {component.name}",
+        f"  selected by: {component.kind.flag} {component.name}" + (
+            f", or --{component.capabilities['enabled_by'].replace('_', '-')}"
+            if component.capabilities.get("enabled_by") else ""),
     ]
     try:
         obj = component.load()
@@ -165,13 +167,13 @@ def _describe_component(component: Component) -> str:
         lines.append("  settings:    " + ", ".join(f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)))
     if config_cls is not None:
         lines.append(f"  config ({config_cls.__name__}):")
-        lines += [f"    {line}" for line in describe_config(config_cls, component.kind.flag)]
+        lines += [f"    {line}" for line in describe_config(config_cls, component.kind.flag, component.short_flags)]
     return "\n".join(lines)
 
 
-def describe_config(config_cls: type, namespace: str | None = None) -> list[str]:
+def describe_config(config_cls: type, namespace: str | None = None, short_flags: tuple[str, ...] = ()) -> list[str]:
     """One line per dataclass field: name, type, default and help text; then how it is set: its
-    flag ``<namespace>.<field>``, or the run value it receives."""
+    flag ``<namespace>.<field>`` (and ``--<field>`` when in ``short_flags``), or the run value it receives."""
     from rlhf.core.settings import RUN_VALUES, run_value_of
 
     lines = []
@@ -188,7 +190,8 @@ def describe_config(config_cls: type, namespace: str | None = None) -> list[str]
         if run is not None:
             how = f" [set by the run: {RUN_VALUES.get(run, run)}]"
         else:
-            how = f" [{namespace}.{f.name.replace('_', '-')}]" if namespace else ""
+            short = f", --{f.name.replace('_', '-')}" if f.name in short_flags else ""
+            how = f" [{namespace}.{f.name.replace('_', '-')}{short}]" if namespace else ""
         lines.append(f"{f.name} ({kind}, default {default})" + (f": {help_text}" if help_text else "") + how)
     return lines
 

@@ -27,10 +27,11 @@ _GROUP_TITLES = {"model": "Model", "data": "Data", "algorithm": "Algorithm", "ro
 
 def train_flags(plugins: Any) -> list[Flag]:
     from rlhf.core.types import AdvantageConfig
-    from rlhf.runtime.config import ALIASES, NESTED, SLOTS, TrainConfig
+    from rlhf.runtime.config import NESTED, SETTING_SLOTS, TrainConfig
 
     return (config_flags(TrainConfig, nested=NESTED, titles=_GROUP_TITLES, skip=("components",))
-            + component_flags(plugins, SLOTS, ALIASES, default_config={"advantage": AdvantageConfig}))
+            + component_flags(plugins, SETTING_SLOTS, TrainConfig.short_flags(plugins),
+                              default_config={"advantage": AdvantageConfig}))
 
 
 def build_train_command(plugins: Any) -> click.Command:
@@ -57,11 +58,11 @@ def build_train_command(plugins: Any) -> click.Command:
             raise click.UsageError("--model is required (a local HF model directory or a hub name)")
         if not values.get("data"):
             raise click.UsageError("--data is required (a prompt dataset file, folder or hub name)")
-        config = TrainConfig.from_dict(values)
+        state = click.get_current_context().find_object(CliState)
+        config = TrainConfig.from_dict(values, state.plugins)
         if config.ray_address and config.runtime != "ray":  # docs/architecture.md: an address means the Ray runtime
             config = dataclasses.replace(config, runtime="ray")
         quiet_library_progress_bars()
-        state = click.get_current_context().find_object(CliState)
         if config.runtime == "ray":
             from rlhf.runtime.ray import train
         else:

@@ -19,6 +19,11 @@ match the specs below. Two families:
   needs a value of the run declares it, ``rlhf.core.settings.run_field("seed", default, help)``
   (the run values: ``rlhf.core.settings.RUN_VALUES``); nothing else of the run reaches a config,
   whatever its fields are called.
+* ``register(..., short_flags=("zero_stage", ...))`` gives those settings a plain flag too
+  (``--zero-stage`` besides ``--backend.zero-stage``), on the command line, in config files and
+  in ``TrainConfig.from_dict``: the built-ins declare theirs this way and have no other. A short
+  flag that is already an option of the command stays namespaced only; one another slot's
+  component declared first too, with a warning in ``rlhf plugins list``.
 * Engines, backends and model adapters are classes implementing a written protocol
   (``rlhf.core.rollout.RolloutEngine``, ``rlhf.core.backend.TrainBackend``,
   ``rlhf.core.adapter.ModelAdapter``), checked when registered (when first used, for a
@@ -174,18 +179,20 @@ def register_sample_filters(register: Register) -> None:
     - Returns one bool per group, decided from that group's contents (not its position): False
       drops the whole group, and the loop samples new prompts until ``--prompts-per-step`` groups
       are kept (at most ``--max-filter-rounds`` rounds).
-    - ``config``: an instance of ``config_cls`` (its settings ``--sample-filter.<field>``; run
-      fields such as ``filter_range``) or None.
+    - ``config``: an instance of ``config_cls`` (its settings ``--sample-filter.<field>``, and
+      the plain flags it declares with ``short_flags``, as ``dynamic``'s ``--filter-range``) or None.
     - Called on the main process only; must be deterministic.
     """
 
 
 @hookspec
 def register_reward_shapings(register: Register) -> None:
-    """Register reward shapings (``--reward-shaping NAME``; ``overlong`` and ``truncation`` are
-    turned on by ``--overlong-buffer`` and ``--truncated-reward``).
+    """Register reward shapings (``--reward-shaping NAME``, or the shaping's own flag).
 
-    - ``register(name, shaping, *, config_cls=None)``.
+    - ``register(name, shaping, *, config_cls=None, short_flags=(), enabled_by=None)``;
+      ``enabled_by``: a setting whose flag turns the shaping on when given (``overlong``
+      declares ``short_flags=("overlong_buffer", ...)``, ``enabled_by="overlong_buffer"``, so
+      ``--overlong-buffer 8`` is all a user types).
     - ``shaping(trajectories, rewards, config) -> (rewards, metrics)``: ``rewards`` is each
       trajectory's total reward after the reward sources (None: the sample is dropped from the
       loss; keep it None); return the shaped list and a dict of scalar metrics (namespaced, e.g.
@@ -193,9 +200,11 @@ def register_reward_shapings(register: Register) -> None:
     - Trajectories give lengths (``num_policy_tokens``: tokens the policy generated, never
       environment tokens), ``finish_reason`` ("length" when cut by the limit) and everything a
       reward sees.
-    - ``config``: an instance of ``config_cls`` built from run fields (``max_new_tokens``,
-      ``overlong_buffer``, ...) or None.
-    - Shapings run in the order overlong, truncation, then ``--reward-shaping`` order.
+    - ``config``: an instance of ``config_cls`` or None. The shapings of a run share one
+      settings namespace, ``--reward-shaping.<field>``: each receives the settings its class
+      declares, and run fields (``max_new_tokens``, ...).
+    - Shapings run in registration order of those turned on by their flag, then in
+      ``--reward-shaping`` order.
     """
 
 

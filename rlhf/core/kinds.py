@@ -93,7 +93,7 @@ KINDS: dict[str, Kind] = {
         Kind("rollout_engine", "register_rollout_engines", "--engine", {"needs_gpu": False}, check=_engine),
         Kind("train_backend", "register_train_backends", "--backend", {"needs_gpu": False}, check=_backend),
         Kind("sample_filter", "register_sample_filters", "--sample-filter"),
-        Kind("reward_shaping", "register_reward_shapings", "--reward-shaping"),
+        Kind("reward_shaping", "register_reward_shapings", "--reward-shaping", {"enabled_by": None}),
         Kind("objective", "register_objectives", "--objective",
              {"needs_reference": False, "needs_teacher": False, "head": "lm", "default_lr": 1e-5, "command": False},
              check=_objective),

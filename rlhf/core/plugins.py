@@ -14,6 +14,7 @@ distribution names or built-in module names.
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -333,6 +334,24 @@ def build_plugin_manager(*, load_entrypoints: bool = True, builtins: Iterable[st
     if load_entrypoints:
         _load_entry_points(plugins, allowed, disabled)
     return plugins
+
+
+_installed: PluginSet | None = None
+_installed_lock = threading.Lock()
+
+
+def installed_plugins(plugins: PluginSet | None = None) -> PluginSet:
+    """``plugins``, or the process-wide set of installed plugins, built on first use (never at import).
+
+    For the Python API (``rlhf.algorithms``, ``rlhf.rewards``, ``TrainConfig.from_dict``) when the
+    caller passes no set; commands and runs pass their own."""
+    global _installed
+    if plugins is not None:
+        return plugins
+    with _installed_lock:
+        if _installed is None:
+            _installed = build_plugin_manager()
+        return _installed
 
 
 def _load_entry_points(plugins: PluginSet, allowed: set[str] | None, disabled: set[str]) -> None:

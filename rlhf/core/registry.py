@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import ComponentConflictError, PluginError, UnknownComponentError
 from rlhf.core.kinds import Kind
-from rlhf.core.settings import check_config_cls
+from rlhf.core.settings import check_config_cls, setting_fields
 
 if TYPE_CHECKING:
     from rlhf.core.plugins import PluginRecord
@@ -37,6 +37,7 @@ class Component:
     description: str = ""
     config_cls: Any = None  # a dataclass type, or a "module:attr" string
     capabilities: dict[str, Any] = field(default_factory=dict)
+    short_flags: tuple[str, ...] = ()  # settings that also get a plain flag (--zero-stage besides --backend.zero-stage)
     _obj: Any = field(default=_UNLOADED, repr=False)
 
     @property
@@ -65,6 +66,10 @@ class Component:
             if problem:
                 raise PluginError(f"{self.kind.title} {self.name!r} from {self.provider.label}: config_cls "
                                   f"{self.config_cls!r} should be {problem}")
+            unknown = [name for name in self.short_flags if name not in {f.name for f in setting_fields(config_cls)}]
+            if unknown:
+                raise PluginError(f"{self.kind.title} {self.name!r} from {self.provider.label}: short_flags "
+                                  f"{', '.join(unknown)} are not settings of {self.config_cls!r}")
             self.config_cls = config_cls
         return self.config_cls
 
@@ -81,7 +86,7 @@ class Component:
 
 
 def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
-                   description: str | None = None, config_cls: Any = None,
+                   description: str | None = None, config_cls: Any = None, short_flags: Any = (),
                    **capabilities: Any) -> Component:
     """Validate one ``register(...)`` call and build its component. Raises TypeError/ValueError."""
     if not isinstance(name, str) or not _NAME.match(normalize_name(name)):
@@ -94,8 +99,14 @@ def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
         allowed = ", ".join(sorted(kind.capabilities)) or "none"
         raise TypeError(
             f"register() got unknown flag(s) {', '.join(sorted(unknown))} for {kind.title} "
-            f"{name!r}; allowed for this kind: description, config_cls, {allowed}"
+            f"{name!r}; allowed for this kind: description, config_cls, short_flags, {allowed}"
         )
+    short_flags = (short_flags,) if isinstance(short_flags, str) else tuple(short_flags)
+    if short_flags and config_cls is None:
+        raise TypeError(f"{kind.title} {name!r}: short_flags name settings of a config_cls; it has none")
+    bad = [flag for flag in short_flags if not (isinstance(flag, str) and flag.isidentifier())]
+    if bad:
+        raise ValueError(f"{kind.title} {name!r}: short_flags must be setting names (identifiers), got {bad!r}")
     if isinstance(obj, str):
         if ":" not in obj:
             raise ValueError(f"{kind.title} {name!r}: a lazy reference must read 'module.path:attr', got {obj!r}")
@@ -111,12 +122,16 @@ def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
         problem = check_config_cls(config_cls)
         if problem:
             raise TypeError(f"{kind.title} {name!r}: config_cls should be {problem}, got {config_cls!r}")
+        unknown = [flag for flag in short_flags if flag not in {f.name for f in setting_fields(config_cls)}]
+        if unknown:
+            raise ValueError(f"{kind.title} {name!r}: short_flags {', '.join(unknown)} are not settings of "
+                             f"{config_cls.__name__}")
     if description is None:
         description = "" if isinstance(obj, str) else _first_doc_line(obj)
     return Component(
         kind=kind, name=normalize_name(name), target=obj, provider=provider,
         description=description, config_cls=config_cls,
-        capabilities={**kind.capabilities, **capabilities},
+        capabilities={**kind.capabilities, **capabilities}, short_flags=short_flags,
         _obj=_UNLOADED if isinstance(obj, str) else obj,
     )
 

@@ -44,10 +44,6 @@ RUN_VALUES: dict[str, str] = {
     "micro_batch_size": "samples per forward/backward (--micro-batch-size)",
     "synced_generation": "whether ranks must generate in lockstep (a backend that shards weights, several ranks)",
     "save_critic": "whether the run writes the critic at the end (--save-critic)",
-    "filter_range": "the [lo, hi] a prompt group's mean score must lie strictly inside, or None (--filter-range)",
-    "overlong_buffer": "tokens before --max-new-tokens where the overlong penalty starts, or None (--overlong-buffer)",
-    "overlong_penalty_factor": "the largest overlong penalty (--overlong-penalty-factor)",
-    "truncated_reward": "reward rule for completions cut by the length limit, or None (--truncated-reward)",
 }
 
 

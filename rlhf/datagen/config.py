@@ -14,12 +14,11 @@ from typing import ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.rewards.options import RewardOptions
-from rlhf.runtime.options import (MODEL_ALIASES, MODEL_SLOTS, ConfigBase, DataOptions, ModelOptions, RuntimeOptions,
+from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, ModelOptions, RuntimeOptions,
                                   Slot, many, opt)
 
 GENERATE_SLOTS: dict[str, Slot] = {"model_adapter": MODEL_SLOTS["model_adapter"],
                                    "engine": Slot("engine", "rollout_engine")}
-GENERATE_ALIASES = {k: v for k, v in MODEL_ALIASES.items() if v == "model_adapter"}
 NESTED = {"reward_options": ("reward", RewardOptions)}
 MODES = ("samples", "best_of_n", "pairs", "conditional")
 DEFAULT_REWARD_TEMPLATE = "{input} <rm_score>: {reward} "  # OpenRLHF's conditional SFT prompt
@@ -88,7 +87,6 @@ class SamplingOptions:
 class GenerateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, RewardArgs, SelectOptions,
                      RuntimeOptions, ConfigBase):
     SLOTS: ClassVar[dict[str, Slot]] = GENERATE_SLOTS
-    ALIASES: ClassVar[dict[str, str]] = GENERATE_ALIASES
     NESTED: ClassVar[dict[str, tuple[str, type]]] = NESTED
 
     out: str = opt("", "Output JSONL file (a rerun with the same --out continues it)", "output", required=True)
@@ -120,7 +118,6 @@ class GenerateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, Rew
 @dataclass(kw_only=True)
 class ScoreConfig(DataOptions, PromptKeys, RewardArgs, SelectOptions, RuntimeOptions, ConfigBase):
     SLOTS: ClassVar[dict[str, Slot]] = {}
-    ALIASES: ClassVar[dict[str, str]] = {}
     NESTED: ClassVar[dict[str, tuple[str, type]]] = NESTED
 
     completions_key: str = opt("completions", "Column holding the completions: a list (scored into \"rewards\") or "
@@ -151,7 +148,6 @@ class ScoreConfig(DataOptions, PromptKeys, RewardArgs, SelectOptions, RuntimeOpt
 @dataclass(kw_only=True)
 class IterateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, RewardArgs, RuntimeOptions, ConfigBase):
     SLOTS: ClassVar[dict[str, Slot]] = GENERATE_SLOTS
-    ALIASES: ClassVar[dict[str, str]] = GENERATE_ALIASES
     NESTED: ClassVar[dict[str, tuple[str, type]]] = NESTED
 
     rounds: int = opt(3, "Rounds of generate -> score -> pairs -> dpo", "iterate")

@@ -132,7 +132,8 @@ def _dpo(config: IterateConfig, start: str, pairs: Path, run_dir: Path, plugins:
     """``rlhf dpo`` on ``pairs`` from ``start`` (policy and reference) into ``run_dir``."""
     from rlhf.runtime.fit.config import FitConfig
     from rlhf.runtime.fit.local import fit
-    from rlhf.runtime.options import MODEL_ALIASES, parse_key_values
+    from rlhf.core.settings import setting_fields
+    from rlhf.runtime.options import parse_key_values
 
     values: dict[str, Any] = {
         "objective": "dpo", "model": start, "data": [str(pairs)], "out": str(run_dir), "lr": config.lr,
@@ -145,20 +146,23 @@ def _dpo(config: IterateConfig, start: str, pairs: Path, run_dir: Path, plugins:
                        "objective": {"beta": config.beta}},
     }
     fit_fields = {f.name for f in dataclasses.fields(FitConfig)}
+    short_flags = FitConfig.short_flags(plugins)
     for key, value in parse_key_values(config.dpo_config, "--dpo-config").items():
-        if key in fit_fields or key in MODEL_ALIASES:
+        if key in fit_fields or key in short_flags:
             values[key] = value
         else:  # the dpo objective's own settings (label_smoothing, ipo, nll_coef, ...)
             values["components"]["objective"][key] = value
     adapter_settings = values["components"]["model_adapter"]
-    if values.get("lora_rank") or adapter_settings.get("lora_rank") or values["model_adapter"] == "lora":
-        # the next round starts from a full model, not from an adapter on an adapter
-        if "merge_lora" not in values and "merge_lora" not in adapter_settings:
-            values["merge_lora"] = True
+    adapter = plugins.registry("model").component(config.model_adapter)
+    if (any(f.name == "merge_lora" for f in setting_fields(adapter.load_config_cls()))
+            and "merge_lora" not in values and "merge_lora" not in adapter_settings):
+        # the next round starts from a full model, not from an adapter on an adapter (an adapter
+        # that trains every weight saves the model itself, merged or not)
+        values["merge_lora"] = True
     final = run_dir / "final"
     values["resume"] = run_dir.exists() and any(run_dir.iterdir())
     if not (final / "config.json").exists() and not (final / "adapter_config.json").exists():
-        fit(FitConfig.from_dict(values), plugins=plugins)
+        fit(FitConfig.from_dict(values, plugins), plugins=plugins)
     return final / "merged" if (final / "merged" / "config.json").exists() else final
 
 

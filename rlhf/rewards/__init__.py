@@ -21,11 +21,10 @@ import: torch and aiohttp load only when a source that needs them scores.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
-from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.core.plugins import PluginSet, installed_plugins
 from rlhf.rewards.combine import RewardResult, RewardSet
 from rlhf.rewards.failures import RewardConfigError, RewardError, RewardFailure
 from rlhf.rewards.loading import build_set, build_source, split_weight
@@ -37,18 +36,8 @@ __all__ = [
     "RewardSet", "RewardSource", "load_reward", "load_rewards",
 ]
 
-_default_plugins: PluginSet | None = None
-_default_lock = threading.Lock()
-
-
 def _plugins(plugins: PluginSet | None) -> PluginSet:
-    global _default_plugins
-    if plugins is not None:
-        return plugins
-    with _default_lock:
-        if _default_plugins is None:
-            _default_plugins = build_plugin_manager()
-        return _default_plugins
+    return installed_plugins(plugins)
 
 
 def load_reward(spec: str, *, plugins: PluginSet | None = None, **options: Any) -> RewardSource:

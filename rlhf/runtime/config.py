@@ -9,27 +9,27 @@ fields.
 
 A component's own settings (its ``config_cls`` fields, ``rlhf.core.settings``) live in
 ``components``, keyed by the slot that selects the component (`SLOTS`): ``--backend.zero-stage 3``
-is ``components["backend"]["zero_stage"] = 3``. The flags these fields had before they moved to
-their components stay as aliases (`ALIASES`: ``--zero-stage 3``, ``--lora-rank 16``, ...), in
-flags and in config files, so no documented command changes meaning.
+is ``components["backend"]["zero_stage"] = 3``. The reward shapings of a run share one namespace,
+``--reward-shaping.<setting>`` (`SETTING_SLOTS`). Short flags (``--zero-stage 3``, ``--lora-rank
+16``, ``--overlong-buffer 8``) are what the registered components declare (``short_flags``), the
+built-ins as any plugin: the host keeps no list of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.rewards.options import RewardOptions
-from rlhf.runtime.options import (MODEL_ALIASES, MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
+from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
                                   OptimOptions, OutputOptions, RuntimeOptions, Slot, best_metric, parse_key_values)
-from rlhf.runtime.options import gather_components as _gather_components
 from rlhf.runtime.options import many as _many
 from rlhf.runtime.options import opt as _opt
 
-__all__ = ["ALGO_CONFIG_SLOTS", "ALIASES", "NESTED", "SLOTS", "Derived", "Slot", "TrainConfig", "gather_components",
-           "parse_key_values"]
+__all__ = ["ALGO_CONFIG_SLOTS", "DEFAULT_SAMPLE_FILTER", "NESTED", "SETTING_SLOTS", "SLOTS", "Derived", "Slot",
+           "TrainConfig", "parse_key_values"]
 
 # Nested option groups: their fields become flags with a prefix (RewardOptions.on_error -> --reward-on-error).
 NESTED = {"reward_options": ("reward", RewardOptions)}
@@ -40,26 +40,19 @@ SLOTS: dict[str, Slot] = {**MODEL_SLOTS, **{slot.field: slot for slot in (
     Slot("env", "env"), Slot("sample_filter", "sample_filter"),
 )}}
 
-# Flags that were TrainConfig fields before they moved to their components: field -> slot.
-ALIASES: dict[str, str] = {
-    **dict.fromkeys(("gamma", "lambd", "std_norm", "reward_clip"), "advantage"),
-    **dict.fromkeys(("clip_low", "clip_high", "dual_clip"), "policy_loss"),
-    **MODEL_ALIASES,
-    "generation_batch_size": "engine",
-}
+# The namespaces of component settings: every slot, and the reward shapings of the run, which share
+# one (``--reward-shaping.<setting>``: each shaping receives the settings its config class declares).
+SETTING_SLOTS: dict[str, Slot] = {**SLOTS, "reward_shaping": Slot("reward_shaping", "reward_shaping")}
+# The sample filter --filter-groups uses when --sample-filter names none (a default, like --engine's).
+DEFAULT_SAMPLE_FILTER = "dynamic"
 # --algo-config KEY=VALUE looks KEY up in these slots' components (exactly one must have it).
 ALGO_CONFIG_SLOTS = ("policy_loss", "advantage", "kl_estimator", "loss_agg", "model_adapter")
-
-
-def gather_components(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """`rlhf.runtime.options.gather_components` with `TrainConfig`'s slots and aliases."""
-    return _gather_components(values, SLOTS, ALIASES)
 
 
 @dataclass(kw_only=True)
 class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputOptions, EvalOptions, ConfigBase):
     SLOTS: ClassVar[dict[str, Slot]] = SLOTS
-    ALIASES: ClassVar[dict[str, str]] = ALIASES
+    SETTING_SLOTS: ClassVar[dict[str, Slot]] = SETTING_SLOTS
     NESTED: ClassVar[dict[str, tuple[str, type]]] = NESTED
 
     # --- model ------------------------------------------------------------------------------
@@ -128,9 +121,6 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     sample_filter: str | None = _opt(None, "The filter --filter-groups uses: a registered name or module:attr "
                                      "(default: dynamic; its options: --sample-filter.NAME)", "filter",
                                      component="sample_filter")
-    filter_range: tuple[float, float] | None = _opt(None, "LO HI: keep a group only when its mean score lies "
-                                                    "strictly between LO and HI (OpenRLHF's dynamic filtering range)",
-                                                    "filter", nargs=2)
     max_filter_rounds: int = _opt(3, "Sampling rounds per step at most; then train on the groups kept so far, "
                                   "with a warning", "filter")
 
@@ -139,15 +129,9 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
                               "an http(s):// URL or a reward model directory (repeatable)", "reward")
     reward_options: RewardOptions = field(default_factory=RewardOptions, metadata={
         "help": "How reward sources run, time out, retry and fail (flags --reward-<field>)", "group": "reward"})
-    overlong_buffer: int | None = _opt(None, "Overlong penalty (DAPO): a completion longer than --max-new-tokens "
-                                       "minus this many tokens loses factor·excess/buffer (policy tokens only)",
-                                       "reward")
-    overlong_penalty_factor: float = _opt(1.0, "The overlong penalty at its largest (a completion at the limit)",
-                                          "reward")
-    truncated_reward: float | None = _opt(None, "A completion cut by the length limit: X in [0, 1] scales its "
-                                          "reward, X < 0 replaces it (OpenRLHF's stop-properly penalty)", "reward")
-    reward_shaping: list[str] = _many("Reward-shaping plugin applied after the reward sources (repeatable; "
-                                      "overlong and truncation are added by their flags)", "reward")
+    reward_shaping: list[str] = _many("Reward-shaping plugin applied after the reward sources (repeatable; its "
+                                      "options: --reward-shaping.NAME). A shaping registered with enabled_by "
+                                      "applies when that option is given, e.g. --overlong-buffer", "reward")
     max_failed_reward_steps: int = _opt(3, "Stop after this many steps in a row where a reward source failed on every "
                                         "sample (scored 0 or skipped under --reward-on-error zero/skip)", "reward")
 
@@ -237,15 +221,6 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         if self.kl_target is not None and not (self.kl_target > 0 and self.kl_horizon > 0):
             raise ConfigError(f"--kl-target and --kl-horizon must be positive; got {self.kl_target} and "
                               f"{self.kl_horizon}")
-        if self.filter_range is not None and not (len(self.filter_range) == 2
-                                                  and self.filter_range[0] < self.filter_range[1]):
-            raise ConfigError(f"--filter-range needs LO < HI; got {self.filter_range}")
-        if self.overlong_buffer is not None and not 0 < self.overlong_buffer <= self.max_new_tokens:
-            raise ConfigError(f"--overlong-buffer must be in [1, --max-new-tokens {self.max_new_tokens}]; got "
-                              f"{self.overlong_buffer}")
-        if self.truncated_reward is not None and self.truncated_reward > 1:
-            raise ConfigError(f"--truncated-reward must be in [0, 1] (a scale) or negative (a replacement); got "
-                              f"{self.truncated_reward}")
         return Derived(rollout_batch_size=rollout, train_batch_size=train_batch,
                        optimizer_steps_per_step=self.ppo_epochs * (rollout // train_batch), out_dir=self.out_dir)
 

@@ -5,8 +5,9 @@ Every field of a config becomes a flag of its command (``micro_batch_size`` -> `
 with the field's help text, and a key of ``--config run.yaml``. A component's own settings (its
 ``config_cls`` fields, ``rlhf.core.settings``) live in ``components``, keyed by the slot that
 selects the component (a config class's ``SLOTS``): ``--backend.zero-stage 3`` is
-``components["backend"]["zero_stage"] = 3``. A config class's ``ALIASES`` give some settings a
-short flag too (``--zero-stage 3``, ``--lora-rank 16``), in flags and in config files.
+``components["backend"]["zero_stage"] = 3``. A component registered with ``short_flags`` gives
+those settings a plain flag too (``--zero-stage 3``, ``--lora-rank 16``), in flags and in config
+files (`short_flag_slots`): built-ins and third-party plugins alike.
 """
 
 from __future__ import annotations
@@ -35,14 +36,27 @@ class Slot:
 
 MODEL_SLOTS = {slot.field: slot for slot in (Slot("model_adapter", "model"), Slot("backend", "train_backend"))}
 
-# Short flags of the model adapter's and the backend's settings (they were run fields once): setting -> slot.
-MODEL_ALIASES: dict[str, str] = {
-    **dict.fromkeys(("attn_implementation", "gradient_checkpointing", "chat_template", "lora_rank", "lora_alpha",
-                     "lora_dropout", "target_modules", "load_in_4bit", "merge_lora", "value_head_prefix", "cpu_linear"),
-                    "model_adapter"),
-    **dict.fromkeys(("weight_decay", "adam_betas", "max_grad_norm", "lr_scheduler", "warmup_ratio", "zero_stage",
-                     "offload_optimizer", "offload_params"), "backend"),
-}
+
+
+def short_flag_slots(plugins: Any, slots: dict[str, Slot], reserved: Any = ()) -> dict[str, str]:
+    """Setting -> slot for every ``short_flags`` name the registered components of ``slots``' kinds
+    declare (``zero_stage`` -> ``backend``). A name that is one of the command's own options
+    (``reserved``) stays namespaced only; one that a component of an earlier slot already took
+    too, with a warning on the plugin that declared it (``rlhf plugins list`` shows it)."""
+    reserved = set(reserved)
+    out: dict[str, str] = {}
+    for slot in slots.values():
+        for component in plugins.registry(slot.kind).components():
+            for name in component.short_flags:
+                if name in reserved:  # the command has an option of that name: namespaced flag only
+                    continue
+                if out.setdefault(name, slot.field) == slot.field:
+                    continue
+                warning = (f"short flag --{name.replace('_', '-')} of {component.kind.title} {component.name!r} is "
+                           f"a {slots[out[name]].flag} setting already; use {slot.flag}.{name.replace('_', '-')}")
+                if warning not in component.provider.warnings:
+                    component.provider.warnings.append(warning)
+    return out
 
 
 def opt(default: Any, help: str, group: str, **extra: Any) -> Any:
@@ -162,8 +176,8 @@ def best_metric(spec: str | None) -> tuple[str, str] | None:
 class ConfigBase:
     """What every run config has: component settings by slot, and (de)serialisation."""
 
-    SLOTS: ClassVar[dict[str, Slot]] = MODEL_SLOTS
-    ALIASES: ClassVar[dict[str, str]] = MODEL_ALIASES
+    SLOTS: ClassVar[dict[str, Slot]] = MODEL_SLOTS  # the components a run picks, one per slot
+    SETTING_SLOTS: ClassVar[dict[str, Slot] | None] = None  # namespaces of component settings (None: SLOTS)
     NESTED: ClassVar[dict[str, tuple[str, type]]] = {}  # field -> (flag prefix, dataclass): --reward-on-error
 
     components: dict[str, dict[str, Any]] = field(default_factory=dict, metadata={
@@ -174,12 +188,24 @@ class ConfigBase:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Any:
+    def short_flags(cls, plugins: Any) -> dict[str, str]:
+        """Setting -> slot of the settings with a plain flag, from ``plugins``' registrations."""
+        return short_flag_slots(plugins, cls.setting_slots(), reserved={f.name for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def setting_slots(cls) -> dict[str, Slot]:
+        return cls.SETTING_SLOTS if cls.SETTING_SLOTS is not None else cls.SLOTS
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], plugins: Any = None) -> Any:
         """From a mapping of field names. Nested groups may be mappings or prefixed flat keys;
         component settings may be ``components: {slot: {...}}``, dotted keys (``backend.zero_stage``)
-        or the short aliases (``zero_stage``)."""
+        or the short flags the registered components declare (``zero_stage``; ``plugins``: the
+        plugin set that declares them, by default the installed plugins)."""
+        from rlhf.core.plugins import installed_plugins
+
         values = unflatten(dict(values), cls.NESTED)
-        values["components"] = gather_components(values, cls.SLOTS, cls.ALIASES)
+        values["components"] = gather_components(values, cls.setting_slots(), cls.short_flags(installed_plugins(plugins)))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -19,7 +19,8 @@ from rlhf.core.errors import ConfigError
 from rlhf.core.references import is_reference, resolve
 from rlhf.core.settings import build_component_config, setting_fields
 from rlhf.core.types import AdvantageConfig
-from rlhf.runtime.config import ALGO_CONFIG_SLOTS, SLOTS, Derived, TrainConfig, parse_key_values
+from rlhf.runtime.config import (ALGO_CONFIG_SLOTS, DEFAULT_SAMPLE_FILTER, SETTING_SLOTS, SLOTS, Derived,
+                                 TrainConfig, parse_key_values)
 
 if TYPE_CHECKING:
     from rlhf.algorithms import ResolvedAlgorithm
@@ -65,6 +66,7 @@ class RunPlan:
                    settings=_settings(config, choices))
         for slot in SLOTS:  # a bad or unknown setting stops the run before any model loads
             plan.component_config(slot)
+        plan.reward_shapings(plugins)
         return plan
 
     def with_prompts(self, num_prompts: int) -> RunPlan:
@@ -88,9 +90,6 @@ class RunPlan:
             "max_turns": config.max_turns, "max_total_tokens": self.token_budget, "temperature": config.temperature,
             "lr": config.lr, "total_steps": self.optimizer_steps, "micro_batch_size": config.micro_batch_size,
             "synced_generation": False, "save_critic": config.save_critic,
-            "filter_range": tuple(config.filter_range) if config.filter_range is not None else None,
-            "overlong_buffer": config.overlong_buffer, "overlong_penalty_factor": config.overlong_penalty_factor,
-            "truncated_reward": config.truncated_reward,
         }
         unknown = set(changes) - set(values)
         assert not unknown, f"not run values: {sorted(unknown)}"
@@ -133,6 +132,7 @@ class RunPlan:
                 out[slot] = dict(self.settings.get(slot, {})) if slot == "env" else {}
                 continue
             out[slot] = {f.name: _plain(getattr(config, f.name)) for f in setting_fields(type(config))}
+        out["reward_shaping"] = {k: _plain(v) for k, v in self.settings.get("reward_shaping", {}).items()}
         return out
 
     def env_settings(self, name: str, config_cls: type | None) -> dict[str, Any]:
@@ -159,22 +159,34 @@ class RunPlan:
         return self.choices["sample_filter"].load(), self.component_config("sample_filter")
 
     def reward_shapings(self, plugins: PluginSet) -> list[tuple[str, Any, Any]]:
-        """``(name, shaping, config)`` in the order they apply: overlong, truncation, then --reward-shaping."""
-        config = self.config
-        names = (["overlong"] if config.overlong_buffer is not None else []) + (
-            ["truncation"] if config.truncated_reward is not None else []) + list(config.reward_shaping)
+        """``(name, shaping, config)`` in the order they apply: the registered shapings whose
+        ``enabled_by`` setting is given (``--overlong-buffer 8``), in registration order, then
+        ``--reward-shaping`` in the order given. Each receives the ``--reward-shaping.*`` settings its
+        config class declares; a setting none of the registered shapings declares is an error."""
+        given = self.settings.get("reward_shaping", {})
         registry = plugins.registry("reward_shaping")
+        enabled = [component.name for component in registry.components()
+                   if component.capabilities.get("enabled_by") and given.get(component.capabilities["enabled_by"])
+                   is not None]
+        declared: set[str] = set()
         out = []
-        for name in names:
+        for name in dict.fromkeys(enabled + list(self.config.reward_shaping)):
             if is_reference(name):
                 obj = resolve(name).obj
                 config_cls, _ = registry.kind.declared_by(obj)
             else:
                 component = registry.component(name)
                 obj, config_cls, name = component.load(), component.load_config_cls(), component.name
-            shaping_config = build_component_config(config_cls, settings={}, run_values=self.run_values(),
-                                                    who=f"the {name!r} reward shaping", flag="--reward-shaping")
+            own = {f.name for f in setting_fields(config_cls)}
+            declared |= own
+            shaping_config = build_component_config(config_cls, settings={k: v for k, v in given.items() if k in own},
+                                                    run_values=self.run_values(), who=f"the {name!r} reward shaping",
+                                                    flag="--reward-shaping")
             out.append((name, obj, shaping_config))
+        unknown = sorted(set(given) - declared - _registered_settings(registry))
+        if unknown:
+            raise ConfigError(f"no reward shaping has an option {unknown[0]} (--reward-shaping."
+                              f"{unknown[0].replace('_', '-')}); `rlhf plugins list` shows the reward shapings")
         return out
 
     def env_capability(self, flag: str) -> Any:
@@ -184,6 +196,16 @@ class RunPlan:
     def rollout_logprobs(self) -> bool:
         """Ask the engine for the sampled tokens' log-probs (the policy loss reads them)."""
         return self.algorithm.needs_rollout_logprobs(self.policy_loss_config)
+
+
+def _registered_settings(registry: Any) -> set[str]:
+    names: set[str] = set()
+    for component in registry.components():
+        try:
+            names |= {f.name for f in setting_fields(component.load_config_cls())}
+        except Exception:  # noqa: BLE001 - a broken plugin is reported by `rlhf plugins list`
+            continue
+    return names
 
 
 def _plain(value: Any) -> Any:
@@ -199,7 +221,7 @@ def _choices(config: TrainConfig, algorithm: ResolvedAlgorithm, plugins: PluginS
     for slot in ("model_adapter", "engine", "backend", "env", "sample_filter"):
         name = getattr(config, slot)
         if slot == "sample_filter":
-            name = name or ("dynamic" if config.filter_groups else None)
+            name = name or (DEFAULT_SAMPLE_FILTER if config.filter_groups else None)
             if name is None:  # no filtering: an empty choice, with no config class
                 choices[slot] = SlotChoice("", None)
                 continue
@@ -239,7 +261,7 @@ def _settings(config: TrainConfig, choices: dict[str, SlotChoice]) -> dict[str, 
 def _put(settings: dict[str, dict[str, Any]], slot: str, key: str, value: Any, how: str) -> None:
     current = settings.setdefault(slot, {})
     if key in current and current[key] != value:
-        raise ConfigError(f"{how}: {SLOTS[slot].flag}.{key.replace('_', '-')} is already {current[key]!r}")
+        raise ConfigError(f"{how}: {SETTING_SLOTS[slot].flag}.{key.replace('_', '-')} is already {current[key]!r}")
     current[key] = value
 
 

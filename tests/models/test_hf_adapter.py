@@ -55,13 +55,15 @@ def test_attention_defaults_to_sdpa_and_eager_gives_the_same_logits(tiny_model_d
     assert torch.allclose(a, b, atol=1e-4)
 
 
-def test_flash_attention_without_the_package_or_a_gpu_is_a_config_error(monkeypatch):
+def test_flash_attention_without_the_package_or_a_gpu_is_a_config_error(monkeypatch, tiny_model_dir):
+    flash = adapter(attn_implementation="flash_attention_2")  # a process that only reads the tokenizer may build it
+    assert flash.load_tokenizer(str(tiny_model_dir)).pad_token_id is not None
     monkeypatch.setattr(loading_module, "is_installed", lambda package: False)
     with pytest.raises(ConfigError, match="needs the flash-attn package"):
-        adapter(attn_implementation="flash_attention_2")
+        flash.load(str(tiny_model_dir), role="policy")
     monkeypatch.setattr(loading_module, "is_installed", lambda package: True)
     with pytest.raises(ConfigError, match="runs on a CUDA GPU only"):
-        adapter(attn_implementation="flash_attention_2")
+        flash.load(str(tiny_model_dir), role="reference")
     with pytest.raises(ConfigError, match="must be one of sdpa, eager, flash_attention_2"):
         adapter(attn_implementation="paged")
 
@@ -80,15 +82,16 @@ def test_flash_attention_2_on_a_gpu(tiny_model_dir):
     assert torch.allclose(logprobs.detach().cpu(), expected, atol=5e-2)
 
 
-def test_4bit_needs_lora_bitsandbytes_and_a_gpu(monkeypatch):
+def test_4bit_needs_lora_bitsandbytes_and_a_gpu(monkeypatch, tiny_model_dir):
     with pytest.raises(ConfigError, match="add --lora-rank N"):
         adapter(load_in_4bit=True)
+    qlora = adapter(load_in_4bit=True, lora_rank=8)  # checked where the models load
     monkeypatch.setattr(lora_module, "is_installed", lambda package: False)
     with pytest.raises(ConfigError, match="needs the bitsandbytes package"):
-        adapter(load_in_4bit=True, lora_rank=8)
+        qlora.load(str(tiny_model_dir), role="policy")
     monkeypatch.setattr(lora_module, "is_installed", lambda package: True)
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
-        adapter(load_in_4bit=True, lora_rank=8)
+        qlora.load(str(tiny_model_dir), role="policy")
 
 
 def _loss_and_grads(model, ids, mask, action_mask):

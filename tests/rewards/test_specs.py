@@ -111,8 +111,8 @@ def test_reward_options_fields_all_have_help():
 
 
 def test_default_plugin_set_is_built_lazily():
-    import rlhf.rewards as api
+    import rlhf.core.plugins as core
 
-    api._default_plugins = None
+    core._installed = None
     assert load_reward("exact_match").score(["p"], ["a"], ["a"]) == [1.0]
-    assert api._default_plugins is not None
+    assert core._installed is not None

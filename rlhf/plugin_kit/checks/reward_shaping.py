@@ -27,8 +27,31 @@ def _trajectories() -> list[Any]:
     return out
 
 
+def _enabled_config(target: Target) -> Any:
+    """The config a run builds when it turns the shaping on by its ``enabled_by`` setting (set to a
+    small sample value of its type: 4, 0.5 or true), else the default one."""
+    import typing
+
+    from rlhf.core.settings import setting_fields
+
+    name = target.capabilities.get("enabled_by")
+    fields = {f.name for f in setting_fields(target.config_cls)}
+    if name and name in fields:
+        hint = typing.get_type_hints(target.config_cls)[name]
+        for sample in (4, 0.5, True):
+            if isinstance(sample, int) and not isinstance(sample, bool) and int not in (hint, *typing.get_args(hint)):
+                continue
+            if isinstance(sample, float) and float not in (hint, *typing.get_args(hint)):
+                continue
+            try:
+                return target.config({name: sample})
+            except Exception:  # noqa: BLE001 - that sample is out of the setting's range; try the next
+                continue
+    return target.config()
+
+
 def check(target: Target) -> list[str]:
-    config = target.config(overlong_buffer=4, overlong_penalty_factor=1.0, truncated_reward=0.5)
+    config = _enabled_config(target)
     rewards = [reward for *_, reward in SAMPLES]
 
     def run(what: str) -> tuple[list[Any], dict[str, Any]]:

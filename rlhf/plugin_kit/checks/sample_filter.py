@@ -29,7 +29,7 @@ def _groups() -> list[list[Any]]:
 
 
 def check(target: Target) -> list[str]:
-    config = target.config(filter_range=None)
+    config = target.config()
 
     def run(groups: list[list[Any]], what: str) -> list[bool]:
         try:

@@ -47,9 +47,9 @@ class Target:
     def fail(self, message: str) -> ContractError:
         return ContractError(f"{self.label}: {message}")
 
-    def config(self, **run_values: Any) -> Any:
-        """The component's config object with default settings and the check's run values (None
-        without a config class)."""
+    def config(self, settings: dict[str, Any] | None = None, **run_values: Any) -> Any:
+        """The component's config object with default settings (or ``settings``) and the check's run
+        values (None without a config class)."""
         from rlhf.core.settings import build_component_config
 
         if self.config_cls is None:
@@ -58,7 +58,8 @@ class Target:
         if "model" not in values and _wants(self.config_cls, ("model", "tokenizer")):
             values["model"] = values["tokenizer"] = str(self.tiny_model())
         try:
-            return build_component_config(self.config_cls, settings={}, run_values=values, who=self.label, flag="")
+            return build_component_config(self.config_cls, settings=settings or {}, run_values=values,
+                                          who=self.label, flag="")
         except Exception as exc:
             raise self.fail(f"its config class {self.config_cls.__name__} cannot be built with default "
                             f"settings: {exc}") from exc

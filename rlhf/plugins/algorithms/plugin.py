@@ -40,6 +40,7 @@ ESTIMATORS = {
 def register_advantage_estimators(register):
     for name, (ref, description, needs_critic, needs_groups) in ESTIMATORS.items():
         register(name, f"{_HERE}.{ref}", description=description, config_cls=AdvantageConfig,
+                 short_flags=("gamma", "lambd", "std_norm", "reward_clip"),
                  needs_critic=needs_critic, needs_groups=needs_groups)
 
 
@@ -59,11 +60,13 @@ def corrects_mismatch(config) -> bool:
 def register_policy_losses(register):
     register("ppo", f"{_HERE}.ppo_loss:ppo_policy_loss",
              description="PPO clipped surrogate (asymmetric clip, dual clip, TIS/ICEPOP correction)",
-             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", needs_rollout_logprobs=corrects_mismatch,
+             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
+             needs_rollout_logprobs=corrects_mismatch,
              advantage_weighted=True)
     register("gspo", f"{_HERE}.gspo_loss:gspo_policy_loss",
              description="GSPO: sequence-level ratio exp(mean log-ratio), clipped, per-sequence mean",
-             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", needs_rollout_logprobs=corrects_mismatch,
+             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
+             needs_rollout_logprobs=corrects_mismatch,
              aggregation="seq_mean_token_mean", advantage_weighted=True)
 
 

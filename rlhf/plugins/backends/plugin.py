@@ -3,12 +3,16 @@ neither torch nor DeepSpeed."""
 
 import rlhf
 
+# Settings that also get a plain flag (--weight-decay besides --backend.weight-decay).
+OPTIMIZER_FLAGS = ("weight_decay", "adam_betas", "max_grad_norm", "lr_scheduler", "warmup_ratio")
+
 
 @rlhf.hookimpl
 def register_train_backends(register):
     register("torch", "rlhf.plugins.backends.torch_backend:TorchBackend",
-             config_cls="rlhf.plugins.backends.config:BackendConfig",
+             config_cls="rlhf.plugins.backends.config:BackendConfig", short_flags=OPTIMIZER_FLAGS,
              description="AdamW, gradient accumulation, norm clipping, warmup + constant/cosine LR")
     register("deepspeed", "rlhf.plugins.backends.deepspeed_backend:DeepSpeedBackend",
              config_cls="rlhf.plugins.backends.config:DeepSpeedConfig",
+             short_flags=OPTIMIZER_FLAGS + ("zero_stage", "offload_optimizer", "offload_params"),
              description="DeepSpeed ZeRO stages 0-3 with CPU optimizer/parameter offload, the torch backend's math")

@@ -7,6 +7,7 @@ import rlhf
 @rlhf.hookimpl
 def register_rollout_engines(register):
     register("hf", "rlhf.plugins.engines.hf:HFEngine", config_cls="rlhf.plugins.engines.config:HFEngineConfig",
+             short_flags=("generation_batch_size",),
              description="transformers generate with a KV cache, in-process on the policy's own weights")
     register("vllm", "rlhf.plugins.engines.vllm_engine:VLLMEngine", needs_gpu=True,
              config_cls="rlhf.plugins.engines.config:VLLMEngineConfig",

@@ -15,16 +15,21 @@ reward was dropped (None) do not count; a group with fewer than two scored sampl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from rlhf.core.settings import run_field
+from rlhf.core.errors import ConfigError
 from rlhf.core.types import Trajectory
 
 
 @dataclass(kw_only=True)
 class DynamicFilterConfig:
-    filter_range: tuple[float, float] | None = run_field(
-        "filter_range", None, "keep a group only when its mean score lies strictly inside (lo, hi)")
+    filter_range: tuple[float, float] | None = field(default=None, metadata={
+        "help": "LO HI: keep a group only when its mean score lies strictly between LO and HI (OpenRLHF's "
+                "dynamic filtering range)", "nargs": 2})
+
+    def __post_init__(self) -> None:
+        if self.filter_range is not None and not self.filter_range[0] < self.filter_range[1]:
+            raise ConfigError(f"--filter-range needs LO < HI; got {list(self.filter_range)}")
 
 
 def keeps_group(scores: list[float], filter_range: tuple[float, float] | None) -> bool:

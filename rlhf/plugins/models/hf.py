@@ -40,7 +40,7 @@ from rlhf.plugins.models.critic import CriticModel
 from rlhf.plugins.models.loading import (ATTENTION, DTYPES, check_attention, enable_activation_checkpointing,
                                          is_installed, loading_errors, quiet_transformers, read_chat_template,
                                          resolve_device, resolve_dtype, set_pad_token)
-from rlhf.plugins.models.lora import DEFAULT_RANK, LoRA
+from rlhf.plugins.models.lora import DEFAULT_RANK, LoRA, check_qlora
 from rlhf.plugins.models.reward import RewardModel
 
 __all__ = ["ATTENTION", "DTYPES", "HFModelAdapter", "HFModelConfig", "LoRAModelAdapter", "check_attention",
@@ -50,13 +50,17 @@ ROLES = ("policy", "reference", "critic", "reward")
 
 
 class HFModelAdapter(ModelAdapterBase):
-    """Loads policy, reference and critic models with transformers' Auto classes (LoRA when lora_rank > 0)."""
+    """Loads policy, reference and critic models with transformers' Auto classes (LoRA when lora_rank > 0).
+
+    Building one checks the settings; what the machine must have for them (flash-attn, bitsandbytes,
+    a GPU) is checked when the first model loads, so a process that only needs the tokenizer (the
+    Ray driver) builds the adapter the actors use."""
 
     def __init__(self, config: HFModelConfig | None = None):
         self.config = config or HFModelConfig()
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
-        check_attention(self.config.attn_implementation, self.device)
+        check_attention(self.config.attn_implementation, None)
         check_mode(self.config.cpu_linear)
         self.lora: Any = None
         if self.config.lora_rank > 0:
@@ -83,6 +87,9 @@ class HFModelAdapter(ModelAdapterBase):
     def load(self, ref: str, *, role: str) -> torch.nn.Module:
         if role not in ROLES:
             raise ValueError(f"the hf adapter builds {', '.join(ROLES)} models, not {role!r}")
+        check_attention(self.config.attn_implementation, self.device)
+        if self.lora is not None and self.config.load_in_4bit:
+            check_qlora(self.device)
         model = self._load(ref, role=role)
         if self.device.type == "cpu":
             use_onednn_linears(model, self.config.cpu_linear)

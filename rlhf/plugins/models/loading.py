@@ -38,11 +38,12 @@ def is_installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def check_attention(name: str, device: torch.device) -> None:
-    """flash_attention_2 needs the flash-attn package and a CUDA device; say so before loading anything."""
+def check_attention(name: str, device: torch.device | None) -> None:
+    """A known kernel; flash_attention_2 needs the flash-attn package and a CUDA device (checked when
+    ``device`` is given: where the models load); say so before loading anything."""
     if name not in ATTENTION:
         raise ConfigError(f"--attn-implementation must be one of {', '.join(ATTENTION)}; got {name!r}")
-    if name != "flash_attention_2":
+    if name != "flash_attention_2" or device is None:
         return
     if not is_installed("flash_attn"):
         raise ConfigError("--attn-implementation flash_attention_2 needs the flash-attn package "

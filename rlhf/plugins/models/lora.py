@@ -50,7 +50,6 @@ class LoRA:
             raise ConfigError(f"LoRA needs --lora-rank >= 1, --lora-alpha > 0 and 0 <= --lora-dropout < 1; got "
                               f"{config.lora_rank}, {config.lora_alpha}, {config.lora_dropout}")
         if config.load_in_4bit:
-            check_qlora(device)
             if config.save_critic:
                 raise ConfigError("--save-critic with --load-in-4bit is not supported (the critic's backbone is "
                                   "4-bit); drop one of them")

@@ -1,7 +1,8 @@
 """``overlong``: DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, §3.4), as
 OpenRLHF's ``--reward.overlong_buffer_len`` / ``--reward.overlong_penalty_factor``.
 
-With L the buffer, c the factor and L_max = ``--max-new-tokens``, a completion of ℓ policy
+With L = ``--overlong-buffer``, c = ``--overlong-penalty-factor`` and L_max = ``--max-new-tokens``
+(the shaping applies when ``--overlong-buffer`` is given), a completion of ℓ policy
 tokens gets
 
     r ← r − c · min(ℓ − (L_max − L), L) / L      when ℓ > L_max − L
@@ -14,25 +15,35 @@ Metrics: ``overlong/penalized`` (share of samples penalised) and ``overlong/pena
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from rlhf.core.errors import ConfigError
 from rlhf.core.settings import run_field
 from rlhf.core.types import Trajectory
 
 
 @dataclass(kw_only=True)
 class OverlongConfig:
-    buffer: int | None = run_field("overlong_buffer", None, "tokens before the limit where the penalty starts")
-    factor: float = run_field("overlong_penalty_factor", 1.0, "the penalty at the limit")
+    overlong_buffer: int | None = field(default=None, metadata={
+        "help": "Overlong penalty (DAPO): a completion longer than --max-new-tokens minus this many tokens loses "
+                "factor·excess/buffer (policy tokens only)"})
+    overlong_penalty_factor: float = field(default=1.0, metadata={
+        "help": "The overlong penalty at its largest (a completion at the limit)"})
     max_new_tokens: int = run_field("max_new_tokens", 256, "the generation budget per completion")
+
+    def __post_init__(self) -> None:
+        if self.overlong_buffer is not None and not 0 < self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(f"--overlong-buffer must be in [1, --max-new-tokens {self.max_new_tokens}]; got "
+                              f"{self.overlong_buffer}")
 
 
 def overlong_penalty(length: int, config: OverlongConfig) -> float:
     """The (non-negative) amount taken off a completion of ``length`` policy tokens."""
-    if not config.buffer:
+    buffer = config.overlong_buffer
+    if not buffer:
         return 0.0
-    excess = min(length - (config.max_new_tokens - config.buffer), config.buffer)
-    return config.factor * excess / config.buffer if excess > 0 else 0.0
+    excess = min(length - (config.max_new_tokens - buffer), buffer)
+    return config.overlong_penalty_factor * excess / buffer if excess > 0 else 0.0
 
 
 def overlong_shaping(trajectories: list[Trajectory], rewards: list[float | None],

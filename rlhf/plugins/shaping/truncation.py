@@ -11,9 +11,9 @@ Metrics: ``truncated/count`` (samples cut) and ``truncated/rate`` (their share).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from rlhf.core.settings import run_field
+from rlhf.core.errors import ConfigError
 from rlhf.core.types import Trajectory
 
 TRUNCATED = ("length", "budget")  # finish reasons of a completion cut by a limit
@@ -21,7 +21,14 @@ TRUNCATED = ("length", "budget")  # finish reasons of a completion cut by a limi
 
 @dataclass(kw_only=True)
 class TruncationConfig:
-    truncated_reward: float | None = run_field("truncated_reward", None, "scale in [0, 1], or a replacement < 0")
+    truncated_reward: float | None = field(default=None, metadata={
+        "help": "A completion cut by the length limit: X in [0, 1] scales its reward, X < 0 replaces it "
+                "(OpenRLHF's stop-properly penalty)"})
+
+    def __post_init__(self) -> None:
+        if self.truncated_reward is not None and self.truncated_reward > 1:
+            raise ConfigError(f"--truncated-reward must be in [0, 1] (a scale) or negative (a replacement); got "
+                              f"{self.truncated_reward}")
 
 
 def truncation_shaping(trajectories: list[Trajectory], rewards: list[float | None],

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.options import (MODEL_ALIASES, MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
+from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
                                   OptimOptions, OutputOptions, RuntimeOptions, Slot, best_metric, opt)
 
 FIT_SLOTS: dict[str, Slot] = {**MODEL_SLOTS, "objective": Slot("objective", "objective")}
@@ -22,7 +22,6 @@ FIT_SLOTS: dict[str, Slot] = {**MODEL_SLOTS, "objective": Slot("objective", "obj
 @dataclass(kw_only=True)
 class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputOptions, EvalOptions, ConfigBase):
     SLOTS: ClassVar[dict[str, Slot]] = FIT_SLOTS
-    ALIASES: ClassVar[dict[str, str]] = MODEL_ALIASES
 
     # --- objective --------------------------------------------------------------------------
     objective: str = opt("", "Objective plugin (see `rlhf plugins list --kind objective`; its options: "

@@ -20,7 +20,6 @@ from rlhf.core.distributed import SINGLE
 from rlhf.core.errors import ConfigError, PluginError
 from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.plugins import PluginSet, build_plugin_manager
-from rlhf.core.settings import setting_fields
 from rlhf.runtime import checkpoint
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.async_generation import AsyncParts
@@ -88,13 +87,10 @@ def _check_actor_counts(plan: RunPlan) -> None:
 def _driver_side(plan: RunPlan) -> tuple[RunPlan, Any, Any]:
     """The plan with the data's size, the tokenizer and the prompt loader (no model is loaded here).
 
-    Only the tokenizer is needed: the adapter is built for this machine's CPU, whatever the
-    actors' devices, attention kernels and quantization are."""
-    fields = {f.name for f in setting_fields(plan.choices["model_adapter"].config_cls)}
-    cpu_only = {key: value for key, value in (("attn_implementation", "sdpa"), ("load_in_4bit", False))
-                if key in fields}
-    adapter_config = plan.component_config("model_adapter", settings={**plan.settings.get("model_adapter", {}),
-                                                                       **cpu_only}, device="cpu")
+    Only the tokenizer is needed: the adapter is built with the actors' settings on this machine's
+    CPU and loads no model (an adapter checks what the machine needs for its models, flash-attn or
+    a GPU, when it loads one)."""
+    adapter_config = plan.component_config("model_adapter", device="cpu")
     adapter = plan.choices["model_adapter"].load()(adapter_config)
     config = plan.config
     tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
