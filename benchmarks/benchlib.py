@@ -61,8 +61,8 @@ def add_cpu_linear_argument(parser: Any) -> None:
 
 
 def cpu_linear_line(mode: str) -> str:
-    """Which products our side's linear layers run (rlhf.core.cpu_linear)."""
-    from rlhf.core.cpu_linear import onednn_pays
+    """Which products our side's linear layers run (rlhf.fastpaths.cpu_linear)."""
+    from rlhf.fastpaths.cpu_linear import onednn_pays
 
     onednn = mode == "onednn" or (mode == "auto" and onednn_pays())
     return f"rlhf's CPU linear layers: {'oneDNN' if onednn else 'torch default (MKL)'} (--cpu-linear {mode})"

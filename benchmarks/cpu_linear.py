@@ -1,4 +1,4 @@
-"""torch's linear layer against rlhf's oneDNN one (`rlhf.core.cpu_linear`) on this CPU: forward
+"""torch's linear layer against rlhf's oneDNN one (`rlhf.fastpaths.cpu_linear`) on this CPU: forward
 alone (decoding, log-prob forwards) and forward + backward (training), per shape, as ratios.
 
 The shapes are those of the benchmarks' `small` model (hidden 256, MLP 1024) in a training
@@ -36,7 +36,7 @@ def main() -> None:
     threads = benchlib.setup_environment(args.threads)
     import torch
 
-    from rlhf.core.cpu_linear import onednn_available, onednn_pays, use_onednn_linears
+    from rlhf.fastpaths.cpu_linear import onednn_available, onednn_pays, use_onednn_linears
 
     print(benchlib.machine_line(threads))
     if not onednn_available():

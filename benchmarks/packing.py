@@ -35,7 +35,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf.core.logprobs import token_logprobs
-    from rlhf.core.packing import PackedModel
+    from rlhf.fastpaths.packing import PackedModel
 
     hidden, layers, vocab = MODELS[options.model]
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,

@@ -41,13 +41,13 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
             "tests/runtime/test_multiturn.py",
             "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
             "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
-            "tests/runtime/test_prefix_sharing.py", "tests/speed/test_lean_decode.py",
-            "tests/runtime/test_zero_advantage_rows.py", "tests/speed/test_fast_paths.py",
-            "tests/runtime/test_packing.py", "tests/runtime/test_segment_attention.py",
-            "tests/speed/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py",
+            "tests/fastpaths/test_prefix_sharing.py", "tests/fastpaths/test_lean_decode.py",
+            "tests/runtime/test_zero_advantage_rows.py", "tests/fastpaths/test_fast_paths.py",
+            "tests/fastpaths/test_packing.py", "tests/fastpaths/test_segment_attention.py",
+            "tests/fastpaths/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py",
             "tests/runtime/test_run_lifecycle.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
-                 "tests/runtime/test_data.py", "tests/runtime/test_packing.py", "tests/rewards/test_specs.py"]
+                 "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py"]
 
 # area: (files mutated, fast tests run on each of its mutants). Kill rates are reported per area.
 AREAS = {
@@ -79,9 +79,10 @@ AREAS = {
         "rlhf/runtime/best_model.py",
     ], RL_TESTS + OFFLINE_TESTS),
     "fast paths": ([
-        "rlhf/core/logprobs.py", "rlhf/core/prefix_sharing.py", "rlhf/core/segment_attention.py",
-        "rlhf/core/cpu_linear.py", "rlhf/plugins/engines/lean_decode.py", "rlhf/plugins/engines/hf.py",
-    ], RL_TESTS + OFFLINE_TESTS),
+        "rlhf/core/logprobs.py", "rlhf/fastpaths/prefix_sharing.py", "rlhf/fastpaths/segment_attention.py",
+        "rlhf/fastpaths/cpu_linear.py", "rlhf/fastpaths/lean_decode.py", "rlhf/plugins/engines/hf.py",
+        "rlhf/fastpaths/packing.py", "rlhf/fastpaths/verdicts.py", "rlhf/fastpaths/llama_like.py",
+    ], RL_TESTS + OFFLINE_TESTS + ["tests/fastpaths/test_transformers_contract.py"]),
 }
 TARGETS = [file for files, _ in AREAS.values() for file in files]
 
@@ -100,6 +101,17 @@ def tests_of(file: str) -> list[str]:
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
+    ("rlhf/fastpaths/verdicts.py", "agrees = difference <= tolerance", "agrees = True",
+     "a fast path that differs from the plain path is still taken"),
+    ("rlhf/fastpaths/prefix_sharing.py", '        return "prefix_sharing/segment"\n    return "prefix_sharing/masked"',
+     '        return "prefix_sharing/masked"\n    return "prefix_sharing/masked"',
+     "one sharing verdict for the masked and the segment forward"),
+    ("rlhf/plugins/engines/hf.py", "to_check, worst = min(LEAN_CHECK_STEPS, params.max_new_tokens - 1), 0.0",
+     "to_check, worst = 1, 0.0", "the lean step checked on its first decode step only, not as the cache grows"),
+    ("rlhf/fastpaths/lean_decode.py", "{'padded' if self.padded else 'unpadded'}", "padded",
+     "one lean verdict for padded and unpadded prompts"),
+    ("rlhf/fastpaths/packing.py", 'if not verdict(self.model, "packing"):', "if False:",
+     "packed log-probs used although they differ from the padded forward"),
     ("rlhf/algorithms/training_loss.py", "total = total - entropy_coef * aggregate(",
      "total = total + entropy_coef * aggregate(", "entropy bonus with the wrong sign"),
     ("rlhf/algorithms/training_loss.py", "kl = clamped_kl(kl_estimator, logp, ref_logp,",
@@ -135,17 +147,17 @@ CURATED = [
     ("rlhf/runtime/workers.py", "if bool(keep.any()) else torch.zeros(1, dtype=torch.long)",
      "if bool(keep.any()) else torch.zeros(0, dtype=torch.long)",
      "a minibatch where no row trains leaves the gradients None (AdamW skips momentum and decay)"),
-    ("rlhf/core/segment_attention.py", "dtype=torch.bool, device=device).tril() & layout.segment_valid[:, :, None, :]",
+    ("rlhf/fastpaths/segment_attention.py", "dtype=torch.bool, device=device).tril() & layout.segment_valid[:, :, None, :]",
      "dtype=torch.bool, device=device).tril()", "a segment's queries see the padding slots of its own keys"),
-    ("rlhf/core/segment_attention.py", "seen = (layout.prefix_valid[:, None, :] & causal)",
+    ("rlhf/fastpaths/segment_attention.py", "seen = (layout.prefix_valid[:, None, :] & causal)",
      "seen = (layout.prefix_valid[:, None, :] | causal)", "the prefix attends past a shorter group's prefix"),
     ("rlhf/runtime/workers.py", "return loss, metrics, float(micro.batch.loss_mask.sum())",
      "return loss, metrics, float(micro.batch.action_mask.sum())", "policy metrics weighted by action, not loss, tokens"),
-    ("rlhf/core/cpu_linear.py", "grad_x = _product(grad_rows, weight.t())", "grad_x = _product(grad_rows, weight)",
+    ("rlhf/fastpaths/cpu_linear.py", "grad_x = _product(grad_rows, weight.t())", "grad_x = _product(grad_rows, weight)",
      "oneDNN linear: the input gradient through W, not Wᵀ"),
-    ("rlhf/core/cpu_linear.py", "grad_weight = _product(grad_rows.t(), rows.t())",
+    ("rlhf/fastpaths/cpu_linear.py", "grad_weight = _product(grad_rows.t(), rows.t())",
      "grad_weight = _product(rows.t(), grad_rows.t())", "oneDNN linear: the weight gradient transposed"),
-    ("rlhf/core/cpu_linear.py", "grad_bias = grad_rows.sum(dim=0)", "grad_bias = grad_rows.mean(dim=0)",
+    ("rlhf/fastpaths/cpu_linear.py", "grad_bias = grad_rows.sum(dim=0)", "grad_bias = grad_rows.mean(dim=0)",
      "oneDNN linear: the bias gradient averaged over rows"),
     ("rlhf/algorithms/training_loss.py", "    total = aggregate(loss_aggregation or aggregation, per_token, mask, norm)",
      "    total = aggregate(aggregation, per_token, mask, norm)", "gspo's own aggregation ignored in training"),

@@ -15,8 +15,6 @@ import torch
 
 from rlhf.core.masked import last_real_index
 from rlhf.core.modeling import accepts_logits_to_keep, base_model
-from rlhf.core.packing import PackedModel, innermost, is_packed, pack_rows
-from rlhf.core.prefix_sharing import SharedRows, shared_logits_at
 
 _ROWS_PER_CHUNK = 8
 
@@ -38,17 +36,29 @@ def without_last_token(attention_mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+class OwnLogprobs:
+    """A model wrapper that computes `token_logprobs` its own way (a fast path, e.g.
+    `rlhf.fastpaths.packing.PackedModel`) when ``runs_own_logprobs``; the same contract, and the
+    same numbers up to float rounding."""
+
+    runs_own_logprobs: bool = False
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor, *,
+                       temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    action_mask: torch.Tensor, *, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, A) of each next token, zero before the first action column; entropy (B, A) if asked.
 
-    Gradients flow when called with grad enabled. A `PackedModel` runs the batch packed
-    (`packed_token_logprobs`).
+    Gradients flow when called with grad enabled. A model wrapper that computes log-probs its own
+    way (`OwnLogprobs`: `rlhf.fastpaths.packing.PackedModel` runs the batch packed) does so here.
     """
-    if is_packed(model):
-        return packed_token_logprobs(model, input_ids, attention_mask, action_mask, temperature=temperature,
-                                     with_entropy=with_entropy)
+    if isinstance(model, OwnLogprobs) and model.runs_own_logprobs:
+        return model.token_logprobs(input_ids, attention_mask, action_mask, temperature=temperature,
+                                    with_entropy=with_entropy)
     batch_size, length = input_ids.shape  # (B, T)
     start = first_action_position(action_mask)  # logits at positions start..T-2 predict tokens start+1..T-1
     keep = length - 1 - start
@@ -80,51 +90,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 _POSITIONS_PER_CHUNK = 2048
 
 
-def packed_token_logprobs(model: PackedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          action_mask: torch.Tensor, *, temperature: float = 1.0,
-                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` with the batch packed into one row (rlhf/core/packing.py): only the action
-    positions are projected to the vocabulary, and rows' last tokens are left out of the pack.
-    Log-probs (and entropy) are 0 off the action mask.
-    """
-    batch_size, length = input_ids.shape  # (B, T)
-    packed = pack_rows(input_ids, without_last_token(attention_mask))
-    wanted = action_mask.bool() & (packed.index[:, :-1] >= 0)  # (B, A) an action token predicted from a packed one
-    rows, cols = wanted.nonzero(as_tuple=True)  # (K,), (K,)
-    at = packed.index[rows, cols]  # (K,) packed positions whose logits predict the action tokens
-    targets = input_ids[rows, cols + 1]  # (K,)
-    logprobs = torch.zeros((batch_size, length - 1), dtype=torch.float32, device=input_ids.device)  # (B, A)
-    entropy = torch.zeros_like(logprobs) if with_entropy else None
-    if at.numel() == 0:
-        return logprobs, entropy
-    inner = model.model
-    kwargs = {"logits_to_keep": at} if accepts_logits_to_keep(type(innermost(inner))) else {}
-    logits = inner(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                   use_cache=False, **kwargs).logits  # (1, K, V) or (1, N, V)
-    logits = logits[0] if kwargs else logits[0, at]  # (K, V)
-    return _scatter_logprobs(logits, targets, (rows, cols), logprobs, entropy, temperature)
-
-
-def shared_token_logprobs(model: torch.nn.Module, rows: SharedRows, input_ids: torch.Tensor,
-                          action_mask: torch.Tensor, *, temperature: float = 1.0,
-                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` of a (B, T) batch laid out by `rlhf.core.prefix_sharing.share_prefixes`
-    (rows of a group share their common prefix's forward), best of ``without_last_token(attention_mask)``:
-    a row's last token predicts nothing. Log-probs (and entropy) (B, A) are 0 off the action mask;
-    gradients flow when enabled."""
-    batch_size, length = input_ids.shape  # (B, T)
-    wanted = action_mask.bool() & (rows.index[:, :-1] >= 0)  # (B, A) an action token predicted from a laid-out one
-    row, col = wanted.nonzero(as_tuple=True)  # (K,), (K,)
-    targets = input_ids[row, col + 1]  # (K,)
-    logprobs = torch.zeros((batch_size, length - 1), dtype=torch.float32, device=input_ids.device)  # (B, A)
-    entropy = torch.zeros_like(logprobs) if with_entropy else None
-    if row.numel() == 0:
-        return logprobs, entropy
-    logits = shared_logits_at(model, rows, rows.index[row, col])  # (K, V)
-    return _scatter_logprobs(logits, targets, (row, col), logprobs, entropy, temperature)
-
-
-def _scatter_logprobs(logits: torch.Tensor, targets: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
+def scatter_logprobs(logits: torch.Tensor, targets: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
                       logprobs: torch.Tensor, entropy: torch.Tensor | None,
                       temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / τ)[target] (and entropy) of K positions, logits (K, V), targets (K,),

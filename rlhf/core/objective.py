@@ -89,7 +89,7 @@ class FitModels:
     its forward is what the backend's backward follows); ``reference`` and ``teacher`` are frozen
     and present only when the objective declares it needs them. ``share_prompt``: the run allows
     sequences that begin alike to share their prefix's forward (``--share-prompt``,
-    `rlhf.core.prefix_sharing`).
+    `rlhf.fastpaths.prefix_sharing`).
     """
 
     model: torch.nn.Module

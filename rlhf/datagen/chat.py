@@ -71,7 +71,7 @@ def load_model(ref: str, settings: ChatSettings) -> tuple[Any, Any]:
         tokenizer.pad_token = tokenizer.eos_token
     model = model.to(device).eval()
     if device.type == "cpu":
-        from rlhf.core.cpu_linear import use_onednn_linears
+        from rlhf.fastpaths.cpu_linear import use_onednn_linears
 
         use_onednn_linears(model)
     return model, tokenizer

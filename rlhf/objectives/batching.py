@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from rlhf.core.prefix_sharing import SharedRows
+    from rlhf.fastpaths.prefix_sharing import SharedRows
 
 
 def pad_right(rows: Sequence[Sequence[int | float]], value: int | float, *, dtype: torch.dtype | None = None,
@@ -64,8 +64,8 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
 def shared_token_logps(model: torch.nn.Module, rows: SharedRows, input_ids: torch.Tensor,
                        loss_mask: torch.Tensor) -> torch.Tensor:
     """`token_logps` with groups of rows sharing their common prefix's forward: ``rows`` is
-    `rlhf.core.prefix_sharing.share_prefixes` of this batch. (B, A), 0 off the learnt tokens."""
-    from rlhf.core.logprobs import shared_token_logprobs
+    `rlhf.fastpaths.prefix_sharing.share_prefixes` of this batch. (B, A), 0 off the learnt tokens."""
+    from rlhf.fastpaths.prefix_sharing import shared_token_logprobs
 
     action_mask = loss_mask[:, 1:]  # (B, A)
     logps, _ = shared_token_logprobs(model, rows, input_ids, action_mask)  # (B, A)

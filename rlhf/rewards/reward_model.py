@@ -113,7 +113,7 @@ class RewardModelWorker:
             self.mean, self.std = float(config.mean), max(float(config.std), 1e-8)
         self.model = model.to(self.device).eval()
         if self.device.type == "cpu":
-            from rlhf.core.cpu_linear import use_onednn_linears
+            from rlhf.fastpaths.cpu_linear import use_onednn_linears
 
             use_onednn_linears(self.model)
 

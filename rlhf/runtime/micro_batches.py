@@ -14,8 +14,7 @@ import torch
 
 from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import DistContext
-from rlhf.core.packing import token_budget_groups
-from rlhf.core.prefix_sharing import common_prefix
+from rlhf.fastpaths.prefix_sharing import common_prefix
 
 if TYPE_CHECKING:
     from rlhf.runtime.workers import UpdateSettings
@@ -62,7 +61,7 @@ class MicroBatch:
 
 def shared_micro_batches(minibatch: ExperienceBatch, size: int) -> list[MicroBatch] | None:
     """``size`` rows each, a prompt's samples (``group_index``) together, each micro-batch with its
-    groups of rows that share the prompt's forward (`rlhf.core.prefix_sharing`); None when that
+    groups of rows that share the prompt's forward (`rlhf.fastpaths.prefix_sharing`); None when that
     would not save a tenth of the tokens of length-sorted padded micro-batches (`micro_batches`)."""
     lengths = minibatch.attention_mask.sum(dim=1)  # (b,)
     by_length = torch.argsort(lengths, stable=True)  # (b,)
@@ -101,3 +100,28 @@ def plan_micro_batches(minibatch: ExperienceBatch, size: int, max_tokens: int | 
         if shared is not None:
             return shared
     return [MicroBatch(rows, micro) for rows, micro in micro_batches(minibatch, size, max_tokens, packed)]
+
+
+def token_budget_groups(lengths: list[int], max_tokens: int, *, rows: list[int] | None = None,
+                        packed: bool = False) -> list[list[int]]:
+    """Consecutive groups of items (in the given order) of at most ``max_tokens`` tokens each; an
+    item over the budget alone. An item is ``rows[i]`` sequences (default 1) of at most ``lengths[i]``
+    tokens, or ``lengths[i]`` tokens in all when ``packed`` (its real tokens). Padded, a group costs
+    its rows x its longest sequence; packed, the sum of its tokens."""
+    rows = rows if rows is not None else [1] * len(lengths)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = longest = count = 0
+    for item, (length, n_rows) in enumerate(zip(lengths, rows)):
+        if packed:
+            cost = total + length
+        else:
+            cost = (count + n_rows) * max(longest, length)
+        if current and cost > max_tokens:
+            groups.append(current)
+            current, total, longest, count = [], 0, 0, 0
+        current.append(item)
+        total, longest, count = total + length, max(longest, length), count + n_rows
+    if current:
+        groups.append(current)
+    return groups

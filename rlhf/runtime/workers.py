@@ -19,9 +19,9 @@ from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.core.rewards import RewardResult
 from rlhf.rewards.combine import RewardSet
-from rlhf.core.logprobs import shared_token_logprobs, token_logprobs, without_last_token
-from rlhf.core.packing import PackedModel, is_packed
-from rlhf.core.prefix_sharing import can_share, checked_for_sharing, share_prefixes
+from rlhf.core.logprobs import token_logprobs, without_last_token
+from rlhf.fastpaths.packing import PackedModel, is_packed
+from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes, shared_token_logprobs
 from rlhf.runtime.micro_batches import MicroBatch, minibatches, my_rows, plan_micro_batches
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.trained import TrainedModel
@@ -36,7 +36,7 @@ class UpdateSettings:
     train_batch_size: int  # samples per optimizer step
     micro_batch_size: int  # samples per forward/backward
     max_tokens_per_micro_batch: int | None = None  # cut micro-batches by tokens instead (`micro_batches`)
-    packing: bool = False  # forwards run packed (rlhf/core/packing.py)
+    packing: bool = False  # forwards run packed (rlhf/fastpaths/packing.py)
     share_prompt: bool = False  # a prompt's samples share its forward when that pays (`shared_micro_batches`)
     max_new_tokens: int  # Dr. GRPO's constant normaliser
     seed: int = 0
@@ -66,7 +66,8 @@ def micro_logprobs(model: Any, micro: MicroBatch, *, temperature: float, with_en
         return shared_token_logprobs(model, rows, input_ids, action_mask, temperature=temperature,
                                      with_entropy=with_entropy)
 
-    if checked_for_sharing(model, lambda: shared()[0] * action_mask, lambda: separate()[0] * action_mask, "train"):
+    if checked_for_sharing(model, rows, lambda: shared()[0] * action_mask, lambda: separate()[0] * action_mask,
+                           "train"):
         return shared()
     return separate()
 

@@ -31,10 +31,10 @@ def _rlhf_imports(path: Path) -> list[str]:
 def test_builtin_plugins_import_only_the_public_api(path):
     package = ".".join(("rlhf", "plugins", *path.relative_to(PLUGINS_DIR).parts[:1]))
     for name in _rlhf_imports(path):
-        public = ("rlhf.core", "rlhf.objectives", "rlhf.sandbox", package)
+        public = ("rlhf.core", "rlhf.objectives", "rlhf.sandbox", "rlhf.fastpaths", package)
         allowed = name in ("rlhf", "rlhf.plugins") or name.startswith(public)
         assert allowed, (f"{path.name} imports {name}; built-ins may use rlhf, rlhf.core, rlhf.objectives, "
-                         f"rlhf.sandbox and {package} only")
+                         f"rlhf.sandbox, rlhf.fastpaths and {package} only")
 
 
 def test_builtin_plugins_load_without_errors_or_warnings():

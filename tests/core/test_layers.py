@@ -7,7 +7,9 @@
 * every built-in plugin module, and every object a built-in registers (lazy ``"module:attr"``
   targets and config classes included), lives under ``rlhf/plugins/`` (or is a public type of
   ``rlhf.core``) and imports only the public API: ``rlhf``, ``rlhf.core``, ``rlhf.objectives``,
-  ``rlhf.sandbox`` and its own plugin package.
+  ``rlhf.sandbox``, ``rlhf.fastpaths`` and its own plugin package;
+* the fast paths sit beside the core, not in it: ``rlhf.core`` never imports ``rlhf.fastpaths``,
+  which imports only ``rlhf.core`` and itself.
 """
 
 from __future__ import annotations
@@ -143,9 +145,20 @@ def test_the_host_reaches_plugins_only_through_registries(module):
     assert plugin_imports == [], f"{module} imports {plugin_imports}"
 
 
+@pytest.mark.parametrize("module", [m for m in MODULES if m.startswith("rlhf.core")])
+def test_the_core_never_imports_a_fast_path(module):
+    assert sorted(name for name in GRAPH[module] if name.startswith("rlhf.fastpaths")) == []
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m.startswith("rlhf.fastpaths")])
+def test_fast_paths_import_only_the_core_and_each_other(module):
+    assert sorted(name for name in GRAPH[module]
+                  if not name.startswith(("rlhf.core", "rlhf.fastpaths"))) == [], module
+
+
 def allowed_for(module: str) -> tuple[str, ...]:
     package = ".".join(module.split(".")[:3])  # rlhf.plugins.<package>
-    return ("rlhf", "rlhf.plugins", "rlhf.core", "rlhf.objectives", "rlhf.sandbox", package)
+    return ("rlhf", "rlhf.plugins", "rlhf.core", "rlhf.objectives", "rlhf.sandbox", "rlhf.fastpaths", package)
 
 
 def public_api_violations(module: str) -> list[str]:

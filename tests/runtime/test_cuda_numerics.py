@@ -4,7 +4,7 @@ the GPU paths differ from the CPU's (several chunks, attention per segment that 
 * packed log-probs, entropy and gradients equal the padded forward's (sdpa attends within each
   sequence through the mask transformers builds from the packed position ids);
 * a prompt's samples laid out as one shared row equal the separate forwards, both through the
-  attention per segment (rlhf/core/segment_attention.py) and through the model's forward under
+  attention per segment (rlhf/fastpaths/segment_attention.py) and through the model's forward under
   the row's mask;
 * the log-prob softmax in chunks (`token_logprobs`: 8 rows at a time; packed and shared rows:
   2048 positions at a time) equals one ``log_softmax`` over all the logits at once, values,
@@ -30,11 +30,12 @@ import pytest
 import torch
 
 import rlhf.core.logprobs as logprobs_module
-import rlhf.core.prefix_sharing as sharing
-import rlhf.core.segment_attention as segments
-from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
-from rlhf.core.packing import PackedModel
-from rlhf.core.prefix_sharing import share_prefixes
+import rlhf.fastpaths.prefix_sharing as sharing
+import rlhf.fastpaths.segment_attention as segments
+from rlhf.core.logprobs import token_logprobs
+from rlhf.fastpaths.prefix_sharing import shared_token_logprobs
+from rlhf.fastpaths.packing import PackedModel
+from rlhf.fastpaths.prefix_sharing import share_prefixes
 
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"]
 DTYPES = ["float32", "bfloat16"]

@@ -16,10 +16,13 @@ Two decoders sample the same distribution from the same logits:
   more than the forward of a small model at a large vocabulary. Used when there are no stop strings and the model is a
   plain decoder-only transformers model (no model-specific input preparation).
 * ``lean``: ``direct`` with each decode step run by `LeanDecoder`
-  (rlhf/plugins/engines/lean_decode.py): the model's own modules over a cache allocated once,
+  (rlhf/fastpaths/lean_decode.py): the model's own modules over a cache allocated once,
   without the forward's per-call machinery; the same logits. For Llama-architecture models with
-  sdpa attention; ``auto`` uses it there. The engine's first decode step checks it against the
-  model's forward and falls back to ``direct``, with a warning, if they differ.
+  sdpa attention; ``auto`` uses it there. Each variant of the step (prompts padded or not, their
+  caches shared by their rows or copied: `LeanDecoder.path`) runs beside the model's forward for
+  its first `LEAN_CHECK_STEPS` decode steps on a model, so the check sees the cache grow, and
+  alone once their logits agree; a variant that differs decodes through the forward from then
+  on, with a warning (`rlhf.fastpaths.verdicts`).
 * ``generate``: ``model.generate``, for stop strings (matched on text across token boundaries)
   and for every other model. Greedy decoding gives the same tokens in both.
 
@@ -38,11 +41,24 @@ import torch
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.modeling import accepts_logits_to_keep, base_model
 from rlhf.plugins.engines.config import DECODERS, HFEngineConfig
-from rlhf.plugins.engines.lean_decode import LeanDecoder, lean_decoder_supported
+from rlhf.fastpaths.lean_decode import LeanDecoder, LeanDecodeUnsupported, lean_decoder_supported
+from rlhf.fastpaths.verdicts import settle, verdict
 
 log = logging.getLogger(__name__)
 
 __all__ = ["HFEngine", "HFEngineConfig", "sample_categorical"]
+
+LEAN_CHECK_STEPS = 4  # decode steps a new lean-step variant runs beside the forward before it runs alone
+
+
+def _relative_difference(lean_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """max |lean - forward| over (B, V), relative to the logits' scale (at least 1)."""
+    return float((lean_logits.float() - logits.float()).abs().max()) / max(1.0, float(logits.float().abs().max()))
+
+
+def _lean_tolerance(logits: torch.Tensor) -> float:
+    return 1e-4 if logits.dtype == torch.float32 else 5e-2
+
 
 def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` (B, V), drawn with probability ``probs[b, v]``. Returns (B,).
@@ -75,9 +91,10 @@ class HFEngine:
             else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         if self.config.decoder == "lean" and not lean_decoder_supported(model):
-            raise ValueError("decoder 'lean' needs a Llama-architecture model (LlamaForCausalLM, or Qwen2 / Mistral "
-                             "without sliding windows) with sdpa attention; use decoder=direct")
-        self.lean_agrees: bool | None = None  # the lean step's logits against the forward's: checked once
+            log.warning("hf engine: decoder 'lean' needs a Llama-architecture model (LlamaForCausalLM, or Qwen2 / "
+                        "Mistral without sliding windows) with sdpa attention and the transformers internals it "
+                        "reads (rlhf.fastpaths.llama_like); decoding through the model's forward")
+        self.warned_lean_unsupported = False
 
     @property
     def device(self) -> torch.device:
@@ -158,10 +175,13 @@ class HFEngine:
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                             past_key_values=cache, use_cache=True, **keep).logits[:, -1]  # (U, V)
         # The lean step keeps a prompt's cache once for its rows; the model's forward needs a row each.
-        lean = LeanDecoder(self.model, cache, attention_mask, params.max_new_tokens, source) \
-            if self.uses_lean_step() else None
+        lean = self._lean_decoder(cache, attention_mask, params.max_new_tokens, source)
+        # A variant of the lean step not yet checked on this model runs beside the forward for its
+        # first LEAN_CHECK_STEPS steps (the cache growing), then alone if their logits agree.
+        checking = lean is not None and verdict(base, lean.path) is None
+        to_check, worst = min(LEAN_CHECK_STEPS, params.max_new_tokens - 1), 0.0
         if source is not None and not torch.equal(source, torch.arange(len(source), device=source.device)):
-            if lean is None or not self.lean_agrees:
+            if lean is None or checking:
                 cache.batch_select_indices(source)
             logits, positions = logits[source], positions[source]  # (B, V), (B, P)
             input_ids, attention_mask = input_ids[source], attention_mask[source]  # (B, P)
@@ -187,32 +207,46 @@ class HFEngine:
             finished |= torch.isin(chosen, eos)
             if t + 1 == params.max_new_tokens or self._all_finished(finished):
                 return tokens[:, : t + 1], (logprobs[:, : t + 1] if logprobs is not None else None)
-            if lean is not None and self.lean_agrees:
+            if lean is not None and not checking:
                 logits = lean.step(chosen, next_position)  # (B, V)
             else:
                 logits = self.model(input_ids=chosen[:, None], attention_mask=mask[:, : width + t + 1],
                                     position_ids=next_position, past_key_values=cache, use_cache=True).logits[:, -1]
-                if lean is not None:  # the first step of the engine's life: the lean one must agree
-                    self.lean_agrees = self._lean_check(lean.step(chosen, next_position), logits)
-                    lean = lean if self.lean_agrees else None
+                if checking:
+                    difference = _relative_difference(lean.step(chosen, next_position), logits)
+                    worst = difference if not difference <= worst else worst  # a NaN stays
+                    if t + 1 >= to_check or not worst <= _lean_tolerance(logits):
+                        tolerance = _lean_tolerance(logits)
+                        checking = False
+                        if not settle(base, lean.path, worst, tolerance, who="hf engine",
+                                      switch="--engine.decoder direct"):
+                            lean = None
             next_position = next_position + 1
         return tokens, logprobs
 
     def uses_lean_step(self) -> bool:
         """Decode steps by `LeanDecoder`: decoder auto or lean, a supported model, not in lockstep
-        over ranks (sharded weights gather inside the model's forward), and not found to differ."""
-        return (self.config.decoder in ("auto", "lean") and self.lean_agrees is not False
-                and not self.config.synced_gpus and lean_decoder_supported(self.model))
+        over ranks (sharded weights gather inside the model's forward). Each variant of the step
+        (`LeanDecoder.path`) is checked against the forward on its first use on the model and not
+        taken again if it differs."""
+        return (self.config.decoder in ("auto", "lean") and not self.config.synced_gpus
+                and lean_decoder_supported(self.model))
 
-    def _lean_check(self, lean_logits: torch.Tensor, logits: torch.Tensor) -> bool:
-        """Whether the lean step's logits (B, V) equal the forward's up to float rounding."""
-        tolerance = 1e-4 if logits.dtype == torch.float32 else 5e-2
-        difference = float((lean_logits.float() - logits.float()).abs().max())
-        if difference > tolerance * max(1.0, float(logits.float().abs().max())):
-            log.warning("hf engine: the lean decode step's logits differ from the model's forward by %.3g; decoding "
-                        "through the forward (decoder=direct skips this check)", difference)
-            return False
-        return True
+    def _lean_decoder(self, cache: Any, key_mask: torch.Tensor, new_tokens: int,
+                      source: torch.Tensor | None) -> LeanDecoder | None:
+        """The lean step over this prefill, or None: not used, not supported by the installed
+        transformers (a warning, once), or its variant found to differ on this model."""
+        if not self.uses_lean_step():
+            return None
+        try:
+            lean = LeanDecoder(self.model, cache, key_mask, new_tokens, source)
+        except LeanDecodeUnsupported as exc:
+            if not self.warned_lean_unsupported:
+                log.warning("hf engine: the lean decode step cannot run here (%s); decoding through the model's "
+                            "forward", exc)
+                self.warned_lean_unsupported = True
+            return None
+        return lean if verdict(base_model(self.model), lean.path) is not False else None
 
     def _all_finished(self, finished: torch.Tensor) -> bool:
         """Every row has ended; with ``synced_gpus``, on every rank (a rank that is done keeps decoding padding)."""
@@ -250,13 +284,22 @@ class HFEngine:
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
             stop_strings=list(params.stop) or None, return_dict_in_generate=True,
             output_scores=params.return_logprobs,
-            # generate fills unset fields from the model's generation config; these must stay off
             num_beams=1, repetition_penalty=1.0, min_new_tokens=0, no_repeat_ngram_size=0,
             typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
         )
         extra = {"tokenizer": self.tokenizer} if params.stop else {}
-        result = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                     synced_gpus=self.config.synced_gpus, **extra)
+        # generate fills the fields a passed config leaves at their default (transformers 4.x: any
+        # field equal to its default, repetition_penalty=1.0 included) from the model's own
+        # generation config; with that config swapped for this one, nothing of the checkpoint's
+        # sampling settings reaches the distribution sampled from.
+        base = base_model(self.model)
+        own = base.generation_config
+        base.generation_config = config
+        try:
+            result = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                         synced_gpus=self.config.synced_gpus, **extra)
+        finally:
+            base.generation_config = own
         completions = result.sequences[:, input_ids.shape[1]:]  # (B, N) generated part, padded after the end
         logprobs = None
         if params.return_logprobs:

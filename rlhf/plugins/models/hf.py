@@ -11,7 +11,7 @@ classifier, see `reward.py`). Options, each one flag of ``rlhf train``:
 * ``gradient_checkpointing``: activations recomputed in backward (non-reentrant, so it also
   works when only LoRA weights train);
 * ``cpu_linear``: on a CPU, ``auto`` runs float32 linear layers through oneDNN where torch's
-  default (MKL) uses half the vector width (`rlhf.core.cpu_linear`), ``onednn`` always, ``torch`` never;
+  default (MKL) uses half the vector width (`rlhf.fastpaths.cpu_linear`), ``onednn`` always, ``torch`` never;
 * ``cudnn_attention``: on a CUDA GPU, whether PyTorch's sdpa may pick cuDNN's attention kernels
   (off by default: cuDNN builds an execution plan for every new sequence length, which rollouts,
   varying batch lengths and ``--packing`` meet on most calls; sdpa then takes its flash or
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rlhf.core.adapter import ModelAdapterBase
-from rlhf.core.cpu_linear import check_mode, use_onednn_linears
+from rlhf.fastpaths.cpu_linear import check_mode, use_onednn_linears
 from rlhf.core.errors import ConfigError
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.critic import CriticModel

@@ -7,7 +7,7 @@ smoothing ε, −(1 − ε) log σ(βh) − ε log σ(−βh); IPO (h − 1/(2β
 responses' NLL (per-token mean, averaged over pairs, as OpenRLHF). Mean over pairs; one unit
 per pair. The reference is the starting model (with LoRA: the same weights, adapter off).
 Chosen and rejected share their prompt's forward (``--share-prompt``, on by default:
-`rlhf.core.prefix_sharing`): one row per pair, prompt + chosen + rejected, each response
+`rlhf.fastpaths.prefix_sharing`): one row per pair, prompt + chosen + rejected, each response
 attending to the prompt and itself. The log-probs are the separate forwards' up to float
 rounding; each model's first micro-batch checks that against separate forwards and falls back
 to them, with a warning, for a model that does not take the mask.
@@ -77,8 +77,8 @@ class DPOObjective(ObjectiveBase):
         """``m -> (2P, A) log-probs of the learnt tokens under m`` (the policy or the reference), each
         pair's prompt shared when ``share`` and the model takes it (`checked_for_sharing`)."""
         from rlhf.core.logprobs import without_last_token
-        from rlhf.core.packing import is_packed
-        from rlhf.core.prefix_sharing import can_share, checked_for_sharing, share_prefixes
+        from rlhf.fastpaths.packing import is_packed
+        from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes
 
         inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
         pairs = len(batch["input_ids"]) // 2
@@ -93,7 +93,7 @@ class DPOObjective(ObjectiveBase):
                 return token_logps(m, *inputs)
 
             if rows is not None and not is_packed(m) and can_share(m) and \
-                    checked_for_sharing(m, shared, separate, "dpo"):
+                    checked_for_sharing(m, rows, shared, separate, "dpo"):
                 return shared()
             return separate()
 

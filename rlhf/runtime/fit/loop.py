@@ -34,7 +34,8 @@ from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 from rlhf.core.fingerprint import plugin_fingerprint
 from rlhf.core.objective import FitModels, Objective
-from rlhf.core.packing import PackedModel, token_budget_groups
+from rlhf.fastpaths.packing import PackedModel
+from rlhf.runtime.micro_batches import token_budget_groups
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime.best_model import BestModel

@@ -24,22 +24,19 @@ tokens of the longest group row, ``K`` predicted tokens, ``V`` vocabulary.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlhf.core.modeling import accepts_logits_to_keep, base_model
-from rlhf.core.packing import innermost
-from rlhf.core.segment_attention import (segment_forward_supported, segment_layout, segments_pay,
-                                         shared_forward_hidden)
+from rlhf.core.logprobs import scatter_logprobs
+from rlhf.core.modeling import accepts_logits_to_keep, base_model, innermost
+from rlhf.fastpaths.segment_attention import (segment_forward_supported, segment_layout, segments_pay,
+                                              shared_forward_hidden)
+from rlhf.fastpaths.verdicts import settle, verdict
 
 _MASKED_ATTENTION = ("sdpa", "eager")
-_VERDICT = "_rlhf_prefix_sharing_checked"  # `checked_for_sharing`'s verdict, kept on the model
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,18 +120,27 @@ def attention_mask_4d(model: Any, allowed: torch.Tensor) -> torch.Tensor:
     return blocked.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def sharing_path(model: Any, rows: SharedRows) -> str:
+    """The forward `shared_logits_at` runs for ``rows``: ``prefix_sharing/segment`` (attention per
+    segment: a Llama-architecture model not wrapped for data parallelism, where it pays) or
+    ``prefix_sharing/masked`` (the model's own forward under the row's mask)."""
+    if innermost(model) is base_model(model) and segment_forward_supported(model) and \
+            segments_pay(segment_layout(rows.segments)):
+        return "prefix_sharing/segment"
+    return "prefix_sharing/masked"
+
+
 def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.Tensor:
     """(K, V) logits at the flattened positions ``flat`` (K,) of ``rows``; only those positions'
     columns are projected to the vocabulary. Gradients flow when enabled.
 
-    A Llama-architecture model not wrapped for data parallelism runs with attention per segment
-    where that pays (`rlhf.core.segment_attention`: the prefix's and each remainder's own scores,
-    not the whole masked row's); any other model runs its forward under the row's mask."""
-    if innermost(model) is base_model(model) and segment_forward_supported(model):
+    The forward is the one `sharing_path` names: attention per segment
+    (`rlhf.fastpaths.segment_attention`: the prefix's and each remainder's own scores, not the
+    whole masked row's), or the model's forward under the row's mask."""
+    if sharing_path(model, rows) == "prefix_sharing/segment":
         layout = segment_layout(rows.segments)
-        if segments_pay(layout):
-            hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, layout)  # (G, L, hidden)
-            return base_model(model).lm_head(hidden.reshape(-1, hidden.shape[-1])[flat])  # (K, V)
+        hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, layout)  # (G, L, hidden)
+        return base_model(model).lm_head(hidden.reshape(-1, hidden.shape[-1])[flat])  # (K, V)
     length = rows.input_ids.shape[1]
     group, column = flat // length, flat % length  # (K,), (K,)
     needed = torch.unique(column)  # (C,) sorted columns some group needs logits at
@@ -147,24 +153,42 @@ def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.
     return logits[group, column]  # from (G, L, V)
 
 
-def checked_for_sharing(model: Any, shared: Callable[[], torch.Tensor], separate: Callable[[], torch.Tensor],
-                        who: str) -> bool:
-    """Whether ``model`` may run shared forwards. The first call per model compares ``shared()``
-    and ``separate()``, (B, A) log-probs of the same tokens with and without sharing, and keeps the
-    verdict on the model; they must agree up to float rounding (1e-3 nats per token in float32,
-    5e-2 in half precision). A model that ignores the 4D mask fails, with a warning naming ``who``."""
-    verdict = model.__dict__.get(_VERDICT)
-    if verdict is None:
-        was_training = model.training
-        model.eval()  # no dropout: both forwards must see the same function
-        try:
-            with torch.no_grad():
-                difference = float((shared() - separate()).abs().max())  # over (B, A)
-        finally:
-            model.train(was_training)
-        verdict = difference <= (1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2)
-        if not verdict:
-            log.warning("%s: the model's log-probs with a shared prompt differ from separate forwards by %.3g; its "
-                        "sequences run separately (--no-share-prompt skips this check)", who, difference)
-        model.__dict__[_VERDICT] = verdict
-    return verdict
+def shared_token_logprobs(model: torch.nn.Module, rows: SharedRows, input_ids: torch.Tensor,
+                          action_mask: torch.Tensor, *, temperature: float = 1.0,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rlhf.core.logprobs.token_logprobs` of a (B, T) batch laid out by `share_prefixes` (rows of a
+    group share their common prefix's forward), best of ``without_last_token(attention_mask)``: a
+    row's last token predicts nothing. Log-probs (and entropy) (B, A) are 0 off the action mask;
+    gradients flow when enabled."""
+    batch_size, length = input_ids.shape  # (B, T)
+    wanted = action_mask.bool() & (rows.index[:, :-1] >= 0)  # (B, A) an action token predicted from a laid-out one
+    row, col = wanted.nonzero(as_tuple=True)  # (K,), (K,)
+    targets = input_ids[row, col + 1]  # (K,)
+    logprobs = torch.zeros((batch_size, length - 1), dtype=torch.float32, device=input_ids.device)  # (B, A)
+    entropy = torch.zeros_like(logprobs) if with_entropy else None
+    if row.numel() == 0:
+        return logprobs, entropy
+    logits = shared_logits_at(model, rows, rows.index[row, col])  # (K, V)
+    return scatter_logprobs(logits, targets, (row, col), logprobs, entropy, temperature)
+
+
+def checked_for_sharing(model: Any, rows: SharedRows, shared: Callable[[], torch.Tensor],
+                        separate: Callable[[], torch.Tensor], who: str) -> bool:
+    """Whether ``model`` may run ``rows`` shared. The first time each `sharing_path` runs on a model
+    compares ``shared()`` and ``separate()``, (B, A) log-probs of the same tokens with and without
+    sharing (`rlhf.fastpaths.verdicts`); they must agree up to float rounding (1e-3 nats per token
+    in float32, 5e-2 in half precision). A model that ignores the 4D mask fails, with a warning
+    naming ``who``; its sequences then run separately."""
+    path = sharing_path(model, rows)
+    known = verdict(model, path)
+    if known is not None:
+        return known
+    was_training = model.training
+    model.eval()  # no dropout: both forwards must see the same function
+    try:
+        with torch.no_grad():
+            difference = float((shared() - separate()).abs().max())  # over (B, A)
+    finally:
+        model.train(was_training)
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    return settle(model, path, difference, tolerance, who=who, switch="--no-share-prompt")

@@ -1,4 +1,4 @@
-"""Attention per segment over prefix-shared rows (rlhf/core/segment_attention.py):
+"""Attention per segment over prefix-shared rows (rlhf/fastpaths/segment_attention.py):
 
 * the layout by hand: where the prefix and each remainder lie in a group row, and when attention
   per segment pays (many or long remainders) and when it does not (DPO-sized pairs);
@@ -18,11 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rlhf.core.prefix_sharing as sharing
-import rlhf.core.segment_attention as segments
-from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
-from rlhf.core.prefix_sharing import share_prefixes
-from rlhf.core.segment_attention import segment_attention, segment_forward_supported, segment_layout, segments_pay
+import rlhf.fastpaths.prefix_sharing as sharing
+import rlhf.fastpaths.segment_attention as segments
+from rlhf.core.logprobs import token_logprobs
+from rlhf.fastpaths.prefix_sharing import checked_for_sharing, share_prefixes, shared_token_logprobs, sharing_path
+from rlhf.fastpaths.verdicts import verdict
+from rlhf.fastpaths.segment_attention import segment_attention, segment_forward_supported, segment_layout, segments_pay
 from tests.helpers import assert_same_gradients, shared_batch
 
 
@@ -168,15 +169,38 @@ def test_a_wrong_segment_forward_is_caught_and_run_separately(tiny_model_dir, mo
                                                             segments_always_pay):
     from transformers import AutoModelForCausalLM
 
-    from rlhf.core.prefix_sharing import checked_for_sharing
-
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     real = segments.segment_attention
     monkeypatch.setattr(segments, "segment_attention", lambda *a: real(*a) * 0.5)  # a bug in the attention
     ids, mask, actions, groups = shared_batch()
     rows = share_prefixes(ids, mask, groups)
     with caplog.at_level("WARNING"):
-        used = checked_for_sharing(lm, lambda: shared_token_logprobs(lm, rows, ids, actions)[0] * actions,
+        used = checked_for_sharing(lm, rows, lambda: shared_token_logprobs(lm, rows, ids, actions)[0] * actions,
                                    lambda: token_logprobs(lm, ids, mask, actions)[0] * actions, "train")
     assert not used
-    assert "differ from separate forwards" in caplog.text
+    assert "the fast path prefix_sharing/segment differs from the plain path" in caplog.text
+
+
+def test_each_sharing_path_is_checked_where_it_first_runs(tiny_model_dir, monkeypatch, caplog):
+    """The masked forward agreeing says nothing of the segment forward: micro-batches too short for
+    segments to pay take the masked one, longer ones the segment one, each checked on its own."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    real = segments.segment_attention
+    monkeypatch.setattr(segments, "segment_attention", lambda *a: real(*a) * 0.5)  # a bug in the segment path
+    ids, mask, actions, groups = shared_batch()
+    rows = share_prefixes(ids, mask, groups)
+
+    def check():
+        return checked_for_sharing(lm, rows, lambda: shared_token_logprobs(lm, rows, ids, actions)[0] * actions,
+                                   lambda: token_logprobs(lm, ids, mask, actions)[0] * actions, "train")
+
+    assert sharing_path(lm, rows) == "prefix_sharing/masked"  # short rows: segments do not pay
+    assert check() and verdict(lm, "prefix_sharing/masked") is True
+    monkeypatch.setattr(segments, "SEGMENTS_PAY_FROM", 0)  # as for a longer micro-batch
+    assert sharing_path(lm, rows) == "prefix_sharing/segment"
+    with caplog.at_level("WARNING"):
+        assert not check()
+    assert verdict(lm, "prefix_sharing/segment") is False and verdict(lm, "prefix_sharing/masked") is True
+    assert "prefix_sharing/segment differs" in caplog.text

@@ -1,13 +1,15 @@
-"""The engine's lean decode step (rlhf/plugins/engines/lean_decode.py) gives the model's forward:
+"""The engine's lean decode step (rlhf/fastpaths/lean_decode.py) gives the model's forward:
 
 * sampled tokens and log-probs equal the ``direct`` decoder's under the same seed (left-padded
   prompts of different lengths, n samples sharing a prefill and its cache, rows ending early),
   and its logits equal the forward's at every step (a prompt's cache kept once for its samples,
   or copied per row), on a Llama and on a Qwen2 (biased projections, grouped key-value heads);
 * ``auto`` uses it where it is supported, never for other models or with sharded weights;
-  ``decoder=lean`` on an unsupported model is an error;
-* a lean step that differs from the forward is caught on the engine's first step: a warning and
-  the forward from then on.
+  ``decoder=lean`` on an unsupported model (or a transformers without the internals it reads)
+  warns and decodes through the forward;
+* each variant of the step (prompts padded or not, their caches shared or copied) is checked
+  against the forward on its own first use on a model, over several steps while the cache grows:
+  a variant that differs is caught there, with a warning, and the forward runs from then on.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ import torch
 
 from rlhf.core.rollout import SamplingParams
 from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig
-from rlhf.plugins.engines.lean_decode import LeanDecoder, lean_decoder_supported
+from rlhf.fastpaths import llama_like as llama_like_module
+from rlhf.fastpaths.lean_decode import LeanDecoder, lean_decoder_supported
+from rlhf.fastpaths.verdicts import verdict
+
+PADDED = "lean_decode/padded/grouped"  # prompts() differ in length; n samples read their prompt's cache
 
 
 def build(kind: str, tiny_model_dir):
@@ -64,7 +70,8 @@ def test_lean_samples_what_the_direct_decoder_samples(model_and_tokenizer, tempe
         for _ in range(2):  # the second call runs on the lean step alone (the first one checks it)
             torch.manual_seed(4)
             runs[decoder] = engine.generate(prompts(tokenizer), n=3, params=params)
-        assert engine.lean_agrees is (True if decoder == "lean" else None)
+        if decoder == "lean":
+            assert verdict(model, PADDED) is True
     lean, direct = runs["lean"], runs["direct"]
     assert [g.token_ids for g in lean] == [g.token_ids for g in direct]
     if temperature > 0:
@@ -114,8 +121,6 @@ def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
     eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
     assert not lean_decoder_supported(eager)
     assert not HFEngine(eager, tokenizer).uses_lean_step()
-    with pytest.raises(ValueError, match="decoder 'lean' needs a Llama-architecture model"):
-        HFEngine(eager, tokenizer, HFEngineConfig(decoder="lean"))
     from transformers import MistralConfig, MistralForCausalLM
 
     windowed = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
@@ -133,20 +138,96 @@ def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
     assert not lean_decoder_supported(llama)
 
 
-def test_a_lean_step_that_differs_is_caught_on_the_first_step(tiny_model_dir, monkeypatch, caplog):
+def test_decoder_lean_on_an_unsupported_model_warns_and_decodes_through_the_forward(tiny_model_dir, caplog):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    with caplog.at_level("WARNING"):
+        engine = HFEngine(eager, tokenizer, HFEngineConfig(decoder="lean"))
+    assert "decoder 'lean' needs a Llama-architecture model" in caplog.text and not engine.uses_lean_step()
+    expected = HFEngine(eager, tokenizer, HFEngineConfig(decoder="direct")).generate(prompts(tokenizer), n=1,
+                                                                                    params=params)
+    assert [g.token_ids for g in engine.generate(prompts(tokenizer), n=1, params=params)] == \
+        [g.token_ids for g in expected]
+
+
+def test_every_internal_the_lean_step_reads_is_checked(tiny_model_dir, monkeypatch, caplog):
+    """A transformers without one of the internals: the model is not Llama-like (rotary function),
+    or the engine warns and decodes through the forward (the cache's per-layer tensors)."""
+    model, tokenizer = build("llama", tiny_model_dir)
+    monkeypatch.setattr(llama_like_module, "rotary_function", lambda attention: None)
+    assert not lean_decoder_supported(model)
+    monkeypatch.undo()
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    expected = HFEngine(model, tokenizer, HFEngineConfig(decoder="direct")).generate(prompts(tokenizer), n=2,
+                                                                                    params=params)
+    monkeypatch.setattr("rlhf.fastpaths.lean_decode.cache_tensors", lambda cache: None)
+    engine = HFEngine(model, tokenizer)
+    with caplog.at_level("WARNING"):
+        got = engine.generate(prompts(tokenizer), n=2, params=params)
+    assert "the lean decode step cannot run here" in caplog.text
+    assert [g.token_ids for g in got] == [g.token_ids for g in expected] and verdict(model, PADDED) is None
+
+
+def _decode_differs(monkeypatch, when):
+    """The lean step's logits off by 1e-2 where ``when(decoder)`` holds."""
+    real_step = LeanDecoder.step
+
+    def step(self, tokens, positions):
+        logits = real_step(self, tokens, positions)
+        return logits + 1e-2 if when(self) else logits
+
+    monkeypatch.setattr(LeanDecoder, "step", step)
+
+
+def test_a_lean_step_that_differs_is_caught_and_the_forward_runs(tiny_model_dir, monkeypatch, caplog):
     model, tokenizer = build("llama", tiny_model_dir)
     params = SamplingParams(max_new_tokens=6, temperature=0.0, return_logprobs=True)
     expected = HFEngine(model, tokenizer, HFEngineConfig(decoder="direct")).generate(prompts(tokenizer), n=2,
                                                                                     params=params)
-    real_step = LeanDecoder.step
-    monkeypatch.setattr(LeanDecoder, "step", lambda self, tokens, positions: real_step(self, tokens, positions) + 1e-2)
+    _decode_differs(monkeypatch, lambda lean: True)
     engine = HFEngine(model, tokenizer)
     with caplog.at_level("WARNING"):
         got = engine.generate(prompts(tokenizer), n=2, params=params)
-    assert engine.lean_agrees is False and not engine.uses_lean_step()
-    assert "lean decode step's logits differ" in caplog.text
+        again = engine.generate(prompts(tokenizer), n=2, params=params)
+    assert verdict(model, PADDED) is False
+    assert f"the fast path {PADDED} differs from the plain path" in caplog.text
+    assert caplog.text.count("differs from the plain path") == 1  # settled once; the forward from then on
+    for run in (got, again):
+        assert [g.token_ids for g in run] == [g.token_ids for g in expected]
+        assert [g.logprobs for g in run] == [g.logprobs for g in expected]
+
+
+def test_a_lean_step_that_differs_only_once_the_cache_has_grown_is_caught(tiny_model_dir, monkeypatch):
+    model, tokenizer = build("llama", tiny_model_dir)
+    _decode_differs(monkeypatch, lambda lean: lean.length >= 3)  # right for two steps, then wrong
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    engine = HFEngine(model, tokenizer)
+    expected = HFEngine(model, tokenizer, HFEngineConfig(decoder="direct")).generate(prompts(tokenizer), n=2,
+                                                                                    params=params)
+    got = engine.generate(prompts(tokenizer), n=2, params=params)
+    assert verdict(model, PADDED) is False
     assert [g.token_ids for g in got] == [g.token_ids for g in expected]
-    assert [g.logprobs for g in got] == [g.logprobs for g in expected]
+
+
+def test_each_variant_of_the_lean_step_is_checked_on_its_own_first_use(tiny_model_dir, monkeypatch, caplog):
+    """Agreement on padded prompts says nothing of unpadded ones (no key mask), nor of a prompt's
+    cache copied per row: each is checked when it first runs."""
+    model, tokenizer = build("llama", tiny_model_dir)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    engine = HFEngine(model, tokenizer)
+    engine.generate(prompts(tokenizer), n=2, params=params)
+    assert verdict(model, PADDED) is True and verdict(model, "lean_decode/unpadded/grouped") is None
+    _decode_differs(monkeypatch, lambda lean: not lean.padded)  # a bug in the unpadded variant only
+    same_length = [[40, 41, 42, 43], [50, 51, 52, 53]]  # no padding
+    expected = HFEngine(model, tokenizer, HFEngineConfig(decoder="direct")).generate(same_length, n=2, params=params)
+    with caplog.at_level("WARNING"):
+        got = engine.generate(same_length, n=2, params=params)
+    assert verdict(model, "lean_decode/unpadded/grouped") is False and verdict(model, PADDED) is True
+    assert [g.token_ids for g in got] == [g.token_ids for g in expected]
+    assert "lean_decode/unpadded/grouped differs" in caplog.text
 
 
 def test_lean_runs_the_lora_layers_of_a_peft_policy(tiny_model_dir):

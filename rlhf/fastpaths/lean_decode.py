@@ -27,17 +27,21 @@ Shape legend: ``B`` rows, ``U`` distinct prompts (n = B / U rows each), ``P`` pr
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
-from rlhf.core.modeling import base_model, llama_like
+from rlhf.core.modeling import base_model
+from rlhf.fastpaths.llama_like import cache_tensors, llama_like, rotary_function
 
 
 def lean_decoder_supported(model: Any) -> bool:
-    """Whether `LeanDecoder` reproduces ``model``'s forward (`rlhf.core.modeling.llama_like`)."""
+    """Whether `LeanDecoder` reproduces ``model``'s forward (`rlhf.fastpaths.llama_like`)."""
     return llama_like(model)
+
+
+class LeanDecodeUnsupported(Exception):
+    """The model or the installed transformers lacks an internal the lean step uses (`llama_like`)."""
 
 
 class LeanDecoder:
@@ -54,15 +58,20 @@ class LeanDecoder:
         (n times less attention memory traffic over the prompt); otherwise each row gets a copy."""
         base = base_model(model)
         self.inner, self.head = base.model, base.lm_head
-        self.rotate = [sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb for layer in self.inner.layers]
+        self.rotate = [rotary_function(layer.self_attn) for layer in self.inner.layers]
+        tensors = cache_tensors(cache)
+        if tensors is None:
+            raise LeanDecodeUnsupported("this transformers' DynamicCache keeps no per-layer keys and values")
+        keys, values = tensors
         prompts = key_mask.shape[0]
-        if source is not None and not _in_groups(source, prompts):
+        self.grouped = source is None or _in_groups(source, prompts)
+        if not self.grouped:
             key_mask = key_mask[source]  # (B, P) a copy of the prompt per row
-            self.prompt_keys = [layer.keys[source] for layer in cache.layers]  # (B, K, P, D) each
-            self.prompt_values = [layer.values[source] for layer in cache.layers]
+            self.prompt_keys = [k[source] for k in keys]  # (B, K, P, D) each
+            self.prompt_values = [v[source] for v in values]
         else:
-            self.prompt_keys = [layer.keys for layer in cache.layers]  # (U, K, P, D) each
-            self.prompt_values = [layer.values for layer in cache.layers]
+            self.prompt_keys = list(keys)  # (U, K, P, D) each
+            self.prompt_values = list(values)
         self.prompts = key_mask.shape[0]  # U
         self.rows = len(source) if source is not None else self.prompts  # B
         self.prompt_valid = key_mask.bool()[:, None, None, :]  # (U, 1, 1, P)
@@ -72,6 +81,12 @@ class LeanDecoder:
         self.keys = [store.new_zeros(shape) for _ in self.inner.layers]
         self.values = [store.new_zeros(shape) for _ in self.inner.layers]
         self.length = 0  # tokens decoded so far
+
+    @property
+    def path(self) -> str:
+        """Which of the step's variants runs: prompts padded or not, their caches shared by their
+        rows or copied per row (each is checked against the forward on its own)."""
+        return f"lean_decode/{'padded' if self.padded else 'unpadded'}/{'grouped' if self.grouped else 'copied'}"
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) after feeding ``tokens`` (B,) at ``positions`` (B, 1) (their positions in their

@@ -269,7 +269,7 @@ def test_token_logprobs_at_unit_temperature_and_through_peft(model_and_tokenizer
 
 def test_without_last_token_unsets_each_rows_last_real_token_on_either_padding_side():
     from rlhf.core.logprobs import without_last_token
-    from rlhf.core.prefix_sharing import share_prefixes
+    from rlhf.fastpaths.prefix_sharing import share_prefixes
 
     mask = torch.tensor([[1, 1, 1, 0, 0],  # right-padded
                          [0, 0, 1, 1, 1],  # left-padded

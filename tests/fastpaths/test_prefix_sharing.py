@@ -1,4 +1,4 @@
-"""Prefix sharing (rlhf/core/prefix_sharing.py, ``rlhf dpo --share-prompt``):
+"""Prefix sharing (rlhf/fastpaths/prefix_sharing.py, ``rlhf dpo --share-prompt``):
 
 * the layout by hand: each group's common prefix once, then its rows' remainders, positions as in
   the rows, a mask that keeps each remainder to the prefix and itself;
@@ -16,9 +16,10 @@ import math
 import pytest
 import torch
 
-from rlhf.core.logprobs import shared_token_logprobs, token_logprobs
+from rlhf.core.logprobs import token_logprobs
+from rlhf.fastpaths.prefix_sharing import shared_token_logprobs
 from rlhf.core.plugins import build_plugin_manager
-from rlhf.core.prefix_sharing import common_prefix, share_prefixes
+from rlhf.fastpaths.prefix_sharing import common_prefix, share_prefixes
 from tests.helpers import (assert_same_gradients, command_args, grouped_batch, read_jsonl, run_cli,
                            shared_batch)
 from tests.runtime.recording import RecordingBackend, recording_plugin
@@ -129,7 +130,7 @@ def assert_same_steps(got, expected):
 
 def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, fit_data, fit_teacher, tmp_path, monkeypatch):
     calls = []
-    import rlhf.core.prefix_sharing as sharing
+    import rlhf.fastpaths.prefix_sharing as sharing
 
     real = sharing.share_prefixes
     monkeypatch.setattr(sharing, "share_prefixes", lambda *a: calls.append(1) or real(*a))
@@ -143,7 +144,7 @@ def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, fit_data,
 
 def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, fit_data, fit_teacher, tmp_path, monkeypatch,
                                                      caplog):
-    import rlhf.core.prefix_sharing as sharing
+    import rlhf.fastpaths.prefix_sharing as sharing
 
     separate = dpo_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path / "separate", ["--no-share-prompt"])
     # a model whose attention reaches across rows: every real token sees every earlier one
@@ -152,7 +153,7 @@ def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, fit_data, f
                         lambda model, allowed: torch.ones_like(allowed).tril()[:, None])
     with caplog.at_level("WARNING"):
         broken = dpo_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path / "broken", [])
-    assert "differ from separate forwards" in caplog.text + broken[2]
+    assert "differs from the plain path" in caplog.text + broken[2]
     assert_same_steps(broken, separate)
 
 
@@ -241,7 +242,7 @@ def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypa
 
     from transformers import AutoModelForCausalLM
 
-    import rlhf.core.prefix_sharing as sharing
+    import rlhf.fastpaths.prefix_sharing as sharing
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     batch = grouped_batch()
@@ -250,7 +251,7 @@ def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypa
     monkeypatch.setattr(sharing, "attention_mask_4d", lambda model, allowed: torch.ones_like(allowed).tril()[:, None])
     with caplog.at_level("WARNING"):
         got, _, logprobs = policy_step(copy.deepcopy(model), batch, share=True)
-    assert "train: the model's log-probs with a shared prompt differ" in caplog.text
+    assert "train: the fast path prefix_sharing/masked differs from the plain path" in caplog.text
     for a, b in zip(got, expected):
         assert_same_gradients(a, b, atol=1e-5)
     assert torch.allclose(logprobs * batch.action_mask, expected_logprobs * batch.action_mask, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Sample packing and token-budget micro-batches (rlhf/core/packing.py, ``--packing``,
+"""Sample packing and token-budget micro-batches (rlhf/fastpaths/packing.py, ``--packing``,
 ``--max-tokens-per-micro-batch``):
 
 * packing lays real tokens end to end with positions restarting per sequence, and unpacks back;
@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from rlhf.core.logprobs import token_logprobs
-from rlhf.core.packing import PackedModel, pack_rows, token_budget_groups, unpack
+from rlhf.fastpaths.packing import PackedModel, pack_rows, unpack
+from rlhf.fastpaths.verdicts import verdict
+from rlhf.runtime.micro_batches import token_budget_groups
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.workers import PolicyWorker, UpdateSettings
 from tests.helpers import MAX_NEW, assert_same_gradients, command_args, make_batch, read_jsonl, run_cli
@@ -87,6 +89,36 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_ones(lm):
         return {name: p.grad.clone() for name, p in lm.named_parameters()}
 
     assert_same_gradients(grads(PackedModel(lm)), grads(lm), atol=1e-5)
+    assert verdict(lm, "packing") is True
+
+
+def test_a_packed_forward_that_differs_is_caught_and_the_model_runs_padded(tiny_model_dir, monkeypatch, caplog):
+    """A transformers that ignored the packed row's sequence boundaries (attention across the
+    packed sequences) would give other log-probs: the first packed call compares, warns, and the
+    model's log-probs run padded from then on."""
+    from transformers import AutoModelForCausalLM
+
+    import rlhf.fastpaths.packing as packing
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    ids, mask, actions = padded_batch()
+    padded, _ = token_logprobs(lm, ids, mask, actions)
+    real = packing._packed_logprobs
+    calls = []
+
+    def wrong(*args, **kwargs):
+        calls.append(1)
+        logprobs, entropy = real(*args, **kwargs)
+        return logprobs + 0.1, entropy
+
+    monkeypatch.setattr(packing, "_packed_logprobs", wrong)
+    packed_model = PackedModel(lm)
+    with caplog.at_level("WARNING"):
+        first, _ = token_logprobs(packed_model, ids, mask, actions)
+        again, _ = token_logprobs(packed_model, ids, mask, actions)
+    assert verdict(lm, "packing") is False
+    assert "the fast path packing differs from the plain path" in caplog.text and len(calls) == 1
+    assert torch.equal(first, padded) and torch.equal(again, padded)
 
 
 def test_a_packed_lm_returns_the_padded_logits_and_a_value_head_runs_padded(lm):

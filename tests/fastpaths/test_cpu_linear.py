@@ -1,4 +1,4 @@
-"""oneDNN linear layers (`rlhf.core.cpu_linear`) give nn.Linear's outputs and gradients, take the
+"""oneDNN linear layers (`rlhf.fastpaths.cpu_linear`) give nn.Linear's outputs and gradients, take the
 oneDNN path only where they should, and reach every model the hf adapter loads on a CPU."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf.core import cpu_linear
-from rlhf.core.cpu_linear import ONEDNN_FROM, OneDnnLinear, use_onednn_linears
+from rlhf.fastpaths import cpu_linear
+from rlhf.fastpaths.verdicts import verdict
+from rlhf.fastpaths.cpu_linear import ONEDNN_FROM, OneDnnLinear, use_onednn_linears
 from rlhf.core.errors import ConfigError
 from rlhf.core.logprobs import token_logprobs
 from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
@@ -107,7 +108,7 @@ def test_the_weight_gets_its_gradient_when_the_input_needs_none(monkeypatch, bia
         assert not x.requires_grad
         layer(x).backward(upstream)
         results.append([p.grad for p in layer.parameters()])
-    assert len(products) == 2  # oneDNN's forward and ∂W, no ∂x
+    assert len(products) == 3  # the first call's check against F.linear, oneDNN's forward and ∂W; no ∂x
     assert len(results[1]) == 1 + bias
     for got, want in zip(results[1], results[0]):
         assert got is not None and close(got, want)
@@ -281,3 +282,20 @@ def test_an_unknown_cli_value_is_one_line(tiny_model_dir, task, tmp_path, plugin
     assert result.exit_code == 2, result.output
     assert "--cpu-linear must be one of auto, onednn, torch; got 'mkl'" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_layer_whose_onednn_product_differs_goes_back_to_nn_linear(monkeypatch, caplog):
+    plain, fast = pair(128, 256, bias=True)
+    x = torch.randn(64, 128)
+    real = cpu_linear._product
+    monkeypatch.setattr(cpu_linear, "_product", lambda *args: real(*args) * 1.01)  # a wrong kernel
+    with caplog.at_level("WARNING"):
+        got = fast(x)
+    assert type(fast) is nn.Linear and verdict(fast, "cpu_linear") is False
+    assert torch.equal(got, plain(x)) and torch.equal(fast(x), plain(x))
+    assert "the fast path cpu_linear differs from the plain path" in caplog.text and "--cpu-linear torch" in caplog.text
+    _, agreeing = pair(128, 256, bias=True)
+    monkeypatch.undo()
+    agreeing(x)
+    assert type(agreeing) is OneDnnLinear and verdict(agreeing, "cpu_linear") is True
+

@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.autograd.function import once_differentiable
 
 from rlhf.core.errors import ConfigError
+from rlhf.fastpaths.verdicts import settle, verdict
 
 MODES = ("auto", "onednn", "torch")
 ONEDNN_FROM = 1 << 20  # multiply-adds (M·N·K) of a product from which oneDNN beats MKL despite its call cost
@@ -106,16 +108,31 @@ def _takes_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class OneDnnLinear(nn.Linear):
-    """``nn.Linear`` whose float32 CPU products of at least `ONEDNN_FROM` multiply-adds run through oneDNN."""
+    """``nn.Linear`` whose float32 CPU products of at least `ONEDNN_FROM` multiply-adds run through oneDNN.
+
+    A layer's first oneDNN product is compared with ``F.linear``'s on the same input
+    (`rlhf.fastpaths.verdicts`, path ``cpu_linear``: relative difference at most 1e-4); a layer
+    that differs goes back to ``nn.Linear``, with a warning."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
         if not _takes_onednn(x, weight, bias):
             return super().forward(x)
+        if verdict(self, "cpu_linear") is None and not self._agrees(x):
+            self.__class__ = nn.Linear
+            return F.linear(x, weight, bias)
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _OneDnnLinearFunction.apply(x, weight, bias)
         return _product(x, weight, bias)  # (..., N)
+
+    def _agrees(self, x: torch.Tensor) -> bool:
+        with torch.no_grad():
+            plain = F.linear(x, self.weight, self.bias)  # (..., N)
+            difference = float((_product(x, self.weight, self.bias) - plain).abs().max())
+            scale = max(1.0, float(plain.abs().max()))
+        return settle(self, "cpu_linear", difference / scale, 1e-4, who=f"oneDNN linear {tuple(self.weight.shape)}",
+                      switch="--cpu-linear torch")
 
 
 def check_mode(mode: str) -> None:

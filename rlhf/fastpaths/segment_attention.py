@@ -1,6 +1,6 @@
 """Attention over prefix-shared rows, one segment at a time: the work of separate rows, not of one long row.
 
-A group row of `rlhf.core.prefix_sharing` holds a prefix, then the remainders (segments) of the
+A group row of `rlhf.fastpaths.prefix_sharing` holds a prefix, then the remainders (segments) of the
 group's n rows. Under its mask a prefix token sees the prefix causally and a segment token sees the
 whole prefix and its own segment causally, so dense attention over the row computes (P + n·S)²
 scores, most of them masked: 2.5x the scores of the n separate rows for a 128-token prompt and
@@ -10,12 +10,12 @@ eight 128-token samples. Here each piece attends only to what it sees:
     segment j:  softmax([q_j·k_pᵀ, q_j·k_jᵀ + causal]·s) [v_p; v_j]    (G, H, n, S, D)
 
 which is P²/2 + n·S·(P + S/2) scores, fewer than the separate rows' n·(P + S)²/2. The result
-equals sdpa under the row's mask to float rounding (tests/runtime/test_segment_attention.py);
+equals sdpa under the row's mask to float rounding (tests/fastpaths/test_segment_attention.py);
 padding positions, which nothing reads, get zeros.
 
-`shared_forward_hidden` runs a Llama-architecture model (`rlhf.core.modeling.llama_like`) over
+`shared_forward_hidden` runs a Llama-architecture model (`rlhf.fastpaths.llama_like`) over
 shared rows with its own modules in its forward's order and this attention in place of the
-model's; `rlhf.core.prefix_sharing.shared_logits_at` uses it where the model allows it and it
+model's; `rlhf.fastpaths.prefix_sharing.shared_logits_at` uses it where the model allows it and it
 pays (`segments_pay`: two attention calls and their gathers cost about as much as 32k masked
 scores per head on a CPU, so short rows such as DPO pairs keep the single masked call).
 
@@ -25,13 +25,13 @@ group at most, ``S`` the longest segment, ``H``/``K`` query/key-value heads, ``D
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlhf.core.modeling import base_model, llama_like
+from rlhf.core.modeling import base_model
+from rlhf.fastpaths.llama_like import llama_like, rotary_function
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def segment_forward_supported(model: Any) -> bool:
 def shared_forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
                           layout: SegmentLayout) -> torch.Tensor:
     """The final-norm hidden states (G, L, hidden) of laid-out rows: ``input_ids`` and
-    ``position_ids`` (G, L) as `rlhf.core.prefix_sharing.share_prefixes` makes them, ``layout``
+    ``position_ids`` (G, L) as `rlhf.fastpaths.prefix_sharing.share_prefixes` makes them, ``layout``
     `segment_layout` of their segments. Gradients flow when enabled; LoRA-wrapped projections run
     as they are."""
     inner = base_model(model).model
@@ -152,7 +152,7 @@ def shared_forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: tor
     groups, length = input_ids.shape
     for layer in inner.layers:
         attention = layer.self_attn
-        rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        rotate = rotary_function(attention)
         x = layer.input_layernorm(hidden)  # (G, L, hidden)
         shape = (groups, length, -1, attention.head_dim)
         query = attention.q_proj(x).view(shape).transpose(1, 2)  # (G, H, L, D)

@@ -1,0 +1,25 @@
+"""Fast paths: other ways to compute what the plain path computes, faster, each behind its switch.
+
+The plain path is the model's own forward over padded rows (`rlhf.core.logprobs.token_logprobs`)
+and its own decode step. Each module here computes the same numbers, up to float rounding, in
+less time or memory:
+
+==========================  ======================================  ==============================
+module                      what                                     switch
+==========================  ======================================  ==============================
+``packing``                 a micro-batch as one row, no padding    ``--packing``
+``prefix_sharing``          rows sharing a prompt run it once       ``--share-prompt`` (on by
+                                                                     default; ``--no-share-prompt``)
+``segment_attention``       attention per shared segment            with prefix sharing, where it pays
+``lean_decode``             a decode step without the forward's     ``--engine.decoder``
+                            per-call machinery                       (auto, lean, direct)
+``cpu_linear``              float32 CPU products through oneDNN     ``--cpu-linear`` (auto, onednn,
+                                                                     torch)
+==========================  ======================================  ==============================
+
+``llama_like`` lists the transformers internals the hand-written forwards use and checks them
+before one is taken; ``verdicts`` keeps, per model and per variant of a path, whether it agreed
+with the plain path the first time it ran there (a path that differs is not taken again, with a
+warning). Nothing in `rlhf.core` imports this package: the core's only hook is
+`rlhf.core.logprobs.OwnLogprobs`, which `packing.PackedModel` implements.
+"""
