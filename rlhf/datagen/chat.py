@@ -5,7 +5,10 @@ Each turn is formatted with the tokenizer's chat template over the whole history
 turn's filled template and answer. Answers are sampled with temperature / top-p and streamed to
 the terminal as they are generated. A LoRA adapter directory (``adapter_config.json``) loads its
 base model with the adapter on top. Commands: ``/reset`` forgets the history, ``/exit`` (or
-Ctrl-D) quits. When the conversation outgrows the model's context, the oldest turns are dropped.
+Ctrl-D) quits. When the conversation outgrows the model's context, the oldest turns are dropped
+(keeping ``--max-new-tokens`` or half the context for the answer), and an answer never runs past
+the context: its new tokens are capped at what the prompt leaves, and a message that leaves
+nothing is refused with a line saying so.
 """
 
 from __future__ import annotations
@@ -104,14 +107,27 @@ class Conversation:
         return (system + "\n" if system else "") + past + template.replace("{}", message)
 
     def ids(self, message: str, budget: int) -> list[int]:
-        """The input ids for ``message`` after the history, the oldest turns dropped to fit ``budget``."""
+        """The input ids for ``message`` after the history, the oldest turns dropped to fit ``budget``
+        (the message itself is never cut: it may still be longer)."""
         turns = list(self.turns)
         while True:
             text = self.text(message, turns)
             ids = self.tokenizer(text, add_special_tokens=not self.use_template)["input_ids"]
             if len(ids) <= budget or not turns:
-                return list(ids[-budget:])
+                return list(ids)
             turns = turns[1:]
+
+
+def history_budget(context: int, max_new_tokens: int) -> int:
+    """Prompt tokens the history may fill: the context less the room kept for an answer, which is
+    ``max_new_tokens`` or half the context, whichever is less."""
+    return max(1, context - min(max_new_tokens, context // 2))
+
+
+def answer_tokens(context: int, prompt_tokens: int, max_new_tokens: int) -> int:
+    """New tokens an answer may have after a prompt of ``prompt_tokens``: ``max_new_tokens`` capped at
+    the context left (0: no room at all)."""
+    return max(0, min(max_new_tokens, context - prompt_tokens))
 
 
 def run_chat(ref: str, settings: ChatSettings, *, stdin: Any = None, stdout: Any = None) -> None:
@@ -125,7 +141,7 @@ def run_chat(ref: str, settings: ChatSettings, *, stdin: Any = None, stdout: Any
     model, tokenizer = load_model(ref, settings)
     conversation = Conversation(tokenizer, settings)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 4096
-    budget = max(1, context - settings.max_new_tokens)
+    budget = history_budget(context, settings.max_new_tokens)
     how = "its chat template" if conversation.use_template else (
         "--input-template" if settings.input_template else "plain text (no chat template)")
     print(f"chatting with {ref} ({how}); /reset forgets the conversation, /exit quits", file=stdout, flush=True)
@@ -147,11 +163,16 @@ def run_chat(ref: str, settings: ChatSettings, *, stdin: Any = None, stdout: Any
             print("(conversation reset)", file=stdout, flush=True)
             continue
         ids = torch.tensor([conversation.ids(message, budget)], device=device)  # (1, P)
+        new_tokens = answer_tokens(context, ids.shape[1], settings.max_new_tokens)
+        if new_tokens == 0:
+            print(f"(that message is {ids.shape[1]} tokens and the model's context is {context}: no room is left "
+                  "for an answer; send a shorter one)", file=stdout, flush=True)
+            continue
         sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p} \
             if settings.temperature > 0 else {"do_sample": False}
         with torch.inference_mode():
             output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
-                                    max_new_tokens=settings.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                    max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
                                     **sampling)
         answer = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
         conversation.turns.append((message, answer))

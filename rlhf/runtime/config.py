@@ -202,6 +202,14 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         for name, value in (("--lr", self.lr), ("--critic-lr", self.critic_lr)):
             if not value > 0:
                 raise ConfigError(f"{name} must be positive; got {value}")
+        if not self.temperature > 0:  # training log-probs are log softmax(z / τ): τ = 0 is no distribution
+            raise ConfigError(f"--temperature must be positive (training samples from the policy and scores its "
+                              f"tokens at that temperature); got {self.temperature}. For greedy eval use "
+                              f"--eval-temperature 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1] (1: off); got {self.top_p}")
+        if self.eval_temperature is not None and self.eval_temperature < 0:
+            raise ConfigError(f"--eval-temperature must be at least 0 (0: greedy); got {self.eval_temperature}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             raise ConfigError(f"--max-tokens-per-micro-batch must be at least 1; got {self.max_tokens_per_micro_batch}")
         rollout = self.prompts_per_step * self.n_samples

@@ -105,3 +105,35 @@ def test_the_conversation_text_with_the_chat_template_or_an_input_template(tiny_
     ids = plain.ids("last", budget=60)
     assert len(ids) <= 60 and tokenizer.decode(ids, skip_special_tokens=True).rstrip().endswith("Bot:")
     assert "question 0" not in tokenizer.decode(ids)
+
+
+def test_an_answer_never_runs_past_the_context_and_a_message_that_fills_it_is_refused(tiny_model_dir, monkeypatch):
+    """With --max-new-tokens above the context (512 new tokens, a small model's 64 positions), the
+    prompt keeps its tokens and the answer gets what the context leaves; a message longer than the
+    context gets a line, not a garbled answer."""
+    import io
+
+    import rlhf.datagen.chat as chat
+    from rlhf.datagen.chat import ChatSettings, answer_tokens, history_budget, run_chat
+
+    assert history_budget(64, 512) == 32 and history_budget(4096, 512) == 3584 and history_budget(1, 8) == 1
+    assert answer_tokens(64, 20, 512) == 44 and answer_tokens(64, 20, 8) == 8 and answer_tokens(64, 70, 8) == 0
+    model, tokenizer = chat.load_model(str(tiny_model_dir), ChatSettings())
+    context = model.config.max_position_embeddings
+    calls = []
+    real_generate = model.generate
+
+    def generate(input_ids, **kwargs):
+        calls.append((input_ids.shape[1], kwargs["max_new_tokens"]))
+        return real_generate(input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    monkeypatch.setattr(chat, "load_model", lambda ref, settings: (model, tokenizer))
+    long = " ".join(["word"] * (context * 2))
+    out = io.StringIO()
+    run_chat(str(tiny_model_dir), ChatSettings(max_new_tokens=context * 8, temperature=0.0, input_template="{}"),
+             stdin=io.StringIO(f"hello\n{long}\n/exit\n"), stdout=out)
+    assert len(calls) == 1  # the long message was refused
+    prompt, new = calls[0]
+    assert prompt + new == context and prompt == len(tokenizer("hello")["input_ids"])
+    assert f"and the model's context is {context}: no room is left for an answer" in out.getvalue()

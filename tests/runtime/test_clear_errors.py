@@ -76,6 +76,12 @@ def test_a_response_that_is_not_text_in_sft(tiny_model_dir, tmp_path, plugins):
     ("--lr", "-1", "--lr must be positive; got -1.0"),
     ("--steps", "0", "--steps must be at least 1; got 0"),
     ("--max-new-tokens", "0", "--max-new-tokens must be at least 1; got 0"),
+    ("--temperature", "0", "--temperature must be positive (training samples from the policy and scores its tokens "
+                           "at that temperature); got 0.0. For greedy eval use --eval-temperature 0"),
+    ("--temperature", "-0.5", "--temperature must be positive"),
+    ("--top-p", "0", "--top-p must be in (0, 1] (1: off); got 0.0"),
+    ("--top-p", "1.5", "--top-p must be in (0, 1] (1: off); got 1.5"),
+    ("--eval-temperature", "-1", "--eval-temperature must be at least 0 (0: greedy); got -1.0"),
 ])
 def test_out_of_range_train_options(flag, value, message, task, tmp_path, plugins):
     # a model that does not exist: the check must come first, before anything loads
