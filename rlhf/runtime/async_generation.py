@@ -20,7 +20,7 @@ a copy of the policy's state; the producer loads the version it needs. Sampling 
 process's random stream, which only the producer uses while it runs (eval swaps in a stream of
 its own under `separate_stream`), so checkpoints stay exact: at a checkpoint after step s the
 producer is paused once it has made batches up to s + K - 1, and those in-flight batches are
-written into the checkpoint (``ahead/``) with the random state and data position after them; a
+written into the checkpoint (``in_flight/``) with the random state and data position after them; a
 resumed run trains on them and generates the rest from the checkpoint's weights.
 
 Why a thread, not a process: generation and training are torch ops, which release the GIL, so a
@@ -201,6 +201,8 @@ class AsyncGeneration:
                                      else {})} for p in batches}, directory / "inflight.pt")
 
     def load(self, directory: Path) -> None:
+        if not (directory / "inflight.json").is_file() and (directory.parent / "ahead" / "inflight.json").is_file():
+            directory = directory.parent / "ahead"  # a checkpoint written before the folder's rename
         if not (directory / "inflight.json").is_file():  # a checkpoint of a synchronous run
             return
         rows = json.loads((directory / "inflight.json").read_text())

@@ -364,7 +364,7 @@ class Trainer(SteppedLoop):
         if self.workers.rollout.stateful:
             roles["rollout"] = self.workers.rollout
         if self.async_generation is not None:
-            roles["ahead"] = self.async_generation  # in-flight batches (in the checkpoint's ahead/)
+            roles["in_flight"] = self.async_generation  # batches made, not yet trained (checkpoint's in_flight/)
         return roles
 
     def trainer_state(self) -> dict[str, Any]:

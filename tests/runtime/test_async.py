@@ -73,8 +73,10 @@ def test_resume_with_batches_in_flight_reproduces_the_uninterrupted_run(tiny_mod
     with pytest.raises(KeyboardInterrupt):
         _run(tiny_model_dir, task, tmp_path / "resumed", plugins=plugins, **options)
     assert _no_producer_left()
-    inflight = tmp_path / "resumed" / "checkpoints" / "step_2" / "ahead" / "inflight.json"
+    inflight = tmp_path / "resumed" / "checkpoints" / "step_2" / "in_flight" / "inflight.json"
     assert inflight.is_file()
+    if staleness == 2:  # a checkpoint from before the folder was renamed resumes the same
+        inflight.parent.rename(inflight.parent.with_name("ahead"))
     resumed = _run(tiny_model_dir, task, tmp_path / "resumed", resume=True, **options)
     assert [{k: m[k] for k in TRAINING_KEYS} for m in resumed] == [{k: m[k] for k in TRAINING_KEYS} for m in straight]
     assert _samples(tmp_path / "resumed") == _samples(tmp_path / "straight")

@@ -338,7 +338,7 @@ def test_async_checkpoint_while_generation_lags_resumes_exactly(tiny_model_dir, 
     plugins.unregister("killer")
     # batch 3 was released when the second step ended and took 0.2 s more: the checkpoint waited for it
     assert lag.checkpoint_waits[2] >= 0.2
-    inflight = json.loads((tmp_path / "resumed" / "checkpoints" / "step_2" / "ahead" / "inflight.json").read_text())
+    inflight = json.loads((tmp_path / "resumed" / "checkpoints" / "step_2" / "in_flight" / "inflight.json").read_text())
     assert [(batch["step"], batch["version"]) for batch in inflight] == [(2, 0), (3, 1)]
 
     assert train_cli(plugins, tiny_model_dir, task, reward, tmp_path / "resumed", *options, "--resume") == 0
