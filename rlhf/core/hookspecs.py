@@ -203,8 +203,8 @@ def register_reward_shapings(register: Register) -> None:
     - ``config``: an instance of ``config_cls`` or None. The shapings of a run share one
       settings namespace, ``--reward-shaping.<field>``: each receives the settings its class
       declares, and run fields (``max_new_tokens``, ...).
-    - Shapings run in registration order of those turned on by their flag, then in
-      ``--reward-shaping`` order.
+    - Shapings run in this order: those turned on by their flag, by name (``overlong``,
+      ``truncation``), then those of ``--reward-shaping``, in the order given.
     """
 
 

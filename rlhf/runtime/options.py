@@ -37,7 +37,6 @@ class Slot:
 MODEL_SLOTS = {slot.field: slot for slot in (Slot("model_adapter", "model"), Slot("backend", "train_backend"))}
 
 
-
 def short_flag_slots(plugins: Any, slots: dict[str, Slot], reserved: Any = ()) -> dict[str, str]:
     """Setting -> slot for every ``short_flags`` name the registered components of ``slots``' kinds
     declare (``zero_stage`` -> ``backend``). A name that is one of the command's own options
@@ -205,7 +204,8 @@ class ConfigBase:
         from rlhf.core.plugins import installed_plugins
 
         values = unflatten(dict(values), cls.NESTED)
-        values["components"] = gather_components(values, cls.setting_slots(), cls.short_flags(installed_plugins(plugins)))
+        short_flags = cls.short_flags(installed_plugins(plugins))
+        values["components"] = gather_components(values, cls.setting_slots(), short_flags)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

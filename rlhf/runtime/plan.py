@@ -160,7 +160,7 @@ class RunPlan:
 
     def reward_shapings(self, plugins: PluginSet) -> list[tuple[str, Any, Any]]:
         """``(name, shaping, config)`` in the order they apply: the registered shapings whose
-        ``enabled_by`` setting is given (``--overlong-buffer 8``), in registration order, then
+        ``enabled_by`` setting is given (``--overlong-buffer 8``), by name, then
         ``--reward-shaping`` in the order given. Each receives the ``--reward-shaping.*`` settings its
         config class declares; a setting none of the registered shapings declares is an error."""
         given = self.settings.get("reward_shaping", {})

@@ -151,7 +151,7 @@ def test_dynamic_filter_drops_groups_without_variance_or_outside_the_range():
 
 
 def test_overlong_penalty_is_linear_in_the_buffer_capped_and_counts_policy_tokens_only():
-    config = OverlongConfig(overlong_buffer=4, overlong_penalty_factor=0.5, max_new_tokens=10)  # the penalty starts after 6 tokens
+    config = OverlongConfig(overlong_buffer=4, overlong_penalty_factor=0.5, max_new_tokens=10)  # penalised after 6 tokens
     trajectories = [_trajectory(1.0, tokens=6), _trajectory(1.0, tokens=8), _trajectory(1.0, tokens=10),
                     _trajectory(1.0, tokens=14), _trajectory(1.0, tokens=5, env_tokens=50)]
     shaped, metrics = overlong_shaping(trajectories, [1.0] * 5, config)

@@ -145,3 +145,15 @@ def test_logits_to_keep_takes_a_tensor_of_positions(model):
         every = model(input_ids=ids).logits  # (1, 8, V)
         some = model(input_ids=ids, logits_to_keep=keep).logits  # (1, 3, V)
     assert torch.allclose(some, every[:, keep], atol=1e-6)
+
+
+@pytest.mark.parametrize("part", [*MODEL_PARTS, "lm_head", "input_layernorm", "q_proj", "scaling"])
+def test_a_model_without_one_of_the_parts_is_not_llama_like(part):
+    """What `llama_like` promises: any one part missing (a renamed module, another transformers)
+    means the plain forward, never an AttributeError inside a fast path."""
+    model = build("llama")
+    owner = {"lm_head": model, "input_layernorm": model.model.layers[1],
+             "q_proj": model.model.layers[1].self_attn, "scaling": model.model.layers[1].self_attn}.get(part, model.model)
+    assert llama_like(model)
+    delattr(owner, part)
+    assert not llama_like(model)
