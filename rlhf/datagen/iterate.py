@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,11 @@ def _dpo(config: IterateConfig, start: str, pairs: Path, run_dir: Path, plugins:
     final = run_dir / "final"
     values["resume"] = run_dir.exists() and any(run_dir.iterdir())
     if not (final / "config.json").exists() and not (final / "adapter_config.json").exists():
-        fit(FitConfig.from_dict(values, plugins), plugins=plugins)
+        try:
+            fit(FitConfig.from_dict(values, plugins), plugins=plugins)
+        except RlhfError as exc:  # name iterate's flag, not the DPO run's, in the advice
+            exc.args = (re.sub(r"(?<![\w-])--batch-size\b", "--dpo-batch-size", str(exc)),) + exc.args[1:]
+            raise
     return final / "merged" if (final / "merged" / "config.json").exists() else final
 
 

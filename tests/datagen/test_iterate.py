@@ -72,3 +72,14 @@ def test_two_rounds_the_second_starting_from_the_first_rounds_model(plugins, tin
     assert (second / "generations.jsonl").read_bytes() == generations
     assert (second / "model" / "config.json").exists()
     assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_advice_from_the_dpo_round_names_iterates_own_flag(plugins, tiny_model_dir, task, tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARD)
+    result = run_cli(plugins, ["iterate", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                               "--reward", f"{tmp_path / 'rewards.py'}:score", "--n", "2", "--max-new-tokens", "4",
+                               "--rounds", "1", "--dpo-batch-size", "1000", "--out", str(tmp_path / "idpo"),
+                               "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "fewer than --dpo-batch-size 1000; lower --dpo-batch-size" in result.output
+    assert "--batch-size 1000" not in result.output.replace("--dpo-batch-size", "")
