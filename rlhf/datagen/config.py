@@ -101,6 +101,7 @@ class GenerateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, Rew
             raise ConfigError("--data is required (a prompt dataset file, folder or hub name)")
         if not self.out:
             raise ConfigError("--out is required (the output .jsonl file)")
+        self.check_prompt_format()
         for name, value in (("--n", self.n), ("--max-new-tokens", self.max_new_tokens),
                             ("--batch-size", self.batch_size), ("--max-prompt-length", self.max_prompt_length)):
             if value < 1:
@@ -138,6 +139,7 @@ class ScoreConfig(DataOptions, PromptKeys, RewardArgs, SelectOptions, RuntimeOpt
             raise ConfigError("--reward is required (what scores the completions)")
         if not self.out:
             raise ConfigError("--out is required (the output .jsonl file)")
+        self.check_prompt_format()
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1; got {self.batch_size}")
         if self.apply_chat_template and not self.tokenizer:
@@ -170,6 +172,7 @@ class IterateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, Rewa
             raise ConfigError("--model, --data and --out are required")
         if not self.reward:
             raise ConfigError("--reward is required (what ranks each round's samples into pairs)")
+        self.check_prompt_format()
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be at least 1; got {self.rounds}")
         if self.n < 2:

@@ -202,6 +202,7 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         for name, value in (("--lr", self.lr), ("--critic-lr", self.critic_lr)):
             if not value > 0:
                 raise ConfigError(f"{name} must be positive; got {value}")
+        self.check_prompt_format()
         if not self.temperature > 0:  # training log-probs are log softmax(z / τ): τ = 0 is no distribution
             raise ConfigError(f"--temperature must be positive (training samples from the policy and scores its "
                               f"tokens at that temperature); got {self.temperature}. For greedy eval use "

@@ -93,6 +93,13 @@ class DataOptions:
     input_template: str | None = opt(None, "Template for string prompts, with {} for the prompt", "data")
     max_samples: int | None = opt(None, "Use at most this many rows from each dataset", "data")
 
+    def check_prompt_format(self) -> None:
+        """One way to format prompts: the chat template and an input template both would, and one
+        of them would be dropped without a word."""
+        if self.apply_chat_template and self.input_template is not None:
+            raise ConfigError("--apply-chat-template and --input-template both format the prompt; give one (the "
+                              "chat template wraps it in the model's turn markers, the input template in your text)")
+
     @property
     def mixing_probs(self) -> list[float] | None:
         if not self.data_probs:

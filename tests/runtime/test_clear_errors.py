@@ -89,6 +89,17 @@ def test_out_of_range_train_options(flag, value, message, task, tmp_path, plugin
     assert_one_line(result, 2, message)
 
 
+@pytest.mark.parametrize("command", [train, sft, "generate"])
+def test_a_chat_template_and_an_input_template_together_are_refused(command, task, tmp_path, plugins):
+    both = ("--apply-chat-template", "--input-template", "Q: {} A:")
+    if command == "generate":
+        result = run_cli(plugins, ["generate", "--model", str(tmp_path / "not-loaded"), "--data", str(task / "data.jsonl"),
+                                   "--out", str(tmp_path / "out.jsonl"), *both])
+    else:
+        result = command(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", *both)
+    assert_one_line(result, 2, "--apply-chat-template and --input-template both format the prompt; give one")
+
+
 def test_out_of_range_fit_options(task, tmp_path, plugins):
     result = sft(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", "--lr", "0")
     assert_one_line(result, 2, "--lr must be positive; got 0.0")

@@ -49,6 +49,7 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
             raise ConfigError("--data is required (a dataset file, folder or hub name)")
         if not self.objective:
             raise ConfigError("--objective is required (see `rlhf plugins list --kind objective`)")
+        self.check_prompt_format()
         for name, value in (("--batch-size", self.batch_size), ("--micro-batch-size", self.micro_batch_size),
                             ("--epochs", self.epochs)):
             if value < 1:
