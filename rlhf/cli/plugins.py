@@ -117,7 +117,7 @@ def show_command(state: Any, name: str) -> None:
         hint = close_matches(name, known)
         raise click.BadParameter(
             f"no plugin or component called {name!r}"
-            + (f"; did you mean {' or '.join(repr(h) for h in hint)}?" if hint else "")
+            + (f"; did you mean {' or '.join(repr(h) for h in hint)}?" if hint else ".")
             + " See `rlhf plugins list --all`.",
             param_hint="NAME",
         )

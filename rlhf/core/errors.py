@@ -59,4 +59,6 @@ class BadReferenceError(RlhfError):
 
 
 def close_matches(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
-    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)
+    """The candidates ``name`` is probably a typo of. Short names share little by chance
+    (``k4``/``k3``: half the letters); longer ones must share more (``nosuch`` is not ``torch``)."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5 if len(name) <= 3 else 0.6)

@@ -103,6 +103,9 @@ def test_show_unknown_name_is_a_usage_error_with_a_suggestion(with_builtin):
     result = run_cli(with_builtin, ["plugins", "show", "lenght"])
     assert result.exit_code == 2
     assert "no plugin or component called 'lenght'; did you mean 'length'?" in result.output
+    unrelated = run_cli(with_builtin, ["plugins", "show", "nosuch"])  # shares three letters with 'torch'
+    assert unrelated.exit_code == 2
+    assert "no plugin or component called 'nosuch'. See `rlhf plugins list --all`." in unrelated.output
 
 
 def test_version_and_short_help(plugins):
