@@ -190,6 +190,30 @@ def assert_same_gradients(got, expected, atol=1e-6):
 ROWS, MAX_NEW = 8, 8  # make_batch's rows, and the budget the step counts are normalised with
 
 
+def assert_engine_logprobs_are_the_trainers(model, tokenizer, prompts: list[list[int]], generations: list[Any], *,
+                                           temperature: float = 1.0) -> None:
+    """Each generation's log-probs (the engine's, row r continuing ``prompts[r]``) equal the trainer's
+    `token_logprobs` of the same tokens at the same temperature."""
+    import torch
+
+    from rlhf.core.batch import collate
+    from rlhf.core.logprobs import token_logprobs
+    from rlhf.core.types import Trajectory
+
+    trajectories = [Trajectory(token_ids=prompt + g.token_ids, loss_mask=[0] * len(prompt) + [1] * len(g.token_ids),
+                               prompt_length=len(prompt), prompt="", prompt_text="", completion_text="", group=row)
+                    for row, (prompt, g) in enumerate(zip(prompts, generations))]
+    rows = len(trajectories)
+    batch = collate(trajectories, pad_token_id=tokenizer.pad_token_id, rewards=torch.zeros(rows),
+                    sample_mask=torch.ones(rows))
+    with torch.no_grad():
+        trainer, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask,
+                                    temperature=temperature)
+    for row, generation in enumerate(generations):
+        positions = batch.action_mask[row].nonzero().squeeze(-1)
+        assert torch.allclose(trainer[row, positions], torch.tensor(generation.logprobs), atol=1e-4), row
+
+
 def make_batch(seed: int = 1):
     """8 rows (4 prompts x 2 samples) of random tokens with different prompt and completion lengths."""
     import torch

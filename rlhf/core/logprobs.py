@@ -11,6 +11,8 @@ Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions, ``V
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from rlhf.core.masked import last_real_index
@@ -36,16 +38,17 @@ def without_last_token(attention_mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-class OwnLogprobs:
+class OwnLogprobs(abc.ABC):
     """A model wrapper that computes `token_logprobs` its own way (a fast path, e.g.
     `rlhf.fastpaths.packing.PackedModel`) when ``runs_own_logprobs``; the same contract, and the
     same numbers up to float rounding."""
 
     runs_own_logprobs: bool = False
 
+    @abc.abstractmethod
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor, *,
                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
+        """`token_logprobs` of ``(input_ids, attention_mask, action_mask)`` under the wrapped model."""
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -22,6 +22,7 @@ from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend
 from rlhf.core.batch import collate
 from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig, sample_categorical
 from rlhf.core.logprobs import token_logprobs
+from tests.helpers import assert_engine_logprobs_are_the_trainers
 
 
 def loop_returns(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -183,16 +184,8 @@ def test_model_generation_config_does_not_change_the_sampled_distribution(model_
         generations = engine.generate(prompts, n=4, params=SamplingParams(max_new_tokens=6, return_logprobs=True))
     finally:
         model.generation_config = saved
-    trajectories = [Trajectory(token_ids=prompts[0] + g.token_ids, loss_mask=[0] * len(prompts[0]) + [1] * len(
-        g.token_ids), prompt_length=len(prompts[0]), prompt="", prompt_text="", completion_text="", group=0)
-        for g in generations]
-    batch = collate(trajectories, pad_token_id=tokenizer.pad_token_id, rewards=torch.zeros(4),
-                    sample_mask=torch.ones(4))
-    with torch.no_grad():
-        trainer_lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
-    for row, generation in enumerate(generations):
-        positions = batch.action_mask[row].nonzero().squeeze(-1)
-        assert torch.allclose(trainer_lp[row, positions], torch.tensor(generation.logprobs), atol=1e-4), row
+    assert len(generations) == 4
+    assert_engine_logprobs_are_the_trainers(model, tokenizer, prompts * 4, generations)
 
 
 def test_stop_strings_still_cut_generations(model_and_tokenizer):

@@ -13,6 +13,7 @@ from rlhf.core.types import Trajectory
 from rlhf.runtime import checkpoint
 from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend, lr_factor
 from rlhf.core.batch import collate
+from tests.helpers import assert_engine_logprobs_are_the_trainers
 from rlhf.plugins.engines.hf import HFEngine
 from rlhf.core.logprobs import token_logprobs
 
@@ -79,13 +80,8 @@ def test_engine_samples_from_exactly_the_distribution_the_trainer_scores(model_a
     params = SamplingParams(max_new_tokens=6, temperature=0.7, return_logprobs=True)
     generations = engine.generate(prompts, n=3, params=params)
     assert len(generations) == 6
-    trajectories = [_trajectory(prompts[i // 3], g.token_ids, group=i // 3) for i, g in enumerate(generations)]
-    batch = collate(trajectories, pad_token_id=tokenizer.pad_token_id, rewards=torch.zeros(6), sample_mask=torch.ones(6))
-    with torch.no_grad():
-        trainer_lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask, temperature=0.7)
-    for row, generation in enumerate(generations):
-        positions = batch.action_mask[row].nonzero().squeeze(-1)
-        assert torch.allclose(trainer_lp[row, positions], torch.tensor(generation.logprobs), atol=1e-4), row
+    assert_engine_logprobs_are_the_trainers(model, tokenizer, [prompts[i // 3] for i in range(6)], generations,
+                                            temperature=0.7)
 
 
 def test_engine_lays_out_n_samples_per_prompt_contiguously(model_and_tokenizer):
