@@ -59,11 +59,12 @@ def load_component(kind: str, ref: ComponentRef, *, plugins: PluginSet | None = 
     that is not registered declares its flags and config class as attributes (``needs_critic``,
     ``needs_groups``, ``config_cls``), or gets the kind's defaults.
     """
-    spec = get_kind(kind)
-    if isinstance(ref, LoadedComponent):
+    if isinstance(ref, LoadedComponent):  # resolved once per run (`resolve_algorithm`): no look-up on the step path
         if ref.kind != kind:
-            raise AlgorithmConfigError(f"{ref.name!r} is a {ref.kind.replace('_', ' ')}, not a {spec.title}")
+            raise AlgorithmConfigError(f"{ref.name!r} is a {ref.kind.replace('_', ' ')}, "
+                                       f"not a {get_kind(kind).title}")
         return ref
+    spec = get_kind(kind)
     if isinstance(ref, str) and not is_reference(ref):
         component = plugin_set(plugins).registry(kind).component(ref)
         return LoadedComponent(kind, component.name, component.load(), component.load_config_cls(),

@@ -22,7 +22,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rlhf.core.distributed import DistContext
 from rlhf.core.errors import RunInterrupted
@@ -117,16 +117,58 @@ class StopRequest:
         log.warning("%s: finishing this step, then writing a checkpoint (send it again to stop at once)", name)
 
 
-def check_run_start(run_config: dict[str, Any], plugins: PluginSet, *, out_dir: Path, resume: bool,
-                    overrides: list[str], is_main: bool = True) -> None:
-    """What every runtime checks before it builds anything (local, torchrun, fit and the Ray driver,
-    before it pays for a cluster): a run directory that is free, or resumable with the same options
-    (``--resume-override`` excepted), and writable; a warning naming any plugin that failed to load."""
+class PlannedRun(Protocol):
+    """What `start_run` needs of a run's plan (the RL `RunPlan` and the offline `FitPlan` both are one)."""
+
+    config: Any  # the run's options: ``threads``, ``resume``, ``resume_override``
+
+    @property
+    def out_dir(self) -> Path: ...
+
+    def check(self, *, world_size: int) -> None:
+        """Raise `ConfigError` for options that cannot work together on ``world_size`` ranks."""
+
+    def warnings(self) -> list[str]:
+        """Options that will do nothing, one sentence each."""
+
+    def run_config(self) -> dict[str, Any]:
+        """The run's config as config.yaml records it."""
+
+
+def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main: bool = True,
+              threads: bool = True) -> None:
+    """The prologue of every run, the same for local, torchrun, fit and the Ray driver, before anything
+    is built (for Ray, before it pays for a cluster): the plan's own checks on ``world_size`` ranks;
+    a run directory that is free, or resumable with the same options (``--resume-override``
+    excepted), and writable; a warning naming any plugin that failed to load and each of the
+    plan's warnings; this process's CPU threads (``threads``: models run in this process). The
+    builders then seed (`seed_everything`) before they draw anything."""
+    plan.check(world_size=world_size)
+    config = plan.config
     if is_main:
-        RunDirectory(out_dir).check_start(run_config, resume=resume, overrides=overrides)
-    if plugins.broken:
-        log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
-                    ", ".join(r.label for r in plugins.broken))
+        RunDirectory(plan.out_dir).check_start(plan.run_config(), resume=config.resume,
+                                               overrides=config.resume_override)
+        if plugins.broken:
+            log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
+                        ", ".join(r.label for r in plugins.broken))
+        for warning in plan.warnings():
+            log.warning("%s", warning)
+    if threads:
+        from rlhf.runtime.threads import set_threads
+
+        set_threads(config.threads)
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's random numbers from ``seed``."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_every: int, keep_checkpoints: int,

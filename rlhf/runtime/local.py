@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +24,13 @@ from rlhf.runtime.async_generation import AsyncParts
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
 from rlhf.runtime.export import export_critic, export_model
-from rlhf.runtime.plan import RunPlan, check_run, warn_about
+from rlhf.runtime.plan import RunPlan
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
-from rlhf.runtime.lifecycle import check_run_start
-from rlhf.runtime.threads import set_threads
+from rlhf.runtime.lifecycle import seed_everything, start_run
 from rlhf.runtime.trainer import Trainer, Workers
 from rlhf.runtime.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, UpdateSettings
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def sampling_seed(seed: int, rank: int) -> int:
@@ -107,6 +97,7 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
     engine_config = plan.component_config("engine", synced_generation=synced_generation)
     engine = plan.choices["engine"].load()(model, tokenizer, engine_config)
     envs = EnvFactory(plugins.registry("env"), plan.env_settings, plan.run_values())
+    envs.capabilities(config.env)  # the run's environment resolved (and its settings checked) once, before step 1
     return RolloutWorker(engine, tokenizer, envs, RolloutSettings(env=config.env, max_turns=config.max_turns,
                                                                   max_total_tokens=plan.token_budget))
 
@@ -118,7 +109,9 @@ def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker:
     if not config.reward:
         return RewardWorker(None)
     options = dataclasses.asdict(config.reward_options)
-    return RewardWorker(load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options))
+    rewards = load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options)
+    rewards.check_labels_given(config.label_key)
+    return RewardWorker(rewards)
 
 
 def data_settings(config: TrainConfig) -> DataSettings:
@@ -218,11 +211,7 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     dist = init_from_environment()
     workers = None
     try:
-        check_run(plan, world_size=dist.world_size)
-        check_run_start(plan.run_config(), plugins, out_dir=plan.derived.out_dir, resume=config.resume,
-                        overrides=config.resume_override, is_main=dist.is_main)
-        warn_about(plan, log)
-        set_threads(config.threads)
+        start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()
     finally:

@@ -6,13 +6,15 @@ before any model loads, the same for the local and the Ray runtime.
   from the user's settings for that slot (``--backend.zero-stage``, aliases, ``--algo-config``,
   ``--engine-config``, ``--env-config``) and the run values its config class asks for
   (``rlhf.core.settings``): nothing reaches a component by a matching field name;
-* the checks both runtimes share (`check_run`).
+* the checks both runtimes share (`RunPlan.check`) and its warnings (`RunPlan.warnings`), which
+  ``rlhf.runtime.lifecycle.start_run`` makes before anything is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import ConfigError
@@ -146,6 +148,41 @@ class RunPlan:
         declared = {f.name for f in setting_fields(config_cls)}
         return {k: v for k, v in given.items() if k in declared}
 
+    # --- before the run starts (``rlhf.runtime.lifecycle.start_run``) --------------------------
+
+    @property
+    def out_dir(self) -> Path:
+        return self.derived.out_dir
+
+    def check(self, *, world_size: int) -> None:
+        """The checks both runtimes make before starting anything (``world_size``: data-parallel ranks)."""
+        config, derived = self.config, self.derived
+        if not config.reward and not self.env_capability("gives_rewards"):
+            raise ConfigError(f"--reward is required (a reward function, URL or reward model): the {config.env!r} "
+                              "environment gives no rewards; see `rlhf train --help`")
+        if not config.label_key and self.env_capability("needs_labels"):
+            raise ConfigError(f"the {config.env!r} environment checks answers against labels and the data gives "
+                              "none: pass --label-key COLUMN, the data's answer column")
+        for name, size in (("--prompts-per-step", config.prompts_per_step),
+                           ("--train-batch-size", derived.train_batch_size)):
+            if size % world_size:
+                raise ConfigError(f"{name} ({size}) must be a multiple of the number of processes ({world_size})")
+        if config.async_rollout and config.runtime == "local" and world_size > 1:
+            raise ConfigError("--async in the local runtime runs generation beside training in one process: it "
+                              "does not support several processes (torchrun) yet; use --runtime ray for data "
+                              "parallelism")
+        if config.async_rollout and config.runtime == "ray" and config.colocate == "all":
+            raise ConfigError("--async needs rollout actors with their own copy of the policy, and --colocate all "
+                              "puts the rollout in the policy actors: use --colocate none or policy_ref")
+        if config.threads is not None and config.threads < 1:
+            raise ConfigError(f"--threads must be at least 1; got {config.threads}")
+
+    def warnings(self) -> list[str]:
+        """Options that will do nothing, one sentence each (both runtimes print them before a run)."""
+        if self.config.save_critic and not self.algorithm.needs_critic:
+            return [f"--save-critic: algorithm {self.config.algo!r} trains no critic; none is saved"]
+        return []
+
     # --- what the run builds ------------------------------------------------------------------
 
     @property
@@ -263,29 +300,3 @@ def _put(settings: dict[str, dict[str, Any]], slot: str, key: str, value: Any, h
     if key in current and current[key] != value:
         raise ConfigError(f"{how}: {SETTING_SLOTS[slot].flag}.{key.replace('_', '-')} is already {current[key]!r}")
     current[key] = value
-
-
-def check_run(plan: RunPlan, *, world_size: int) -> None:
-    """The checks both runtimes make before starting anything (``world_size``: data-parallel ranks)."""
-    config, derived = plan.config, plan.derived
-    if not config.reward and not plan.env_capability("gives_rewards"):
-        raise ConfigError(f"--reward is required (a reward function, URL or reward model): the {config.env!r} "
-                          "environment gives no rewards; see `rlhf train --help`")
-    for name, size in (("--prompts-per-step", config.prompts_per_step),
-                       ("--train-batch-size", derived.train_batch_size)):
-        if size % world_size:
-            raise ConfigError(f"{name} ({size}) must be a multiple of the number of processes ({world_size})")
-    if config.async_rollout and config.runtime == "local" and world_size > 1:
-        raise ConfigError("--async in the local runtime runs generation beside training in one process: it does "
-                          "not support several processes (torchrun) yet; use --runtime ray for data parallelism")
-    if config.async_rollout and config.runtime == "ray" and config.colocate == "all":
-        raise ConfigError("--async needs rollout actors with their own copy of the policy, and --colocate all "
-                          "puts the rollout in the policy actors: use --colocate none or policy_ref")
-    if config.threads is not None and config.threads < 1:
-        raise ConfigError(f"--threads must be at least 1; got {config.threads}")
-
-
-def warn_about(plan: RunPlan, log: Any) -> None:
-    """Warnings both RL runtimes print before a run: options that will do nothing."""
-    if plan.config.save_critic and not plan.algorithm.needs_critic:
-        log.warning("--save-critic: algorithm %r trains no critic; none is saved", plan.config.algo)

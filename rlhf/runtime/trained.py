@@ -18,6 +18,15 @@ from rlhf.runtime.checkpoint import load_tensors, save_tensors
 from rlhf.runtime.weighted_means import WeightedMeans
 
 
+def check_nonfinite_limit(skipped_in_a_row: int, limit: int, *, loss: str, check: str) -> None:
+    """``--max-nonfinite-steps``: stop the run once ``limit`` optimizer steps in a row were skipped for
+    a NaN/inf (every loop, every trained model). ``loss`` names it ("the policy loss"), ``check``
+    says what else to look at ("the rewards")."""
+    if skipped_in_a_row >= limit:
+        raise RlhfError(f"{loss} or gradient was NaN/inf for {skipped_in_a_row} optimizer steps in a row (each was "
+                        f"skipped); lower --lr, check {check}, or raise --max-nonfinite-steps")
+
+
 class TrainedModel:
     nonfinite_in_a_row: int  # optimizer steps skipped in a row for a NaN/inf loss or gradient
 

@@ -41,6 +41,7 @@ from rlhf.runtime.lifecycle import SteppedLoop, run_loop
 from rlhf.runtime.progress import RL_FIELDS
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.step_metrics import merge_round_metrics, sequence_kl, step_metrics
+from rlhf.runtime.trained import check_nonfinite_limit
 
 log = logging.getLogger(__name__)
 
@@ -346,10 +347,9 @@ class Trainer(SteppedLoop):
     def _check_finite(self) -> None:
         for name in ("policy", "critic"):
             role = getattr(self.workers, name)
-            if role is not None and role.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
-                raise RlhfError(
-                    f"the {name} loss or gradient was NaN/inf for {role.nonfinite_in_a_row} optimizer steps in a "
-                    "row (each was skipped); lower --lr, check the rewards, or raise --max-nonfinite-steps")
+            if role is not None:
+                check_nonfinite_limit(role.nonfinite_in_a_row, self.config.max_nonfinite_steps, loss=f"the {name} loss",
+                                      check="the rewards")
 
     def _emit(self, event: str, **kwargs: Any) -> None:
         if self.dist.is_main:

@@ -192,19 +192,22 @@ def test_the_legacy_flat_keys_of_an_older_config_file_still_load(tiny_model_dir,
     assert saved["policy_loss"]["clip_high"] == 0.28 and saved["model_adapter"]["lora_rank"] == 2
 
 
-def test_options_that_would_do_nothing_are_warned_about(plugins, caplog):
+def test_options_that_would_do_nothing_are_warned_about(plugins, caplog, tmp_path):
     import logging
 
-    from rlhf.runtime.plan import warn_about
+    from rlhf.runtime.lifecycle import start_run
 
-    log = logging.getLogger("test")
+    def start(**options):
+        config = TrainConfig(model="m", data=["d"], reward=["exact_match"], out=str(tmp_path / "run"), **options)
+        start_run(RunPlan.make(config, plugins), plugins, world_size=1, threads=False)
+
     with caplog.at_level(logging.WARNING):
-        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="grpo", save_critic=True), plugins), log)
+        start(algo="grpo", save_critic=True)
     assert "--save-critic: algorithm 'grpo' trains no critic" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="ppo", save_critic=True), plugins), log)
-        warn_about(RunPlan.make(TrainConfig(model="m", data=["d"], algo="grpo"), plugins), log)
+        start(algo="ppo", save_critic=True)
+        start(algo="grpo")
     assert caplog.text == ""
 
 
@@ -232,15 +235,13 @@ def test_one_pass_over_the_data_by_default(plugins):
 
 
 def test_a_run_needs_a_reward_unless_its_environment_gives_them(plugins):
-    from rlhf.runtime.plan import check_run
-
     with pytest.raises(ConfigError, match=r"--reward is required .* the 'single_turn' environment gives no rewards"):
-        check_run(RunPlan.make(TrainConfig(model="m", data=["d"]), plugins), world_size=1)
-    check_run(RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins), world_size=1)
+        RunPlan.make(TrainConfig(model="m", data=["d"]), plugins).check(world_size=1)
+    RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins).check(world_size=1)
     rewarding = "tests.runtime.test_settings:RewardingEnv"
-    check_run(RunPlan.make(TrainConfig(model="m", data=["d"], env=rewarding), plugins), world_size=1)
+    RunPlan.make(TrainConfig(model="m", data=["d"], env=rewarding), plugins).check(world_size=1)
     with pytest.raises(ConfigError, match=r"--prompts-per-step \(8\) must be a multiple of the number of processes"):
-        check_run(RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins), world_size=3)
+        RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins).check(world_size=3)
 
 
 class RewardingEnv:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
-from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.data import load_rows
 from rlhf.runtime.export import export_model
@@ -24,9 +23,7 @@ from rlhf.runtime.fit.data import encode_rows
 from rlhf.runtime.fit.loop import FitLoop, FitParts
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.fit.text import TextFormatter
-from rlhf.runtime.lifecycle import check_run_start
-from rlhf.runtime.local import seed_everything
-from rlhf.runtime.threads import set_threads
+from rlhf.runtime.lifecycle import seed_everything, start_run
 from rlhf.runtime.trained import TrainedModel
 
 log = logging.getLogger(__name__)
@@ -73,15 +70,6 @@ def build_parts(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitParts, Fi
     return parts, plan
 
 
-def check_fit(plan: FitPlan, *, world_size: int) -> None:
-    config = plan.config
-    if config.batch_size % world_size:
-        raise ConfigError(f"--batch-size ({config.batch_size}) must be a multiple of the number of processes "
-                          f"({world_size})")
-    if config.threads is not None and config.threads < 1:
-        raise ConfigError(f"--threads must be at least 1; got {config.threads}")
-
-
 def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
     """Run offline training with the local runtime; returns the run directory."""
     plugins = plugins or build_plugin_manager()
@@ -89,10 +77,7 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
     dist = init_from_environment()
     parts = None
     try:
-        check_fit(plan, world_size=dist.world_size)
-        check_run_start(plan.run_config(), plugins, out_dir=plan.config.out_dir, resume=config.resume,
-                        overrides=config.resume_override, is_main=dist.is_main)
-        set_threads(config.threads)
+        start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
         parts, plan = build_parts(plan, dist)
         return FitLoop(plan, plugins, parts).run()
     finally:

@@ -45,7 +45,7 @@ from rlhf.runtime.lifecycle import SteppedLoop, run_loop
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.weighted_means import WeightedMeans, sum_over_ranks
-from rlhf.runtime.trained import TrainedModel
+from rlhf.runtime.trained import TrainedModel, check_nonfinite_limit
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,8 @@ class FitLoop(SteppedLoop):
                                 for batch, batch_units in zip(micros, units)], means)
         metrics = {f"train/{k}": v for k, v in means.result(self.dist).items()}
         if metrics.get("train/skipped_steps"):
-            if trained.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
-                raise RlhfError(f"the loss or gradient was NaN/inf for {trained.nonfinite_in_a_row} optimizer steps "
-                                "in a row (each was skipped); lower --lr, check the data, or raise "
-                                "--max-nonfinite-steps")
+            check_nonfinite_limit(trained.nonfinite_in_a_row, self.config.max_nonfinite_steps, loss="the loss",
+                                  check="the data")
             log.warning("step %d: the loss or gradient was NaN/inf; the optimizer step was skipped", step + 1)
         metrics["train/epoch"] = (step + 1) / self.order.steps_per_epoch
         metrics["train/units"] = step_units

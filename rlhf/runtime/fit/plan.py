@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import ConfigError
@@ -116,6 +117,25 @@ class FitPlan:
                                       run_values=self.run_values(**run_values),
                                       who=f"the {choice.name!r} {slot_info.kind.replace('_', ' ')}",
                                       flag=slot_info.flag)
+
+    # --- before the run starts (``rlhf.runtime.lifecycle.start_run``) --------------------------
+
+    @property
+    def out_dir(self) -> Path:
+        return self.config.out_dir
+
+    def check(self, *, world_size: int) -> None:
+        """What needs the number of data-parallel ranks (``world_size``) to check."""
+        config = self.config
+        if config.batch_size % world_size:
+            raise ConfigError(f"--batch-size ({config.batch_size}) must be a multiple of the number of processes "
+                              f"({world_size})")
+        if config.threads is not None and config.threads < 1:
+            raise ConfigError(f"--threads must be at least 1; got {config.threads}")
+
+    def warnings(self) -> list[str]:
+        """Options that will do nothing (none known for offline runs)."""
+        return []
 
     def run_config(self) -> dict[str, Any]:
         """The run's config as config.yaml records it (options, the LR used, every component setting)."""

@@ -77,6 +77,7 @@ class WorkerHost:
         began = time.perf_counter()
         from rlhf.core.distributed import SINGLE, init_from_environment
         from rlhf.runtime import local
+        from rlhf.runtime.lifecycle import seed_everything
         from rlhf.runtime.plan import RunPlan
 
         self.dist = SINGLE
@@ -91,7 +92,7 @@ class WorkerHost:
             import torch
 
             torch.set_num_threads(int(threads))
-        local.seed_everything(config.seed)
+        seed_everything(config.seed)
         roles, plugins, dist = self.roles, self.plugins, self.dist
         if "reward" in roles:
             self.workers["reward"] = local.build_reward(config, plugins)
@@ -117,7 +118,7 @@ class WorkerHost:
                 model = self.rollout_model = self.adapter.load(config.model, role="policy").requires_grad_(False)
             self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, **synced)
             # as the local runtime does after building: sampling starts from its own seed, rank r apart
-            local.seed_everything(local.sampling_seed(config.seed, self.rank))
+            seed_everything(local.sampling_seed(config.seed, self.rank))
         return {"setup_s": time.perf_counter() - began, "dist_rank": self.dist.rank,
                 "world_size": self.dist.world_size}
 

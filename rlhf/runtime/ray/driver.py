@@ -23,9 +23,9 @@ from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime import checkpoint
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.async_generation import AsyncParts
-from rlhf.runtime.local import build_eval_prompts, build_loader, seed_everything
-from rlhf.runtime.plan import RunPlan, check_run, warn_about
-from rlhf.runtime.lifecycle import check_run_start
+from rlhf.runtime.local import build_eval_prompts, build_loader
+from rlhf.runtime.plan import RunPlan
+from rlhf.runtime.lifecycle import seed_everything, start_run
 from rlhf.runtime.workers import RewardWorker
 from rlhf.runtime.ray.cluster import Cluster, import_ray
 from rlhf.runtime.ray.groups import (CriticGroup, Host, PolicyGroup, ReferenceGroup, RewardGroup, RolloutGroup,
@@ -48,12 +48,10 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     import_ray()
     plugins = plugins or build_plugin_manager()
     plan = RunPlan.make(config, plugins)
-    check_run(plan, world_size=1)  # the trainer loop runs once, here; the actors shard within each call
+    # before paying for a cluster. world_size 1: the trainer loop runs once, here, and the actors shard
+    # within each call; the models (and their threads) live in the actors
+    start_run(plan, plugins, world_size=1, threads=False)
     _check_actor_counts(plan)
-    # before paying for a cluster: a free (or resumable) directory, writable, options unchanged on --resume
-    check_run_start(plan.run_config(), plugins, out_dir=plan.derived.out_dir, resume=config.resume,
-                    overrides=config.resume_override)
-    warn_about(plan, log)
     seed_everything(config.seed)
     plan, tokenizer, loader = _driver_side(plan)
     layout = plan_layout(config, needs_reference=plan.algorithm.needs_reference,
