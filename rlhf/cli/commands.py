@@ -40,12 +40,14 @@ class LazyCommand(click.Command):
         return self.command.get_help(ctx)
 
 
-def config_file_option(flags: list[Flag], config_cls: Any) -> Any:
+def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any] | None = None) -> Any:
     """``--config run.yaml``: the file's values become click's defaults, so explicit flags win.
 
     Keys are the flags' names (``_`` or ``-``); component settings may be ``components: {slot:
     {...}}``, dotted keys (``backend.zero_stage``) or a setting's short flag (``zero_stage``, when
-    the command has ``--zero-stage``). Nested groups may be mappings."""
+    the command has ``--zero-stage``). Nested groups may be mappings. ``fixed``: values the command
+    itself sets (``rlhf sft`` sets ``objective: sft``), so a run's own config.yaml is accepted by its
+    command; a file that sets one to another value is refused."""
     aliases = {flag.dest.partition(SLOT_SEPARATOR)[2]: flag.dest.partition(SLOT_SEPARATOR)[0] for flag in flags
                if SLOT_SEPARATOR in flag.dest and len(flag.names) > 1}
 
@@ -73,6 +75,10 @@ def config_file_option(flags: list[Flag], config_cls: Any) -> Any:
             raise click.BadParameter(f"{value}: {exc}", ctx, param) from None
         for slot, settings in components.items():
             mapping.update({f"{slot}{SLOT_SEPARATOR}{name}": item for name, item in settings.items()})
+        for key, own in (fixed or {}).items():
+            if key in mapping and mapping.pop(key) != own:
+                raise click.BadParameter(f"{value} sets {key} {loaded.get(key)!r}, and this command is for "
+                                         f"{key} {own!r}: run `rlhf {loaded.get(key)} --config {value}`", ctx, param)
         names = {flag.dest for flag in flags}
         unknown = sorted(set(mapping) - names)
         if unknown:

@@ -112,6 +112,8 @@ def generate(config: GenerateConfig, *, plugins: Any = None) -> Report | None:
     engine_cls, engine_config = component(plugins, GENERATE_SLOTS["engine"], config.engine,
                                           settings.get("engine", {}), values)
     rewards = load_reward_set(config, plugins)
+    if rewards is not None:
+        rewards.check_labels_given(config.label_key)
     dist = init_from_environment()
     try:
         adapter = adapter_cls(adapter_config)

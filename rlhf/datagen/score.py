@@ -63,6 +63,9 @@ def score(config: ScoreConfig, *, plugins: Any = None) -> Report | None:
                         columns=[config.input_key, config.completions_key, config.label_key],
                         probs=config.mixing_probs, max_samples=config.max_samples, seed=config.seed,
                         hint="set --input-key / --completions-key / --label-key")
+    # the labels: --label-key's column, else the "label" column `rlhf generate` writes
+    label_key = config.label_key or ("label" if "label" in dataset.column_names else None)
+    rewards.check_labels_given(label_key)
     selection = Selection(mode=mode, reward_template=config.reward_template, conditional_rows=config.conditional_rows,
                           seed=config.seed, has_label=False)
     dist = init_from_environment()
@@ -77,7 +80,7 @@ def score(config: ScoreConfig, *, plugins: Any = None) -> Report | None:
             prompts = [values[j][config.input_key] for j, _ in flat]
             others = [k for k in values[0] if k not in (config.input_key, config.completions_key)] if values else []
             result = rewards.score(prompts, [c for _, c in flat],
-                                   [values[j].get(config.label_key) if config.label_key else None for j, _ in flat],
+                                   [values[j].get(label_key) if label_key else None for j, _ in flat],
                                    prompt_texts=[text(p) for p in prompts],
                                    **{k: [values[j].get(k) for j, _ in flat] for k in others})
             per_row: list[list[float | None]] = [[] for _ in rows]

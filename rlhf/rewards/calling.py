@@ -39,6 +39,7 @@ from rlhf.rewards.threads import run_in_thread, run_sync
 
 BATCH_MARKERS = ("prompts", "completions", "labels", "queries")
 SAMPLE_MARKERS = ("prompt", "completion", "label", "query", "solution_str", "ground_truth")
+LABEL_INPUTS = ("labels", "label", "ground_truth")  # a function declaring one (without a default) compares with labels
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ class FunctionSource(RewardSource):
     @property
     def inline(self) -> bool:
         return not self.plan.is_async and not self.options.sync_in_thread
+
+    @property
+    def label_inputs(self) -> list[str]:
+        return [p.name for p in self.plan.params if p.name in LABEL_INPUTS and p.default is inspect.Parameter.empty]
 
     # --- arguments ----------------------------------------------------------------------------
 

@@ -54,6 +54,19 @@ class RewardSet:
     def names(self) -> list[str]:
         return [s.name for s in self.sources]
 
+    def check_labels_given(self, label_key: str | None, *, flag: str = "--label-key") -> None:
+        """Refuse a run whose data gives no labels (``label_key`` None) while a source needs them:
+        every sample would reach it with label None and score nothing, silently."""
+        if label_key:
+            return
+        for source in self.sources:
+            if source.label_inputs:
+                from rlhf.rewards.failures import RewardConfigError
+
+                raise RewardConfigError(
+                    f"reward {source.name!r} compares completions with labels (its {source.label_inputs[0]!r} "
+                    f"argument) and the data gives none: pass {flag} COLUMN, the data's answer column")
+
     def describe(self) -> list[dict[str, Any]]:
         return [{"name": s.name, "weight": w, "kind": s.kind, "where": s.where}
                 for s, w in zip(self.sources, self.weights)]

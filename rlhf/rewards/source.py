@@ -127,6 +127,12 @@ class RewardSource:
         """True when the sync API runs this source in the calling thread."""
         return False
 
+    @property
+    def label_inputs(self) -> list[str]:
+        """The label inputs this source cannot score without (a function's required ``labels``,
+        ``label`` or ``ground_truth`` argument); empty when it needs none or cannot say."""
+        return []
+
     # --- to implement -------------------------------------------------------------------------
 
     def _score_inline(self, batch: RewardBatch) -> SourceOutput:

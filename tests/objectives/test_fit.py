@@ -205,6 +205,26 @@ def test_a_margin_column_the_data_lacks_names_the_file_and_the_columns(tiny_mode
     assert "pairs.jsonl" in message and "margin" in message and "chosen" in message
 
 
+@pytest.mark.parametrize("command", ["sft", "dpo", "kto", "prm", "distill", "fit"])
+def test_a_runs_own_config_yaml_reruns_it_with_its_command(command, tiny_model_dir, fit_data, fit_teacher, tmp_path):
+    """``rlhf sft --config runs/sft/config.yaml`` (it used to say "unknown option(s) objective"): the
+    rerun trains the same weights; another objective's command refuses the file in one line."""
+    first = tmp_path / "first"
+    args = command_args(command, tiny_model_dir, fit_data, fit_teacher) + [
+        "--batch-size", "2", "--steps", "1", "--out", str(first), "--no-progress"]
+    assert run_cli(build_plugin_manager(load_entrypoints=False), args).exit_code == 0
+    again = run_cli(build_plugin_manager(load_entrypoints=False),
+                    [command, "--config", str(first / "config.yaml"), "--out", str(tmp_path / "again"), "--no-progress"])
+    assert again.exit_code == 0, again.output
+    for key, value in weights(first / "final").items():
+        assert torch.equal(value, weights(tmp_path / "again" / "final")[key]), key
+    if command == "sft":
+        other = run_cli(build_plugin_manager(load_entrypoints=False),
+                        ["dpo", "--config", str(first / "config.yaml"), "--out", str(tmp_path / "dpo")])
+        assert other.exit_code == 2 and "sets objective 'sft', and this command is for objective 'dpo'" in other.output
+        assert not (tmp_path / "dpo").exists()
+
+
 def test_an_objective_that_distills_says_it_needs_a_teacher(tiny_model_dir, fit_data, tmp_path):
     output = fit_error(["distill", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
                         "--out", str(tmp_path / "r")])
