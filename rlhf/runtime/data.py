@@ -7,7 +7,9 @@ way. Rows keep their origin (file and 1-based row) so a bad row is named precise
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,8 +66,11 @@ def load_one(path: str, split: str):
                 raise DataError(f"{path}: unsupported file type {local.suffix!r}; use .jsonl, .json, .parquet or .csv")
             if local.suffix != ".parquet":
                 check_utf8(local)
+                if _blank(local):
+                    raise DataError(f"{path}: the file is empty")
             try:
-                return datasets.load_dataset(builder, data_files=str(local), split="train")
+                with _quiet_logger(f"datasets.packaged_modules.{builder}.{builder}"):  # its own log line of the error
+                    return datasets.load_dataset(builder, data_files=str(local), split="train")
             except Exception:
                 if local.suffix == ".jsonl":
                     check_json_lines(local)  # names the line that broke it
@@ -84,6 +89,27 @@ def load_one(path: str, split: str):
         raise
     except Exception as exc:  # datasets raises many types; the user needs the path and the cause
         raise DataError(f"could not load dataset {path!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _blank(path: Path, chunk: int = 1 << 16) -> bool:
+    """Whether the file holds nothing but whitespace (read until its first other byte)."""
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            if block.strip():
+                return False
+    return True
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """The logger ``name`` silent inside the block (datasets logs a parse error before raising it,
+    with a row number of its own; the error we raise names the file and line)."""
+    logger = logging.getLogger(name)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def check_utf8(path: Path, chunk: int = 1 << 20) -> None:

@@ -95,11 +95,16 @@ class RunDirectory:
             log.warning("--resume: %s changed from %r to %r (--resume-override)", key, before.get(key), now.get(key))
 
     def _writable(self) -> None:
+        """Write a probe file there; folders made for it are removed again (a run that stops before its
+        first write leaves no empty --out behind)."""
         probe = self.path / f".write-test-{os.getpid()}"
+        made = [p for p in (self.path, *self.path.parents) if not p.exists()]  # innermost first
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe.write_text("")
             probe.unlink()
+            for folder in made:
+                folder.rmdir()
         except OSError as exc:
             raise ConfigError(f"--out {self.path}: cannot write there ({exc.strerror or exc}); choose another "
                               "--out") from None

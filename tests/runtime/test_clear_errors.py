@@ -41,12 +41,24 @@ def test_a_model_directory_without_config(task, tmp_path, plugins):
 
 
 @pytest.mark.parametrize("command", [train, sft])
-def test_a_malformed_json_line_is_named_and_shown(command, tiny_model_dir, tmp_path, plugins):
+def test_a_malformed_json_line_is_named_and_shown(command, tiny_model_dir, tmp_path, plugins, caplog):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1 + 1?", "answer": "2", "response": "2"}\n{"prompt": "2 + 2?", answer: "4"}\n')
     result = command(plugins, tiny_model_dir, data, tmp_path / "run")
     assert_one_line(result, 2, f'{data} line 2: not valid JSON (Expecting property name enclosed in double quotes '
                                'at column 22): {"prompt": "2 + 2?", answer: "4"}')
+    assert "Failed to load JSON" not in caplog.text  # datasets' own line, with a row number of its own
+    assert not (tmp_path / "run").exists()  # a run that never started leaves no --out behind
+
+
+@pytest.mark.parametrize("command", [train, sft])
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_an_empty_data_file_is_named_and_leaves_no_out_behind(command, content, tiny_model_dir, tmp_path, plugins):
+    data = tmp_path / "data.jsonl"
+    data.write_text(content)
+    result = command(plugins, tiny_model_dir, data, tmp_path / "runs" / "run")
+    assert_one_line(result, 2, f"{data}: the file is empty")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_non_utf8_data_names_the_line(tiny_model_dir, tmp_path, plugins):
