@@ -7,6 +7,7 @@ the traceback.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import click
@@ -17,6 +18,26 @@ from rlhf.cli.state import CliState, debug_enabled
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 
 __all__ = ["CliState", "debug_enabled", "main", "make_cli"]
+
+# Notices libraries print in every normal run that ask nothing of the user (shown with --verbose).
+LIBRARY_NOTICES = (("DeepSpeed", "Setting accelerator to CPU"),)  # (logger, message start)
+
+
+class _DropNotices(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet_library_notices() -> None:
+    """Filters on the libraries' loggers, set before the libraries load (no import here)."""
+    for name in {logger for logger, _ in LIBRARY_NOTICES}:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotices) for f in logger.filters):
+            logger.addFilter(_DropNotices(tuple(start for n, start in LIBRARY_NOTICES if n == name)))
 
 
 class RootGroup(click.Group):
@@ -52,7 +73,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
 
     @click.group(cls=RootGroup, context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, "-V", "--version", prog_name="rlhf")
-    @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors")
+    @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors, and libraries' notices")
     @click.pass_context
     def cli(ctx: click.Context, verbose: bool) -> None:
         """Plugin-first reinforcement learning for language models.
@@ -67,6 +88,8 @@ def make_cli(plugins: PluginSet) -> click.Group:
         rlhf plugins show NAME     one plugin or component in detail
         """
         ctx.obj = CliState(plugins, verbose=verbose)
+        if not debug_enabled(ctx):
+            quiet_library_notices()
 
     cli.add_command(plugins_group)
     cli.add_command(reward_group)

@@ -5,6 +5,8 @@
 * `innermost`: the model under training wrappers (DeepSpeed, DDP) and PEFT's.
 * `accepts_logits_to_keep`: whether a model class's forward takes ``logits_to_keep`` (project
   only the last positions to the vocabulary), cached per class.
+* `cache_argument`: the name a model class's forward takes its KV cache by (``cache`` from
+  transformers 5.2x, which deprecates ``past_key_values``; ``past_key_values`` before).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ def base_model(model: Any) -> Any:
 @lru_cache(maxsize=None)
 def accepts_logits_to_keep(forward_cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(forward_cls.forward).parameters
+
+
+@lru_cache(maxsize=None)
+def cache_argument(forward_cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(forward_cls.forward).parameters else "past_key_values"
 
 
 def innermost(model: Any) -> Any:

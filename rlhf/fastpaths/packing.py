@@ -77,7 +77,8 @@ class PackedModel(OwnLogprobs):
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  **kwargs: Any) -> Any:
-        if not self.packs or attention_mask is None or input_ids is None or kwargs.get("past_key_values") is not None:
+        cached = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))  # a decode step
+        if not self.packs or attention_mask is None or input_ids is None or cached:
             return self.model(input_ids, attention_mask, **kwargs) if attention_mask is not None \
                 else self.model(input_ids=input_ids, **kwargs)
         keep = kwargs.pop("logits_to_keep", 0)

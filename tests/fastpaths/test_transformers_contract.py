@@ -14,7 +14,7 @@ import inspect
 import pytest
 import torch
 
-from rlhf.core.modeling import accepts_logits_to_keep
+from rlhf.core.modeling import accepts_logits_to_keep, cache_argument
 from rlhf.fastpaths.llama_like import (ATTENTION_PARTS, LAYER_PARTS, MODEL_PARTS, cache_tensors, llama_like,
                                        rotary_function)
 
@@ -108,6 +108,26 @@ def test_a_dynamic_cache_keeps_each_layers_rotated_keys_and_values(model):
     selected = keys[0][torch.tensor([1, 1, 0])].clone()
     cache.batch_select_indices(torch.tensor([1, 1, 0]))
     assert torch.equal(cache_tensors(cache)[0][0], selected)
+
+
+def test_the_cache_is_passed_by_the_name_the_forward_takes_without_a_deprecation_warning(model):
+    """The hf engine passes its KV cache as ``cache`` where the forward takes it (transformers 5.2x,
+    where ``past_key_values`` warns and goes in 5.40) and as ``past_key_values`` before; either way
+    the cache fills, and the next step's logits equal the full forward's."""
+    import warnings
+
+    from transformers import DynamicCache
+
+    ids, _ = ids_and_positions(rows=1, length=6)
+    cache = DynamicCache(config=model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with torch.no_grad():
+            model(input_ids=ids[:, :5], use_cache=True, **{cache_argument(type(model)): cache})
+            step = model(input_ids=ids[:, 5:], use_cache=True, **{cache_argument(type(model)): cache}).logits[:, -1]
+            full = model(input_ids=ids).logits[:, -1]
+    assert cache.get_seq_length() == 6
+    assert torch.allclose(step, full, atol=1e-5)
 
 
 def test_restarting_position_ids_without_a_mask_keep_packed_sequences_apart(model):

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rlhf.core.rollout import Generation, SamplingParams
-from rlhf.core.modeling import accepts_logits_to_keep, base_model
+from rlhf.core.modeling import accepts_logits_to_keep, base_model, cache_argument
 from rlhf.plugins.engines.config import DECODERS, HFEngineConfig
 from rlhf.fastpaths.lean_decode import LeanDecoder, LeanDecodeUnsupported, lean_decoder_supported
 from rlhf.fastpaths.verdicts import settle, verdict
@@ -172,8 +172,9 @@ class HFEngine:
         cache = DynamicCache(config=base.config)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (U, P), left padding starts at 0
         keep = {"logits_to_keep": 1} if accepts_logits_to_keep(type(base)) else {}  # the prompt needs no logits
+        cached = {cache_argument(type(base)): cache, "use_cache": True}
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, **keep).logits[:, -1]  # (U, V)
+                            **cached, **keep).logits[:, -1]  # (U, V)
         # The lean step keeps a prompt's cache once for its rows; the model's forward needs a row each.
         lean = self._lean_decoder(cache, attention_mask, params.max_new_tokens, source)
         # A variant of the lean step not yet checked on this model runs beside the forward for its
@@ -211,7 +212,7 @@ class HFEngine:
                 logits = lean.step(chosen, next_position)  # (B, V)
             else:
                 logits = self.model(input_ids=chosen[:, None], attention_mask=mask[:, : width + t + 1],
-                                    position_ids=next_position, past_key_values=cache, use_cache=True).logits[:, -1]
+                                    position_ids=next_position, **cached).logits[:, -1]
                 if checking:
                     difference = _relative_difference(lean.step(chosen, next_position), logits)
                     worst = difference if not difference <= worst else worst  # a NaN stays
