@@ -1,4 +1,10 @@
-"""Errors that speak to the user. The CLI prints them without a traceback."""
+"""Errors that speak to the user. The CLI prints them without a traceback.
+
+Exit codes: 2 for what the user asked that cannot work (`ConfigError` and its kinds: a bad value,
+an unknown name, a reference or data file that cannot be loaded, a reward that needs labels the
+data lacks), 1 for failures while running (a reward or plugin that breaks, a NaN limit, a run
+directory taken), 130 for a run stopped by Ctrl-C/SIGTERM.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ class RunInterrupted(RlhfError, KeyboardInterrupt):
     """A run stopped by Ctrl-C or SIGTERM; the message says where it can resume from (exit 130)."""
 
 
-class UnknownComponentError(RlhfError, LookupError):
+class UnknownComponentError(ConfigError, LookupError):
     """A name that no plugin registered for a kind."""
 
     def __init__(self, kind: str, name: str, available: Iterable[str], hint: str = ""):
@@ -38,7 +44,7 @@ class UnknownComponentError(RlhfError, LookupError):
         super().__init__(message)
 
 
-class ComponentConflictError(RlhfError):
+class ComponentConflictError(ConfigError):
     """Two plugins registered the same name for one kind; neither wins."""
 
     def __init__(self, kind: str, name: str, providers: list[str]):
@@ -54,7 +60,7 @@ class PluginError(RlhfError):
     """A plugin could not be loaded or broke while registering, and a run needs it."""
 
 
-class BadReferenceError(RlhfError):
+class BadReferenceError(ConfigError):
     """A `module:attr` or `file.py:attr` reference that cannot be loaded."""
 
 

@@ -212,11 +212,12 @@ def register_reward_shapings(register: Register) -> None:
 def register_envs(register: Register) -> None:
     """Register rollout environments (``--env NAME``; ``--env module:Class`` needs no plugin).
 
-    - ``register(name, env_cls, *, config_cls=None, multi_turn=True, gives_rewards=True)``;
-      ``multi_turn``: episodes may take several model turns (``single_turn`` declares False);
-      ``gives_rewards``: step rewards can train a model without ``--reward`` (a run with an env
-      that declares False must have a reward source). A ``module:Class`` env may declare both (and
-      ``config_cls``) as class attributes.
+    - ``register(name, env_cls, *, config_cls=None, multi_turn=True, gives_rewards=True,
+      needs_labels=False)``; ``multi_turn``: episodes may take several model turns (``single_turn``
+      declares False); ``gives_rewards``: step rewards can train a model without ``--reward`` (a
+      run with an env that declares False must have a reward source); ``needs_labels``: it checks
+      answers against the label (a run without ``--label-key`` is refused). A ``module:Class`` env
+      may declare them (and ``config_cls``) as class attributes.
     - One instance per trajectory: ``env_cls()``, or ``env_cls(config)`` with a ``config_cls``.
     - ``reset(prompt, label, **columns) -> str | None``: text appended after the prompt, or
       ``None``. ``columns`` are the other dataset columns; only those ``reset`` declares are

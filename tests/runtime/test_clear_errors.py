@@ -193,3 +193,15 @@ def test_a_timeout_that_cannot_apply_to_a_sync_reward_is_said(caplog):
     load_rewards(["examples/rewards.py:exact_match"], timeout_s=5, sync_in_thread=True)  # applies: nothing to say
     load_rewards(["examples/rewards.py:exact_match"])  # the default, not asked for
     assert "does not apply" not in caplog.text
+
+
+@pytest.mark.parametrize("reward, message", [
+    ("examples/rewards.py:nosuch", "'examples/rewards.py' ("),
+    ("no_such_file.py", "file 'no_such_file.py' does not exist"),
+    ("exact_matc", "Did you mean 'exact_match'"),
+])
+def test_a_reward_that_cannot_be_loaded_is_a_usage_error(reward, message, task, tmp_path, plugins):
+    """Exit 2: what was asked cannot work (exit 1 is for failures while running)."""
+    result = run_cli(plugins, ["train", "--model", str(tmp_path / "no-model"), "--data", str(task / "data.jsonl"),
+                               "--label-key", "answer", "--reward", reward, "--out", str(tmp_path / "run")])
+    assert_one_line(result, 2, message)
