@@ -162,13 +162,21 @@ def _describe_component(component: Component) -> str:
     lines.append(f"  object:      {where}")
     flags = {k: v for k, v in component.capabilities.items()}
     if flags:
-        lines.append("  flags:       " + ", ".join(f"{k}={v!r}" for k, v in sorted(flags.items())))
+        lines.append("  flags:       " + ", ".join(f"{k}={_flag_value(v)}" for k, v in sorted(flags.items())))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         lines.append("  settings:    " + ", ".join(f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)))
     if config_cls is not None:
         lines.append(f"  config ({config_cls.__name__}):")
         lines += [f"    {line}" for line in describe_config(config_cls, component.kind.flag, component.short_flags)]
     return "\n".join(lines)
+
+
+def _flag_value(value: Any) -> str:
+    """A capability flag as the user reads it: a value, or for a flag that depends on the settings,
+    the function that decides it."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"set by the config ({value.__module__}:{value.__qualname__})"
+    return repr(value)
 
 
 def describe_config(config_cls: type, namespace: str | None = None, short_flags: tuple[str, ...] = ()) -> list[str]:

@@ -5,6 +5,8 @@
 * `innermost`: the model under training wrappers (DeepSpeed, DDP) and PEFT's.
 * `accepts_logits_to_keep`: whether a model class's forward takes ``logits_to_keep`` (project
   only the last positions to the vocabulary), cached per class.
+* `check_model_ref`: a model reference written as a path names a model directory (one line
+  instead of the hub's traceback).
 * `cache_argument`: the name a model class's forward takes its KV cache by (``cache`` from
   transformers 5.2x, which deprecates ``past_key_values``; ``past_key_values`` before).
 """
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
+
+from rlhf.core.errors import ConfigError
 
 
 def base_model(model: Any) -> Any:
@@ -38,3 +43,20 @@ def innermost(model: Any) -> Any:
     while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return base_model(model)
+
+
+def check_model_ref(ref: str, *, weights: bool = True) -> None:
+    """A reference written as a path (``/``, ``./``, ``../``, ``~``, or more than one ``/``) must be a
+    directory; otherwise transformers tries it as a hub name and fails with a long traceback."""
+    looks_like_path = ref.startswith(("/", "./", "../", "~", ".\\")) or ref.count("/") > 1 or ref in (".", "..")
+    path = Path(ref).expanduser()
+    if looks_like_path and not path.exists():
+        raise ConfigError(f"{ref}: no such model directory (a model is a local Hugging Face directory with "
+                          "config.json, or a hub name like org/name)")
+    if path.is_file():
+        raise ConfigError(f"{ref} is a file; a model is a directory with config.json and the weights")
+    marks = ("config.json", "adapter_config.json") if weights else ("config.json", "tokenizer_config.json",
+                                                                      "tokenizer.json")
+    if path.is_dir() and not any((path / mark).is_file() for mark in marks):
+        raise ConfigError(f"{ref} has no {' or '.join(marks)}: it is not a Hugging Face "
+                          f"{'model' if weights else 'model or tokenizer'} directory")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
+from rlhf.core.modeling import check_model_ref
 
 PROMPT = "> "
 
@@ -48,6 +49,7 @@ def load_model(ref: str, settings: ChatSettings) -> tuple[Any, Any]:
     names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
     dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if settings.dtype == "auto" \
         else getattr(torch, names.get(settings.dtype, settings.dtype))
+    check_model_ref(ref)
     path = Path(ref)
     adapter = (path / "adapter_config.json").is_file()
     base = ref

@@ -374,6 +374,9 @@ def test_plugins_show_prints_flags_and_config(plugins):
     assert "algorithm grpo" in result.output and "gamma (float, default 1.0)" in result.output
     ppo = run_cli(plugins, ["plugins", "show", "ppo"])
     assert "config (PPOLossConfig)" in ppo.output and "dual_clip" in ppo.output
+    # a flag the config decides names its function, not a repr with an address
+    assert "needs_rollout_logprobs=set by the config (rlhf.plugins.algorithms.plugin:corrects_mismatch)" in ppo.output
+    assert "<function" not in ppo.output
 
 
 def test_presets_are_algorithm_preset_objects(plugins):

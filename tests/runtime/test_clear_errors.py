@@ -34,6 +34,11 @@ def test_a_model_path_that_does_not_exist(command, task, tmp_path, plugins):
     assert_one_line(result, 2, f"{tmp_path / 'no-such-model'}: no such model directory")
 
 
+def test_chat_with_a_model_path_that_does_not_exist(tmp_path, plugins):
+    result = run_cli(plugins, ["chat", str(tmp_path / "no-such-model")])
+    assert_one_line(result, 2, f"{tmp_path / 'no-such-model'}: no such model directory")
+
+
 def test_a_model_directory_without_config(task, tmp_path, plugins):
     (tmp_path / "empty").mkdir()
     result = train(plugins, tmp_path / "empty", task / "data.jsonl", tmp_path / "run")
@@ -127,7 +132,7 @@ def test_an_unwritable_out_fails_before_models_load(command, task, tmp_path, plu
 
 def test_model_directory_errors_need_no_transformers_traceback(tmp_path):
     from rlhf.core.errors import ConfigError
-    from rlhf.plugins.models.loading import check_model_ref
+    from rlhf.core.modeling import check_model_ref
 
     check_model_ref("org/name")  # a hub name is left to the hub
     with pytest.raises(ConfigError, match="is a file"):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rlhf.core.errors import ConfigError
+from rlhf.core.modeling import check_model_ref
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -51,23 +52,6 @@ def check_attention(name: str, device: torch.device | None) -> None:
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ConfigError("--attn-implementation flash_attention_2 runs on a CUDA GPU only; "
                           f"this run's device is {device}. Use --attn-implementation sdpa")
-
-
-def check_model_ref(ref: str, *, weights: bool = True) -> None:
-    """A reference written as a path (``/``, ``./``, ``../``, ``~``, or more than one ``/``) must be a
-    directory; otherwise transformers tries it as a hub name and fails with a long traceback."""
-    looks_like_path = ref.startswith(("/", "./", "../", "~", ".\\")) or ref.count("/") > 1 or ref in (".", "..")
-    path = Path(ref).expanduser()
-    if looks_like_path and not path.exists():
-        raise ConfigError(f"{ref}: no such model directory (a model is a local Hugging Face directory with "
-                          "config.json, or a hub name like org/name)")
-    if path.is_file():
-        raise ConfigError(f"{ref} is a file; a model is a directory with config.json and the weights")
-    marks = ("config.json", "adapter_config.json") if weights else ("config.json", "tokenizer_config.json",
-                                                                      "tokenizer.json")
-    if path.is_dir() and not any((path / mark).is_file() for mark in marks):
-        raise ConfigError(f"{ref} has no {' or '.join(marks)}: it is not a Hugging Face "
-                          f"{'model' if weights else 'model or tokenizer'} directory")
 
 
 @contextlib.contextmanager
