@@ -175,6 +175,12 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
              progress: bool, command: str, fields: tuple[tuple[str, str, str], ...] = RL_FIELDS) -> Path:
     """Drive ``loop`` from its first (or resumed) step to ``final/``; returns the run directory."""
     run_dir, dist = loop.run_dir, loop.dist
+    if resume and _complete(run_dir.path, loop.total_steps):
+        if dist.is_main:
+            log.warning("%s is complete (step %d of %d, final/ written): --resume has nothing to do; to train "
+                        "further: --resume --steps N --resume-override steps", run_dir.path, loop.total_steps,
+                        loop.total_steps)
+        return run_dir.path
     plugins_record = {"fingerprint": loop.fingerprint,
                       "plugins": [record.to_json() for record in loop.plugins.records if record.loaded]}
     run_dir.prepare(config=config, resume=resume, plugins=plugins_record)
@@ -224,6 +230,14 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
             bar.close()
             _end(emit, run, status)
     return run_dir.path
+
+
+def _complete(path: Path, total_steps: int) -> bool:
+    """The run in ``path`` trained all ``total_steps`` (its newest checkpoint) and wrote ``final/``."""
+    newest = checkpoint.latest_checkpoint(path)
+    if newest is None or not (path / "final").is_dir():
+        return False
+    return int(newest.name.rpartition("_")[2]) >= total_steps
 
 
 def _emitter(loop: SteppedLoop) -> Any:

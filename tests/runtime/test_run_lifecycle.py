@@ -73,6 +73,26 @@ def test_resume_refuses_changed_options_unless_overridden(tiny_model_dir, task, 
     assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 1e-2
 
 
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_resume_of_a_finished_run_says_it_is_complete_and_changes_nothing(command, tiny_model_dir, task, tmp_path,
+                                                                          plugins, caplog):
+    out = tmp_path / "run"
+    if command == "train":
+        args = train_args(tiny_model_dir, task, out, "--steps", "1")
+    else:
+        (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+1=", "response": str(a + 1)}) + "\n"
+                                                    for a in range(4)))
+        args = ["sft", "--model", str(tiny_model_dir), "--data", str(tmp_path / "sft.jsonl"), "--batch-size", "2",
+                "--steps", "1", "--out", str(out), "--no-progress"]
+    assert run_cli(plugins, args).exit_code == 0
+    before = {p.relative_to(out): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    again = run_cli(plugins, [*args, "--resume"])
+    assert again.exit_code == 0, again.output
+    assert f"{out} is complete (step 1 of 1, final/ written): --resume has nothing to do" in caplog.text
+    after = {p.relative_to(out): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    assert after == before  # nothing re-exported, no config.until_step_N.yaml
+
+
 def test_resume_override_of_an_unknown_option_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     assert run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1")).exit_code == 0
