@@ -209,7 +209,8 @@ def describe_config(config_cls: type, namespace: str | None = None, short_flags:
 @click.argument("name")
 @click.option("--dir", "directory", default=".", show_default=True, type=click.Path(file_okay=False),
               help="Folder in which the package folder rlhf-NAME is created")
-def new_command(kind: str, name: str, directory: str) -> None:
+@click.pass_obj
+def new_command(state: Any, kind: str, name: str, directory: str) -> None:
     """Write a pip-installable plugin package providing the component NAME of KIND.
 
     KIND is one of: advantage_estimator, policy_loss, kl_estimator, loss_aggregation, algorithm,
@@ -218,14 +219,21 @@ def new_command(kind: str, name: str, directory: str) -> None:
     pyproject.toml with the rlhf entry point, a documented skeleton that passes `rlhf plugins
     check NAME`, a test and a README. Then: pip install -e DIR/rlhf-NAME.
     """
-    from rlhf.plugin_kit.scaffold import new_package, use_command
+    from rlhf.plugin_kit.scaffold import check_name, kind_of, new_package, use_command
 
+    taken = sorted({c.provider.label for c in state.plugins.registry(kind_of(kind)).components()
+                    if c.name == check_name(name)})  # another plugin's component of the same name
     root = new_package(kind, name, directory)
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         click.echo(f"wrote {path}")
     key = root.name.removeprefix("rlhf-").replace("-", "_")
     click.echo(f"\nNext:\n  pip install -e {root}\n  rlhf plugins check {key}\n  "
                f"{use_command(kind.lower().replace('-', '_'), key, f'runs/{key}')}")
+    if taken:
+        title = kind_of(kind).replace("_", " ")
+        click.echo(f"\nWarning: {', '.join(taken)} already provides a {title} called {key!r}: once this package is "
+                   "installed, both are reported and neither is used. Rename it, or replace the other with "
+                   "RLHF_DISABLE_PLUGINS=<its plugin name>.", err=True)
 
 
 @plugins_group.command("check")

@@ -40,6 +40,16 @@ def test_new_refuses_an_existing_folder_and_writes_nothing(plugins, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rlhf-taken"]
 
 
+def test_new_warns_when_an_installed_plugin_has_the_name_already(plugins, tmp_path):
+    """Both would be reported and neither used once the package is installed: say so while it is a scaffold."""
+    result = run_cli(plugins, ["plugins", "new", "reward", "exact_match", "--dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "Warning: rlhf-core" in result.output and "already provides a reward called 'exact_match'" in result.output
+    assert "RLHF_DISABLE_PLUGINS" in result.output
+    fresh = run_cli(plugins, ["plugins", "new", "reward", "my_own_score", "--dir", str(tmp_path)])
+    assert fresh.exit_code == 0 and "Warning" not in fresh.output
+
+
 def test_new_refuses_an_unknown_kind_listing_the_kinds(plugins, tmp_path):
     result = run_cli(plugins, ["plugins", "new", "rewards", "x", "--dir", str(tmp_path)])
     assert result.exit_code == 2
