@@ -60,3 +60,38 @@ def check_model_ref(ref: str, *, weights: bool = True) -> None:
     if path.is_dir() and not any((path / mark).is_file() for mark in marks):
         raise ConfigError(f"{ref} has no {' or '.join(marks)}: it is not a Hugging Face "
                           f"{'model' if weights else 'model or tokenizer'} directory")
+    if not path.exists():
+        check_hub_reachable(ref)
+
+
+def check_hub_reachable(name: str) -> None:
+    """A hub name with the hub out of reach fails in a moment, not after the hub client's retries
+    (about 50 s): with a cached copy, say how to use it; without, say what to pass instead. One TCP
+    connection to the hub's host, once per process; skipped in offline mode (``HF_HUB_OFFLINE=1``:
+    the client reads the cache only) and behind a proxy (the proxy decides what is reachable)."""
+    import os
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if constants.HF_HUB_OFFLINE or proxied or _reachable(constants.ENDPOINT):
+        return
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise ConfigError(f"{name}: the hub ({constants.ENDPOINT}) cannot be reached and a copy is in the local "
+                          "cache: run with HF_HUB_OFFLINE=1 to use it")
+    raise ConfigError(f"{name}: the hub ({constants.ENDPOINT}) cannot be reached to download it and it is not in "
+                      "the local cache: pass a local model directory, or connect and retry")
+
+
+@lru_cache(maxsize=None)
+def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    try:
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False

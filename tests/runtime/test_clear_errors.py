@@ -144,6 +144,27 @@ def test_model_directory_errors_need_no_transformers_traceback(tmp_path):
     check_model_ref(str(tokenizer_only), weights=False)
 
 
+def test_a_hub_name_with_the_hub_out_of_reach_fails_at_once(task, tmp_path, plugins, monkeypatch):
+    """It used to take the hub client's retries (about 50 s) to say it could not connect."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")  # .invalid never resolves (RFC 2606)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    result = train(plugins, "org/name", task / "data.jsonl", tmp_path / "run")
+    assert_one_line(result, 2, "org/name: the hub (https://hub.invalid) cannot be reached to download it and it is "
+                               "not in the local cache: pass a local model directory")
+    snapshot = tmp_path / "cache" / "models--org--name" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "cache" / "models--org--name" / "refs").mkdir()
+    (tmp_path / "cache" / "models--org--name" / "refs" / "main").write_text("0" * 40)
+    result = train(plugins, "org/name", task / "data.jsonl", tmp_path / "run")
+    assert_one_line(result, 2, "a copy is in the local cache: run with HF_HUB_OFFLINE=1 to use it")
+
+
 def test_a_usage_error_points_at_the_subcommands_help(task, tmp_path, plugins):
     result = train(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", "--lr", "-1")
     assert "cli train [OPTIONS]" in result.output and "cli train --help' for help" in result.output, result.output
