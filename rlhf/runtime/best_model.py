@@ -10,10 +10,10 @@ never best, and a tie keeps the earlier model. The best so far is part of the tr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import ConfigError
 from rlhf.runtime.options import best_metric
 
 
@@ -23,15 +23,19 @@ class BestModel:
         self.metric = best_metric(spec)  # (name, "min" | "max"), or None without --save-best
         self.record: dict[str, Any] | None = None  # {"metric", "value", "step"} of the model in <out>/best
 
+    def check(self, names: Iterable[str]) -> None:
+        """A usage error (exit 2) unless the eval reports the metric (``names``: the eval's metric names)."""
+        if self.metric is not None and self.metric[0] not in names:
+            reported = ", ".join(sorted(k for k in names if k.startswith("eval/")))
+            raise ConfigError(f"--save-best {self.spec}: the eval reports no {self.metric[0]}; it reports {reported}")
+
     def consider(self, evals: dict[str, float], step: int, write: Callable[[dict[str, Any]], None]) -> None:
         """After the eval of ``step`` (steps done): ``write(record)`` saves the model as the new best
         when ``evals`` holds a finite value strictly better than the best so far."""
         if self.metric is None:
             return
+        self.check(evals)
         name, direction = self.metric
-        if name not in evals:
-            reported = ", ".join(sorted(k for k in evals if k.startswith("eval/")))
-            raise RlhfError(f"--save-best {self.spec}: the eval reports no {name}; it reports {reported}")
         value = evals[name]
         if not math.isfinite(value):
             return

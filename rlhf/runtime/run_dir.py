@@ -58,7 +58,7 @@ class RunDirectory:
         if not self.path.is_dir():
             return False
         others = {p.name for p in self.path.iterdir()} - _START_FILES
-        return bool(others) or bool(checkpoint.list_checkpoints(self.path)) or _has_rows(self.path / "metrics.jsonl")
+        return bool(others) or bool(checkpoint.list_checkpoints(self.path)) or _has_step_rows(self.path / "metrics.jsonl")
 
     def check_free(self, *, resume: bool) -> None:
         """Refuse to start a new run over an existing one (before anything is built)."""
@@ -213,12 +213,23 @@ def write_text(path: Path, text: str) -> None:
         raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
-def _has_rows(path: Path) -> bool:
+def _has_step_rows(path: Path) -> bool:
+    """Whether ``metrics.jsonl`` holds a row of a completed step (step >= 1; the eval before the first
+    step is row 0, and a run that stopped there, e.g. on a ``--save-best`` typo, is no run yet)."""
     try:
         with open(path, "rb") as handle:
-            return any(line.strip() for line in handle)
+            for line in handle:
+                if not line.strip():
+                    continue
+                try:
+                    step = json.loads(line).get("step", 1)
+                except (ValueError, AttributeError):
+                    return True  # not ours to judge: keep it
+                if not isinstance(step, int) or step >= 1:
+                    return True
     except OSError:
         return False
+    return False
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:

@@ -104,6 +104,11 @@ class ScriptedEvalSFT(SFTObjective):
         return loss, metrics
 
 
+# With --save-best, the loop runs one eval forward before training to check that the eval reports
+# the metric (a typo is a usage error before any step): it takes the script's first value.
+PROBE = -1.0
+
+
 def scripted_plugins(make_plugin, **hooks: Any) -> PluginSet:
     plugins = build_plugin_manager(load_entrypoints=False)
     plugins.register(make_plugin("scripted_objective", register_objectives=lambda register: register(
@@ -131,7 +136,7 @@ def test_resume_keeps_the_best_of_the_interrupted_run(tiny_model_dir, data, tmp_
         if step == 2:
             raise KeyboardInterrupt
 
-    ScriptedEvalSFT.script = [1.0, 5.0, 0.5]
+    ScriptedEvalSFT.script = [PROBE, 1.0, 5.0, 0.5]
     plugins = scripted_plugins(make_plugin, on_step_end=rlhf.hookimpl(trylast=True)(kill_after_step_3))
     with pytest.raises(KeyboardInterrupt):
         fit(scripted_config(tiny_model_dir, data, out, save_every=1), plugins=plugins)
@@ -140,7 +145,7 @@ def test_resume_keeps_the_best_of_the_interrupted_run(tiny_model_dir, data, tmp_
     assert json.loads(best_json) == {"metric": "eval/quality", "value": 5.0, "step": 2}
     best_weights = (out / "best" / "model.safetensors").read_bytes()
 
-    ScriptedEvalSFT.script = [2.0, 3.0]
+    ScriptedEvalSFT.script = [PROBE, 2.0, 3.0]
     fit(scripted_config(tiny_model_dir, data, out, save_every=1, resume=True),
         plugins=scripted_plugins(make_plugin))
     assert ScriptedEvalSFT.script == []
@@ -159,7 +164,7 @@ def test_a_nan_eval_is_never_best(tiny_model_dir, data, tmp_path, make_plugin):
     def look_for_best(step):
         best_exists.append((out / "best").exists())
 
-    ScriptedEvalSFT.script = [math.nan, 1.0, 0.5, math.nan]
+    ScriptedEvalSFT.script = [PROBE, math.nan, 1.0, 0.5, math.nan]
     fit(scripted_config(tiny_model_dir, data, out), plugins=scripted_plugins(make_plugin, on_step_end=look_for_best))
     assert ScriptedEvalSFT.script == []
     assert best_exists == [False, True, True, True]  # eval and --save-best run before on_step_end
@@ -234,7 +239,7 @@ def test_each_epoch_is_a_new_shuffle_of_all_the_data_and_resume_takes_the_same_s
 def test_a_tie_keeps_the_earlier_best(direction, script, tiny_model_dir, data, tmp_path, make_plugin):
     """Only a strictly better eval replaces best/: steps 2 and 3 tie, step 2 stays best."""
     out = tmp_path / "run"
-    ScriptedEvalSFT.script = list(script)
+    ScriptedEvalSFT.script = [PROBE, *script]
     fit(scripted_config(tiny_model_dir, data, out, save_best=f"eval/quality:{direction}"),
         plugins=scripted_plugins(make_plugin))
     assert ScriptedEvalSFT.script == []
@@ -253,13 +258,17 @@ def test_max_samples_takes_that_many_rows(tiny_model_dir, data, tmp_path):
 
 def test_a_save_best_metric_the_eval_does_not_report_names_those_it_does(tiny_model_dir, data, tmp_path,
                                                                          make_plugin):
-    from rlhf.core.errors import RlhfError
+    from rlhf.core.errors import ConfigError
 
     ScriptedEvalSFT.script = [1.0] * 4
-    with pytest.raises(RlhfError, match=r"--save-best eval/qualty: the eval reports no eval/qualty; it reports "
-                                        r"eval/loss, eval/quality$"):
+    with pytest.raises(ConfigError, match=r"--save-best eval/qualty: the eval reports no eval/qualty; it reports "
+                                          r"eval/loss, eval/quality$"):
         fit(scripted_config(tiny_model_dir, data, tmp_path / "run", save_best="eval/qualty"),
             plugins=scripted_plugins(make_plugin))
+    assert ScriptedEvalSFT.script == [1.0] * 3  # found by the check before training: one eval forward, no step
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    ScriptedEvalSFT.script = [PROBE] + [1.0] * 4  # the corrected rerun on the same --out runs
+    fit(scripted_config(tiny_model_dir, data, tmp_path / "run"), plugins=scripted_plugins(make_plugin))
 
 
 class NaNOnCueSFT(SFTObjective):

@@ -109,6 +109,27 @@ def test_save_best_without_eval_data_is_a_usage_error(tiny_model_dir, task, tmp_
     assert result.exit_code == 2 and "--save-best needs --eval-data" in result.output
 
 
+def test_a_save_best_typo_stops_before_training_and_the_corrected_rerun_runs(tiny_model_dir, task, tmp_path,
+                                                                            plugins):
+    """The eval before step 1 finds it (exit 2); its row (step 0) does not make the directory a run."""
+    out = tmp_path / "run"
+
+    def train(metric):
+        return run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                                 "--eval-data", str(task / "data.jsonl"), "--label-key", "answer", "--reward",
+                                 str(task / "rewards.py"), "--n-samples", "2", "--prompts-per-step", "2",
+                                 "--max-new-tokens", "2", "--steps", "1", "--save-best", metric, "--out", str(out),
+                                 "--no-progress"])
+
+    typo = train("eval/rewrd/mean")
+    assert typo.exit_code == 2, typo.output
+    assert "--save-best eval/rewrd/mean: the eval reports no eval/rewrd/mean; it reports" in typo.output
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == [0] and not (out / "checkpoints").exists()
+    fixed = train("eval/reward/mean")
+    assert fixed.exit_code == 0, fixed.output
+    assert (out / "best" / "best.json").exists()
+
+
 def test_critic_warm_up_freezes_the_policy(tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     train(small_config(tiny_model_dir, task, out, algo="ppo", freeze_actor_steps=2, steps=2),

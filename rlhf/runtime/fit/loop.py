@@ -107,6 +107,11 @@ class FitLoop(SteppedLoop):
                                                                                 record))
         return metrics
 
+    def begin(self, run: RunInfo) -> None:
+        """``--save-best``: a metric the eval does not report is a usage error now, not after training."""
+        if self.best_model.metric is not None and self.parts.eval_examples:
+            self.best_model.check(self._eval_metric_names())
+
     def export_final(self, directory: Path) -> None:
         self._export(directory)
 
@@ -213,6 +218,16 @@ class FitLoop(SteppedLoop):
                 if counted:
                     means.add({"loss": loss, **metrics}, float(self.objective.units(batch)))
         return {f"eval/{k}": v for k, v in means.result(self.dist).items()}
+
+    def _eval_metric_names(self) -> set[str]:
+        """The names the eval reports (``eval/loss`` and the objective's metrics), from one eval
+        micro-batch (no grad, eval mode; every rank runs it, as forwards may be collectives)."""
+        batch = self._micro_batches(self.objective.step_examples(list(self.parts.eval_examples[:1])))[0]
+        stats = self._statistics([(batch, True)], self.objective.step_statistics)
+        with torch.no_grad():
+            _, metrics = self.objective.loss(self.models, batch, stats)
+        self.trained.model.train()
+        return {"eval/loss", *(f"eval/{k}" for k in metrics)}
 
     def final_statistics(self) -> dict[str, float]:
         """The objective's ``final_statistics`` over the training examples (no grad, eval mode)."""
