@@ -28,8 +28,8 @@ def plugins() -> PluginSet:
     return build_plugin_manager(load_entrypoints=False)
 
 
-def run_cli(plugins: PluginSet, args: list[str]) -> Result:
-    return CliRunner().invoke(make_cli(plugins), args, catch_exceptions=False)
+def run_cli(plugins: PluginSet, args: list[str], input: str | None = None) -> Result:
+    return CliRunner().invoke(make_cli(plugins), args, input=input, catch_exceptions=False)
 
 
 class FakeSite:

@@ -108,6 +108,31 @@ def config_values(kwargs: dict[str, Any], config_cls: type) -> dict[str, Any]:
     return {**values, "components": components}
 
 
+FORMAT_OPTIONS = ("apply_chat_template", "input_template")
+
+
+def model_prompt_format(values: dict[str, Any], model: str | None) -> None:
+    """Where the user gave neither ``--apply-chat-template`` nor ``--input-template`` (on the command
+    line or in a ``--config`` file), format prompts as ``model`` was trained (its
+    ``prompt_format.json``, rlhf/runtime/prompt_format.py), and say so once (main rank)."""
+    import os
+
+    from click.core import ParameterSource
+
+    from rlhf.runtime.prompt_format import PromptFormat
+
+    ctx = click.get_current_context()
+    if any(ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT) for name in FORMAT_OPTIONS):
+        return
+    recorded = PromptFormat.read(model)
+    if recorded is None:
+        return
+    values.update(apply_chat_template=recorded.apply_chat_template, input_template=recorded.input_template)
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"prompts are formatted with {recorded.describe()}, as {model} was trained (its "
+                   "prompt_format.json; --apply-chat-template or --input-template to change)", err=True)
+
+
 def quiet_library_progress_bars() -> None:
     """transformers and datasets draw their own bars (weights loading, splits); ours is the one that counts."""
     import datasets

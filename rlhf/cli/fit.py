@@ -15,7 +15,8 @@ from typing import Any
 
 import click
 
-from rlhf.cli.commands import LazyCommand, config_file_option, config_values, quiet_library_progress_bars
+from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format,
+                               quiet_library_progress_bars)
 from rlhf.cli.options import SLOT_SEPARATOR, Flag, component_flags, config_flags, setting_flags
 
 FIT_HELP = "Train a model offline with any objective plugin (rlhf plugins list --kind objective)."
@@ -86,6 +87,7 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
             raise click.UsageError("--objective is required (see `rlhf plugins list --kind objective`)")
         if not values.get("model"):
             raise click.UsageError("--model is required (a local HF model directory or a hub name)")
+        model_prompt_format(values, values["model"])
         if not values.get("data"):
             raise click.UsageError("--data is required (a dataset file, folder or hub name)")
         state = click.get_current_context().find_object(CliState)

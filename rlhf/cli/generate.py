@@ -11,7 +11,8 @@ from typing import Any
 
 import click
 
-from rlhf.cli.commands import LazyCommand, config_file_option, config_values, quiet_library_progress_bars
+from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format,
+                               quiet_library_progress_bars)
 from rlhf.cli.options import Flag, component_flags, config_flags
 
 HELP = {
@@ -41,7 +42,9 @@ def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> cli
     flags = _flags(plugins, config_cls)
 
     def command(**kwargs: Any) -> None:
-        config = config_cls.from_dict(config_values(kwargs, config_cls), plugins)
+        values = config_values(kwargs, config_cls)
+        model_prompt_format(values, values.get("model") or values.get("tokenizer"))
+        config = config_cls.from_dict(values, plugins)
         quiet_library_progress_bars()
         run(config, plugins)
 
@@ -112,6 +115,9 @@ def build_chat_command() -> click.Command:
     @click.command("chat", short_help=HELP["chat"], context_settings={"max_content_width": 120})
     @click.argument("model")
     @click.option("--system", default=None, help="System message opening the conversation")
+    @click.option("--apply-chat-template/--no-apply-chat-template", default=None,
+                  help="Format turns with the tokenizer's chat template (default: as the model was trained, "
+                       "else when the tokenizer has one)")
     @click.option("--input-template", default=None,
                   help="Template for each user turn, with {} for the text (instead of the chat template)")
     @click.option("--tokenizer", default=None, help="Tokenizer directory (default: the model's)")
@@ -136,6 +142,7 @@ def build_chat_command() -> click.Command:
         from rlhf.datagen.chat import ChatSettings, run_chat
 
         hf_logging.disable_progress_bar()
+        model_prompt_format(options, model)
         run_chat(model, ChatSettings(**options))
 
     return chat

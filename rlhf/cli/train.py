@@ -16,7 +16,8 @@ from typing import Any
 
 import click
 
-from rlhf.cli.commands import LazyCommand, config_file_option, config_values, quiet_library_progress_bars
+from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format,
+                               quiet_library_progress_bars)
 from rlhf.cli.options import Flag, component_flags, config_flags
 
 SHORT_HELP = "Train a policy with reinforcement learning."
@@ -56,6 +57,7 @@ def build_train_command(plugins: Any) -> click.Command:
         values = config_values(kwargs, TrainConfig)
         if not values.get("model"):
             raise click.UsageError("--model is required (a local HF model directory or a hub name)")
+        model_prompt_format(values, values["model"])
         if not values.get("data"):
             raise click.UsageError("--data is required (a prompt dataset file, folder or hub name)")
         state = click.get_current_context().find_object(CliState)

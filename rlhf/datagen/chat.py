@@ -1,8 +1,10 @@
 """``rlhf chat MODEL``: an interactive conversation with any model directory (docs/generate.md).
 
 Each turn is formatted with the tokenizer's chat template over the whole history (an optional
-``--system`` message first), or, with ``--input-template``, as the concatenation of every past
-turn's filled template and answer. Answers are sampled with temperature / top-p and streamed to
+``--system`` message first), or, with ``--input-template`` or ``--no-apply-chat-template``, as the
+concatenation of every past turn's filled template (or plain text) and answer. The default is the
+format the model was trained with (its ``prompt_format.json``), else the chat template when the
+tokenizer has one. Answers are sampled with temperature / top-p and streamed to
 the terminal as they are generated. A LoRA adapter directory (``adapter_config.json``) loads its
 base model with the adapter on top. Commands: ``/reset`` forgets the history, ``/exit`` (or
 Ctrl-D) quits. When the conversation outgrows the model's context, the oldest turns are dropped
@@ -27,6 +29,7 @@ PROMPT = "> "
 @dataclass(kw_only=True)
 class ChatSettings:
     system: str | None = None
+    apply_chat_template: bool | None = None  # None: when the tokenizer has a chat template and no input template
     input_template: str | None = None
     tokenizer: str | None = None
     max_new_tokens: int = 512
@@ -89,7 +92,13 @@ class Conversation:
         if settings.input_template is not None and "{}" not in settings.input_template:
             raise ConfigError(f"--input-template must contain {{}} where the message goes: {settings.input_template!r}")
         self.tokenizer, self.settings = tokenizer, settings
-        self.use_template = settings.input_template is None and bool(getattr(tokenizer, "chat_template", None))
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if settings.apply_chat_template and settings.input_template is not None:
+            raise ConfigError("--apply-chat-template and --input-template are two ways to format a turn: pass one")
+        if settings.apply_chat_template and not has_template:
+            raise ConfigError("--apply-chat-template: the tokenizer has no chat template")
+        self.use_template = settings.apply_chat_template if settings.apply_chat_template is not None else (
+            settings.input_template is None and has_template)
         self.turns: list[tuple[str, str]] = []  # (user, assistant)
 
     def reset(self) -> None:
@@ -145,7 +154,7 @@ def run_chat(ref: str, settings: ChatSettings, *, stdin: Any = None, stdout: Any
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 4096
     budget = history_budget(context, settings.max_new_tokens)
     how = "its chat template" if conversation.use_template else (
-        "--input-template" if settings.input_template else "plain text (no chat template)")
+        "--input-template" if settings.input_template else "plain text, no chat template")
     print(f"chatting with {ref} ({how}); /reset forgets the conversation, /exit quits", file=stdout, flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     device = next(model.parameters()).device

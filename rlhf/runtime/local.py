@@ -25,6 +25,7 @@ from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
 from rlhf.runtime.export import export_critic, export_model
 from rlhf.runtime.plan import RunPlan
+from rlhf.runtime.prompt_format import PromptFormat
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
 from rlhf.runtime.lifecycle import seed_everything, start_run
 from rlhf.runtime.trainer import Trainer, Workers
@@ -141,7 +142,7 @@ def build_eval_prompts(config: TrainConfig, tokenizer: Any) -> list[Any] | None:
 def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, critic: Any, out_dir: Path,
                  dist: DistContext = SINGLE) -> None:
     """The final policy to ``out_dir`` and, with ``--save-critic``, the critic to ``<out>/critic``."""
-    export_model(adapter, tokenizer, policy, out_dir, dist)
+    export_model(adapter, tokenizer, policy, out_dir, dist, prompt_format=PromptFormat.of(plan.config))
     if critic is not None and plan.config.save_critic:
         export_critic(adapter, tokenizer, critic, plan.derived.out_dir / "critic", dist)
 

@@ -107,6 +107,33 @@ def test_the_conversation_text_with_the_chat_template_or_an_input_template(tiny_
     assert "question 0" not in tokenizer.decode(ids)
 
 
+def test_a_model_trained_on_plain_prompts_is_chatted_with_in_plain_text(tiny_model_dir, tmp_path, plugins):
+    """The tokenizer has a chat template, and the model's prompt_format.json says it was trained
+    without it: chat uses plain text (it used to apply the template and garble), says why, and
+    --apply-chat-template turns the template back on."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rlhf.core.errors import ConfigError
+    from rlhf.datagen.chat import ChatSettings, Conversation
+    from tests.helpers import run_cli
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.chat_template
+    assert Conversation(tokenizer, ChatSettings(apply_chat_template=False)).text("2+2=") == "2+2="
+    with pytest.raises(ConfigError, match="pass one"):
+        Conversation(tokenizer, ChatSettings(apply_chat_template=True, input_template="Q: {}"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "prompt_format.json").write_text('{"apply_chat_template": false, "input_template": null}')
+    result = run_cli(plugins, ["chat", str(model), "--temperature", "0", "--max-new-tokens", "2"], input="2+2=\n")
+    assert result.exit_code == 0, result.output
+    assert "(plain text, no chat template)" in result.output and "as " + str(model) + " was trained" in result.output
+    result = run_cli(plugins, ["chat", str(model), "--apply-chat-template", "--max-new-tokens", "2"], input="2+2=\n")
+    assert result.exit_code == 0 and "(its chat template)" in result.output, result.output
+
+
 def test_an_answer_never_runs_past_the_context_and_a_message_that_fills_it_is_refused(tiny_model_dir, monkeypatch):
     """With --max-new-tokens above the context (512 new tokens, a small model's 64 positions), the
     prompt keeps its tokens and the answer gets what the context leaves; a message longer than the

@@ -225,6 +225,36 @@ def test_a_runs_own_config_yaml_reruns_it_with_its_command(command, tiny_model_d
         assert not (tmp_path / "dpo").exists()
 
 
+def test_the_prompt_format_travels_with_the_model_to_the_next_stage(tiny_model_dir, fit_data, tmp_path):
+    """sft records its prompt format in final/ (and best/); dpo from that model formats prompts the
+    same way unless told otherwise, and says so."""
+    import yaml
+
+    sft = tmp_path / "sft"
+    template = "Q: {}\nA: "
+    result = run_cli(build_plugin_manager(load_entrypoints=False), [
+        "sft", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"), "--eval-data",
+        str(fit_data / "sft.jsonl"), "--save-best", "eval/loss", "--input-template", template, "--batch-size", "2",
+        "--steps", "1", "--out", str(sft), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    for folder in ("final", "best"):
+        assert json.loads((sft / folder / "prompt_format.json").read_text()) == {
+            "apply_chat_template": False, "input_template": template}
+
+    def dpo(out: str, *extra: str):
+        result = run_cli(build_plugin_manager(load_entrypoints=False), [
+            "dpo", "--model", str(sft / "final"), "--data", str(fit_data / "pairs.jsonl"), "--batch-size", "2",
+            "--steps", "1", "--out", str(tmp_path / out), "--no-progress", *extra])
+        assert result.exit_code == 0, result.output
+        return result.output, yaml.safe_load((tmp_path / out / "config.yaml").read_text())
+
+    said, config = dpo("dpo")
+    assert config["input_template"] == template and config["apply_chat_template"] is False
+    assert f"prompts are formatted with the input template {template!r}, as {sft / 'final'} was trained" in said
+    said, config = dpo("dpo_plain", "--input-template", "{}")  # an explicit flag wins, silently
+    assert config["input_template"] == "{}" and "was trained" not in said
+
+
 def test_an_objective_that_distills_says_it_needs_a_teacher(tiny_model_dir, fit_data, tmp_path):
     output = fit_error(["distill", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
                         "--out", str(tmp_path / "r")])

@@ -35,3 +35,14 @@ def test_grpo_on_the_toy_task_raises_mean_reward(tmp_path, mode):
     assert last > 0.7 and last - first > 0.25, rewards  # GRPO teaches it to stop after the number
     lengths = [json.loads(line)["response/length_mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert lengths[-1] < lengths[0], lengths  # a second, independent signal: completions get shorter
+    if mode:
+        return
+    # The trained model talks as it was trained: chat reads final/prompt_format.json (plain prompts; the
+    # tokenizer's chat template would garble it) and answers the sum.
+    assert json.loads((out / "final" / "prompt_format.json").read_text()) == {"apply_chat_template": False,
+                                                                            "input_template": None}
+    chat = subprocess.run([sys.executable, "-m", "rlhf", "chat", str(out / "final"), "--temperature", "0"],
+                          input="23+45=\n", capture_output=True, text=True, env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    assert "as " + str(out / "final") + " was trained" in chat.stderr
+    assert chat.stdout.splitlines()[1].startswith("> 68"), chat.stdout

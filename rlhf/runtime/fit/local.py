@@ -23,6 +23,7 @@ from rlhf.runtime.fit.data import encode_rows
 from rlhf.runtime.fit.loop import FitLoop, FitParts
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.fit.text import TextFormatter
+from rlhf.runtime.prompt_format import PromptFormat
 from rlhf.runtime.lifecycle import seed_everything, start_run
 from rlhf.runtime.trained import TrainedModel
 
@@ -65,7 +66,7 @@ def build_parts(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitParts, Fi
     parts = FitParts(objective=objective, trained=trained, reference=reference, teacher=teacher,
                  train_examples=train_examples, eval_examples=eval_examples, pad_token_id=tokenizer.pad_token_id,
                  export=lambda out_dir, extra: export_model(adapter, tokenizer, trained, out_dir, dist,
-                                                       config_entries=extra),
+                                                       prompt_format=PromptFormat.of(config), config_entries=extra),
                  dist=dist)
     return parts, plan
 

@@ -202,8 +202,10 @@ class WorkerHost:
 
     def export_model(self, out_dir: str) -> None:
         from rlhf.runtime.export import export_model
+        from rlhf.runtime.prompt_format import PromptFormat
 
-        export_model(self.adapter, self.tokenizer, self.workers["policy"], Path(out_dir), self.dist)
+        export_model(self.adapter, self.tokenizer, self.workers["policy"], Path(out_dir), self.dist,
+                     prompt_format=PromptFormat.of(self.plan.config))
 
     def export_critic(self, out_dir: str) -> None:
         """The critic as the local runtime saves it (``--save-critic``); called on every rank."""
