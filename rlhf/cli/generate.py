@@ -20,6 +20,7 @@ HELP = {
     "score": "Score existing completions with reward sources (batch reward-model inference).",
     "iterate": "Iterative DPO: rounds of generate -> score -> pairs -> dpo.",
     "chat": "Talk to a model interactively (chat template, history, /reset, /exit).",
+    "eval": "Evaluate a model on prompts with reward sources: the metrics of rlhf train's eval.",
 }
 _TITLES = {"model": "Model", "data": "Data", "sampling": "Sampling", "reward": "Rewards", "iterate": "Rounds",
            "dpo": "DPO", "runtime": "Runtime", "output": "Output"}
@@ -71,6 +72,19 @@ def _score(config: Any, plugins: Any) -> None:
         click.echo(f"wrote {report.summary()}")
 
 
+def _eval(config: Any, plugins: Any) -> None:
+    import json
+
+    from rlhf.datagen.evaluate import evaluate, write_rows
+
+    report = evaluate(config, plugins=plugins)
+    if config.out:
+        write_rows(report.rows, config.out)
+    click.echo(json.dumps(report.metrics) if config.json else report.table())
+    if config.out and not config.json:
+        click.echo(f"wrote {len(report.rows)} samples to {config.out}")
+
+
 def _iterate(config: Any, plugins: Any) -> None:
     from rlhf.datagen.iterate import iterate
 
@@ -108,6 +122,19 @@ ITERATE_DOC = """Iterative DPO: each round samples from the last round's model, 
     <out>/round_K/ holds generations.jsonl, pairs.jsonl, the DPO run (dpo/) and a link to its model
     (model); <out>/metrics.jsonl one line per round. Rerunning continues after the last complete round.
     One process: not under torchrun.
+    """
+
+
+EVAL_DOC = """Evaluate a model: sample --n-samples completions per prompt, score them, report the metrics.
+
+    \b
+    rlhf eval --model runs/quickstart/final --data examples/data/eval.jsonl --label-key answer \\
+        --reward examples/rewards.py:exact_match --n-samples 4 --temperature 0
+
+    The metrics of rlhf train's eval (--eval-data), by the same names: eval/reward/mean,
+    eval/reward/<source>, eval/pass@1, eval/pass@N, eval/response/length_mean,
+    eval/response/truncated_rate. A table by default, one JSON object with --json; --out FILE also
+    writes one row per sample. --temperature 0 is greedy. One process.
     """
 
 
@@ -149,15 +176,16 @@ def build_chat_command() -> click.Command:
 
 
 def build_datagen_command(plugins: Any, name: str) -> click.Command:
-    from rlhf.datagen.config import GenerateConfig, IterateConfig, ScoreConfig
+    from rlhf.datagen.config import EvalConfig, GenerateConfig, IterateConfig, ScoreConfig
 
     config_cls, run, doc = {"generate": (GenerateConfig, _generate, GENERATE_DOC),
+                            "eval": (EvalConfig, _eval, EVAL_DOC),
                             "score": (ScoreConfig, _score, SCORE_DOC),
                             "iterate": (IterateConfig, _iterate, ITERATE_DOC)}[name]
     return _build(plugins, name, config_cls, run, doc)
 
 
 def datagen_commands(plugins: Any) -> list[click.Command]:
-    """The four commands, each built when used."""
+    """The five commands, each built when used."""
     return [LazyCommand(name, HELP[name], lambda name=name: build_datagen_command(plugins, name))
-            for name in ("generate", "score", "iterate")] + [LazyCommand("chat", HELP["chat"], build_chat_command)]
+            for name in ("generate", "eval", "score", "iterate")] + [LazyCommand("chat", HELP["chat"], build_chat_command)]

@@ -83,6 +83,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
         rlhf sft / rm / dpo ...    offline training: SFT, reward models, preferences
         rlhf fit --objective NAME  offline training with any objective plugin
         rlhf generate / score      sample and score data: best-of-n, pairs, conditional
+        rlhf eval                  a model's eval/* metrics on prompts, as rlhf train reports them
         rlhf iterate / chat        iterative DPO; talk to a model
         rlhf plugins list          what is installed, from which package
         rlhf plugins show NAME     one plugin or component in detail

@@ -179,3 +179,28 @@ class IterateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, Rewa
             raise ConfigError("iterative DPO needs at least two samples per prompt: --n 2 or more")
         if self.prompts_per_round is not None and self.prompts_per_round < 1:
             raise ConfigError(f"--prompts-per-round must be at least 1; got {self.prompts_per_round}")
+
+
+@dataclass(kw_only=True)
+class EvalConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, RewardArgs, RuntimeOptions, ConfigBase):
+    SLOTS: ClassVar[dict[str, Slot]] = GENERATE_SLOTS
+    NESTED: ClassVar[dict[str, tuple[str, type]]] = NESTED
+
+    json: bool = opt(False, "Print one JSON object of the metrics instead of the table", "output")
+    out: str | None = opt(None, "Also write one JSONL row per sample (prompt, completion, rewards, label) here",
+                          "output")
+
+    def check(self) -> None:
+        """Checks that need no data and no model."""
+        if not self.model or not self.data:
+            raise ConfigError("--model and --data are required")
+        if not self.reward:
+            raise ConfigError("--reward is required (what scores the samples)")
+        self.check_prompt_format()
+        for name, value in (("--n-samples", self.n), ("--max-new-tokens", self.max_new_tokens),
+                            ("--batch-size", self.batch_size), ("--max-prompt-length", self.max_prompt_length)):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1; got {value}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"--temperature must be >= 0 (0: greedy) and --top-p in (0, 1]; got {self.temperature}, "
+                              f"{self.top_p}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf.core.distributed import SINGLE, DistContext
+from rlhf.core.rewards import RewardResult
 from rlhf.core.roles import RewardRole, RolloutRole
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import Trajectory
@@ -46,7 +47,12 @@ class Evaluator:
 
 
 def eval_metrics(trajectories: list[Trajectory], reward: RewardRole, n_samples: int) -> dict[str, float]:
-    result = reward.score(trajectories)
+    return metrics_of(trajectories, reward.score(trajectories), n_samples)
+
+
+def metrics_of(trajectories: list[Trajectory], result: RewardResult, n_samples: int) -> dict[str, float]:
+    """The ``eval/*`` metrics of scored trajectories (``n_samples`` contiguous rows per prompt); ``rlhf
+    eval`` reports the same."""
     metrics: dict[str, float] = {"eval/prompts": float(len(trajectories) // n_samples)}
     scored = [r for r in result.total if r is not None]
     metrics["eval/reward/mean"] = sum(scored) / len(scored) if scored else float("nan")
