@@ -67,6 +67,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
     """A fresh ``rlhf`` group with the built-in commands and the plugins' commands."""
     from rlhf.cli.fit import fit_commands
     from rlhf.cli.generate import datagen_commands
+    from rlhf.cli.plot import plot_command
     from rlhf.cli.plugins import plugins_group
     from rlhf.cli.reward import reward_group
     from rlhf.cli.train import train_command
@@ -85,6 +86,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
         rlhf generate / score      sample and score data: best-of-n, pairs, conditional
         rlhf eval                  a model's eval/* metrics on prompts, as rlhf train reports them
         rlhf iterate / chat        iterative DPO; talk to a model
+        rlhf plot RUN ...          a run's curves (reward, KL, length, loss, eval) as a PNG
         rlhf plugins list          what is installed, from which package
         rlhf plugins show NAME     one plugin or component in detail
         """
@@ -93,6 +95,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
             quiet_library_notices()
 
     cli.add_command(plugins_group)
+    cli.add_command(plot_command)
     cli.add_command(reward_group)
     cli.add_command(train_command(plugins))
     for command in datagen_commands(plugins):
