@@ -30,6 +30,7 @@ from rlhf.core.fingerprint import fingerprint_differences
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime import checkpoint
+from rlhf.runtime.model_card import model_card
 from rlhf.runtime.progress import RL_FIELDS, Progress
 from rlhf.runtime.run_dir import RunDirectory, cut_logs, log_sizes
 
@@ -65,11 +66,16 @@ class SteppedLoop(ABC):
         """The trainer state of the checkpoint resumed from (its roles are loaded already)."""
 
     @abstractmethod
-    def export_final(self, directory: Path) -> None:
-        """The trained model(s) into ``directory``, on every rank."""
+    def export_final(self, directory: Path, card: str) -> None:
+        """The trained model(s) into ``directory``, on every rank, with ``card`` as its README.md
+        (``rlhf.runtime.model_card``)."""
 
     def begin(self, run: RunInfo) -> None:
         """Before the first step (after ``on_run_start``)."""
+
+    def method(self) -> str | None:
+        """What the model is trained with, in a line of Markdown for its model card (None: from the config)."""
+        return None
 
     def after_step(self, done: int, run: RunInfo) -> dict[str, float]:
         """After ``on_step_end`` of step ``done``; metrics to show in the progress line too."""
@@ -200,6 +206,7 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
     stop = StopRequest()
     emit = _emitter(loop)
     status, done = "failed", loop.start_step
+    last: dict[str, float] = {}  # the last step's metrics and the last eval, for the model card
     try:
         emit("on_run_start", run=run)
         with stop.installed():
@@ -208,7 +215,8 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
                 metrics = loop.run_step(step, run)
                 emit("on_step_end", run=run, step=step, metrics=metrics)
                 done = step + 1
-                bar.update(step, {**metrics, **loop.after_step(done, run)})
+                last = {**metrics, **loop.after_step(done, run)}
+                bar.update(step, last)
                 stopping = any(dist.all_gather(stop.requested is not None)) if dist.active else bool(stop.requested)
                 if done == loop.total_steps or (save_every and done % save_every == 0) or stopping:
                     loop.before_checkpoint(done)
@@ -218,7 +226,9 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
                 loop.after_checkpoint(done)
                 if stopping and done < loop.total_steps:
                     raise KeyboardInterrupt(stop.requested or "a signal on another rank")
-            loop.export_final(run_dir.final)
+            loop.export_final(run_dir.final, model_card(config, command=command, step=done,
+                                                        total_steps=loop.total_steps, metrics=last,
+                                                        out=run_dir.final, method=loop.method()))
         status = "completed"
     except KeyboardInterrupt as exc:
         status = "interrupted"

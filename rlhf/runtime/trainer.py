@@ -38,6 +38,7 @@ from rlhf.runtime.evaluation import Evaluator
 from rlhf.runtime.experience import ExperienceMaker, row_metadata, source_rewards
 from rlhf.runtime.plan import RunPlan
 from rlhf.runtime.lifecycle import SteppedLoop, run_loop
+from rlhf.runtime.model_card import model_card
 from rlhf.runtime.progress import RL_FIELDS
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.step_metrics import merge_round_metrics, sequence_kl, step_metrics
@@ -145,8 +146,14 @@ class Trainer(SteppedLoop):
         if self.async_generation is not None:
             self.async_generation.close()
 
-    def export_final(self, directory: Path) -> None:
-        self.run_dir.write_model(directory, self.workers.export)
+    def method(self) -> str:
+        names = self.plan.algorithm.names()
+        return (f"`{names['algo']}` (RL: advantage `{names['advantage']}`, policy loss `{names['policy_loss']}`, "
+                f"KL `{names['kl_estimator']}` in the {names['kl_in']} with β {names['kl_coef']}, aggregation "
+                f"`{names['loss_agg']}`)")
+
+    def export_final(self, directory: Path, card: str) -> None:
+        self.run_dir.write_model(directory, self.workers.export, card=card)
 
     def step(self, step: int, run: RunInfo) -> dict[str, float]:
         w, timer = self.workers, Timer()
@@ -323,8 +330,11 @@ class Trainer(SteppedLoop):
         with generation.separate_stream(self.eval_stream) if generation is not None else contextlib.nullcontext():
             self.last_eval = self.evaluator.run()
         self._emit("on_eval", run=run, step=done, metrics=self.last_eval)
+        best = self.run_dir.path / "best"
         self.best_model.consider(self.last_eval, done, lambda record: self.run_dir.write_model(
-            self.run_dir.path / "best", self.workers.export, record={"best.json": record}))
+            best, self.workers.export, record={"best.json": record}, card=model_card(
+                self.plan.run_config(), command="train", step=done, total_steps=self.total_steps,
+                metrics=self.last_eval, out=best, method=self.method(), best=record["metric"])))
 
     def _check_rewards(self, step: int, metrics: dict[str, float]) -> None:
         """A reward source that failed on every sample teaches nothing: say so, and stop after

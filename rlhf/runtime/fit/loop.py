@@ -42,6 +42,7 @@ from rlhf.runtime.best_model import BestModel
 from rlhf.runtime.fit.data import StepOrder
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.lifecycle import SteppedLoop, run_loop
+from rlhf.runtime.model_card import model_card
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.weighted_means import WeightedMeans, sum_over_ranks
@@ -103,8 +104,10 @@ class FitLoop(SteppedLoop):
         done = step + 1
         if self._eval_due(done):
             metrics.update(self.evaluate())
-            self.best_model.consider(metrics, done, lambda record: self._export(self.run_dir.path / "best",
-                                                                                record))
+            best = self.run_dir.path / "best"
+            self.best_model.consider(metrics, done, lambda record: self._export(best, record, card=model_card(
+                self.plan.run_config(), command="fit", step=done, total_steps=self.total_steps, metrics=metrics,
+                out=best, best=record["metric"])))
         return metrics
 
     def begin(self, run: RunInfo) -> None:
@@ -112,8 +115,8 @@ class FitLoop(SteppedLoop):
         if self.best_model.metric is not None and self.parts.eval_examples:
             self.best_model.check(self._eval_metric_names())
 
-    def export_final(self, directory: Path) -> None:
-        self._export(directory)
+    def export_final(self, directory: Path, card: str) -> None:
+        self._export(directory, card=card)
 
     def step(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
@@ -241,12 +244,12 @@ class FitLoop(SteppedLoop):
         every = self.config.eval_every or self.order.steps_per_epoch
         return done % every == 0 or done == self.total_steps
 
-    def _export(self, directory: Path, record: dict[str, Any] | None = None) -> None:
+    def _export(self, directory: Path, record: dict[str, Any] | None = None, *, card: str | None = None) -> None:
         """The trained model to ``directory`` (written like a checkpoint: beside it, fsynced, renamed
         into place), with the objective's entries in its config.json (and ``record`` as best.json)."""
         extra = self.objective.output_config(self.final_statistics())
         self.run_dir.write_model(directory, lambda tmp: self.parts.export(tmp, extra),
-                                 record={"best.json": record} if record is not None else None)
+                                 record={"best.json": record} if record is not None else None, card=card)
 
     # --- checkpoints ----------------------------------------------------------------------------
 
