@@ -151,6 +151,9 @@ def build_chat_command() -> click.Command:
     @click.option("--max-new-tokens", default=512, show_default=True, type=int, help="Tokens per answer at most")
     @click.option("--temperature", default=0.7, show_default=True, type=float, help="Sampling temperature (0: greedy)")
     @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling threshold (1: off)")
+    @click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k most likely (0: off)")
+    @click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+                  help="Penalty on tokens the conversation holds already (1: off)")
     @click.option("--seed", default=None, type=int, help="Random seed (default: unseeded)")
     @click.option("--dtype", default="auto", show_default=True,
                   type=click.Choice(["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),

@@ -9,11 +9,22 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclass(kw_only=True, frozen=True)
 class SamplingParams:
-    """How to sample one turn. Log-probs used for training are computed at the same temperature."""
+    """How to sample one turn: the logits z through the repetition penalty (each token the row
+    holds, prompt included: z / p when z > 0, else z · p), then z / temperature, then the ``top_k``
+    largest, then the top-p nucleus; greedy (argmax of the penalised logits) at temperature 0.
+
+    Log-probs: an engine's (``return_logprobs``) are those of this sampling distribution. The
+    trainer's are the policy's, ``log softmax(z / temperature)`` over the whole vocabulary, and the
+    ratio and KL are computed from those; with top-k, top-p or a penalty the samples come from a
+    distribution other than the one trained, which a policy loss's mismatch correction (``tis``,
+    ``icepop``) weighs with the engine's log-probs.
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
     stop: tuple[str, ...] = ()  # stop strings (multi-turn environments); EOS always stops
     return_logprobs: bool = False  # report the log-prob of each sampled token
 

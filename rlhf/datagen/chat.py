@@ -35,6 +35,8 @@ class ChatSettings:
     max_new_tokens: int = 512
     temperature: float = 0.7
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
     seed: int | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -146,7 +148,10 @@ def run_chat(ref: str, settings: ChatSettings, *, stdin: Any = None, stdout: Any
     import torch
     from transformers import TextStreamer
 
+    from rlhf.runtime.options import check_sampling
+
     stdout = stdout or sys.stdout
+    check_sampling(settings.top_k, settings.repetition_penalty)
     if settings.seed is not None:
         torch.manual_seed(settings.seed)
     model, tokenizer = load_model(ref, settings)
@@ -179,12 +184,12 @@ def run_chat(ref: str, settings: ChatSettings, *, stdin: Any = None, stdout: Any
             print(f"(that message is {ids.shape[1]} tokens and the model's context is {context}: no room is left "
                   "for an answer; send a shorter one)", file=stdout, flush=True)
             continue
-        sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p} \
-            if settings.temperature > 0 else {"do_sample": False}
+        sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p,
+                    "top_k": settings.top_k} if settings.temperature > 0 else {"do_sample": False}
         with torch.inference_mode():
             output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
                                     max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                    **sampling)
+                                    repetition_penalty=settings.repetition_penalty, **sampling)
         answer = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
         conversation.turns.append((message, answer))
         stdout.flush()

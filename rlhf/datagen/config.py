@@ -15,7 +15,7 @@ from typing import ClassVar
 from rlhf.core.errors import ConfigError
 from rlhf.rewards.options import RewardOptions
 from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, ModelOptions, RuntimeOptions,
-                                  Slot, many, opt)
+                                  Slot, check_sampling, many, opt)
 
 GENERATE_SLOTS: dict[str, Slot] = {"model_adapter": MODEL_SLOTS["model_adapter"],
                                    "engine": Slot("engine", "rollout_engine")}
@@ -78,6 +78,9 @@ class SamplingOptions:
                                  "sampling")
     temperature: float = opt(1.0, "Sampling temperature (0: greedy)", "sampling")
     top_p: float = opt(1.0, "Nucleus sampling threshold (1: off)", "sampling")
+    top_k: int = opt(0, "Sample among the k most likely tokens only (0: off)", "sampling")
+    repetition_penalty: float = opt(1.0, "Penalty on tokens the sequence holds already, as in transformers (1: off)",
+                                    "sampling")
     seed: int = opt(42, "Random seed: the same seed, data and --batch-size give the same output", "sampling")
     batch_size: int = opt(16, "Prompts generated (and written) together; a killed run resumes after the last "
                           "whole batch", "sampling")
@@ -108,6 +111,7 @@ class GenerateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, Rew
                 raise ConfigError(f"{name} must be at least 1; got {value}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {self.temperature}, {self.top_p}")
+        check_sampling(self.top_k, self.repetition_penalty)
         mode = self.mode
         if mode != "samples" and not self.reward:
             raise ConfigError(f"--{mode.replace('_', '-')} ranks samples by reward: add --reward SPEC")
@@ -204,3 +208,4 @@ class EvalConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, RewardA
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"--temperature must be >= 0 (0: greedy) and --top-p in (0, 1]; got {self.temperature}, "
                               f"{self.top_p}")
+        check_sampling(self.top_k, self.repetition_penalty)

@@ -73,7 +73,8 @@ def evaluate(config: EvalConfig, *, plugins: Any = None) -> EvalReport:
                             RolloutSettings(max_turns=1, max_total_tokens=config.max_prompt_length
                                             + config.max_new_tokens))
     reward = RewardWorker(rewards)
-    params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p)
+    params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
+                            top_k=config.top_k, repetition_penalty=config.repetition_penalty)
     trajectories, total, per_source = [], [], {}
     for begin in range(0, len(prompts), config.batch_size):
         batch = rollout.generate(prompts[begin:begin + config.batch_size], n=config.n, params=params)

@@ -65,7 +65,8 @@ class Sampler:
 
         self.engine, self.tokenizer, self.rewards, self.n = engine, tokenizer, rewards, config.n
         self.params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                     top_p=config.top_p)
+                                     top_p=config.top_p, top_k=config.top_k,
+                                     repetition_penalty=config.repetition_penalty)
         self.seed = config.seed
 
     def __call__(self, items: list[Any], batch_index: int, first_index: int) -> tuple[list[Sample], int]:

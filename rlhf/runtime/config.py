@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.rewards.options import RewardOptions
-from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
+from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions, check_sampling,
                                   OptimOptions, OutputOptions, RuntimeOptions, Slot, best_metric, parse_key_values)
 from rlhf.runtime.options import many as _many
 from rlhf.runtime.options import opt as _opt
@@ -100,6 +100,10 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     max_new_tokens: int = _opt(256, "Generation budget per completion, in tokens", "rollout")
     temperature: float = _opt(1.0, "Sampling temperature (log-probs are computed at the same temperature)", "rollout")
     top_p: float = _opt(1.0, "Nucleus sampling threshold (1: off)", "rollout")
+    top_k: int = _opt(0, "Sample among the k most likely tokens only (0: off; log-probs: docs/algorithms.md)",
+                      "rollout")
+    repetition_penalty: float = _opt(1.0, "Penalty on tokens the sequence holds already, as in transformers (1: "
+                                     "off; log-probs: docs/algorithms.md)", "rollout")
     env: str = _opt("single_turn", "Environment for each trajectory: a registered name or module:Class "
                     "(a label with an env_func key picks one per sample)", "rollout", component="env")
     env_config: list[str] = _many("KEY=VALUE for an option of the environment, like --env.KEY (repeatable)",
@@ -210,6 +214,7 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
                               f"--eval-temperature 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p must be in (0, 1] (1: off); got {self.top_p}")
+        check_sampling(self.top_k, self.repetition_penalty)
         if self.eval_temperature is not None and self.eval_temperature < 0:
             raise ConfigError(f"--eval-temperature must be at least 0 (0: greedy); got {self.eval_temperature}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:

@@ -164,6 +164,14 @@ class EvalOptions:
                                 "others maximised; append :min or :max to say)", "eval")
 
 
+def check_sampling(top_k: int, repetition_penalty: float) -> None:
+    """The sampling options every sampling command shares beyond temperature and top-p."""
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ConfigError(f"--top-k must be a whole number >= 0 (0: off); got {top_k}")
+    if not repetition_penalty > 0:
+        raise ConfigError(f"--repetition-penalty must be positive (1: off); got {repetition_penalty}")
+
+
 def best_metric(spec: str | None) -> tuple[str, str] | None:
     """``"eval/accuracy"`` -> ``("eval/accuracy", "max")``; ``"eval/loss"`` -> ``("eval/loss", "min")``."""
     if not spec:

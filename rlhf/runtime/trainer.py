@@ -88,7 +88,9 @@ class Trainer(SteppedLoop):
         self.run_dir = RunDirectory(plan.derived.out_dir, self.dist)
         self.total_steps = plan.total_steps(len(workers.loader))
         self.sampling = SamplingParams(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature,
-                                       top_p=self.config.top_p, return_logprobs=plan.rollout_logprobs)
+                                       top_p=self.config.top_p, top_k=self.config.top_k,
+                                       repetition_penalty=self.config.repetition_penalty,
+                                       return_logprobs=plan.rollout_logprobs)
         self.experience = ExperienceMaker(
             plan.algorithm, plan.advantage_config, n_samples=self.config.n_samples, plugins=plugins,
             recompute_old=plan.algorithm.needs_old_logprobs(plan.derived.optimizer_steps_per_step))
@@ -317,7 +319,8 @@ class Trainer(SteppedLoop):
         if not self.workers.eval_prompts:
             return None
         temperature = config.eval_temperature if config.eval_temperature is not None else config.temperature
-        params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature, top_p=config.top_p)
+        params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature, top_p=config.top_p,
+                                top_k=config.top_k, repetition_penalty=config.repetition_penalty)
         return Evaluator(prompts=self.workers.eval_prompts, n_samples=config.eval_n_samples, every=config.eval_every,
                          params=params, rollout=self.workers.rollout, reward=self.workers.reward, gather=self._gather,
                          dist=self.dist)

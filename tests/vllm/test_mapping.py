@@ -27,6 +27,14 @@ def test_sampling_params_keep_only_temperature_and_top_p():
         ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, detokenize=True, logprobs=0)
 
 
+def test_top_k_and_the_repetition_penalty_reach_vllm_and_greedy_keeps_the_penalty():
+    params = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=20, repetition_penalty=1.3)
+    got = sampling_kwargs(params, {2})
+    assert (got["top_k"], got["repetition_penalty"], got["min_p"], got["presence_penalty"]) == (20, 1.3, 0.0, 0.0)
+    greedy = sampling_kwargs(SamplingParams(max_new_tokens=5, temperature=0.0, top_k=20, repetition_penalty=1.3), {2})
+    assert (greedy["top_k"], greedy["repetition_penalty"]) == (0, 1.3)  # as the hf engine: penalised argmax
+
+
 def test_greedy_sampling_params_and_no_logprobs():
     params = SamplingParams(max_new_tokens=3, temperature=0.0, top_p=0.5)
     got = sampling_kwargs(params, {2})

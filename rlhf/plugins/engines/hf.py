@@ -2,9 +2,10 @@
 
 It samples from the policy module itself (no weight copy, so no sync after an optimizer step),
 with left padding, per-sequence EOS stops, stop strings for multi-turn environments, and the
-n samples of each prompt laid out contiguously. Sampling uses only temperature and top-p: the
-distribution sampled from is the one the trainer's log-probs describe, so settings in the
-model's own generation config (top-k, repetition penalty, minimum length, ...) do not apply.
+n samples of each prompt laid out contiguously. It samples the distribution `SamplingParams`
+states (repetition penalty, temperature, top-k, top-p, in transformers' order) and nothing else:
+settings in the model's own generation config (top-k, repetition penalty, minimum length, ...)
+do not apply. The repetition penalty remembers a row's prompt tokens, not its padding.
 
 Two decoders sample the same distribution from the same logits:
 
@@ -195,14 +196,18 @@ class HFEngine:
             if params.return_logprobs else None  # (B, N)
         finished = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)  # (B,)
         width = input_ids.shape[1]
+        seen = prompt_tokens(input_ids, attention_mask, logits.shape[-1]) \
+            if params.repetition_penalty != 1.0 else None  # (B, V)
         for t in range(params.max_new_tokens):
-            scores = self._process(logits.float(), params)  # (B, V)
+            scores = self._process(logits.float(), params, seen)  # (B, V)
             if params.temperature > 0:
                 chosen = sample_categorical(torch.softmax(scores, dim=-1))  # (B,)
             else:
                 chosen = scores.argmax(dim=-1)  # (B,)
             chosen = chosen.masked_fill(finished, self.pad_id)  # rows that ended keep padding
             tokens[:, t] = chosen
+            if seen is not None:
+                seen[torch.arange(batch_size, device=seen.device), chosen] = True
             if logprobs is not None:
                 logprobs[:, t] = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
             finished |= torch.isin(chosen, eos)
@@ -260,12 +265,18 @@ class HFEngine:
         return bool(done)
 
     @staticmethod
-    def _process(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """Temperature, then top-p: the distribution sampled from (and the engine's log-probs). (B, V)"""
+    def _process(scores: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """The repetition penalty (``seen`` (B, V): the tokens each row holds), temperature, top-k,
+        then top-p: the distribution sampled from (and the engine's log-probs). (B, V)"""
+        if seen is not None and params.repetition_penalty != 1.0:
+            scores = penalize_repetitions(scores, seen, params.repetition_penalty)
         if params.temperature <= 0:
-            return scores  # greedy: the raw logits, as generate reports them
+            return scores  # greedy: the (penalised) logits, as generate reports them
         if params.temperature != 1.0:
             scores = scores / params.temperature
+        if 0 < params.top_k < scores.shape[-1]:
+            kth = scores.topk(params.top_k, dim=-1).values[:, -1:]  # (B, 1) the k-th largest
+            scores = scores.masked_fill(scores < kth, float("-inf"))
         if params.top_p < 1.0:
             # Keep the smallest set of most likely tokens whose mass reaches top_p (at least one).
             ascending, order = scores.sort(dim=-1)  # (B, V)
@@ -281,14 +292,19 @@ class HFEngine:
 
         config = GenerationConfig(
             do_sample=params.temperature > 0, temperature=params.temperature if params.temperature > 0 else None,
-            top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens,
+            top_p=params.top_p, top_k=params.top_k, max_new_tokens=params.max_new_tokens,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
             stop_strings=list(params.stop) or None, return_dict_in_generate=True,
             output_scores=params.return_logprobs,
             num_beams=1, repetition_penalty=1.0, min_new_tokens=0, no_repeat_ngram_size=0,
             typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
         )
-        extra = {"tokenizer": self.tokenizer} if params.stop else {}
+        extra: dict[str, Any] = {"tokenizer": self.tokenizer} if params.stop else {}
+        if params.repetition_penalty != 1.0:  # transformers' own would penalise the padding tokens too
+            from transformers import LogitsProcessorList
+
+            extra["logits_processor"] = LogitsProcessorList([_RepetitionPenalty(input_ids, attention_mask,
+                                                                                params.repetition_penalty)])
         # generate fills the fields a passed config leaves at their default (transformers 4.x: any
         # field equal to its default, repetition_penalty=1.0 included) from the model's own
         # generation config; with that config swapped for this one, nothing of the checkpoint's
@@ -340,3 +356,33 @@ class HFEngine:
             else:
                 low = mid + 1
         return low, stop
+
+
+def prompt_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) True where row b's prompt holds token v (its padding left out)."""
+    counts = torch.zeros((input_ids.shape[0], vocab), dtype=torch.int32, device=input_ids.device)
+    return counts.scatter_add_(1, input_ids, attention_mask.to(torch.int32)) > 0  # (B, V)
+
+
+def penalize_repetitions(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty: a logit of a token the row holds is divided by ``penalty``
+    when positive, multiplied by it otherwise. scores, seen: (B, V)."""
+    return torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+
+
+class _RepetitionPenalty:
+    """`penalize_repetitions` as a transformers logits processor for the ``generate`` decoder: it
+    remembers the prompt tokens (not the padding) and adds each generated token."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, penalty: float):
+        self.prompt_length, self.penalty = input_ids.shape[1], penalty
+        self.input_ids, self.attention_mask = input_ids, attention_mask
+        self.seen: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.seen is None:
+            self.seen = prompt_tokens(self.input_ids, self.attention_mask, scores.shape[-1])  # (B, V)
+        if input_ids.shape[1] > self.prompt_length:
+            self.seen[torch.arange(input_ids.shape[0], device=input_ids.device), input_ids[:, -1]] = True
+        return penalize_repetitions(scores, self.seen, self.penalty)
+

@@ -3,8 +3,9 @@
 Install with ``pip install "rlhf-core[vllm]"`` on a machine with a CUDA GPU; select with
 ``--engine vllm``. Nothing here imports vLLM until an engine is built.
 
-* **The distribution.** Exactly what the trainer scores: temperature, then top-p, nothing else
-  (top-k, min-p and every penalty off; the checkpoint's ``generation_config.json`` is ignored,
+* **The distribution.** What `SamplingParams` states, as the ``hf`` engine samples it: the
+  repetition penalty (vLLM's, on prompt and output tokens), temperature, top-k, top-p, nothing
+  else (min-p and the other penalties off; the checkpoint's ``generation_config.json`` is ignored,
   ``generation_config="vllm"``). EOS is the policy's ``generation_config.eos_token_id`` (else the
   tokenizer's), as the ``hf`` engine decides it, passed as stop token ids with ``ignore_eos``.
   Greedy when the temperature is 0.
@@ -163,10 +164,12 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def sampling_kwargs(params: SamplingParams, eos_ids: Iterable[int]) -> dict[str, Any]:
-    """Arguments of ``vllm.SamplingParams`` for one sample of each row: temperature and top-p only."""
+    """Arguments of ``vllm.SamplingParams`` for one sample of each row: the repetition penalty,
+    temperature, top-k and top-p of ``params`` (top-k 0: off), nothing else."""
     greedy = params.temperature <= 0
     return dict(n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
-                top_k=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                top_k=0 if greedy else params.top_k, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+                repetition_penalty=params.repetition_penalty,
                 min_tokens=0, max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
                 stop_token_ids=sorted(eos_ids), ignore_eos=True, include_stop_str_in_output=True,
                 skip_special_tokens=False, detokenize=bool(params.stop),
