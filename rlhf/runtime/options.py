@@ -145,12 +145,28 @@ class OutputOptions:
     resume_override: list[str] = many("With --resume: an option to change from the checkpoint on, e.g. lr or steps "
                                       "(repeatable; other changed options that alter training are refused)", "output")
     tensorboard: bool = opt(False, "Also log metrics to TensorBoard (in <out>/tensorboard)", "output")
-    wandb_project: str | None = opt(None, "Also log to this Weights & Biases project (needs wandb)", "output")
+    wandb_project: str | None = opt(None, "Also log to this Weights & Biases project (pip install "
+                                    "'rlhf-core[wandb]')", "output")
+    wandb_group: str | None = opt(None, "W&B group of the run (runs compared together, e.g. the seeds of a sweep)",
+                                  "output")
+    wandb_run_name: str | None = opt(None, "W&B run name (default: the --out folder's name)", "output")
     progress: bool = opt(True, "Show a progress bar (a plain line per step when not a terminal)", "output")
 
     @property
     def out_dir(self) -> Path:
         return Path(self.out) if self.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+    def check_loggers(self) -> None:
+        """The packages the chosen loggers need, before any model loads."""
+        import importlib.util
+
+        if (self.wandb_group or self.wandb_run_name) and not self.wandb_project:
+            raise ConfigError("--wandb-group and --wandb-run-name name a W&B run: add --wandb-project")
+        for wanted, package, extra in ((self.wandb_project, "wandb", "wandb"),
+                                       (self.tensorboard, "tensorboard", "tensorboard")):
+            if wanted and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"--{'wandb-project' if package == 'wandb' else 'tensorboard'} needs the {package} "
+                                  f"package: pip install 'rlhf-core[{extra}]'")
 
 
 @dataclass(kw_only=True)

@@ -69,9 +69,10 @@ def on_run_start(run):
         try:
             import wandb
         except ImportError as exc:
-            raise RlhfError("--wandb-project needs the wandb package: pip install wandb") from exc
+            raise RlhfError("--wandb-project needs the wandb package: pip install 'rlhf-core[wandb]'") from exc
         _open[("wandb", out)] = wandb.init(project=run.config["wandb_project"], config=run.config, dir=str(out),
-                                           name=out.name, resume="allow")
+                                           group=run.config.get("wandb_group"),
+                                           name=run.config.get("wandb_run_name") or out.name, resume="allow")
 
 
 @rlhf.hookimpl

@@ -50,6 +50,7 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
         if not self.objective:
             raise ConfigError("--objective is required (see `rlhf plugins list --kind objective`)")
         self.check_prompt_format()
+        self.check_loggers()
         for name, value in (("--batch-size", self.batch_size), ("--micro-batch-size", self.micro_batch_size),
                             ("--epochs", self.epochs)):
             if value < 1:
