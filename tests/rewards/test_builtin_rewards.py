@@ -70,3 +70,35 @@ def test_last_boxed_handles_nesting_and_missing_braces():
     assert last_boxed(r"\boxed 7$") == "7"
     assert last_boxed(r"\boxed{open") is None
     assert last_boxed("none") is None
+
+
+@pytest.mark.parametrize("a, b, equal", [
+    (r"2\sqrt{2}", r"\sqrt{8}", True), (r"\frac{\pi}{2}", r"\pi/2", True), (r"x^2+2x+1", r"(x+1)^2", True),
+    (r"\sqrt{2}", r"\sqrt{3}", False), (r"\sqrt{4}", "2", True), (r"\frac{\pi}{2}", r"\pi", False),
+])
+def test_symbolic_answers_are_settled_by_math_verify(a, b, equal):
+    pytest.importorskip("math_verify", reason="the math extra is not installed")
+    assert answers_equal(a, b) is equal
+
+
+def test_math_verify_never_overturns_what_the_plain_checker_decides(monkeypatch):
+    """Equal strings and two numbers are decided without it: the same verdicts with a math-verify
+    that would say the opposite."""
+    from rlhf.plugins.rewards import math_answer
+
+    decided = [("0.50", "1/2", True), ("0.33", "1/3", False), ("1e3", "1000", True), ("0.49", "1/2", False),
+               (r"\sqrt{8}", r"\sqrt{8}", True)]
+    monkeypatch.setattr(math_answer, "symbolically_equal", lambda predicted, expected: True)
+    assert [answers_equal(a, b) for a, b, _ in decided] == [equal for _, _, equal in decided]
+    monkeypatch.setattr(math_answer, "symbolically_equal", lambda predicted, expected: None)  # not installed
+    assert answers_equal(r"2\sqrt{2}", r"\sqrt{8}") is False
+
+
+def test_math_verify_runs_in_a_worker_thread(plugins):
+    """Reward sources may score in threads, where math-verify's SIGALRM limits cannot be set."""
+    import concurrent.futures
+
+    pytest.importorskip("math_verify", reason="the math extra is not installed")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(answers_equal, r"2\sqrt{2}", r"\sqrt{8}").result() is True
+    assert score(plugins, "boxed_math", [r"\boxed{2\sqrt{2}}", r"\boxed{3}"], [r"\sqrt{8}", r"\sqrt{8}"]) == [1.0, 0.0]

@@ -4,14 +4,19 @@ compared by value.
 Equal after normalisation when the strings match, or when both read as the same rational number:
 ``0.50`` == ``1/2`` == ``.5`` == ``\\frac{1}{2}`` == ``\\dfrac12``; ``1,000`` == ``1000``; a trailing
 unit (``5 cm``, ``5\\text{ cm}``), ``\\$``, ``\\%`` and degrees are optional; ``x = 3`` == ``3``.
-Deliberately small and dependency-free: no symbolic algebra (``\\sqrt{8}`` is not ``2\\sqrt{2}``),
-and a decimal equals a fraction only when it is exactly that fraction (``0.33`` is not ``1/3``).
-For full symbolic checking, wrap ``math_verify`` in your own reward function.
+A decimal equals a fraction only when it is exactly that fraction (``0.33`` is not ``1/3``).
+
+What this checker decides stays decided: equal strings, and two numbers (equal by value or not).
+The rest, where symbolic algebra is needed (``\\sqrt{8}`` and ``2\\sqrt{2}``, ``\\frac{\\pi}{2}`` and
+``\\pi/2``), goes to Hugging Face's ``math-verify`` when it is installed (``pip install
+"rlhf-core[math]"``), with its 5-second limits in the main thread (they use SIGALRM, which other
+threads cannot); without it, such answers are unequal.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from fractions import Fraction
 from typing import Any
 
@@ -106,7 +111,22 @@ def answers_equal(predicted: str, expected: str) -> bool:
     if a == b:
         return bool(a)
     x, y = as_number(a), as_number(b)
-    return x is not None and y is not None and x == y
+    if x is not None and y is not None:
+        return x == y
+    return bool(a and b) and symbolically_equal(predicted, expected) is True
+
+
+def symbolically_equal(predicted: str, expected: str) -> bool | None:
+    """``math-verify``'s verdict on two LaTeX answers; None when it is not installed or parses neither."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold, target = parse(f"${expected}$", parsing_timeout=limit), parse(f"${predicted}$", parsing_timeout=limit)
+    if not gold or not target:
+        return None
+    return bool(verify(gold, target, timeout_seconds=limit))
 
 
 def text_of(completion: Any) -> str:
