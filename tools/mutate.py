@@ -45,7 +45,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
             "tests/runtime/test_zero_advantage_rows.py", "tests/fastpaths/test_fast_paths.py",
             "tests/fastpaths/test_packing.py", "tests/fastpaths/test_segment_attention.py",
             "tests/fastpaths/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py",
-            "tests/runtime/test_run_lifecycle.py"]
+            "tests/runtime/test_run_lifecycle.py", "tests/runtime/test_sampling_options.py",
+            "tests/runtime/test_model_card.py", "tests/datagen/test_labels.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py"]
 
@@ -76,7 +77,8 @@ AREAS = {
         "rlhf/plugins/objectives/distill.py", "rlhf/plugins/objectives/pairs.py", "rlhf/rewards/reward_model.py",
     ], OFFLINE_TESTS),
     "run lifecycle": ([
-        "rlhf/runtime/best_model.py",
+        "rlhf/runtime/best_model.py", "rlhf/runtime/lifecycle.py", "rlhf/runtime/trained.py",
+        "rlhf/runtime/run_dir.py",
     ], RL_TESTS + OFFLINE_TESTS),
     "fast paths": ([
         "rlhf/core/logprobs.py", "rlhf/fastpaths/prefix_sharing.py", "rlhf/fastpaths/segment_attention.py",
