@@ -23,6 +23,7 @@ from rlhf.core.errors import RlhfError
 from rlhf.datagen.components import component, data_settings, load_reward_set, run_values
 from rlhf.datagen.config import GENERATE_SLOTS, GenerateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows
+from rlhf.runtime.run_lock import NoLock, RunLock
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ def generate(config: GenerateConfig, *, plugins: Any = None) -> Report | None:
     if rewards is not None:
         rewards.check_labels_given(config.label_key)
     dist = init_from_environment()
+    lock = RunLock.for_file(config.out).acquire() if dist.is_main else NoLock()  # one job per output file
     try:
         adapter = adapter_cls(adapter_config)
         tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
@@ -140,6 +142,7 @@ def generate(config: GenerateConfig, *, plugins: Any = None) -> Report | None:
         return out.report()
     finally:
         dist.close()
+        lock.release()
 
 
 def _batch_rows(items: list[Any], sample: Sampler, selection: Selection, batch_index: int,

@@ -32,6 +32,7 @@ from typing import Any
 from rlhf.core.errors import RlhfError
 from rlhf.datagen.config import GenerateConfig, IterateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows
+from rlhf.runtime.run_lock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,17 @@ def iterate(config: IterateConfig, *, plugins: Any = None) -> Path:
                         "each run data-parallel under torchrun on their own)")
     plugins = plugins or build_plugin_manager()
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_config(out, config)
-    model = config.model
-    for k in range(1, config.rounds + 1):
-        round_dir = out / f"round_{k}"
-        marker = round_dir / "round.json"
-        if marker.exists():
-            model = json.loads(marker.read_text())["model"]
-            log.info("round %d is complete (model %s)", k, model)
-            continue
-        model = run_round(config, k, model, round_dir, plugins)
+    with RunLock.for_directory(out):  # one iterate per run directory
+        _write_config(out, config)
+        model = config.model
+        for k in range(1, config.rounds + 1):
+            round_dir = out / f"round_{k}"
+            marker = round_dir / "round.json"
+            if marker.exists():
+                model = json.loads(marker.read_text())["model"]
+                log.info("round %d is complete (model %s)", k, model)
+                continue
+            model = run_round(config, k, model, round_dir, plugins)
     return out
 
 

@@ -18,6 +18,7 @@ from rlhf.datagen.components import load_reward_set
 from rlhf.datagen.config import ScoreConfig
 from rlhf.datagen.generate import Report, open_output, row_settings, run_batches
 from rlhf.datagen.rows import Sample, Selection, make_rows
+from rlhf.runtime.run_lock import NoLock, RunLock
 
 
 class PromptText:
@@ -69,6 +70,7 @@ def score(config: ScoreConfig, *, plugins: Any = None) -> Report | None:
     selection = Selection(mode=mode, reward_template=config.reward_template, conditional_rows=config.conditional_rows,
                           seed=config.seed, has_label=False)
     dist = init_from_environment()
+    lock = RunLock.for_file(config.out).acquire() if dist.is_main else NoLock()  # one job per output file
     try:
         out = open_output(config.out, row_settings(config), config.overwrite, dist)
 
@@ -103,6 +105,7 @@ def score(config: ScoreConfig, *, plugins: Any = None) -> Report | None:
         return out.report()
     finally:
         dist.close()
+        lock.release()
 
 
 def _completions(row: dict[str, Any], key: str, origin: str) -> list[str]:

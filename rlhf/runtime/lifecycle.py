@@ -33,6 +33,7 @@ from rlhf.runtime import checkpoint
 from rlhf.runtime.model_card import model_card
 from rlhf.runtime.progress import RL_FIELDS, Progress
 from rlhf.runtime.run_dir import RunDirectory, cut_logs, log_sizes
+from rlhf.runtime.run_lock import NoLock, RunLock
 
 log = logging.getLogger(__name__)
 
@@ -142,18 +143,25 @@ class PlannedRun(Protocol):
 
 
 def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main: bool = True,
-              threads: bool = True) -> None:
+              threads: bool = True) -> RunLock | NoLock:
     """The prologue of every run, the same for local, torchrun, fit and the Ray driver, before anything
     is built (for Ray, before it pays for a cluster): the plan's own checks on ``world_size`` ranks;
-    a run directory that is free, or resumable with the same options (``--resume-override``
-    excepted), and writable; a warning naming any plugin that failed to load and each of the
-    plan's warnings; this process's CPU threads (``threads``: models run in this process). The
-    builders then seed (`seed_everything`) before they draw anything."""
+    the run directory locked for this run (`RunLock`; the caller releases it when the run ends),
+    free or resumable with the same options (``--resume-override`` excepted), and writable; a
+    warning naming any plugin that failed to load and each of the plan's warnings; this process's
+    CPU threads (``threads``: models run in this process). The builders then seed
+    (`seed_everything`) before they draw anything."""
     plan.check(world_size=world_size)
     config = plan.config
+    lock: RunLock | NoLock = NoLock()
     if is_main:
-        RunDirectory(plan.out_dir).check_start(plan.run_config(), resume=config.resume,
-                                               overrides=config.resume_override)
+        lock = RunLock.for_directory(plan.out_dir).acquire()
+        try:
+            RunDirectory(plan.out_dir).check_start(plan.run_config(), resume=config.resume,
+                                                   overrides=config.resume_override)
+        except BaseException:
+            lock.release()
+            raise
         if plugins.broken:
             log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
                         ", ".join(r.label for r in plugins.broken))
@@ -163,6 +171,7 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
         from rlhf.runtime.threads import set_threads
 
         set_threads(config.threads)
+    return lock
 
 
 def seed_everything(seed: int) -> None:

@@ -210,11 +210,13 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     plugins = plugins or build_plugin_manager()
     plan = RunPlan.make(config, plugins)
     dist = init_from_environment()
-    workers = None
+    workers, lock = None, None
     try:
-        start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
+        lock = start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()
     finally:
         del workers  # the models and their backends (which hold process groups) go before the group does
         dist.close()
+        if lock is not None:
+            lock.release()

@@ -32,6 +32,7 @@ from typing import Any
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import ConfigError, RlhfError
 from rlhf.runtime import checkpoint
+from rlhf.runtime.run_lock import LOCK_NAME
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_e
                          "ray_address", "device"})
 # Files a run writes before its first step completes.
 _START_FILES = frozenset({"config.yaml", "plugins.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints",
-                          ".final.tmp"})
+                          ".final.tmp", LOCK_NAME})
 
 
 class RunDirectory:

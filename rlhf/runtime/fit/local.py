@@ -76,11 +76,13 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
     plugins = plugins or build_plugin_manager()
     plan = FitPlan.make(config, plugins)
     dist = init_from_environment()
-    parts = None
+    parts, lock = None, None
     try:
-        start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
+        lock = start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
         parts, plan = build_parts(plan, dist)
         return FitLoop(plan, plugins, parts).run()
     finally:
         del parts  # the models and their backends (which hold process groups) go before the group does
         dist.close()
+        if lock is not None:
+            lock.release()

@@ -48,29 +48,31 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     import_ray()
     plugins = plugins or build_plugin_manager()
     plan = RunPlan.make(config, plugins)
+    _check_actor_counts(plan)
     # before paying for a cluster. world_size 1: the trainer loop runs once, here, and the actors shard
     # within each call; the models (and their threads) live in the actors
-    start_run(plan, plugins, world_size=1, threads=False)
-    _check_actor_counts(plan)
-    seed_everything(config.seed)
-    plan, tokenizer, loader = _driver_side(plan)
-    layout = plan_layout(config, needs_reference=plan.algorithm.needs_reference,
-                         needs_critic=plan.algorithm.needs_critic, has_reward=bool(config.reward))
-
-    began = time.perf_counter()
-    cluster = Cluster.open(config, cpus_needed=layout.cpus, gpus_needed=layout.gpus, out_dir=plan.derived.out_dir)
+    lock = start_run(plan, plugins, world_size=1, threads=False)
     try:
-        _warn_unused_gpus(layout)
-        hosts = launch(layout, config, len(loader), plugins, cluster)
-        log.info("Ray runtime ready in %.1f s (cluster %.1f s): %s", time.perf_counter() - began, cluster.seconds,
-                 layout.describe())
-        workers = make_workers(plan, hosts, tokenizer, loader)
+        seed_everything(config.seed)
+        plan, tokenizer, loader = _driver_side(plan)
+        layout = plan_layout(config, needs_reference=plan.algorithm.needs_reference,
+                             needs_critic=plan.algorithm.needs_critic, has_reward=bool(config.reward))
+        began = time.perf_counter()
+        cluster = Cluster.open(config, cpus_needed=layout.cpus, gpus_needed=layout.gpus, out_dir=plan.derived.out_dir)
         try:
-            return Trainer(plan, plugins, workers).run()
-        except WorkerFailedError as exc:
-            raise type(exc)(f"{exc}\n{resume_hint(plan.derived.out_dir)}") from exc
+            _warn_unused_gpus(layout)
+            hosts = launch(layout, config, len(loader), plugins, cluster)
+            log.info("Ray runtime ready in %.1f s (cluster %.1f s): %s", time.perf_counter() - began,
+                     cluster.seconds, layout.describe())
+            workers = make_workers(plan, hosts, tokenizer, loader)
+            try:
+                return Trainer(plan, plugins, workers).run()
+            except WorkerFailedError as exc:
+                raise type(exc)(f"{exc}\n{resume_hint(plan.derived.out_dir)}") from exc
+        finally:
+            cluster.close()
     finally:
-        cluster.close()
+        lock.release()
 
 
 def _check_actor_counts(plan: RunPlan) -> None:
