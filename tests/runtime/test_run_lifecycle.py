@@ -48,7 +48,8 @@ def test_a_checkpoint_that_holds_code_is_refused_not_run(tiny_model_dir, task, t
     marker = tmp_path / "pwned"
     torch.save({"nonfinite_in_a_row": Payload(marker)}, out / "checkpoints" / "step_1" / "policy" / "state.pt")
     with pytest.raises(RlhfError, match="state.pt holds more than tensors and plain data"):
-        train(small_config(tiny_model_dir, task, out, steps=1, resume=True), plugins=build_plugin_manager())
+        train(small_config(tiny_model_dir, task, out, steps=2, resume=True, resume_override=["steps"]),
+              plugins=build_plugin_manager())  # a run to continue (a complete one loads nothing)
     assert not marker.exists()
 
 
