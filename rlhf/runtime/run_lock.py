@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import ConfigError, RlhfError
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,12 @@ class RunLock:
 
         folder = self.lock_file.parent
         self._made = [p for p in (folder, *folder.parents) if not p.exists()]
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"--out {self.target}: cannot write there ({exc.strerror or exc}); choose another "
+                              "--out") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -199,7 +199,7 @@ def test_options_that_would_do_nothing_are_warned_about(plugins, caplog, tmp_pat
 
     def start(**options):
         config = TrainConfig(model="m", data=["d"], reward=["exact_match"], out=str(tmp_path / "run"), **options)
-        start_run(RunPlan.make(config, plugins), plugins, world_size=1, threads=False)
+        start_run(RunPlan.make(config, plugins), plugins, world_size=1, threads=False).release()
 
     with caplog.at_level(logging.WARNING):
         start(algo="grpo", save_critic=True)
