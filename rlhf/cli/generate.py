@@ -190,5 +190,6 @@ def build_datagen_command(plugins: Any, name: str) -> click.Command:
 
 def datagen_commands(plugins: Any) -> list[click.Command]:
     """The five commands, each built when used."""
-    return [LazyCommand(name, HELP[name], lambda name=name: build_datagen_command(plugins, name))
-            for name in ("generate", "eval", "score", "iterate")] + [LazyCommand("chat", HELP["chat"], build_chat_command)]
+    jobs = [LazyCommand(name, HELP[name], lambda name=name: build_datagen_command(plugins, name))
+            for name in ("generate", "eval", "score", "iterate")]
+    return jobs + [LazyCommand("chat", HELP["chat"], build_chat_command)]

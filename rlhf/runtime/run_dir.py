@@ -60,7 +60,8 @@ class RunDirectory:
         if not self.path.is_dir():
             return False
         others = {p.name for p in self.path.iterdir()} - _START_FILES
-        return bool(others) or bool(checkpoint.list_checkpoints(self.path)) or _has_step_rows(self.path / "metrics.jsonl")
+        return (bool(others) or bool(checkpoint.list_checkpoints(self.path))
+                or _has_step_rows(self.path / "metrics.jsonl"))
 
     def check_free(self, *, resume: bool) -> None:
         """Refuse to start a new run over an existing one (before anything is built)."""

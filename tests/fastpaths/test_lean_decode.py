@@ -251,3 +251,14 @@ def test_lean_runs_the_lora_layers_of_a_peft_policy(tiny_model_dir):
     assert [g.logprobs for g in lean] != [g.logprobs for g in plain]  # the adapter mattered
     for a, b in zip(lean, direct):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
+
+
+def test_the_lean_check_measures_the_difference_relative_to_the_logits_scale():
+    """bf16/fp16 logits of a large scale differ by more in absolute terms: the check divides by the
+    scale (at least 1), so a difference of 0.01 on logits of size 100 is 1e-4."""
+    from rlhf.plugins.engines.hf import _relative_difference
+
+    logits = torch.tensor([[100.0, -50.0, 3.0]])
+    assert _relative_difference(logits + torch.tensor([[0.01, 0.0, 0.0]]), logits) == pytest.approx(1e-4, rel=1e-3)
+    small = torch.tensor([[0.5, -0.2]])
+    assert _relative_difference(small + 0.001, small) == pytest.approx(1e-3, rel=1e-3)  # scale below 1: absolute

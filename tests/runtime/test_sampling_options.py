@@ -38,6 +38,10 @@ def reference_logprobs(model, prompt: list[int], tokens: list[int], params: Samp
             z = z / params.temperature
             if params.top_k:
                 z = z.masked_fill(z < z.topk(params.top_k).values[-1], float("-inf"))
+            if params.top_p < 1:  # the most likely tokens until their mass reaches top_p
+                probs, order = torch.softmax(z, dim=-1).sort(descending=True)
+                before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+                z[order[before >= params.top_p]] = float("-inf")
         out.append(float(torch.log_softmax(z, dim=-1)[token]))
     return out
 
@@ -70,10 +74,10 @@ def test_greedy_with_a_repetition_penalty_is_the_reference_argmax(model_and_toke
 
 
 @pytest.mark.parametrize("decoder", DECODERS)
-def test_sampled_tokens_come_from_the_top_k_and_the_engines_logprobs_are_that_distributions(model_and_tokenizer,
-                                                                                          decoder):
+def test_sampled_tokens_come_from_top_k_and_top_p_and_the_engines_logprobs_are_theirs(model_and_tokenizer, decoder):
     model, tokenizer = model_and_tokenizer
-    params = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=5, repetition_penalty=1.3, return_logprobs=True)
+    params = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=5, top_p=0.8, repetition_penalty=1.3,
+                            return_logprobs=True)
     engine = HFEngine(model, tokenizer, HFEngineConfig(decoder=decoder))
     torch.manual_seed(0)
     generations = engine.generate(prompts(tokenizer), n=3, params=params)
@@ -94,8 +98,10 @@ def test_top_k_of_one_is_greedy(model_and_tokenizer):
 
 
 @pytest.mark.parametrize("command", ["train", "generate", "eval"])
-@pytest.mark.parametrize("flag, value, message", [("--top-k", "-1", "--top-k must be a whole number >= 0"),
-                                                  ("--repetition-penalty", "0", "--repetition-penalty must be positive")])
+@pytest.mark.parametrize("flag, value, message", [
+    ("--top-k", "-1", "--top-k must be a whole number >= 0"),
+    ("--repetition-penalty", "0", "--repetition-penalty must be positive"),
+])
 def test_bad_sampling_values_are_refused_before_any_model_loads(command, flag, value, message, task, tmp_path,
                                                                 plugins):
     args = [command, "--model", str(tmp_path / "no-model"), "--data", str(task / "data.jsonl"), "--label-key", "answer",
