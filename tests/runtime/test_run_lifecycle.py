@@ -94,6 +94,17 @@ def test_resume_of_a_finished_run_says_it_is_complete_and_changes_nothing(comman
     assert after == before  # nothing re-exported, no config.until_step_N.yaml
 
 
+def test_resume_refuses_a_changed_component_setting_unless_overridden(tiny_model_dir, task, tmp_path, plugins):
+    """Component settings are options too (config.yaml's ``components``): a resume that changes one
+    is refused by its dotted name."""
+    out = tmp_path / "run"
+    assert run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1")).exit_code == 0
+    refused = run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "2", "--clip-high", "0.3", "--resume",
+                                          "--resume-override", "steps"))
+    assert refused.exit_code == 2 and "policy_loss.clip_high: 0.2 -> 0.3" in refused.output, refused.output
+    assert "--resume-override policy_loss.clip_high" in refused.output
+
+
 def test_resume_override_of_an_unknown_option_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     assert run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1")).exit_code == 0
