@@ -18,6 +18,19 @@ def component(plugins: Any, slot: Slot, name: str, settings: dict[str, Any], run
     return found.load(), config
 
 
+def sampling_components(config: Any, plugins: Any) -> tuple[tuple[Any, Any], tuple[Any, Any], dict[str, Any]]:
+    """``((adapter factory, config), (engine factory, config), run values)`` of a sampling job
+    (``rlhf generate``, ``rlhf eval``): the model adapter and the rollout engine it picked, their
+    settings checked before anything loads."""
+    from rlhf.datagen.config import GENERATE_SLOTS
+
+    values, settings = run_values(config), config.components
+    adapter = component(plugins, GENERATE_SLOTS["model_adapter"], config.model_adapter,
+                        settings.get("model_adapter", {}), values)
+    engine = component(plugins, GENERATE_SLOTS["engine"], config.engine, settings.get("engine", {}), values)
+    return adapter, engine, values
+
+
 def run_values(config: Any) -> dict[str, Any]:
     """What a generation job offers to its components' run fields (``rlhf.core.settings.RUN_VALUES``)."""
     return {"seed": config.seed, "model": config.model, "tokenizer": config.tokenizer or config.model,

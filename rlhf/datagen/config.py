@@ -85,6 +85,17 @@ class SamplingOptions:
     batch_size: int = opt(16, "Prompts generated (and written) together; a killed run resumes after the last "
                           "whole batch", "sampling")
 
+    def check_sampling_options(self) -> None:
+        """The sampling options every sampling job checks before anything loads."""
+        for name, value in (("--n", self.n), ("--max-new-tokens", self.max_new_tokens),
+                            ("--batch-size", self.batch_size), ("--max-prompt-length", self.max_prompt_length)):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1; got {value}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"--temperature must be >= 0 (0: greedy) and --top-p in (0, 1]; got {self.temperature}, "
+                              f"{self.top_p}")
+        check_sampling(self.top_k, self.repetition_penalty)
+
 
 @dataclass(kw_only=True)
 class GenerateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, RewardArgs, SelectOptions,
@@ -105,13 +116,7 @@ class GenerateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, Rew
         if not self.out:
             raise ConfigError("--out is required (the output .jsonl file)")
         self.check_prompt_format()
-        for name, value in (("--n", self.n), ("--max-new-tokens", self.max_new_tokens),
-                            ("--batch-size", self.batch_size), ("--max-prompt-length", self.max_prompt_length)):
-            if value < 1:
-                raise ConfigError(f"{name} must be at least 1; got {value}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {self.temperature}, {self.top_p}")
-        check_sampling(self.top_k, self.repetition_penalty)
+        self.check_sampling_options()
         mode = self.mode
         if mode != "samples" and not self.reward:
             raise ConfigError(f"--{mode.replace('_', '-')} ranks samples by reward: add --reward SPEC")
@@ -201,11 +206,4 @@ class EvalConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, RewardA
         if not self.reward:
             raise ConfigError("--reward is required (what scores the samples)")
         self.check_prompt_format()
-        for name, value in (("--n-samples", self.n), ("--max-new-tokens", self.max_new_tokens),
-                            ("--batch-size", self.batch_size), ("--max-prompt-length", self.max_prompt_length)):
-            if value < 1:
-                raise ConfigError(f"{name} must be at least 1; got {value}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"--temperature must be >= 0 (0: greedy) and --top-p in (0, 1]; got {self.temperature}, "
-                              f"{self.top_p}")
-        check_sampling(self.top_k, self.repetition_penalty)
+        self.check_sampling_options()

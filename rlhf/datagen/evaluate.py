@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.datagen.config import GENERATE_SLOTS, EvalConfig
+from rlhf.datagen.config import EvalConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def evaluate(config: EvalConfig, *, plugins: Any = None) -> EvalReport:
     from rlhf.core.plugins import build_plugin_manager
     from rlhf.core.rewards import RewardResult
     from rlhf.core.rollout import SamplingParams
-    from rlhf.datagen.components import component, data_settings, load_reward_set, run_values
+    from rlhf.datagen.components import data_settings, load_reward_set, sampling_components
     from rlhf.runtime.data import PromptFormatter, load_prompts
     from rlhf.runtime.evaluation import metrics_of
     from rlhf.runtime.lifecycle import seed_everything
@@ -52,12 +52,7 @@ def evaluate(config: EvalConfig, *, plugins: Any = None) -> EvalReport:
         raise ConfigError("rlhf eval runs in one process: start it without torchrun")
     plugins = plugins or build_plugin_manager()
     set_threads(config.threads)
-    values = run_values(config)
-    settings = config.components
-    adapter_cls, adapter_config = component(plugins, GENERATE_SLOTS["model_adapter"], config.model_adapter,
-                                            settings.get("model_adapter", {}), values)
-    engine_cls, engine_config = component(plugins, GENERATE_SLOTS["engine"], config.engine,
-                                          settings.get("engine", {}), values)
+    (adapter_cls, adapter_config), (engine_cls, engine_config), values = sampling_components(config, plugins)
     rewards = load_reward_set(config, plugins)
     rewards.check_labels_given(config.label_key)
     adapter = adapter_cls(adapter_config)

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import RlhfError
-from rlhf.datagen.components import component, data_settings, load_reward_set, run_values
-from rlhf.datagen.config import GENERATE_SLOTS, GenerateConfig
+from rlhf.datagen.components import data_settings, load_reward_set, sampling_components
+from rlhf.datagen.config import GenerateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows
 from rlhf.runtime.run_lock import NoLock, RunLock
 
@@ -107,12 +107,7 @@ def generate(config: GenerateConfig, *, plugins: Any = None) -> Report | None:
     mode = config.check()
     plugins = plugins or build_plugin_manager()
     set_threads(config.threads)  # --threads, else the count the machine's load leaves free
-    values = run_values(config)
-    settings = config.components
-    adapter_cls, adapter_config = component(plugins, GENERATE_SLOTS["model_adapter"], config.model_adapter,
-                                            settings.get("model_adapter", {}), values)
-    engine_cls, engine_config = component(plugins, GENERATE_SLOTS["engine"], config.engine,
-                                          settings.get("engine", {}), values)
+    (adapter_cls, adapter_config), (engine_cls, engine_config), _ = sampling_components(config, plugins)
     rewards = load_reward_set(config, plugins)
     if rewards is not None:
         rewards.check_labels_given(config.label_key)
