@@ -32,6 +32,7 @@ import torch
 
 from rlhf.core.logprobs import scatter_logprobs
 from rlhf.core.modeling import accepts_logits_to_keep, base_model, innermost
+from rlhf.core.ordered_gather import gather_rows
 from rlhf.fastpaths.segment_attention import (segment_forward_supported, segment_layout, segments_pay,
                                               shared_forward_hidden)
 from rlhf.fastpaths.verdicts import settle, verdict
@@ -140,7 +141,7 @@ def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.
     if sharing_path(model, rows) == "prefix_sharing/segment":
         layout = segment_layout(rows.segments)
         hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, layout)  # (G, L, hidden)
-        return base_model(model).lm_head(hidden.reshape(-1, hidden.shape[-1])[flat])  # (K, V)
+        return base_model(model).lm_head(gather_rows(hidden.reshape(-1, hidden.shape[-1]), flat))  # (K, V)
     length = rows.input_ids.shape[1]
     group, column = flat // length, flat % length  # (K,), (K,)
     needed = torch.unique(column)  # (C,) sorted columns some group needs logits at
@@ -148,9 +149,11 @@ def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.
     kwargs = {"logits_to_keep": needed} if accepts_logits_to_keep(type(inner)) else {}
     logits = model(input_ids=rows.input_ids, position_ids=rows.position_ids,
                    attention_mask=attention_mask_4d(model, rows.allowed), use_cache=False, **kwargs).logits
+    # a group's last prefix column is read once per row: a gather whose backward sums in order
     if kwargs:  # (G, C, V)
-        return logits[group, torch.searchsorted(needed, column)]
-    return logits[group, column]  # from (G, L, V)
+        at = group * needed.numel() + torch.searchsorted(needed, column)  # (K,) into the (G·C) rows
+        return gather_rows(logits.reshape(-1, logits.shape[-1]), at)
+    return gather_rows(logits.reshape(-1, logits.shape[-1]), flat)  # from (G, L, V)
 
 
 def shared_token_logprobs(model: torch.nn.Module, rows: SharedRows, input_ids: torch.Tensor,

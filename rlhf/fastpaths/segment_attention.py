@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rlhf.core.modeling import base_model
+from rlhf.core.ordered_gather import gather_rows
 from rlhf.fastpaths.llama_like import llama_like, rotary_function
 
 
@@ -101,7 +102,8 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     at = (starts + layout.segment_at).reshape(-1)  # (G·n·S,) into the (G·L) tokens
 
     def pieces(states: torch.Tensor) -> torch.Tensor:  # (G, h, L, D) -> (G, n, S, h, D)
-        return states.transpose(1, 2).reshape(groups * length, -1, size)[at].view(groups, count, longest, -1, size)
+        tokens = states.transpose(1, 2).reshape(groups * length, -1, size)  # (G·L, h, D)
+        return gather_rows(tokens, at).view(groups, count, longest, -1, size)  # padding slots repeat column 0
 
     def with_prefix(states: torch.Tensor) -> torch.Tensor:  # (G, K, L, D) -> (G·n, K, P + S, D)
         shared = states[:, :, :prefix].transpose(1, 2)[:, None].expand(groups, count, prefix, kv_heads, size)
