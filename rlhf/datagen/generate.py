@@ -106,7 +106,7 @@ def generate(config: GenerateConfig, *, plugins: Any = None) -> Report | None:
 
     mode = config.check()
     plugins = plugins or build_plugin_manager()
-    set_threads(config.threads)  # --threads, else the count the machine's load leaves free
+    set_threads(config.threads)  # --threads, else the machine's fixed default (rlhf.runtime.threads)
     (adapter_cls, adapter_config), (engine_cls, engine_config), _ = sampling_components(config, plugins)
     rewards = load_reward_set(config, plugins)
     if rewards is not None:

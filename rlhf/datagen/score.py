@@ -57,7 +57,7 @@ def score(config: ScoreConfig, *, plugins: Any = None) -> Report | None:
 
     mode = config.check()
     plugins = plugins or build_plugin_manager()
-    set_threads(config.threads)  # --threads, else the count the machine's load leaves free
+    set_threads(config.threads)  # --threads, else the machine's fixed default (rlhf.runtime.threads)
     rewards = load_reward_set(config, plugins)
     text = PromptText(config)
     dataset = load_rows(list(config.data), split=config.data_split,

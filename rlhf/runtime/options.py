@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from rlhf.core.errors import ConfigError
 
@@ -131,8 +131,10 @@ class OptimOptions:
 
 @dataclass(kw_only=True)
 class RuntimeOptions:
-    threads: int | None = opt(None, "CPU threads for torch in each process (default: one per core, but no more "
-                              "than the cores the load average leaves free)", "runtime")
+    threads: int | Literal["auto"] | None = opt(
+        None, "CPU threads for torch in each process: a number, or auto to follow the machine's load (faster on a "
+        "busy machine, not bit-reproducible). Default: half the usable cores (OMP_NUM_THREADS where set), fixed, "
+        "recorded in config.yaml and reused by --resume", "runtime")
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ from rlhf.core.settings import build_component_config, setting_fields
 from rlhf.core.types import AdvantageConfig
 from rlhf.runtime.config import (ALGO_CONFIG_SLOTS, DEFAULT_SAMPLE_FILTER, SETTING_SLOTS, SLOTS, Derived,
                                  TrainConfig, parse_key_values)
+from rlhf.runtime.threads import requested_threads
 
 if TYPE_CHECKING:
     from rlhf.algorithms import ResolvedAlgorithm
@@ -174,8 +175,7 @@ class RunPlan:
         if config.async_rollout and config.runtime == "ray" and config.colocate == "all":
             raise ConfigError("--async needs rollout actors with their own copy of the policy, and --colocate all "
                               "puts the rollout in the policy actors: use --colocate none or policy_ref")
-        if config.threads is not None and config.threads < 1:
-            raise ConfigError(f"--threads must be at least 1; got {config.threads}")
+        requested_threads(config.threads)  # a count of at least 1, or auto
 
     def warnings(self) -> list[str]:
         """Options that will do nothing, one sentence each (both runtimes print them before a run)."""

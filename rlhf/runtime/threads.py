@@ -1,17 +1,22 @@
-"""CPU threads that stay fast on a machine other jobs share.
+"""CPU threads: a count fixed by the machine, so the same command gives the same bits, and one that
+stays fast on a machine other jobs share.
 
-Two things make a torch process on a busy CPU many times slower than on an idle one: more intra-op
-threads than the cores free for them (every parallel op then waits for a thread that is not
-scheduled), and OpenMP's default wait policy, whose idle threads spin for a while (GNU OpenMP:
-300,000 rounds) before they sleep, burning the time slice the missing thread needs. So:
+torch sums floats in an order that depends on its thread count, so a run's numbers (losses, KL,
+weights, in the last bits) follow the count. The default is therefore fixed by the machine, never
+by its load: `default_threads`, half the cores this process may use (at least one; all of what
+``OMP_NUM_THREADS`` says where it is set). Half, because a thread per core stalls every parallel op
+whenever another process takes one of those cores (4-14x slower steps beside one busy process on
+two cores), while a thread left out costs little on the small products of a CPU run (measured in
+benchmarks/README.md, "Threads"). The count a run used is recorded in its config.yaml and a
+``--resume`` without ``--threads`` reuses it.
 
 * `prepare_openmp` (before torch is imported: the ``rlhf`` command calls it first) lowers GNU
-  OpenMP's spin count (``GOMP_SPINCOUNT``) unless the user set it or ``OMP_WAIT_POLICY``.
-* `choose_threads` takes torch's default thread count (one per core) but no more than the cores
-  other jobs leave free (`others_load`), at least one; ``--threads N`` overrides it. The
-  training loops call `adjust_threads` between steps, so the count follows the load.
-
-Measured figures: benchmarks/README.md, "Threads".
+  OpenMP's spin count (``GOMP_SPINCOUNT``) unless the user set it or ``OMP_WAIT_POLICY``: idle
+  threads then yield their core sooner to a thread that is waiting for it.
+* ``--threads N`` (or ``RLHF_THREADS=N``) chooses the count; ``--threads auto`` follows the load
+  instead: torch's default count capped by the cores other jobs leave free (`others_load`),
+  chosen again between steps (`adjust_threads`). It is the fastest on a machine whose load moves,
+  and its results are not bit-reproducible.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 log = logging.getLogger(__name__)
 
@@ -128,34 +133,65 @@ class ThreadGovernor:
 _governor: ThreadGovernor | None = None
 
 
-def set_threads(requested: int | None) -> int:
-    """Set torch's intra-op thread count (`choose_threads`) and return it. Without ``requested``
-    (``--threads``, else the environment variable ``RLHF_THREADS``) the count follows the load
-    from then on (`adjust_threads` between steps)."""
+AUTO = "auto"
+
+
+def default_threads(cores: int | None = None, environ: Mapping[str, str] = os.environ) -> int:
+    """The count a run uses without ``--threads``: ``OMP_NUM_THREADS`` where set, else half the
+    ``cores`` (`usable_cores`), at least 1. A function of the machine alone."""
+    return _omp_threads(environ) or max(1, (cores if cores is not None else usable_cores()) // 2)
+
+
+def _omp_threads(environ: Mapping[str, str] = os.environ) -> int | None:
+    wanted = environ.get("OMP_NUM_THREADS", "").strip()
+    return int(wanted) if wanted.isdigit() and int(wanted) > 0 else None
+
+
+def requested_threads(value: int | str | None, environ: Mapping[str, str] = os.environ) -> int | str | None:
+    """``--threads`` as given, else ``RLHF_THREADS``: a count, `AUTO`, or None (the default)."""
+    from rlhf.core.errors import ConfigError
+
+    if value is None:
+        value = environ.get("RLHF_THREADS", "").strip() or None
+        if value is None:
+            return None
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1 or isinstance(value, bool):
+        raise ConfigError(f"--threads (or RLHF_THREADS) must be a number of threads of at least 1, or auto; got "
+                          f"{value!r}")
+    return count
+
+
+def set_threads(requested: int | str | None) -> int | str:
+    """Set torch's intra-op thread count for this process and return what the run records: the
+    count, or `AUTO` when it follows the load (`adjust_threads` between steps from then on)."""
     global _governor
     import torch
 
-    if requested is None and os.environ.get("RLHF_THREADS", "").strip():
-        try:
-            requested = max(1, int(os.environ["RLHF_THREADS"]))
-        except ValueError:
-            from rlhf.core.errors import ConfigError
-
-            raise ConfigError(f"RLHF_THREADS must be a number of threads, got {os.environ['RLHF_THREADS']!r}") from None
-
-    default = torch.get_num_threads()
-    cores, load = usable_cores(), others_load()
-    threads = choose_threads(requested, default, cores=cores, load=load)
-    if threads != default:
+    requested = requested_threads(requested)
+    _governor = None
+    if requested == AUTO:
+        cores, load = usable_cores(), others_load()
+        default = _omp_threads() or cores  # torch's own default: one per core
+        threads = choose_threads(None, default, cores=cores, load=load)
         torch.set_num_threads(threads)
-    if requested is None and threads < default:
-        log.info("using %d CPU thread(s): other jobs keep %.1f of %d cores busy (--threads N to choose)",
-                 threads, load, cores)
-    _governor = ThreadGovernor(default, cores, load) if requested is None and load is not None else None
+        log.info("--threads auto: %d CPU thread(s) now, following the load (results are not bit-reproducible)",
+                 threads)
+        _governor = ThreadGovernor(default, cores, load) if load is not None else None
+        return AUTO
+    threads = requested if requested is not None else default_threads()
+    torch.set_num_threads(threads)
+    if requested is None:
+        log.info("using %d CPU thread(s) (half of the %d usable cores; --threads N to choose)", threads, usable_cores())
     return threads
 
 
 def adjust_threads() -> None:
-    """Between steps: follow the load (after `set_threads` without a count; otherwise nothing)."""
+    """Between steps: follow the load (after ``set_threads("auto")``; otherwise nothing)."""
     if _governor is not None:
         _governor.adjust()

@@ -89,3 +89,144 @@ def test_a_requested_count_turns_the_governor_off():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# --- the default: fixed by the machine, recorded, reused ----------------------------------------
+
+
+def test_the_default_is_half_the_cores_whatever_the_load(monkeypatch):
+    from rlhf.runtime import threads
+
+    assert [threads.default_threads(cores, environ={}) for cores in (1, 2, 3, 16)] == [1, 1, 1, 8]
+    assert threads.default_threads(16, environ={"OMP_NUM_THREADS": "3"}) == 3
+    assert threads.default_threads(4, environ={"OMP_NUM_THREADS": "x"}) == 2
+
+    def no_look(**_):
+        raise AssertionError("the default must not look at the load")
+
+    monkeypatch.setattr(threads, "others_load", no_look)
+    monkeypatch.delenv("RLHF_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert threads.set_threads(None) == 2 and torch.get_num_threads() == 2 and threads._governor is None
+        threads.adjust_threads()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_auto_follows_the_load_and_says_so(monkeypatch):
+    import torch
+
+    from rlhf.runtime import threads
+
+    monkeypatch.setattr(threads, "others_load", lambda **_: 3.0)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert threads.set_threads("auto") == "auto" and torch.get_num_threads() == 1
+        assert threads._governor is not None
+        monkeypatch.setattr(threads, "others_load", lambda **_: 0.0)
+        threads.adjust_threads()  # smoothed: 1.5 busy cores of 4 leave 2.5 free: 3 threads
+        assert torch.get_num_threads() == 3
+    finally:
+        threads._governor = None
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("given", "environ", "expected"), [
+    (None, {}, None), (3, {}, 3), ("3", {}, 3), ("AUTO", {}, "auto"), (None, {"RLHF_THREADS": "2"}, 2),
+    (None, {"RLHF_THREADS": "auto"}, "auto"), (4, {"RLHF_THREADS": "2"}, 4)])
+def test_requested_threads(given, environ, expected):
+    from rlhf.runtime.threads import requested_threads
+
+    assert requested_threads(given, environ) == expected
+
+
+@pytest.mark.parametrize(("given", "environ"), [(0, {}), ("many", {}), (None, {"RLHF_THREADS": "-1"}), (True, {})])
+def test_a_bad_thread_count_is_a_config_error(given, environ):
+    from rlhf.core.errors import ConfigError
+    from rlhf.runtime.threads import requested_threads
+
+    with pytest.raises(ConfigError, match="at least 1, or auto"):
+        requested_threads(given, environ)
+
+
+def _train(tiny_model_dir, task, out, plugins, *extra):
+    from tests.helpers import run_cli
+
+    return run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                             "--label-key", "answer", "--reward", str(task / "rewards.py"), "--n-samples", "4",
+                             "--prompts-per-step", "2", "--max-new-tokens", "6", "--out", str(out), "--no-progress",
+                             *extra])
+
+
+def test_the_same_command_gives_the_same_bits_whatever_the_load(tiny_model_dir, task, tmp_path, plugins,
+                                                                monkeypatch):
+    """No --threads, an idle machine then a busy one: the same count, recorded, and the same weights."""
+    import torch
+    import yaml
+
+    from rlhf.runtime import threads
+    from tests.helpers import final_weights
+
+    monkeypatch.delenv("RLHF_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for load in (0.0, 3.5):
+            monkeypatch.setattr(threads, "others_load", lambda load=load, **_: load)
+            out = tmp_path / f"load{load}"
+            result = _train(tiny_model_dir, task, out, plugins, "--steps", "2")
+            assert result.exit_code == 0, result.output
+            assert yaml.safe_load((out / "config.yaml").read_text())["threads"] == 2
+            runs.append(final_weights(out))
+        assert runs[0].keys() == runs[1].keys()
+        assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_resume_reuses_the_runs_count(tiny_model_dir, task, tmp_path, plugins, monkeypatch):
+    """The run began with 2 threads; resumed where the default would be 3, it keeps 2 (and says
+    nothing changed); --threads still wins."""
+    import torch
+    import yaml
+
+    from rlhf.runtime import threads
+
+    monkeypatch.delenv("RLHF_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    out = tmp_path / "run"
+    used = []
+    real = threads.set_threads
+    monkeypatch.setattr(threads, "set_threads", lambda requested: used.append(real(requested)) or used[-1])
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+        assert _train(tiny_model_dir, task, out, plugins, "--steps", "1", "--save-every", "1").exit_code == 0
+        monkeypatch.setattr(threads, "usable_cores", lambda: 6)
+        result = _train(tiny_model_dir, task, out, plugins, "--steps", "2", "--resume", "--resume-override", "steps")
+        assert result.exit_code == 0, result.output
+        assert used == [2, 2] and "threads changed" not in result.output
+        assert yaml.safe_load((out / "config.yaml").read_text())["threads"] == 2
+        result = _train(tiny_model_dir, task, out, plugins, "--steps", "3", "--resume", "--resume-override", "steps",
+                        "--threads", "auto")
+        assert result.exit_code == 0, result.output
+        assert used[-1] == "auto" and yaml.safe_load((out / "config.yaml").read_text())["threads"] == "auto"
+    finally:
+        threads._governor = None
+        torch.set_num_threads(before)
+
+
+def test_threads_zero_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
+    result = _train(tiny_model_dir, task, tmp_path / "run", plugins, "--threads", "0")
+    assert result.exit_code == 2 and "at least 1, or auto" in result.output
+    assert not (tmp_path / "run").exists()

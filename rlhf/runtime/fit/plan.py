@@ -22,6 +22,7 @@ from rlhf.core.references import is_reference, resolve
 from rlhf.core.settings import build_component_config, setting_fields
 from rlhf.runtime.fit.config import FIT_SLOTS, FitConfig
 from rlhf.runtime.plan import SlotChoice
+from rlhf.runtime.threads import requested_threads
 
 if TYPE_CHECKING:
     from rlhf.core.plugins import PluginSet
@@ -130,8 +131,7 @@ class FitPlan:
         if config.batch_size % world_size:
             raise ConfigError(f"--batch-size ({config.batch_size}) must be a multiple of the number of processes "
                               f"({world_size})")
-        if config.threads is not None and config.threads < 1:
-            raise ConfigError(f"--threads must be at least 1; got {config.threads}")
+        requested_threads(config.threads)  # a count of at least 1, or auto
 
     def warnings(self) -> list[str]:
         """Options that will do nothing (none known for offline runs)."""
