@@ -13,12 +13,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.errors import ConfigError
+from rlhf.core.errors import ConfigError, RlhfError
 
 
 def base_model(model: Any) -> Any:
@@ -62,6 +64,27 @@ def check_model_ref(ref: str, *, weights: bool = True) -> None:
                           f"{'model' if weights else 'model or tokenizer'} directory")
     if not path.exists():
         check_hub_reachable(ref)
+
+
+_DAMAGED_TYPES = ("SafetensorError", "HeaderTooLarge", "UnpicklingError", "EOFError")
+_DAMAGED_WORDS = ("PytorchStreamReader", "central directory", "unexpected EOF", "not fully covered",
+                  "incomplete metadata")
+
+
+@contextlib.contextmanager
+def reading_weights(ref: str) -> Iterator[None]:
+    """A damaged or incomplete weights file met while loading ``ref`` as one `RlhfError` naming the
+    model, instead of the reader's traceback (safetensors, torch's zip reader, pickle)."""
+    try:
+        yield
+    except Exception as exc:
+        damaged = type(exc).__name__ in _DAMAGED_TYPES or (
+            isinstance(exc, (RuntimeError, OSError, ValueError)) and any(w in str(exc) for w in _DAMAGED_WORDS))
+        if not damaged:
+            raise
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RlhfError(f"cannot read the weights of {ref}: a file there is damaged or incomplete ({detail}); "
+                        "copy or download it again") from exc
 
 
 def check_hub_reachable(name: str) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.modeling import check_model_ref
+from rlhf.core.modeling import check_model_ref, reading_weights
 
 PROMPT = "> "
 
@@ -69,8 +69,9 @@ def load_model(ref: str, settings: ChatSettings) -> tuple[Any, Any]:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_ref,
                                                                trust_remote_code=settings.trust_remote_code)
-        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
-                                                                  trust_remote_code=settings.trust_remote_code)
+        with reading_weights(base):
+            model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
+                                                                      trust_remote_code=settings.trust_remote_code)
     except OSError as exc:
         raise ConfigError(f"cannot load {ref}: {exc}") from exc
     if adapter:

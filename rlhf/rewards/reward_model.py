@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.checkpoints import MissingWeightsError, read_weight, top_level_weights
+from rlhf.core.modeling import reading_weights
 from rlhf.rewards.failures import RewardConfigError
 from rlhf.rewards.options import RewardOptions
 from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
@@ -86,7 +87,8 @@ class RewardModelWorker:
         classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
         self.head: Any = None
         if classifier and not getattr(config, "value_head_prefix", None):
-            model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=dtype)
+            with reading_weights(str(self.path)):
+                model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=dtype)
             if model.config.num_labels != 1:
                 raise RewardConfigError(f"{self.path} is a classifier with {model.config.num_labels} labels; "
                                         "a reward model has exactly one")
@@ -94,8 +96,9 @@ class RewardModelWorker:
             if isinstance(head, nn.Linear) and head.out_features == 1:
                 self.base, self.head = getattr(model, model.base_model_prefix), head
         else:
-            model = AutoModel.from_pretrained(self.path, dtype=dtype)
-            weight = load_checkpoint_tensor(self.path, f"{prefix}.weight")
+            with reading_weights(str(self.path)):
+                model = AutoModel.from_pretrained(self.path, dtype=dtype)
+                weight = load_checkpoint_tensor(self.path, f"{prefix}.weight")
             hidden = model.config.hidden_size
             if tuple(weight.shape) != (1, hidden):
                 raise RewardConfigError(f"{self.path}: {prefix}.weight has shape {tuple(weight.shape)}, "

@@ -6,6 +6,10 @@ trainer state (step, data position) and every rank's RNG state. A checkpoint is 
 hidden temporary folder and renamed into place, so a crash mid-write never leaves a checkpoint
 that looks complete; ``latest_checkpoint`` only sees complete ones. Every file is fsynced before
 the rename, and the rename itself after it, so a power loss cannot leave a torn checkpoint either.
+Each such folder (checkpoints, ``final/``, ``best/``) ends with ``MANIFEST.json``, written last:
+every file's size and SHA-256. ``--resume`` checks the newest checkpoint against it and falls back
+to the newest intact one (`intact_checkpoint`), so a file damaged after the write (a disk error, a
+copy cut short) costs the steps since the checkpoint before, not the run.
 
 Checkpoints hold tensors and plain data only: torch files are read with ``weights_only=True``
 (no pickled code runs on ``--resume``), the trainer state is JSON.
@@ -13,23 +17,27 @@ Checkpoints hold tensors and plain data only: torch files are read with ``weight
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import logging
 import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import io
-from collections.abc import Callable
 
 import torch
 
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 
+log = logging.getLogger(__name__)
+
 _NAME = re.compile(r"^step_(\d+)$")
+MANIFEST = "MANIFEST.json"
 
 
 def rng_state() -> dict[str, Any]:
@@ -114,7 +122,8 @@ def replace_atomically(tmp: Path, final: Path) -> None:
 
 def write_directory(final: Path, write: Callable[[Path], None], dist: DistContext = SINGLE) -> Path:
     """``write(tmp)`` on every rank into a hidden ``.<name>.tmp`` beside ``final``, then (main
-    rank) `replace_atomically`: a kill at any moment leaves the old ``final`` or the new one."""
+    rank) its `write_manifest` and `replace_atomically`: a kill at any moment leaves the old
+    ``final`` or the new one."""
     tmp = final.with_name(f".{final.name}.tmp")
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,6 +133,7 @@ def write_directory(final: Path, write: Callable[[Path], None], dist: DistContex
         write(tmp)
         dist.barrier()
         if dist.is_main:
+            write_manifest(tmp)
             replace_atomically(tmp, final)
     except OSError as exc:
         raise RlhfError(f"cannot write {exc.filename or final}: {exc.strerror or exc}") from exc
@@ -135,6 +145,76 @@ def write_directory(final: Path, write: Callable[[Path], None], dist: DistContex
         raise RlhfError(f"cannot write {final}: {reason} ({free >> 20} MiB free there)") from exc
     dist.barrier()
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """``folder/MANIFEST.json``: every file under ``folder`` (relative path, bytes, SHA-256)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """What is wrong with ``folder`` against its manifest, in a few words naming the file; None when
+    every file is there with its size and hash (or the folder predates manifests: nothing to check)."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+        expected = {str(name): (int(e["bytes"]), str(e["sha256"])) for name, e in entries.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{manifest} cannot be read ({exc.__class__.__name__})"
+    for name, (size, sha) in sorted(expected.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} has {actual:,} bytes where {size:,} were written"
+        if _sha256(path) != sha:
+            return f"{path} differs from what was written (its SHA-256 changed)"
+    return None
+
+
+def intact_checkpoint(out_dir: Path) -> Path | None:
+    """The newest checkpoint whose files match its manifest; each newer damaged one is named in a
+    warning. Raises `RlhfError` when checkpoints exist and none is intact."""
+    damaged = []
+    for path in reversed(list_checkpoints(out_dir)):
+        problem = manifest_problem(path)
+        if problem is None:
+            if damaged:
+                log.warning("--resume: %s is damaged (%s); resuming from %s instead", damaged[0][0].name,
+                            damaged[0][1], path.name)
+            return path
+        damaged.append((path, problem))
+    if damaged:
+        raise RlhfError(f"--resume: no intact checkpoint in {out_dir / 'checkpoints'}: {damaged[0][1]}"
+                        + (f" (and {len(damaged) - 1} older one(s) damaged too)" if len(damaged) > 1 else ""))
+    return None
+
+
+def remove_leftovers(out_dir: Path) -> list[Path]:
+    """Remove the hidden ``.<name>.tmp``/``.<name>.old`` folders a killed write left in ``out_dir``
+    and its ``checkpoints/`` (call only while holding the run's lock: no write is under way)."""
+    removed = []
+    for folder in (out_dir, out_dir / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            if path.is_dir() and path.name.startswith(".") and path.name.endswith((".tmp", ".old")):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
 
 
 def save_checkpoint(out_dir: Path, step: int, *, workers: dict[str, Any], trainer_state: dict[str, Any],
@@ -169,8 +249,16 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, workers: dict[str, Any], dist: DistContext = SINGLE) -> dict[str, Any]:
-    """Restore every worker and this rank's RNG from a checkpoint folder; return the trainer state."""
-    for name, worker in workers.items():
-        worker.load(path / name)
-    set_rng_state(load_tensors(path / f"rng_{dist.rank}.pt"))
-    return json.loads((path / "trainer_state.json").read_text())
+    """Restore every worker and this rank's RNG from a checkpoint folder; return the trainer state.
+    A file that cannot be read is one `RlhfError` naming it."""
+    try:
+        for name, worker in workers.items():
+            worker.load(path / name)
+        set_rng_state(load_tensors(path / f"rng_{dist.rank}.pt"))
+        return json.loads((path / "trainer_state.json").read_text())
+    except RlhfError:
+        raise
+    except Exception as exc:  # torch's, safetensors' or DeepSpeed's reader on a damaged file
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise RlhfError(f"cannot load the checkpoint {path}: {detail}. Delete that folder to resume from the "
+                        "one before it") from exc

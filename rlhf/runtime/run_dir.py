@@ -153,8 +153,19 @@ class RunDirectory:
                                           dist=self.dist)
 
     def resume(self, roles: dict[str, Any]) -> dict[str, Any] | None:
-        """Load the latest complete checkpoint into ``roles``; its trainer state (None: there is none)."""
-        path = checkpoint.latest_checkpoint(self.path)
+        """Load the newest intact checkpoint into ``roles`` (`checkpoint.intact_checkpoint`: the main rank
+        checks the manifests, every rank loads its choice); its trainer state (None: there is none)."""
+        choice: tuple[str | None, str | None] = (None, None)  # (checkpoint, error)
+        if self.dist.is_main:
+            try:
+                found = checkpoint.intact_checkpoint(self.path)
+                choice = (str(found) if found is not None else None, None)
+            except RlhfError as exc:
+                choice = (None, str(exc))
+        name, error = self.dist.broadcast(choice)
+        if error is not None:
+            raise RlhfError(error)
+        path = Path(name) if name is not None else None
         if path is None:
             if self.dist.is_main:
                 log.warning("--resume: no complete checkpoint in %s; starting from step 0", self.path)

@@ -124,7 +124,7 @@ def test_the_ray_runtime_reproduces_the_local_run(ray_cluster, tiny_model_dir, t
     assert metrics[1]["policy/loss"] != metrics[0]["policy/loss"]  # the second step sampled from new weights
     step = ray_out / "checkpoints" / "step_2"
     assert sorted(str(p.relative_to(step)) for p in step.rglob("*") if p.is_file()) == [
-        "policy/rng_0.pt", "policy/state.pt", "rng_0.pt", "rollout/rng_0.pt", "trainer_state.json"]
+        "MANIFEST.json", "policy/rng_0.pt", "policy/state.pt", "rng_0.pt", "rollout/rng_0.pt", "trainer_state.json"]
     for (name, a), b in zip(final_weights(tmp_path / "local").items(), final_weights(ray_out).values()):
         assert torch.allclose(a, b, atol=1e-6), name
 

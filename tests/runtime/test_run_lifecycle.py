@@ -18,6 +18,7 @@ import yaml
 
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugins import build_plugin_manager
+from rlhf.runtime import checkpoint
 from rlhf.runtime.local import train
 from rlhf.runtime.run_dir import RunDirectory
 from tests.helpers import read_jsonl, run_cli, small_config
@@ -47,6 +48,7 @@ def test_a_checkpoint_that_holds_code_is_refused_not_run(tiny_model_dir, task, t
     train(small_config(tiny_model_dir, task, out, steps=1), plugins=plugins)
     marker = tmp_path / "pwned"
     torch.save({"nonfinite_in_a_row": Payload(marker)}, out / "checkpoints" / "step_1" / "policy" / "state.pt")
+    checkpoint.write_manifest(out / "checkpoints" / "step_1")  # whoever planted it rewrote the manifest too
     with pytest.raises(RlhfError, match="state.pt holds more than tensors and plain data"):
         train(small_config(tiny_model_dir, task, out, steps=2, resume=True, resume_override=["steps"]),
               plugins=build_plugin_manager())  # a run to continue (a complete one loads nothing)
@@ -143,7 +145,7 @@ def test_final_is_replaced_whole_or_not_at_all(tmp_path):
     with pytest.raises(RlhfError, match=r"cannot write .*config.json: No space left on device"):
         run_dir.write_model(run_dir.final, lambda folder: write(folder, "second", fail=True))
     assert (run_dir.final / "model.safetensors").read_text() == "first"
-    assert sorted(p.name for p in run_dir.final.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in run_dir.final.iterdir()) == ["MANIFEST.json", "config.json", "model.safetensors"]
 
 
 def test_a_full_disk_names_the_file_and_the_first_error_wins(tiny_model_dir, task, tmp_path, make_plugin):

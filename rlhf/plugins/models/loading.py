@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.modeling import check_model_ref
+from rlhf.core.modeling import check_model_ref, reading_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -60,7 +60,8 @@ def loading_errors(ref: str, *, weights: bool = True) -> Iterator[None]:
     ``weights=False`` for a tokenizer, whose directory needs no config.json."""
     check_model_ref(ref, weights=weights)
     try:
-        yield
+        with reading_weights(ref):
+            yield
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"cannot load the model {ref}: {first}") from exc

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from rlhf.core.errors import ConfigError
+from rlhf.core.modeling import reading_weights
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.loading import enable_activation_checkpointing, is_installed, quiet_transformers
 
@@ -198,7 +199,8 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, *, base: str | None
                           f"which is not a directory from here ({Path.cwd()}); pass --base MODEL, or run from the "
                           "directory the training ran in")
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
+        with reading_weights(base):
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
     except OSError as exc:
         raise ConfigError(f"cannot load the base model {base!r} of {adapter_dir}: {exc}. Pass --base MODEL") from exc
     with quiet_transformers(), quiet_peft():
