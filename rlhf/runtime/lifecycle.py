@@ -149,10 +149,13 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
     the run directory locked for this run (`RunLock`; the caller releases it when the run ends),
     free or resumable with the same options (``--resume-override`` excepted), and writable; a
     warning naming any plugin that failed to load and each of the plan's warnings; this process's
-    CPU threads (``threads``: models run in this process). The builders then seed
+    CPU threads (``threads``: models run in this process; a count fixed by the machine unless
+    ``--threads`` says otherwise, the run's own count on ``--resume``). The builders then seed
     (`seed_everything`) before they draw anything."""
     plan.check(world_size=world_size)
     config = plan.config
+    if config.resume and config.threads is None:
+        config.threads = recorded_threads(plan.out_dir)
     lock: RunLock | NoLock = NoLock()
     if is_main:
         lock = RunLock.for_directory(plan.out_dir).acquire()
@@ -162,6 +165,8 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
         except BaseException:
             lock.release()
             raise
+        for leftover in checkpoint.remove_leftovers(plan.out_dir):  # a write a kill cut short
+            log.info("removed %s, left by a write that did not finish", leftover)
         if plugins.broken:
             log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
                         ", ".join(r.label for r in plugins.broken))
@@ -170,8 +175,20 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
     if threads:
         from rlhf.runtime.threads import set_threads
 
-        set_threads(config.threads)
+        config.threads = set_threads(config.threads)  # config.yaml records the count the run uses
     return lock
+
+
+def recorded_threads(out_dir: Path) -> int | str | None:
+    """The ``threads`` a run's config.yaml records (a count, or auto), None where it records none:
+    a ``--resume`` without ``--threads`` uses the count the run began with, so it sums as the run did."""
+    import yaml
+
+    try:
+        recorded = (yaml.safe_load((out_dir / "config.yaml").read_text()) or {}).get("threads")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, (int, str)) and not isinstance(recorded, bool) else None
 
 
 def seed_everything(seed: int) -> None:
