@@ -7,8 +7,9 @@ code starts. `create` makes one cgroup for a call (v2: ``memory.max``, ``memory.
 ``pids.max`` under this process's own v1 cgroups); `join` moves the supervisor in (the host
 does it while the supervisor's interpreter starts, before the supervisor reads its request, so
 before it forks anything: a v1 memory cgroup migration can take 15 ms); `remove` deletes the
-cgroup after the call. Where no writable hierarchy with the controller exists, the layer is missing and the
-caller says so.
+cgroup after the call. A host killed mid-call cannot remove its cgroups: the first `discover` of the
+next process removes every per-call cgroup whose host process is gone (`remove_stale`). Where no
+writable hierarchy with the controller exists, the layer is missing and the caller says so.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 V2_PARENT = "rlhf-sandbox"
+_PREFIX = "rlhf-sandbox-"  # a call's cgroup: rlhf-sandbox-<host pid>-<random>
 _discovered: dict[str, tuple[str, str] | None] | None = None  # controller -> (version, directory)
 
 
@@ -116,13 +118,44 @@ def discover() -> dict[str, tuple[str, str] | None]:
                         if os.access(parent, os.W_OK):
                             found[c] = ("v1", parent)
     _discovered = found
+    for parent in {where[1] for where in found.values() if where is not None}:
+        remove_stale(parent)
     return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_stale(parent: str) -> list[str]:
+    """Remove the per-call cgroups under ``parent`` whose host process no longer runs (a host
+    killed mid-call); what is still in them is killed first. Returns the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid_text = name[len(_PREFIX):].partition("-")[0] if name.startswith(_PREFIX) else ""
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+            continue
+        path = os.path.join(parent, name)
+        remove(Cgroup(dirs=[path]), timeout_s=0.5)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
 
 
 def create(memory_bytes: int, max_tasks: int) -> Cgroup:
     """A fresh cgroup (one per hierarchy) holding the limits; best effort, never raises."""
     group = Cgroup()
-    name = f"rlhf-sandbox-{os.getpid()}-{os.urandom(6).hex()}"
+    name = f"{_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
     made: dict[str, str] = {}
     for controller, where in discover().items():
         if where is None:
