@@ -172,11 +172,41 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
                         ", ".join(r.label for r in plugins.broken))
         for warning in plan.warnings():
             log.warning("%s", warning)
+    hide_run_data(config, plan.out_dir)
     if threads:
         from rlhf.runtime.threads import set_threads
 
         config.threads = set_threads(config.threads)  # config.yaml records the count the run uses
     return lock
+
+
+_SYSTEM_DIRS = frozenset({"/", "/usr", "/opt", "/var", "/etc", "/bin", "/lib", "/srv", "/tmp", "/home", "/root"})
+
+
+def run_data_paths(config: Any, out_dir: Path, cwd: Path | None = None) -> list[str]:
+    """What sandboxed code must not read during this run: the ``data`` and ``eval_data`` files,
+    the run directory, the files named by ``reward`` (``file.py[:func][@w]``) and ``env``
+    references, and the project the command runs in (``cwd``, unless it is ``/`` or a system or
+    home root). Paths that do not exist are left out, but for the run directory, made later."""
+    refs = [*(getattr(config, "data", None) or []), *(getattr(config, "eval_data", None) or [])]
+    for spec in (*(getattr(config, "reward", None) or []), getattr(config, "env", None) or ""):
+        refs.append(str(spec).rpartition("@")[0] or str(spec))
+        refs.append(str(spec).partition(":")[0])
+    cwd = Path.cwd() if cwd is None else cwd
+    if str(cwd.resolve()) not in _SYSTEM_DIRS:
+        refs.append(str(cwd))
+    found = {str(Path(ref).expanduser().resolve()) for ref in refs if ref and Path(ref).expanduser().exists()}
+    return sorted(found | {str(out_dir.resolve())})  # the run directory, made later
+
+
+def hide_run_data(config: Any, out_dir: Path) -> tuple[str, ...]:
+    """Register `run_data_paths` with the sandbox (`rlhf.sandbox.hide_by_default`): model code that
+    an environment runs (tool calls, code rewards) cannot print a label from the data file."""
+    from rlhf.sandbox import hide_by_default
+
+    hidden = hide_by_default(run_data_paths(config, out_dir))
+    log.debug("hidden from sandboxed code: %s", ", ".join(hidden))
+    return hidden
 
 
 def recorded_threads(out_dir: Path) -> int | str | None:

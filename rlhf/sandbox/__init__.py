@@ -45,6 +45,10 @@ layer             effect (where)
                   an unprivileged uid could not cross on the way to Python replaced by empty
                   tmpfs; the Python installation (a venv too, even under ``/tmp``) stays
                   visible, read-only
+``hidden:PATH``   one per hidden path the view covers: ``hide_paths`` and, unless
+                  ``hide_defaults=False``, what ``hide_by_default`` registered (a training run
+                  registers its data, eval data, run directory, reward sources and the project
+                  it runs in); a hidden file reads as empty, a hidden directory as empty
 ``uid``           as root: the code always runs as a fresh unprivileged uid (random per call),
                   so file permissions protect the host and RLIMIT_NPROC applies. Without mount
                   namespaces, an installation that uid cannot reach is an error
@@ -95,11 +99,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ._sandbox_execution import (  # noqa: F401 - constants re-exported for callers and tests
-    BASE_ENV, OUTPUT_KILL_FACTOR, SANDBOX_UIDS, _Execution,
+    BASE_ENV, OUTPUT_KILL_FACTOR, SANDBOX_UIDS, _Execution, hidden_by_default, hide_by_default,
 )
 from ._sandbox_types import STATUSES, SandboxConfig, SandboxResult  # noqa: F401 - the public types
 
-__all__ = ["SandboxConfig", "SandboxResult", "run_code", "run_code_async", "set_max_concurrency"]
+__all__ = ["SandboxConfig", "SandboxResult", "hidden_by_default", "hide_by_default", "run_code", "run_code_async",
+           "set_max_concurrency"]
 
 _NO_NAMESPACES: set[str] = set()  # interpreters whose namespace set-up failed here: not retried
 

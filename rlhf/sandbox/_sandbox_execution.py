@@ -36,6 +36,26 @@ BASE_ENV = {
 }
 
 
+# --- what every call hides ---------------------------------------------------------------------
+
+_hidden_by_default: tuple[str, ...] = ()
+
+
+def hide_by_default(paths: Any) -> tuple[str, ...]:
+    """Hide ``paths`` (files and directories) from the code of every later call that keeps
+    ``SandboxConfig.hide_defaults``: a run registers its data, eval data, run directory, reward
+    sources and project checkout, so model code cannot read a label. Replaces what was registered;
+    returns the resolved paths (``/`` left out). Each call hides those that exist by then."""
+    global _hidden_by_default
+    resolved = {os.path.realpath(os.fspath(p)) for p in paths if p}
+    _hidden_by_default = tuple(sorted(p for p in resolved if p != "/"))
+    return _hidden_by_default
+
+
+def hidden_by_default() -> tuple[str, ...]:
+    return _hidden_by_default
+
+
 # --- one execution ----------------------------------------------------------------------------
 
 
@@ -54,6 +74,7 @@ class _Execution:
             raise PermissionError("drop_privileges=True needs root; leave it None to use what is available")
         if is_root and cfg.drop_privileges is not False:
             self.uid = random.randrange(*SANDBOX_UIDS)
+        hidden = (*cfg.hide_paths, *(_hidden_by_default if cfg.hide_defaults else ()))
         homes = {os.path.expanduser("~")}
         try:
             import pwd
@@ -69,7 +90,8 @@ class _Execution:
             "namespaces": cfg.namespaces, "drop_privileges": cfg.drop_privileges, "python_guard": cfg.python_guard,
             "uid": self.uid, "tmp_root": tempfile.gettempdir(), "seccomp": cfg.seccomp,
             "cgroup_layers": [],  # filled in once the supervisor is in the call's cgroups
-            "mask": sorted({os.path.realpath(p) for p in (*homes, *cfg.hide_paths) if p}),
+            "mask": sorted({os.path.realpath(p) for p in (*homes, *hidden) if p}),
+            "hide": sorted({os.path.realpath(p) for p in hidden if p}),
             **(_python_layout() if cfg.python in (None, sys.executable) else {}),
         }
 

@@ -7,7 +7,8 @@ minimal read-only ``/dev`` (null, zero, full, random, urandom, a private ``shm``
 ``/etc`` (shadow files, sudoers) replaced by empty files, a private tmpfs ``/tmp`` holding the
 working directory, and masked directories (home directories, ``hide_paths``, and any directory
 an unprivileged uid could not cross on the way to the Python installation) replaced by empty
-tmpfs. The Python installation and its site-packages stay visible, read-only, wherever they live,
+tmpfs; a hidden file (``hide_paths``, the run's data) reads as empty. Each hidden path the view
+covers is reported as the layer ``hidden:PATH``. The Python installation and its site-packages stay visible, read-only, wherever they live,
 even inside ``/tmp`` or a masked directory. Standard library only, cheap imports only.
 """
 
@@ -124,11 +125,13 @@ def set_up_mounts(req, layers, notes, uid):
     """Build the code's view of the filesystem (see the module docstring); returns the workdir."""
     keep = [p for p in req["python_paths"] if os.path.isdir(p)]
     masked = {m for m in req["mask"] if os.path.isdir(m) and m != "/"}
+    files = sorted(m for m in req.get("hide", ()) if os.path.isfile(m) and not os.path.islink(m))
     if uid is not None:  # directories the unprivileged uid could not cross on the way to Python
         for p in keep:
             masked.update(closed_ancestors(p, uid))
     masked = sorted(m for m in masked if not any(under(m, k) for k in keep) and not any(under(m, t) for t in TMP_DIRS))
     masked = [m for m in masked if not any(m != o and under(m, o) for o in masked)]  # outermost only
+    files = [f for f in files if not any(under(f, m) for m in masked)]  # a masked directory hides them already
     hidden = [*masked, *TMP_DIRS]
     reexpose = [p for p in keep if any(under(p, h) for h in hidden)]
     fds = {p: os.open(p, O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in reexpose}
@@ -171,6 +174,12 @@ def set_up_mounts(req, layers, notes, uid):
         if masked:
             layers.append("masked_dirs")
         mask_etc(layers, notes)
+        for f in files:  # a hidden file reads as empty, like the secrets of /etc
+            mount("/dev/null", f, None, MS_BIND)
+            readonly(f)
+        for path in req.get("hide", ()):
+            if any(under(path, m) for m in masked) or path in files:
+                layers.append("hidden:" + path)
         if new_dev:
             readonly("/dev")
     finally:

@@ -28,7 +28,9 @@ class SandboxConfig:
     python_guard: bool | None = field(default=None, metadata={"help": "audit-hook guard; None: where OS layers are missing"})
     seccomp: bool | None = field(default=None, metadata={"help": "seccomp filter (no exec, no namespaces): None when possible"})
     cgroup: bool | None = field(default=None, metadata={"help": "memory and process limits on the whole tree: None when possible"})
-    hide_paths: tuple[str, ...] = field(default=(), metadata={"help": "more directories to mask (with namespaces)"})
+    hide_paths: tuple[str, ...] = field(default=(), metadata={"help": "more files and directories to hide (with namespaces)"})
+    hide_defaults: bool = field(default=True, metadata={"help": "hide the paths registered with hide_by_default (a run's "
+                                                                "data, run directory, reward sources, project)"})
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "memory_mb", "max_processes", "max_file_size_mb", "max_open_files", "disk_mb",

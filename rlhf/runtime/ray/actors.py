@@ -77,7 +77,7 @@ class WorkerHost:
         began = time.perf_counter()
         from rlhf.core.distributed import SINGLE, init_from_environment
         from rlhf.runtime import local
-        from rlhf.runtime.lifecycle import seed_everything
+        from rlhf.runtime.lifecycle import hide_run_data, seed_everything
         from rlhf.runtime.plan import RunPlan
 
         self.dist = SINGLE
@@ -97,6 +97,7 @@ class WorkerHost:
         if "reward" in roles:
             self.workers["reward"] = local.build_reward(config, plugins)
         self.plan = plan = RunPlan.make(config, plugins).with_prompts(num_prompts)
+        hide_run_data(config, plan.out_dir)  # environments run model code in this process too
         self.adapter = self.tokenizer = None
         if any(role in roles for role in ("policy", "reference", "critic", "rollout")):
             self.adapter = local.build_adapter(plan)
