@@ -30,7 +30,9 @@ CORES = len(os.sched_getaffinity(0))
 ALL = str(CORES)  # torch's default thread count: one per core
 # name -> (environment, arguments). GOMP_SPINCOUNT=300000 is what GNU OpenMP does with nothing set.
 VARIANTS = {
-    "rlhf default": ({}, []),
+    "rlhf default": ({}, []),  # half the usable cores, fixed
+    "--threads auto": ({}, ["--threads", "auto"]),  # follows the load
+    "all threads (torch's default)": ({}, ["--threads", ALL]),
     "old default": ({"GOMP_SPINCOUNT": "300000"}, ["--threads", ALL]),
     "--threads 1": ({}, ["--threads", "1"]),
     "OMP_WAIT_POLICY=PASSIVE": ({"OMP_WAIT_POLICY": "PASSIVE"}, ["--threads", ALL]),
@@ -71,9 +73,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--busy-per-core", type=int, default=2)
-    parser.add_argument("--variants", nargs="*", default=["rlhf default", "old default", "--threads 1",
-                                                             "OMP_WAIT_POLICY=PASSIVE"])
+    parser.add_argument("--busy-per-core", type=float, default=2, help="busy loops per core (0.5: one per two cores)")
+    parser.add_argument("--variants", nargs="*", default=["rlhf default", "--threads auto",
+                                                             "all threads (torch's default)", "old default"])
     parser.add_argument("--conditions", nargs="*", default=["idle", "busy"])
     options = parser.parse_args()
     print(f"machine: {CORES} usable cores of {os.cpu_count()}, {versions()}, load {load()}", flush=True)
@@ -85,7 +87,7 @@ def main() -> None:
             busy = []
             if condition == "busy":
                 busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                        for _ in range(options.busy_per_core * CORES)]
+                        for _ in range(max(1, round(options.busy_per_core * CORES)))]
                 time.sleep(1.0)
             try:
                 for name in options.variants:

@@ -46,7 +46,9 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
             "tests/fastpaths/test_packing.py", "tests/fastpaths/test_segment_attention.py",
             "tests/fastpaths/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py",
             "tests/runtime/test_run_lifecycle.py", "tests/runtime/test_sampling_options.py",
-            "tests/runtime/test_model_card.py", "tests/datagen/test_labels.py"]
+            "tests/runtime/test_model_card.py", "tests/datagen/test_labels.py",
+            "tests/runtime/test_ordered_backward.py", "tests/runtime/test_threads.py",
+            "tests/runtime/test_checkpoint_integrity.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py"]
 
@@ -78,12 +80,13 @@ AREAS = {
     ], OFFLINE_TESTS),
     "run lifecycle": ([
         "rlhf/runtime/best_model.py", "rlhf/runtime/lifecycle.py", "rlhf/runtime/trained.py",
-        "rlhf/runtime/run_dir.py",
+        "rlhf/runtime/run_dir.py", "rlhf/runtime/checkpoint.py", "rlhf/runtime/threads.py",
     ], RL_TESTS + OFFLINE_TESTS),
     "fast paths": ([
         "rlhf/core/logprobs.py", "rlhf/fastpaths/prefix_sharing.py", "rlhf/fastpaths/segment_attention.py",
         "rlhf/fastpaths/cpu_linear.py", "rlhf/fastpaths/lean_decode.py", "rlhf/plugins/engines/hf.py",
         "rlhf/fastpaths/packing.py", "rlhf/fastpaths/verdicts.py", "rlhf/fastpaths/llama_like.py",
+        "rlhf/core/ordered_gather.py",
     ], RL_TESTS + OFFLINE_TESTS + ["tests/fastpaths/test_transformers_contract.py"]),
 }
 TARGETS = [file for files, _ in AREAS.values() for file in files]

@@ -5,8 +5,8 @@ torch sums floats in an order that depends on its thread count, so a run's numbe
 weights, in the last bits) follow the count. The default is therefore fixed by the machine, never
 by its load: `default_threads`, half the cores this process may use (at least one; all of what
 ``OMP_NUM_THREADS`` says where it is set). Half, because a thread per core stalls every parallel op
-whenever another process takes one of those cores (4-14x slower steps beside one busy process on
-two cores), while a thread left out costs little on the small products of a CPU run (measured in
+whenever another process takes one of those cores (4.8x slower steps beside one busy process on
+two cores, 14x beside four), while a thread left out costs little on the small products of a CPU run (measured in
 benchmarks/README.md, "Threads"). The count a run used is recorded in its config.yaml and a
 ``--resume`` without ``--threads`` reuses it.
 
@@ -187,7 +187,8 @@ def set_threads(requested: int | str | None) -> int | str:
     threads = requested if requested is not None else default_threads()
     torch.set_num_threads(threads)
     if requested is None:
-        log.info("using %d CPU thread(s) (half of the %d usable cores; --threads N to choose)", threads, usable_cores())
+        log.info("using %d CPU thread(s), fixed for this machine (--threads N to choose, --threads auto to follow "
+                 "the load)", threads)
     return threads
 
 
