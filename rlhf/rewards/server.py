@@ -5,18 +5,30 @@ clients post to ``/get_reward``) with ``{"query": [...], "prompts"?: [...], "lab
 ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``. The completion of each sample is its
 query minus its prompt when the query starts with it, else the whole query.
 
-Limits (`ServerLimits`, each a ``rlhf reward serve`` option): a body over ``max_body_mb`` answers
-413 (checked against Content-Length before reading), more than ``max_samples`` samples or JSON
-nested deeper than ``max_depth`` 400, a body not fully received within ``read_timeout_s`` 408,
-and a connection that sends no complete request within ``read_timeout_s`` is closed. At most
-``max_concurrency`` scoring requests are in flight (reading included); one more answers 503 with
-``Retry-After`` at once, so stalled or huge uploads never block ``/health`` or other clients. JSON
-is parsed off the event loop.
+Limits (`ServerLimits`, each a ``rlhf reward serve`` option). Receiving a body
+(`rlhf.rewards.uploads`) takes no scoring slot: at most ``max_uploads`` bodies are received at once
+(one more: 503 with ``Retry-After``); each must arrive within ``read_timeout_s`` and, after its first
+second, at ``min_upload_kib_s`` or faster (408 otherwise, so tricklers are cut off in seconds); a
+connection that sends no complete request head within ``read_timeout_s`` is closed. A body over
+``max_body_mb`` answers 413 (from Content-Length before reading, or as it grows); the bodies held
+at once (received, parsed or being scored) stay within ``max_buffered_mb`` (default 4 x
+``max_body_mb``; a body that would go over it: 503). Bodies are parsed off the event loop one at a
+time, after counting their JSON values (`rlhf.rewards.request_json`: at most 64 per sample of
+``max_samples``, keys the protocol ignores included), so memory per request stays a small multiple
+of its size; more than ``max_samples`` samples or JSON nested deeper than ``max_depth`` answer 400.
+Then at most ``max_concurrency`` requests are scored at once; one more answers 503 at once. So
+stalled, slow or huge uploads never block ``/health`` or other clients.
+
+``/health`` says ``"busy"`` (with ``batch_running_s``) while a batch is scored, and answers 503
+``"stalled"`` once a batch has run past ``stalled_after_s`` or every ``--sync-in-thread`` thread is
+stuck in a call that outlived its timeout (``hung_threads``). Threaded calls take one of
+``sync_threads`` threads; once all are stuck, scoring requests answer 503 instead of starting more.
 
 A sample the source fails on answers HTTP 500 with ``{"error": ...}`` naming the function and the
 sample, so the client's own failure policy decides (with ``on_error`` zero or skip the server
 scores such samples 0 or ``null`` instead). With a token, every POST needs
-``Authorization: Bearer <token>`` (401 otherwise).
+``Authorization: Bearer <token>`` (401 otherwise, whatever bytes the header holds; compared in
+constant time).
 
 Threads: the HTTP loop runs in a background thread; sync functions and reward models run in the
 thread that called `RewardServer.run` (the main thread under ``rlhf reward serve``), one batch at a
