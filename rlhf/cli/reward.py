@@ -70,7 +70,8 @@ def _is_loopback(host: str) -> bool:
 def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | None, allow_no_token: bool,
                   max_body_mb: float, max_samples: int, max_depth: int, read_timeout_s: float,
                   max_concurrency: int, max_uploads: int, min_upload_kib_s: float, max_buffered_mb: float | None,
-                  sync_threads: int, stalled_after_s: float | None, on_error: str, timeout_s: float, sync_in_thread: bool,
+                  sync_threads: int, stalled_after_s: float | None, on_error: str, timeout_s: float,
+                  sync_in_thread: bool,
                   value_head_prefix: str, rm_batch_size: int, rm_device: str | None, rm_dtype: str) -> None:
     """Serve the reward SPEC over HTTP with OpenRLHF's protocol.
 

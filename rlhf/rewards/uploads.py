@@ -88,8 +88,9 @@ async def receive_body(request: Any, held: HeldBody, limits: ServerLimits) -> by
             if deadline == total_deadline:
                 raise UploadRefused(408, f"request body not received within {limits.read_timeout_s:g} s "
                                     "(--read-timeout-s)") from None
+            elapsed = loop.time() - started
             raise UploadRefused(408, f"request body arriving slower than {limits.min_upload_kib_s:g} KiB/s "
-                                f"({held.size} bytes after {loop.time() - started:.1f} s; --min-upload-kib-s)") from None
+                                f"({held.size} bytes after {elapsed:.1f} s; --min-upload-kib-s)") from None
         except (ConnectionError, OSError) as exc:
             raise UploadRefused(400, f"request body not received: {exc}") from None
         except Exception as exc:  # aiohttp's payload errors (a broken chunked encoding, a reset)
