@@ -43,7 +43,18 @@ def _is_loopback(host: str) -> bool:
 @click.option("--read-timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds to receive a whole request; slower ones get 408 or are disconnected")
 @click.option("--max-concurrency", type=click.IntRange(1), default=16, show_default=True,
-              help="Scoring requests in flight at once; one more answers 503 (retry later)")
+              help="Requests being scored at once (bodies being received do not count); one more answers 503")
+@click.option("--max-uploads", type=click.IntRange(1), default=64, show_default=True,
+              help="Request bodies being received at once; one more answers 503 (retry later)")
+@click.option("--min-upload-kib-s", type=click.FloatRange(min=0, min_open=True), default=16.0, show_default=True,
+              help="Slowest average rate of a request body after its first second; slower ones get 408")
+@click.option("--max-buffered-mb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Request bodies held in memory at once, all requests together; a body that would go over "
+                   "answers 503  [default: 4 x --max-body-mb]")
+@click.option("--sync-threads", type=click.IntRange(1), default=16, show_default=True,
+              help="Threads for --sync-in-thread calls; once all are stuck in calls past --timeout, requests get 503")
+@click.option("--stalled-after-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="GET /health answers 503 'stalled' once a batch has been scoring this long  [default: --timeout]")
 @click.option("--on-error", type=click.Choice(ON_ERROR), default="raise", show_default=True,
               help="A sample the reward fails on: HTTP 500 naming it (raise), score 0 (zero) or null (skip)")
 @click.option("--timeout", "timeout_s", type=float, default=180.0, show_default=True,
@@ -58,13 +69,16 @@ def _is_loopback(host: str) -> bool:
 @click.pass_obj
 def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | None, allow_no_token: bool,
                   max_body_mb: float, max_samples: int, max_depth: int, read_timeout_s: float,
-                  max_concurrency: int, on_error: str, timeout_s: float, sync_in_thread: bool,
+                  max_concurrency: int, max_uploads: int, min_upload_kib_s: float, max_buffered_mb: float | None,
+                  sync_threads: int, stalled_after_s: float | None, on_error: str, timeout_s: float,
+                  sync_in_thread: bool,
                   value_head_prefix: str, rm_batch_size: int, rm_device: str | None, rm_dtype: str) -> None:
     """Serve the reward SPEC over HTTP with OpenRLHF's protocol.
 
     SPEC is anything --reward accepts: a registered name, file.py[:func], module:attr, a reward
     model directory or another server's URL. POST {"query": [...], "prompts": [...], "labels":
-    [...]} to any path (e.g. /get_reward); GET /health answers {"status": "ok"}.
+    [...]} to any path (e.g. /get_reward); GET /health answers {"status": "ok"} (503 "stalled" while a
+    batch runs past --stalled-after-s).
 
     \b
     rlhf reward serve my_rewards.py:accuracy --port 8000
@@ -74,6 +88,14 @@ def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | 
     from rlhf.rewards.server import RewardServer, ServerLimits
     from rlhf.rewards import load_reward
 
+    try:
+        limits = ServerLimits(max_body_mb=max_body_mb, max_samples=max_samples, max_depth=max_depth,
+                              read_timeout_s=read_timeout_s, max_concurrency=max_concurrency, max_uploads=max_uploads,
+                              min_upload_kib_s=min_upload_kib_s, max_buffered_mb=max_buffered_mb,
+                              sync_threads=sync_threads, stalled_after_s=stalled_after_s or timeout_s)
+    except ValueError as exc:
+        raise click.UsageError(str(exc).replace("max_buffered_mb", "--max-buffered-mb")
+                               .replace("max_body_mb", "--max-body-mb")) from None
     token = read_token(token_env, flag="--token-env")
     if not _is_loopback(host) and token is None and not allow_no_token:
         raise click.UsageError(f"refusing to serve on {host} without a token: anyone who can reach the port could "
@@ -85,8 +107,6 @@ def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | 
     if not _is_loopback(host) and token is None:
         click.echo(f"Warning: serving on {host} without a token (--allow-no-token): anyone who can reach this "
                    "port can use it.", err=True)
-    limits = ServerLimits(max_body_mb=max_body_mb, max_samples=max_samples, max_depth=max_depth,
-                          read_timeout_s=read_timeout_s, max_concurrency=max_concurrency)
     server = RewardServer(source, host=host, port=port, token=token, limits=limits)
     try:
         url = server.start()

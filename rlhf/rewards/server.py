@@ -5,18 +5,30 @@ clients post to ``/get_reward``) with ``{"query": [...], "prompts"?: [...], "lab
 ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``. The completion of each sample is its
 query minus its prompt when the query starts with it, else the whole query.
 
-Limits (`ServerLimits`, each a ``rlhf reward serve`` option): a body over ``max_body_mb`` answers
-413 (checked against Content-Length before reading), more than ``max_samples`` samples or JSON
-nested deeper than ``max_depth`` 400, a body not fully received within ``read_timeout_s`` 408,
-and a connection that sends no complete request within ``read_timeout_s`` is closed. At most
-``max_concurrency`` scoring requests are in flight (reading included); one more answers 503 with
-``Retry-After`` at once, so stalled or huge uploads never block ``/health`` or other clients. JSON
-is parsed off the event loop.
+Limits (`ServerLimits`, each a ``rlhf reward serve`` option). Receiving a body
+(`rlhf.rewards.uploads`) takes no scoring slot: at most ``max_uploads`` bodies are received at once
+(one more: 503 with ``Retry-After``); each must arrive within ``read_timeout_s`` and, after its first
+second, at ``min_upload_kib_s`` or faster (408 otherwise, so tricklers are cut off in seconds); a
+connection that sends no complete request head within ``read_timeout_s`` is closed. A body over
+``max_body_mb`` answers 413 (from Content-Length before reading, or as it grows); the bodies held
+at once (received, parsed or being scored) stay within ``max_buffered_mb`` (default 4 x
+``max_body_mb``; a body that would go over it: 503). Bodies are parsed off the event loop one at a
+time, after counting their JSON values (`rlhf.rewards.request_json`: at most 64 per sample of
+``max_samples``, keys the protocol ignores included), so memory per request stays a small multiple
+of its size; more than ``max_samples`` samples or JSON nested deeper than ``max_depth`` answer 400.
+Then at most ``max_concurrency`` requests are scored at once; one more answers 503 at once. So
+stalled, slow or huge uploads never block ``/health`` or other clients.
+
+``/health`` says ``"busy"`` (with ``batch_running_s``) while a batch is scored, and answers 503
+``"stalled"`` once a batch has run past ``stalled_after_s`` or every ``--sync-in-thread`` thread is
+stuck in a call that outlived its timeout (``hung_threads``). Threaded calls take one of
+``sync_threads`` threads; once all are stuck, scoring requests answer 503 instead of starting more.
 
 A sample the source fails on answers HTTP 500 with ``{"error": ...}`` naming the function and the
 sample, so the client's own failure policy decides (with ``on_error`` zero or skip the server
 scores such samples 0 or ``null`` instead). With a token, every POST needs
-``Authorization: Bearer <token>`` (401 otherwise).
+``Authorization: Bearer <token>`` (401 otherwise, whatever bytes the header holds; compared in
+constant time).
 
 Threads: the HTTP loop runs in a background thread; sync functions and reward models run in the
 thread that called `RewardServer.run` (the main thread under ``rlhf reward serve``), one batch at a
@@ -29,82 +41,62 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
-import json
 import queue
 import socket
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf.rewards.failures import RewardError, apply_policy
+from rlhf.rewards.request_json import BadRequest, batch_from_request, parse_body
 from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
+from rlhf.rewards.threads import ThreadSlots
+from rlhf.rewards.uploads import BodyBudget, HeldBody, UploadRefused, receive_body
 
+__all__ = ["BadRequest", "RewardServer", "ServerLimits", "batch_from_request", "parse_body"]
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one request may cost the server; the defaults fit a large rollout batch."""
+    """What one request, and all of them together, may cost the server; the defaults fit a large rollout batch."""
 
     max_body_mb: float = 32.0  # request body
     max_samples: int = 16384  # entries of "query"
     max_depth: int = 64  # JSON nesting (labels may be structured)
     read_timeout_s: float = 30.0  # to receive a whole request (headers and body)
-    max_concurrency: int = 16  # scoring requests in flight; one more answers 503
+    max_concurrency: int = 16  # requests being scored; one more answers 503
+    max_uploads: int = 64  # request bodies being received at once; one more answers 503
+    min_upload_kib_s: float = 16.0  # slowest average body rate after the first second; slower: 408
+    max_buffered_mb: float | None = None  # bytes of bodies held at once (default 4 x max_body_mb); over: 503
+    sync_threads: int = 16  # threads for --sync-in-thread calls, hung ones included
+    stalled_after_s: float = 180.0  # /health answers 503 "stalled" once a batch has run this long
+
+    json_values_per_sample = 64  # a body may hold max_samples times this many JSON values
 
     def __post_init__(self) -> None:
-        for name in ("max_body_mb", "max_samples", "max_depth", "read_timeout_s", "max_concurrency"):
+        for name in ("max_body_mb", "max_samples", "max_depth", "read_timeout_s", "max_concurrency", "max_uploads",
+                     "min_upload_kib_s", "sync_threads", "stalled_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_buffered_mb is None:
+            object.__setattr__(self, "max_buffered_mb", 4 * self.max_body_mb)
+        elif not self.max_buffered_mb >= self.max_body_mb:
+            raise ValueError(f"max_buffered_mb ({self.max_buffered_mb:g}) must be at least max_body_mb "
+                             f"({self.max_body_mb:g}), or no body of the largest size could be received")
 
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
 
+    @property
+    def max_buffered_bytes(self) -> int:
+        return int(self.max_buffered_mb * 1024 * 1024)
 
-class BadRequest(Exception):
-    pass
-
-
-def parse_body(raw: bytes, limits: ServerLimits) -> Any:
-    """JSON with a bounded nesting depth (a deep document is a 400, never a RecursionError)."""
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        raise BadRequest(f"JSON nested deeper than {limits.max_depth} levels") from None
-    except ValueError as exc:
-        raise BadRequest(f"invalid JSON: {exc}") from None
-    stack = [(data, 1)]
-    while stack:  # iterative: the depth check itself cannot recurse
-        value, depth = stack.pop()
-        if depth > limits.max_depth:
-            raise BadRequest(f"JSON nested deeper than {limits.max_depth} levels (--max-depth)")
-        if isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value if isinstance(v, (list, dict)))
-    if isinstance(data, dict) and isinstance(data.get("query"), list) and len(data["query"]) > limits.max_samples:
-        raise BadRequest(f"{len(data['query'])} samples in one request, more than {limits.max_samples} "
-                         "(--max-samples): send smaller batches")
-    return data
-
-
-def batch_from_request(data: Any) -> RewardBatch:
-    if not isinstance(data, dict) or not isinstance(data.get("query"), list):
-        raise BadRequest('the body must be a JSON object with a "query" list (and optional "prompts", "labels")')
-    queries = data["query"]
-    n = len(queries)
-    prompts = data.get("prompts")
-    labels = data.get("labels")
-    for key, value in (("prompts", prompts), ("labels", labels)):
-        if value is not None and (not isinstance(value, list) or len(value) != n):
-            raise BadRequest(f'"{key}" must be a list as long as "query" ({n})')
-    if not all(isinstance(q, str) for q in queries) or (prompts and not all(isinstance(p, str) for p in prompts)):
-        raise BadRequest('"query" and "prompts" must hold strings')
-    prompts = prompts or [""] * n
-    completions = [q[len(p):] if p and q.startswith(p) else q for q, p in zip(queries, prompts)]
-    return RewardBatch(prompts=list(prompts), completions=completions, labels=labels or [None] * n,
-                       prompt_texts=list(prompts))
+    @property
+    def max_json_values(self) -> int:
+        return self.max_samples * self.json_values_per_sample
 
 
 class RewardServer:
@@ -114,7 +106,12 @@ class RewardServer:
                  token: str | None = None, limits: ServerLimits | None = None):
         self.source, self.host, self.port, self.token = source, host, port, token
         self.limits = limits or ServerLimits()
-        self._in_flight = 0
+        self._in_flight = 0  # requests being scored
+        self._uploads = 0  # request bodies being received
+        self._bodies = BodyBudget(self.limits.max_buffered_bytes)
+        self._parsing: asyncio.Lock | None = None  # one body parsed at a time (parsing holds the GIL anyway)
+        self._threads = ThreadSlots(self.limits.sync_threads)
+        self._batches_started: dict[int, float] = {}  # running batches: their monotonic start
         self._served: weakref.WeakSet[Any] = weakref.WeakSet()  # transports that sent a whole request head
         self._jobs: queue.Queue[tuple[RewardBatch, concurrent.futures.Future] | None] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,49 +137,91 @@ class RewardServer:
         app.router.add_post("/{tail:.*}", self._score)
         return app
 
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``(HTTP status, body)`` of ``GET /health``: ok when idle, busy while scoring, 503 stalled when a
+        batch has run past ``stalled_after_s`` or every ``--sync-in-thread`` thread is stuck."""
+        body: dict[str, Any] = {"status": "ok", "reward": self.source.name}
+        started = list(self._batches_started.values())
+        if started:
+            running = time.monotonic() - min(started)
+            body.update(status="busy", batch_running_s=round(running, 1), batches_running=len(started))
+            if running > self.limits.stalled_after_s:
+                body.update(status="stalled", error=f"a batch has been scoring for {running:.0f} s, more than "
+                            f"{self.limits.stalled_after_s:g} s (--stalled-after-s): the reward may hang")
+        if self._threads.abandoned:
+            body["hung_threads"] = self._threads.abandoned
+            if self._threads.exhausted:
+                body.update(status="stalled", error=self._threads_exhausted_message())
+        return (503 if body["status"] == "stalled" else 200), body
+
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"status": "ok", "reward": self.source.name})
+        status, body = self.health()
+        return web.json_response(body, status=status)
+
+    def _threads_exhausted_message(self) -> str:
+        n = self._threads.size
+        return (f"all {n} reward threads (--sync-threads {n}) are stuck in calls that ran past their timeout and "
+                "never returned; fix or restart the reward")
+
+    def _authorized(self, request: Any) -> bool:
+        expected = f"Bearer {self.token}".encode()
+        given = next((value for name, value in request.raw_headers if name.lower() == b"authorization"), b"")
+        return hmac.compare_digest(given, expected)  # bytes: any header, ASCII or not, compares in constant time
 
     async def _score(self, request: Any) -> Any:
         from aiohttp import web
 
-        if self.token is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        def refuse(status: int, message: str, **headers: str) -> Any:
+            return web.json_response({"error": message}, status=status, headers=headers or None)
+
+        if self.token is not None and not self._authorized(request):
+            return refuse(401, "missing or wrong bearer token")
         limits = self.limits
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
-            return web.json_response({"error": f"request body of {request.content_length} bytes is over the "
-                                      f"{limits.max_body_mb:g} MiB limit (--max-body-mb)"}, status=413)
-        if self._in_flight >= limits.max_concurrency:
-            return web.json_response({"error": f"server busy: {self._in_flight} requests in flight "
-                                      f"(--max-concurrency {limits.max_concurrency}); retry later"},
-                                     status=503, headers={"Retry-After": "1"})
-        self._in_flight += 1
+            return refuse(413, f"request body of {request.content_length} bytes is over the "
+                          f"{limits.max_body_mb:g} MiB limit (--max-body-mb)")
+        if self._threads.exhausted:
+            return refuse(503, self._threads_exhausted_message(), **{"Retry-After": "10"})
+        if self._uploads >= limits.max_uploads:
+            return refuse(503, f"server busy: {self._uploads} request bodies being received (--max-uploads "
+                          f"{limits.max_uploads}); retry later", **{"Retry-After": "1"})
+        held = HeldBody(self._bodies)
         try:
-            return await self._score_admitted(request)
+            self._uploads += 1
+            try:
+                raw = await receive_body(request, held, limits)
+            except UploadRefused as exc:
+                retry = {"Retry-After": "1"} if exc.status == 503 else {}
+                return refuse(exc.status, str(exc), Connection="close", **retry)
+            finally:
+                self._uploads -= 1
+            try:
+                if self._parsing is None:
+                    self._parsing = asyncio.Lock()
+                async with self._parsing:
+                    data = await asyncio.get_running_loop().run_in_executor(None, parse_body, raw, limits)
+                del raw
+                held.drop_bytes()
+                batch = batch_from_request(data)
+                del data
+            except (ValueError, BadRequest) as exc:
+                return refuse(400, f"bad request: {exc}")
+            if self._in_flight >= limits.max_concurrency:
+                return refuse(503, f"server busy: {self._in_flight} requests being scored (--max-concurrency "
+                              f"{limits.max_concurrency}); retry later", **{"Retry-After": "1"})
+            self._in_flight += 1
+            try:
+                return await self._score_batch(batch)
+            finally:
+                self._in_flight -= 1
         finally:
-            self._in_flight -= 1
+            held.release()
 
-    async def _score_admitted(self, request: Any) -> Any:
+    async def _score_batch(self, batch: RewardBatch) -> Any:
         from aiohttp import web
 
-        limits = self.limits
-        try:
-            raw = await asyncio.wait_for(request.read(), timeout=limits.read_timeout_s)
-        except asyncio.TimeoutError:
-            return web.json_response({"error": f"request body not received within {limits.read_timeout_s:g} s "
-                                      "(--read-timeout-s)"}, status=408, headers={"Connection": "close"})
-        except web.HTTPRequestEntityTooLarge:
-            return web.json_response({"error": f"request body over the {limits.max_body_mb:g} MiB limit "
-                                      "(--max-body-mb)"}, status=413, headers={"Connection": "close"})
-        try:
-            data = await asyncio.get_running_loop().run_in_executor(None, parse_body, raw, limits)
-            batch = batch_from_request(data)
-        except (ValueError, BadRequest) as exc:
-            return web.json_response({"error": f"bad request: {exc}"}, status=400)
         try:
             output = await self._run(batch)
             values, _ = apply_policy(output.values, output.failures, self.source.options.on_error, self._reported)
@@ -197,7 +236,13 @@ class RewardServer:
 
     async def _run(self, batch: RewardBatch) -> SourceOutput:
         if not self.source.inline:
-            return await self.source.ascore_batch(batch)
+            self._threads.use()  # this request's --sync-in-thread calls take bounded threads
+            key = id(batch)
+            self._batches_started[key] = time.monotonic()
+            try:
+                return await self.source.ascore_batch(batch)
+            finally:
+                del self._batches_started[key]
         future: concurrent.futures.Future[SourceOutput] = concurrent.futures.Future()
         self._jobs.put((batch, future))
         return await asyncio.wrap_future(future)
@@ -273,12 +318,16 @@ class RewardServer:
             if job is None:
                 break
             batch, future = job
+            key = id(batch)
+            self._batches_started[key] = time.monotonic()
             try:
                 future.set_result(self.source.score_batch(batch))
             except BaseException as exc:  # noqa: BLE001 - the request answers 500
                 future.set_exception(exc)
                 if not isinstance(exc, Exception):
                     raise
+            finally:
+                self._batches_started.pop(key, None)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -7,9 +7,11 @@ import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -136,7 +138,8 @@ def test_serve_help(plugins):
     result = run_cli(plugins, ["reward", "serve", "--help"])
     assert result.exit_code == 0 and "OpenRLHF" in result.output and "--token-env" in result.output
     for option in ("--allow-no-token", "--max-body-mb", "--max-samples", "--max-depth", "--read-timeout-s",
-                   "--max-concurrency"):
+                   "--max-concurrency", "--max-uploads", "--min-upload-kib-s", "--max-buffered-mb", "--sync-threads",
+                   "--stalled-after-s"):
         assert option in result.output
 
 
@@ -181,3 +184,50 @@ def test_real_command_refuses_exposure_without_token_unless_allowed(tmp_path):
     process.terminate()
     _, stderr = process.communicate(timeout=30)
     assert "Warning: serving on 0.0.0.0 without a token" in stderr
+
+
+def _get(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.timeout(120)
+def test_real_command_hostile_client_options(tmp_path):
+    (tmp_path / "hangs.py").write_text("import time\n\ndef reward_func(queries):\n    time.sleep(3600)\n")
+    bad = subprocess.run([sys.executable, "-m", "rlhf", "reward", "serve", "exact_match", "--max-body-mb", "8",
+                          "--max-buffered-mb", "4"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--max-buffered-mb (4) must be at least --max-body-mb (8)" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    process, url = _start_cli([str(tmp_path / "hangs.py"), "--port", "0", "--sync-in-thread", "--timeout", "0.3",
+                               "--sync-threads", "1", "--stalled-after-s", "0.2", "--max-uploads", "1",
+                               "--min-upload-kib-s", "0.001", "--max-buffered-mb", "64"], dict(os.environ))
+    try:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        upload = socket.create_connection((host, int(port)), timeout=10)
+        upload.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        try:
+            status, body = _post_expecting_error(url, {"query": ["x"]})
+            assert status == 503 and "--max-uploads 1" in body["error"]
+        finally:
+            upload.close()
+        status, body = _post_expecting_error(url, {"query": ["x"]}, retry_503=True)
+        assert status == 500 and "no result after 0.3 s" in body["error"]  # the call hangs, its thread stays
+        status, body = _post_expecting_error(url, {"query": ["x"]})
+        assert status == 503 and "--sync-threads 1" in body["error"]
+        status, body = _get(url + "/health")
+        assert status == 503 and body["status"] == "stalled" and body["hung_threads"] == 1
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+def _post_expecting_error(url: str, body: Any, retry_503: bool = False) -> tuple[int, dict[str, Any]]:
+    for _ in range(100):
+        status, answer = post(url + "/get_reward", body)
+        if not (retry_503 and status == 503):
+            return status, answer
+        time.sleep(0.05)  # the server has yet to notice a closed upload
+    return status, answer

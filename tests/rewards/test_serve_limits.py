@@ -1,5 +1,5 @@
 """`rlhf reward serve` under hostile clients (issue 19): bodies too large, too many samples, too
-deep, stalled uploads and headers, more requests than slots; none may block /health or others."""
+deep, stalled uploads and headers, more uploads or requests than slots; none may block /health or others."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from rlhf.rewards.server import RewardServer, ServerLimits
 def serve():
     servers: list[RewardServer] = []
 
-    def start(**limits: Any) -> str:
-        source = FunctionSource(lambda completions: [1.0] * len(completions), "ones", "ones")
+    def start(source: Any = None, **limits: Any) -> str:
+        source = source or FunctionSource(lambda completions: [1.0] * len(completions), "ones", "ones")
         server = RewardServer(source, host="127.0.0.1", port=0, limits=ServerLimits(**limits))
         url = server.start()
         threading.Thread(target=server.run, daemon=True).start()
@@ -110,13 +110,13 @@ def test_stalled_headers_are_disconnected(serve):
     sock.close()
 
 
-def test_more_requests_than_slots_get_503_and_health_stays_up(serve):
-    url = serve(max_concurrency=2, read_timeout_s=30)
+def test_more_uploads_than_upload_slots_get_503_and_health_stays_up(serve):
+    url = serve(max_uploads=2, read_timeout_s=30, min_upload_kib_s=0.001)
     stalled = [stalled_upload(url) for _ in range(2)]
     try:
         time.sleep(0.3)  # both admitted and waiting for their bodies
         status, body = post_raw(url, b'{"query": ["x"]}')
-        assert status == 503 and "busy" in body["error"] and "--max-concurrency" in body["error"]
+        assert status == 503 and "busy" in body["error"] and "--max-uploads" in body["error"]
         assert health(url) == 200
     finally:
         for sock in stalled:
@@ -125,6 +125,26 @@ def test_more_requests_than_slots_get_503_and_health_stays_up(serve):
     while post_raw(url, b'{"query": ["x"]}')[0] == 503 and time.monotonic() < deadline:
         time.sleep(0.05)  # the slots free as the server notices the closed uploads
     assert post_raw(url, b'{"query": ["x"]}') == (200, {"rewards": [1.0], "scores": [1.0]})
+
+
+def test_more_requests_than_scoring_slots_get_503(serve):
+    release = threading.Event()
+    source = FunctionSource(lambda completions: release.wait(30) and [1.0] * len(completions), "slow", "slow")
+    url = serve(source=source, max_concurrency=1)
+    first: list[Any] = []
+    thread = threading.Thread(target=lambda: first.append(post_raw(url, b'{"query": ["x"]}', timeout=30)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while json.loads(urllib.request.urlopen(url + "/health", timeout=5).read())["status"] == "ok":
+            assert time.monotonic() < deadline, "the first request never started scoring"
+            time.sleep(0.02)
+        status, body = post_raw(url, b'{"query": ["y"]}')
+        assert status == 503 and "--max-concurrency" in body["error"]
+    finally:
+        release.set()
+        thread.join(30)
+    assert first == [(200, {"rewards": [1.0], "scores": [1.0]})]
 
 
 def test_limits_reject_nonsense():

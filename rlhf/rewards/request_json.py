@@ -1,0 +1,86 @@
+"""The JSON body of a scoring request, read under limits so that its size in memory is bounded.
+
+A body may hold at most ``ServerLimits.max_json_values`` JSON values (strings, numbers, objects,
+arrays, wherever they are, unknown keys included), counted before the document is parsed: a parsed
+value costs tens of bytes however short its text (``{}`` is 3 bytes of text, 64 of dict), so this
+count, not the body's size, bounds what parsing allocates. Nesting is bounded by ``max_depth``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+from rlhf.rewards.source import RewardBatch
+
+if TYPE_CHECKING:
+    from rlhf.rewards.server import ServerLimits
+
+PROTOCOL_KEYS = ("query", "prompts", "labels")
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+class BadRequest(Exception):
+    pass
+
+
+def count_json_values(text: str) -> int:
+    """An upper bound of the values in a JSON document: separators and openings outside strings, plus one."""
+    def structure(s: str) -> int:
+        return s.count(",") + s.count("[") + s.count("{") + 1
+
+    rough = structure(text)  # counts those inside strings too: exact enough when it is small
+    return rough if rough <= 1 << 16 else structure(_STRING.sub("0", text))
+
+
+def parse_body(raw: bytes, limits: ServerLimits) -> Any:
+    """Parse a request body, refusing (`BadRequest`) too many values, too deep nesting or bad JSON."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not UTF-8: {exc}") from None
+    values = count_json_values(text)
+    if values > limits.max_json_values:
+        raise BadRequest(f"the body holds about {values} JSON values, more than {limits.max_json_values} "
+                         f"({limits.json_values_per_sample} per sample of --max-samples {limits.max_samples}): "
+                         "send smaller batches")
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise BadRequest(f"JSON nested deeper than {limits.max_depth} levels (--max-depth)") from None
+    except ValueError as exc:
+        raise BadRequest(f"invalid JSON: {exc}") from None
+    del text
+    stack = [(data, 1)]
+    while stack:  # iterative: the depth check itself cannot recurse
+        value, depth = stack.pop()
+        if depth > limits.max_depth:
+            raise BadRequest(f"JSON nested deeper than {limits.max_depth} levels (--max-depth)")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value if isinstance(v, (list, dict)))
+    if isinstance(data, dict) and isinstance(data.get("query"), list) and len(data["query"]) > limits.max_samples:
+        raise BadRequest(f"{len(data['query'])} samples in one request, more than {limits.max_samples} "
+                         "(--max-samples): send smaller batches")
+    return data
+
+
+def batch_from_request(data: Any) -> RewardBatch:
+    """The batch a parsed body asks to score; keys other than query, prompts and labels are ignored."""
+    if not isinstance(data, dict) or not isinstance(data.get("query"), list):
+        raise BadRequest('the body must be a JSON object with a "query" list (and optional "prompts", "labels")')
+    queries = data["query"]
+    n = len(queries)
+    prompts = data.get("prompts")
+    labels = data.get("labels")
+    for key, value in (("prompts", prompts), ("labels", labels)):
+        if value is not None and (not isinstance(value, list) or len(value) != n):
+            raise BadRequest(f'"{key}" must be a list as long as "query" ({n})')
+    if not all(isinstance(q, str) for q in queries) or (prompts and not all(isinstance(p, str) for p in prompts)):
+        raise BadRequest('"query" and "prompts" must hold strings')
+    prompts = prompts or [""] * n
+    completions = [q[len(p):] if p and q.startswith(p) else q for q, p in zip(queries, prompts)]
+    return RewardBatch(prompts=list(prompts), completions=completions, labels=labels or [None] * n,
+                       prompt_texts=list(prompts))
