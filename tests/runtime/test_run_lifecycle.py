@@ -286,3 +286,20 @@ def test_logs_are_cut_back_to_the_checkpoint(tmp_path):
     assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
     cut_logs(tmp_path, None)  # from step 0
     assert metrics.read_text() == ""
+
+
+@pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]])
+def test_runs_leave_no_threads_behind(tiny_model_dir, task, tmp_path, plugins, mode):
+    """Three runs in one process (a notebook, a sweep): the threads after the first are the threads
+    after the last (the async producer, reward loops and lock holders all end with their run)."""
+    import threading
+
+    def run(name):
+        result = run_cli(plugins, train_args(tiny_model_dir, task, tmp_path / name, "--steps", "2", *mode))
+        assert result.exit_code == 0, result.output
+
+    run("first")
+    before = sorted(t.name for t in threading.enumerate())
+    run("second")
+    run("third")
+    assert sorted(t.name for t in threading.enumerate()) == before
