@@ -131,7 +131,8 @@ def set_up_mounts(req, layers, notes, uid):
             masked.update(closed_ancestors(p, uid))
     masked = sorted(m for m in masked if not any(under(m, k) for k in keep) and not any(under(m, t) for t in TMP_DIRS))
     masked = [m for m in masked if not any(m != o and under(m, o) for o in masked)]  # outermost only
-    files = [f for f in files if not any(under(f, m) for m in masked)]  # a masked directory hides them already
+    # a masked directory, or the private /tmp, hides them already
+    files = [f for f in files if not any(under(f, m) for m in (*masked, *TMP_DIRS))]
     hidden = [*masked, *TMP_DIRS]
     reexpose = [p for p in keep if any(under(p, h) for h in hidden)]
     fds = {p: os.open(p, O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in reexpose}
@@ -174,12 +175,15 @@ def set_up_mounts(req, layers, notes, uid):
         if masked:
             layers.append("masked_dirs")
         mask_etc(layers, notes)
+        covered = [*masked, *TMP_DIRS]
         for f in files:  # a hidden file reads as empty, like the secrets of /etc
-            mount("/dev/null", f, None, MS_BIND)
-            readonly(f)
-        for path in req.get("hide", ()):
-            if any(under(path, m) for m in masked) or path in files:
-                layers.append("hidden:" + path)
+            try:
+                mount("/dev/null", f, None, MS_BIND)
+                readonly(f)
+                covered.append(f)
+            except OSError as exc:
+                notes.append(f"could not hide {f} ({exc})")
+        layers.extend("hidden:" + path for path in req.get("hide", ()) if any(under(path, c) for c in covered))
         if new_dev:
             readonly("/dev")
     finally:

@@ -112,3 +112,15 @@ def test_system_directories_are_never_registered_as_the_project(tmp_path):
     assert run_data_paths(config, tmp_path / "run", cwd=Path("/tmp")) == [str((tmp_path / "run").resolve())]
 
 
+
+
+@needs_namespaces
+def test_hidden_paths_under_tmp_are_hidden_by_the_private_tmp(tmp_path, registered):
+    """Data under /tmp (a test's, a scratch run's): nothing to mount over, the code still runs, and the
+    path is reported hidden (the sandbox's /tmp is its own)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"answer": "42"}\n')
+    registered([data, tmp_path])
+    result = run_code("print(6 * 7)", timeout_s=10)
+    assert result.status == "ok" and result.stdout == "42\n", result
+    assert f"hidden:{data}" in result.isolation and f"hidden:{tmp_path}" in result.isolation
