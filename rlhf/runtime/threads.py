@@ -5,10 +5,10 @@ torch sums floats in an order that depends on its thread count, so a run's numbe
 weights, in the last bits) follow the count. The default is therefore fixed by the machine, never
 by its load: `default_threads`, half the cores this process may use (at least one; all of what
 ``OMP_NUM_THREADS`` says where it is set). Half, because a thread per core stalls every parallel op
-whenever another process takes one of those cores (4.8x slower steps beside one busy process on
-two cores, 14x beside four), while a thread left out costs little on the small products of a CPU run (measured in
-benchmarks/README.md, "Threads"). The count a run used is recorded in its config.yaml and a
-``--resume`` without ``--threads`` reuses it.
+whenever another process takes one of those cores (4-5x slower steps beside one busy process on
+two cores), while a thread left out costs little on the small products of a CPU run (figures in
+benchmarks/README.md, "Trust under faults"). The count a run used is recorded in its config.yaml
+and a ``--resume`` without ``--threads`` reuses it.
 
 * `prepare_openmp` (before torch is imported: the ``rlhf`` command calls it first) lowers GNU
   OpenMP's spin count (``GOMP_SPINCOUNT``) unless the user set it or ``OMP_WAIT_POLICY``: idle
