@@ -134,3 +134,17 @@ def test_model_failure_follows_the_policy(openrlhf_dir):
 
     source = RewardModelSource(openrlhf_dir, "rm", RewardOptions(on_error="skip"), worker=Broken())
     assert source.score(["p", "p"], ["a", "b"]) == [None, None]
+
+
+@pytest.mark.parametrize("layout", ["classifier", "openrlhf"])
+def test_a_damaged_reward_model_is_one_line_naming_it(layout, classifier_dir, openrlhf_dir, tmp_path, plugins):
+    import shutil
+
+    from rlhf.core.errors import RlhfError
+
+    damaged = tmp_path / "damaged-rm"
+    shutil.copytree(classifier_dir if layout == "classifier" else openrlhf_dir, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(RlhfError, match=f"cannot read the weights of {damaged}: a file there is damaged or incomplete"):
+        load_reward(str(damaged), plugins=plugins, rm_batch_size=2).score(PROMPTS, COMPLETIONS)
