@@ -303,3 +303,17 @@ def test_runs_leave_no_threads_behind(tiny_model_dir, task, tmp_path, plugins, m
     run("second")
     run("third")
     assert sorted(t.name for t in threading.enumerate()) == before
+
+
+def test_a_stop_during_the_last_step_still_completes_the_run(tiny_model_dir, task, tmp_path, make_plugin):
+    """Ctrl-C while the last step runs: that step's checkpoint is the run's end, so final/ is written
+    and the run completes (nothing is left to resume)."""
+    def on_step_end(run, step, metrics):
+        if step + 1 == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler only asks the loop to stop after this step
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("stopper", on_step_end=on_step_end))
+    out = train(small_config(tiny_model_dir, task, tmp_path / "run", steps=2), plugins=plugins)
+    assert (out / "final" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "step_2").is_dir()
