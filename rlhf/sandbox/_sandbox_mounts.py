@@ -8,8 +8,9 @@ minimal read-only ``/dev`` (null, zero, full, random, urandom, a private ``shm``
 working directory, and masked directories (home directories, ``hide_paths``, and any directory
 an unprivileged uid could not cross on the way to the Python installation) replaced by empty
 tmpfs; a hidden file (``hide_paths``, the run's data) reads as empty. Each hidden path the view
-covers is reported as the layer ``hidden:PATH``. The Python installation and its site-packages stay visible, read-only, wherever they live,
-even inside ``/tmp`` or a masked directory. Standard library only, cheap imports only.
+covers is reported as the layer ``hidden:PATH``. The Python installation and its site-packages
+stay visible, read-only, wherever they live, even inside ``/tmp`` or a masked directory.
+Standard library only, cheap imports only.
 """
 
 import os
