@@ -4,7 +4,10 @@
 temperature τ, so training sees the distribution the engine sampled from. Only positions from
 the first action token on are projected to the vocabulary (prompts need no logits), a row's
 last token is not run at all (it predicts nothing; `without_last_token`), and the vocabulary
-softmax runs in row chunks to bound float32 memory.
+softmax runs in row chunks to bound float32 memory. A model whose output layer is a
+`DeferredHead` (``rlhf.fastpaths.vocab_chunks``, on unless ``--no-vocab-chunks``) hands back its
+final hidden states instead, and the layer turns them into log-probs a few positions at a time,
+so no float32 logits of a whole micro-batch are ever held.
 
 Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions, ``V`` vocabulary.
 """
@@ -12,11 +15,13 @@ Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions, ``V
 from __future__ import annotations
 
 import abc
+import contextlib
+from typing import ContextManager
 
 import torch
 
 from rlhf.core.masked import last_real_index
-from rlhf.core.modeling import accepts_logits_to_keep, base_model
+from rlhf.core.modeling import accepts_logits_to_keep, base_model, innermost
 
 _ROWS_PER_CHUNK = 8
 
@@ -51,6 +56,39 @@ class OwnLogprobs(abc.ABC):
         """`token_logprobs` of ``(input_ids, attention_mask, action_mask)`` under the wrapped model."""
 
 
+class DeferredHead(abc.ABC):
+    """An output layer that can hand back its input, the final hidden states, instead of logits, and
+    turn hidden states into log-probs itself (`rlhf.fastpaths.vocab_chunks`: without holding the
+    (K, V) logits). Mixed into the layer's class; `deferred_head` finds it."""
+
+    __slots__ = ()  # a mixin: the layer keeps its memory layout, so its class can be swapped
+
+    @abc.abstractmethod
+    def defers(self) -> bool:
+        """Whether it can do so now (its weight is whole, its check has not failed)."""
+
+    @abc.abstractmethod
+    def hidden_states_out(self) -> ContextManager[None]:
+        """Within it, forwards in this thread return the (..., H) hidden states as ``.logits``."""
+
+    @abc.abstractmethod
+    def position_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log softmax(logits / τ)[target] (K,) (and entropy (K,)) of hidden states (K, H), targets (K,)."""
+
+
+def deferred_head(model: torch.nn.Module) -> DeferredHead | None:
+    """``model``'s output layer if it is a `DeferredHead` that defers now, else None."""
+    get = getattr(innermost(model), "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, DeferredHead) and head.defers() else None
+
+
+def hidden_states_out(head: DeferredHead | None) -> ContextManager[None]:
+    """``head.hidden_states_out()``, or nothing without a deferred head."""
+    return head.hidden_states_out() if head is not None else contextlib.nullcontext()
+
+
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    action_mask: torch.Tensor, *, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -70,10 +108,19 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     if keep <= 0:
         return logprobs, entropy
     kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(base_model(model))) else {}
+    head = deferred_head(model)
     # The last column is padding or a row's last token, which predicts nothing: it is not run.
-    logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False,
-                   **kwargs).logits[:, -keep:, :]  # (B, A - start, V)
+    with hidden_states_out(head):
+        logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False,
+                       **kwargs).logits[:, -keep:, :]  # (B, A - start, V), or (B, A - start, H) hidden states
     targets = input_ids[:, start + 1:]  # (B, A - start)
+    if head is not None:
+        flat_lp, flat_ent = head.position_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                   temperature=temperature, with_entropy=with_entropy)  # (B·A',)
+        logprobs = torch.cat([logprobs[:, :start], flat_lp.view(batch_size, keep)], dim=1)  # (B, A)
+        if with_entropy:
+            entropy = torch.cat([entropy[:, :start], flat_ent.view(batch_size, keep)], dim=1)  # (B, A)
+        return logprobs, entropy
     chunks_lp, chunks_ent = [], []
     for rows in range(0, batch_size, _ROWS_PER_CHUNK):
         z = logits[rows:rows + _ROWS_PER_CHUNK].float()  # (b, A', V)
@@ -94,10 +141,18 @@ _POSITIONS_PER_CHUNK = 2048
 
 
 def scatter_logprobs(logits: torch.Tensor, targets: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
-                      logprobs: torch.Tensor, entropy: torch.Tensor | None,
-                      temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      logprobs: torch.Tensor, entropy: torch.Tensor | None, temperature: float,
+                      head: DeferredHead | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / τ)[target] (and entropy) of K positions, logits (K, V), targets (K,),
-    written at ``where`` (rows (K,), columns (K,)) into the zero (B, A) ``logprobs`` / ``entropy``."""
+    written at ``where`` (rows (K,), columns (K,)) into the zero (B, A) ``logprobs`` / ``entropy``.
+    With a deferred ``head``, ``logits`` are its (K, H) hidden states."""
+    if head is not None:
+        flat_lp, flat_ent = head.position_logprobs(logits, targets, temperature=temperature,
+                                                   with_entropy=entropy is not None)  # (K,)
+        logprobs = logprobs.index_put(where, flat_lp)  # (B, A)
+        if entropy is not None:
+            entropy = entropy.index_put(where, flat_ent)  # (B, A)
+        return logprobs, entropy
     chunks_lp, chunks_ent = [], []
     for begin in range(0, targets.numel(), _POSITIONS_PER_CHUNK):
         z = logits[begin:begin + _POSITIONS_PER_CHUNK].float()  # (k, V)

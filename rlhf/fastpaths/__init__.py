@@ -15,11 +15,14 @@ module                      what                                     switch
                             per-call machinery                       (auto, lean, direct)
 ``cpu_linear``              float32 CPU products through oneDNN     ``--cpu-linear`` (auto, onednn,
                                                                      torch)
+``vocab_chunks``            log-probs from hidden states, a few      ``--vocab-chunks`` (on by
+                            positions' logits at a time              default; ``--no-vocab-chunks``)
 ==========================  ======================================  ==============================
 
 ``llama_like`` lists the transformers internals the hand-written forwards use and checks them
 before one is taken; ``verdicts`` keeps, per model and per variant of a path, whether it agreed
 with the plain path the first time it ran there (a path that differs is not taken again, with a
-warning). Nothing in `rlhf.core` imports this package: the core's only hook is
-`rlhf.core.logprobs.OwnLogprobs`, which `packing.PackedModel` implements.
+warning). Nothing in `rlhf.core` imports this package: the core's hooks are
+`rlhf.core.logprobs.OwnLogprobs`, which `packing.PackedModel` implements, and
+`rlhf.core.logprobs.DeferredHead`, which `vocab_chunks` mixes into an output layer.
 """

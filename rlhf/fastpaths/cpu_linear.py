@@ -65,7 +65,7 @@ def onednn_pays() -> bool:
             and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and _cpu_vendor() not in ("", "GenuineIntel"))
 
 
-def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def onednn_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a·bᵀ (+ bias) through oneDNN: a (..., K), b (N, K), either strided as it comes; (..., N)."""
     return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
@@ -77,7 +77,7 @@ class _OneDnnLinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _product(x, weight, bias)  # (..., N)
+        return onednn_product(x, weight, bias)  # (..., N)
 
     @staticmethod
     @once_differentiable  # a second derivative through these products is an error, not a wrong number
@@ -86,16 +86,16 @@ class _OneDnnLinearFunction(torch.autograd.Function):
         grad_rows = grad.reshape(-1, grad.shape[-1])  # (M, N)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _product(grad_rows, weight.t()).view(*grad.shape[:-1], weight.shape[1])  # (..., K)
+            grad_x = onednn_product(grad_rows, weight.t()).view(*grad.shape[:-1], weight.shape[1])  # (..., K)
         if ctx.needs_input_grad[1]:
             rows = x.reshape(-1, x.shape[-1])  # (M, K)
-            grad_weight = _product(grad_rows.t(), rows.t())  # (N, K)
+            grad_weight = onednn_product(grad_rows.t(), rows.t())  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_rows.sum(dim=0)  # (N,)
         return grad_x, grad_weight, grad_bias
 
 
-def _takes_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def takes_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() < 2:
         return False
     if bias is not None and bias.dtype != torch.float32:
@@ -116,7 +116,7 @@ class OneDnnLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if not _takes_onednn(x, weight, bias):
+        if not takes_onednn(x, weight, bias):
             return super().forward(x)
         if verdict(self, "cpu_linear") is None and not self._agrees(x):
             self.__class__ = nn.Linear
@@ -124,12 +124,12 @@ class OneDnnLinear(nn.Linear):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _OneDnnLinearFunction.apply(x, weight, bias)
-        return _product(x, weight, bias)  # (..., N)
+        return onednn_product(x, weight, bias)  # (..., N)
 
     def _agrees(self, x: torch.Tensor) -> bool:
         with torch.no_grad():
             plain = F.linear(x, self.weight, self.bias)  # (..., N)
-            difference = float((_product(x, self.weight, self.bias) - plain).abs().max())
+            difference = float((onednn_product(x, self.weight, self.bias) - plain).abs().max())
             scale = max(1.0, float(plain.abs().max()))
         return settle(self, "cpu_linear", difference / scale, 1e-4, who=f"oneDNN linear {tuple(self.weight.shape)}",
                       switch="--cpu-linear torch")

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from rlhf.core.logprobs import OwnLogprobs, scatter_logprobs, token_logprobs, without_last_token
+from rlhf.core.logprobs import (OwnLogprobs, deferred_head, hidden_states_out, scatter_logprobs, token_logprobs,
+                                without_last_token)
 from rlhf.core.modeling import accepts_logits_to_keep, innermost
 from rlhf.fastpaths.verdicts import settle, verdict
 
@@ -131,10 +132,12 @@ def _packed_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     if at.numel() == 0:
         return logprobs, entropy
     kwargs = {"logits_to_keep": at} if accepts_logits_to_keep(type(innermost(model))) else {}
-    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                   use_cache=False, **kwargs).logits  # (1, K, V) or (1, N, V)
+    head = deferred_head(model)
+    with hidden_states_out(head):  # with a deferred head: hidden states (…, H) instead of logits
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       use_cache=False, **kwargs).logits  # (1, K, V) or (1, N, V)
     logits = logits[0] if kwargs else logits[0, at]  # (K, V)
-    return scatter_logprobs(logits, targets, (rows, cols), logprobs, entropy, temperature)
+    return scatter_logprobs(logits, targets, (rows, cols), logprobs, entropy, temperature, head)
 
 
 def is_packed(model: Any) -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.logprobs import scatter_logprobs
+from rlhf.core.logprobs import deferred_head, hidden_states_out, scatter_logprobs
 from rlhf.core.modeling import accepts_logits_to_keep, base_model, innermost
 from rlhf.core.ordered_gather import gather_rows
 from rlhf.fastpaths.segment_attention import (segment_forward_supported, segment_layout, segments_pay,
@@ -133,7 +133,8 @@ def sharing_path(model: Any, rows: SharedRows) -> str:
 
 def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.Tensor:
     """(K, V) logits at the flattened positions ``flat`` (K,) of ``rows``; only those positions'
-    columns are projected to the vocabulary. Gradients flow when enabled.
+    columns are projected to the vocabulary (none within a deferred head's ``hidden_states_out``:
+    (K, H) hidden states). Gradients flow when enabled.
 
     The forward is the one `sharing_path` names: attention per segment
     (`rlhf.fastpaths.segment_attention`: the prefix's and each remainder's own scores, not the
@@ -171,8 +172,10 @@ def shared_token_logprobs(model: torch.nn.Module, rows: SharedRows, input_ids: t
     entropy = torch.zeros_like(logprobs) if with_entropy else None
     if row.numel() == 0:
         return logprobs, entropy
-    logits = shared_logits_at(model, rows, rows.index[row, col])  # (K, V)
-    return scatter_logprobs(logits, targets, (row, col), logprobs, entropy, temperature)
+    head = deferred_head(model)
+    with hidden_states_out(head):
+        logits = shared_logits_at(model, rows, rows.index[row, col])  # (K, V), or (K, H) with a deferred head
+    return scatter_logprobs(logits, targets, (row, col), logprobs, entropy, temperature, head)
 
 
 def checked_for_sharing(model: Any, rows: SharedRows, shared: Callable[[], torch.Tensor],

@@ -95,8 +95,8 @@ def test_the_weight_gets_its_gradient_when_the_input_needs_none(monkeypatch, bia
     must still go through the autograd function, whose backward must give ∂W (and ∂b) equal to
     nn.Linear's, and compute no ∂x."""
     products = []
-    real = cpu_linear._product
-    monkeypatch.setattr(cpu_linear, "_product", lambda *args: products.append(1) or real(*args))
+    real = cpu_linear.onednn_product
+    monkeypatch.setattr(cpu_linear, "onednn_product", lambda *args: products.append(1) or real(*args))
     plain, fast = pair(128, 256, bias=bias)
     embedding = nn.Embedding(300, 128).requires_grad_(False)
     generator = torch.Generator().manual_seed(2)
@@ -196,13 +196,13 @@ def test_the_adapter_gives_a_model_the_same_logprobs_and_gradients(tiny_model_di
     for mode in ("torch", "onednn"):
         adapter = HFModelAdapter(HFModelConfig(device="cpu", cpu_linear=mode))
         model = adapter.load(str(tiny_model_dir), role="policy")
-        count = sum(type(m) is OneDnnLinear for m in model.modules())
+        count = sum(isinstance(m, OneDnnLinear) for m in model.modules())
         assert count == (0 if mode == "torch" else 2 * 7 + 1)  # q k v o gate up down per layer, lm_head
         logprobs, _ = token_logprobs(model, ids, mask, action_mask)  # (B, T - 1)
         (logprobs * action_mask).sum().backward()
         outputs[mode] = logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}
         reference = adapter.load(str(tiny_model_dir), role="reference")
-        assert sum(type(m) is OneDnnLinear for m in reference.modules()) == count
+        assert sum(isinstance(m, OneDnnLinear) for m in reference.modules()) == count
     (want, want_grads), (got, got_grads) = outputs["torch"], outputs["onednn"]
     assert torch.allclose(got, want, atol=1e-5)
     assert want_grads.keys() == got_grads.keys()
@@ -287,8 +287,8 @@ def test_an_unknown_cli_value_is_one_line(tiny_model_dir, task, tmp_path, plugin
 def test_a_layer_whose_onednn_product_differs_goes_back_to_nn_linear(monkeypatch, caplog):
     plain, fast = pair(128, 256, bias=True)
     x = torch.randn(64, 128)
-    real = cpu_linear._product
-    monkeypatch.setattr(cpu_linear, "_product", lambda *args: real(*args) * 1.01)  # a wrong kernel
+    real = cpu_linear.onednn_product
+    monkeypatch.setattr(cpu_linear, "onednn_product", lambda *args: real(*args) * 1.01)  # a wrong kernel
     with caplog.at_level("WARNING"):
         got = fast(x)
     assert type(fast) is nn.Linear and verdict(fast, "cpu_linear") is False

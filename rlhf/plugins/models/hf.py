@@ -12,6 +12,8 @@ classifier, see `reward.py`). Options, each one flag of ``rlhf train``:
   works when only LoRA weights train);
 * ``cpu_linear``: on a CPU, ``auto`` runs float32 linear layers through oneDNN where torch's
   default (MKL) uses half the vector width (`rlhf.fastpaths.cpu_linear`), ``onednn`` always, ``torch`` never;
+* ``vocab_chunks`` (on): the policy's and reference's log-probs come from their hidden states, a few
+  positions' logits at a time (`rlhf.fastpaths.vocab_chunks`); ``--no-vocab-chunks``: the full logits;
 * ``cudnn_attention``: on a CUDA GPU, whether PyTorch's sdpa may pick cuDNN's attention kernels
   (off by default: cuDNN builds an execution plan for every new sequence length, which rollouts,
   varying batch lengths and ``--packing`` meet on most calls; sdpa then takes its flash or
@@ -34,6 +36,7 @@ import torch
 
 from rlhf.core.adapter import ModelAdapterBase
 from rlhf.fastpaths.cpu_linear import check_mode, use_onednn_linears
+from rlhf.fastpaths.vocab_chunks import use_vocab_chunks
 from rlhf.core.errors import ConfigError
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.critic import CriticModel
@@ -93,6 +96,8 @@ class HFModelAdapter(ModelAdapterBase):
         model = self._load(ref, role=role)
         if self.device.type == "cpu":
             use_onednn_linears(model, self.config.cpu_linear)
+        if self.config.vocab_chunks and role in ("policy", "reference"):
+            use_vocab_chunks(model)
         if self.device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(self.config.cudnn_attention)  # process-wide, as the device is
         return model

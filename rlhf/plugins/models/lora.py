@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.modeling import reading_weights
+from rlhf.core.modeling import innermost, reading_weights
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.loading import enable_activation_checkpointing, is_installed, quiet_transformers
 
@@ -141,6 +141,10 @@ class AdapterDisabledModel(torch.nn.Module):
     @property
     def generation_config(self) -> Any:
         return self.policy.generation_config
+
+    def get_output_embeddings(self) -> Any:
+        """The policy's output layer (shared: with vocab chunks its log-probs come from hidden states too)."""
+        return innermost(self.policy).get_output_embeddings()
 
     def train(self, mode: bool = True) -> AdapterDisabledModel:
         self.training = mode  # the view always runs the policy in eval mode

@@ -1,0 +1,239 @@
+"""Log-probs from the final hidden states, the vocabulary projected a chunk of positions at a time.
+
+The plain path projects every scored position to the vocabulary at once: (K, V) float32 logits,
+their log-softmax, and in the backward as many again for their gradient. At Qwen2's vocabulary
+(V = 151,936) that is 0.6 MB a position, 1.5 GB for a micro-batch of 8 x 320 tokens. Here the
+model's output layer hands back its input, the hidden states h (K, H), and the log-probs are
+computed from them in chunks of c = ``CHUNK_ELEMENTS / V`` positions:
+
+    z   = (h_c·Wᵀ + b) / τ                    (c, V) float32, one chunk at a time
+    ℓ_k = z_k[y_k] − logsumexp(z_k)           the log-prob of the target y_k
+    H_k = logsumexp(z_k) − Σ_v p_kv z_kv      the entropy, p = softmax(z)
+
+Only logsumexp(z) (K,) is kept for the backward, which recomputes each chunk's z and applies
+
+    ∂z  = (g_ℓ·(onehot(y) − p) − g_H·p·(log p + H)) / τ
+    ∂h_c = ∂z·W,   ∂W += ∂zᵀ·h_c,   ∂b += Σ_k ∂z_k
+
+so memory is O(c·V) instead of O(K·V), for one more product with W than the plain path. The
+numbers are the plain path's up to float rounding.
+
+`use_vocab_chunks` gives a causal LM's output layer this ability (its class becomes a subclass
+that returns its input while `hidden_states_out` is active in the calling thread); the callers
+in `rlhf.core.logprobs` ask for it through `rlhf.core.logprobs.DeferredHead`. The layer is taken
+only where it is plain: a 2-D weight, not a DeepSpeed ZeRO-3 partition, and a model whose logits
+are exactly the layer's output (checked once on a short input when the layer is given the
+ability: a model that scales or caps its logits keeps the plain path). The first log-probs a
+model computes this way are compared with the plain path's on the same positions
+(`rlhf.fastpaths.verdicts`, path ``vocab_chunks``). Switch: ``--no-vocab-chunks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
+
+from rlhf.core.logprobs import DeferredHead
+from rlhf.core.modeling import innermost
+from rlhf.fastpaths.verdicts import settle, verdict
+
+log = logging.getLogger(__name__)
+
+CHUNK_ELEMENTS = 1 << 23  # float32 logits per chunk (32 MB): c = CHUNK_ELEMENTS // V positions
+CHECK_POSITIONS = 64  # positions of the first call compared with the plain path
+_DEFERRING = threading.local()  # .head: the output layer returning its input in this thread
+
+
+def chunk_positions(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """x·Wᵀ (+ b): x (M, H), W (V, H) -> (M, V), through oneDNN where the layer's own forward uses it."""
+    if onednn:
+        from rlhf.fastpaths.cpu_linear import onednn_product
+
+        return onednn_product(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """(ℓ (K,), H (K,)) of hidden states (K, H) under the output layer (W, b): the module docstring's
+    formulas, z recomputed chunk by chunk in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, temperature: float, with_entropy: bool,
+                onednn: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        size = chunk_positions(weight.shape[0])
+        count = hidden.shape[0]
+        logprobs = torch.empty(count, dtype=torch.float32, device=hidden.device)  # (K,)
+        entropy = torch.zeros(count if with_entropy else 0, dtype=torch.float32, device=hidden.device)  # (K,) or (0,)
+        lse = torch.empty(count, dtype=torch.float32, device=hidden.device)  # (K,) logsumexp(z)
+        for begin in range(0, count, size):
+            end = min(begin + size, count)
+            z = _logits(hidden[begin:end], weight, bias, temperature, onednn)  # (c, V)
+            lse[begin:end] = torch.logsumexp(z, dim=-1)  # (c,)
+            logprobs[begin:end] = z.gather(-1, targets[begin:end, None]).squeeze(-1) - lse[begin:end]
+            if with_entropy:  # H = lse − Σ p z
+                p = (z - lse[begin:end, None]).exp_()  # (c, V)
+                entropy[begin:end] = lse[begin:end] - (p * z).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.with_entropy, ctx.onednn = temperature, with_entropy, onednn
+        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None,
+                 grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        tau = ctx.temperature
+        count, size = hidden.shape[0], chunk_positions(weight.shape[0])
+        g_lp = (grad_logprobs if grad_logprobs is not None else lse.new_zeros(count)).float() / tau  # (K,)
+        g_ent = grad_entropy.float() / tau if ctx.with_entropy and grad_entropy is not None else None  # (K,)
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_bias = bias is not None and ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None  # (K, H)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if want_weight else None  # (V, H), summed over chunks in float32
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if want_bias else None  # (V,)
+        rows = torch.arange(size, device=hidden.device)
+        for begin in range(0, count, size):
+            end = min(begin + size, count)
+            z = _logits(hidden[begin:end], weight, bias, tau, ctx.onednn)  # (c, V)
+            log_p = z.sub_(lse[begin:end, None])  # (c, V), in place of z
+            p = log_p.exp()  # (c, V)
+            if g_ent is not None:  # ∂z = −p·(g_ℓ + g_H·(log p + H)) + g_ℓ·onehot(y)
+                coefficient = log_p.add_(entropy[begin:end, None]).mul_(g_ent[begin:end, None])
+                grad_z = coefficient.add_(g_lp[begin:end, None]).mul_(p).neg_()  # (c, V)
+            else:  # ∂z = g_ℓ·(onehot(y) − p)
+                grad_z = p.mul_(-g_lp[begin:end, None])  # (c, V)
+            grad_z[rows[: end - begin], targets[begin:end]] += g_lp[begin:end]
+            if want_hidden:  # ∂z·W = ∂z·(Wᵀ)ᵀ
+                grad_hidden[begin:end] = _linear(grad_z.to(weight.dtype), weight.t(), None, ctx.onednn)  # (c, H)
+            if want_weight:
+                grad_weight.addmm_(grad_z.t(), hidden[begin:end].float())  # (V, H)
+            if want_bias:
+                grad_bias += grad_z.sum(dim=0)
+        cast = (lambda g: g.to(weight.dtype) if g is not None else None)
+        return (grad_hidden, cast(grad_weight), grad_bias.to(bias.dtype) if grad_bias is not None else None,
+                None, None, None, None)
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+            onednn: bool) -> torch.Tensor:
+    """z = (h·Wᵀ + b) / τ in float32, (c, V), as the plain path computes it (the product in the
+    layer's dtype, then float32)."""
+    z = _linear(hidden, weight, bias, onednn).float()  # (c, V)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _ChunkedHead(DeferredHead):
+    """Mixed in after an output layer's own class (`use_vocab_chunks`; a base placed first would
+    change the layer's memory layout); `_chunked_class` gives the pair this forward."""
+
+    __slots__ = ()
+
+    def _deferring_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(_DEFERRING, "head", None) is self:
+            return x  # (..., H): the hidden states, turned into log-probs by `position_logprobs`
+        return self._layer_forward(x)
+
+    def _layer_forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # the layer class's own forward, set by `_chunked_class`
+
+    def defers(self) -> bool:
+        return (self.weight.dim() == 2 and not hasattr(self.weight, "ds_id")
+                and verdict(self, "vocab_chunks") is not False)
+
+    @contextlib.contextmanager
+    def hidden_states_out(self) -> Iterator[None]:
+        previous = getattr(_DEFERRING, "head", None)
+        _DEFERRING.head = self
+        try:
+            yield
+        finally:
+            _DEFERRING.head = previous
+
+    def position_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        onednn = self._onednn(hidden)
+        if verdict(self, "vocab_chunks") is None and hidden.shape[0]:
+            self._check(hidden[:CHECK_POSITIONS], targets[:CHECK_POSITIONS], temperature, onednn)
+        if verdict(self, "vocab_chunks") is False:  # this call's hidden states through the plain path
+            logits = self._layer_forward(hidden).float()  # (K, V)
+            log_p = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)  # (K, V)
+            entropy = -(log_p.exp() * log_p).sum(dim=-1) if with_entropy else None  # (K,)
+            return log_p.gather(-1, targets[:, None]).squeeze(-1), entropy
+        logprobs, entropy = _ChunkedLogprobs.apply(hidden, self.weight, self.bias, targets, temperature,
+                                                   with_entropy, onednn)  # (K,), (K,)
+        return logprobs, (entropy if with_entropy else None)
+
+    def _onednn(self, hidden: torch.Tensor) -> bool:
+        from rlhf.fastpaths.cpu_linear import OneDnnLinear, takes_onednn
+
+        return isinstance(self, OneDnnLinear) and takes_onednn(hidden, self.weight, self.bias)
+
+    def _check(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, onednn: bool) -> None:
+        with torch.no_grad():
+            logits = self._layer_forward(hidden).float()  # (k, V)
+            plain = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # (k,)
+            chunked, _ = _ChunkedLogprobs.apply(hidden, self.weight, self.bias, targets, temperature, False, onednn)
+            difference = float((chunked - plain).abs().max())
+        tolerance = 1e-3 if self.weight.dtype == torch.float32 else 5e-2
+        settle(self, "vocab_chunks", difference, tolerance, who="vocab chunks", switch="--no-vocab-chunks")
+
+
+@functools.cache
+def _chunked_class(cls: type) -> type:
+    return type(f"Chunked{cls.__name__}", (cls, _ChunkedHead), {
+        "__module__": __name__, "forward": _ChunkedHead._deferring_forward, "_layer_forward": cls.forward})
+
+
+def use_vocab_chunks(model: nn.Module) -> bool:
+    """Give ``model``'s output layer (``get_output_embeddings()``) the chunked log-probs of this module,
+    where it is a plain linear layer whose output is the model's logits; returns whether it did."""
+    base = innermost(model)
+    get = getattr(base, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, _ChunkedHead):
+        return True
+    if not isinstance(head, nn.Linear) or head.weight.dim() != 2 or hasattr(head.weight, "ds_id"):
+        return False
+    if not _logits_are_head_output(base, head):
+        log.info("vocab chunks: %s post-processes its logits; its log-probs use the plain path",
+                 type(base).__name__)
+        return False
+    head.__class__ = _chunked_class(type(head))
+    return True
+
+
+def _logits_are_head_output(model: nn.Module, head: nn.Linear) -> bool:
+    """Whether ``model``'s logits on a short input equal its output layer applied to what that layer
+    receives (no scaling, capping or bias added after it)."""
+    seen: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda _module, inputs, output: seen.append(output.detach()))
+    try:
+        ids = torch.arange(1, 5, device=head.weight.device)[None] % head.weight.shape[0]  # (1, 4)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False).logits  # (1, 4, V)
+        finally:
+            model.train(was_training)
+    except Exception:  # noqa: BLE001 - a model this check cannot run keeps the plain path
+        return False
+    finally:
+        hook.remove()
+    return len(seen) == 1 and seen[0].shape == logits.shape and torch.equal(seen[0].to(logits.dtype), logits)
