@@ -18,7 +18,6 @@ Checkpoints hold tensors and plain data only: torch files are read with ``weight
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -67,13 +66,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_tensors(obj: Any, path: Path) -> None:
-    """``torch.save`` through memory, so a full disk reports the file and ``No space left on device``
-    (torch's own writer says only "iostream error")."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    """``torch.save`` into a file this process opened, so a full disk reports the file and ``No space
+    left on device`` (torch's writer given a path says only "iostream error"), streamed: the state is
+    not copied into memory first (it is the weights and optimizer moments, the size of the model x 3)."""
     try:
         with open(path, "wb") as handle:
-            handle.write(buffer.getbuffer())
+            torch.save(obj, handle)
     except OSError as exc:
         raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
 

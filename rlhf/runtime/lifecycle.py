@@ -30,6 +30,7 @@ from rlhf.core.fingerprint import fingerprint_differences
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime import checkpoint
+from rlhf.runtime.heap import return_freed_blocks
 from rlhf.runtime.model_card import model_card
 from rlhf.runtime.progress import RL_FIELDS, Progress
 from rlhf.runtime.run_dir import RunDirectory, cut_logs, log_sizes
@@ -150,7 +151,8 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
     free or resumable with the same options (``--resume-override`` excepted), and writable; a
     warning naming any plugin that failed to load and each of the plan's warnings; this process's
     CPU threads (``threads``: models run in this process; a count fixed by the machine unless
-    ``--threads`` says otherwise, the run's own count on ``--resume``). The builders then seed
+    ``--threads`` says otherwise, the run's own count on ``--resume``); freed memory returned to the
+    system (`rlhf.runtime.heap`). The builders then seed
     (`seed_everything`) before they draw anything."""
     plan.check(world_size=world_size)
     config = plan.config
@@ -173,6 +175,7 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
         for warning in plan.warnings():
             log.warning("%s", warning)
     hide_run_data(config, plan.out_dir)
+    return_freed_blocks()  # the peak memory is what the run holds (rlhf.runtime.heap)
     if threads:
         from rlhf.runtime.threads import set_threads
 

@@ -77,6 +77,7 @@ class WorkerHost:
         began = time.perf_counter()
         from rlhf.core.distributed import SINGLE, init_from_environment
         from rlhf.runtime import local
+        from rlhf.runtime.heap import return_freed_blocks
         from rlhf.runtime.lifecycle import hide_run_data, seed_everything
         from rlhf.runtime.plan import RunPlan
 
@@ -98,6 +99,7 @@ class WorkerHost:
             self.workers["reward"] = local.build_reward(config, plugins)
         self.plan = plan = RunPlan.make(config, plugins).with_prompts(num_prompts)
         hide_run_data(config, plan.out_dir)  # environments run model code in this process too
+        return_freed_blocks()  # as the prologue does in the driver's process (rlhf.runtime.heap)
         self.adapter = self.tokenizer = None
         if any(role in roles for role in ("policy", "reference", "critic", "rollout")):
             self.adapter = local.build_adapter(plan)

@@ -1,0 +1,67 @@
+"""Freed blocks go back to the system (rlhf/runtime/heap.py): in a fresh process, a 16 MiB tensor
+freed after a 24 MiB one (which raises glibc's threshold) stays resident without the setting and is
+returned with it; a user's MALLOC_MMAP_THRESHOLD_ is left alone; every run's prologue sets it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import sys
+from rlhf.runtime.heap import return_freed_blocks
+if sys.argv[1] == "set":
+    assert return_freed_blocks()
+import torch
+
+def resident_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+big = torch.ones(6 * 2**20)  # 24 MiB, mapped; freeing it raises glibc's threshold to 24 MiB
+del big
+before = resident_mib()
+block = torch.ones(4 * 2**20)  # 16 MiB: from the heap once the threshold rose
+pin = torch.ones(16)  # a small block above it keeps the heap from shrinking
+del block
+print(resident_mib() - before)
+"""
+
+
+def resident_after_free(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    done = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc only")
+def test_a_freed_block_is_returned_with_the_setting_and_kept_without():
+    assert resident_after_free("keep") > 12  # MiB still resident after the free
+    assert resident_after_free("set") < 4
+
+
+def test_a_users_own_threshold_is_kept(monkeypatch):
+    from rlhf.runtime.heap import return_freed_blocks
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert return_freed_blocks() is False
+
+
+def test_every_run_prologue_sets_it(tiny_model_dir, task, tmp_path, plugins, monkeypatch):
+    from rlhf.runtime import lifecycle
+    from tests.helpers import run_cli
+
+    calls = []
+    monkeypatch.setattr(lifecycle, "return_freed_blocks", lambda: calls.append(1) or True)
+    for command in (["train", "--reward", "examples/rewards.py:exact_match", "--label-key", "answer",
+                     "--max-new-tokens", "4", "--prompts-per-step", "2", "--n-samples", "2"],
+                    ["sft", "--input-key", "prompt", "--output-key", "answer", "--batch-size", "2"]):
+        result = run_cli(plugins, [*command, "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                                   "--steps", "1", "--out", str(tmp_path / command[0]), "--no-progress"])
+        assert result.exit_code == 0, result.output
+    assert len(calls) == 2
