@@ -22,7 +22,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # name -> hidden size, layers, vocabulary (320: the byte-level BPE alone; more: filler tokens added)
-MODELS = {"tiny": (64, 2, 320), "small": (256, 4, 320), "small32k": (256, 4, 32_000)}
+MODELS = {"tiny": (64, 2, 320), "small": (256, 4, 320), "small32k": (256, 4, 32_000),
+          "vocab152k": (512, 4, 151_936)}
+TIED = {"vocab152k"}  # output layer tied to the input embedding (Qwen2's small models): 95M parameters
 PROMPT = "Say many a's please {}"
 REWARD_SOURCE = (
     "def count_a(completions, **kwargs):\n"
@@ -40,7 +42,8 @@ REWARDS = ("count_a", "count_a_dense")
 def add_step_arguments(parser: Any, *, rounds: int, other: str, kl_help: str) -> None:
     """The options every step benchmark shares: the model, the step's shape, the runs."""
     parser.add_argument("--model", default="tiny",
-                        help="tiny (h64/L2), small (h256/L4), small32k (h256/L4, 32k vocabulary) or a model directory")
+                        help="tiny (h64/L2), small (h256/L4), small32k (h256/L4, 32k vocabulary), vocab152k "
+                             "(h512/L4, Qwen2's 151,936-token vocabulary, tied output layer) or a model directory")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (G)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -93,14 +96,15 @@ def model_dir(name: str, root: Path) -> Path:
     if name not in MODELS:
         return Path(name)
     hidden, layers, vocab = MODELS[name]
-    out = root / f"{name}-h{hidden}-l{layers}-v{vocab}-noeos"
+    out = root / f"{name}-h{hidden}-l{layers}-v{vocab}{'-tied' if name in TIED else ''}-noeos"
     if not (out / "config.json").is_file():
         from rlhf.core.references import import_object
 
         tiny_model = f"{ROOT / 'examples' / 'tiny_model.py'}"
         tokenizer = import_object(f"{tiny_model}:build_tokenizer")()
         tokenizer.add_tokens([f"<w{i}>" for i in range(vocab - len(tokenizer))])  # a realistic vocabulary size
-        import_object(f"{tiny_model}:build_random_model")(out, tokenizer=tokenizer, hidden=hidden, layers=layers)
+        import_object(f"{tiny_model}:build_random_model")(out, tokenizer=tokenizer, hidden=hidden, layers=layers,
+                                                                  tied=name in TIED)
         tokenizer.add_special_tokens({"eos_token": "<|never|>"})  # id = vocab size: the model cannot sample it
         tokenizer.save_pretrained(out)
         for file in ("config.json", "generation_config.json"):

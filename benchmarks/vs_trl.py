@@ -39,6 +39,9 @@ NO_TRL = """vs_trl.py needs TRL next to rlhf in one Python environment (TRL is n
 (pin torch to the version you have: an unpinned install may pull the CUDA build)"""
 
 
+MARKS_PLUGIN = None  # an extra plugin for our side's run (benchmarks/vocab_memory.py's memory marks)
+
+
 def run_ours(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.StepClock:
     from rlhf.core.plugins import build_plugin_manager
     from rlhf.runtime.config import TrainConfig
@@ -51,10 +54,12 @@ def run_ours(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib
         micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr, adam_betas="0.9,0.95",
         weight_decay=0.0, max_grad_norm=1.0, lr_scheduler="constant", clip_low=0.2, clip_high=0.2,
         temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=args.seed, share_prompt=args.share_prompt,
-        cpu_linear=args.cpu_linear))
+        cpu_linear=args.cpu_linear, vocab_chunks=getattr(args, "vocab_chunks", True)))
     plugins = build_plugin_manager()
     clock = benchlib.StepClock()
     plugins.register(benchlib.step_clock_plugin(clock), name="benchmark_step_clock")
+    if MARKS_PLUGIN is not None:
+        plugins.register(MARKS_PLUGIN, name="benchmark_marks")
     clock.start()
     train(config, plugins=plugins)
     for metrics in clock.metrics:

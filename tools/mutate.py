@@ -48,7 +48,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
             "tests/runtime/test_run_lifecycle.py", "tests/runtime/test_sampling_options.py",
             "tests/runtime/test_model_card.py", "tests/datagen/test_labels.py",
             "tests/runtime/test_ordered_backward.py", "tests/runtime/test_threads.py",
-            "tests/runtime/test_checkpoint_integrity.py"]
+            "tests/runtime/test_checkpoint_integrity.py", "tests/fastpaths/test_vocab_chunks.py",
+            "tests/runtime/test_heap.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py"]
 
@@ -81,12 +82,13 @@ AREAS = {
     "run lifecycle": ([
         "rlhf/runtime/best_model.py", "rlhf/runtime/lifecycle.py", "rlhf/runtime/trained.py",
         "rlhf/runtime/run_dir.py", "rlhf/runtime/checkpoint.py", "rlhf/runtime/threads.py",
+        "rlhf/runtime/heap.py",
     ], RL_TESTS + OFFLINE_TESTS),
     "fast paths": ([
         "rlhf/core/logprobs.py", "rlhf/fastpaths/prefix_sharing.py", "rlhf/fastpaths/segment_attention.py",
         "rlhf/fastpaths/cpu_linear.py", "rlhf/fastpaths/lean_decode.py", "rlhf/plugins/engines/hf.py",
         "rlhf/fastpaths/packing.py", "rlhf/fastpaths/verdicts.py", "rlhf/fastpaths/llama_like.py",
-        "rlhf/core/ordered_gather.py",
+        "rlhf/core/ordered_gather.py", "rlhf/fastpaths/vocab_chunks.py",
     ], RL_TESTS + OFFLINE_TESTS + ["tests/fastpaths/test_transformers_contract.py"]),
 }
 TARGETS = [file for files, _ in AREAS.values() for file in files]
@@ -158,10 +160,11 @@ CURATED = [
      "seen = (layout.prefix_valid[:, None, :] | causal)", "the prefix attends past a shorter group's prefix"),
     ("rlhf/runtime/workers.py", "return loss, metrics, float(micro.batch.loss_mask.sum())",
      "return loss, metrics, float(micro.batch.action_mask.sum())", "policy metrics weighted by action, not loss, tokens"),
-    ("rlhf/fastpaths/cpu_linear.py", "grad_x = _product(grad_rows, weight.t())", "grad_x = _product(grad_rows, weight)",
+    ("rlhf/fastpaths/cpu_linear.py", "grad_x = onednn_product(grad_rows, weight.t())",
+     "grad_x = onednn_product(grad_rows, weight)",
      "oneDNN linear: the input gradient through W, not Wᵀ"),
-    ("rlhf/fastpaths/cpu_linear.py", "grad_weight = _product(grad_rows.t(), rows.t())",
-     "grad_weight = _product(rows.t(), grad_rows.t())", "oneDNN linear: the weight gradient transposed"),
+    ("rlhf/fastpaths/cpu_linear.py", "grad_weight = onednn_product(grad_rows.t(), rows.t())",
+     "grad_weight = onednn_product(rows.t(), grad_rows.t())", "oneDNN linear: the weight gradient transposed"),
     ("rlhf/fastpaths/cpu_linear.py", "grad_bias = grad_rows.sum(dim=0)", "grad_bias = grad_rows.mean(dim=0)",
      "oneDNN linear: the bias gradient averaged over rows"),
     ("rlhf/algorithms/training_loss.py", "    total = aggregate(loss_aggregation or aggregation, per_token, mask, norm)",

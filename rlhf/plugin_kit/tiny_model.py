@@ -44,8 +44,9 @@ def build_tokenizer(corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 32
 
 
 def build_random_model(out_dir: str | os.PathLike, *, tokenizer=None, hidden: int = 64, layers: int = 2,
-                       heads: int = 4, max_positions: int = 512, seed: int = 0) -> Path:
-    """Save a randomly initialised Llama model and its tokenizer to ``out_dir``; return the path."""
+                       heads: int = 4, max_positions: int = 512, seed: int = 0, tied: bool = False) -> Path:
+    """Save a randomly initialised Llama model and its tokenizer to ``out_dir``; return the path.
+    ``tied``: the output layer shares the input embedding's weights (as Qwen2.5-0.5B's does)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -54,7 +55,7 @@ def build_random_model(out_dir: str | os.PathLike, *, tokenizer=None, hidden: in
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
