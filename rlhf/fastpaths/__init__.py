@@ -15,8 +15,8 @@ module                      what                                     switch
                             per-call machinery                       (auto, lean, direct)
 ``cpu_linear``              float32 CPU products through oneDNN     ``--cpu-linear`` (auto, onednn,
                                                                      torch)
-``vocab_chunks``            log-probs from hidden states, a few      ``--vocab-chunks`` (on by
-                            positions' logits at a time              default; ``--no-vocab-chunks``)
+``vocab_chunks``            log-probs from hidden states, a few     ``--vocab-chunks`` (on by
+                            positions' logits at a time             default; ``--no-vocab-chunks``)
 ==========================  ======================================  ==============================
 
 ``llama_like`` lists the transformers internals the hand-written forwards use and checks them
