@@ -76,6 +76,13 @@ class DeferredHead(abc.ABC):
                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log softmax(logits / τ)[target] (K,) (and entropy (K,)) of hidden states (K, H), targets (K,)."""
 
+    @abc.abstractmethod
+    def cross_entropy_to(self, hidden: torch.Tensor, teacher: DeferredHead,
+                         teacher_hidden: torch.Tensor) -> torch.Tensor:
+        """−Σ_v softmax(teacher's logits)_v · log_softmax(own logits)_v (K,) of hidden states (K, H)
+        and the teacher's (K, H'), ``teacher`` another deferred head over the same vocabulary;
+        vocabulary entries where the own logit is ±inf add nothing. Gradients reach the own side only."""
+
 
 def deferred_head(model: torch.nn.Module) -> DeferredHead | None:
     """``model``'s output layer if it is a `DeferredHead` that defers now, else None."""

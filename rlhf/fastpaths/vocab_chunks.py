@@ -16,7 +16,12 @@ Only logsumexp(z) (K,) is kept for the backward, which recomputes each chunk's z
     ∂h_c = ∂z·W,   ∂W += ∂zᵀ·h_c,   ∂b += Σ_k ∂z_k
 
 so memory is O(c·V) instead of O(K·V), for one more product with W than the plain path. The
-numbers are the plain path's up to float rounding.
+numbers are the plain path's up to float rounding. Distillation's cross-entropy to a teacher's
+distribution (`rlhf.objectives.distillation_loss`) runs the same way, the teacher's logits
+z' = h'_c·W'ᵀ (+ b') recomputed beside the student's:
+
+    c_k  = −Σ_v q_kv·f_kv·log p_kv            q = softmax(z'), f = [z_kv finite]
+    ∂z   = g_c·(p·Σ_v q·f − q·f)
 
 `use_vocab_chunks` gives a causal LM's output layer this ability (its class becomes a subclass
 that returns its input while `hidden_states_out` is active in the calling thread); the callers
@@ -130,6 +135,58 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 None, None, None, None)
 
 
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """c (K,) = −Σ_v softmax(z')·log_softmax(z) of student hidden states (K, H) under (W, b) and
+    teacher hidden states (K, H') under (W', b') (no gradient): the module docstring's formulas."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
+                onednn: tuple[bool, bool]) -> torch.Tensor:
+        size = chunk_positions(weight.shape[0])
+        count = hidden.shape[0]
+        cross = torch.empty(count, dtype=torch.float32, device=hidden.device)  # (K,)
+        lse = torch.empty(count, dtype=torch.float32, device=hidden.device)  # (K,) logsumexp(z)
+        for begin in range(0, count, size):
+            end = min(begin + size, count)
+            z = _logits(hidden[begin:end], weight, bias, 1.0, onednn[0])  # (c, V)
+            q = torch.softmax(_logits(teacher_hidden[begin:end], teacher_weight, teacher_bias, 1.0, onednn[1]),
+                              dim=-1).masked_fill_(torch.isinf(z), 0)  # (c, V) q·f
+            lse[begin:end] = torch.logsumexp(z, dim=-1)
+            log_p = z.sub_(lse[begin:end, None])  # (c, V)
+            cross[begin:end] = -(q * log_p.masked_fill_(q == 0, 0)).sum(dim=-1)  # q·f = 0: no term (0·-inf)
+        ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, lse)
+        ctx.onednn = onednn
+        return cross
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_cross: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, lse = ctx.saved_tensors
+        count, size = hidden.shape[0], chunk_positions(weight.shape[0])
+        g = grad_cross.float()  # (K,)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (K, H)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None  # (V, H)
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if bias is not None and ctx.needs_input_grad[2] else None  # (V,)
+        for begin in range(0, count, size):
+            end = min(begin + size, count)
+            z = _logits(hidden[begin:end], weight, bias, 1.0, ctx.onednn[0])  # (c, V)
+            q = torch.softmax(_logits(teacher_hidden[begin:end], teacher_weight, teacher_bias, 1.0, ctx.onednn[1]),
+                              dim=-1).masked_fill_(torch.isinf(z), 0)  # (c, V) q·f
+            p = z.sub_(lse[begin:end, None]).exp_()  # (c, V)
+            grad_z = p.mul_(q.sum(dim=-1, keepdim=True)).sub_(q).mul_(g[begin:end, None])  # (c, V)
+            if grad_hidden is not None:
+                grad_hidden[begin:end] = _linear(grad_z.to(weight.dtype), weight.t(), None, ctx.onednn[0])  # (c, H)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.t(), hidden[begin:end].float())  # (V, H)
+            if grad_bias is not None:
+                grad_bias += grad_z.sum(dim=0)
+        return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
+
+
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
             onednn: bool) -> torch.Tensor:
     """z = (h·Wᵀ + b) / τ in float32, (c, V), as the plain path computes it (the product in the
@@ -179,6 +236,25 @@ class _ChunkedHead(DeferredHead):
                                                    with_entropy, onednn)  # (K,), (K,)
         return logprobs, (entropy if with_entropy else None)
 
+    def cross_entropy_to(self, hidden: torch.Tensor, teacher: DeferredHead,
+                         teacher_hidden: torch.Tensor) -> torch.Tensor:
+        onednn = (self._onednn(hidden), teacher._onednn(teacher_hidden))
+        if verdict(self, "vocab_chunks/distill") is None and hidden.shape[0]:
+            with torch.no_grad():
+                k = CHECK_POSITIONS
+                logits = self._layer_forward(hidden[:k]).float()  # (k, V)
+                teacher_logits = teacher._layer_forward(teacher_hidden[:k]).float()  # (k, V)
+                plain = _full_cross_entropy(logits, teacher_logits).mean()
+                chunked = _ChunkedCrossEntropy.apply(hidden[:k], self.weight, self.bias, teacher_hidden[:k],
+                                                     teacher.weight, teacher.bias, onednn).mean()
+            tolerance = 1e-3 if self.weight.dtype == torch.float32 else 5e-2
+            settle(self, "vocab_chunks/distill", float((chunked - plain).abs()), tolerance, who="vocab chunks",
+                   switch="--no-vocab-chunks")
+        if verdict(self, "vocab_chunks/distill") is False:  # these positions through the full logits
+            return _full_cross_entropy(self._layer_forward(hidden), teacher._layer_forward(teacher_hidden))
+        return _ChunkedCrossEntropy.apply(hidden, self.weight, self.bias, teacher_hidden, teacher.weight,
+                                          teacher.bias, onednn)  # (K,)
+
     def _onednn(self, hidden: torch.Tensor) -> bool:
         from rlhf.fastpaths.cpu_linear import OneDnnLinear, takes_onednn
 
@@ -192,6 +268,13 @@ class _ChunkedHead(DeferredHead):
             difference = float((chunked - plain).abs().max())
         tolerance = 1e-3 if self.weight.dtype == torch.float32 else 5e-2
         settle(self, "vocab_chunks", difference, tolerance, who="vocab chunks", switch="--no-vocab-chunks")
+
+
+def _full_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """The plain path of `_ChunkedCrossEntropy`: logits (K, V) of both, held whole; (K,)."""
+    teacher_probs = torch.softmax(teacher_logits.float(), dim=-1)  # (K, V)
+    log_p = torch.log_softmax(logits.float(), dim=-1)  # (K, V)
+    return -torch.masked_fill(teacher_probs * log_p, torch.isinf(logits), 0).sum(dim=-1)  # (K,)
 
 
 @functools.cache

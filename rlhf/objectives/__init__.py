@@ -27,7 +27,7 @@ from rlhf.objectives.batching import (last_token_scores, pad_right, response_mas
                                      token_logps)
 from rlhf.objectives.language import distillation_loss, sequence_logps, sft_loss
 from rlhf.objectives.preference import dpo_loss, kto_loss, reward_model_loss
-from rlhf.objectives.process import prm_loss
+from rlhf.objectives.process import prm_loss, prm_loss_at
 
-__all__ = ["distillation_loss", "dpo_loss", "kto_loss", "last_token_scores", "pad_right", "prm_loss", "response_mask",
+__all__ = ["distillation_loss", "dpo_loss", "kto_loss", "last_token_scores", "pad_right", "prm_loss", "prm_loss_at", "response_mask",
            "reward_model_loss", "sequence_logps", "sft_loss", "shared_token_logps", "token_batch", "token_logps"]

@@ -29,12 +29,17 @@ def prm_loss(input_ids: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
     reward token id (hard) or a float probability of the first reward token (soft; needs two
     ``reward_token_ids``), -100 elsewhere. Returns ``(loss (), accuracy ())``.
     """
+    placeholders = input_ids == placeholder_token_id  # (B, T)
+    return prm_loss_at(logits[placeholders], labels[placeholders], reward_token_ids=reward_token_ids)
+
+
+def prm_loss_at(logits: torch.Tensor, labels: torch.Tensor, *,
+                reward_token_ids: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prm_loss` given the placeholder positions' logits (P, V) and labels (P,) only (a model that
+    projects only those positions to the vocabulary: `rlhf.core.logprobs.DeferredHead`)."""
     import torch
     import torch.nn.functional as F
 
-    placeholders = input_ids == placeholder_token_id  # (B, T)
-    logits = logits[placeholders].squeeze(1)  # (P, V)
-    labels = labels[placeholders]  # (P,)
     if labels.dtype == torch.float:
         if reward_token_ids is None or len(reward_token_ids) != 2:
             raise ValueError("soft (probability) labels need exactly two reward_token_ids")

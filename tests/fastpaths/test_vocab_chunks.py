@@ -4,6 +4,8 @@
 * log-probs, entropy and every gradient equal the full-logits path's, on the padded, packed and
   shared-prompt (masked and segment) forwards, at temperatures 1 and 0.7, in chunks of 1, 7 and
   all positions, through torch's and oneDNN's products, with a biased output layer;
+* distillation's cross-entropy to a teacher (another hidden size; logits at -inf) and its
+  gradients equal `rlhf.objectives.distillation_loss`'s;
 * the backward keeps no tensor of (positions x vocabulary) elements;
 * a model whose logits are not its output layer's output (capped, scaled) keeps the plain path; a
   ZeRO-3 partitioned layer does not defer; a chunked result that differs is caught and replaced;
@@ -112,6 +114,51 @@ def test_onednn_products_and_a_biased_output_layer(lm, monkeypatch):
     assert_same(got, expected)
     assert "lm_head.bias" in got[2]
     assert len(products) > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, None])
+def test_the_cross_entropy_to_a_teacher_and_its_gradients_equal_the_full_logits(lm, monkeypatch, chunk):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf.objectives import distillation_loss
+
+    vocab = lm.lm_head.weight.shape[0]
+    monkeypatch.setattr(vocab_chunks, "CHUNK_ELEMENTS", vocab * chunk if chunk else 1 << 30)
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2)).eval()
+    biased = torch.nn.Linear(lm.lm_head.in_features, vocab, bias=True)  # some student logits at -inf
+    with torch.no_grad():
+        biased.weight.copy_(lm.lm_head.weight)
+        biased.bias.zero_()
+        biased.bias[[3, 7, 100]] = float("-inf")
+    lm.lm_head = biased
+    chunked, chunked_teacher = copy.deepcopy(lm), copy.deepcopy(teacher)
+    assert vocab_chunks.use_vocab_chunks(chunked) and vocab_chunks.use_vocab_chunks(chunked_teacher)
+    ids, mask, actions = padded_batch()
+    learnt = actions.bool()  # (B, A): position t predicts token t + 1
+
+    lm.zero_grad()
+    logits = lm(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, A, V)
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    expected = distillation_loss(logits, teacher_logits, actions)
+    expected.backward()
+    expected_grads = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+    student, head_of_teacher = deferred_head(chunked), deferred_head(chunked_teacher)
+    with student.hidden_states_out():
+        hidden = chunked(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, A, H)
+    with torch.no_grad(), head_of_teacher.hidden_states_out():
+        teacher_hidden = chunked_teacher(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, A, 32)
+    got = student.cross_entropy_to(hidden[learnt], head_of_teacher, teacher_hidden[learnt]).mean()
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in chunked.named_parameters() if p.grad is not None}
+    assert torch.isfinite(expected) and got.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert grads.keys() == expected_grads.keys() and "lm_head.bias" in grads
+    assert_same_gradients(grads, expected_grads, atol=1e-5)
+    assert verdict(chunked.lm_head, "vocab_chunks/distill") is True
+    assert all(p.grad is None for p in chunked_teacher.parameters())
 
 
 def test_the_backward_keeps_no_full_vocabulary_tensor(lm, monkeypatch):
@@ -238,7 +285,7 @@ def test_the_cli_switch_reaches_the_run_and_the_runs_match(tiny_model_dir, task,
         assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
 
 
-@pytest.mark.parametrize("command", ["sft", "dpo", "kto"])
+@pytest.mark.parametrize("command", ["sft", "dpo", "kto", "prm", "distill"])
 def test_fit_commands_take_the_same_steps_with_vocab_chunks(tiny_model_dir, fit_data, fit_teacher, tmp_path,
                                                             monkeypatch, command):
     from rlhf.core.plugins import build_plugin_manager
@@ -259,11 +306,12 @@ def test_fit_commands_take_the_same_steps_with_vocab_chunks(tiny_model_dir, fit_
             "--batch-size", "4", "--micro-batch-size", "2", "--steps", "2", "--lr", "0.1",
             "--backend", "recording", "--out", str(out), "--no-progress", flag])
         assert result.exit_code == 0, result.output
-        assert bool(calls) == (flag == "--vocab-chunks")
+        assert bool(calls) == (flag == "--vocab-chunks" and command != "prm")  # prm: placeholders' logits only
         runs[flag] = list(RecordingBackend.steps), read_jsonl(out / "metrics.jsonl")
     (steps, metrics), (expected_steps, expected_metrics) = runs["--vocab-chunks"], runs["--no-vocab-chunks"]
     assert len(steps) == len(expected_steps) == 2
     for a, b in zip(steps, expected_steps):
         assert_same_gradients(a, b, atol=1e-5)
     for a, b in zip(metrics, expected_metrics):
-        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
+        for key in {"train/loss", "train/sft_loss", "train/kd_loss", "train/accuracy"} & b.keys():
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

@@ -9,7 +9,8 @@ the same tokens; one unit per learnt token. Teacher and student share the tokeni
 Deviation: OpenRLHF's trainer masks the KD term with the unshifted labels (the predictions made
 at response tokens, i.e. of the token after each); here both terms score the predictions of the
 response tokens themselves (positions shifted by one, as the SFT term is).
-Metrics: ``sft_loss``, ``kd_loss``.
+With vocab chunks (the default) both terms come from the two models' hidden states, the
+vocabulary a few positions at a time (`rlhf.fastpaths.vocab_chunks`). Metrics: ``sft_loss``, ``kd_loss``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,12 @@ class DistillObjective(ObjectiveBase):
     def loss(self, models: FitModels, batch: dict[str, Any], stats: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
         import torch
 
+        from rlhf.core.logprobs import deferred_head
+
         input_ids, attention_mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        student, teacher = deferred_head(models.model), deferred_head(models.teacher)
+        if student is not None and teacher is not None:
+            return self._chunked_loss(models, batch, student, teacher)
         logits = models.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
         with torch.no_grad():
             teacher_logits = models.teacher(input_ids=input_ids, attention_mask=attention_mask,
@@ -61,6 +67,34 @@ class DistillObjective(ObjectiveBase):
         sft = sft_loss(logits, labels)
         # position t predicts token t + 1: distill the predictions of the learnt tokens
         kd = distillation_loss(logits[:, :-1], teacher_logits[:, :-1], loss_mask[:, 1:])
+        coef = self.config.kd_coef
+        loss = (1 - coef) * sft + coef * kd
+        return loss, {"sft_loss": float(sft.detach()), "kd_loss": float(kd.detach())}
+
+    def _chunked_loss(self, models: FitModels, batch: dict[str, Any], student: Any,
+                      teacher: Any) -> tuple[Any, dict[str, Any]]:
+        """The same loss from both models' hidden states, the vocabulary a few positions at a time
+        (`rlhf.core.logprobs.DeferredHead`): only the learnt tokens' predictions are projected."""
+        import torch
+
+        from rlhf.core.logprobs import hidden_states_out
+
+        input_ids, attention_mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        if student.weight.shape[0] != teacher.weight.shape[0]:
+            raise ConfigError(f"the teacher's vocabulary has {teacher.weight.shape[0]} tokens, the student's "
+                              f"{student.weight.shape[0]}: distillation needs the same tokenizer and vocabulary")
+        with hidden_states_out(student):
+            hidden = models.model(input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False).logits  # (B, T, H)
+        with torch.no_grad(), hidden_states_out(teacher):
+            teacher_hidden = models.teacher(input_ids=input_ids, attention_mask=attention_mask,
+                                            use_cache=False).logits  # (B, T, H')
+        # position t predicts token t + 1: the predictions of the learnt tokens
+        learnt = loss_mask[:, 1:].bool()  # (B, T-1)
+        targets = input_ids[:, 1:][learnt]  # (K,)
+        logprobs, _ = student.position_logprobs(hidden[:, :-1][learnt], targets)  # (K,)
+        sft = -logprobs.mean()
+        kd = student.cross_entropy_to(hidden[:, :-1][learnt], teacher, teacher_hidden[:, :-1][learnt]).mean()
         coef = self.config.kd_coef
         loss = (1 - coef) * sft + coef * kd
         return loss, {"sft_loss": float(sft.detach()), "kd_loss": float(kd.detach())}

@@ -5,7 +5,8 @@ The input holds a placeholder token (``--placeholder-token``, e.g. ``ки``) aft
 label column holds one label per placeholder: a reward token (``+`` / ``-``: hard labels) or the
 probability of the first reward token (soft labels, needs two ``--reward-tokens``). At each
 placeholder the model's logits (restricted to the reward tokens when given) are trained with
-cross-entropy to the label (``rlhf.objectives.prm_loss``, OpenRLHF's ``PRMLoss``); mean over the
+cross-entropy to the label (``rlhf.objectives.prm_loss``, OpenRLHF's ``PRMLoss``; with vocab
+chunks only the placeholder positions are projected to the vocabulary); mean over the
 placeholders, one unit per placeholder. Metric: ``accuracy``, the share of steps whose most
 likely reward token is the label. Texts are tokenized without special tokens; placeholders cut
 off by ``--max-len`` lose their labels.
@@ -18,7 +19,7 @@ from typing import Any
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.objective import BadRow, FitModels, ObjectiveBase, SkipExample, TextFormat, require
-from rlhf.objectives import pad_right, prm_loss
+from rlhf.objectives import pad_right, prm_loss, prm_loss_at
 from rlhf.plugins.objectives.config import PRMConfig
 
 IGNORE_INDEX = -100
@@ -100,11 +101,19 @@ class PRMObjective(ObjectiveBase):
         return float(((batch["input_ids"] == self._tokens[0]) & (batch["labels"] != IGNORE_INDEX)).sum())
 
     def loss(self, models: FitModels, batch: dict[str, Any], stats: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
+        from rlhf.core.logprobs import deferred_head, hidden_states_out
+
         placeholder, reward_ids = self._tokens
-        logits = models.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              use_cache=False).logits  # (B, T, V)
-        loss, accuracy = prm_loss(batch["input_ids"], logits, batch["labels"], placeholder_token_id=placeholder,
-                                  reward_token_ids=reward_ids)
+        head = deferred_head(models.model)
+        with hidden_states_out(head):  # with a deferred output layer: (B, T, H) hidden states
+            logits = models.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  use_cache=False).logits  # (B, T, V)
+        if head is None:
+            loss, accuracy = prm_loss(batch["input_ids"], logits, batch["labels"], placeholder_token_id=placeholder,
+                                      reward_token_ids=reward_ids)
+        else:  # only the placeholders are projected to the vocabulary
+            at = batch["input_ids"] == placeholder  # (B, T)
+            loss, accuracy = prm_loss_at(head(logits[at]), batch["labels"][at], reward_token_ids=reward_ids)
         return loss, {"accuracy": float(accuracy)}
 
 
