@@ -1,24 +1,28 @@
-"""Log-probs from the final hidden states, the vocabulary projected a chunk of positions at a time.
+"""Log-probs from the final hidden states, the vocabulary projected a tile at a time.
 
 The plain path projects every scored position to the vocabulary at once: (K, V) float32 logits,
 their log-softmax, and in the backward as many again for their gradient. At Qwen2's vocabulary
 (V = 151,936) that is 0.6 MB a position, 1.5 GB for a micro-batch of 8 x 320 tokens. Here the
 model's output layer hands back its input, the hidden states h (K, H), and the log-probs are
-computed from them in chunks of c = ``CHUNK_ELEMENTS / V`` positions:
+computed from them tile by tile: up to `TILE_POSITIONS` positions x a block of b =
+``CHUNK_ELEMENTS / positions`` vocabulary entries, the logsumexp kept running over the blocks:
 
-    z   = (h_c·Wᵀ + b) / τ                    (c, V) float32, one chunk at a time
+    z   = (h·W_bᵀ + b_b) / τ                  (c, b) float32, one tile at a time
     ℓ_k = z_k[y_k] − logsumexp(z_k)           the log-prob of the target y_k
     H_k = logsumexp(z_k) − Σ_v p_kv z_kv      the entropy, p = softmax(z)
 
-Only logsumexp(z) (K,) is kept for the backward, which recomputes each chunk's z and applies
+Only logsumexp(z) (K,) is kept for the backward, which recomputes each tile's z and applies
 
-    ∂z  = (g_ℓ·(onehot(y) − p) − g_H·p·(log p + H)) / τ
-    ∂h_c = ∂z·W,   ∂W += ∂zᵀ·h_c,   ∂b += Σ_k ∂z_k
+    ∂z   = (g_ℓ·(onehot(y) − p) − g_H·p·(log p + H)) / τ
+    ∂h  += ∂z·W_b,   ∂W_b = ∂zᵀ·h,   ∂b_b = Σ_k ∂z_k
 
-so memory is O(c·V) instead of O(K·V), for one more product with W than the plain path. The
-numbers are the plain path's up to float rounding. Distillation's cross-entropy to a teacher's
+(a block of the weight's gradient is written once, not summed over chunks of positions: each
+product has the tile's positions, all of them up to `TILE_POSITIONS`, as its rows). Memory is
+O(c·b) instead of O(K·V), for one more product with W than the plain path. The numbers are the
+plain path's up to float rounding. Distillation's cross-entropy to a teacher's
 distribution (`rlhf.objectives.distillation_loss`) runs the same way, the teacher's logits
-z' = h'_c·W'ᵀ (+ b') recomputed beside the student's:
+z' = h'_c·W'ᵀ (+ b') recomputed beside the student's, in chunks of c = ``CHUNK_ELEMENTS / V``
+positions:
 
     c_k  = −Σ_v q_kv·f_kv·log p_kv            q = softmax(z'), f = [z_kv finite]
     ∂z   = g_c·(p·Σ_v q·f − q·f)
@@ -52,7 +56,9 @@ from rlhf.fastpaths.verdicts import settle, verdict
 
 log = logging.getLogger(__name__)
 
-CHUNK_ELEMENTS = 1 << 23  # float32 logits per chunk (32 MB): c = CHUNK_ELEMENTS // V positions
+CHUNK_ELEMENTS = 1 << 23  # float32 logits per tile (32 MB): positions x vocabulary block
+TILE_POSITIONS = 4096  # positions per tile at most (more: the weight's gradient is summed over tiles)
+MIN_BLOCK = 256  # vocabulary entries per block at least
 CHECK_POSITIONS = 64  # positions of the first call compared with the plain path
 _DEFERRING = threading.local()  # .head: the output layer returning its input in this thread
 
@@ -70,31 +76,54 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on
     return F.linear(x, weight, bias)
 
 
+def _tiles(count: int, vocab: int) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+    """(first, end, vocabulary blocks) of each chunk of at most `TILE_POSITIONS` positions; a block
+    holds ``CHUNK_ELEMENTS / positions`` tokens of the vocabulary (at least `MIN_BLOCK`)."""
+    for first in range(0, count, TILE_POSITIONS):
+        end = min(first + TILE_POSITIONS, count)
+        width = min(vocab, max(MIN_BLOCK, CHUNK_ELEMENTS // (end - first)))
+        yield first, end, [(v, min(v + width, vocab)) for v in range(0, vocab, width)]
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """(ℓ (K,), H (K,)) of hidden states (K, H) under the output layer (W, b): the module docstring's
-    formulas, z recomputed chunk by chunk in the backward."""
+    formulas, tile by tile, z recomputed in the backward."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, temperature: float, with_entropy: bool,
                 onednn: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        size = chunk_positions(weight.shape[0])
         count = hidden.shape[0]
-        logprobs = torch.empty(count, dtype=torch.float32, device=hidden.device)  # (K,)
-        entropy = torch.zeros(count if with_entropy else 0, dtype=torch.float32, device=hidden.device)  # (K,) or (0,)
-        lse = torch.empty(count, dtype=torch.float32, device=hidden.device)  # (K,) logsumexp(z)
-        for begin in range(0, count, size):
-            end = min(begin + size, count)
-            z = _logits(hidden[begin:end], weight, bias, temperature, onednn)  # (c, V)
-            lse[begin:end] = torch.logsumexp(z, dim=-1)  # (c,)
-            logprobs[begin:end] = z.gather(-1, targets[begin:end, None]).squeeze(-1) - lse[begin:end]
-            if with_entropy:  # H = lse − Σ p z
-                p = (z - lse[begin:end, None]).exp_()  # (c, V)
-                entropy[begin:end] = lse[begin:end] - (p * z).sum(dim=-1)
+        floats = {"dtype": torch.float32, "device": hidden.device}
+        lse = torch.empty(count, **floats)  # (K,) logsumexp(z)
+        target_logit = torch.zeros(count, **floats)  # (K,) z[y]
+        weighted = torch.zeros(count, **floats)  # (K,) Σ_v exp(z − m)·z, for the entropy
+        for first, end, blocks in _tiles(count, weight.shape[0]):
+            rows = slice(first, end)
+            top = torch.full((end - first,), float("-inf"), **floats)  # (c,) running max m
+            total = torch.zeros(end - first, **floats)  # (c,) Σ_v exp(z − m)
+            for v0, v1 in blocks:
+                z = _logits(hidden[rows], weight[v0:v1], bias[v0:v1] if bias is not None else None, temperature,
+                            onednn)  # (c, b)
+                new_top = torch.maximum(top, z.max(dim=-1).values)  # (c,)
+                shift = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)  # all −inf so far: 0
+                rescale = (top - shift).exp()  # (c,)
+                e = (z - shift[:, None]).exp()  # (c, b)
+                total = total * rescale + e.sum(dim=-1)
+                if with_entropy:
+                    weighted[rows] = weighted[rows] * rescale + (e * z).sum(dim=-1)
+                top = new_top
+                inside = (targets[rows] >= v0) & (targets[rows] < v1)  # (c,)
+                target_logit[rows] += torch.where(
+                    inside, z.gather(-1, (targets[rows] - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(-1), 0.0)
+            lse[rows] = top + total.log()
+            if with_entropy:  # H = lse − Σ p z = lse − Σ exp(z − m)·z / Σ exp(z − m)
+                weighted[rows] = lse[rows] - weighted[rows] / total
+        entropy = weighted if with_entropy else weighted[:0]  # (K,) or (0,)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.with_entropy, ctx.onednn = temperature, with_entropy, onednn
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
-        return logprobs, entropy
+        return target_logit - lse, entropy
 
     @staticmethod
     @once_differentiable
@@ -102,37 +131,38 @@ class _ChunkedLogprobs(torch.autograd.Function):
                  grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         tau = ctx.temperature
-        count, size = hidden.shape[0], chunk_positions(weight.shape[0])
+        count = hidden.shape[0]
         g_lp = (grad_logprobs if grad_logprobs is not None else lse.new_zeros(count)).float() / tau  # (K,)
         g_ent = grad_entropy.float() / tau if ctx.with_entropy and grad_entropy is not None else None  # (K,)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None  # (K, H)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if want_weight else None  # (V, H), summed over chunks in float32
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if want_bias else None  # (V,)
-        rows = torch.arange(size, device=hidden.device)
-        for begin in range(0, count, size):
-            end = min(begin + size, count)
-            z = _logits(hidden[begin:end], weight, bias, tau, ctx.onednn)  # (c, V)
-            log_p = z.sub_(lse[begin:end, None])  # (c, V), in place of z
-            p = log_p.exp()  # (c, V)
-            if g_ent is not None:  # ∂z = −p·(g_ℓ + g_H·(log p + H)) + g_ℓ·onehot(y)
-                coefficient = log_p.add_(entropy[begin:end, None]).mul_(g_ent[begin:end, None])
-                grad_z = coefficient.add_(g_lp[begin:end, None]).mul_(p).neg_()  # (c, V)
-            else:  # ∂z = g_ℓ·(onehot(y) − p)
-                grad_z = p.mul_(-g_lp[begin:end, None])  # (c, V)
-            grad_z[rows[: end - begin], targets[begin:end]] += g_lp[begin:end]
-            if want_hidden:  # ∂z·W = ∂z·(Wᵀ)ᵀ
-                grad_hidden[begin:end] = _linear(grad_z.to(weight.dtype), weight.t(), None, ctx.onednn)  # (c, H)
-            if want_weight:
-                grad_weight.addmm_(grad_z.t(), hidden[begin:end].float())  # (V, H)
-            if want_bias:
-                grad_bias += grad_z.sum(dim=0)
-        cast = (lambda g: g.to(weight.dtype) if g is not None else None)
-        return (grad_hidden, cast(grad_weight), grad_bias.to(bias.dtype) if grad_bias is not None else None,
-                None, None, None, None)
+        floats = {"dtype": torch.float32, "device": hidden.device}
+        grad_hidden = torch.zeros(hidden.shape, **floats) if want_hidden else None  # (K, H), summed over blocks
+        grad_weight = torch.zeros(weight.shape, **floats) if want_weight else None  # (V, H)
+        grad_bias = torch.zeros(weight.shape[0], **floats) if want_bias else None  # (V,)
+        for first, end, blocks in _tiles(count, weight.shape[0]):
+            rows = slice(first, end)
+            h = hidden[rows]  # (c, H)
+            for v0, v1 in blocks:
+                z = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, tau, ctx.onednn)  # (c, b)
+                log_p = z.sub_(lse[rows, None])  # (c, b), in place of z
+                p = log_p.exp()  # (c, b)
+                if g_ent is not None:  # ∂z = −p·(g_ℓ + g_H·(log p + H)) + g_ℓ·onehot(y)
+                    coefficient = log_p.add_(entropy[rows, None]).mul_(g_ent[rows, None])
+                    grad_z = coefficient.add_(g_lp[rows, None]).mul_(p).neg_()  # (c, b)
+                else:  # ∂z = g_ℓ·(onehot(y) − p)
+                    grad_z = p.mul_(-g_lp[rows, None])  # (c, b)
+                inside = ((targets[rows] >= v0) & (targets[rows] < v1)).nonzero().squeeze(1)  # (k,)
+                grad_z[inside, targets[rows][inside] - v0] += g_lp[rows][inside]
+                if want_hidden:  # ∂z·W = ∂z·(Wᵀ)ᵀ
+                    grad_hidden[rows] += _linear(grad_z.to(weight.dtype), weight[v0:v1].t(), None, ctx.onednn)
+                if want_weight:
+                    grad_weight[v0:v1].addmm_(grad_z.t(), h.float())  # (b, H)
+                if want_bias:
+                    grad_bias[v0:v1] += grad_z.sum(dim=0)
+        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

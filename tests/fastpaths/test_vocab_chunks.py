@@ -2,8 +2,8 @@
 (rlhf/fastpaths/vocab_chunks.py, on unless ``--no-vocab-chunks``):
 
 * log-probs, entropy and every gradient equal the full-logits path's, on the padded, packed and
-  shared-prompt (masked and segment) forwards, at temperatures 1 and 0.7, in chunks of 1, 7 and
-  all positions, through torch's and oneDNN's products, with a biased output layer;
+  shared-prompt (masked and segment) forwards, at temperatures 1 and 0.7, in tiles of 3 positions
+  x 1 or 7 vocabulary entries and in one tile, through torch's and oneDNN's products, with a biased output layer;
 * distillation's cross-entropy to a teacher (another hidden size; logits at -inf) and its
   gradients equal `rlhf.objectives.distillation_loss`'s;
 * the backward keeps no tensor of (positions x vocabulary) elements;
@@ -58,8 +58,10 @@ def assert_same(got, expected):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("path", ["padded", "packed", "shared/masked", "shared/segment"])
 def test_chunked_logprobs_entropy_and_gradients_equal_the_full_logits(lm, monkeypatch, path, temperature, chunk):
-    vocab = lm.lm_head.weight.shape[0]
-    monkeypatch.setattr(vocab_chunks, "CHUNK_ELEMENTS", vocab * chunk if chunk else 1 << 30)
+    # tiles of 3 positions x `chunk` vocabulary entries (one of 1, of 7), or one tile
+    monkeypatch.setattr(vocab_chunks, "TILE_POSITIONS", 3 if chunk else 4096)
+    monkeypatch.setattr(vocab_chunks, "MIN_BLOCK", 1)
+    monkeypatch.setattr(vocab_chunks, "CHUNK_ELEMENTS", 3 * chunk if chunk else 1 << 30)
     if path == "shared/segment":
         import rlhf.fastpaths.prefix_sharing as prefix_sharing
 
