@@ -186,6 +186,9 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
                                 "before the run stops", "ray")
     ray_env: list[str] = _many("KEY=VALUE environment variable for every Ray worker (repeatable; RLHF_LOAD_PLUGINS "
                                "and RLHF_DISABLE_PLUGINS are passed on from this process)", "ray")
+    ray_place: list[str] = _many("ROLE=RESOURCE: put the actors holding ROLE (policy, reference, critic, rollout, "
+                                 "reward) on the nodes that have this Ray resource (ray start --resources "
+                                 "'{\"trainer\": 1}', or node:IP) (repeatable)", "ray")
     ray_exclude: list[str] = _many("PATTERN (gitignore syntax) left out of the directory --ray-address ships, on top "
                                    "of .gitignore/.rayignore, .git, venvs and runs (repeatable)", "ray")
 
