@@ -159,8 +159,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
 
     # --- ray (--runtime ray) ----------------------------------------------------------------
     ray_address: str | None = _opt(None, "Join this Ray cluster (host:6379, ray://host:10001 or auto; implies "
-                                   "--runtime ray) and ship the current directory to its workers; default: start a "
-                                   "local cluster for the run", "ray")
+                                   "--runtime ray) and ship the current directory to its workers; default: RAY_ADDRESS "
+                                   "when set, else start a local cluster for the run", "ray")
     colocate: str = _opt("none", "Roles that share one actor process (and its device) per rank: none, policy_ref, "
                          "critic_reward, all (every role in the policy actors)", "ray",
                          choices=("none", "policy_ref", "critic_reward", "all"))
