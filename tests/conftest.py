@@ -32,7 +32,7 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 # A developer's own settings must not change what the tests see.
-for _key in ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "RLHF_DEBUG"):
+for _key in ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "RLHF_DEBUG", "RAY_ADDRESS"):
     os.environ.pop(_key, None)
 
 pytest_plugins = ["tests.helpers"]

@@ -159,8 +159,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
 
     # --- ray (--runtime ray) ----------------------------------------------------------------
     ray_address: str | None = _opt(None, "Join this Ray cluster (host:6379, ray://host:10001 or auto; implies "
-                                   "--runtime ray) and ship the current directory to its workers; default: start a "
-                                   "local cluster for the run", "ray")
+                                   "--runtime ray) and ship the current directory to its workers; default: RAY_ADDRESS "
+                                   "when set, else start a local cluster for the run", "ray")
     colocate: str = _opt("none", "Roles that share one actor process (and its device) per rank: none, policy_ref, "
                          "critic_reward, all (every role in the policy actors)", "ray",
                          choices=("none", "policy_ref", "critic_reward", "all"))
@@ -186,6 +186,9 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
                                 "before the run stops", "ray")
     ray_env: list[str] = _many("KEY=VALUE environment variable for every Ray worker (repeatable; RLHF_LOAD_PLUGINS "
                                "and RLHF_DISABLE_PLUGINS are passed on from this process)", "ray")
+    ray_place: list[str] = _many("ROLE=RESOURCE: put the actors holding ROLE (policy, reference, critic, rollout, "
+                                 "reward) on the nodes that have this Ray resource (ray start --resources "
+                                 "'{\"trainer\": 1}', or node:IP) (repeatable)", "ray")
     ray_exclude: list[str] = _many("PATTERN (gitignore syntax) left out of the directory --ray-address ships, on top "
                                    "of .gitignore/.rayignore, .git, venvs and runs (repeatable)", "ray")
 

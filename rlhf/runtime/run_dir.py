@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # Options a resumed run may change freely (how it reports, saves and runs; not what it trains).
 RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_every", "keep_checkpoints", "threads",
                          "tensorboard", "wandb_project", "wandb_group", "wandb_run_name", "log_samples",
-                         "ray_address", "device"})
+                         "ray_address", "ray_place", "device"})
 # Files a run writes before its first step completes.
 _START_FILES = frozenset({"config.yaml", "plugins.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints",
                           ".final.tmp", LOCK_NAME})

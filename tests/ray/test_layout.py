@@ -149,3 +149,21 @@ def test_a_local_cluster_is_not_started_for_more_gpus_than_the_machine_has(monke
     with pytest.raises(ConfigError, match=r"the run's actors need 1000 GPUs but this machine has \d+: lower "
                                           r"--\*-gpus, or join a cluster with --ray-address"):
         Cluster.open(config(policy_gpus=1000), cpus_needed=1, gpus_needed=1000, out_dir=tmp_path)
+
+
+def test_ray_address_in_the_environment_joins_that_cluster_like_the_flag(monkeypatch, tmp_path):
+    """`ray start` tells users to set RAY_ADDRESS; Ray's init would then refuse the local cluster's CPU count."""
+    import ray
+
+    from rlhf.runtime.ray.cluster import Cluster
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    cluster = Cluster.open(config(), cpus_needed=1, gpus_needed=0, out_dir=tmp_path / "runs" / "x")
+    assert (cluster.started, cluster.connected, cluster.ships_working_dir) == (False, True, True)
+    assert [(c["address"], c["runtime_env"]["working_dir"]) for c in calls] == [("10.0.0.1:6379", str(tmp_path))]
+    Cluster.open(config(ray_address="10.0.0.2:6379"), cpus_needed=1, gpus_needed=0, out_dir=tmp_path / "runs" / "x")
+    assert calls[-1]["address"] == "10.0.0.2:6379"  # the flag wins

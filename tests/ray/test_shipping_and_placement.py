@@ -11,7 +11,7 @@ import pytest
 from rlhf.core.errors import ConfigError
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.ray.cluster import job_runtime_env
-from rlhf.runtime.ray.placement import never_fits, plan_layout
+from rlhf.runtime.ray.placement import Layout, never_fits, plan_layout
 from rlhf.runtime.ray.shipping import check_size, runtime_excludes, shipped_files
 
 MiB = 1024 * 1024
@@ -138,3 +138,39 @@ def test_progress_is_logged_while_waiting(ray_cluster, caplog, monkeypatch):
     finally:
         ray.util.remove_placement_group(blocker)
     assert any("Waiting for the Ray cluster to place" in r.getMessage() for r in caplog.records)
+
+
+def test_ray_place_pins_a_host_group_to_the_nodes_with_a_resource():
+    groups = layout(ray_place=["policy=trainer", "rollout = node:10.0.0.2"], rollout_workers=2, rollout_cpus=0.5).groups
+    assert [(g.name, g.resources.bundle()) for g in groups] == [
+        ("policy", {"CPU": 1.0, "trainer": 0.001}), ("rollout+reward", {"CPU": 0.5, "node:10.0.0.2": 0.001})]
+    assert "rollout+reward ×2 (0.5 CPU, 0 GPU each, on node:10.0.0.2)" in Layout(groups).describe()
+    colocated = plan_layout(config(colocate="policy_ref", ray_place=["reference=trainer"]), needs_reference=True,
+                            needs_critic=False, has_reward=True).groups
+    assert [g.resources.place for g in colocated] == ["trainer", None]  # a colocated role takes its host group along
+    assert layout(ray_place=["critic=gpu-box"]).groups == layout().groups  # no critic in this run: nothing to place
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"ray_place": ["policy"]}, "--ray-place expects ROLE=RESOURCE with ROLE one of policy, reference, critic, "
+                                "rollout, reward, got 'policy'"),
+    ({"ray_place": ["actor=trainer"]}, "got 'actor=trainer'"),
+    ({"ray_place": ["policy="]}, "got 'policy='"),
+    ({"ray_place": ["policy=a", "policy=b"]}, "--ray-place names two places for policy: a and b"),
+    ({"ray_place": ["rollout=a", "reward=b"]}, r"the rollout\+reward actors on different resources \(a, b\)"),
+])
+def test_contradictory_places_are_config_errors(values, message):
+    with pytest.raises(ConfigError, match=message):
+        layout(**values)
+
+
+def test_a_place_no_node_has_or_too_small_a_placed_node_never_fits():
+    nodes = [{"CPU": 4.0, "node_a": 1.0}, {"CPU": 1.0, "node_b": 1.0}]
+    total = {"CPU": 5.0, "node_a": 1.0, "node_b": 1.0}
+    assert never_fits(layout(ray_place=["policy=node_a", "rollout=node_b"]), total, nodes) is None
+    reason = never_fits(layout(ray_place=["rollout=node_c"]), total, nodes)
+    assert reason == ("no node has the Ray resource 'node_c' that --ray-place gives the rollout+reward actors (start "
+                      "one with ray start --resources '{\"node_c\": 1}', or name a node:IP resource)")
+    reason = never_fits(layout(ray_place=["policy=node_b"], policy_cpus=2), total, nodes)
+    assert reason == ("one policy actor needs 2 CPUs and 0 GPUs on one node, but the largest node with node_b has "
+                      "1 CPUs and 0 GPUs")  # the 4-CPU node lacks node_b

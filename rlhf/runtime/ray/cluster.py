@@ -2,8 +2,8 @@
 
 * Ray already initialised in this process (a notebook, the tests): the run uses that connection
   and leaves it up.
-* ``--ray-address``: the run connects to that cluster and ships the current directory to the
-  workers as their working directory (Ray's ``runtime_env``), so relative paths and
+* ``--ray-address`` (or, without it, Ray's own ``RAY_ADDRESS`` variable): the run connects to that
+  cluster and ships the current directory to the workers as their working directory (Ray's ``runtime_env``), so relative paths and
   ``file.py:attr`` references work there; it disconnects at the end. What is shipped, and the
   size check before it: rlhf/runtime/ray/shipping.py.
 * Otherwise the run starts a local cluster (no dashboard) with enough logical CPUs for the
@@ -15,6 +15,7 @@ auth token to ``~/.ray`` unless ``RAY_AUTH_MODE=disabled`` (the tests set both).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -61,6 +62,8 @@ class Cluster:
     def open(cls, config: Any, *, cpus_needed: float, gpus_needed: float, out_dir: Path) -> Cluster:
         ray = import_ray()
         began = time.perf_counter()
+        if not config.ray_address and os.environ.get("RAY_ADDRESS"):  # Ray would join it, refusing num_cpus
+            config = dataclasses.replace(config, ray_address=os.environ["RAY_ADDRESS"])
         if ray.is_initialized():
             cluster = cls(started=False, connected=False, ships_working_dir=False)
         elif config.ray_address:

@@ -23,6 +23,12 @@ holds (``--policy-cpus``/``--policy-gpus`` for policy+reference and for ``all``,
 ``--critic-*`` for critic+reward, ``--rollout-*`` for rollout+reward). Only roles that exist
 are placed (no reference when the KL coefficient is 0, no critic without a critic-based
 estimator).
+
+On a cluster of several nodes each host group is a PACK placement group of its own, so Ray picks
+its node. ``--ray-place ROLE=RESOURCE`` pins the host group holding ROLE to the nodes that have
+that Ray resource (one started with ``ray start --resources '{"trainer": 1}'``, or Ray's own
+``node:IP``): every actor of the group asks for a token amount of it (`PLACE_AMOUNT`), so a node
+with one unit holds up to a thousand of them.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ PROGRESS_EVERY_S = 10.0  # while the cluster has not placed the run yet, say so 
 
 ROLES = ("policy", "reference", "critic", "rollout", "reward")  # also the order a host builds them in
 DP_ROLES = ("policy", "reference", "critic")  # roles whose ranks form a torch.distributed group
+PLACE_AMOUNT = 0.001  # of a --ray-place resource, per actor
 _FLAG_PREFIX = {"policy": "policy", "reference": "ref", "critic": "critic", "rollout": "rollout", "reward": "reward"}
 
 
@@ -47,10 +54,14 @@ _FLAG_PREFIX = {"policy": "policy", "reference": "ref", "critic": "critic", "rol
 class Resources:
     cpus: float
     gpus: float
+    place: str | None = None  # a Ray resource only the nodes meant for these actors have (--ray-place)
 
     def bundle(self) -> dict[str, float]:
         """A placement-group bundle (zero amounts left out: Ray rejects them)."""
-        return {key: value for key, value in (("CPU", self.cpus), ("GPU", self.gpus)) if value > 0}
+        bundle = {key: value for key, value in (("CPU", self.cpus), ("GPU", self.gpus)) if value > 0}
+        if self.place:
+            bundle[self.place] = PLACE_AMOUNT
+        return bundle
 
 
 @dataclass(frozen=True)
@@ -89,13 +100,26 @@ class Layout:
         return sum(g.size * g.resources.gpus for g in self.groups)
 
     def describe(self) -> str:
-        return ", ".join(f"{g.name} ×{g.size} ({g.resources.cpus:g} CPU, {g.resources.gpus:g} GPU each)"
-                         for g in self.groups)
+        return ", ".join(f"{g.name} ×{g.size} ({g.resources.cpus:g} CPU, {g.resources.gpus:g} GPU each"
+                         + (f", on {g.resources.place})" if g.resources.place else ")") for g in self.groups)
 
 
 def role_resources(config: Any, role: str) -> Resources:
     prefix = _FLAG_PREFIX[role]
     return Resources(cpus=float(getattr(config, f"{prefix}_cpus")), gpus=float(getattr(config, f"{prefix}_gpus")))
+
+
+def parse_places(items: list[str]) -> dict[str, str]:
+    """``--ray-place ROLE=RESOURCE`` items as {role: resource}."""
+    places: dict[str, str] = {}
+    for item in items:
+        role, sep, resource = (part.strip() for part in item.partition("="))
+        if not sep or role not in ROLES or not resource:
+            raise ConfigError(f"--ray-place expects ROLE=RESOURCE with ROLE one of {', '.join(ROLES)}, got {item!r}")
+        if places.get(role, resource) != resource:
+            raise ConfigError(f"--ray-place names two places for {role}: {places[role]} and {resource}")
+        places[role] = resource
+    return places
 
 
 def names_reward_model(specs: list[str]) -> bool:
@@ -126,12 +150,19 @@ def plan_layout(config: Any, *, needs_reference: bool, needs_critic: bool, has_r
                                   f"equal --policy-actors or be left out; got {value}")
     reward_actor = has_reward and (names_reward_model(config.reward) or config.reward_gpus > 0
                                    or colocate == "critic_reward")
+    places = parse_places(config.ray_place)
 
     def group(roles: tuple[str, ...], size: int, rank0: tuple[str, ...] = ()) -> HostGroup:
         resources = role_resources(config, roles[0])
         if resources.cpus < 0 or resources.gpus < 0 or not resources.bundle():
             raise ConfigError(f"the {'+'.join(roles + rank0)} actors request no resources: give them CPUs or GPUs "
                               f"(e.g. --{_FLAG_PREFIX[roles[0]]}-cpus 1)")
+        named = {places[role] for role in roles + rank0 if role in places}
+        if len(named) > 1:
+            raise ConfigError(f"--ray-place puts the roles of the {'+'.join(roles + rank0)} actors on different "
+                              f"resources ({', '.join(sorted(named))}), but they share one process per rank")
+        if named:
+            resources = Resources(resources.cpus, resources.gpus, place=named.pop())
         return HostGroup(roles=roles, size=size, resources=resources, rank0_roles=rank0)
 
     reward_role = ("reward",) if has_reward else ()
@@ -176,12 +207,16 @@ def never_fits(layout: Layout, total: dict[str, float], nodes: list[dict[str, fl
     if short:
         return f"the run's actors need {' and '.join(short)} in all: {layout.describe()}"
     for group in layout.groups:
-        bundle = group.resources.bundle()
-        if nodes and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
-            biggest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
+        bundle, place = group.resources.bundle(), group.resources.place
+        candidates = [node for node in nodes if not place or node.get(place, 0.0) > 0]
+        if nodes and not candidates:
+            return (f"no node has the Ray resource {place!r} that --ray-place gives the {group.name} actors (start "
+                    f"one with ray start --resources '{{\"{place}\": 1}}', or name a node:IP resource)")
+        if candidates and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for node in candidates):
+            biggest = max(candidates, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
             return (f"one {group.name} actor needs {group.resources.cpus:g} CPUs and {group.resources.gpus:g} GPUs on "
-                    f"one node, but the largest node has {biggest.get('CPU', 0.0):g} CPUs and "
-                    f"{biggest.get('GPU', 0.0):g} GPUs")
+                    f"one node, but the largest node{f' with {place}' if place else ''} has "
+                    f"{biggest.get('CPU', 0.0):g} CPUs and {biggest.get('GPU', 0.0):g} GPUs")
     return None
 
 
