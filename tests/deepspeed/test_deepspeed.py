@@ -33,11 +33,13 @@ CPU_ADAM_BUILD_S = 300
 
 
 def run_values(model_dir, task, out, **overrides):
-    """2 steps x (2 epochs x 2 minibatches) = 8 optimizer steps of 2 micro-batches, a warmup and a cosine decay."""
+    """2 steps x (2 epochs x 2 minibatches) = 8 optimizer steps of 2 micro-batches, a warmup and a cosine decay.
+    The full logits on every side: ZeRO-3 partitions the output layer, which then takes them (vocab
+    chunks need the whole weight), and the runs compared must round alike to sample alike."""
     values = dict(model=str(model_dir), data=[str(task / "data.jsonl")], label_key="answer",
                   reward=[str(task / "rewards.py")], prompts_per_step=2, n_samples=4, max_new_tokens=6,
                   micro_batch_size=2, train_batch_size=4, ppo_epochs=2, steps=2, lr=LR, warmup_ratio=0.25,
-                  lr_scheduler="cosine", out=str(out), progress=False, seed=7)
+                  lr_scheduler="cosine", out=str(out), progress=False, seed=7, vocab_chunks=False)
     values.update(overrides)
     return values
 

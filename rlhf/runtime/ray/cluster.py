@@ -3,8 +3,8 @@
 * Ray already initialised in this process (a notebook, the tests): the run uses that connection
   and leaves it up.
 * ``--ray-address`` (or, without it, Ray's own ``RAY_ADDRESS`` variable): the run connects to that
-  cluster and ships the current directory to the workers as their working directory (Ray's ``runtime_env``), so relative paths and
-  ``file.py:attr`` references work there; it disconnects at the end. What is shipped, and the
+  cluster and ships the current directory to the workers as their working directory (Ray's
+  ``runtime_env``), so relative paths and ``file.py:attr`` references work there; it disconnects at the end. What is shipped, and the
   size check before it: rlhf/runtime/ray/shipping.py.
 * Otherwise the run starts a local cluster (no dashboard) with enough logical CPUs for the
   requested actors, and shuts it down at the end, even after an error or Ctrl-C.
