@@ -86,6 +86,22 @@ def test_each_zero_stage_trains_like_the_torch_backend(tiny_model_dir, task, tmp
     assert (out / "checkpoints" / "step_2" / "policy" / "deepspeed").is_dir()  # DeepSpeed's own checkpoint
 
 
+def test_zero2_with_vocab_chunks_trains_like_the_torch_backend_with_them(tiny_model_dir, task, tmp_path,
+                                                                        monkeypatch):
+    """The output layer's gradient from vocabulary tiles reaches ZeRO-2's gradient partitions as the
+    torch backend's optimizer gets it."""
+    import rlhf.fastpaths.vocab_chunks as vocab_chunks
+
+    calls = []
+    real = vocab_chunks._ChunkedLogprobs.apply
+    monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
+    expected = train(TrainConfig.from_dict(run_values(tiny_model_dir, task, tmp_path / "torch", vocab_chunks=True)))
+    got = train(TrainConfig.from_dict(run_values(tiny_model_dir, task, tmp_path / "ds", vocab_chunks=True,
+                                                 backend="deepspeed", zero_stage=2)))
+    assert calls
+    assert_same_run(got, expected)
+
+
 def test_rlhf_train_cli_with_zero3_in_one_process_matches_torch(tiny_model_dir, task, tmp_path, torch_run, plugins,
                                                                 recwarn):
     args = ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--label-key", "answer",
