@@ -19,7 +19,11 @@ Only logsumexp(z) (K,) is kept for the backward, which recomputes each tile's z 
 (a block of the weight's gradient is written once, not summed over chunks of positions: each
 product has the tile's positions, all of them up to `TILE_POSITIONS`, as its rows). Memory is
 O(c·b) instead of O(K·V), for one more product with W than the plain path. The numbers are the
-plain path's up to float rounding. Distillation's cross-entropy to a teacher's
+plain path's up to float rounding. The recomputation costs time where the output layer is much of
+the model (a third more of its products), so a call whose backward will follow takes the full
+logits while they stay small (`FULL_LOGITS_UP_TO`, 256 MiB: a micro-batch of 8 x 64 tokens at a
+32k vocabulary); a call without a backward (old and reference log-probs) costs nothing more in
+tiles and always takes them. Distillation's cross-entropy to a teacher's
 distribution (`rlhf.objectives.distillation_loss`) runs the same way, the teacher's logits
 z' = h'_c·W'ᵀ (+ b') recomputed beside the student's, in chunks of c = ``CHUNK_ELEMENTS / V``
 positions:
@@ -59,6 +63,7 @@ log = logging.getLogger(__name__)
 CHUNK_ELEMENTS = 1 << 23  # float32 logits per tile (32 MB): positions x vocabulary block
 TILE_POSITIONS = 4096  # positions per tile at most (more: the weight's gradient is summed over tiles)
 MIN_BLOCK = 256  # vocabulary entries per block at least
+FULL_LOGITS_UP_TO = 256 << 20  # bytes of float32 logits up to which a call with a backward takes them whole
 CHECK_POSITIONS = 64  # positions of the first call compared with the plain path
 _DEFERRING = threading.local()  # .head: the output layer returning its input in this thread
 
@@ -255,9 +260,13 @@ class _ChunkedHead(DeferredHead):
     def position_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         onednn = self._onednn(hidden)
-        if verdict(self, "vocab_chunks") is None and hidden.shape[0]:
-            self._check(hidden[:CHECK_POSITIONS], targets[:CHECK_POSITIONS], temperature, onednn)
-        if verdict(self, "vocab_chunks") is False:  # this call's hidden states through the plain path
+        if self._full_logits_pay(hidden):
+            verdict_now = False
+        else:
+            if verdict(self, "vocab_chunks") is None and hidden.shape[0]:
+                self._check(hidden[:CHECK_POSITIONS], targets[:CHECK_POSITIONS], temperature, onednn)
+            verdict_now = verdict(self, "vocab_chunks")
+        if verdict_now is False:  # this call's hidden states through the plain path
             logits = self._layer_forward(hidden).float()  # (K, V)
             log_p = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)  # (K, V)
             entropy = -(log_p.exp() * log_p).sum(dim=-1) if with_entropy else None  # (K,)
@@ -269,6 +278,8 @@ class _ChunkedHead(DeferredHead):
     def cross_entropy_to(self, hidden: torch.Tensor, teacher: DeferredHead,
                          teacher_hidden: torch.Tensor) -> torch.Tensor:
         onednn = (self._onednn(hidden), teacher._onednn(teacher_hidden))
+        if self._full_logits_pay(hidden):
+            return _full_cross_entropy(self._layer_forward(hidden), teacher._layer_forward(teacher_hidden))
         if verdict(self, "vocab_chunks/distill") is None and hidden.shape[0]:
             with torch.no_grad():
                 k = CHECK_POSITIONS
@@ -284,6 +295,12 @@ class _ChunkedHead(DeferredHead):
             return _full_cross_entropy(self._layer_forward(hidden), teacher._layer_forward(teacher_hidden))
         return _ChunkedCrossEntropy.apply(hidden, self.weight, self.bias, teacher_hidden, teacher.weight,
                                           teacher.bias, onednn)  # (K,)
+
+    def _full_logits_pay(self, hidden: torch.Tensor) -> bool:
+        """Whether this call takes the full logits: a backward will follow (tiles would recompute
+        their logits in it) and the logits are small (`FULL_LOGITS_UP_TO`)."""
+        backward = torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad)
+        return backward and hidden.shape[0] * self.weight.shape[0] * 4 <= FULL_LOGITS_UP_TO
 
     def _onednn(self, hidden: torch.Tensor) -> bool:
         from rlhf.fastpaths.cpu_linear import OneDnnLinear, takes_onednn

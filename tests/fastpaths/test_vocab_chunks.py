@@ -30,6 +30,12 @@ from tests.fastpaths.test_packing import padded_batch
 from tests.helpers import assert_same_gradients, shared_batch
 
 
+@pytest.fixture(autouse=True)
+def always_tiles(monkeypatch):
+    """Tiles for every call here (by default a call with a backward and small logits takes them whole)."""
+    monkeypatch.setattr(vocab_chunks, "FULL_LOGITS_UP_TO", 0)
+
+
 @pytest.fixture
 def lm(tiny_model_dir):
     from transformers import AutoModelForCausalLM
@@ -317,3 +323,22 @@ def test_fit_commands_take_the_same_steps_with_vocab_chunks(tiny_model_dir, fit_
     for a, b in zip(metrics, expected_metrics):
         for key in {"train/loss", "train/sft_loss", "train/kd_loss", "train/accuracy"} & b.keys():
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_small_logits_with_a_backward_are_taken_whole_and_without_one_in_tiles(lm, monkeypatch):
+    monkeypatch.setattr(vocab_chunks, "FULL_LOGITS_UP_TO", 256 << 20)
+    calls = []
+    real = vocab_chunks._ChunkedLogprobs.apply
+    monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
+    vocab_chunks.use_vocab_chunks(lm)
+    ids, mask, actions = padded_batch()
+    with_backward, _ = token_logprobs(lm, ids, mask, actions)
+    assert not calls and with_backward.requires_grad  # (B·A) x 320 floats: whole
+    with torch.no_grad():
+        without, _ = token_logprobs(lm, ids, mask, actions)
+    assert len(calls) == 2  # the first call's check, then the tiles
+    assert torch.allclose(with_backward.detach() * actions, without * actions, atol=1e-5)
+    monkeypatch.setattr(vocab_chunks, "FULL_LOGITS_UP_TO", 4 * 320 * 3)  # 3 positions' logits: these are more
+    calls.clear()
+    token_logprobs(lm, ids, mask, actions)[0].sum().backward()
+    assert len(calls) == 1
