@@ -21,7 +21,7 @@ product has the tile's positions, all of them up to `TILE_POSITIONS`, as its row
 O(c·b) instead of O(K·V), for one more product with W than the plain path. The numbers are the
 plain path's up to float rounding. The recomputation costs time where the output layer is much of
 the model (a third more of its products), so a call whose backward will follow takes the full
-logits while they stay small (`FULL_LOGITS_UP_TO`, 256 MiB: a micro-batch of 8 x 64 tokens at a
+logits while they stay small (`FULL_LOGITS_UP_TO`, 64 MiB: a micro-batch of 8 x 64 tokens at a
 32k vocabulary); a call without a backward (old and reference log-probs) costs nothing more in
 tiles and always takes them. Distillation's cross-entropy to a teacher's
 distribution (`rlhf.objectives.distillation_loss`) runs the same way, the teacher's logits
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 CHUNK_ELEMENTS = 1 << 23  # float32 logits per tile (32 MB): positions x vocabulary block
 TILE_POSITIONS = 4096  # positions per tile at most (more: the weight's gradient is summed over tiles)
 MIN_BLOCK = 256  # vocabulary entries per block at least
-FULL_LOGITS_UP_TO = 256 << 20  # bytes of float32 logits up to which a call with a backward takes them whole
+FULL_LOGITS_UP_TO = 64 << 20  # bytes of float32 logits up to which a call with a backward takes them whole
 CHECK_POSITIONS = 64  # positions of the first call compared with the plain path
 _DEFERRING = threading.local()  # .head: the output layer returning its input in this thread
 
