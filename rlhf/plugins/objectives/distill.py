@@ -48,14 +48,22 @@ class DistillObjective(ObjectiveBase):
         return float(batch["loss_mask"][:, 1:].sum())
 
     def loss(self, models: FitModels, batch: dict[str, Any], stats: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
-        import torch
-
         from rlhf.core.logprobs import deferred_head
 
-        input_ids, attention_mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         student, teacher = deferred_head(models.model), deferred_head(models.teacher)
         if student is not None and teacher is not None:
-            return self._chunked_loss(models, batch, student, teacher)
+            sft, kd = self._chunked_terms(models, batch, student, teacher)
+        else:
+            sft, kd = self._terms(models, batch)
+        coef = self.config.kd_coef
+        loss = (1 - coef) * sft + coef * kd
+        return loss, {"sft_loss": float(sft.detach()), "kd_loss": float(kd.detach())}
+
+    def _terms(self, models: FitModels, batch: dict[str, Any]) -> tuple[Any, Any]:
+        """(SFT, KD) from both models' full logits."""
+        import torch
+
+        input_ids, attention_mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         logits = models.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
         with torch.no_grad():
             teacher_logits = models.teacher(input_ids=input_ids, attention_mask=attention_mask,
@@ -67,13 +75,11 @@ class DistillObjective(ObjectiveBase):
         sft = sft_loss(logits, labels)
         # position t predicts token t + 1: distill the predictions of the learnt tokens
         kd = distillation_loss(logits[:, :-1], teacher_logits[:, :-1], loss_mask[:, 1:])
-        coef = self.config.kd_coef
-        loss = (1 - coef) * sft + coef * kd
-        return loss, {"sft_loss": float(sft.detach()), "kd_loss": float(kd.detach())}
+        return sft, kd
 
-    def _chunked_loss(self, models: FitModels, batch: dict[str, Any], student: Any,
-                      teacher: Any) -> tuple[Any, dict[str, Any]]:
-        """The same loss from both models' hidden states, the vocabulary a few positions at a time
+    def _chunked_terms(self, models: FitModels, batch: dict[str, Any], student: Any,
+                       teacher: Any) -> tuple[Any, Any]:
+        """(SFT, KD) from both models' hidden states, the vocabulary a tile at a time
         (`rlhf.core.logprobs.DeferredHead`): only the learnt tokens' predictions are projected."""
         import torch
 
@@ -95,6 +101,4 @@ class DistillObjective(ObjectiveBase):
         logprobs, _ = student.position_logprobs(hidden[:, :-1][learnt], targets)  # (K,)
         sft = -logprobs.mean()
         kd = student.cross_entropy_to(hidden[:, :-1][learnt], teacher, teacher_hidden[:, :-1][learnt]).mean()
-        coef = self.config.kd_coef
-        loss = (1 - coef) * sft + coef * kd
-        return loss, {"sft_loss": float(sft.detach()), "kd_loss": float(kd.detach())}
+        return sft, kd
