@@ -6,7 +6,7 @@ the first action token on are projected to the vocabulary (prompts need no logit
 last token is not run at all (it predicts nothing; `without_last_token`), and the vocabulary
 softmax runs in row chunks to bound float32 memory. A model whose output layer is a
 `DeferredHead` (``rlhf.fastpaths.vocab_chunks``, on unless ``--no-vocab-chunks``) hands back its
-final hidden states instead, and the layer turns them into log-probs a few positions at a time,
+final hidden states instead, and the layer turns them into log-probs a tile at a time,
 so no float32 logits of a whole micro-batch are ever held.
 
 Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions, ``V`` vocabulary.

@@ -21,8 +21,8 @@ class HFModelConfig:
     cpu_linear: str = field(default="auto", metadata={
         "help": "Linear layers on a CPU: auto (oneDNN where MKL runs below the CPU's width), onednn or torch"})
     vocab_chunks: bool = field(default=True, metadata={
-        "help": "Log-probs from the hidden states, a few positions' logits at a time, recomputed in the backward "
-                "(no float32 logits of a whole micro-batch: memory at a large vocabulary)"})
+        "help": "Log-probs from the hidden states, a tile of positions x vocabulary at a time, recomputed in the "
+                "backward (no float32 logits of a whole micro-batch: memory at a large vocabulary)"})
     cudnn_attention: bool = field(default=False, metadata={
         "help": "Let sdpa use cuDNN's attention on a CUDA GPU (off: it builds a plan for every new sequence length, "
                 "up to 2 s each)"})
