@@ -84,6 +84,21 @@ def test_engine_samples_from_exactly_the_distribution_the_trainer_scores(model_a
                                             temperature=0.7)
 
 
+def test_transformers_generate_path_gives_the_trainers_logprobs_too(model_and_tokenizer):
+    """Stop strings take transformers' generate (not the direct decoder); its per-step scores give
+    the same log-probs, one step at a time."""
+    model, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    engine = HFEngine(model, tokenizer)
+    prompts = [tokenizer("What is 12 + 7?")["input_ids"], tokenizer("hello")["input_ids"]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.7, return_logprobs=True, stop=["never-seen-stop"])
+    assert not engine.uses_direct_decoder(params)
+    generations = engine.generate(prompts, n=2, params=params)
+    assert all(g.logprobs is not None and len(g.logprobs) == len(g.token_ids) for g in generations)
+    assert_engine_logprobs_are_the_trainers(model, tokenizer, [prompts[i // 2] for i in range(4)], generations,
+                                            temperature=0.7)
+
+
 def test_engine_lays_out_n_samples_per_prompt_contiguously(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = HFEngine(model, tokenizer)

@@ -320,8 +320,9 @@ class HFEngine:
         completions = result.sequences[:, input_ids.shape[1]:]  # (B, N) generated part, padded after the end
         logprobs = None
         if params.return_logprobs:
-            scores = torch.stack(result.scores, dim=1).float()  # (B, N, V) processed logits
-            logprobs = torch.log_softmax(scores, dim=-1).gather(-1, completions[:, :, None]).squeeze(-1)  # (B, N)
+            # one step's (B, V) processed logits at a time: no (B, N, V) float32 copy
+            logprobs = torch.stack([torch.log_softmax(scores.float(), dim=-1).gather(-1, completions[:, t, None])
+                                    .squeeze(-1) for t, scores in enumerate(result.scores)], dim=1)  # (B, N)
         return completions, logprobs
 
     # --- results ------------------------------------------------------------------------------
