@@ -332,12 +332,15 @@ def test_small_logits_with_a_backward_are_taken_whole_and_without_one_in_tiles(l
     monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
     vocab_chunks.use_vocab_chunks(lm)
     ids, mask, actions = padded_batch()
-    with_backward, _ = token_logprobs(lm, ids, mask, actions)
+    with_backward, _ = token_logprobs(lm, ids, mask, actions, temperature=2.0)
     assert not calls and with_backward.requires_grad  # (B·A) x 320 floats: whole
     with torch.no_grad():
-        without, _ = token_logprobs(lm, ids, mask, actions)
+        without, _ = token_logprobs(lm, ids, mask, actions, temperature=2.0)
     assert len(calls) == 2  # the first call's check, then the tiles
     assert torch.allclose(with_backward.detach() * actions, without * actions, atol=1e-5)
+    with torch.no_grad():
+        at_one, _ = token_logprobs(lm, ids, mask, actions, temperature=1.0)
+    assert not torch.allclose(at_one * actions, without * actions, atol=1e-3)  # τ = 2 was applied
     monkeypatch.setattr(vocab_chunks, "FULL_LOGITS_UP_TO", 4 * 320 * 3)  # 3 positions' logits: these are more
     calls.clear()
     token_logprobs(lm, ids, mask, actions)[0].sum().backward()
