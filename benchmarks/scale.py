@@ -148,8 +148,8 @@ def run_axis(axis: str, args: argparse.Namespace, root: Path, have_trl: bool) ->
                     "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ''}"}
             except subprocess.TimeoutExpired:
                 found = {"error": f"over {args.timeout} s"}
-            result = dict(point, side=side, steps=steps, threads=args.threads,
-                          total_s=time.perf_counter() - started, **found)
+            result = dict(point, side=side, steps=steps, total_s=time.perf_counter() - started,
+                          **{"threads": args.threads, **found})
             results.append(result)
             text = result.get("error") or (f"{result['s_per_step']:.3f} s/step ({result['cpu_s_per_step']:.3f} CPU), "
                                            f"peak {result['peak_mb']:,.0f} MB")
@@ -217,7 +217,7 @@ def plot(axis: str, found: list[dict], path: Path) -> None:
     for panel, title in zip(panels, ("seconds per step (wall, median)", "peak resident memory (MB)")):
         if max(xs) / min(xs) >= 10:
             panel.set_xscale("log")
-        if axis in ("model", "vocab"):
+        if axis in ("model", "vocab", "length"):
             panel.set_yscale("log")
         panel.set_xlabel(AXES[axis]["label"])
         panel.set_title(title)
