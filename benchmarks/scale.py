@@ -133,8 +133,8 @@ def run_axis(axis: str, args: argparse.Namespace, root: Path, have_trl: bool) ->
                 continue
             need = parameters(model) * (4 if point["lora_rank"] else 16) / 2**20 * 1.5 + 1500
             if available_mb() < need:
-                results.append(dict(point, side=side, steps=steps, error=f"skipped: {available_mb():,.0f} MB available, "
-                                                                         f"about {need:,.0f} MB needed"))
+                error = f"skipped: {available_mb():,.0f} MB available, about {need:,.0f} MB needed"
+                results.append(dict(point, side=side, steps=steps, error=error))
                 print(f"{axis} {model} {series(results[-1])}: {results[-1]['error']}", flush=True)
                 continue
             spec = dict(point, side=side, steps=steps, threads=args.threads, model_dir=str(model_dir),
@@ -170,7 +170,8 @@ def table(axis: str, found: list[dict]) -> str:
     """A markdown table: one row per x (and LoRA mode), s/step wall and CPU and peak MB per side."""
     sides = [side for side in SIDES if any(p["side"] == side for p in found)]
     head = "| " + AXES[axis]["label"] + (" | mode" if axis == "model" else "") + " | " + " | ".join(
-        f"{side} s/step (CPU) | {side} peak MB" for side in sides) + (" | TRL / rlhf s, MB |" if len(sides) > 1 else " |")
+        f"{side} s/step (CPU) | {side} peak MB" for side in sides)
+    head += " | TRL / rlhf s, MB |" if len(sides) > 1 else " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     keys = []
     for p in found:
