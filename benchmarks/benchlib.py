@@ -23,8 +23,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 # name -> hidden size, layers, vocabulary (320: the byte-level BPE alone; more: filler tokens added)
 MODELS = {"tiny": (64, 2, 320), "small": (256, 4, 320), "small32k": (256, 4, 32_000),
-          "vocab152k": (512, 4, 151_936)}
-TIED = {"vocab152k"}  # output layer tied to the input embedding (Qwen2's small models): 95M parameters
+          "vocab152k": (512, 4, 151_936),
+          # benchmarks/scale.py's axes: `small` at a long context and a large vocabulary, and two bigger models
+          "small2k": (256, 4, 320), "small152k": (256, 4, 151_936),
+          "llama100m": (768, 8, 32_000), "llama500m": (1280, 16, 32_000)}
+TIED = {"vocab152k", "llama100m"}  # output layer tied to the input embedding, as in Qwen2's small models
+# build_random_model's other settings where a model leaves its defaults (4 heads, 512 positions)
+SHAPE = {"small2k": {"max_positions": 2048}, "llama100m": {"heads": 12}, "llama500m": {"heads": 20}}
 PROMPT = "Say many a's please {}"
 REWARD_SOURCE = (
     "def count_a(completions, **kwargs):\n"
@@ -96,7 +101,9 @@ def model_dir(name: str, root: Path) -> Path:
     if name not in MODELS:
         return Path(name)
     hidden, layers, vocab = MODELS[name]
-    out = root / f"{name}-h{hidden}-l{layers}-v{vocab}{'-tied' if name in TIED else ''}-noeos"
+    shape = SHAPE.get(name, {})
+    extra = "".join(f"-{key[0]}{value}" for key, value in sorted(shape.items()))
+    out = root / f"{name}-h{hidden}-l{layers}-v{vocab}{extra}{'-tied' if name in TIED else ''}-noeos"
     if not (out / "config.json").is_file():
         from rlhf.core.references import import_object
 
@@ -104,7 +111,7 @@ def model_dir(name: str, root: Path) -> Path:
         tokenizer = import_object(f"{tiny_model}:build_tokenizer")()
         tokenizer.add_tokens([f"<w{i}>" for i in range(vocab - len(tokenizer))])  # a realistic vocabulary size
         import_object(f"{tiny_model}:build_random_model")(out, tokenizer=tokenizer, hidden=hidden, layers=layers,
-                                                                  tied=name in TIED)
+                                                                  tied=name in TIED, **shape)
         tokenizer.add_special_tokens({"eos_token": "<|never|>"})  # id = vocab size: the model cannot sample it
         tokenizer.save_pretrained(out)
         for file in ("config.json", "generation_config.json"):

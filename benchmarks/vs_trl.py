@@ -40,6 +40,8 @@ NO_TRL = """vs_trl.py needs TRL next to rlhf in one Python environment (TRL is n
 
 
 MARKS_PLUGIN = None  # an extra plugin for our side's run (benchmarks/vocab_memory.py's memory marks)
+OURS_EXTRA: dict = {}  # more TrainConfig keys for our side (benchmarks/scale.py: lora_rank)
+TRL_EXTRA: dict = {}  # more GRPOTrainer arguments for TRL's side (benchmarks/scale.py: peft_config)
 
 
 def run_ours(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.StepClock:
@@ -54,7 +56,7 @@ def run_ours(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib
         micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr, adam_betas="0.9,0.95",
         weight_decay=0.0, max_grad_norm=1.0, lr_scheduler="constant", clip_low=0.2, clip_high=0.2,
         temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=args.seed, share_prompt=args.share_prompt,
-        cpu_linear=args.cpu_linear, vocab_chunks=getattr(args, "vocab_chunks", True)))
+        cpu_linear=args.cpu_linear, vocab_chunks=getattr(args, "vocab_chunks", True), **OURS_EXTRA))
     plugins = build_plugin_manager()
     clock = benchlib.StepClock()
     plugins.register(benchlib.step_clock_plugin(clock), name="benchmark_step_clock")
@@ -104,7 +106,8 @@ def run_trl(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model),
                           reward_funcs=import_object(f"{reward}:{args.reward}"), args=config,
                           train_dataset=Dataset.from_list(prompts),
-                          processing_class=AutoTokenizer.from_pretrained(model), callbacks=[Stamp()])
+                          processing_class=AutoTokenizer.from_pretrained(model), callbacks=[Stamp()],
+                          **TRL_EXTRA)
 
     trainer.remove_callback(PrinterCallback)  # it prints every log line (disable_tqdm swaps it in)
     trainer.remove_callback(ProgressCallback)
