@@ -20,10 +20,9 @@ Only logsumexp(z) (K,) is kept for the backward, which recomputes each tile's z 
 product has the tile's positions, all of them up to `TILE_POSITIONS`, as its rows). Memory is
 O(c·b) instead of O(K·V), for one more product with W than the plain path. The numbers are the
 plain path's up to float rounding. The recomputation costs time where the output layer is much of
-the model (a third more of its products), so a call whose backward will follow takes the full
-logits while they stay small (`FULL_LOGITS_UP_TO`, 64 MiB: a micro-batch of 8 x 64 tokens at a
-32k vocabulary); a call without a backward (old and reference log-probs) costs nothing more in
-tiles and always takes them. Distillation's cross-entropy to a teacher's
+the model (a third more of its products), so a call takes the full logits while they stay small
+(`FULL_LOGITS_UP_TO`, 64 MiB: a micro-batch of 8 x 64 tokens at a 32k vocabulary), with or
+without a backward: a policy and its reference then score a micro-batch the same way. Distillation's cross-entropy to a teacher's
 distribution (`rlhf.objectives.distillation_loss`) runs the same way, the teacher's logits
 z' = h'_c·W'ᵀ (+ b') recomputed beside the student's, in chunks of c = ``CHUNK_ELEMENTS / V``
 positions:
@@ -297,10 +296,10 @@ class _ChunkedHead(DeferredHead):
                                           teacher.bias, onednn)  # (K,)
 
     def _full_logits_pay(self, hidden: torch.Tensor) -> bool:
-        """Whether this call takes the full logits: a backward will follow (tiles would recompute
-        their logits in it) and the logits are small (`FULL_LOGITS_UP_TO`)."""
-        backward = torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad)
-        return backward and hidden.shape[0] * self.weight.shape[0] * 4 <= FULL_LOGITS_UP_TO
+        """Whether this call takes the full logits: they are small (`FULL_LOGITS_UP_TO`), where tiles
+        would only add the backward's recomputation. By size alone, with or without a backward, so
+        the policy and the reference score the same micro-batch the same way, to the bit."""
+        return hidden.shape[0] * self.weight.shape[0] * 4 <= FULL_LOGITS_UP_TO
 
     def _onednn(self, hidden: torch.Tensor) -> bool:
         from rlhf.fastpaths.cpu_linear import OneDnnLinear, takes_onednn

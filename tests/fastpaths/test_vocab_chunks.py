@@ -325,23 +325,27 @@ def test_fit_commands_take_the_same_steps_with_vocab_chunks(tiny_model_dir, fit_
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
-def test_small_logits_with_a_backward_are_taken_whole_and_without_one_in_tiles(lm, monkeypatch):
+def test_small_logits_are_taken_whole_with_or_without_a_backward(lm, monkeypatch):
+    """Whole up to the budget (no tiles to recompute), and the same bits with a backward or without
+    one: a policy and its frozen reference agree exactly on the same weights."""
     monkeypatch.setattr(vocab_chunks, "FULL_LOGITS_UP_TO", 256 << 20)
     calls = []
     real = vocab_chunks._ChunkedLogprobs.apply
     monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
+    plain = copy.deepcopy(lm)
     vocab_chunks.use_vocab_chunks(lm)
     ids, mask, actions = padded_batch()
     with_backward, _ = token_logprobs(lm, ids, mask, actions, temperature=2.0)
-    assert not calls and with_backward.requires_grad  # (B·A) x 320 floats: whole
     with torch.no_grad():
         without, _ = token_logprobs(lm, ids, mask, actions, temperature=2.0)
-    assert len(calls) == 2  # the first call's check, then the tiles
-    assert torch.allclose(with_backward.detach() * actions, without * actions, atol=1e-5)
-    with torch.no_grad():
+        expected, _ = token_logprobs(plain, ids, mask, actions, temperature=2.0)
         at_one, _ = token_logprobs(lm, ids, mask, actions, temperature=1.0)
+    assert not calls and with_backward.requires_grad  # (B·A) x 320 floats: whole
+    assert torch.equal(with_backward.detach(), without)
+    assert torch.allclose(without * actions, expected * actions, atol=1e-6)
     assert not torch.allclose(at_one * actions, without * actions, atol=1e-3)  # τ = 2 was applied
     monkeypatch.setattr(vocab_chunks, "FULL_LOGITS_UP_TO", 4 * 320 * 3)  # 3 positions' logits: these are more
-    calls.clear()
-    token_logprobs(lm, ids, mask, actions)[0].sum().backward()
-    assert len(calls) == 1
+    with torch.no_grad():
+        tiled, _ = token_logprobs(lm, ids, mask, actions, temperature=2.0)
+    assert len(calls) == 2  # the first call's check, then the tiles
+    assert torch.allclose(tiled * actions, expected * actions, atol=1e-5)
