@@ -231,7 +231,8 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 class _ChunkedHead(DeferredHead):
     """Mixed in after an output layer's own class (`use_vocab_chunks`; a base placed first would
-    change the layer's memory layout); `_chunked_class` gives the pair this forward."""
+    change the layer's memory layout); `_chunked_class` gives the pair this forward, and
+    ``_layer_forward``, the layer class's own forward."""
 
     __slots__ = ()
 
@@ -239,9 +240,6 @@ class _ChunkedHead(DeferredHead):
         if getattr(_DEFERRING, "head", None) is self:
             return x  # (..., H): the hidden states, turned into log-probs by `position_logprobs`
         return self._layer_forward(x)
-
-    def _layer_forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError  # the layer class's own forward, set by `_chunked_class`
 
     def defers(self) -> bool:
         return (self.weight.dim() == 2 and not hasattr(self.weight, "ds_id")

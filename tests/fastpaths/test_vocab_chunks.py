@@ -36,6 +36,14 @@ def always_tiles(monkeypatch):
     monkeypatch.setattr(vocab_chunks, "FULL_LOGITS_UP_TO", 0)
 
 
+def tile_calls(monkeypatch) -> list:
+    """A list that grows by one at every tiled computation of log-probs."""
+    calls: list = []
+    real = vocab_chunks._ChunkedLogprobs.apply
+    monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.fixture
 def lm(tiny_model_dir):
     from transformers import AutoModelForCausalLM
@@ -273,9 +281,7 @@ def test_the_cli_switch_reaches_the_run_and_the_runs_match(tiny_model_dir, task,
 
     rewards = tmp_path / "dense.py"  # every sample a different reward: the step has a real loss and gradient
     rewards.write_text("def dense(completions, **kwargs):\n    return [sum(map(ord, c)) % 97 / 97 for c in completions]\n")
-    calls = []
-    real = vocab_chunks._ChunkedLogprobs.apply
-    monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
+    calls = tile_calls(monkeypatch)
     metrics = {}
     for flag in ("--vocab-chunks", "--no-vocab-chunks"):
         calls.clear()
@@ -300,9 +306,7 @@ def test_fit_commands_take_the_same_steps_with_vocab_chunks(tiny_model_dir, fit_
     from tests.helpers import command_args, read_jsonl, run_cli
     from tests.runtime.recording import RecordingBackend, recording_plugin
 
-    calls = []
-    real = vocab_chunks._ChunkedLogprobs.apply
-    monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
+    calls = tile_calls(monkeypatch)
     runs = {}
     for flag in ("--vocab-chunks", "--no-vocab-chunks"):
         calls.clear()
@@ -329,9 +333,7 @@ def test_small_logits_are_taken_whole_with_or_without_a_backward(lm, monkeypatch
     """Whole up to the budget (no tiles to recompute), and the same bits with a backward or without
     one: a policy and its frozen reference agree exactly on the same weights."""
     monkeypatch.setattr(vocab_chunks, "FULL_LOGITS_UP_TO", 256 << 20)
-    calls = []
-    real = vocab_chunks._ChunkedLogprobs.apply
-    monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
+    calls = tile_calls(monkeypatch)
     plain = copy.deepcopy(lm)
     vocab_chunks.use_vocab_chunks(lm)
     ids, mask, actions = padded_batch()
