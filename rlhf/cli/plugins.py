@@ -232,7 +232,7 @@ def new_command(state: Any, kind: str, name: str, directory: str) -> None:
     from rlhf.plugin_kit.scaffold import check_name, kind_of, new_package, use_command
 
     taken = sorted({c.provider.label for c in state.plugins.registry(kind_of(kind)).components()
-                    if c.name == check_name(name)})  # another plugin's component of the same name
+                    if check_name(name) in (c.name, *c.aliases)})  # another plugin's component of that name or alias
     root = new_package(kind, name, directory)
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         click.echo(f"wrote {path}")

@@ -196,3 +196,9 @@ def test_a_mistyped_estimator_is_a_usage_error_suggesting_the_alias(tiny_model_d
                                "--reward", str(task / "rewards.py"), "--advantage", "group_nrm", "--out",
                                str(tmp_path / "run")])
     assert result.exit_code == 2 and "Did you mean 'group_norm'?" in result.output
+
+
+def test_a_new_plugin_named_like_an_alias_is_warned_about(plugins, tmp_path):
+    result = run_cli(plugins, ["plugins", "new", "advantage_estimator", "group_norm", "--dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "Warning: rlhf-core" in result.output and "advantage estimator called 'group_norm'" in result.output
