@@ -28,8 +28,8 @@ from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOpti
 from rlhf.runtime.options import many as _many
 from rlhf.runtime.options import opt as _opt
 
-__all__ = ["ALGO_CONFIG_SLOTS", "COLOCATE_CHOICES", "COLOCATE_PAIRS", "DEFAULT_SAMPLE_FILTER", "NESTED", "SETTING_SLOTS", "SLOTS", "Derived", "Slot",
-           "TrainConfig", "colocation", "parse_key_values"]
+__all__ = ["ALGO_CONFIG_SLOTS", "COLOCATE_CHOICES", "COLOCATE_PAIRS", "DEFAULT_SAMPLE_FILTER", "NESTED",
+           "SETTING_SLOTS", "SLOTS", "Derived", "Slot", "TrainConfig", "colocation", "parse_key_values"]
 
 # Nested option groups: their fields become flags with a prefix (RewardOptions.on_error -> --reward-on-error).
 NESTED = {"reward_options": ("reward", RewardOptions)}

@@ -62,7 +62,8 @@ def test_both_pairs_colocate_together_as_openrlhfs_eight_gpu_layout():
 
 
 @pytest.mark.parametrize("colocate, expected", [
-    ([], ()), ("none", ()), (["none"], ()), (["none", "none"], ()), ("all", ("all",)), (["policy_ref"], ("policy_ref",)),
+    ([], ()), ("none", ()), (["none"], ()), (["none", "none"], ()), ("all", ("all",)),
+    (["policy_ref"], ("policy_ref",)),
     (["critic_reward", "policy_ref"], ("policy_ref", "critic_reward")), ("Policy-Ref", ("policy_ref",)),
 ])
 def test_colocation_reads_one_value_several_or_a_config_files_string(colocate, expected):
@@ -86,17 +87,16 @@ def test_none_or_all_with_other_values_is_one_usage_error(colocate, message):
 
 def test_colocate_is_repeatable_on_the_command_line_and_refuses_bad_combinations(plugins, monkeypatch, tmp_path):
     import rlhf.runtime.ray as ray_runtime
+    from rlhf.runtime.config import colocation
     from tests.helpers import run_cli
 
     seen = []
     monkeypatch.setattr(ray_runtime, "train", lambda config, plugins: seen.append(config) or tmp_path)
     base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "r.py", "--runtime", "ray"]
-    for extra, expected in ((["--colocate", "policy_ref", "--colocate", "critic_reward"], ("policy_ref", "critic_reward")),
-                            (["--colocate", "all"], ("all",)), ([], ())):
+    both = ["--colocate", "policy_ref", "--colocate", "critic_reward"]
+    for extra, expected in ((both, ("policy_ref", "critic_reward")), (["--colocate", "all"], ("all",)), ([], ())):
         result = run_cli(plugins, base + extra)
         assert result.exit_code == 0, result.output
-        from rlhf.runtime.config import colocation
-
         assert colocation(seen[-1].colocate) == expected
     (tmp_path / "run.yaml").write_text("colocate: critic_reward\n")
     assert run_cli(plugins, base + ["--config", str(tmp_path / "run.yaml")]).exit_code == 0
