@@ -132,3 +132,26 @@ def test_save_hf_every_may_change_on_resume(tiny_model_dir, task, tmp_path, plug
                                          "steps", "--save-hf-every", "1"))
     assert result.exit_code == 0, result.output
     assert set(steps(out)["step_2"]) >= {"hf", "policy"}
+
+
+def test_with_lora_hf_is_the_adapter_as_in_final_and_merge_lora_adds_the_merged_model(tiny_model_dir, tmp_path,
+                                                                                     plugins):
+    from transformers import AutoModelForCausalLM
+
+    rows = "".join(json.dumps({"prompt": f"{a}+1=", "response": str(a + 1)}) + "\n" for a in range(4))
+    (tmp_path / "sft.jsonl").write_text(rows)
+    out = tmp_path / "run"
+    result = run_cli(plugins, ["sft", "--model", str(tiny_model_dir), "--data", str(tmp_path / "sft.jsonl"),
+                               "--batch-size", "2", "--steps", "2", "--save-hf-every", "2", "--lora-rank", "4",
+                               "--merge-lora", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    hf = out / "checkpoints" / "step_2" / "hf"
+    assert (hf / "adapter_config.json").is_file() and (hf / "adapter_model.safetensors").is_file()
+    assert (hf / "adapter_model.safetensors").read_bytes() == (out / "final" / "adapter_model.safetensors").read_bytes()
+    assert_same(hf_weights(hf / "merged"), hf_weights(out / "final" / "merged"))
+    # transformers loads the adapter folder itself too (base + adapter, through peft)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        adapted = AutoModelForCausalLM.from_pretrained(hf)(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(hf / "merged")(ids).logits
+    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
