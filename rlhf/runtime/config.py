@@ -204,6 +204,7 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         if not self.data:
             raise ConfigError("--data is required (a prompt dataset)")
         self.check_loggers()
+        self.check_saving()
         if self.prompts_per_step < 1 or self.n_samples < 1 or self.micro_batch_size < 1:
             raise ConfigError("--prompts-per-step, --n-samples and --micro-batch-size must be at least 1")
         for name, value in (("--steps", self.steps), ("--max-new-tokens", self.max_new_tokens),

@@ -162,6 +162,10 @@ class OutputOptions:
     def out_dir(self) -> Path:
         return Path(self.out) if self.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
+    def check_saving(self) -> None:
+        if self.save_hf_every < 0:
+            raise ConfigError(f"--save-hf-every must be at least 0 (0: never); got {self.save_hf_every}")
+
     def check_loggers(self) -> None:
         """The packages the chosen loggers need, before any model loads."""
         import importlib.util

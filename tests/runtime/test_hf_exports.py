@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlhf.core.checkpoints import read_weight
 from rlhf.runtime import checkpoint
-from tests.helpers import final_weights, run_cli
+from tests.helpers import final_weights, run_cli, torchrun
 
 
 def train_args(model, task, out, *extra):
@@ -155,3 +156,23 @@ def test_with_lora_hf_is_the_adapter_as_in_final_and_merge_lora_adds_the_merged_
         adapted = AutoModelForCausalLM.from_pretrained(hf)(ids).logits
         merged = AutoModelForCausalLM.from_pretrained(hf / "merged")(ids).logits
     torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
+
+
+def test_a_negative_save_hf_every_is_a_usage_error(task, tmp_path, plugins):
+    result = run_cli(plugins, train_args(tmp_path / "not-loaded", task, tmp_path / "run", "--save-hf-every", "-1"))
+    assert result.exit_code == 2 and "--save-hf-every must be at least 0 (0: never); got -1" in result.output, (
+        result.output)
+
+
+@pytest.mark.slow
+def test_hf_exports_under_torchrun_with_two_processes(tiny_model_dir, tmp_path):
+    """Every rank takes part in each export (and its HF-only folder's write); the main rank writes."""
+    rows = "".join(json.dumps({"prompt": f"{a}+1=", "response": str(a + 1)}) + "\n" for a in range(8))
+    (tmp_path / "sft.jsonl").write_text(rows)
+    out = tmp_path / "run"
+    torchrun(2, "-m", "rlhf", "sft", "--model", str(tiny_model_dir), "--data", str(tmp_path / "sft.jsonl"),
+             "--batch-size", "4", "--steps", "2", "--save-hf-every", "1", "--out", str(out), "--no-progress")
+    assert steps(out) == {"step_1": ["MANIFEST.json", "hf"],
+                          "step_2": ["MANIFEST.json", "hf", "model", "rng_0.pt", "rng_1.pt", "trainer_state.json"]}
+    assert_same(hf_weights(out / "checkpoints" / "step_2" / "hf"), final_weights(out))
+    hf_weights(out / "checkpoints" / "step_1" / "hf")
