@@ -2,11 +2,14 @@
 
 SPEC resolves, in order: an ``http(s)://`` URL (several, comma-separated, are load-balanced); a
 registered reward name; ``file.py[:func]`` (default ``reward_func``); ``module:attr``; a directory
-holding a model config (a reward model). ``@WEIGHT`` is a trailing number (default 1; weight 0 logs
-a source without using it).
+holding a model config (a reward model); ``org/name`` that names nothing here (registered names
+have no ``/``): a reward model on the Hugging Face hub, from the local cache or downloaded
+(`rlhf.core.hub`). ``@WEIGHT`` is a trailing number (default 1; weight 0 logs a source without
+using it).
 
 A source's metric name is the registered name, the function's ``__name__``, the first URL's host or
-the model directory's name; names made equal by two sources get ``_2``, ``_3``, ... suffixes.
+the model directory's (or hub model's) name; names made equal by two sources get ``_2``, ``_3``, ...
+suffixes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rlhf.core.errors import UnknownComponentError
+from rlhf.core.errors import ConfigError, UnknownComponentError
+from rlhf.core.hub import check_model_option, hub_model_dir, is_hub_name
 from rlhf.core.references import import_object, is_reference
 from rlhf.core.registry import Registry
 from rlhf.rewards.calling import FunctionSource
@@ -34,7 +38,7 @@ from rlhf.rewards.source import RewardSource
 log = logging.getLogger(__name__)
 
 SPEC_FORMS = ("an http(s):// URL, a registered reward name, file.py[:func] (default func reward_func), "
-              "module:attr, or a directory holding a reward model's config.json")
+              "module:attr, a directory holding a reward model's config.json, or a hub reward model org/name")
 
 
 def split_weight(spec: str) -> tuple[str, float]:
@@ -89,6 +93,8 @@ def build_source(spec: str, registry: Registry | None, options: RewardOptions) -
             return RewardModelSource(Path(text), clean_name(Path(text).resolve().name), options)
         if Path(text).is_dir():
             raise RewardConfigError(f"directory {text!r} holds no config.json, so it is not a reward model")
+        if is_hub_name(text):
+            return RewardModelSource(hub_model_dir(text, "--reward"), clean_name(text.rpartition("/")[2]), options)
         hint = f"A reward spec is {SPEC_FORMS}."
         if registry is None:
             raise UnknownComponentError("reward", text, [], hint=hint)
@@ -98,6 +104,26 @@ def build_source(spec: str, registry: Registry | None, options: RewardOptions) -
             raise UnknownComponentError("reward", text, exc.available, hint=hint, aliases=exc.aliases) from None
     obj = import_object(text, default_attr="reward_func")
     return _function_source(obj, None, describe_function(obj) if callable(obj) else text, options, {})
+
+
+def is_hub_reward_model(spec: str, registry: Registry | None) -> bool:
+    """A SPEC (without ``@WEIGHT``) that `build_source` takes as a hub reward model."""
+    text = spec.strip()
+    return (not text.lower().startswith(("http://", "https://")) and not is_reference(text)
+            and not (registry is not None and text in registry) and is_hub_name(text))
+
+
+def check_hub_reward_models(specs: Sequence[str], registry: Registry | None) -> None:
+    """Before any model loads: each ``--reward`` SPEC taken as a hub reward model is in the local
+    cache, or (online) on the hub; otherwise one error naming it (`rlhf.core.hub.check_model_option`)."""
+    for spec in specs:
+        text = split_weight(spec)[0]
+        if is_hub_reward_model(text, registry):
+            try:
+                check_model_option(text, "--reward")
+            except ConfigError as exc:
+                raise RewardConfigError(f"{exc} ({text} is no registered reward, file.py or module:attr, so it is "
+                                        "taken as a hub reward model)") from None
 
 
 def _function_source(obj: Any, name: str | None, where: str, options: RewardOptions,

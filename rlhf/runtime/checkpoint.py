@@ -11,6 +11,13 @@ every file's size and SHA-256. ``--resume`` checks the newest checkpoint against
 to the newest intact one (`intact_checkpoint`), so a file damaged after the write (a disk error, a
 copy cut short) costs the steps since the checkpoint before, not the run.
 
+With ``--save-hf-every N`` a step's folder also holds ``hf/`` (and ``hf_critic/``): the trained
+model as ``final/`` is written, loadable by ``from_pretrained``. On a step that is due a checkpoint
+too, they are part of it (one write, one manifest); otherwise the step's folder holds them alone
+(an *HF-only* folder, written the same way), which ``--resume`` never mistakes for a checkpoint.
+Pruning (`prune`) keeps the ``keep`` newest checkpoints, a removed checkpoint's ``hf/`` going with
+it, and the ``keep`` newest HF exports among the HF-only folders.
+
 Checkpoints hold tensors and plain data only: torch files are read with ``weights_only=True``
 (no pickled code runs on ``--resume``), the trainer state is JSON.
 """
@@ -37,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d+)$")
 MANIFEST = "MANIFEST.json"
+HF_DIRS = frozenset({"hf", "hf_critic"})  # a step folder's Hugging Face exports (--save-hf-every)
 
 
 def rng_state() -> dict[str, Any]:
@@ -216,29 +224,72 @@ def remove_leftovers(out_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(out_dir: Path, step: int, *, workers: dict[str, Any], trainer_state: dict[str, Any],
-                    keep: int, dist: DistContext = SINGLE) -> Path:
-    """Write ``step_<step>`` atomically (on every rank), then keep only the ``keep`` newest."""
+                    keep: int, dist: DistContext = SINGLE, hf: Callable[[Path], None] | None = None) -> Path:
+    """Write ``step_<step>`` atomically (on every rank), with ``hf(folder)`` writing its HF exports
+    into it when given, then `prune` to the ``keep`` newest."""
     def write(tmp: Path) -> None:
         for name, worker in workers.items():
             worker.save(tmp / name)
         save_tensors(rng_state(), tmp / f"rng_{dist.rank}.pt")
         if dist.is_main:
             (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+        if hf is not None:
+            hf(tmp)
 
     final = write_directory(out_dir / "checkpoints" / f"step_{step}", write, dist)
     if dist.is_main:
-        for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(out_dir, keep)
     dist.barrier()
     return final
 
 
-def list_checkpoints(out_dir: Path) -> list[Path]:
+def save_hf_only(out_dir: Path, step: int, hf: Callable[[Path], None], *, keep: int,
+                 dist: DistContext = SINGLE) -> Path:
+    """``step_<step>`` holding only the HF exports ``hf(folder)`` writes (a step that is due no
+    checkpoint), written atomically like one, then `prune`."""
+    final = write_directory(out_dir / "checkpoints" / f"step_{step}", hf, dist)
+    if dist.is_main:
+        prune(out_dir, keep)
+    dist.barrier()
+    return final
+
+
+def prune(out_dir: Path, keep: int) -> list[Path]:
+    """Remove all but the ``keep`` newest checkpoints (each with its HF exports), then the HF-only
+    folders that are not among the ``keep`` newest HF exports; ``keep`` 0 keeps everything."""
+    if keep <= 0:
+        return []
+    removed = list_checkpoints(out_dir)[:-keep]
+    for old in removed:
+        shutil.rmtree(old, ignore_errors=True)
+    stale = [p for p in list_hf_exports(out_dir)[:-keep] if is_hf_only(p)]
+    for old in stale:
+        shutil.rmtree(old, ignore_errors=True)
+    return removed + stale
+
+
+def _step_folders(out_dir: Path) -> list[Path]:
     root = out_dir / "checkpoints"
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def is_hf_only(path: Path) -> bool:
+    """A step folder that holds HF exports and no training state (not a checkpoint)."""
+    names = {p.name for p in path.iterdir()} - {MANIFEST}
+    return bool(names) and names <= HF_DIRS
+
+
+def list_checkpoints(out_dir: Path) -> list[Path]:
+    """The step folders that are checkpoints, oldest first (HF-only folders left out)."""
+    return [p for p in _step_folders(out_dir) if not is_hf_only(p)]
+
+
+def list_hf_exports(out_dir: Path) -> list[Path]:
+    """The step folders that hold an ``hf/`` export (checkpoints or HF-only), oldest first."""
+    return [p for p in _step_folders(out_dir) if (p / "hf").is_dir()]
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:

@@ -83,7 +83,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
 
     # --- model ------------------------------------------------------------------------------
     critic_model: str | None = _opt(None, "Critic initialisation: a reward model (its score head becomes the value "
-                                    "head) or any model (default: the policy model)", "model")
+                                    "head) or any model, a local directory or a hub name (default: the policy "
+                                    "model)", "model")
     save_critic: bool = _opt(False, "Write the trained critic to <out>/critic at the end (algorithms with a critic)",
                              "model")
 
@@ -157,7 +158,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
 
     # --- rewards ----------------------------------------------------------------------------
     reward: list[str] = _many("Reward source SPEC[@WEIGHT]: a registered name, file.py[:func], module:attr, "
-                              "an http(s):// URL or a reward model directory (repeatable)", "reward")
+                              "an http(s):// URL, a reward model directory or a reward model's hub name org/name "
+                              "(repeatable)", "reward")
     reward_options: RewardOptions = field(default_factory=RewardOptions, metadata={
         "help": "How reward sources run, time out, retry and fail (flags --reward-<field>)", "group": "reward"})
     reward_shaping: list[str] = _many("Reward-shaping plugin applied after the reward sources (repeatable; its "
@@ -229,6 +231,7 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         if not self.data:
             raise ConfigError("--data is required (a prompt dataset)")
         self.check_loggers()
+        self.check_saving()
         if self.prompts_per_step < 1 or self.n_samples < 1 or self.micro_batch_size < 1:
             raise ConfigError("--prompts-per-step, --n-samples and --micro-batch-size must be at least 1")
         for name, value in (("--steps", self.steps), ("--max-new-tokens", self.max_new_tokens),

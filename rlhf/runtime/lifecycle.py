@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlhf.core.distributed import DistContext
-from rlhf.core.errors import RunInterrupted
+from rlhf.core.errors import RlhfError, RunInterrupted
 from rlhf.core.fingerprint import fingerprint_differences
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
@@ -71,6 +71,11 @@ class SteppedLoop(ABC):
     def export_final(self, directory: Path, card: str) -> None:
         """The trained model(s) into ``directory``, on every rank, with ``card`` as its README.md
         (``rlhf.runtime.model_card``)."""
+
+    def export_hf(self, directory: Path) -> None:
+        """``--save-hf-every``: the trained model(s) into ``directory/hf`` (and the critic, with
+        ``--save-critic``, into ``directory/hf_critic``), as `export_final` writes them; on every rank."""
+        raise RlhfError(f"--save-hf-every: {type(self).__name__} cannot write Hugging Face exports")
 
     def begin(self, run: RunInfo) -> None:
         """Before the first step (after ``on_run_start``)."""
@@ -237,8 +242,11 @@ def seed_everything(seed: int) -> None:
 
 
 def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_every: int, keep_checkpoints: int,
-             progress: bool, command: str, fields: tuple[tuple[str, str, str], ...] = RL_FIELDS) -> Path:
-    """Drive ``loop`` from its first (or resumed) step to ``final/``; returns the run directory."""
+             progress: bool, command: str, fields: tuple[tuple[str, str, str], ...] = RL_FIELDS,
+             save_hf_every: int = 0) -> Path:
+    """Drive ``loop`` from its first (or resumed) step to ``final/``; returns the run directory.
+    ``save_hf_every`` N: every N steps the model in HF format too (``checkpoints/step_N/hf``), inside
+    the step's checkpoint when one is due, else in a folder of its own (rlhf/runtime/checkpoint.py)."""
     run_dir, dist = loop.run_dir, loop.dist
     if resume and _complete(run_dir.path, loop.total_steps):
         if dist.is_main:
@@ -277,11 +285,14 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
                 last = {**metrics, **loop.after_step(done, run)}
                 bar.update(step, last)
                 stopping = any(dist.all_gather(stop.requested is not None)) if dist.active else bool(stop.requested)
+                hf = loop.export_hf if save_hf_every > 0 and done % save_hf_every == 0 else None
                 if done == loop.total_steps or (save_every and done % save_every == 0) or stopping:
                     loop.before_checkpoint(done)
                     saved = {**loop.trainer_state(), "log_sizes": log_sizes(run_dir.path) if dist.is_main else {}}
-                    path = run_dir.save_checkpoint(done, loop.checkpoint_roles(), saved, keep=keep_checkpoints)
+                    path = run_dir.save_checkpoint(done, loop.checkpoint_roles(), saved, keep=keep_checkpoints, hf=hf)
                     emit("on_checkpoint", run=run, step=done, path=path)
+                elif hf is not None:
+                    run_dir.save_hf_only(done, hf, keep=keep_checkpoints)
                 loop.after_checkpoint(done)
                 if stopping and done < loop.total_steps:
                     raise KeyboardInterrupt(stop.requested or "a signal on another rank")

@@ -140,11 +140,12 @@ def build_eval_prompts(config: TrainConfig, tokenizer: Any) -> list[Any] | None:
 
 
 def export_final(plan: RunPlan, adapter: Any, tokenizer: Any, policy: Any, critic: Any, out_dir: Path,
-                 dist: DistContext = SINGLE) -> None:
-    """The final policy to ``out_dir`` and, with ``--save-critic``, the critic to ``<out>/critic``."""
+                 dist: DistContext = SINGLE, critic_dir: Path | None = None) -> None:
+    """The final policy to ``out_dir`` and, with ``--save-critic``, the critic to ``critic_dir``
+    (default ``<out>/critic``)."""
     export_model(adapter, tokenizer, policy, out_dir, dist, prompt_format=PromptFormat.of(plan.config))
     if critic is not None and plan.config.save_critic:
-        export_critic(adapter, tokenizer, critic, plan.derived.out_dir / "critic", dist)
+        export_critic(adapter, tokenizer, critic, critic_dir or plan.derived.out_dir / "critic", dist)
 
 
 class LocalPolicyCopy:
@@ -200,7 +201,8 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
         async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
                                                                                                     tokenizer))),
-        export=lambda out_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist),
+        export=lambda out_dir, critic_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist,
+                                                        critic_dir),
     )
     return workers, plan
 

@@ -141,7 +141,11 @@ class RuntimeOptions:
 class OutputOptions:
     out: str | None = opt(None, "Run directory (default: runs/<date>-<time>)", "output")
     save_every: int = opt(0, "Checkpoint every N steps (0: only at the end)", "output")
-    keep_checkpoints: int = opt(2, "Checkpoints kept (oldest removed first)", "output")
+    keep_checkpoints: int = opt(2, "Checkpoints kept (oldest removed first); also the number of --save-hf-every "
+                                "exports kept", "output")
+    save_hf_every: int = opt(0, "Every N steps also write the trained model as final/ is written (Hugging Face "
+                             "format, with its tokenizer) to checkpoints/step_N/hf, and with --save-critic the "
+                             "critic to step_N/hf_critic (0: never); pruned with the checkpoints", "output")
     resume: bool = opt(False, "Continue from the latest complete checkpoint in --out, with the run's options",
                        "output")
     resume_override: list[str] = many("With --resume: an option to change from the checkpoint on, e.g. lr or steps "
@@ -157,6 +161,10 @@ class OutputOptions:
     @property
     def out_dir(self) -> Path:
         return Path(self.out) if self.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+    def check_saving(self) -> None:
+        if self.save_hf_every < 0:
+            raise ConfigError(f"--save-hf-every must be at least 0 (0: never); got {self.save_hf_every}")
 
     def check_loggers(self) -> None:
         """The packages the chosen loggers need, before any model loads."""

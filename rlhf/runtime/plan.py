@@ -70,7 +70,19 @@ class RunPlan:
         for slot in SLOTS:  # a bad or unknown setting stops the run before any model loads
             plan.component_config(slot)
         plan.reward_shapings(plugins)
+        plan.check_model_refs(plugins)
         return plan
+
+    def check_model_refs(self, plugins: PluginSet) -> None:
+        """``--critic-model`` (when the algorithm trains a critic) and each ``--reward`` taken as a hub
+        reward model name a local model directory or a hub model that can be had (`rlhf.core.hub`):
+        one usage error naming the flag otherwise, before any model loads."""
+        from rlhf.core.hub import check_model_option
+        from rlhf.rewards.loading import check_hub_reward_models
+
+        if self.config.critic_model and self.algorithm.needs_critic:
+            check_model_option(self.config.critic_model, "--critic-model")
+        check_hub_reward_models(self.config.reward, plugins.registry("reward"))
 
     def with_prompts(self, num_prompts: int) -> RunPlan:
         """The plan once the data is known: the run's length in optimizer steps."""

@@ -5,6 +5,7 @@
     <out>/plugins.json       the plugin set and its fingerprint
     <out>/metrics.jsonl, samples.jsonl, tensorboard/   (written by the logger plugins)
     <out>/checkpoints/step_N/                          (checkpoint.py: atomic, rotated)
+    <out>/checkpoints/step_N/hf/, hf_critic/           with --save-hf-every: the model as final/ is written
     <out>/final/             the trained policy (the model adapter's layout; written like a checkpoint)
     <out>/best/              with --save-best: the policy that scored best on the eval, and best.json
 
@@ -37,7 +38,8 @@ from rlhf.runtime.run_lock import LOCK_NAME
 log = logging.getLogger(__name__)
 
 # Options a resumed run may change freely (how it reports, saves and runs; not what it trains).
-RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_every", "keep_checkpoints", "threads",
+RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_every", "keep_checkpoints",
+                         "save_hf_every", "threads",
                          "tensorboard", "wandb_project", "wandb_group", "wandb_run_name", "log_samples",
                          "ray_address", "ray_place", "device"})
 # Files a run writes before its first step completes.
@@ -147,10 +149,16 @@ class RunDirectory:
 
         return checkpoint.write_directory(directory, write, self.dist)
 
-    def save_checkpoint(self, step: int, roles: dict[str, Any], state: dict[str, Any], *, keep: int) -> Path:
-        """``checkpoints/step_<step>``: each role's state, every rank's RNG and the trainer's ``state``."""
+    def save_checkpoint(self, step: int, roles: dict[str, Any], state: dict[str, Any], *, keep: int,
+                        hf: Callable[[Path], None] | None = None) -> Path:
+        """``checkpoints/step_<step>``: each role's state, every rank's RNG and the trainer's ``state``
+        (and the HF exports ``hf(folder)`` writes, with ``--save-hf-every``)."""
         return checkpoint.save_checkpoint(self.path, step, workers=roles, trainer_state=state, keep=keep,
-                                          dist=self.dist)
+                                          dist=self.dist, hf=hf)
+
+    def save_hf_only(self, step: int, hf: Callable[[Path], None], *, keep: int) -> Path:
+        """``checkpoints/step_<step>`` with the HF exports only (``--save-hf-every`` on a step due no checkpoint)."""
+        return checkpoint.save_hf_only(self.path, step, hf, keep=keep, dist=self.dist)
 
     def resume(self, roles: dict[str, Any]) -> dict[str, Any] | None:
         """Load the newest intact checkpoint into ``roles`` (`checkpoint.intact_checkpoint`: the main rank

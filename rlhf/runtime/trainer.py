@@ -58,7 +58,9 @@ class Workers:
     critic: CriticRole | None = None
     loader: PromptLoader
     pad_token_id: int
-    export: Callable[[Path], None]  # writes the final policy (and --save-critic's critic); called on every rank
+    # (policy directory, critic directory or None for <out>/critic): writes the policy there, and
+    # --save-critic's critic; called on every rank
+    export: Callable[[Path, Path | None], None]
     dist: DistContext = SINGLE  # data-parallel ranks when started by a launcher (every rank runs this loop)
     eval_prompts: list[Any] | None = None  # formatted --eval-data prompts (None: no eval)
     async_parts: AsyncParts | None = None  # what --async needs (None: this runtime does not support it)
@@ -116,7 +118,8 @@ class Trainer(SteppedLoop):
         fields = RL_FIELDS + ((("eval", "eval/reward/mean", ".3f"),) if self.evaluator is not None else ())
         return run_loop(self, config=self.plan.run_config(), resume=self.config.resume,
                         save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
-                        progress=self.config.progress, command="train", fields=fields)
+                        progress=self.config.progress, command="train", fields=fields,
+                        save_hf_every=self.config.save_hf_every)
 
     # the lifecycle's calls (rlhf.runtime.lifecycle.SteppedLoop)
 
@@ -155,7 +158,10 @@ class Trainer(SteppedLoop):
                 f"`{names['loss_agg']}`)")
 
     def export_final(self, directory: Path, card: str) -> None:
-        self.run_dir.write_model(directory, self.workers.export, card=card)
+        self.run_dir.write_model(directory, lambda tmp: self.workers.export(tmp, None), card=card)
+
+    def export_hf(self, directory: Path) -> None:
+        self.workers.export(directory / "hf", directory / "hf_critic")
 
     def step(self, step: int, run: RunInfo) -> dict[str, float]:
         w, timer = self.workers, Timer()
@@ -335,7 +341,7 @@ class Trainer(SteppedLoop):
         self._emit("on_eval", run=run, step=done, metrics=self.last_eval)
         best = self.run_dir.path / "best"
         self.best_model.consider(self.last_eval, done, lambda record: self.run_dir.write_model(
-            best, self.workers.export, record={"best.json": record}, card=model_card(
+            best, lambda tmp: self.workers.export(tmp, None), record={"best.json": record}, card=model_card(
                 self.plan.run_config(), command="train", step=done, total_steps=self.total_steps,
                 metrics=self.last_eval, out=best, method=self.method(), best=record["metric"])))
 

@@ -162,6 +162,30 @@ def test_ppo_with_both_pairs_colocated_reproduces_the_local_run(ray_cluster, tin
         assert torch.allclose(a, b, atol=1e-6), name
 
 
+def test_save_hf_every_on_ray_writes_the_policy_and_critic_of_each_step(ray_cluster, tiny_model_dir, task, tmp_path):
+    """--save-hf-every under Ray: the actors write step_N/hf and hf_critic into the driver's checkpoint
+    folder, the policy's weights those of the step's checkpoint, the last one final/."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.core.checkpoints import read_weight
+    from rlhf.runtime import checkpoint
+
+    ppo = dict(algo="ppo", critic_cpus=0.25, policy_cpus=0.5, ref_cpus=0.25, rollout_cpus=0.5)
+    out = tmp_path / "ray"
+    ray_train(make_config(tiny_model_dir, task, out, runtime="ray", save_every=1, save_hf_every=1, save_critic=True,
+                          **ppo))
+    assert_no_actors_left()
+    for step in ("step_1", "step_2"):
+        folder = out / "checkpoints" / step
+        assert checkpoint.manifest_problem(folder) is None
+        hf = AutoModelForCausalLM.from_pretrained(folder / "hf").state_dict()
+        state = checkpoint.load_tensors(folder / "policy" / "state.pt")["model"]
+        assert hf.keys() == state.keys() and all(torch.equal(hf[k], state[k]) for k in state), step
+        assert read_weight(folder / "hf_critic", "score.weight").shape == (1, 64)
+    last = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_2" / "hf").state_dict()
+    assert all(torch.equal(last[k], v) for k, v in final_weights(out).items())
+
+
 @pytest.mark.deepspeed
 def test_deepspeed_zero3_over_two_policy_actors_reproduces_the_local_torch_run(ray_cluster, tiny_model_dir, task,
                                                                                  tmp_path):

@@ -51,6 +51,7 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
             raise ConfigError("--objective is required (see `rlhf plugins list --kind objective`)")
         self.check_prompt_format()
         self.check_loggers()
+        self.check_saving()
         for name, value in (("--batch-size", self.batch_size), ("--micro-batch-size", self.micro_batch_size),
                             ("--epochs", self.epochs)):
             if value < 1:

@@ -96,7 +96,8 @@ class FitLoop(SteppedLoop):
         """The run's lifecycle (``rlhf.runtime.lifecycle``): resume, steps, checkpoints, ``final/``."""
         return run_loop(self, config=self.plan.run_config(), resume=self.config.resume,
                         save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
-                        progress=self.config.progress, command="fit", fields=PROGRESS_FIELDS)
+                        progress=self.config.progress, command="fit", fields=PROGRESS_FIELDS,
+                        save_hf_every=self.config.save_hf_every)
 
     def run_step(self, step: int, run: RunInfo) -> dict[str, float]:
         """A step, then the eval when it is due (and ``--save-best``)."""
@@ -117,6 +118,9 @@ class FitLoop(SteppedLoop):
 
     def export_final(self, directory: Path, card: str) -> None:
         self._export(directory, card=card)
+
+    def export_hf(self, directory: Path) -> None:
+        self.parts.export(directory / "hf", self.objective.output_config(self.final_statistics()))
 
     def step(self, step: int) -> dict[str, float]:
         started = time.perf_counter()

@@ -50,6 +50,10 @@ class FitPlan:
         if plan.needs_teacher and not config.teacher:
             raise ConfigError(f"the {config.objective!r} objective distills a teacher: pass --teacher MODEL "
                               "(a local HF directory or a hub name)")
+        if plan.needs_teacher:
+            from rlhf.core.hub import check_model_option
+
+            check_model_option(config.teacher, "--teacher")  # before any model loads
         roles = plan.choices["model_adapter"].capabilities.get("roles", ())
         wanted = ["reward" if head == "score" else "policy"] + (["reference"] if plan.needs_reference else [])
         missing = [role for role in wanted if role not in roles]

@@ -204,13 +204,14 @@ def make_workers(plan: RunPlan, hosts: list[Host], tokenizer: Any, loader: Any) 
     # No reward actor: the environment gives every reward, scored here like in the local runtime.
     reward = RewardGroup(holding("reward"), timeout, hosts) if holding("reward") else RewardWorker(None)
 
-    def export(out_dir: Path) -> None:
-        """Every rank takes part (a sharding backend gathers the weights); rank 0 writes."""
+    def export(out_dir: Path, critic_dir: Path | None) -> None:
+        """Every rank takes part (a sharding backend gathers the weights); rank 0 writes. The critic
+        (--save-critic) goes to ``critic_dir``, default ``<out>/critic``."""
         target = str(Path(out_dir).resolve())
         calls = [(h, h.handle.export_model.remote(target)) for h in policy.hosts]
         if critic is not None and config.save_critic:
-            critic_dir = str(plan.derived.out_dir.resolve() / "critic")
-            calls += [(h, h.handle.export_critic.remote(critic_dir)) for h in critic.hosts]
+            critic_target = str(Path(critic_dir or plan.derived.out_dir / "critic").resolve())
+            calls += [(h, h.handle.export_critic.remote(critic_target)) for h in critic.hosts]
         wait(calls, "export", timeout, hosts)
 
     async_parts = None

@@ -127,11 +127,16 @@ def parse_places(items: list[str]) -> dict[str, str]:
 
 
 def names_reward_model(specs: list[str]) -> bool:
-    """True when a reward SPEC (``[@WEIGHT]`` stripped) is a directory with a model config."""
+    """True when a reward SPEC (``[@WEIGHT]`` stripped) is a directory with a model config, or a
+    hub reward model (``org/name``: registered reward names have no ``/``)."""
+    from rlhf.rewards.loading import is_hub_reward_model
+
     for spec in specs:
         head, sep, tail = spec.strip().rpartition("@")
         for text in {spec.strip(), head if sep else spec.strip()}:
             if text and Path(text).is_dir() and (Path(text) / "config.json").is_file():
+                return True
+            if text and is_hub_reward_model(text, None):
                 return True
     return False
 
