@@ -53,7 +53,8 @@ class Flag:
             return click.option(*decls, self.dest, default=self.default, show_default=self.show_default,
                                 help=self.help)
         if self.multiple:
-            return click.option(*self.names, self.dest, multiple=True, help=self.help, type=click.UNPROCESSED)
+            kind = click.Choice([str(c) for c in self.choices]) if self.choices else click.UNPROCESSED
+            return click.option(*self.names, self.dest, multiple=True, help=self.help, type=kind)
         if self.component is not None:
             kind: Any = ComponentParam(self.component)
         elif self.choices:

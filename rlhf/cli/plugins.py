@@ -57,11 +57,14 @@ def _print_table(plugins: PluginSet, records: list[PluginRecord], kind: str | No
     for registry in plugins.registries().values():
         if kind and registry.kind.name != kind:
             continue
+        conflicts = registry.conflicts()
         for component in registry.components():
             record = component.provider
             if id(record) in shown:
-                conflict = " [conflict]" if component.name in registry.conflicts() else ""
-                rows.append((registry.kind.name, component.name + conflict, record.distribution or "-",
+                conflict = " [conflict]" if component.name in conflicts else ""
+                aliases = ", ".join(a + (" [conflict]" if a in conflicts else "") for a in component.aliases)
+                name = component.name + conflict + (f" (alias: {aliases})" if aliases else "")
+                rows.append((registry.kind.name, name, record.distribution or "-",
                              record.version or "-", component.description))
     for record in records:
         if record.loaded and not kind:
@@ -111,9 +114,10 @@ def show_command(state: Any, name: str) -> None:
     registries = plugins.registries()
     records = [r for r in plugins.records if name in (r.name, r.distribution, r.pm_name)]
     key = normalize_name(name)
-    components = [c for reg in registries.values() for c in reg.components() if c.name == key]
+    components = [c for reg in registries.values() for c in reg.components() if key in (c.name, *c.aliases)]
     if not records and not components:
-        known = {r.name for r in plugins.records} | {c.name for reg in registries.values() for c in reg.components()}
+        known = {r.name for r in plugins.records} | {n for reg in registries.values() for c in reg.components()
+                                                     for n in (c.name, *c.aliases)}
         hint = close_matches(name, known)
         raise click.BadParameter(
             f"no plugin or component called {name!r}"
@@ -135,6 +139,8 @@ def _describe_record(record: PluginRecord) -> str:
     ]
     for kind, names in sorted(record.provides.items()):
         lines.append(f"  provides: {kind}: {', '.join(sorted(names))}")
+    for kind, aliases in sorted(record.aliases.items()):
+        lines.append(f"  aliases:  {kind}: " + ", ".join(f"{a} = {n}" for a, n in sorted(aliases.items())))
     if record.error:
         lines.append(f"  error:    {record.error}")
     lines += [f"  warning:  {w}" for w in record.warnings]
@@ -148,10 +154,14 @@ def _describe_component(component: Component) -> str:
         f"{component.kind.name} {component.name}",
         f"  provided by: {component.provider.label}",
         f"  description: {component.description or '-'}",
-        f"  selected by: {component.kind.flag} {component.name}" + (
+        f"  selected by: {component.kind.flag} {component.name}"
+        + "".join(f", {component.kind.flag} {alias}" for alias in component.aliases) + (
             f", or --{component.capabilities['enabled_by'].replace('_', '-')}"
             if component.capabilities.get("enabled_by") else ""),
     ]
+    if component.aliases:
+        lines.insert(1, f"  aliases:     {', '.join(component.aliases)} (the same component, logged as "
+                        f"{component.name!r})")
     try:
         obj = component.load()
         config_cls = component.load_config_cls()
@@ -222,7 +232,7 @@ def new_command(state: Any, kind: str, name: str, directory: str) -> None:
     from rlhf.plugin_kit.scaffold import check_name, kind_of, new_package, use_command
 
     taken = sorted({c.provider.label for c in state.plugins.registry(kind_of(kind)).components()
-                    if c.name == check_name(name)})  # another plugin's component of the same name
+                    if check_name(name) in (c.name, *c.aliases)})  # another plugin's component of that name or alias
     root = new_package(kind, name, directory)
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         click.echo(f"wrote {path}")

@@ -28,16 +28,19 @@ class RunInterrupted(RlhfError, KeyboardInterrupt):
 
 
 class UnknownComponentError(ConfigError, LookupError):
-    """A name that no plugin registered for a kind."""
+    """A name that no plugin registered for a kind. Suggestions come from the names and the
+    aliases (``aliases``: the usable ones, alias -> anything); ``available`` lists the names."""
 
-    def __init__(self, kind: str, name: str, available: Iterable[str], hint: str = ""):
+    def __init__(self, kind: str, name: str, available: Iterable[str], hint: str = "",
+                 aliases: Iterable[str] = ()):
         self.kind, self.name = kind, name
-        self.available = sorted(available)
-        self.suggestions = close_matches(name, self.available)
+        self.available, self.aliases = sorted(available), sorted(aliases)
+        self.suggestions = close_matches(name, [*self.available, *self.aliases])
         message = f"unknown {kind.replace('_', ' ')} {name!r}."
         if self.suggestions:
             message += f" Did you mean {' or '.join(repr(s) for s in self.suggestions)}?"
-        message += f" Available: {', '.join(self.available) or '(none)'}."
+        message += f" Available: {', '.join(self.available) or '(none)'}"
+        message += f" (aliases: {', '.join(self.aliases)})." if self.aliases else "."
         if hint:
             message += f" {hint}"
         message += " See `rlhf plugins list --all`."

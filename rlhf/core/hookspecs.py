@@ -10,8 +10,9 @@ match the specs below. Two families:
   name (keeps ``rlhf --help`` fast when the component needs torch). ``description`` defaults to
   the first line of ``obj``'s docstring; ``config_cls`` is a ``@dataclass(kw_only=True)`` whose
   fields carry ``metadata={"help": ...}`` and which ``rlhf plugins show NAME`` prints.
-  Names are case-insensitive and ``-`` equals ``_``. A name provided by two plugins is an error
-  that names both packages: nothing is ever silently overridden.
+  Names are case-insensitive and ``-`` equals ``_``. ``aliases=("other", ...)`` gives the
+  component more names that look it up (it keeps its own in logs). A name or alias provided by
+  two plugins is an error that names both packages: nothing is ever silently overridden.
 * A config class's fields are the user's **settings**: each gets a command-line flag named after
   the slot that selects the component, ``--<slot>.<field>`` (``--policy-loss.clip-high``,
   ``--backend.zero-stage``, ``--env.timeout-s``), a key under ``components`` in a ``--config``

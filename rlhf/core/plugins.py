@@ -25,7 +25,7 @@ import pluggy
 from rlhf.core import hookspecs
 from rlhf.core.errors import PluginError, close_matches
 from rlhf.core.kinds import KINDS, Kind
-from rlhf.core.registry import Component, Registry, make_component
+from rlhf.core.registry import Component, Registry, claimant, make_component
 
 ENTRY_POINT_GROUP = "rlhf"
 DISTRIBUTION = "rlhf-core"
@@ -61,6 +61,7 @@ class PluginRecord:
     warnings: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
     provides: dict[str, list[str]] = field(default_factory=dict)
+    aliases: dict[str, dict[str, str]] = field(default_factory=dict)  # kind -> {alias: name}
     plugin: Any = field(default=None, repr=False)  # the module or object given to pluggy
     pm_name: str | None = None
 
@@ -83,6 +84,7 @@ class PluginRecord:
             "name": self.name, "distribution": self.distribution, "version": self.version,
             "source": self.source, "status": self.status, "hooks": sorted(self.hooks),
             "provides": {kind: sorted(names) for kind, names in sorted(self.provides.items())},
+            "aliases": {kind: dict(sorted(names.items())) for kind, names in sorted(self.aliases.items())},
             "error": self.error, "warnings": list(self.warnings),
         }
 
@@ -168,6 +170,7 @@ class PluginSet:
         registries = {name: Registry(kind) for name, kind in KINDS.items()}
         for record in self.records:
             record.provides = {k: v for k, v in record.provides.items() if k == "command"}
+            record.aliases = {}
             if not record.loaded:
                 continue
             try:
@@ -176,10 +179,11 @@ class PluginSet:
                 record.fail(f"{type(exc).__name__}: {exc}", traceback.format_exc())
                 continue
             for component in staged:
-                other = registries[component.kind.name].add(component)
-                if other is not None:
-                    _note_conflict(component, other)
+                for key, other in registries[component.kind.name].add(component):
+                    _note_conflict(component, other, key)
                 record.provides.setdefault(component.kind.name, []).append(component.name)
+                for alias in component.aliases:
+                    record.aliases.setdefault(component.kind.name, {})[alias] = component.name
         broken = self.broken
         for registry in registries.values():
             registry._broken = broken
@@ -270,14 +274,22 @@ def _check_hooks(pm: pluggy.PluginManager, plugin: Any) -> tuple[list[str], list
     return problems, warnings
 
 
-def _note_conflict(new: Component, first: Component) -> None:
+def _note_conflict(new: Component, first: Component, key: str) -> None:
+    """Two registrations claim ``key``: a name of both, or an alias of one or both."""
     for mine, theirs in ((new, first), (first, new)):
         record = mine.provider
         if record.status == "ok":
             record.status = "conflict"
+        if key == mine.name == theirs.name:
+            record.warnings.append(
+                f"{mine.kind.title} {mine.name!r} is also provided by {theirs.provider.label}; "
+                "neither can be used until one is removed or disabled"
+            )
+            continue
+        what = f"{mine.kind.title} {key!r}" + ("" if key == mine.name else f" (alias of {mine.name!r})")
         record.warnings.append(
-            f"{mine.kind.title} {mine.name!r} is also provided by {theirs.provider.label}; "
-            "neither can be used until one is removed or disabled"
+            f"{what} is also claimed by {claimant(theirs, key)}; neither can be used by that name until one "
+            "is removed or disabled"
         )
 
 

@@ -1,8 +1,11 @@
 """Typed registries: one per component kind, filled by the registration hooks.
 
-A registry maps a name to a `Component` that remembers which plugin provided it. A name
-registered by two plugins is kept as a conflict: looking it up is an error that names both
-providers. Objects given as ``"module:attr"`` strings are imported on first lookup.
+A registry maps a name to a `Component` that remembers which plugin provided it. A component may
+also answer to aliases (``register(..., aliases=("reinforce",))``): other names that look up the
+same component, which keeps its own name in logs and checkpoints. A name or alias claimed by two
+registrations is kept as a conflict: looking it up is an error that names both providers, and
+neither wins; the components' other names still work. Objects given as ``"module:attr"`` strings
+are imported on first lookup.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Component:
     config_cls: Any = None  # a dataclass type, or a "module:attr" string
     capabilities: dict[str, Any] = field(default_factory=dict)
     short_flags: tuple[str, ...] = ()  # settings that also get a plain flag (--zero-stage besides --backend.zero-stage)
+    aliases: tuple[str, ...] = ()  # other names that look this component up (normalised)
     _obj: Any = field(default=_UNLOADED, repr=False)
 
     @property
@@ -87,19 +91,20 @@ class Component:
 
 def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
                    description: str | None = None, config_cls: Any = None, short_flags: Any = (),
-                   **capabilities: Any) -> Component:
+                   aliases: Any = (), **capabilities: Any) -> Component:
     """Validate one ``register(...)`` call and build its component. Raises TypeError/ValueError."""
     if not isinstance(name, str) or not _NAME.match(normalize_name(name)):
         raise ValueError(
             f"invalid {kind.title} name {name!r}: use letters, digits, '_', '-' and '.' "
             "(no ':' or '/', which mark references)"
         )
+    aliases = _check_aliases(kind, normalize_name(name), aliases)
     unknown = set(capabilities) - set(kind.capabilities)
     if unknown:
         allowed = ", ".join(sorted(kind.capabilities)) or "none"
         raise TypeError(
             f"register() got unknown flag(s) {', '.join(sorted(unknown))} for {kind.title} "
-            f"{name!r}; allowed for this kind: description, config_cls, short_flags, {allowed}"
+            f"{name!r}; allowed for this kind: description, config_cls, short_flags, aliases, {allowed}"
         )
     short_flags = (short_flags,) if isinstance(short_flags, str) else tuple(short_flags)
     if short_flags and config_cls is None:
@@ -131,9 +136,24 @@ def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
     return Component(
         kind=kind, name=normalize_name(name), target=obj, provider=provider,
         description=description, config_cls=config_cls,
-        capabilities={**kind.capabilities, **capabilities}, short_flags=short_flags,
+        capabilities={**kind.capabilities, **capabilities}, short_flags=short_flags, aliases=aliases,
         _obj=_UNLOADED if isinstance(obj, str) else obj,
     )
+
+
+def _check_aliases(kind: Kind, name: str, aliases: Any) -> tuple[str, ...]:
+    """The normalised aliases of one registration: valid names, none its own name, no repeats."""
+    aliases = (aliases,) if isinstance(aliases, str) else tuple(aliases)
+    out: list[str] = []
+    for alias in aliases:
+        if not isinstance(alias, str) or not _NAME.match(normalize_name(alias)):
+            raise ValueError(f"invalid alias {alias!r} of {kind.title} {name!r}: use letters, digits, '_', '-' and '.'")
+        key = normalize_name(alias)
+        if key == name or key in out:
+            raise ValueError(f"{kind.title} {name!r}: alias {alias!r} repeats "
+                             + ("its name" if key == name else "another alias"))
+        out.append(key)
+    return tuple(out)
 
 
 def _first_doc_line(obj: Any) -> str:
@@ -145,59 +165,84 @@ def _first_doc_line(obj: Any) -> str:
 
 
 class Registry:
-    """All components of one kind. Lookups speak to the user; nothing is silently replaced."""
+    """All components of one kind. Lookups speak to the user; nothing is silently replaced.
+
+    Every name and alias is a key; a key claimed by two registrations is a conflict, usable by
+    neither until one plugin is removed or disabled.
+    """
 
     def __init__(self, kind: Kind, broken: list[PluginRecord] | None = None):
         self.kind = kind
-        self._components: dict[str, Component] = {}
-        self._conflicts: dict[str, list[Component]] = {}
+        self._components: dict[str, Component] = {}  # usable names
+        self._aliases: dict[str, Component] = {}  # usable aliases
+        self._conflicts: dict[str, list[Component]] = {}  # key -> every registration claiming it
         self._broken = broken if broken is not None else []
 
-    def add(self, component: Component) -> Component | None:
-        """Add a component; return the component it conflicts with, if any."""
-        name = component.name
-        if name in self._conflicts:
-            self._conflicts[name].append(component)
-            return self._conflicts[name][0]
-        if name in self._components:
-            first = self._components.pop(name)
-            self._conflicts[name] = [first, component]
-            return first
-        self._components[name] = component
-        return None
+    def add(self, component: Component) -> list[tuple[str, Component]]:
+        """Add a component; return ``(key, first claimant)`` for each of its names and aliases
+        that another registration claimed already."""
+        clashes = []
+        for key in (component.name, *component.aliases):
+            if key in self._conflicts:
+                clashes.append((key, self._conflicts[key][0]))
+                self._conflicts[key].append(component)
+                continue
+            first = self._components.pop(key, None) or self._aliases.pop(key, None)
+            if first is not None:
+                self._conflicts[key] = [first, component]
+                clashes.append((key, first))
+                continue
+            (self._components if key == component.name else self._aliases)[key] = component
+        return clashes
 
     def __contains__(self, name: str) -> bool:
-        return normalize_name(name) in self._components
+        key = normalize_name(name)
+        return key in self._components or key in self._aliases
 
     def __len__(self) -> int:
         return len(self._components)
 
     def names(self) -> list[str]:
-        """Usable names (conflicting ones excluded), sorted."""
+        """Usable names (conflicting ones excluded, aliases not included), sorted."""
         return sorted(self._components)
 
+    def aliases(self) -> dict[str, str]:
+        """Usable aliases and the name each stands for, sorted by alias."""
+        return {alias: self._aliases[alias].name for alias in sorted(self._aliases)}
+
     def components(self) -> list[Component]:
-        """Every registration, conflicting ones included, sorted by name."""
-        everything = list(self._components.values())
+        """Every registration, conflicting ones included, once each, sorted by name."""
+        everything = {id(c): c for c in (*self._components.values(), *self._aliases.values())}
         for group in self._conflicts.values():
-            everything.extend(group)
-        return sorted(everything, key=lambda c: (c.name, c.provider.label))
+            everything.update((id(c), c) for c in group)
+        return sorted(everything.values(), key=lambda c: (c.name, c.provider.label))
 
     def conflicts(self) -> dict[str, list[Component]]:
+        """Each name or alias claimed more than once, and every registration claiming it."""
         return dict(self._conflicts)
 
     def component(self, name: str) -> Component:
+        """The component called ``name`` or with the alias ``name``."""
         key = normalize_name(name)
         if key in self._components:
             return self._components[key]
+        if key in self._aliases:
+            return self._aliases[key]
         if key in self._conflicts:
-            raise ComponentConflictError(self.kind.name, key, [c.provider.label for c in self._conflicts[key]])
+            raise ComponentConflictError(self.kind.name, key, [claimant(c, key) for c in self._conflicts[key]])
         hint = ""
         if self._broken:
             labels = ", ".join(f"{r.label} ({r.error})" for r in self._broken)
             hint = f"These plugins failed to load and may provide it: {labels}."
-        raise UnknownComponentError(self.kind.name, name, self._components, hint)
+        raise UnknownComponentError(self.kind.name, name, self._components, hint, aliases=self._aliases)
 
     def get(self, name: str) -> Any:
         """The object registered under ``name`` (imported now if registered by reference)."""
         return self.component(name).load()
+
+
+def claimant(component: Component, key: str) -> str:
+    """Who claims ``key``, for messages: the plugin, and which component when ``key`` is its alias."""
+    if key == component.name:
+        return component.provider.label
+    return f"{component.provider.label}, as an alias of {component.name!r}"

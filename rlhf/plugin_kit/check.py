@@ -70,7 +70,7 @@ def targets(name: str, plugins: PluginSet) -> list[tuple[Target, PluginRecord | 
         return [(Target("env", name, obj, config_cls, capabilities, plugins), None)]
     key, found = normalize_name(name), []
     for registry in plugins.registries().values():
-        if any(c.name == key for c in registry.components()):
+        if any(key in (c.name, *c.aliases) for c in registry.components()):
             component = registry.component(name)  # a name two plugins provide fails here
             target = Target(registry.kind.name, component.name, component.load(), component.load_config_cls(),
                             dict(component.capabilities), plugins)

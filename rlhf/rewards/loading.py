@@ -101,7 +101,7 @@ def build_source(spec: str, registry: Registry | None, options: RewardOptions) -
         try:
             registry.component(text)  # raises; a name two plugins provide gets its own error
         except UnknownComponentError as exc:
-            raise UnknownComponentError("reward", text, exc.available, hint=hint) from None
+            raise UnknownComponentError("reward", text, exc.available, hint=hint, aliases=exc.aliases) from None
     obj = import_object(text, default_attr="reward_func")
     return _function_source(obj, None, describe_function(obj) if callable(obj) else text, options, {})
 

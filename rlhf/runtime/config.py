@@ -28,8 +28,8 @@ from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOpti
 from rlhf.runtime.options import many as _many
 from rlhf.runtime.options import opt as _opt
 
-__all__ = ["ALGO_CONFIG_SLOTS", "DEFAULT_SAMPLE_FILTER", "NESTED", "SETTING_SLOTS", "SLOTS", "Derived", "Slot",
-           "TrainConfig", "parse_key_values"]
+__all__ = ["ALGO_CONFIG_SLOTS", "COLOCATE_CHOICES", "COLOCATE_PAIRS", "DEFAULT_SAMPLE_FILTER", "NESTED",
+           "SETTING_SLOTS", "SLOTS", "Derived", "Slot", "TrainConfig", "colocation", "parse_key_values"]
 
 # Nested option groups: their fields become flags with a prefix (RewardOptions.on_error -> --reward-on-error).
 NESTED = {"reward_options": ("reward", RewardOptions)}
@@ -47,6 +47,32 @@ SETTING_SLOTS: dict[str, Slot] = {**SLOTS, "reward_shaping": Slot("reward_shapin
 DEFAULT_SAMPLE_FILTER = "dynamic"
 # --algo-config KEY=VALUE looks KEY up in these slots' components (exactly one must have it).
 ALGO_CONFIG_SLOTS = ("policy_loss", "advantage", "kl_estimator", "loss_agg", "model_adapter")
+
+
+# --colocate's values; policy_ref and critic_reward combine, none and all stand alone.
+COLOCATE_CHOICES = ("none", "policy_ref", "critic_reward", "all")
+COLOCATE_PAIRS = ("policy_ref", "critic_reward")
+
+
+def colocation(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """``--colocate``'s values (one name, several, or names separated by commas, as a config file
+    may hold them) in canonical form: ``()`` for none, ``("all",)``, or the pairs colocated, in
+    `COLOCATE_PAIRS` order. Raises ConfigError for an unknown value or a combination with none/all."""
+    items = [value] if isinstance(value, str) else list(value or ())
+    names = [part.strip().lower().replace("-", "_") for item in items for part in str(item).split(",")]
+    names = list(dict.fromkeys(name for name in names if name))
+    unknown = [name for name in names if name not in COLOCATE_CHOICES]
+    if unknown:
+        raise ConfigError(f"--colocate {unknown[0]!r} is not one of {', '.join(COLOCATE_CHOICES)}")
+    alone = [name for name in ("none", "all") if name in names]
+    if alone and len(names) > 1:
+        meaning = "colocates nothing" if alone[0] == "none" else "already puts every role in the policy actors"
+        raise ConfigError(f"--colocate {alone[0]} {meaning}, so it cannot be combined with "
+                          f"{', '.join(n for n in names if n != alone[0])}: give it alone, or only "
+                          "policy_ref and/or critic_reward (--colocate policy_ref --colocate critic_reward)")
+    if names == ["all"]:
+        return ("all",)
+    return tuple(pair for pair in COLOCATE_PAIRS if pair in names)
 
 
 @dataclass(kw_only=True)
@@ -163,9 +189,10 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     ray_address: str | None = _opt(None, "Join this Ray cluster (host:6379, ray://host:10001 or auto; implies "
                                    "--runtime ray) and ship the current directory to its workers; default: RAY_ADDRESS "
                                    "when set, else start a local cluster for the run", "ray")
-    colocate: str = _opt("none", "Roles that share one actor process (and its device) per rank: none, policy_ref, "
-                         "critic_reward, all (every role in the policy actors)", "ray",
-                         choices=("none", "policy_ref", "critic_reward", "all"))
+    colocate: list[str] = _many("Roles that share one actor process (and its device) per rank: none (the default), "
+                                "policy_ref, critic_reward, all (every role in the policy actors); repeat it for "
+                                "both pairs: --colocate policy_ref --colocate critic_reward", "ray",
+                                choices=COLOCATE_CHOICES)
     policy_actors: int = _opt(1, "Data-parallel policy actors (torch.distributed: gloo on CPU, nccl on GPU)", "ray")
     policy_gpus: float = _opt(0.0, "GPUs per policy actor", "ray")
     policy_cpus: float = _opt(1.0, "CPUs per policy actor (fractions allowed)", "ray")
@@ -240,6 +267,7 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         if self.save_best and not self.eval_data:
             raise ConfigError("--save-best needs --eval-data to score the policy on")
         best_metric(self.save_best)
+        colocation(self.colocate)
         if self.kl_target is not None and not (self.kl_target > 0 and self.kl_horizon > 0):
             raise ConfigError(f"--kl-target and --kl-horizon must be positive; got {self.kl_target} and "
                               f"{self.kl_horizon}")

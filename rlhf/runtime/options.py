@@ -63,9 +63,9 @@ def opt(default: Any, help: str, group: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, "group": group, **extra})
 
 
-def many(help: str, group: str) -> Any:
-    """A repeatable option (a list)."""
-    return field(default_factory=list, metadata={"help": help, "group": group, "multiple": True})
+def many(help: str, group: str, **extra: Any) -> Any:
+    """A repeatable option (a list); ``choices=`` limits each value."""
+    return field(default_factory=list, metadata={"help": help, "group": group, "multiple": True, **extra})
 
 
 # --- the groups -----------------------------------------------------------------------------------

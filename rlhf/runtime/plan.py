@@ -22,7 +22,7 @@ from rlhf.core.references import is_reference, resolve
 from rlhf.core.settings import build_component_config, setting_fields
 from rlhf.core.types import AdvantageConfig
 from rlhf.runtime.config import (ALGO_CONFIG_SLOTS, DEFAULT_SAMPLE_FILTER, SETTING_SLOTS, SLOTS, Derived,
-                                 TrainConfig, parse_key_values)
+                                 TrainConfig, colocation, parse_key_values)
 from rlhf.runtime.threads import requested_threads
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class RunPlan:
             raise ConfigError("--async in the local runtime runs generation beside training in one process: it "
                               "does not support several processes (torchrun) yet; use --runtime ray for data "
                               "parallelism")
-        if config.async_rollout and config.runtime == "ray" and config.colocate == "all":
+        if config.async_rollout and config.runtime == "ray" and colocation(config.colocate) == ("all",):
             raise ConfigError("--async needs rollout actors with their own copy of the policy, and --colocate all "
                               "puts the rollout in the policy actors: use --colocate none or policy_ref")
         requested_threads(config.threads)  # a count of at least 1, or auto

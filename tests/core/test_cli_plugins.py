@@ -15,7 +15,8 @@ from rlhf.core.plugins import build_plugin_manager
 from tests.helpers import run_cli
 
 SAMPLE = "tests.core.sample_plugin"
-JSON_KEYS = {"name", "distribution", "version", "source", "status", "hooks", "provides", "error", "warnings"}
+JSON_KEYS = {"name", "distribution", "version", "source", "status", "hooks", "provides", "aliases", "error",
+             "warnings"}
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_list_json_schema(with_builtin, make_plugin):
     builtin, logger = rows
     assert builtin == {
         "name": SAMPLE, "distribution": "rlhf-core", "version": rlhf.__version__, "source": "builtin",
-        "status": "ok", "hooks": ["register_rewards"], "provides": {"reward": ["length"]},
+        "status": "ok", "hooks": ["register_rewards"], "provides": {"reward": ["length"]}, "aliases": {},
         "error": None, "warnings": [],
     }
     assert logger["hooks"] == ["on_step_end"] and logger["provides"] == {} and logger["source"] == "inline"

@@ -44,6 +44,75 @@ def test_colocation_puts_roles_into_one_process_per_rank():
     assert layout({"colocate": "all"}, reference=False, reward=False) == [("policy+rollout", 1, 1.0, 0.0)]
 
 
+def test_both_pairs_colocate_together_as_openrlhfs_eight_gpu_layout():
+    """--colocate policy_ref --colocate critic_reward: policy+reference and critic+reward host groups."""
+    both = [("policy+reference", 4, 1.0, 1.0), ("critic+reward", 2, 1.0, 1.0), ("rollout", 2, 1.0, 1.0)]
+    gpus = {"policy_actors": 4, "policy_gpus": 1, "critic_actors": 2, "critic_gpus": 1, "rollout_workers": 2,
+            "rollout_gpus": 1}
+    for colocate in (["policy_ref", "critic_reward"], ["critic_reward", "policy_ref"], "policy_ref,critic_reward",
+                     ["policy_ref", "critic_reward", "policy_ref"]):
+        assert layout({"colocate": colocate, **gpus}, critic=True) == both
+    groups = plan_layout(config(colocate=["policy_ref", "critic_reward"], critic_actors=2), needs_reference=True,
+                         needs_critic=True, has_reward=True).groups
+    assert [(g.roles_of(0), g.roles_of(1)) for g in groups[:2]] == [
+        (("policy", "reference"), ("policy", "reference")), (("critic", "reward"), ("critic",))]
+    # Without a critic (GRPO), critic_reward still gives the rewards an actor of their own, as alone.
+    assert layout({"colocate": ["policy_ref", "critic_reward"]}) == [
+        ("policy+reference", 1, 1.0, 0.0), ("rollout", 1, 1.0, 0.0), ("reward", 1, 1.0, 0.0)]
+
+
+@pytest.mark.parametrize("colocate, expected", [
+    ([], ()), ("none", ()), (["none"], ()), (["none", "none"], ()), ("all", ("all",)),
+    (["policy_ref"], ("policy_ref",)),
+    (["critic_reward", "policy_ref"], ("policy_ref", "critic_reward")), ("Policy-Ref", ("policy_ref",)),
+])
+def test_colocation_reads_one_value_several_or_a_config_files_string(colocate, expected):
+    from rlhf.runtime.config import colocation
+
+    assert colocation(colocate) == expected
+
+
+@pytest.mark.parametrize("colocate, message", [
+    (["all", "policy_ref"], r"--colocate all already puts every role in the policy actors, so it cannot be combined "
+                            r"with policy_ref: give it alone"),
+    (["critic_reward", "none"], r"--colocate none colocates nothing, so it cannot be combined with critic_reward"),
+    (["policy_ref", "reward_critic"], r"--colocate 'reward_critic' is not one of none, policy_ref, critic_reward, all"),
+])
+def test_none_or_all_with_other_values_is_one_usage_error(colocate, message):
+    with pytest.raises(ConfigError, match=message):
+        config(colocate=colocate).derived()
+    with pytest.raises(ConfigError, match=message):
+        layout({"colocate": colocate})
+
+
+def test_colocate_is_repeatable_on_the_command_line_and_refuses_bad_combinations(plugins, monkeypatch, tmp_path):
+    import rlhf.runtime.ray as ray_runtime
+    from rlhf.runtime.config import colocation
+    from tests.helpers import run_cli
+
+    seen = []
+    monkeypatch.setattr(ray_runtime, "train", lambda config, plugins: seen.append(config) or tmp_path)
+    base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "r.py", "--runtime", "ray"]
+    both = ["--colocate", "policy_ref", "--colocate", "critic_reward"]
+    for extra, expected in ((both, ("policy_ref", "critic_reward")), (["--colocate", "all"], ("all",)), ([], ())):
+        result = run_cli(plugins, base + extra)
+        assert result.exit_code == 0, result.output
+        assert colocation(seen[-1].colocate) == expected
+    (tmp_path / "run.yaml").write_text("colocate: critic_reward\n")
+    assert run_cli(plugins, base + ["--config", str(tmp_path / "run.yaml")]).exit_code == 0
+    assert seen[-1].colocate == ["critic_reward"]
+    (tmp_path / "both.yaml").write_text("colocate: [policy_ref, critic_reward]\n")
+    assert run_cli(plugins, base + ["--config", str(tmp_path / "both.yaml")]).exit_code == 0
+    assert seen[-1].colocate == ["policy_ref", "critic_reward"]
+    typo = run_cli(plugins, base + ["--colocate", "policy_reff"])
+    assert typo.exit_code == 2 and "'policy_reff' is not one of" in typo.output
+    # A combination with all or none stops the run before anything starts (exit 2, no traceback).
+    monkeypatch.setattr(ray_runtime, "train", lambda config, plugins: config.derived())
+    bad = run_cli(plugins, base + ["--colocate", "all", "--colocate", "critic_reward"])
+    assert bad.exit_code == 2 and "--colocate all already puts every role in the policy actors" in bad.output
+    assert "Traceback" not in bad.output
+
+
 def test_reward_models_and_reward_gpus_get_a_reward_actor(tmp_path):
     (tmp_path / "rm").mkdir()
     (tmp_path / "rm" / "config.json").write_text("{}")

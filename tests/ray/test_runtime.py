@@ -141,6 +141,27 @@ def test_a_ppo_run_with_a_critic_actor_reproduces_the_local_run(ray_cluster, tin
     assert_same_training(ray_out, tmp_path / "local", keys=TRAINING_KEYS + ("critic/loss",))
 
 
+def test_ppo_with_both_pairs_colocated_reproduces_the_local_run(ray_cluster, tiny_model_dir, task, tmp_path, caplog):
+    """--colocate policy_ref --colocate critic_reward: one policy+reference actor, one critic actor that
+    also scores the rewards, one rollout actor; the same samples, rewards, losses and weights as the
+    local run."""
+    ppo = dict(algo="ppo", policy_cpus=0.5, critic_cpus=0.5, rollout_cpus=0.5)
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **ppo), plugins=build_plugin_manager())
+    ray_out = tmp_path / "ray"
+    with caplog.at_level("INFO", logger="rlhf.runtime.ray.driver"):
+        ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", colocate=["policy_ref", "critic_reward"],
+                              **ppo))
+    assert_no_actors_left()
+    ready = next(r.getMessage() for r in caplog.records if "Ray runtime ready" in r.getMessage())
+    assert ready.endswith("policy+reference ×1 (0.5 CPU, 0 GPU each), critic+reward ×1 (0.5 CPU, 0 GPU each), "
+                          "rollout ×1 (0.5 CPU, 0 GPU each)"), ready
+    assert_same_training(ray_out, tmp_path / "local", keys=TRAINING_KEYS + ("critic/loss",))
+    assert read_jsonl(ray_out / "metrics.jsonl")[-1]["kl/mean"] != 0  # the reference ran, in the policy's actor
+    for (name, a), b in zip(final_weights(tmp_path / "local").items(), final_weights(ray_out).values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
 def test_save_hf_every_on_ray_writes_the_policy_and_critic_of_each_step(ray_cluster, tiny_model_dir, task, tmp_path):
     """--save-hf-every under Ray: the actors write step_N/hf and hf_critic into the driver's checkpoint
     folder, the policy's weights those of the step's checkpoint, the last one final/."""

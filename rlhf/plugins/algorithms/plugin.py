@@ -19,28 +19,30 @@ from rlhf.plugins.algorithms.presets import PRESETS
 
 _HERE = "rlhf.plugins.algorithms"
 
-# name: (reference, description, needs_critic, needs_groups)
+# name: (reference, description, needs_critic, needs_groups, aliases). The aliases are OpenRLHF's
+# --advantage_estimator names for the same math (docs/openrlhf.md).
 ESTIMATORS = {
     "gae": ("gae:gae_advantages",
-            "PPO: GAE with a critic, Â_t = Σ (γλ)^k δ_{t+k}, whitened", True, False),
+            "PPO: GAE with a critic, Â_t = Σ (γλ)^k δ_{t+k}, whitened", True, False, ()),
     "reinforce_pp": ("reinforce:reinforce_pp_advantages",
-                     "REINFORCE++: returns-to-go of r - β·kl, whitened", False, False),
+                     "REINFORCE++: returns-to-go of r - β·kl, whitened", False, False, ("reinforce",)),
     "reinforce_pp_baseline": ("reinforce:reinforce_pp_baseline_advantages",
-                              "REINFORCE++-baseline: r - mean(group), whitened", False, True),
+                              "REINFORCE++-baseline: r - mean(group), whitened", False, True,
+                              ("reinforce_baseline",)),
     "rloo": ("rloo:rloo_advantages",
-             "RLOO: r - mean(other samples of the group)", False, True),
+             "RLOO: r - mean(other samples of the group)", False, True, ()),
     "grpo": ("grpo:grpo_advantages",
-             "GRPO: (r - mean(group)) / (std(group) + 1e-9)", False, True),
+             "GRPO: (r - mean(group)) / (std(group) + 1e-9)", False, True, ("group_norm",)),
     "dr_grpo": ("grpo:dr_grpo_advantages",
-                "Dr. GRPO: r - mean(group), no std division", False, True),
+                "Dr. GRPO: r - mean(group), no std division", False, True, ()),
 }
 
 
 @rlhf.hookimpl
 def register_advantage_estimators(register):
-    for name, (ref, description, needs_critic, needs_groups) in ESTIMATORS.items():
+    for name, (ref, description, needs_critic, needs_groups, aliases) in ESTIMATORS.items():
         register(name, f"{_HERE}.{ref}", description=description, config_cls=AdvantageConfig,
-                 short_flags=("gamma", "lambd", "std_norm", "reward_clip"),
+                 short_flags=("gamma", "lambd", "std_norm", "reward_clip"), aliases=aliases,
                  needs_critic=needs_critic, needs_groups=needs_groups)
 
 

@@ -14,8 +14,9 @@ the engine reads the policy's own weights and nothing travels.
 
 Parity with the local runtime: the same seed and config give the same samples, rewards, losses
 and weights (tests/ray: GRPO on the tiny model with separate actors, PPO with a critic actor,
-GRPO with policy+reference colocated across a kill and a resume, and with the policy and the
-rollout on two nodes of one cluster (``--ray-place``); checked by hand with LoRA and with
+PPO with both pairs colocated (``--colocate policy_ref --colocate critic_reward``), GRPO with
+policy+reference colocated across a kill and a resume, and with the policy and the rollout on
+two nodes of one cluster (``--ray-place``); checked by hand with LoRA and with
 ``--colocate all``). Each actor seeds itself as the local process does and builds its roles
 in the local order; the critic's value head draws from ``seed`` itself, and sampling re-seeds
 after the builds in both runtimes, so the rollout actor samples what the local process samples.

@@ -6,14 +6,17 @@ on the same device, in bundle r of the group's placement group (OpenRLHF colocat
 actors that each take a fraction of a GPU; one process instead lets a LoRA reference reuse the
 policy's base weights and costs one CUDA context, not two):
 
-====================  ==========================================================================
-``--colocate``        host groups (``×`` actors)
-====================  ==========================================================================
-``none``              policy ×P, reference ×R, critic ×C, rollout ×N, [reward ×1]
-``policy_ref``        policy+reference ×P, critic ×C, rollout ×N, [reward ×1]
-``critic_reward``     policy ×P, reference ×R, critic+reward ×C (reward on rank 0), rollout ×N
-``all``               policy+reference+critic+rollout ×P (reward on rank 0)
-====================  ==========================================================================
+=================================  =============================================================
+``--colocate``                     host groups (``×`` actors)
+=================================  =============================================================
+``none``                           policy ×P, reference ×R, critic ×C, rollout ×N, [reward ×1]
+``policy_ref``                     policy+reference ×P, critic ×C, rollout ×N, [reward ×1]
+``critic_reward``                  policy ×P, reference ×R, critic+reward ×C (reward on rank 0),
+                                   rollout ×N
+``policy_ref`` ``critic_reward``   policy+reference ×P, critic+reward ×C (reward on rank 0),
+                                   rollout ×N (both pairs: OpenRLHF's usual 8-GPU PPO layout)
+``all``                            policy+reference+critic+rollout ×P (reward on rank 0)
+=================================  =============================================================
 
 Reward sources are scored by one process, on the whole batch (so per-source metrics and the
 failure policy behave as in the local runtime): by a reward actor of its own when a reward model
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
+from rlhf.runtime.config import colocation
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 10.0  # while the cluster has not placed the run yet, say so this often
@@ -139,22 +143,25 @@ def names_reward_model(specs: list[str]) -> bool:
 
 def plan_layout(config: Any, *, needs_reference: bool, needs_critic: bool, has_reward: bool) -> Layout:
     """The host groups of a run (validates the counts and resources against ``--colocate``)."""
-    colocate = config.colocate
+    colocated = colocation(config.colocate)
+    everything = colocated == ("all",)
+    policy_ref, critic_reward = "policy_ref" in colocated, "critic_reward" in colocated
     policy = _count(config.policy_actors, "--policy-actors")
     for flag, value in (("--ref-actors", config.ref_actors), ("--critic-actors", config.critic_actors),
                         ("--rollout-workers", config.rollout_workers)):
         if value is not None:
             _count(value, flag)
-    if colocate in ("policy_ref", "all") and config.ref_actors not in (None, policy):
-        raise ConfigError(f"--colocate {colocate} puts reference rank r into policy actor r, so --ref-actors must "
-                          f"equal --policy-actors ({policy}) or be left out; got {config.ref_actors}")
-    if colocate == "all":
+    if (policy_ref or everything) and config.ref_actors not in (None, policy):
+        raise ConfigError(f"--colocate {'all' if everything else 'policy_ref'} puts reference rank r into policy "
+                          f"actor r, so --ref-actors must equal --policy-actors ({policy}) or be left out; got "
+                          f"{config.ref_actors}")
+    if everything:
         for flag, value in (("--critic-actors", config.critic_actors), ("--rollout-workers", config.rollout_workers)):
             if value not in (None, policy):
                 raise ConfigError(f"--colocate all puts every role into the {policy} policy actor(s), so {flag} must "
                                   f"equal --policy-actors or be left out; got {value}")
     reward_actor = has_reward and (names_reward_model(config.reward) or config.reward_gpus > 0
-                                   or colocate == "critic_reward")
+                                   or critic_reward)
     places = parse_places(config.ray_place)
 
     def group(roles: tuple[str, ...], size: int, rank0: tuple[str, ...] = ()) -> HostGroup:
@@ -171,20 +178,20 @@ def plan_layout(config: Any, *, needs_reference: bool, needs_critic: bool, has_r
         return HostGroup(roles=roles, size=size, resources=resources, rank0_roles=rank0)
 
     reward_role = ("reward",) if has_reward else ()
-    if colocate == "all":
+    if everything:
         roles = ("policy",) + (("reference",) if needs_reference else ()) + (("critic",) if needs_critic else ()) \
             + ("rollout",)
         return Layout((group(roles, policy, reward_role),))
 
     groups = []
-    if colocate == "policy_ref" and needs_reference:
+    if policy_ref and needs_reference:
         groups.append(group(("policy", "reference"), policy))
     else:
         groups.append(group(("policy",), policy))
         if needs_reference:
             groups.append(group(("reference",), config.ref_actors or 1))
     critic_size = config.critic_actors or 1
-    with_critic = colocate == "critic_reward" and needs_critic
+    with_critic = critic_reward and needs_critic
     if needs_critic:
         groups.append(group(("critic",), critic_size, reward_role if with_critic else ()))
     groups.append(group(("rollout",), config.rollout_workers or 1, () if reward_actor else reward_role))
