@@ -186,6 +186,10 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     rollout_cpus: float = _opt(1.0, "CPUs per rollout actor", "ray")
     ray_timeout_s: float = _opt(1800.0, "Seconds any remote call (model loading, one fit, one generation) may take "
                                 "before the run stops", "ray")
+    weight_sync: str = _opt("object-store", "How rollout actors with their own copy of the policy get its weights after "
+                            "each step: object-store (policy rank 0's copy through Ray's object store) or broadcast "
+                            "(policy rank 0 broadcasts over a torch.distributed group of its own with the rollout "
+                            "actors: nccl on GPUs, gloo on CPUs)", "ray", choices=("object-store", "broadcast"))
     ray_env: list[str] = _many("KEY=VALUE environment variable for every Ray worker (repeatable; RLHF_LOAD_PLUGINS "
                                "and RLHF_DISABLE_PLUGINS are passed on from this process)", "ray")
     ray_place: list[str] = _many("ROLE=RESOURCE: put the actors holding ROLE (policy, reference, critic, rollout, "
