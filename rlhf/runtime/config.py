@@ -159,6 +159,13 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     runtime: str = _opt("local", "local: every worker in this process (or one data-parallel rank per process "
                         "under torchrun); ray: worker groups as Ray actors", "runtime", choices=("local", "ray"))
 
+    offload_train_state: bool = _opt(False, "Move the policy's and critic's training state (optimizer states, "
+                                     "gradients; the parameters too under ZeRO-3 when the engine has its own "
+                                     "weights) off the device while the engine generates, and back exactly "
+                                     "afterwards (the local runtime, or --runtime ray with --colocate all)", "runtime")
+    offload_ref_reward: bool = _opt(False, "Keep the reference model and reward models off the device except while "
+                                    "they score (moved back exactly for each use)", "runtime")
+
     # --- ray (--runtime ray) ----------------------------------------------------------------
     ray_address: str | None = _opt(None, "Join this Ray cluster (host:6379, ray://host:10001 or auto; implies "
                                    "--runtime ray) and ship the current directory to its workers; default: RAY_ADDRESS "

@@ -187,7 +187,24 @@ class RunPlan:
         if config.async_rollout and config.runtime == "ray" and config.colocate == "all":
             raise ConfigError("--async needs rollout actors with their own copy of the policy, and --colocate all "
                               "puts the rollout in the policy actors: use --colocate none or policy_ref")
+        if config.offload_train_state:
+            self._check_offload_train_state()
         requested_threads(config.threads)  # a count of at least 1, or auto
+
+    def _check_offload_train_state(self) -> None:
+        config = self.config
+        if config.runtime == "ray" and "all" not in _colocated(config.colocate):
+            raise ConfigError("--offload-train-state frees the training state's device memory for the engine in the "
+                              "same process: under --runtime ray that needs --colocate all (the rollout in the "
+                              "policy actors)")
+        if config.async_rollout:
+            raise ConfigError("--offload-train-state moves the training state away while the engine generates, and "
+                              "--async generates while training: use one or the other")
+        backend = self.choices["backend"]
+        if not backend.capabilities.get("offloads_state", False):
+            raise ConfigError(f"the {backend.name!r} train backend cannot move its training state off the device (it "
+                              "registers no offloads_state=True): drop --offload-train-state, or use a backend that "
+                              "can (`rlhf plugins list`)")
 
     def warnings(self) -> list[str]:
         """Options that will do nothing, one sentence each (both runtimes print them before a run)."""
@@ -312,3 +329,8 @@ def _put(settings: dict[str, dict[str, Any]], slot: str, key: str, value: Any, h
     if key in current and current[key] != value:
         raise ConfigError(f"{how}: {SETTING_SLOTS[slot].flag}.{key.replace('_', '-')} is already {current[key]!r}")
     current[key] = value
+
+
+def _colocated(colocate: Any) -> tuple[str, ...]:
+    """``--colocate``'s values (one name, or several)."""
+    return (colocate,) if isinstance(colocate, str) else tuple(colocate)

@@ -11,9 +11,10 @@ tokens carry loss mask 1, so environment text never enters the policy loss.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,12 +100,35 @@ class RolloutWorker:
 
     stateful = False  # its random numbers are this process's, which every checkpoint saves
 
-    def __init__(self, engine: Any, tokenizer: Any, env_factory: Any, settings: RolloutSettings):
+    def __init__(self, engine: Any, tokenizer: Any, env_factory: Any, settings: RolloutSettings, *,
+                 set_aside: Sequence[Any] = ()):
+        """``set_aside``: training backends (``offloads_state``) whose training state leaves the device
+        while this worker generates (``--offload-train-state``); their parameters too when the engine
+        has weights of its own."""
         self.engine, self.tokenizer = engine, tokenizer
         self.make_env, self.settings = env_factory, settings
+        self.set_aside = list(set_aside)
+        self.offloaded_bytes = 0  # by the last generate's set-aside (0 when unknown or none)
 
     def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
         """``n`` trajectories per prompt, contiguous, in prompt order."""
+        with self._training_state_set_aside():
+            return self._generate(prompts, n, params)
+
+    @contextlib.contextmanager
+    def _training_state_set_aside(self) -> Iterator[None]:
+        moved, total = [], 0
+        try:
+            for backend in self.set_aside:
+                total += backend.offload_state(not self.engine.shares_weights)
+                moved.append(backend)
+            self.offloaded_bytes = total
+            yield
+        finally:
+            for backend in moved:
+                backend.reload_state()
+
+    def _generate(self, prompts: list[Any], n: int, params: SamplingParams) -> list[Trajectory]:
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -109,7 +109,8 @@ class WorkerHost:
         if "policy" in roles:
             self.workers["policy"] = local.build_policy(plan, self.adapter, dist)
         if "reference" in roles:
-            self.workers["reference"] = local.build_reference(plan, self.adapter, dist)
+            policy_model = self.workers["policy"].model if "policy" in roles else None
+            self.workers["reference"] = local.build_reference(plan, self.adapter, dist, policy=policy_model)
         if "critic" in roles:
             self.workers["critic"] = local.build_critic(plan, self.adapter, dist)
         if "rollout" in roles:
@@ -120,7 +121,9 @@ class WorkerHost:
                     synced = {"synced_generation": True}  # sharded weights: ranks decode in lockstep
             else:  # a copy of the policy, loaded like the local runtime loads it (same random draws)
                 model = self.rollout_model = self.adapter.load(config.model, role="policy").requires_grad_(False)
-            self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, **synced)
+            trained = (self.workers.get("policy"), self.workers.get("critic"))  # colocated: set aside while generating
+            self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, trained=trained,
+                                                          **synced)
             # as the local runtime does after building: sampling starts from its own seed, rank r apart
             seed_everything(local.sampling_seed(config.seed, self.rank))
         return {"setup_s": time.perf_counter() - began, "dist_rank": self.dist.rank,
