@@ -6,7 +6,8 @@ to torch's cache, which `release_device_memory` hands back to the driver. A tens
 the CPU goes to a fresh copy in host memory: the move is real (its storage changes, so tests see
 it) but frees nothing. Either way the values come back exactly: copies never round.
 
-`ModuleOffload` moves a frozen model's parameters and buffers (the reference, a reward model);
+`ModuleOffload` moves a frozen model's parameters and buffers (the reference, a reward model),
+`TensorOffload` any tensors (DeepSpeed's fp32 master partitions);
 `TrainStateOffload` moves an optimizer's state and the gradients a backend holds between steps.
 """
 
@@ -44,24 +45,24 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class ModuleOffload:
-    """A module's parameters and buffers moved to host memory and back (their ``.data`` swapped, so
-    the module object, its hooks and every reference to its parameters stay valid)."""
+class TensorOffload:
+    """Tensors moved to host memory and back with their ``.data`` swapped, so every reference to them
+    (a module, an optimizer's parameter groups) stays valid."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        self.tensors = list(tensors)
         self.offloaded = False
         self._devices: dict[int, torch.device] = {}
 
     def _tensors(self) -> Iterator[torch.Tensor]:
         seen: set[int] = set()
-        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+        for tensor in self.tensors:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 yield tensor
 
     def offload(self) -> int:
-        """Move every parameter and buffer off its device; returns the bytes moved."""
+        """Move every tensor off its device; returns the bytes moved."""
         if self.offloaded:
             return 0
         moved = 0
@@ -74,7 +75,7 @@ class ModuleOffload:
         return moved
 
     def reload(self) -> None:
-        """Bring every parameter and buffer back to the device it came from."""
+        """Bring every tensor back to the device it came from."""
         if not self.offloaded:
             return
         for tensor in self._tensors():
@@ -83,12 +84,21 @@ class ModuleOffload:
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
-        """The module on its device inside the block, off it before and after."""
+        """The tensors on their device inside the block, off it before and after."""
         self.reload()
         try:
             yield
         finally:
             self.offload()
+
+
+class ModuleOffload(TensorOffload):
+    """A module's parameters and buffers moved to host memory and back (the module object, its hooks
+    and every reference to its parameters stay valid)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        super().__init__(list(module.parameters()) + list(module.buffers()))
 
 
 class TrainStateOffload:

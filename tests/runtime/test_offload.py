@@ -52,7 +52,8 @@ def test_the_torch_backends_training_state_leaves_and_comes_back_exactly():
     train_step(model, backend, 1)
     backend.backward(model(torch.ones(2, 6)).sum())  # gradients pending, as between micro-batches
     before = snapshot(backend)
-    storages = [t.data_ptr() for state in backend.optimizer.state.values() for t in state.values()]
+    originals = [t for state in backend.optimizer.state.values() for t in state.values()]  # held: no address reuse
+    storages = [t.data_ptr() for t in originals]
 
     moved = backend.offload_state()
     away = [t.data_ptr() for state in backend.optimizer.state.values() for t in state.values()]
@@ -90,7 +91,8 @@ def test_a_frozen_model_leaves_and_comes_back_exactly():
     model(torch.randn(8, 4))  # running statistics: buffers that must travel too
     before = {name: t.clone() for name, t in model.state_dict().items()}
     params = list(model.parameters())
-    storages = [t.data_ptr() for t in model.state_dict().values()]
+    originals = [t.data for t in model.state_dict().values()]  # held: no address reuse
+    storages = [t.data_ptr() for t in originals]
     away = ModuleOffload(model)
     moved = away.offload()
     assert moved == sum(t.numel() * t.element_size() for t in model.state_dict().values())

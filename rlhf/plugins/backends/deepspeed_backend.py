@@ -279,32 +279,36 @@ class DeepSpeedBackend(TrainBackendBase):
         with ``params`` at stage 3 the parameter partitions too), the client optimizer's state at stage 0.
         What DeepSpeed already keeps on the CPU (``offload_optimizer``) stays. Returns the bytes moved
         (0: DeepSpeed does not say)."""
-        if self.config.zero_stage == 0:
-            if self.away is None:
-                from rlhf.core.offload import TrainStateOffload
+        from rlhf.core.offload import TensorOffload, TrainStateOffload
 
-                self.away = TrainStateOffload(self.engine.optimizer, [p for p in self.model.parameters()
-                                                                      if p.requires_grad])
-            return self.away.offload()
-        if self.config.offload_params:  # DeepSpeed cannot move states of CPU-offloaded parameters
+        config, optimizer = self.config, self.engine.optimizer
+        if config.zero_stage == 0:  # the client optimizer, stepped by DeepSpeed as it is
+            self.away = self.away or [TrainStateOffload(optimizer, [p for p in self.model.parameters()
+                                                                    if p.requires_grad])]
+            return sum(part.offload() for part in self.away)
+        if config.offload_params:  # DeepSpeed cannot move states of CPU-offloaded parameters
             return 0
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as State
 
-        include = [State.optim_states, State.hp_params, State.lp_grads]
-        if self.config.zero_stage == 3:
+        include = [State.lp_grads]
+        if config.zero_stage == 3:
             include.append(State.contiguous_grad_buffer)
             if params:
                 include.append(State.lp_params)
+            if not config.offload_optimizer:  # ZeRO-3 moves its optimizer's state only for FusedAdam: ours here
+                self.away = self.away or [TrainStateOffload(optimizer.optimizer, []),
+                                          TensorOffload(optimizer.fp32_partitioned_groups_flat)]
+        else:
+            include += [State.optim_states, State.hp_params]  # (left out by DeepSpeed under offload_optimizer)
         self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu,
                                    pin_memory=torch.cuda.is_available())
-        return 0
+        return sum(part.offload() for part in self.away or [])
 
     def reload_state(self) -> None:
-        if self.config.zero_stage == 0:
-            if self.away is not None:
-                self.away.reload()
-        elif not self.config.offload_params:
+        if self.config.zero_stage != 0 and not self.config.offload_params:
             self.engine.reload_states()
+        for part in self.away or []:
+            part.reload()
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing replicated: the whole state is in DeepSpeed's checkpoints (``shards_state``)."""
