@@ -208,9 +208,13 @@ class RunPlan:
 
     def warnings(self) -> list[str]:
         """Options that will do nothing, one sentence each (both runtimes print them before a run)."""
+        found = []
         if self.config.save_critic and not self.algorithm.needs_critic:
-            return [f"--save-critic: algorithm {self.config.algo!r} trains no critic; none is saved"]
-        return []
+            found.append(f"--save-critic: algorithm {self.config.algo!r} trains no critic; none is saved")
+        if self.config.weight_sync != "object-store" and self.config.runtime != "ray":
+            found.append(f"--weight-sync {self.config.weight_sync}: the local runtime's engine reads the policy in "
+                         "this process; weights travel only between Ray actors (--runtime ray)")
+        return found
 
     # --- what the run builds ------------------------------------------------------------------
 

@@ -80,3 +80,16 @@ def test_a_receiver_whose_parameters_differ_is_told_which():
     assert "w: sent as float32[2, 3], here float32[3, 2]" in message
     assert "v: no such parameter here" in message
     assert "u: sent as bfloat16[1], here float32[1]" in message
+
+
+def test_broadcast_in_the_local_runtime_is_warned_about(plugins):
+    from rlhf.runtime.config import TrainConfig
+    from rlhf.runtime.plan import RunPlan
+
+    def warnings(**options):
+        return RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"], **options), plugins).warnings()
+
+    assert warnings(weight_sync="broadcast") == [
+        "--weight-sync broadcast: the local runtime's engine reads the policy in this process; weights travel only "
+        "between Ray actors (--runtime ray)"]
+    assert warnings(weight_sync="broadcast", runtime="ray") == warnings() == []
