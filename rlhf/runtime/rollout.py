@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from rlhf.core.references import resolve
 from rlhf.core.settings import build_component_config
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.types import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -108,7 +111,7 @@ class RolloutWorker:
         self.engine, self.tokenizer = engine, tokenizer
         self.make_env, self.settings = env_factory, settings
         self.set_aside = list(set_aside)
-        self.offloaded_bytes = 0  # by the last generate's set-aside (0 when unknown or none)
+        self.told_offload = False  # the first set-aside's size is logged once
 
     def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
         """``n`` trajectories per prompt, contiguous, in prompt order."""
@@ -122,7 +125,9 @@ class RolloutWorker:
             for backend in self.set_aside:
                 total += backend.offload_state(not self.engine.shares_weights)
                 moved.append(backend)
-            self.offloaded_bytes = total
+            if total and not self.told_offload:
+                log.info("--offload-train-state: %d bytes of training state off the device while generating", total)
+                self.told_offload = True
             yield
         finally:
             for backend in moved:
