@@ -118,6 +118,7 @@ def reward_model_dir(tmp_path_factory):
     return save_classifier(tmp_path_factory.mktemp("rm"), tokenizer())
 
 
+@pytest.mark.slow
 def test_a_run_with_both_offloads_is_the_run_without(tiny_model_dir, task, reward_model_dir, tmp_path, plugins,
                                                      monkeypatch):
     """Through the CLI: GRPO with a reference and a reward model beside a reward function. The state
