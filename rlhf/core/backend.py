@@ -17,6 +17,12 @@ Capabilities, declared by the implementation (class attributes or properties):
   Otherwise the state is replicated and the main rank saves the model's ``state_dict()`` and the
   backend's ``state_dict()`` (optimizer, schedule).
 
+Registered with ``offloads_state=True``, a backend also has ``offload_state(params)`` and
+``reload_state()`` (``--offload-train-state``): the first moves the optimizer state and any
+gradients off the device, and the parameters too when ``params`` is true and the backend shards
+them (the engine then has weights of its own), returning the bytes moved (0 when unknown); the
+second brings everything back exactly. The runtime calls them around generation only.
+
 `TrainBackendBase` gives the defaults of a backend that shards nothing; subclass it and override
 what differs. A class registered as a backend is checked against `TrainBackend` on registration
 (or on first use when registered by ``"module:attr"`` reference).

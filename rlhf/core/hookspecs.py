@@ -287,9 +287,9 @@ def register_rollout_engines(register: Register) -> None:
 def register_train_backends(register: Register) -> None:
     """Register training backends (``--backend NAME``).
 
-    - ``register(name, backend_cls, *, needs_gpu=False, config_cls=None)``; ``backend_cls``
-      implements ``rlhf.core.backend.TrainBackend`` (subclass ``TrainBackendBase`` for the
-      defaults).
+    - ``register(name, backend_cls, *, needs_gpu=False, offloads_state=False, config_cls=None)``;
+      ``backend_cls`` implements ``rlhf.core.backend.TrainBackend`` (subclass ``TrainBackendBase``
+      for the defaults).
     - ``backend_cls(model, config)`` per trained model (the config's run fields ``lr``,
       ``total_steps``, ``micro_batch_size`` are that model's).
     - Per micro-batch ``backward(loss)``, on a loss from a forward through ``train_module``: each
@@ -299,6 +299,9 @@ def register_train_backends(register: Register) -> None:
       gradient is NaN/inf; gradients are cleared either way. ``zero_grad()`` drops a step.
     - Checkpoints: ``state_dict()`` / ``load_state_dict()`` (main rank), or with ``shards_state``
       ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` on every rank.
+    - With ``offloads_state``: ``offload_state(params) -> bytes`` and ``reload_state()``
+      (``--offload-train-state``, around each generation): the training state off the device and
+      back exactly (the parameters too when ``params`` and the backend shards them).
     - With ``shards_weights`` every forward is a collective (ranks generate in lockstep) and
       exports gather the weights inside ``full_weights()``.
     """

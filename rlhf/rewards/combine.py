@@ -50,6 +50,11 @@ class RewardSet:
         self.on_error = on_error
         self._reported: set[str] = set()
 
+    def offload_between_uses(self) -> None:
+        """``--offload-ref-reward``: every source with a model keeps it off the device between scores."""
+        for source in self.sources:
+            source.offload_between_uses()
+
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.sources]

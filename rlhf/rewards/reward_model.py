@@ -61,6 +61,8 @@ class RewardModelWorker:
         self.path = Path(path)
         self.options = options or RewardOptions()
         self.model: Any = None
+        self.offload = False  # --offload-ref-reward: the model leaves the device after each score
+        self.away: Any = None
 
     def load(self) -> None:
         if self.model is not None:
@@ -122,9 +124,18 @@ class RewardModelWorker:
 
     def score(self, texts: list[str]) -> list[float]:
         """One reward per text."""
+        self.load()
+        if not self.offload:
+            return self._score(texts)
+        from rlhf.core.offload import ModuleOffload
+
+        self.away = self.away or ModuleOffload(self.model)
+        with self.away.in_use():
+            return self._score(texts)
+
+    def _score(self, texts: list[str]) -> list[float]:
         import torch
 
-        self.load()
         opts = self.options
         eos = (self.tokenizer.eos_token or "") if self.append_eos else ""
         rewards: list[float] = []
@@ -167,6 +178,12 @@ class RewardModelSource(RewardSource):
     @property
     def inline(self) -> bool:
         return True
+
+    def offload_between_uses(self) -> None:
+        """The model loads on first use and leaves the device after every score (a worker hosted
+        elsewhere manages its own memory)."""
+        if isinstance(self.worker, RewardModelWorker):
+            self.worker.offload = True
 
     def _score_inline(self, batch: RewardBatch) -> SourceOutput:
         import traceback

@@ -135,6 +135,10 @@ class RewardSource:
 
     # --- to implement -------------------------------------------------------------------------
 
+    def offload_between_uses(self) -> None:
+        """Keep this source's model off the device except while it scores (``--offload-ref-reward``);
+        sources without a model of their own in this process have nothing to move."""
+
     def _score_inline(self, batch: RewardBatch) -> SourceOutput:
         """Score ``batch`` in the calling thread. Sources that score in the event loop override
         `_ascore` instead and never reach this."""

@@ -185,6 +185,13 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     runtime: str = _opt("local", "local: every worker in this process (or one data-parallel rank per process "
                         "under torchrun); ray: worker groups as Ray actors", "runtime", choices=("local", "ray"))
 
+    offload_train_state: bool = _opt(False, "Move the policy's and critic's training state (optimizer states, "
+                                     "gradients; the parameters too under ZeRO-3 when the engine has its own "
+                                     "weights) off the device while the engine generates, and back exactly "
+                                     "afterwards (the local runtime, or --runtime ray with --colocate all)", "runtime")
+    offload_ref_reward: bool = _opt(False, "Keep the reference model and reward models off the device except while "
+                                    "they score (moved back exactly for each use)", "runtime")
+
     # --- ray (--runtime ray) ----------------------------------------------------------------
     ray_address: str | None = _opt(None, "Join this Ray cluster (host:6379, ray://host:10001 or auto; implies "
                                    "--runtime ray) and ship the current directory to its workers; default: RAY_ADDRESS "
@@ -213,6 +220,10 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     rollout_cpus: float = _opt(1.0, "CPUs per rollout actor", "ray")
     ray_timeout_s: float = _opt(1800.0, "Seconds any remote call (model loading, one fit, one generation) may take "
                                 "before the run stops", "ray")
+    weight_sync: str = _opt("object-store", "How rollout actors with their own copy of the policy get its weights after "
+                            "each step: object-store (policy rank 0's copy through Ray's object store) or broadcast "
+                            "(policy rank 0 broadcasts over a torch.distributed group of its own with the rollout "
+                            "actors: nccl on GPUs, gloo on CPUs)", "ray", choices=("object-store", "broadcast"))
     ray_env: list[str] = _many("KEY=VALUE environment variable for every Ray worker (repeatable; RLHF_LOAD_PLUGINS "
                                "and RLHF_DISABLE_PLUGINS are passed on from this process)", "ray")
     ray_place: list[str] = _many("ROLE=RESOURCE: put the actors holding ROLE (policy, reference, critic, rollout, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.errors import ConfigError
+from rlhf.core.offload import shares_parameters
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.async_generation import AsyncParts
 from rlhf.runtime.config import TrainConfig
@@ -70,11 +72,17 @@ def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> Pol
     return PolicyWorker(model, build_backend(plan, model, config.lr), update_settings(plan), training_loss, dist)
 
 
-def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> ReferenceWorker:
+def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE, *,
+                    policy: torch.nn.Module | None = None) -> ReferenceWorker:
+    """``policy``: the policy module of this process, if any. With ``--offload-ref-reward`` the
+    reference leaves the device between uses, unless it is a view of the policy's own weights (LoRA's
+    reference: the adapter switched off), which the policy needs."""
     config = plan.config
-    return ReferenceWorker(adapter.load(config.model, role="reference"), config.micro_batch_size,
-                           config.temperature, dist, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                           packing=config.packing, share_prompt=config.share_prompt)
+    model = adapter.load(config.model, role="reference")
+    offload = config.offload_ref_reward and not (policy is not None and shares_parameters(model, policy))
+    return ReferenceWorker(model, config.micro_batch_size, config.temperature, dist,
+                           max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, packing=config.packing,
+                           share_prompt=config.share_prompt, offload=offload)
 
 
 def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> CriticWorker:
@@ -88,9 +96,11 @@ def build_critic(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> Cri
 
 
 def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tokenizer: Any, *,
-                  synced_generation: bool = False) -> RolloutWorker:
+                  synced_generation: bool = False, trained: Sequence[Any] = ()) -> RolloutWorker:
     """``synced_generation``: ``model`` is a trained policy whose forwards are collectives over its
-    ranks (a backend that ``shards_weights``, e.g. DeepSpeed ZeRO-3), so ranks decode in lockstep."""
+    ranks (a backend that ``shards_weights``, e.g. DeepSpeed ZeRO-3), so ranks decode in lockstep.
+    ``trained``: the trained workers of this process (policy, critic), whose training state leaves
+    the device while the engine generates with ``--offload-train-state``."""
     config = plan.config
     if synced_generation and plan.env_capability("multi_turn"):
         raise ConfigError(f"--env {config.env} with --zero-stage 3 on several ranks is not supported yet: every rank "
@@ -99,8 +109,10 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
     engine = plan.choices["engine"].load()(model, tokenizer, engine_config)
     envs = EnvFactory(plugins.registry("env"), plan.env_settings, plan.run_values())
     envs.capabilities(config.env)  # the run's environment resolved (and its settings checked) once, before step 1
+    set_aside = [worker.backend for worker in trained if worker is not None] if config.offload_train_state else []
     return RolloutWorker(engine, tokenizer, envs, RolloutSettings(env=config.env, max_turns=config.max_turns,
-                                                                  max_total_tokens=plan.token_budget))
+                                                                  max_total_tokens=plan.token_budget),
+                         set_aside=set_aside)
 
 
 def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker:
@@ -112,6 +124,8 @@ def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker:
     options = dataclasses.asdict(config.reward_options)
     rewards = load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options)
     rewards.check_labels_given(config.label_key)
+    if config.offload_ref_reward:
+        rewards.offload_between_uses()
     return RewardWorker(rewards)
 
 
@@ -185,13 +199,13 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     plan = plan.with_prompts(len(loader))
 
     policy = build_policy(plan, adapter, dist)
-    reference = build_reference(plan, adapter, dist) if plan.algorithm.needs_reference else None
+    reference = build_reference(plan, adapter, dist, policy=policy.model) if plan.algorithm.needs_reference else None
     critic = build_critic(plan, adapter, dist) if plan.algorithm.needs_critic else None
     if config.async_rollout and policy.backend.shards_weights:
         raise ConfigError(f"--async copies the policy's weights for generation, and the {config.backend!r} backend "
                           "shards them: use --zero-stage 2 or lower, or drop --async")
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
-                            synced_generation=policy.backend.shards_weights and dist.active)
+                            synced_generation=policy.backend.shards_weights and dist.active, trained=(policy, critic))
     # Sampling starts from its own seed, whatever the builds drew (as in the Ray rollout actors), and
     # every rank (same initial weights, from one seed) samples apart from the others.
     seed_everything(sampling_seed(config.seed, dist.rank))

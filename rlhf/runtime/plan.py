@@ -187,13 +187,34 @@ class RunPlan:
         if config.async_rollout and config.runtime == "ray" and colocation(config.colocate) == ("all",):
             raise ConfigError("--async needs rollout actors with their own copy of the policy, and --colocate all "
                               "puts the rollout in the policy actors: use --colocate none or policy_ref")
+        if config.offload_train_state:
+            self._check_offload_train_state()
         requested_threads(config.threads)  # a count of at least 1, or auto
+
+    def _check_offload_train_state(self) -> None:
+        config = self.config
+        if config.runtime == "ray" and colocation(config.colocate) != ("all",):
+            raise ConfigError("--offload-train-state frees the training state's device memory for the engine in the "
+                              "same process: under --runtime ray that needs --colocate all (the rollout in the "
+                              "policy actors)")
+        if config.async_rollout:
+            raise ConfigError("--offload-train-state moves the training state away while the engine generates, and "
+                              "--async generates while training: use one or the other")
+        backend = self.choices["backend"]
+        if not backend.capabilities.get("offloads_state", False):
+            raise ConfigError(f"the {backend.name!r} train backend cannot move its training state off the device (it "
+                              "registers no offloads_state=True): drop --offload-train-state, or use a backend that "
+                              "can (`rlhf plugins list`)")
 
     def warnings(self) -> list[str]:
         """Options that will do nothing, one sentence each (both runtimes print them before a run)."""
+        found = []
         if self.config.save_critic and not self.algorithm.needs_critic:
-            return [f"--save-critic: algorithm {self.config.algo!r} trains no critic; none is saved"]
-        return []
+            found.append(f"--save-critic: algorithm {self.config.algo!r} trains no critic; none is saved")
+        if self.config.weight_sync != "object-store" and self.config.runtime != "ray":
+            found.append(f"--weight-sync {self.config.weight_sync}: the local runtime's engine reads the policy in "
+                         "this process; weights travel only between Ray actors (--runtime ray)")
+        return found
 
     # --- what the run builds ------------------------------------------------------------------
 

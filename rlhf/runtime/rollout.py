@@ -11,9 +11,11 @@ tokens carry loss mask 1, so environment text never enters the policy loss.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ from rlhf.core.references import resolve
 from rlhf.core.settings import build_component_config
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.types import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -99,12 +103,37 @@ class RolloutWorker:
 
     stateful = False  # its random numbers are this process's, which every checkpoint saves
 
-    def __init__(self, engine: Any, tokenizer: Any, env_factory: Any, settings: RolloutSettings):
+    def __init__(self, engine: Any, tokenizer: Any, env_factory: Any, settings: RolloutSettings, *,
+                 set_aside: Sequence[Any] = ()):
+        """``set_aside``: training backends (``offloads_state``) whose training state leaves the device
+        while this worker generates (``--offload-train-state``); their parameters too when the engine
+        has weights of its own."""
         self.engine, self.tokenizer = engine, tokenizer
         self.make_env, self.settings = env_factory, settings
+        self.set_aside = list(set_aside)
+        self.told_offload = False  # the first set-aside's size is logged once
 
     def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
         """``n`` trajectories per prompt, contiguous, in prompt order."""
+        with self._training_state_set_aside():
+            return self._generate(prompts, n, params)
+
+    @contextlib.contextmanager
+    def _training_state_set_aside(self) -> Iterator[None]:
+        moved, total = [], 0
+        try:
+            for backend in self.set_aside:
+                total += backend.offload_state(not self.engine.shares_weights)
+                moved.append(backend)
+            if total and not self.told_offload:
+                log.info("--offload-train-state: %d bytes of training state off the device while generating", total)
+                self.told_offload = True
+            yield
+        finally:
+            for backend in moved:
+                backend.reload_state()
+
+    def _generate(self, prompts: list[Any], n: int, params: SamplingParams) -> list[Trajectory]:
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -8,6 +8,7 @@ Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ import torch
 from rlhf.algorithms import PolicyTrainingLoss, ValueTrainingLoss, step_norm
 from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import SINGLE, DistContext
+from rlhf.core.offload import ModuleOffload
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.core.rewards import RewardResult
 from rlhf.rewards.combine import RewardSet
@@ -259,13 +261,21 @@ class ReferenceWorker:
 
     def __init__(self, model: torch.nn.Module, micro_batch_size: int, temperature: float,
                  dist: DistContext = SINGLE, *, max_tokens_per_micro_batch: int | None = None, packing: bool = False,
-                 share_prompt: bool = False):
+                 share_prompt: bool = False, offload: bool = False):
+        """``offload``: the model stays off the device except inside `logprobs` (``--offload-ref-reward``)."""
         self.model, self.micro_batch_size, self.temperature, self.dist = model, micro_batch_size, temperature, dist
         self.max_tokens, self.packing, self.share_prompt = max_tokens_per_micro_batch, packing, share_prompt
         self.device = next(model.parameters()).device
+        self.away = ModuleOffload(model) if offload else None
+        if self.away is not None:
+            self.away.offload()
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        with self.away.in_use() if self.away is not None else contextlib.nullcontext():
+            return self._logprobs(batch)
+
+    def _logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         model = PackedModel(self.model) if self.packing else self.model
         return forward_rows(batch, self.dist, self.micro_batch_size, lambda micro: micro_logprobs(
             model, micro, temperature=self.temperature, device=self.device)[0], self.max_tokens, self.packing,

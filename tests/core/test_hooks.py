@@ -138,7 +138,8 @@ def test_hook_register_train_backends(bare_plugins, make_plugin):
         def load_state_dict(self, state):
             pass
 
-    assert _register_one(bare_plugins, make_plugin, "register_train_backends", Backend).capabilities == {"needs_gpu": False}
+    assert _register_one(bare_plugins, make_plugin, "register_train_backends", Backend).capabilities == {
+        "needs_gpu": False, "offloads_state": False}
 
 
 def test_hook_register_objectives(bare_plugins, make_plugin):

@@ -211,6 +211,7 @@ class DeepSpeedBackend(TrainBackendBase):
                 optimizer, lambda step: lr_factor(step, config)),
             dist_init_required=False)
         self.pending_backwards = 0
+        self.away: Any = None  # stage 0's --offload-train-state
 
     def _optimizer(self, params: list[torch.nn.Parameter], dtype: torch.dtype) -> torch.optim.Optimizer:
         config = self.config
@@ -271,6 +272,43 @@ class DeepSpeedBackend(TrainBackendBase):
         first = output.logits if hasattr(output, "logits") else output
         self.engine.backward(first.float().sum() * math.nan, scale_wrt_gas=False)
         self.step()
+
+    def offload_state(self, params: bool = False) -> int:
+        """The training state off the device (``--offload-train-state``): DeepSpeed's own
+        ``offload_states`` at stages 1-3 (optimizer states, fp32 master weights, gradient partitions;
+        with ``params`` at stage 3 the parameter partitions too), the client optimizer's state at stage 0.
+        What DeepSpeed already keeps on the CPU (``offload_optimizer``) stays. Returns the bytes moved
+        (0: DeepSpeed does not say)."""
+        from rlhf.core.offload import TensorOffload, TrainStateOffload
+
+        config, optimizer = self.config, self.engine.optimizer
+        if config.zero_stage == 0:  # the client optimizer, stepped by DeepSpeed as it is
+            self.away = self.away or [TrainStateOffload(optimizer, [p for p in self.model.parameters()
+                                                                    if p.requires_grad])]
+            return sum(part.offload() for part in self.away)
+        if config.offload_params:  # DeepSpeed cannot move states of CPU-offloaded parameters
+            return 0
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as State
+
+        include = [State.lp_grads]
+        if config.zero_stage == 3:
+            include.append(State.contiguous_grad_buffer)
+            if params:
+                include.append(State.lp_params)
+            if not config.offload_optimizer:  # ZeRO-3 moves its optimizer's state only for FusedAdam: ours here
+                self.away = self.away or [TrainStateOffload(optimizer.optimizer, []),
+                                          TensorOffload(optimizer.fp32_partitioned_groups_flat)]
+        else:
+            include += [State.optim_states, State.hp_params]  # (left out by DeepSpeed under offload_optimizer)
+        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu,
+                                   pin_memory=torch.cuda.is_available())
+        return sum(part.offload() for part in self.away or [])
+
+    def reload_state(self) -> None:
+        if self.config.zero_stage != 0 and not self.config.offload_params:
+            self.engine.reload_states()
+        for part in self.away or []:
+            part.reload()
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing replicated: the whole state is in DeepSpeed's checkpoints (``shards_state``)."""

@@ -10,9 +10,9 @@ OPTIMIZER_FLAGS = ("weight_decay", "adam_betas", "max_grad_norm", "lr_scheduler"
 @rlhf.hookimpl
 def register_train_backends(register):
     register("torch", "rlhf.plugins.backends.torch_backend:TorchBackend",
-             config_cls="rlhf.plugins.backends.config:BackendConfig", short_flags=OPTIMIZER_FLAGS,
+             config_cls="rlhf.plugins.backends.config:BackendConfig", short_flags=OPTIMIZER_FLAGS, offloads_state=True,
              description="AdamW, gradient accumulation, norm clipping, warmup + constant/cosine LR")
     register("deepspeed", "rlhf.plugins.backends.deepspeed_backend:DeepSpeedBackend",
              config_cls="rlhf.plugins.backends.config:DeepSpeedConfig",
-             short_flags=OPTIMIZER_FLAGS + ("zero_stage", "offload_optimizer", "offload_params"),
+             short_flags=OPTIMIZER_FLAGS + ("zero_stage", "offload_optimizer", "offload_params"), offloads_state=True,
              description="DeepSpeed ZeRO stages 0-3 with CPU optimizer/parameter offload, the torch backend's math")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rlhf.core.backend import TrainBackendBase
+from rlhf.core.offload import TrainStateOffload
 from rlhf.plugins.backends.config import BackendConfig
 
 __all__ = ["BackendConfig", "TorchBackend", "lr_factor"]
@@ -47,6 +48,15 @@ class TorchBackend(TrainBackendBase):
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.adam_betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config))
+        self.away = TrainStateOffload(self.optimizer, self.params)
+
+    def offload_state(self, params: bool = False) -> int:
+        """The optimizer's moments and step counts, and any gradients, off the device; returns the bytes
+        moved. The parameters stay (``params`` is for backends that shard them: these are whole)."""
+        return self.away.offload()
+
+    def reload_state(self) -> None:
+        self.away.reload()
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -9,8 +9,10 @@ and follow the launcher scheme of rlhf/core/distributed.py, so ``token_mean`` an
 aggregations normalise over the whole minibatch across actors.
 
 Weights: rollout actors hold their own copy of the policy and receive policy rank 0's trainable
-parameters through the object store after every step (``time/sync``); with ``--colocate all``
-the engine reads the policy's own weights and nothing travels.
+parameters after every step (``time/sync``): through the object store, or with ``--weight-sync
+broadcast`` over a process group of policy rank 0 and the rollout actors
+(rlhf/runtime/weight_broadcast.py); with ``--colocate all`` the engine reads the policy's own
+weights and nothing travels.
 
 Parity with the local runtime: the same seed and config give the same samples, rewards, losses
 and weights (tests/ray: GRPO on the tiny model with separate actors, PPO with a critic actor,

@@ -70,7 +70,8 @@ class WorkerHost:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "fingerprint": plugin_fingerprint(self.plugins),
-                "port": free_port() if self.rank == 0 else None}
+                "port": free_port() if self.rank == 0 else None,
+                "sync_port": free_port() if self.rank == 0 else None}  # for --weight-sync broadcast
 
     def setup(self, config: Any, num_prompts: int, master: tuple[str, int] | None) -> dict[str, Any]:
         """Join the group's process group, seed, and build every role this host holds."""
@@ -108,7 +109,8 @@ class WorkerHost:
         if "policy" in roles:
             self.workers["policy"] = local.build_policy(plan, self.adapter, dist)
         if "reference" in roles:
-            self.workers["reference"] = local.build_reference(plan, self.adapter, dist)
+            policy_model = self.workers["policy"].model if "policy" in roles else None
+            self.workers["reference"] = local.build_reference(plan, self.adapter, dist, policy=policy_model)
         if "critic" in roles:
             self.workers["critic"] = local.build_critic(plan, self.adapter, dist)
         if "rollout" in roles:
@@ -119,7 +121,9 @@ class WorkerHost:
                     synced = {"synced_generation": True}  # sharded weights: ranks decode in lockstep
             else:  # a copy of the policy, loaded like the local runtime loads it (same random draws)
                 model = self.rollout_model = self.adapter.load(config.model, role="policy").requires_grad_(False)
-            self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, **synced)
+            trained = (self.workers.get("policy"), self.workers.get("critic"))  # colocated: set aside while generating
+            self.workers["rollout"] = local.build_rollout(plan, plugins, model, self.tokenizer, trained=trained,
+                                                          **synced)
             # as the local runtime does after building: sampling starts from its own seed, rank r apart
             seed_everything(local.sampling_seed(config.seed, self.rank))
         return {"setup_s": time.perf_counter() - began, "dist_rank": self.dist.rank,
@@ -155,6 +159,32 @@ class WorkerHost:
         assert not result.unexpected_keys, f"the rollout model has no parameters {result.unexpected_keys[:5]}"
         self.workers["rollout"].sync_weights()  # an engine with weights of its own (vllm) takes them now
         return sum(t.numel() * t.element_size() for t in weights.values())
+
+    # --- --weight-sync broadcast: a process group of policy rank 0 and the rollout actors ------
+
+    def join_weight_sync(self, address: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        """Join the weight-broadcast group (rank 0: policy rank 0, which serves the rendezvous)."""
+        from rlhf.runtime.weight_broadcast import WeightBroadcast
+
+        self.weight_sync = WeightBroadcast.join(address, port, rank, world_size, backend=backend,
+                                                timeout_s=self.plan.config.ray_timeout_s)
+
+    def send_policy_weights(self) -> int:
+        """Broadcast the policy's trainable parameters from rank 0 (what `policy_weights` puts in the object
+        store); called on every policy rank, as a backend that shards the weights gathers them collectively.
+        Returns the bytes sent (0 on the other ranks)."""
+        policy = self.workers["policy"]
+        with policy.backend.full_weights():
+            if not self.dist.is_main:
+                return 0
+            return self.weight_sync.send((name, p) for name, p in policy.model.named_parameters() if p.requires_grad)
+
+    def receive_policy_weights(self) -> int:
+        """Receive policy rank 0's broadcast straight into the rollout's copy; then an engine with weights of
+        its own (vllm) takes them through its load_weights. Returns the bytes received."""
+        received = self.weight_sync.receive(dict(self.rollout_model.named_parameters(remove_duplicate=False)))
+        self.workers["rollout"].sync_weights()
+        return received
 
     # --- --async: the producer's copy is this rollout actor's ----------------------------------
 

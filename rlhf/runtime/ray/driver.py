@@ -65,6 +65,8 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
             log.info("Ray runtime ready in %.1f s (cluster %.1f s): %s", time.perf_counter() - began,
                      cluster.seconds, layout.describe())
             workers = make_workers(plan, hosts, tokenizer, loader)
+            if config.weight_sync == "broadcast":
+                connect_weight_broadcast(workers.rollout, layout)
             try:
                 return Trainer(plan, plugins, workers).run()
             except WorkerFailedError as exc:
@@ -82,6 +84,20 @@ def _check_actor_counts(plan: RunPlan) -> None:
             raise ConfigError(f"--train-batch-size ({derived.train_batch_size}) must be a multiple of {flag} "
                               f"({actors}): every data-parallel rank trains the same number of rows")
     worker_env(config)  # KEY=VALUE syntax
+    if config.weight_sync == "broadcast" and config.async_rollout:
+        raise ConfigError("--async loads the weights of a given policy version, which only the object store keeps: "
+                          "use --weight-sync object-store with --async")
+
+
+def connect_weight_broadcast(rollout: RolloutGroup, layout: Layout) -> None:
+    """--weight-sync broadcast: NCCL when the policy and the rollout actors have GPUs, else gloo."""
+    if not rollout.own_copy:
+        log.warning("--weight-sync broadcast: the rollout shares the policy's actors (--colocate all), so no weights "
+                    "travel; nothing to broadcast")
+        return
+    on_gpus = all(group.resources.gpus > 0 for group in layout.groups
+                  if "policy" in group.roles or "rollout" in group.roles)
+    rollout.connect_broadcast("nccl" if on_gpus else "gloo")
 
 
 def _driver_side(plan: RunPlan) -> tuple[RunPlan, Any, Any]:

@@ -217,9 +217,11 @@ class RolloutGroup(RoleGroup):
     """Rollout actors: prompts are split over them (prompt p to actor p mod N, as `DistContext.shard`
     splits them over launcher ranks) and the trajectories come back in prompt order, groups intact.
 
-    Actors holding their own copy of the policy get its weights from policy rank 0 through the
-    object store (``sync_weights``, after each step), and before a generation whenever the
-    policy changed since the last sync (a resumed run: the policy loaded a checkpoint).
+    Actors holding their own copy of the policy get its weights from policy rank 0 (``sync_weights``,
+    after each step), and before a generation whenever the policy changed since the last sync (a
+    resumed run: the policy loaded a checkpoint): through the object store, or, once
+    `connect_broadcast` made policy rank 0 and the rollout actors a process group
+    (``--weight-sync broadcast``), broadcast over it (rlhf/runtime/weight_broadcast.py).
     """
 
     stateful = True  # each actor's sampling RNG
@@ -231,6 +233,22 @@ class RolloutGroup(RoleGroup):
         self.follow_policy = True  # sync to the newest policy before generating (--async manages versions itself)
         self.synced_version = 0
         self.last_sync = {"seconds": 0.0, "bytes": 0}
+        self.broadcast = False  # --weight-sync broadcast, once connected
+
+    def connect_broadcast(self, backend: str) -> None:
+        """Make policy rank 0 (rank 0, serving the rendezvous at its node's address) and every rollout actor
+        (ranks 1..N) a process group of their own for the weights; ``backend``: nccl or gloo."""
+        if not self.own_copy:
+            return
+        sender = self.policy.hosts[0]
+        address, port, world = sender.info["ip"], sender.info["sync_port"], self.size + 1
+        calls = [(sender, sender.handle.join_weight_sync.remote(address, port, 0, world, backend))]
+        calls += [(host, host.handle.join_weight_sync.remote(address, port, rank + 1, world, backend))
+                  for rank, host in enumerate(self.hosts)]
+        self._wait(calls, "joining the weight-broadcast group")
+        self.broadcast = True
+        log.info("weights: policy rank 0 broadcasts to %d rollout actor(s) over %s (%s:%d)", self.size, backend,
+                 address, port)
 
     def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Any]:
         if self.own_copy and self.follow_policy and self.synced_version != self.policy.version:
@@ -251,19 +269,26 @@ class RolloutGroup(RoleGroup):
         return trajectories
 
     def sync_weights(self) -> None:
-        """Push policy rank 0's weights to every rollout actor (through the object store, fetched
-        once per actor)."""
+        """Push policy rank 0's weights to every rollout actor: broadcast over the weight group, or
+        through the object store (fetched once per actor)."""
         if not self.own_copy:
             return
         began = time.perf_counter()
-        answers = self.policy.weights_refs()
-        weights = answers[0][1]  # passed by reference: each rollout actor reads it from the object store
-        loads = [(host, host.handle.load_policy_weights.remote(weights)) for host in self.hosts]
-        loaded = self._wait(loads + answers[1:], "rollout load_policy_weights")[: len(loads)]
+        if self.broadcast:  # every policy rank takes part (sharded weights are gathered collectively)
+            sends = [(host, host.handle.send_policy_weights.remote()) for host in self.policy.hosts]
+            loads = [(host, host.handle.receive_policy_weights.remote()) for host in self.hosts]
+            loaded = self._wait(loads + sends, "rollout receive_policy_weights")[: len(loads)]
+        else:
+            answers = self.policy.weights_refs()
+            weights = answers[0][1]  # passed by reference: each rollout actor reads it from the object store
+            loads = [(host, host.handle.load_policy_weights.remote(weights)) for host in self.hosts]
+            loaded = self._wait(loads + answers[1:], "rollout load_policy_weights")[: len(loads)]
         self.synced_version = self.policy.version
+        first = self.last_sync["bytes"] == 0
         self.last_sync = {"seconds": time.perf_counter() - began, "bytes": int(loaded[0])}
-        log.debug("synced %d bytes of policy weights to %d rollout actor(s) in %.3f s", loaded[0], self.size,
-                  self.last_sync["seconds"])
+        log.log(logging.INFO if first else logging.DEBUG, "weight sync (%s): %d bytes to each of %d rollout actor(s) "
+                "in %.3f s", "broadcast" if self.broadcast else "object store", loaded[0], self.size,
+                self.last_sync["seconds"])
 
     def load_weights(self, weights: Any) -> None:
         """Load these policy weights (an object-store reference from `PolicyGroup.snapshot`) into every
