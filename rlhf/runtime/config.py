@@ -246,6 +246,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         if self.prompts_per_step < 1 or self.n_samples < 1 or self.micro_batch_size < 1:
             raise ConfigError("--prompts-per-step, --n-samples and --micro-batch-size must be at least 1")
         self.check_ring()
+        if self.ring_attn_size > 1 and self.async_rollout:
+            raise ConfigError("--ring-attn-size does not work with --async yet; drop one of them")
         if self.ring_attn_size > 1 and self.runtime != "local":
             raise ConfigError("--ring-attn-size runs with the local runtime under torchrun, not with --runtime "
                               f"{self.runtime} yet")

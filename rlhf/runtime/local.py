@@ -231,7 +231,7 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     dist = init_from_environment().with_rings(config.ring_attn_size, config.ring_head_stride)
     workers, lock = None, None
     try:
-        lock = start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
+        lock = start_run(plan, plugins, world_size=dist.dp_size, is_main=dist.is_main)
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()
     finally:

@@ -201,6 +201,13 @@ class EvalOptions:
                                 "others maximised; append :min or :max to say)", "eval")
 
 
+def data_parallel_ranks(config: OptimOptions, ranks: int) -> str:
+    """How error messages name the number of data-parallel ranks."""
+    if config.ring_attn_size > 1:
+        return f"the number of data-parallel ranks, processes / --ring-attn-size ({ranks})"
+    return f"the number of processes ({ranks})"
+
+
 def check_sampling(top_k: int, repetition_penalty: float) -> None:
     """The sampling options every sampling command shares beyond temperature and top-p."""
     if not isinstance(top_k, int) or top_k < 0:

@@ -68,3 +68,32 @@ def test_data_parallel_ranks_under_rings():
     contexts = [DistContext(rank=r, world_size=4, ring=RingGroup(size=2, rank=r % 2)) for r in range(4)]
     assert [(c.dp_rank, c.dp_size) for c in contexts] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert [c.shard(list(range(5))) for c in contexts] == [[0, 2, 4], [0, 2, 4], [1, 3], [1, 3]]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--ring-attn-size", "2"], "--ring-attn-size 2 needs a number of processes that it divides (this run has 1)"),
+    (["--ring-attn-size", "0"], "--ring-attn-size must be a whole number of at least 1; got 0"),
+    (["--ring-attn-size", "2", "--ring-head-stride", "0"], "--ring-head-stride must be a whole number of at least 1"),
+])
+@pytest.mark.parametrize("command", ["sft", "train"])
+def test_ring_options_the_run_cannot_use_are_one_line_errors(command, extra, message, tiny_model_dir, task, fit_data,
+                                                             tmp_path):
+    from rlhf.core.plugins import build_plugin_manager
+    from tests.helpers import run_cli
+
+    args = {"sft": ["sft", "--data", str(fit_data / "sft.jsonl")],
+            "train": ["train", "--data", str(task / "data.jsonl"), "--label-key", "answer", "--reward",
+                      str(task / "rewards.py")]}[command]
+    result = run_cli(build_plugin_manager(load_entrypoints=False),
+                     args + ["--model", str(tiny_model_dir), "--out", str(tmp_path / "run"), "--no-progress", *extra])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()  # refused before the run starts
+
+
+def test_ring_attention_with_async_generation_is_refused(tiny_model_dir, task, tmp_path):
+    from tests.helpers import small_config
+
+    with pytest.raises(ConfigError, match="--ring-attn-size does not work with --async yet"):
+        small_config(tiny_model_dir, task, tmp_path / "run", ring_attn_size=2, async_rollout=True).derived()

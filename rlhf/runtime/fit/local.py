@@ -81,7 +81,7 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
     dist = init_from_environment().with_rings(config.ring_attn_size, config.ring_head_stride)
     parts, lock = None, None
     try:
-        lock = start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
+        lock = start_run(plan, plugins, world_size=dist.dp_size, is_main=dist.is_main)
         parts, plan = build_parts(plan, dist)
         return FitLoop(plan, plugins, parts).run()
     finally:
