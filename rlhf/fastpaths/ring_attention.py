@@ -255,12 +255,22 @@ class RingModel(OwnLogprobs):
     batch's sequences laid end to end (``--packing``), else its padded rows."""
 
     runs_own_logprobs = True
+    # Whoever calls it for the whole output gets logits, never hidden states to project itself
+    # (`rlhf.core.logprobs.deferred_head` finds no deferring output layer here): an output layer
+    # applied after the ring sum would run on every rank of the ring and count its gradient N times.
+    module = None
 
     def __init__(self, model: Any, ring: Any, *, packed: bool = False):
         self.model, self.ring, self.packed = model, ring, packed
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["model"], name)
+
+    def get_base_model(self) -> RingModel:
+        return self
+
+    def get_output_embeddings(self) -> None:
+        return None
 
     def layout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RingLayout:
         """The micro-batch's tokens as rows whose length is a multiple of the ring size."""

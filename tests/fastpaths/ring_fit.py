@@ -4,7 +4,7 @@
 
 Run as a script under torchrun (2 ranks, gloo) it takes every step with ``--ring-attn-size 2``
 (each rank's gradient summed over the ranks, as the backends sum them) and rank 0 saves them to
-argv[3]; the test takes the same steps in one process by importing `take_step`.
+argv[4]; the test takes the same steps in one process by importing `take_step`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,13 @@ from typing import Any
 
 import torch
 
-CASES = [(command, packing) for command in ("sft", "dpo", "kto", "rm", "rl") for packing in (False, True)]
+CASES = [(command, packing) for command in ("sft", "dpo", "kto", "rm", "rl") for packing in (False, True)] + \
+    [("prm", False), ("distill", False)]  # these two call the model directly: whole logits gathered
 COMMAND_OPTIONS = {"sft": {"data": "sft.jsonl"}, "dpo": {"data": "pairs.jsonl", "objective.beta": 0.5},
-                   "kto": {"data": "kto.jsonl", "objective.output_key": "completion"}, "rm": {"data": "pairs.jsonl"}}
+                   "kto": {"data": "kto.jsonl", "objective.output_key": "completion"}, "rm": {"data": "pairs.jsonl"},
+                   "prm": {"data": "steps.jsonl", "objective.placeholder_token": "@",
+                           "objective.reward_tokens": ["+", "-"]},
+                   "distill": {"data": "sft.jsonl"}}
 
 
 def recording_plugins() -> Any:
@@ -29,7 +33,8 @@ def recording_plugins() -> Any:
     return plugins
 
 
-def fit_step(command: str, packing: bool, model_dir: str, data_dir: str, out: Path, dist: Any) -> dict[str, Any]:
+def fit_step(command: str, packing: bool, model_dir: str, data_dir: str, out: Path, dist: Any,
+             teacher: str) -> dict[str, Any]:
     """One step of ``rlhf <command>`` (4 examples, micro-batches of 2) through the fit loop."""
     from rlhf.runtime.fit.config import FitConfig
     from rlhf.runtime.fit.local import build_parts
@@ -43,6 +48,8 @@ def fit_step(command: str, packing: bool, model_dir: str, data_dir: str, out: Pa
               "batch_size": 4, "micro_batch_size": 2, "steps": 1, "lr": 0.1, "backend": "recording",
               "out": str(out), "progress": False, "packing": packing,
               "ring_attn_size": dist.ring.size if dist.ring is not None else 1, **options}
+    if command == "distill":
+        values["teacher"] = teacher
     config = FitConfig.from_dict(values, plugins)
     config.check()
     parts, plan = build_parts(FitPlan.make(config, plugins), dist)
@@ -86,24 +93,26 @@ def rl_step(packing: bool, model_dir: str, dist: Any) -> dict[str, Any]:
             "old": batch.old_logprobs * batch.action_mask}  # (B, A) what training reads of them
 
 
-def take_step(command: str, packing: bool, model_dir: str, data_dir: str, out: Path, dist: Any) -> dict[str, Any]:
+def take_step(command: str, packing: bool, model_dir: str, data_dir: str, teacher: str, out: Path,
+              dist: Any) -> dict[str, Any]:
     """The step's gradient (summed over the ranks), loss metric (and old log-probs for RL)."""
     import torch.distributed
 
     result = rl_step(packing, model_dir, dist) if command == "rl" else \
-        fit_step(command, packing, model_dir, data_dir, out, dist)
+        fit_step(command, packing, model_dir, data_dir, out, dist, teacher)
     if dist.active:
         for grad in result["grads"].values():
             torch.distributed.all_reduce(grad)
     return result
 
 
-def main(model_dir: str, data_dir: str, out: str) -> None:
+def main(model_dir: str, data_dir: str, teacher: str, out: str) -> None:
     from rlhf.core.distributed import exit_process, init_from_environment
 
     dist = init_from_environment("gloo").with_rings(2)
     results = {f"{command}/{'packed' if packing else 'padded'}":
-               take_step(command, packing, model_dir, data_dir, Path(out).parent / f"{command}-{packing}", dist)
+               take_step(command, packing, model_dir, data_dir, teacher, Path(out).parent / f"{command}-{packing}",
+                         dist)
                for command, packing in CASES}
     if dist.is_main:
         torch.save(results, out)
@@ -113,4 +122,4 @@ def main(model_dir: str, data_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.runtime.recording`
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

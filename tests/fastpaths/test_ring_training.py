@@ -1,5 +1,5 @@
 """``--ring-attn-size 2`` under two processes takes the one-process step: sft, dpo, kto, rm (the fit
-loop's step) and the RL policy update, padded and packed; and ``rlhf train`` end to end under
+loop's step) and the RL policy update, padded and packed, and prm and distill padded; and ``rlhf train`` end to end under
 torchrun logs the one-process run's losses and gradient norms."""
 
 from __future__ import annotations
@@ -19,19 +19,22 @@ ROOT = HERE.parents[1]
 
 
 @pytest.fixture(scope="module")
-def ring_steps(tiny_model_dir, fit_data, tmp_path_factory):
+def ring_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path_factory):
     out = tmp_path_factory.mktemp("ring-fit") / "steps.pt"
-    torchrun(2, str(HERE / "ring_fit.py"), str(tiny_model_dir), str(fit_data), str(out), cwd=ROOT, timeout=400)
+    torchrun(2, str(HERE / "ring_fit.py"), str(tiny_model_dir), str(fit_data), str(fit_teacher), str(out), cwd=ROOT,
+             timeout=400)
     return torch.load(out, weights_only=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,packing", CASES)
-def test_a_ring_of_two_takes_the_one_process_step(command, packing, ring_steps, tiny_model_dir, fit_data, tmp_path):
+def test_a_ring_of_two_takes_the_one_process_step(command, packing, ring_steps, tiny_model_dir, fit_data, fit_teacher,
+                                                  tmp_path):
     """The step's loss and gradient (every rank's summed, as the backends do) equal one process's
     to 1e-5 relative; for RL the old log-probs too."""
     got = ring_steps[f"{command}/{'packed' if packing else 'padded'}"]
-    expected = take_step(command, packing, str(tiny_model_dir), str(fit_data), tmp_path / "one", SINGLE)
+    expected = take_step(command, packing, str(tiny_model_dir), str(fit_data), str(fit_teacher), tmp_path / "one",
+                         SINGLE)
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7)
     assert got["grads"].keys() == expected["grads"].keys()
     scale = max(float(g.abs().max()) for g in expected["grads"].values())
