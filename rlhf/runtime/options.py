@@ -122,9 +122,9 @@ class OptimOptions:
                              "under a mask (a DPO pair's chosen and rejected; in rlhf train a prompt's samples, when "
                              "that saves a tenth of the tokens): the same log-probs, fewer tokens. Needs sdpa or eager "
                              "attention; not with --packing or --max-tokens-per-micro-batch", "train")
-    ring_attn_size: int = opt(1, "Sequence parallelism: split every sequence of the training forwards over this many "
-                              "ranks (ring attention; under torchrun with a multiple of N processes, the data-parallel "
-                              "degree becomes processes / N; docs/long-context.md)", "train")
+    ring_attn_size: int = opt(1, "Sequence parallelism: split every sequence of the training forwards over N ranks "
+                              "(ring attention). Under torchrun with a multiple of N processes; the data-parallel "
+                              "degree becomes processes / N (docs/long-context.md)", "train")
     ring_head_stride: int = opt(1, "With --ring-attn-size: key/value heads gathered from the ring at a time (fewer: "
                                 "less memory, more messages; must divide the model's key/value heads)", "train")
     backend: str = opt("torch", "Training backend plugin (its options: --backend.NAME, e.g. --zero-stage)", "train",
