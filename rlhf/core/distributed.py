@@ -9,19 +9,40 @@ The scheme (the same under a launcher such as torchrun and under Ray):
   micro-batch losses are its share of the step loss;
 * backends **sum** gradients over ranks, so the step gradient is the full-minibatch gradient
   whatever the number of ranks (docs/algorithms.md: ``token_mean`` does not depend on the split).
+
+With sequence parallelism (``--ring-attn-size N``, `RingGroup`) the N consecutive ranks of a ring
+group are one data-parallel rank: they hold the same rows (`DistContext.shard` by data-parallel
+rank), each runs its slice of every sequence (`rlhf.fastpaths.ring_attention`), and
+`DistContext.all_gather` answers one object per data-parallel rank (the ring's first rank's). Each
+ring rank's gradient is its slice's share of the loss gradient, so the backends' sum over every rank
+stays right, unchanged.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
+
+from rlhf.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RingGroup:
+    """This rank's ring group (``--ring-attn-size``): ``size`` consecutive ranks that split each sequence."""
+
+    size: int
+    rank: int  # place in the ring, 0 .. size - 1
+    head_stride: int = 1  # key/value heads gathered at a time (``--ring-head-stride``)
+    group: Any = field(default=None, compare=False, repr=False)  # its torch.distributed process group
 
 
 @dataclass(frozen=True)
 class DistContext:
     rank: int = 0
     world_size: int = 1
+    ring: RingGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -31,19 +52,47 @@ class DistContext:
     def active(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank: the rank itself, or its ring group's number."""
+        return self.rank // self.ring.size if self.ring is not None else self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree: W, or W / N with rings of N ranks."""
+        return self.world_size // self.ring.size if self.ring is not None else self.world_size
+
     def shard(self, items: list[Any]) -> list[Any]:
-        """This rank's share: items ``rank, rank + W, ...``."""
-        return items[self.rank::self.world_size]
+        """This data-parallel rank's share: items ``r, r + D, ...`` (r = `dp_rank`, D = `dp_size`)."""
+        return items[self.dp_rank::self.dp_size]
 
     def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (picklable objects)."""
+        """Every data-parallel rank's ``obj``, in rank order (picklable objects); with rings, the
+        first rank's of each ring (its other ranks hold the same rows)."""
         if not self.active:
             return [obj]
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
-        return out
+        return out[::self.ring.size] if self.ring is not None else out
+
+    def with_rings(self, size: int, head_stride: int = 1) -> DistContext:
+        """This context with ring groups of ``size`` consecutive ranks (every rank must call it)."""
+        if size <= 1:
+            return self
+        if self.world_size % size:
+            raise ConfigError(f"--ring-attn-size {size} needs a number of processes that it divides (this run has "
+                              f"{self.world_size}); start it with e.g. torchrun --nproc-per-node {size}")
+        import torch.distributed as dist
+
+        mine = None
+        for first in range(0, self.world_size, size):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(first, first + size)))
+            if first <= self.rank < first + size:
+                mine = group
+        return dataclasses.replace(self, ring=RingGroup(size=size, rank=self.rank % size, head_stride=head_stride,
+                                                         group=mine))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self.active:

@@ -17,12 +17,14 @@ module                      what                                     switch
                                                                      torch)
 ``vocab_chunks``            log-probs from hidden states, a few     ``--vocab-chunks`` (on by
                             positions' logits at a time             default; ``--no-vocab-chunks``)
+``ring_attention``          each sequence split over a ring of      ``--ring-attn-size`` (off by
+                            ranks (sequence parallelism)             default), ``--ring-head-stride``
 ==========================  ======================================  ==============================
 
 ``llama_like`` lists the transformers internals the hand-written forwards use and checks them
 before one is taken; ``verdicts`` keeps, per model and per variant of a path, whether it agreed
 with the plain path the first time it ran there (a path that differs is not taken again, with a
 warning). Nothing in `rlhf.core` imports this package: the core's hooks are
-`rlhf.core.logprobs.OwnLogprobs`, which `packing.PackedModel` implements, and
+`rlhf.core.logprobs.OwnLogprobs`, which `packing.PackedModel` and `ring_attention.RingModel` implement, and
 `rlhf.core.logprobs.DeferredHead`, which `vocab_chunks` mixes into an output layer.
 """

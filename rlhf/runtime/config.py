@@ -245,6 +245,12 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         self.check_saving()
         if self.prompts_per_step < 1 or self.n_samples < 1 or self.micro_batch_size < 1:
             raise ConfigError("--prompts-per-step, --n-samples and --micro-batch-size must be at least 1")
+        self.check_ring()
+        if self.ring_attn_size > 1 and self.async_rollout:
+            raise ConfigError("--ring-attn-size does not work with --async yet; drop one of them")
+        if self.ring_attn_size > 1 and self.runtime != "local":
+            raise ConfigError("--ring-attn-size runs with the local runtime under torchrun, not with --runtime "
+                              f"{self.runtime} yet")
         for name, value in (("--steps", self.steps), ("--max-new-tokens", self.max_new_tokens),
                             ("--ppo-epochs", self.ppo_epochs)):
             if value is not None and value < 1:

@@ -25,6 +25,7 @@ from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.async_generation import AsyncParts
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
+from rlhf.fastpaths.ring_attention import check_model as check_ring_model
 from rlhf.runtime.export import export_critic, export_model
 from rlhf.runtime.plan import RunPlan
 from rlhf.runtime.prompt_format import PromptFormat
@@ -66,6 +67,8 @@ def build_backend(plan: RunPlan, model: torch.nn.Module, lr: float) -> Any:
 def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> PolicyWorker:
     config = plan.config
     model = adapter.load(config.model, role="policy")
+    if dist.ring is not None:
+        check_ring_model(model, dist.ring.head_stride)
     training_loss = plan.algorithm.policy_training_loss(plan.policy_loss_config, entropy_coef=config.entropy_coef,
                                                 temperature=config.temperature,
                                                 kl_unbiased_gradient=config.kl_unbiased_gradient)
@@ -225,10 +228,10 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     """Run training with the local runtime; returns the run directory."""
     plugins = plugins or build_plugin_manager()
     plan = RunPlan.make(config, plugins)
-    dist = init_from_environment()
+    dist = init_from_environment().with_rings(config.ring_attn_size, config.ring_head_stride)
     workers, lock = None, None
     try:
-        lock = start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
+        lock = start_run(plan, plugins, world_size=dist.dp_size, is_main=dist.is_main)
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()
     finally:

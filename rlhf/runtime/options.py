@@ -122,11 +122,22 @@ class OptimOptions:
                              "under a mask (a DPO pair's chosen and rejected; in rlhf train a prompt's samples, when "
                              "that saves a tenth of the tokens): the same log-probs, fewer tokens. Needs sdpa or eager "
                              "attention; not with --packing or --max-tokens-per-micro-batch", "train")
+    ring_attn_size: int = opt(1, "Sequence parallelism: split every sequence of the training forwards over N ranks "
+                              "(ring attention). Under torchrun with a multiple of N processes; the data-parallel "
+                              "degree becomes processes / N (docs/long-context.md)", "train")
+    ring_head_stride: int = opt(1, "With --ring-attn-size: key/value heads gathered from the ring at a time (fewer: "
+                                "less memory, more messages; must divide the model's key/value heads)", "train")
     backend: str = opt("torch", "Training backend plugin (its options: --backend.NAME, e.g. --zero-stage)", "train",
                        component="train_backend")
     max_nonfinite_steps: int = opt(3, "Stop after this many NaN/inf optimizer steps in a row (each is skipped)",
                                    "train")
     seed: int = opt(42, "Random seed (data order, sampling, initialisation)", "train")
+
+    def check_ring(self) -> None:
+        """``--ring-attn-size`` and ``--ring-head-stride``: whole numbers of at least 1."""
+        for name, value in (("--ring-attn-size", self.ring_attn_size), ("--ring-head-stride", self.ring_head_stride)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a whole number of at least 1; got {value}")
 
 
 @dataclass(kw_only=True)
@@ -188,6 +199,13 @@ class EvalOptions:
     save_best: str | None = opt(None, "Keep the model that scored best on this eval metric in <out>/best, e.g. "
                                 "eval/loss, eval/accuracy or eval/reward/mean (metrics named *loss are minimised, "
                                 "others maximised; append :min or :max to say)", "eval")
+
+
+def data_parallel_ranks(config: OptimOptions, ranks: int) -> str:
+    """How error messages name the number of data-parallel ranks."""
+    if config.ring_attn_size > 1:
+        return f"the number of data-parallel ranks, processes / --ring-attn-size ({ranks})"
+    return f"the number of processes ({ranks})"
 
 
 def check_sampling(top_k: int, repetition_penalty: float) -> None:

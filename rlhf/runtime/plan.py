@@ -23,6 +23,7 @@ from rlhf.core.settings import build_component_config, setting_fields
 from rlhf.core.types import AdvantageConfig
 from rlhf.runtime.config import (ALGO_CONFIG_SLOTS, DEFAULT_SAMPLE_FILTER, SETTING_SLOTS, SLOTS, Derived,
                                  TrainConfig, colocation, parse_key_values)
+from rlhf.runtime.options import data_parallel_ranks
 from rlhf.runtime.threads import requested_threads
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ class RunPlan:
         for name, size in (("--prompts-per-step", config.prompts_per_step),
                            ("--train-batch-size", derived.train_batch_size)):
             if size % world_size:
-                raise ConfigError(f"{name} ({size}) must be a multiple of the number of processes ({world_size})")
+                raise ConfigError(f"{name} ({size}) must be a multiple of {data_parallel_ranks(config, world_size)}")
         if config.async_rollout and config.runtime == "local" and world_size > 1:
             raise ConfigError("--async in the local runtime runs generation beside training in one process: it "
                               "does not support several processes (torchrun) yet; use --runtime ray for data "

@@ -60,7 +60,7 @@ class TrainedModel:
                 my_loss += float(share.detach())
                 means.add(metrics, weight)
         finite = all(self.dist.all_gather(finite))
-        loss = my_loss * self.dist.world_size if finite else math.nan
+        loss = my_loss * self.dist.dp_size if finite else math.nan
         means.add({"loss": loss, **self.apply_step(finite)})
 
     def check_token_budget(self, max_tokens: int | None) -> None:

@@ -223,7 +223,7 @@ class Trainer(SteppedLoop):
         while len(kept) < wanted and rounds < (config.max_filter_rounds if self.plan.filters_groups else 1):
             rounds += 1
             need = wanted - len(kept)
-            need += -need % self.dist.world_size  # every rank generates the same number of prompts
+            need += -need % self.dist.dp_size  # every data-parallel rank generates the same number of prompts
             with timer("rollout"):
                 prompts = w.loader.next_batch(need)  # the same on every rank
                 local = rollout.generate(self.dist.shard(prompts), n=n, params=self.sampling)

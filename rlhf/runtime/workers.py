@@ -22,7 +22,8 @@ from rlhf.core.types import LossNorm, Trajectory
 from rlhf.core.rewards import RewardResult
 from rlhf.rewards.combine import RewardSet
 from rlhf.core.logprobs import token_logprobs, without_last_token
-from rlhf.fastpaths.packing import PackedModel, is_packed
+from rlhf.fastpaths.packing import is_packed
+from rlhf.fastpaths.ring_attention import forward_model
 from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes, shared_token_logprobs
 from rlhf.runtime.micro_batches import MicroBatch, minibatches, my_rows, plan_micro_batches
 from rlhf.runtime.threads import adjust_threads
@@ -96,7 +97,7 @@ def gather_rows(local: torch.Tensor, dist: DistContext, total: int) -> torch.Ten
     width = max(p.shape[1] for p in parts)
     out = local.new_zeros((total, width)).cpu()  # (B, A)
     for rank, part in enumerate(parts):
-        out[rank::dist.world_size, : part.shape[1]] = part
+        out[rank::dist.dp_size, : part.shape[1]] = part
     return out
 
 
@@ -106,7 +107,7 @@ def model_logprobs(model: torch.nn.Module, batch: ExperienceBatch, settings: Upd
     """(B, A) log-probs of a batch's tokens under ``model`` at the sampling temperature, in eval mode,
     micro-batched (and packed) as the policy's own forwards are (``settings``)."""
     device = next(model.parameters()).device
-    forward = PackedModel(model) if settings.packing else model
+    forward = forward_model(model, packing=settings.packing, ring=dist.ring)
     was_training = model.training
     model.eval()
     try:
@@ -136,8 +137,9 @@ class _TrainedWorker(TrainedModel):
                                   share and settings.share_prompt and not self.dist.active)
 
     def _packed(self, model: Any) -> Any:
-        """``model`` as the log-prob forwards call it: packed with ``--packing``."""
-        return PackedModel(model) if self.settings.packing else model
+        """``model`` as the log-prob forwards call it: packed with ``--packing``, over the ring with
+        ``--ring-attn-size``."""
+        return forward_model(model, packing=self.settings.packing, ring=self.dist.ring)
 
     def _fit(self, batch: ExperienceBatch, step: int, micro_loss: MicroLoss, share: bool = False,
              trained_rows: Callable[[ExperienceBatch], torch.Tensor | None] | None = None) -> WeightedMeans:
@@ -240,8 +242,9 @@ class CriticWorker(_TrainedWorker):
     def values(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, A): the value of the state before each action token."""
         self.model.eval()
-        values = self._forward_rows(batch, lambda micro: self.model(micro.batch.input_ids.to(self.device),
-                                                                    micro.batch.attention_mask.to(self.device))[:, :-1])
+        model = forward_model(self.model, packing=False, ring=self.dist.ring)  # values run padded without a ring
+        values = self._forward_rows(batch, lambda micro: model(micro.batch.input_ids.to(self.device),
+                                                               micro.batch.attention_mask.to(self.device))[:, :-1])
         return values * batch.action_mask  # masked positions carry V = 0
 
     def fit(self, batch: ExperienceBatch, *, step: int) -> dict[str, float]:
@@ -251,7 +254,8 @@ class CriticWorker(_TrainedWorker):
 
     def _micro_loss(self, micro: MicroBatch, norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any], float]:
         batch = micro.batch
-        values = self.train_model(batch.input_ids, batch.attention_mask)[:, :-1]  # (b, A)
+        model = forward_model(self.train_model, packing=False, ring=self.dist.ring)
+        values = model(batch.input_ids, batch.attention_mask)[:, :-1]  # (b, A)
         loss, metrics = self.training_loss(values, batch, norm)
         return loss, metrics, float(batch.loss_mask.sum())
 
@@ -276,7 +280,7 @@ class ReferenceWorker:
             return self._logprobs(batch)
 
     def _logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
-        model = PackedModel(self.model) if self.packing else self.model
+        model = forward_model(self.model, packing=self.packing, ring=self.dist.ring)
         return forward_rows(batch, self.dist, self.micro_batch_size, lambda micro: micro_logprobs(
             model, micro, temperature=self.temperature, device=self.device)[0], self.max_tokens, self.packing,
             self.share_prompt)

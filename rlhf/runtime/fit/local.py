@@ -17,6 +17,7 @@ from typing import Any
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.plugins import PluginSet, build_plugin_manager
 from rlhf.runtime.data import load_rows
+from rlhf.fastpaths.ring_attention import check_model as check_ring_model
 from rlhf.runtime.export import export_model
 from rlhf.runtime.fit.config import FitConfig
 from rlhf.runtime.fit.data import encode_rows
@@ -59,6 +60,8 @@ def build_parts(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitParts, Fi
     plan = plan.with_examples(len(train_examples))
 
     model = adapter.load(config.model, role="reward" if plan.head == "score" else "policy")
+    if dist.ring is not None:
+        check_ring_model(model, dist.ring.head_stride)
     backend = plan.choices["backend"].load()(model, plan.component_config("backend"))
     trained = TrainedModel(model, backend, dist)
     reference = adapter.load(config.model, role="reference") if plan.needs_reference else None
@@ -75,10 +78,10 @@ def fit(config: FitConfig, *, plugins: PluginSet | None = None) -> Path:
     """Run offline training with the local runtime; returns the run directory."""
     plugins = plugins or build_plugin_manager()
     plan = FitPlan.make(config, plugins)
-    dist = init_from_environment()
+    dist = init_from_environment().with_rings(config.ring_attn_size, config.ring_head_stride)
     parts, lock = None, None
     try:
-        lock = start_run(plan, plugins, world_size=dist.world_size, is_main=dist.is_main)
+        lock = start_run(plan, plugins, world_size=dist.dp_size, is_main=dist.is_main)
         parts, plan = build_parts(plan, dist)
         return FitLoop(plan, plugins, parts).run()
     finally:

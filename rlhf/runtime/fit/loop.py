@@ -34,7 +34,7 @@ from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 from rlhf.core.fingerprint import plugin_fingerprint
 from rlhf.core.objective import FitModels, Objective
-from rlhf.fastpaths.packing import PackedModel
+from rlhf.fastpaths.ring_attention import forward_model
 from rlhf.runtime.micro_batches import token_budget_groups
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
@@ -83,12 +83,13 @@ class FitLoop(SteppedLoop):
 
     @property
     def models(self) -> FitModels:
-        """The models as the objective's training forwards call them (packed with ``--packing``)."""
-        models = (self.trained.train_model, self.parts.reference, self.parts.teacher)
-        if self.config.packing:
-            models = tuple(PackedModel(m) if m is not None else None for m in models)
+        """The models as the objective's training forwards call them (packed with ``--packing``, over
+        the ring with ``--ring-attn-size``)."""
+        ring, packing = self.dist.ring, self.config.packing
+        models = tuple(forward_model(m, packing=packing, ring=ring) if m is not None else None
+                       for m in (self.trained.train_model, self.parts.reference, self.parts.teacher))
         return FitModels(model=models[0], reference=models[1], teacher=models[2],
-                         share_prompt=self.config.share_prompt and not self.config.packing)
+                         share_prompt=self.config.share_prompt and not packing and ring is None)
 
     # --- the run --------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from rlhf.core.objective import HEADS, resolve_flag
 from rlhf.core.references import is_reference, resolve
 from rlhf.core.settings import build_component_config, setting_fields
 from rlhf.runtime.fit.config import FIT_SLOTS, FitConfig
+from rlhf.runtime.options import data_parallel_ranks
 from rlhf.runtime.plan import SlotChoice
 from rlhf.runtime.threads import requested_threads
 
@@ -133,8 +134,8 @@ class FitPlan:
         """What needs the number of data-parallel ranks (``world_size``) to check."""
         config = self.config
         if config.batch_size % world_size:
-            raise ConfigError(f"--batch-size ({config.batch_size}) must be a multiple of the number of processes "
-                              f"({world_size})")
+            raise ConfigError(f"--batch-size ({config.batch_size}) must be a multiple of "
+                              f"{data_parallel_ranks(config, world_size)}")
         requested_threads(config.threads)  # a count of at least 1, or auto
 
     def warnings(self) -> list[str]:
