@@ -68,8 +68,9 @@ def test_added_aux_loss_is_transformers_own_value_and_its_gradient(kind):
         if got is not None:
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), name
     # the router's gradient is the aux loss's too: without it, the gate weights get another gradient
-    plain = torch.autograd.grad(lm_loss, [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")])
-    routed = [g for (n, _), g in zip(model.named_parameters(), grads) if n.endswith("mlp.gate.weight")]
+    plain = torch.autograd.grad(lm_loss, [p for n, p in model.named_parameters() if n.endswith(".gate.weight")])
+    routed = [g for (n, _), g in zip(model.named_parameters(), grads) if n.endswith(".gate.weight")]
+    assert len(routed) == 2
     assert all(not torch.allclose(a, b) for a, b in zip(plain, routed))
 
 
@@ -109,6 +110,44 @@ def test_packed_forward_gives_the_aux_loss_of_its_real_tokens(kind):
     packed = PackedModel(model)
     _, metrics = aux.added(lambda: (token_logprobs(packed, ids, mask, action)[0].sum(), {}))
     assert math.isclose(metrics["aux_loss"], float(expected.detach()), rel_tol=1e-5)
+
+
+def test_under_peft_and_gradient_checkpointing_the_loss_and_router_gradient_are_the_plain_ones():
+    """peft calls the causal LM's ``forward`` directly (no module hooks fire there): the loss is
+    taken at the base model inside; activation checkpointing recomputes the router in backward."""
+    from peft import LoraConfig, get_peft_model
+
+    ids, mask = padded_batch()
+
+    def run(wrap):
+        model = tiny_moe("mixtral")
+        model.train()
+        model = wrap(model)
+        aux = RouterAux.attach(model, 1.0, "tiny")
+        total, metrics = aux.added(lambda: (model(input_ids=ids, attention_mask=mask).logits.sum() * 0, {}))
+        total.backward()
+        gate = [p for n, p in model.named_parameters() if "layers.0." in n and n.endswith(".gate.weight")][0]
+        return metrics["aux_loss"], gate.grad
+
+    def lora(model):
+        model.requires_grad_(True)
+        peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=[]))
+        for name, p in peft.named_parameters():
+            p.requires_grad_(name.endswith(".gate.weight") or "lora_" in name)
+        return peft
+
+    def checkpointed(model):
+        from rlhf.plugins.models.loading import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)  # as --gradient-checkpointing does
+        return model
+
+    plain_aux, plain_grad = run(lambda m: m)
+    assert plain_grad is not None and plain_grad.abs().sum() > 0
+    for wrap in (lora, checkpointed):
+        got_aux, got_grad = run(wrap)
+        assert math.isclose(got_aux, plain_aux, rel_tol=1e-6), wrap.__name__
+        assert torch.allclose(got_grad, plain_grad, rtol=1e-5, atol=1e-7), wrap.__name__
 
 
 def test_a_model_without_experts_is_a_usage_error(tiny_model_dir):
