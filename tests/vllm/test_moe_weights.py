@@ -12,6 +12,13 @@ from rlhf.plugins.engines.vllm_weights import bucket_by_bytes, map_state_dict, p
 from tests.vllm.fakes import MoENameLoader
 
 
+def fused_experts() -> bool:
+    """transformers 5 holds a layer's experts fused; transformers 4 as the checkpoint does."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
 def tiny_moe(kind: str, seed: int = 0) -> torch.nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -34,7 +41,8 @@ def saved_checkpoint(model: torch.nn.Module, directory) -> dict[str, torch.Tenso
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_expert_weights_go_out_as_the_checkpoint_holds_them(kind, tmp_path):
     model = tiny_moe(kind)
-    assert any(name.endswith("experts.gate_up_proj") for name, _ in model.named_parameters())  # fused in the module
+    fused = any(name.endswith("experts.gate_up_proj") for name, _ in model.named_parameters())
+    assert fused == fused_experts()  # transformers 5: the module's layout is not the checkpoint's
     sent = dict(policy_weights(model))
     checkpoint = saved_checkpoint(model, tmp_path)
     assert sorted(sent) == sorted(checkpoint)
@@ -63,6 +71,7 @@ def test_every_sent_name_is_one_vllm_loads_and_every_expert_shard_arrives_once(k
         assert w13 == {(e, name) for e in range(3) for name in (gate, up)} and w2 == {(e, down) for e in range(3)}
 
 
+@pytest.mark.skipif(not fused_experts(), reason="transformers 4 keeps one module per expert")
 def test_the_per_expert_matrices_are_the_fused_tensor_s_halves():
     """Mixtral's w1 (gate) is the first half of gate_up_proj's rows, w3 (up) the second, w2 down_proj's."""
     model = tiny_moe("mixtral")
