@@ -14,23 +14,9 @@ from rlhf.core.errors import ConfigError
 from rlhf.core.logprobs import token_logprobs, without_last_token
 from rlhf.fastpaths.packing import PackedModel
 from rlhf.runtime.router_aux import RouterAux
-from tests.helpers import command_args, read_jsonl, run_cli
+from tests.helpers import command_args, read_jsonl, run_cli, tiny_moe
 
 VOCAB = 320  # the tiny tokenizer's (tiny_model_dir)
-
-
-def tiny_moe(kind: str, *, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
-    """A random-weight Mixtral or Qwen2-MoE causal LM: 2 layers, 4 experts, top-2 routing."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
-                  router_aux_loss_coef=0.37, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, **common))
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
-                                              shared_expert_intermediate_size=32, num_experts=4, **common))
 
 
 def padded_batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:

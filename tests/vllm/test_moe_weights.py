@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf.plugins.engines.vllm_weights import bucket_by_bytes, map_state_dict, policy_weights
+from tests.helpers import tiny_moe
 from tests.vllm.fakes import MoENameLoader
 
 
@@ -19,16 +20,8 @@ def fused_experts() -> bool:
     return int(transformers.__version__.split(".")[0]) >= 5
 
 
-def tiny_moe(kind: str, seed: int = 0) -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=48, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  num_experts_per_tok=2)
-    if kind == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(intermediate_size=24, num_local_experts=3, **common))
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12,
-                                              shared_expert_intermediate_size=20, num_experts=3, **common))
+def small_moe(kind: str) -> torch.nn.Module:
+    return tiny_moe(kind, vocab=48, hidden=16, experts=3)
 
 
 def saved_checkpoint(model: torch.nn.Module, directory) -> dict[str, torch.Tensor]:
@@ -40,7 +33,7 @@ def saved_checkpoint(model: torch.nn.Module, directory) -> dict[str, torch.Tenso
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_expert_weights_go_out_as_the_checkpoint_holds_them(kind, tmp_path):
-    model = tiny_moe(kind)
+    model = small_moe(kind)
     fused = any(name.endswith("experts.gate_up_proj") for name, _ in model.named_parameters())
     assert fused == fused_experts()  # transformers 5: the module's layout is not the checkpoint's
     sent = dict(policy_weights(model))
@@ -57,7 +50,7 @@ def test_expert_weights_go_out_as_the_checkpoint_holds_them(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_every_sent_name_is_one_vllm_loads_and_every_expert_shard_arrives_once(kind):
-    model = tiny_moe(kind)
+    model = small_moe(kind)
     names = [name for bucket in bucket_by_bytes(policy_weights(model), 4096) for name, _ in bucket]
     loader = MoENameLoader(kind, layers=2, experts=3)
     loaded = loader.load(names)  # KeyError on a name vLLM's model lacks
@@ -74,7 +67,7 @@ def test_every_sent_name_is_one_vllm_loads_and_every_expert_shard_arrives_once(k
 @pytest.mark.skipif(not fused_experts(), reason="transformers 4 keeps one module per expert")
 def test_the_per_expert_matrices_are_the_fused_tensor_s_halves():
     """Mixtral's w1 (gate) is the first half of gate_up_proj's rows, w3 (up) the second, w2 down_proj's."""
-    model = tiny_moe("mixtral")
+    model = small_moe("mixtral")
     sent = dict(policy_weights(model))
     experts = model.model.layers[1].mlp.experts
     half = experts.gate_up_proj.shape[1] // 2
