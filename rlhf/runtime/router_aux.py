@@ -36,6 +36,7 @@ import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,10 +63,7 @@ class RouterAux:
             return None
         module = router_module(model)
         if module is None:
-            kind = type(innermost(model)).__name__
-            raise ConfigError(f"--aux-loss-coef {coef}: {name} ({kind}) is not a mixture-of-experts model (its forward "
-                              "returns no router logits); drop --aux-loss-coef, or train an MoE model such as "
-                              "Mixtral or Qwen2-MoE")
+            raise not_an_moe(coef, name, type(innermost(model)).__name__)
         return cls(module, coef)
 
     def added(self, compute: Callable[[], tuple[torch.Tensor, dict[str, Any]]],
@@ -113,6 +111,28 @@ class RouterAux:
         aux = balancing_loss(module, output.router_logits, mask)  # what the causal LM returns as aux_loss
         tokens = float(mask.sum()) if mask is not None else float(input_ids.numel() if input_ids is not None else 1)
         self._kept.append((aux, tokens))
+
+
+def check_routes(coef: float, ref: str, *, trust_remote_code: bool = False) -> None:
+    """Before any model loads: ``--aux-loss-coef coef`` > 0 with a local model directory whose config
+    has no router (``output_router_logits``) is a usage error. Other references (hub names, adapter
+    directories) are checked when the model loads (`RouterAux.attach`)."""
+    if not coef or not (Path(ref).expanduser() / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(Path(ref).expanduser(), trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - loading the model reports what is wrong with it
+        return
+    if not hasattr(config, "output_router_logits"):
+        raise not_an_moe(coef, ref, (getattr(config, "architectures", None) or [config.model_type])[0])
+
+
+def not_an_moe(coef: float, name: str, kind: str) -> ConfigError:
+    return ConfigError(f"--aux-loss-coef {coef}: {name} ({kind}) is not a mixture-of-experts model (it has no router "
+                       "whose logits could be returned); drop --aux-loss-coef, or train an MoE model such as "
+                       "Mixtral or Qwen2-MoE")
 
 
 def router_module(model: torch.nn.Module) -> torch.nn.Module | None:

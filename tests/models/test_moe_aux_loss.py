@@ -151,7 +151,7 @@ def test_a_model_without_experts_is_a_usage_error(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(ConfigError, match=r"--aux-loss-coef 0.1: .*tiny-model.* \(LlamaForCausalLM\) is not a "
-                                          r"mixture-of-experts model"):
+                                          r"mixture-of-experts model"):  # a hub name's model: found at load
         RouterAux.attach(model, 0.1, str(tiny_model_dir))
     assert RouterAux.attach(model, 0.0, str(tiny_model_dir)) is None  # 0: off, any model
 
@@ -221,10 +221,17 @@ def test_train_adds_the_aux_loss_to_the_policy_loss(plugins, moe_dir, tiny_model
                         rel_tol=1e-4, abs_tol=1e-6)
 
 
-def test_cli_refuses_the_coefficient_for_a_dense_model_and_a_negative_one(plugins, tiny_model_dir, fit_data, tmp_path):
-    args = ["sft", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"), "--steps", "1",
-            "--no-progress"]
+@pytest.mark.parametrize("command", ["sft", "train"])
+def test_cli_refuses_the_coefficient_for_a_dense_model_and_a_negative_one(command, plugins, tiny_model_dir, fit_data,
+                                                                          task, tmp_path):
+    """A dense model's directory is refused before the run starts (no run directory is left)."""
+    data = str(fit_data / "sft.jsonl") if command == "sft" else str(task / "data.jsonl")
+    args = [command, "--model", str(tiny_model_dir), "--data", data, "--steps", "1", "--no-progress"]
+    if command == "train":
+        args += ["--reward", str(task / "rewards.py")]
     result = run_cli(plugins, args + ["--aux-loss-coef", "0.1", "--out", str(tmp_path / "a")])
-    assert result.exit_code == 2 and "is not a mixture-of-experts model" in result.output
+    assert result.exit_code == 2, result.output
+    assert f"--aux-loss-coef 0.1: {tiny_model_dir} (LlamaForCausalLM) is not a mixture-of-experts model" in result.output
+    assert not (tmp_path / "a").exists()
     result = run_cli(plugins, args + ["--aux-loss-coef", "-1", "--out", str(tmp_path / "b")])
     assert result.exit_code == 2 and "--aux-loss-coef must be a finite number >= 0" in result.output
