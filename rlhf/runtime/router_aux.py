@@ -2,18 +2,18 @@
 the training loss of the trained model (the fit loop's model, the RL policy) with coefficient C.
 
 The loss is transformers' own (``load_balancing_loss_func`` of the model's modeling module, the
-value its causal LMs return as ``aux_loss`` when called with ``output_router_logits=True``): over
-the forward's real tokens (its 2D ``attention_mask``; a packed row has no padding, so all its
-tokens), the fraction routed to each expert times the mean router probability of that expert,
-summed over experts and layers' tokens, times the number of experts.
+value its causal LMs return as ``aux_loss`` when called with ``output_router_logits=True``):
+E · Σ_e f_e · P_e, with f_e the fraction of the forward's real tokens (every layer's routing
+pooled) sent to expert e and P_e their mean router probability for e. Real tokens are those of
+the forward's 2D ``attention_mask``; a packed row has no padding, so all of its tokens.
 
 `RouterAux.attach(model, ...)` finds the transformers base model inside ``model`` (the causal LM's
 ``.model``; under DeepSpeed, PEFT or a value head's wrapper) and hooks its forward; the loss is
 computed from that forward's router logits and attention mask by the function the causal LM
-itself calls. Within `RouterAux.added`, every forward
-that runs with gradients enabled is asked for its router logits and its load-balancing loss is
-kept; forwards without gradients (the reference, the no-grad statistics passes, the fast paths'
-checks, eval) are left alone. Objectives and the policy loss need not know about it.
+itself calls. Within `RouterAux.added`, every forward that runs with gradients enabled is asked
+for its router logits and its load-balancing loss is kept; forwards without gradients (the
+reference, the no-grad statistics passes, the fast paths' checks, eval) are left alone.
+Objectives and the policy loss need not know about it.
 
 How the parts combine:
 
