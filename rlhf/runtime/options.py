@@ -146,6 +146,9 @@ class OptimOptions:
     def check_aux_loss_coef(self) -> None:
         if not (self.aux_loss_coef >= 0 and math.isfinite(self.aux_loss_coef)):
             raise ConfigError(f"--aux-loss-coef must be a finite number >= 0 (0: off); got {self.aux_loss_coef}")
+        if self.aux_loss_coef and self.ring_attn_size > 1:
+            raise ConfigError("--aux-loss-coef does not work with --ring-attn-size yet (each rank of the ring routes "
+                              "a slice of every sequence, and the load-balancing loss needs the whole); drop one")
 
 
 @dataclass(kw_only=True)

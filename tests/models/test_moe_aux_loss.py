@@ -235,3 +235,5 @@ def test_cli_refuses_the_coefficient_for_a_dense_model_and_a_negative_one(comman
     assert not (tmp_path / "a").exists()
     result = run_cli(plugins, args + ["--aux-loss-coef", "-1", "--out", str(tmp_path / "b")])
     assert result.exit_code == 2 and "--aux-loss-coef must be a finite number >= 0" in result.output
+    result = run_cli(plugins, args + ["--aux-loss-coef", "0.1", "--ring-attn-size", "2", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "--aux-loss-coef does not work with --ring-attn-size yet" in result.output
