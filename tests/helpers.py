@@ -347,3 +347,20 @@ def objective_scores(model_dir: Path, data: Path) -> list[tuple[float, float]]:
     with torch.no_grad():
         chosen, rejected = parts.objective.scores(FitModels(model=parts.trained.model), batch)  # (P,), (P,)
     return list(zip(chosen.tolist(), rejected.tolist()))
+
+
+def tiny_moe(kind: str, *, seed: int = 0, vocab: int = 320, hidden: int = 32, experts: int = 4) -> Any:
+    """A random-weight mixture-of-experts causal LM, ``kind`` "mixtral" or "qwen2_moe": 2 layers,
+    ``experts`` experts, top-2 routing (about 100K parameters at the defaults; vocab 320 is the
+    tiny tokenizer's, `tiny_model_dir`)."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+                  router_aux_loss_coef=0.37, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=experts, **common))
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=32, num_experts=experts, **common))

@@ -19,7 +19,7 @@ PAGE = ROOT / "docs" / "openrlhf.md"
 
 # Flags other branches of issue 37 add (items 2, 3, 7 and 8) while this page was written: allowed to be
 # missing until they are merged, checked like any other flag once they exist. Empty this set after the merge.
-PENDING = {"--aux-loss-coef"}
+PENDING: set[str] = set()
 
 _SPAN = re.compile(r"`([^`]+)`")
 _FLAG = re.compile(r"^--[a-z0-9][a-z0-9.\-]*$")

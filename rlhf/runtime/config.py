@@ -285,6 +285,7 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
             raise ConfigError("--save-best needs --eval-data to score the policy on")
         best_metric(self.save_best)
         colocation(self.colocate)
+        self.check_aux_loss_coef()
         if self.kl_target is not None and not (self.kl_target > 0 and self.kl_horizon > 0):
             raise ConfigError(f"--kl-target and --kl-horizon must be positive; got {self.kl_target} and "
                               f"{self.kl_horizon}")

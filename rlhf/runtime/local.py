@@ -31,6 +31,7 @@ from rlhf.runtime.plan import RunPlan
 from rlhf.runtime.prompt_format import PromptFormat
 from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
 from rlhf.runtime.lifecycle import seed_everything, start_run
+from rlhf.runtime.router_aux import RouterAux
 from rlhf.runtime.trainer import Trainer, Workers
 from rlhf.runtime.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, UpdateSettings
 
@@ -72,7 +73,8 @@ def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> Pol
     training_loss = plan.algorithm.policy_training_loss(plan.policy_loss_config, entropy_coef=config.entropy_coef,
                                                 temperature=config.temperature,
                                                 kl_unbiased_gradient=config.kl_unbiased_gradient)
-    return PolicyWorker(model, build_backend(plan, model, config.lr), update_settings(plan), training_loss, dist)
+    return PolicyWorker(model, build_backend(plan, model, config.lr), update_settings(plan), training_loss, dist,
+                        router_aux=RouterAux.attach(model, config.aux_loss_coef, config.model))
 
 
 def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE, *,

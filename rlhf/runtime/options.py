@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -131,6 +132,9 @@ class OptimOptions:
                        component="train_backend")
     max_nonfinite_steps: int = opt(3, "Stop after this many NaN/inf optimizer steps in a row (each is skipped)",
                                    "train")
+    aux_loss_coef: float = opt(0.0, "Mixture-of-experts models (Mixtral, Qwen2-MoE, ...): add the router "
+                               "load-balancing loss of the training forwards, times this, to the loss (0: off)",
+                               "train")
     seed: int = opt(42, "Random seed (data order, sampling, initialisation)", "train")
 
     def check_ring(self) -> None:
@@ -138,6 +142,13 @@ class OptimOptions:
         for name, value in (("--ring-attn-size", self.ring_attn_size), ("--ring-head-stride", self.ring_head_stride)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a whole number of at least 1; got {value}")
+
+    def check_aux_loss_coef(self) -> None:
+        if not (self.aux_loss_coef >= 0 and math.isfinite(self.aux_loss_coef)):
+            raise ConfigError(f"--aux-loss-coef must be a finite number >= 0 (0: off); got {self.aux_loss_coef}")
+        if self.aux_loss_coef and self.ring_attn_size > 1:
+            raise ConfigError("--aux-loss-coef does not work with --ring-attn-size yet (each rank of the ring routes "
+                              "a slice of every sequence, and the load-balancing loss needs the whole); drop one")
 
 
 @dataclass(kw_only=True)

@@ -72,6 +72,9 @@ class RunPlan:
             plan.component_config(slot)
         plan.reward_shapings(plugins)
         plan.check_model_refs(plugins)
+        from rlhf.runtime.router_aux import check_routes
+
+        check_routes(config.aux_loss_coef, config.model, trust_remote_code=config.trust_remote_code)
         return plan
 
     def check_model_refs(self, plugins: PluginSet) -> None:

@@ -26,6 +26,7 @@ from rlhf.fastpaths.packing import is_packed
 from rlhf.fastpaths.ring_attention import forward_model
 from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes, shared_token_logprobs
 from rlhf.runtime.micro_batches import MicroBatch, minibatches, my_rows, plan_micro_batches
+from rlhf.runtime.router_aux import RouterAux
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.trained import TrainedModel
 from rlhf.runtime.weighted_means import WeightedMeans
@@ -199,9 +200,10 @@ class PolicyWorker(_TrainedWorker):
     """Computes the policy's log-probs and runs its PPO-style updates (`PolicyRole`)."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, settings: UpdateSettings, training_loss: PolicyTrainingLoss,
-                 dist: DistContext = SINGLE):
+                 dist: DistContext = SINGLE, router_aux: RouterAux | None = None):
         super().__init__(model, backend, settings, dist)
         self.training_loss = training_loss
+        self.router_aux = router_aux  # --aux-loss-coef: the MoE router loss of the training forwards
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
@@ -216,18 +218,29 @@ class PolicyWorker(_TrainedWorker):
     def fit(self, batch: ExperienceBatch, *, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO epochs over shuffled minibatches; one optimizer step per minibatch (`_fit`).
         ``batch.old_logprobs`` None means on-policy: old = current (detached), ratio 1.
-        ``kl_coef``: this step's β of the KL term when adaptive (default: the objective's)."""
-        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef), share=True,
-                            trained_rows=self.training_loss.trained_rows)
+        ``kl_coef``: this step's β of the KL term when adaptive (default: the objective's).
+        With ``--aux-loss-coef`` every row trains (a row with nothing to add to the policy loss
+        still routes tokens) and prompts are not shared (the shared forwards return no router
+        logits over the real tokens)."""
+        plain = self.router_aux is None
+        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef), share=plain,
+                            trained_rows=self.training_loss.trained_rows if plain else None)
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
     def _micro_loss(self, micro: MicroBatch, norm: LossNorm,
                     kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any], float]:
-        logprobs, entropy = micro_logprobs(self._packed(self.train_model), micro,
-                                           temperature=self.training_loss.temperature,
-                                           with_entropy=self.training_loss.needs_entropy)  # (b, A), (b, A) or None
-        loss, metrics = self.training_loss(logprobs, micro.batch, norm, entropy=entropy, kl_coef=kl_coef)
-        return loss, metrics, float(micro.batch.loss_mask.sum())
+        def policy_loss() -> tuple[torch.Tensor, dict[str, Any]]:
+            logprobs, entropy = micro_logprobs(self._packed(self.train_model), micro,
+                                               temperature=self.training_loss.temperature,
+                                               with_entropy=self.training_loss.needs_entropy)  # (b, A), (b, A)|None
+            return self.training_loss(logprobs, micro.batch, norm, entropy=entropy, kl_coef=kl_coef)
+
+        tokens = float(micro.batch.loss_mask.sum())
+        if self.router_aux is None:
+            loss, metrics = policy_loss()
+        else:  # the loss is this micro-batch's share of the step's: so is its router loss (its loss tokens')
+            loss, metrics = self.router_aux.added(policy_loss, share=tokens / norm.num_tokens)
+        return loss, metrics, tokens
 
 
 class CriticWorker(_TrainedWorker):

@@ -125,3 +125,57 @@ def install(monkeypatch, version: str = "0.11.0") -> types.ModuleType:
     FakeLLM.instances = []
     FakeLLM.script = staticmethod(echo_script)
     return module
+
+
+class MoENameLoader:
+    """How vLLM's Mixtral and Qwen2-MoE ``load_weights`` route checkpoint names to their parameters,
+    written from vLLM's model files (``vllm/model_executor/models/mixtral.py``, ``qwen2_moe.py``):
+    q/k/v go into the fused ``qkv_proj`` (and Qwen2-MoE's shared expert's gate/up into its
+    ``gate_up_proj``); an expert's tensors ``experts.{e}.{gate}.``, ``{up}.``, ``{down}.`` (Mixtral:
+    w1, w3, w2; Qwen2-MoE: gate_proj, up_proj, down_proj) go into the layer's fused ``experts.w13_``
+    and ``experts.w2_`` parameters (``FusedMoE.make_expert_params_mapping``) as shard of expert e;
+    anything else must be one of the model's own parameter names. ``load(names)`` returns the
+    (parameter, shard) pairs loaded and raises KeyError for a name vLLM's model would not find."""
+
+    def __init__(self, model_type: str, layers: int, experts: int, *, tied: bool = False):
+        self.model_type = model_type
+        if model_type == "mixtral":
+            block, self.expert_names, extra = "block_sparse_moe", ("w1", "w3", "w2"), []
+        else:
+            block, self.expert_names = "mlp", ("gate_proj", "up_proj", "down_proj")
+            extra = ["mlp.shared_expert.gate_up_proj.weight", "mlp.shared_expert.down_proj.weight",
+                     "mlp.shared_expert_gate.weight", "self_attn.qkv_proj.bias"]
+        per_layer = ["self_attn.qkv_proj.weight", "self_attn.o_proj.weight", f"{block}.gate.weight",
+                     f"{block}.experts.w13_weight", f"{block}.experts.w2_weight", "input_layernorm.weight",
+                     "post_attention_layernorm.weight", *extra]
+        self.params = {"model.embed_tokens.weight", "model.norm.weight", *(() if tied else ("lm_head.weight",))}
+        self.params |= {f"model.layers.{i}.{name}" for i in range(layers) for name in per_layer}
+        gate, up, down = self.expert_names
+        self.expert_mapping = [("experts.w13_" if name in (gate, up) else "experts.w2_", f"experts.{e}.{name}.", e, name)
+                               for e in range(experts) for name in (gate, down, up)]
+        self.stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v")]
+        if model_type != "mixtral":
+            self.stacked += [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+
+    def load(self, names: list[str]) -> list[tuple[str, Any]]:
+        loaded = []
+        for name in names:
+            for param, weight, shard in self.stacked:
+                if weight not in name or "mlp.experts" in name:  # experts are handled below, as vLLM does
+                    continue
+                loaded.append((self._param(name.replace(weight, param)), shard))
+                break
+            else:
+                for param, weight, expert, shard in self.expert_mapping:
+                    if weight not in name:
+                        continue
+                    loaded.append((self._param(name.replace(weight, param)), (expert, shard)))
+                    break
+                else:
+                    loaded.append((self._param(name), None))
+        return loaded
+
+    def _param(self, name: str) -> str:
+        if name not in self.params:
+            raise KeyError(f"vLLM's {self.model_type} model has no parameter {name}")
+        return name

@@ -292,7 +292,7 @@ class VLLMEngine:
         """Push weights to vLLM: the policy module's (``state`` None: LoRA merged, ZeRO-3 gathered)
         or those of ``state`` (full weights under the policy's names). Afterwards the engine counts
         itself in sync with the policy module as it is now."""
-        named = policy_weights(self.model) if state is None else map_state_dict(state)
+        named = policy_weights(self.model) if state is None else map_state_dict(state, self.model)
         self._push(bucket_by_bytes(named, max(1, int(self.config.sync_bucket_mb * 2**20))))
 
     def load_weights_from_group(self, group: Any, *, src: int = 0) -> None:

@@ -12,27 +12,34 @@ weights under its checkpoint names:
   layer's name without ``base_layer``; adapter tensors (``lora_A``, ``lora_B``) are not sent;
 * peft ``modules_to_save`` copies are sent under the wrapped module's name (the active copy);
 * DeepSpeed ZeRO-3 parameters are gathered one module at a time (a collective: every rank
-  of the policy must sync) and copied out before their partition is released.
+  of the policy must sync) and copied out before their partition is released;
+* a model that transformers (5.x) holds in another layout than its checkpoint is sent in the
+  checkpoint's (`checkpoint_layout`): a mixture-of-experts layer's experts, fused into
+  ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I), go out as one
+  matrix per expert (Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, Qwen2-MoE's
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``), which is what vLLM's ``load_weights``
+  maps onto its fused experts. The reversal is transformers' own, the one ``save_pretrained`` runs.
 
 Tensors travel in buckets of bounded bytes (`bucket_by_bytes`), so a sync never holds more
 than one bucket of merged or gathered copies. `send_weights`/`receive_weights` move the same
 buckets over an already initialised ``torch.distributed`` group, for an engine in another
 process than the trainer (not exercised on a GPU yet).
 
-Deviations: mixture-of-experts models whose transformers module layout differs from their
-checkpoint (transformers 5 fuses some expert weights) and quantized policies (QLoRA's 4-bit
-base) are not mapped; DoRA adapters are refused.
+Deviations: quantized policies (QLoRA's 4-bit base) are not mapped; DoRA adapters are refused;
+LoRA adapters on fused expert tensors are not merged.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from rlhf.core.errors import ConfigError
+from rlhf.core.modeling import innermost
 
 Named = tuple[str, torch.Tensor]
 
@@ -68,21 +75,53 @@ def vllm_weight_name(name: str) -> str | None:
     return ".".join(parts)
 
 
-def map_state_dict(state: dict[str, torch.Tensor]) -> Iterator[Named]:
-    """``(vLLM name, tensor)`` for each entry of a state dict, in its order."""
-    for name, tensor in state.items():
-        mapped = vllm_weight_name(name)
-        if mapped is not None:
-            yield mapped, tensor.detach()
+def map_state_dict(state: dict[str, torch.Tensor], model: torch.nn.Module | None = None) -> Iterator[Named]:
+    """``(vLLM name, tensor)`` for each entry of a state dict, in its order; in the checkpoint
+    layout of ``model`` (the module the state dict belongs to) when given (`checkpoint_layout`)."""
+    named = ((vllm_weight_name(name), tensor.detach()) for name, tensor in state.items())
+    named = ((name, tensor) for name, tensor in named if name is not None)
+    return checkpoint_layout(model, named) if model is not None else named
 
 
 def policy_weights(model: torch.nn.Module) -> Iterator[Named]:
     """``(vLLM name, tensor)`` for every weight of the policy module, LoRA layers merged, each
-    parameter once (tied weights: the first name, like ``named_parameters``), in module order."""
-    for name, tensor in _walk(model, "", set()):
-        mapped = vllm_weight_name(name)
-        if mapped is not None:
-            yield mapped, tensor
+    parameter once (tied weights: the first name, like ``named_parameters``), in module order,
+    in the checkpoint's layout (`checkpoint_layout`)."""
+    named = ((vllm_weight_name(name), tensor) for name, tensor in _walk(model, "", set()))
+    return checkpoint_layout(model, ((name, tensor) for name, tensor in named if name is not None))
+
+
+def checkpoint_layout(model: torch.nn.Module, named: Iterable[Named]) -> Iterator[Named]:
+    """``named`` (checkpoint names of ``model``'s tensors, a module's tensors together) as its
+    checkpoint holds them. transformers 5 loads some checkpoints into another layout (a MoE
+    layer's experts fused into 3D tensors, Mixtral's ``block_sparse_moe`` renamed ``mlp``) and
+    ``save_pretrained`` reverts it; so does this, one module's tensors at a time. Models that
+    keep their checkpoint's layout (and every model under transformers 4) pass unchanged."""
+    revert = _layout_reverter(innermost(model))
+    if revert is None:
+        yield from named
+        return
+    for _, group in itertools.groupby(named, key=lambda item: item[0].rpartition(".")[0]):
+        yield from revert(dict(group)).items()
+
+
+def _layout_reverter(model: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+    """transformers' ``revert_weight_conversion`` for ``model``, or None when it converts nothing."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+    except ImportError:  # transformers 4: modules are laid out as their checkpoints
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # built, not loaded: transformers' default conversions of the model type
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    if not conversions:
+        return None
+    return lambda state: revert_weight_conversion(model, state)
 
 
 def _walk(module: torch.nn.Module, prefix: str, seen: set[int]) -> Iterator[Named]:

@@ -66,3 +66,4 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
         if self.save_best and not self.eval_data:
             raise ConfigError("--save-best needs --eval-data to score the model on")
         best_metric(self.save_best)
+        self.check_aux_loss_coef()

@@ -26,6 +26,7 @@ from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.fit.text import TextFormatter
 from rlhf.runtime.prompt_format import PromptFormat
 from rlhf.runtime.lifecycle import seed_everything, start_run
+from rlhf.runtime.router_aux import RouterAux
 from rlhf.runtime.trained import TrainedModel
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,14 @@ def build_parts(plan: FitPlan, dist: DistContext = SINGLE) -> tuple[FitParts, Fi
         check_ring_model(model, dist.ring.head_stride)
     backend = plan.choices["backend"].load()(model, plan.component_config("backend"))
     trained = TrainedModel(model, backend, dist)
+    router_aux = RouterAux.attach(model, config.aux_loss_coef, config.model)
     reference = adapter.load(config.model, role="reference") if plan.needs_reference else None
     teacher = adapter.load(config.teacher, role="reference") if plan.needs_teacher else None
     parts = FitParts(objective=objective, trained=trained, reference=reference, teacher=teacher,
                  train_examples=train_examples, eval_examples=eval_examples, pad_token_id=tokenizer.pad_token_id,
                  export=lambda out_dir, extra: export_model(adapter, tokenizer, trained, out_dir, dist,
                                                        prompt_format=PromptFormat.of(config), config_entries=extra),
-                 dist=dist)
+                 dist=dist, router_aux=router_aux)
     return parts, plan
 
 

@@ -43,6 +43,7 @@ from rlhf.runtime.fit.data import StepOrder
 from rlhf.runtime.fit.plan import FitPlan
 from rlhf.runtime.lifecycle import SteppedLoop, run_loop
 from rlhf.runtime.model_card import model_card
+from rlhf.runtime.router_aux import RouterAux
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.weighted_means import WeightedMeans, sum_over_ranks
@@ -66,6 +67,7 @@ class FitParts:
     pad_token_id: int
     export: Callable[[Path, dict[str, Any]], None]  # (directory, config.json entries); called on every rank
     dist: DistContext = SINGLE
+    router_aux: RouterAux | None = None  # --aux-loss-coef: the MoE router loss of the training forwards
 
 
 class FitLoop(SteppedLoop):
@@ -84,12 +86,15 @@ class FitLoop(SteppedLoop):
     @property
     def models(self) -> FitModels:
         """The models as the objective's training forwards call them (packed with ``--packing``, over
-        the ring with ``--ring-attn-size``)."""
+        the ring with ``--ring-attn-size``). Prefix sharing steps aside under ``--aux-loss-coef``:
+        its forwards take a 4D mask or are hand-written, and return no router logits over the real
+        tokens."""
         ring, packing = self.dist.ring, self.config.packing
         models = tuple(forward_model(m, packing=packing, ring=ring) if m is not None else None
                        for m in (self.trained.train_model, self.parts.reference, self.parts.teacher))
         return FitModels(model=models[0], reference=models[1], teacher=models[2],
-                         share_prompt=self.config.share_prompt and not packing and ring is None)
+                         share_prompt=self.config.share_prompt and not packing and ring is None
+                         and self.parts.router_aux is None)
 
     # --- the run --------------------------------------------------------------------------------
 
@@ -135,8 +140,10 @@ class FitLoop(SteppedLoop):
         trained.model.train()
 
         def share(batch: dict[str, Any], batch_units: float) -> tuple[torch.Tensor, dict[str, Any], float]:
-            """A micro-batch's share of the step loss: its mean loss scaled by its share of the units."""
-            loss, metrics = self.objective.loss(self.models, batch, stats)
+            """A micro-batch's share of the step loss: its mean loss (plus C times its router loss with
+            ``--aux-loss-coef``) scaled by its share of the units."""
+            loss, metrics = (self.objective.loss(self.models, batch, stats) if self.parts.router_aux is None else
+                             self.parts.router_aux.added(lambda: self.objective.loss(self.models, batch, stats)))
             return (loss * (batch_units / step_units) if step_units > 0 else loss * 0.0), metrics, batch_units
 
         trained.optimizer_step([lambda batch=batch, batch_units=batch_units: share(batch, batch_units)

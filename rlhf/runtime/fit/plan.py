@@ -55,6 +55,9 @@ class FitPlan:
             from rlhf.core.hub import check_model_option
 
             check_model_option(config.teacher, "--teacher")  # before any model loads
+        from rlhf.runtime.router_aux import check_routes
+
+        check_routes(config.aux_loss_coef, config.model, trust_remote_code=config.trust_remote_code)
         roles = plan.choices["model_adapter"].capabilities.get("roles", ())
         wanted = ["reward" if head == "score" else "policy"] + (["reference"] if plan.needs_reference else [])
         missing = [role for role in wanted if role not in roles]
