@@ -4,6 +4,7 @@ either side, and environments of a batch stepping concurrently."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -163,11 +164,14 @@ class SlowToolEnv:
 def test_environments_of_a_batch_step_concurrently(tiny_model_dir, task, tmp_path):
     (tmp_path / "slow_env.py").write_text(SLOW_ENV)
     out = tmp_path / "run"
+    executor_default = min(32, (os.cpu_count() or 1) + 4)  # what asyncio's default executor would run at once
+    n_samples = (executor_default + 5) // 2
     train(small_config(tiny_model_dir, task, out, steps=1, env=f"{tmp_path / 'slow_env.py'}:SlowToolEnv",
-                       reward=[], prompts_per_step=2, n_samples=3), plugins=build_plugin_manager())
-    # each step reports the most tool calls in flight so far: several ran at once
+                       reward=[], prompts_per_step=2, n_samples=n_samples, micro_batch_size=2 * n_samples),
+          plugins=build_plugin_manager())
+    # each step reports the most tool calls in flight so far: more ran at once than the default executor has threads
     rewards = [s["reward"] for s in read_jsonl(out / "samples.jsonl")]
-    assert max(rewards) > 1, rewards
+    assert max(rewards) > executor_default, rewards
 
 
 # A reward that holds its first call until a second one has started: the test finishes only if the
