@@ -117,9 +117,10 @@ def test_an_error_in_training_stops_the_producer(tiny_model_dir, task, tmp_path,
     assert _no_producer_left()
 
 
-def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task, tmp_path):
+@pytest.mark.parametrize("filtered", [True, False], ids=["one-batch-at-a-time", "pipelined"])
+def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task, tmp_path, filtered):
     options = dict(async_rollout=True, max_staleness=1, eval_data=[str(task / "data.jsonl")], eval_max_samples=2,
-                   eval_every=2, filter_groups=True, max_filter_rounds=3)
+                   eval_every=2, **(dict(filter_groups=True, max_filter_rounds=3) if filtered else {}))
     first = _run(tiny_model_dir, task, tmp_path / "a", **options)
     second = _run(tiny_model_dir, task, tmp_path / "b", **options)
     timing = ("time/", "throughput/", "async/wait", "async/idle")
