@@ -35,7 +35,7 @@ from rlhf.rewards.failures import RewardConfigError
 from rlhf.rewards.options import RewardOptions
 from rlhf.rewards.returns import BadReturn, batched_return, sample_return, to_number
 from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
-from rlhf.rewards.threads import run_in_thread, run_sync
+from rlhf.rewards.threads import CallLimit, run_in_thread, run_sync
 
 BATCH_MARKERS = ("prompts", "completions", "labels", "queries")
 SAMPLE_MARKERS = ("prompt", "completion", "label", "query", "solution_str", "ground_truth")
@@ -116,6 +116,7 @@ class FunctionSource(RewardSource):
         super().__init__(name, where, options)
         self.fn = fn
         self.plan = plan_call(fn, where, batched=batched, is_async=is_async)
+        self.limit = CallLimit(self.options.async_concurrency)  # calls in flight, over every batch being scored
 
     @property
     def inline(self) -> bool:
@@ -201,10 +202,8 @@ class FunctionSource(RewardSource):
 
     async def _ascore(self, batch: RewardBatch) -> SourceOutput:
         calls = self.calls(batch)
-        limit = asyncio.Semaphore(self.options.async_concurrency)
-
         async def one(args: list, kwargs: dict) -> Any:
-            async with limit:
+            async with self.limit:
                 try:
                     return _Ok(await self._call_async(args, kwargs))
                 except Exception as exc:  # noqa: BLE001 - asyncio.TimeoutError included

@@ -28,6 +28,7 @@ from rlhf.rewards.failures import RewardConfigError, excerpt
 from rlhf.rewards.options import DEFAULT_TOKEN_ENV, RewardOptions
 from rlhf.rewards.returns import BadReturn, batched_return, to_number
 from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
+from rlhf.rewards.threads import CallLimit
 
 
 def read_token(token_env: str | None, flag: str = "--reward-token-env") -> str | None:
@@ -75,6 +76,7 @@ class HttpSource(RewardSource):
 
     def __init__(self, urls: list[str], name: str, options: RewardOptions | None = None):
         super().__init__(name, ", ".join(urls), options)
+        self.limit = CallLimit(self.options.concurrency)  # requests in flight, over every batch being scored
         self.urls = list(urls)
         self.token = read_token(self.options.token_env)
         self._turn = itertools.count()  # round-robin position over the URLs
@@ -87,7 +89,7 @@ class HttpSource(RewardSource):
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        limit = asyncio.Semaphore(self.options.concurrency)
+        limit = self.limit
         timeout = aiohttp.ClientTimeout(total=self.options.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
             results = await asyncio.gather(*(self._post(session, limit, batch, chunk) for chunk in chunks))
@@ -96,7 +98,7 @@ class HttpSource(RewardSource):
             self._merge(output, batch, chunk, result)
         return output
 
-    async def _post(self, session: Any, limit: asyncio.Semaphore, batch: RewardBatch, chunk: list[int]) -> Any:
+    async def _post(self, session: Any, limit: CallLimit, batch: RewardBatch, chunk: list[int]) -> Any:
         """One batch of samples, with retries; returns the parsed response or a (reason, message) pair."""
         import aiohttp
 

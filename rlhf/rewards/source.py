@@ -8,10 +8,14 @@ function, HTTP and reward-model sources.
 Threading: the sync API (``score``) runs *inline* sources (sync functions, reward models) in the
 calling thread, and the others (HTTP, async functions) on an event loop in a background thread;
 the async API (``ascore``) runs everything on the caller's loop, inline sources in worker threads.
+Several threads may score at once (a pipelined ``--async`` run scores the batches of several
+steps together): the sync API still calls an inline source from one thread at a time, and each
+source's concurrency option bounds its calls in flight over every batch (`CallLimit`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -118,6 +122,9 @@ class RewardSource:
         self.where = where
         self.options = options or RewardOptions()
         self._reported: set[str] = set()  # sources whose first failure was logged
+        # the sync API calls an inline source from one thread at a time, however many batches are
+        # scored at once (a pipelined --async run): a plain function need not be thread-safe
+        self._inline_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} ({self.where})>"
@@ -152,7 +159,8 @@ class RewardSource:
 
     def score_batch(self, batch: RewardBatch) -> SourceOutput:
         if self.inline:
-            return self._check(self._score_inline(batch), batch)
+            with self._inline_lock:
+                return self._check(self._score_inline(batch), batch)
         return start_in_background(lambda: self.ascore_batch(batch)).result()
 
     async def ascore_batch(self, batch: RewardBatch) -> SourceOutput:

@@ -20,6 +20,59 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+class CallLimit:
+    """At most ``size`` holders at once across threads and event loops (``async with limit:``).
+
+    An ``asyncio.Semaphore`` belongs to one loop, and every sync ``score`` call runs its own loop:
+    a pipelined run (``--async``, docs/async.md) scores several batches at once, each on its loop,
+    and this keeps a source's calls in flight within its concurrency option over all of them.
+    Waiters are served first come, first served."""
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"a call limit must be >= 1, got {size}")
+        self.size, self.held = size, 0
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self.held < self.size and not self._waiters:
+                self.held += 1
+                return
+            granted: asyncio.Future = loop.create_future()
+            self._waiters.append((loop, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            with self._lock:
+                if (loop, granted) in self._waiters:
+                    self._waiters.remove((loop, granted))
+                    raise
+            self._release()  # granted while being cancelled: hand the slot on
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            while self._waiters:
+                loop, granted = self._waiters.pop(0)
+                try:
+                    loop.call_soon_threadsafe(_grant, granted)  # the slot passes to it: `held` stays
+                    return
+                except RuntimeError:  # that loop has closed: nobody waits there any more
+                    continue
+            self.held -= 1
+
+
+def _grant(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class ThreadsExhausted(RuntimeError):
     """Every thread slot is held by an abandoned call that has not returned."""
 

@@ -11,6 +11,7 @@ tokens carry loss mask 1, so environment text never enters the policy loss.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -28,6 +29,9 @@ from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.types import Trajectory
 
 log = logging.getLogger(__name__)
+
+
+MAX_ENV_THREADS = 256  # blocking environment calls in flight at once, per rollout batch
 
 
 @dataclass(kw_only=True)
@@ -138,8 +142,7 @@ class RolloutWorker:
             asyncio.get_running_loop()
         except RuntimeError:
             return asyncio.run(self._rollout(prompts, n, params))
-        import concurrent.futures  # called from inside an event loop (a notebook): run ours in a thread
-
+        # called from inside an event loop (a notebook): run ours in a thread
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(asyncio.run, self._rollout(prompts, n, params)).result()
 
@@ -158,6 +161,10 @@ class RolloutWorker:
 
     async def _rollout(self, prompts: list[Any], n: int, params: SamplingParams) -> list[Trajectory]:
         episodes = [self._start(item, group, params) for group, item in enumerate(prompts) for _ in range(n)]
+        # A blocking environment call runs on the loop's default executor, whose few threads (cores + 4)
+        # would queue a batch's slow tool calls: a thread per trajectory, up to a cap, instead.
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, min(len(episodes), MAX_ENV_THREADS)), thread_name_prefix="rlhf-env"))
         try:
             await self._timed(episodes, [e.env.reset(e.item.prompt, e.label, e.item.columns) for e in episodes],
                               self._after_reset)

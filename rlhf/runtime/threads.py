@@ -196,3 +196,18 @@ def adjust_threads() -> None:
     """Between steps: follow the load (after ``set_threads("auto")``; otherwise nothing)."""
     if _governor is not None:
         _governor.adjust()
+
+
+def split_threads(total: int, staleness: int) -> tuple[int, int]:
+    """``--async``'s torch threads: ``(producer, trainer)`` out of the run's ``total``.
+
+    With staleness 0 the two sides take turns (the producer waits for every step), so each gets the
+    whole count, as in a synchronous run (whose bits it reproduces). Otherwise they run at once:
+    the producer gets half (at least one) and the trainer the rest, so together they use the
+    run's count, not twice it; with a count of one each side keeps one (two in all, which the
+    default count, half the cores, leaves room for). Set per thread: OpenMP's count is
+    per calling thread, and a thread that never sets it uses one per core, beside the trainer's."""
+    if staleness == 0 or total <= 1:
+        return total, total
+    producer = total // 2
+    return producer, total - producer

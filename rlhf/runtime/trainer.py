@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from rlhf.core.plugins import PluginSet
 from rlhf.core.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, RolloutRole
 from rlhf.core.rollout import SamplingParams
 from rlhf.core.types import RunInfo, Trajectory
-from rlhf.runtime.async_generation import AsyncGeneration, AsyncParts, Prepared
+from rlhf.runtime.async_generation import AsyncGeneration, AsyncParts, PipelineStages, Prepared, Rolled
 from rlhf.runtime.best_model import BestModel
 from rlhf.runtime.data import PromptLoader
 from rlhf.runtime.evaluation import Evaluator
@@ -42,6 +43,7 @@ from rlhf.runtime.model_card import model_card
 from rlhf.runtime.progress import RL_FIELDS
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.step_metrics import merge_round_metrics, sequence_kl, step_metrics
+from rlhf.runtime.threads import split_threads
 from rlhf.runtime.trained import check_nonfinite_limit
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,7 @@ class Trainer(SteppedLoop):
         self.evaluator = self._evaluator()
         self.best_model = BestModel(self.config.save_best)  # --save-best
         self.last_eval: dict[str, float] = {}
+        self.hooks_lock = threading.RLock()
         self.async_generation = self._async_generation() if self.config.async_rollout else None
         # async: eval samples from a stream of its own, so the producer's stays deterministic
         self.eval_stream: dict[str, Any] = {"rng": None}
@@ -200,6 +203,11 @@ class Trainer(SteppedLoop):
         ``on_rewards`` event, then collated. ``rollout``: the trainer's, or (--async) the producer's."""
         timer = timer or Timer()
         trajectories, reward_metrics = self._collect(step, run, timer, rollout)
+        return self._collated(step, run, trajectories, reward_metrics, timer)
+
+    def _collated(self, step: int, run: RunInfo, trajectories: list[Trajectory], reward_metrics: dict[str, float],
+                  timer: Timer) -> Prepared:
+        """The scored batch of a step as tensors, after the ``on_rewards`` event."""
         with timer("experience"):
             rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajectories],
                                    dtype=torch.float32)  # (B,)
@@ -214,7 +222,7 @@ class Trainer(SteppedLoop):
                  rollout: RolloutRole) -> tuple[list[Trajectory], dict[str, float]]:
         """Sample, score and shape ``--prompts-per-step`` prompt groups; with a sample filter, drop the
         groups it rejects and sample new prompts until enough are kept (``--max-filter-rounds``)."""
-        config, w, n = self.config, self.workers, self.config.n_samples
+        config, n = self.config, self.config.n_samples
         wanted = config.prompts_per_step
         kept: list[list[Trajectory]] = []
         rounds = dropped = sampled = 0
@@ -225,9 +233,7 @@ class Trainer(SteppedLoop):
             need = wanted - len(kept)
             need += -need % self.dist.dp_size  # every data-parallel rank generates the same number of prompts
             with timer("rollout"):
-                prompts = w.loader.next_batch(need)  # the same on every rank
-                local = rollout.generate(self.dist.shard(prompts), n=n, params=self.sampling)
-                trajectories = self._gather(local, len(prompts))
+                trajectories = self._roll(need, rollout)
             with timer("reward"):
                 trajectories, keep, round_metrics = self._score(step, run, trajectories)
             groups = [trajectories[i:i + n] for i in range(0, len(trajectories), n)]
@@ -236,6 +242,19 @@ class Trainer(SteppedLoop):
             metrics.append((round_metrics, len(trajectories)))
             kept += [g for g, k in zip(groups, keep) if k]
             last = groups
+        return self._kept(step, kept, last, rounds=rounds, sampled=sampled, dropped=dropped, metrics=metrics)
+
+    def _roll(self, need: int, rollout: RolloutRole) -> list[Trajectory]:
+        """``need`` prompts' groups sampled (split over the ranks), in prompt order."""
+        prompts = self.workers.loader.next_batch(need)  # the same on every rank
+        local = rollout.generate(self.dist.shard(prompts), n=self.config.n_samples, params=self.sampling)
+        return self._gather(local, len(prompts))
+
+    def _kept(self, step: int, kept: list[list[Trajectory]], last: list[list[Trajectory]], *, rounds: int,
+              sampled: int, dropped: int, metrics: list[tuple[dict[str, float], int]]
+              ) -> tuple[list[Trajectory], dict[str, float]]:
+        """The groups a step trains on, renumbered, and the rounds' reward (and filter) metrics."""
+        wanted = self.config.prompts_per_step
         if self.plan.filters_groups:
             if not kept:
                 log.warning("step %d: no prompt group passed the sample filter in %d rounds; training on the last "
@@ -281,31 +300,35 @@ class Trainer(SteppedLoop):
         per prompt group. Every rank gets ``(trajectories, keep (one bool per group), metrics)``."""
         if self.dist.is_main:
             self._emit("on_rollout_end", run=run, step=step, trajectories=trajectories)
-            result = self.workers.reward.score(trajectories)
-            result.assign(trajectories)
-            metrics = dict(result.metrics)
-            totals = [t.reward for t in trajectories]
-            for name, shaping, shaping_config in self.shapings:
-                totals, shaping_metrics = shaping(trajectories, totals, shaping_config)
-                if len(totals) != len(trajectories):
-                    raise RlhfError(f"reward shaping {name!r} returned {len(totals)} rewards for "
-                                    f"{len(trajectories)} trajectories")
-                metrics.update(shaping_metrics)
-            for trajectory, total in zip(trajectories, totals):
-                trajectory.reward = None if total is None else float(total)
-            n = self.config.n_samples
-            groups = [trajectories[i:i + n] for i in range(0, len(trajectories), n)]
-            keep = [True] * len(groups)
-            if self.sample_filter is not None:
-                sample_filter, filter_config = self.sample_filter
-                keep = [bool(k) for k in sample_filter(groups, filter_config)]
-                if len(keep) != len(groups):
-                    raise RlhfError(f"sample filter {self.plan.choices['sample_filter'].name!r} returned {len(keep)} "
-                                    f"flags for {len(groups)} prompt groups")
-            scored = (trajectories, keep, metrics)
+            scored = self._judge(trajectories, self.workers.reward.score(trajectories))
         else:
             scored = None
         return self.dist.broadcast(scored) if self.dist.active else scored
+
+    def _judge(self, trajectories: list[Trajectory], result: Any) -> tuple[Any, ...]:
+        """The reward sources' result written into the trajectories, shaped, and the sample filter's
+        verdict per prompt group: ``(trajectories, keep, metrics)``."""
+        result.assign(trajectories)
+        metrics = dict(result.metrics)
+        totals = [t.reward for t in trajectories]
+        for name, shaping, shaping_config in self.shapings:
+            totals, shaping_metrics = shaping(trajectories, totals, shaping_config)
+            if len(totals) != len(trajectories):
+                raise RlhfError(f"reward shaping {name!r} returned {len(totals)} rewards for "
+                                f"{len(trajectories)} trajectories")
+            metrics.update(shaping_metrics)
+        for trajectory, total in zip(trajectories, totals):
+            trajectory.reward = None if total is None else float(total)
+        n = self.config.n_samples
+        groups = [trajectories[i:i + n] for i in range(0, len(trajectories), n)]
+        keep = [True] * len(groups)
+        if self.sample_filter is not None:
+            sample_filter, filter_config = self.sample_filter
+            keep = [bool(k) for k in sample_filter(groups, filter_config)]
+            if len(keep) != len(groups):
+                raise RlhfError(f"sample filter {self.plan.choices['sample_filter'].name!r} returned {len(keep)} "
+                                f"flags for {len(groups)} prompt groups")
+        return trajectories, keep, metrics
 
     # --- async ----------------------------------------------------------------------------------
 
@@ -314,9 +337,48 @@ class Trainer(SteppedLoop):
         if parts is None:
             raise RlhfError("--async is not available with this runtime yet: use the local runtime")
         staleness = self.config.max_staleness
+        # A sample filter decides from a batch's rewards whether to sample more prompts for the same
+        # step, so that step's scoring cannot run beside the next step's generation.
+        pipelined = not self.plan.filters_groups and not self.dist.active
+        stages = PipelineStages(rollout=self._pipelined_rollout, score=self._pipelined_score,
+                                finish=self._pipelined_finish) if pipelined else None
         return AsyncGeneration(parts=parts, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
-                               max_staleness=staleness, total_steps=self.total_steps,
-                               pad_token_id=self.workers.pad_token_id)
+                               stages=stages, max_staleness=staleness, total_steps=self.total_steps,
+                               pad_token_id=self.workers.pad_token_id,
+                               threads=split_threads(torch.get_num_threads(), staleness))
+
+    # The pipelined stages (--async without a sample filter): what `_prepare` does, in three parts that
+    # run on three threads; together they give the same batch as `_prepare`, bit for bit.
+
+    def _pipelined_rollout(self, step: int, rollout: RolloutRole) -> Rolled:
+        """Stage 1 (the generation thread, in step order): sample the step's prompt groups."""
+        timer = Timer()
+        with timer("rollout"):
+            trajectories = self._roll(self.config.prompts_per_step, rollout)
+        self._emit("on_rollout_end", run=self._run_info, step=step, trajectories=trajectories)
+        size = len(trajectories)  # tensors for the behaviour log-probs; the rewards come in stage 3
+        batch = collate(trajectories, pad_token_id=self.workers.pad_token_id, rewards=torch.zeros(size),
+                        sample_mask=torch.ones(size))
+        return Rolled(step=step, trajectories=trajectories, batch=batch, seconds=dict(timer.seconds))
+
+    def _pipelined_score(self, rolled: Rolled) -> Any:
+        """Stage 2 (a thread per batch, several batches at once): the reward sources' call."""
+        began = time.perf_counter()
+        result = self.workers.reward.score(rolled.trajectories)
+        rolled.seconds["reward"] = time.perf_counter() - began
+        return result
+
+    def _pipelined_finish(self, rolled: Rolled, result: Any) -> Prepared:
+        """Stage 3 (the finishing thread, in step order): shaping, ``on_rewards``, tensors."""
+        timer = Timer()
+        timer.seconds.update(rolled.seconds)
+        with timer("reward"):
+            trajectories, keep, metrics = self._judge(rolled.trajectories, result)
+        n = self.config.n_samples
+        groups = [trajectories[i:i + n] for i in range(0, len(trajectories), n)]
+        trajectories, merged = self._kept(rolled.step, groups, groups, rounds=1, sampled=len(groups),
+                                          dropped=keep.count(False), metrics=[(metrics, len(trajectories))])
+        return self._collated(rolled.step, self._run_info, trajectories, merged, timer)
 
     # --- eval -----------------------------------------------------------------------------------
 
@@ -372,7 +434,8 @@ class Trainer(SteppedLoop):
 
     def _emit(self, event: str, **kwargs: Any) -> None:
         if self.dist.is_main:
-            self.plugins.emit(event, **kwargs)
+            with self.hooks_lock:  # --async: the pipeline's threads emit too; plugins see one call at a time
+                self.plugins.emit(event, **kwargs)
 
     # --- checkpoints ----------------------------------------------------------------------------
 

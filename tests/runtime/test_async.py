@@ -4,6 +4,7 @@ either side, and environments of a batch stepping concurrently."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -27,7 +28,7 @@ def _samples(out):
 
 
 def _no_producer_left():
-    return not any(t.name == "rlhf-async-generation" for t in threading.enumerate())
+    return not any(t.name.startswith("rlhf-async-") for t in threading.enumerate())
 
 
 def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp_path):
@@ -116,9 +117,10 @@ def test_an_error_in_training_stops_the_producer(tiny_model_dir, task, tmp_path,
     assert _no_producer_left()
 
 
-def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task, tmp_path):
+@pytest.mark.parametrize("filtered", [True, False], ids=["one-batch-at-a-time", "pipelined"])
+def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task, tmp_path, filtered):
     options = dict(async_rollout=True, max_staleness=1, eval_data=[str(task / "data.jsonl")], eval_max_samples=2,
-                   eval_every=2, filter_groups=True, max_filter_rounds=3)
+                   eval_every=2, **(dict(filter_groups=True, max_filter_rounds=3) if filtered else {}))
     first = _run(tiny_model_dir, task, tmp_path / "a", **options)
     second = _run(tiny_model_dir, task, tmp_path / "b", **options)
     timing = ("time/", "throughput/", "async/wait", "async/idle")
@@ -163,8 +165,86 @@ class SlowToolEnv:
 def test_environments_of_a_batch_step_concurrently(tiny_model_dir, task, tmp_path):
     (tmp_path / "slow_env.py").write_text(SLOW_ENV)
     out = tmp_path / "run"
+    executor_default = min(32, (os.cpu_count() or 1) + 4)  # what asyncio's default executor would run at once
+    n_samples = (executor_default + 5) // 2
     train(small_config(tiny_model_dir, task, out, steps=1, env=f"{tmp_path / 'slow_env.py'}:SlowToolEnv",
-                       reward=[], prompts_per_step=2, n_samples=3), plugins=build_plugin_manager())
-    # each step reports the most tool calls in flight so far: several ran at once
+                       reward=[], prompts_per_step=2, n_samples=n_samples, micro_batch_size=2 * n_samples),
+          plugins=build_plugin_manager())
+    # each step reports the most tool calls in flight so far: more ran at once than the default executor has threads
     rewards = [s["reward"] for s in read_jsonl(out / "samples.jsonl")]
-    assert max(rewards) > 1, rewards
+    assert max(rewards) > executor_default, rewards
+
+
+# A reward that holds its first call until a second one has started: the test finishes only if the
+# scoring of one batch overlaps the next ones' (in a run without a pipeline it would wait its 20 s
+# out and record 1). Its other calls take a random time, so batches finish scoring out of order.
+SLOW_REWARD = '''
+import asyncio, random, threading
+from pathlib import Path
+
+LOCK = threading.Lock()
+STATE = {"calls": 0, "now": 0, "most": 0}
+SECOND = threading.Event()
+
+async def slow_reward(completions, labels, **kwargs):
+    with LOCK:
+        index = STATE["calls"]
+        STATE["calls"] += 1
+        STATE["now"] += 1
+        STATE["most"] = max(STATE["most"], STATE["now"])
+    if index == 0:
+        await asyncio.to_thread(SECOND.wait, 20)
+    else:
+        SECOND.set()
+        await asyncio.sleep(random.Random().uniform(0.0, 0.2))  # its own random numbers, never the run's
+    with LOCK:
+        STATE["now"] -= 1
+        Path(__file__).with_suffix(".most").write_text(str(STATE["most"]))
+    return [float(c.strip() == str(label)) + 0.1 * len(c) for c, label in zip(completions, labels)]
+'''
+
+
+def test_pipelined_runs_overlap_rewards_and_stay_deterministic_through_a_resume(tiny_model_dir, task, tmp_path,
+                                                                                   make_plugin):
+    def options(name):  # a reward file per run: module state (the call counter) starts afresh
+        (tmp_path / f"{name}.py").write_text(SLOW_REWARD)
+        return dict(steps=5, save_every=2, async_rollout=True, max_staleness=2, reward=[f"{tmp_path / name}.py:slow_reward"])
+
+    first = _run(tiny_model_dir, task, tmp_path / "a", **options("reward_a"))
+    assert int((tmp_path / "reward_a.most").read_text()) >= 2  # batches scored at once
+    second = _run(tiny_model_dir, task, tmp_path / "b", **options("reward_b"))
+    assert [m["async/staleness_max"] for m in first] == [0, 1, 2, 2, 2]
+    assert [{k: m[k] for k in TRAINING_KEYS} for m in second] == [{k: m[k] for k in TRAINING_KEYS} for m in first]
+    assert _samples(tmp_path / "b") == _samples(tmp_path / "a")
+    for (name, a), b in zip(final_weights(tmp_path / "a").items(), final_weights(tmp_path / "b").values()):
+        assert torch.equal(a, b), name
+
+    def crash(step):
+        if step == 2:
+            raise KeyboardInterrupt  # right after the step-2 checkpoint, with batches 2 and 3 in flight
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_model_dir, task, tmp_path / "c", plugins=plugins, **options("reward_c"))
+    assert _no_producer_left()
+    resumed = _run(tiny_model_dir, task, tmp_path / "c", resume=True, **options("reward_c"))
+    assert [{k: m[k] for k in TRAINING_KEYS} for m in resumed] == [{k: m[k] for k in TRAINING_KEYS} for m in first]
+    assert _samples(tmp_path / "c") == _samples(tmp_path / "a")
+    for (name, a), b in zip(final_weights(tmp_path / "a").items(), final_weights(tmp_path / "c").values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("staleness, producer, trainer", [(0, 2, 2), (1, 1, 1)])
+def test_producer_and_trainer_split_the_threads_when_they_overlap(tiny_model_dir, task, tmp_path, make_plugin,
+                                                                  staleness, producer, trainer):
+    seen = {"rollout": set(), "step": set()}
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("threads_seen",
+                                 on_rollout_end=lambda: seen["rollout"].add(torch.get_num_threads()),  # producer
+                                 on_step_end=lambda: seen["step"].add(torch.get_num_threads())))  # trainer
+    before = torch.get_num_threads()
+    _run(tiny_model_dir, task, tmp_path / "run", plugins=plugins, steps=2, threads=2, async_rollout=True,
+         max_staleness=staleness)
+    assert seen == {"rollout": {producer}, "step": {trainer}}
+    torch.set_num_threads(before)

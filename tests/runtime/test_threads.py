@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rlhf.runtime.threads import SPIN_COUNT, choose_threads, others_load, prepare_openmp
+from rlhf.runtime.threads import SPIN_COUNT, choose_threads, others_load, prepare_openmp, split_threads
 
 
 @pytest.mark.parametrize(("load", "expected"), [
@@ -230,3 +230,9 @@ def test_threads_zero_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
     result = _train(tiny_model_dir, task, tmp_path / "run", plugins, "--threads", "0")
     assert result.exit_code == 2 and "at least 1, or auto" in result.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("total, staleness, expected", [(1, 0, (1, 1)), (4, 0, (4, 4)), (1, 2, (1, 1)),
+                                                         (2, 1, (1, 1)), (3, 1, (1, 2)), (8, 2, (4, 4))])
+def test_async_splits_the_count_only_where_producer_and_trainer_overlap(total, staleness, expected):
+    assert split_threads(total, staleness) == expected
