@@ -90,6 +90,12 @@ AREAS = {
         "rlhf/fastpaths/packing.py", "rlhf/fastpaths/verdicts.py", "rlhf/fastpaths/llama_like.py",
         "rlhf/core/ordered_gather.py", "rlhf/fastpaths/vocab_chunks.py",
     ], RL_TESTS + OFFLINE_TESTS + ["tests/fastpaths/test_transformers_contract.py"]),
+    "parallelism and memory": ([
+        "rlhf/runtime/router_aux.py", "rlhf/fastpaths/ring_attention.py", "rlhf/runtime/weight_broadcast.py",
+        "rlhf/core/offload.py", "rlhf/rewards/threads.py",
+    ], ["tests/models/test_moe_aux_loss.py", "tests/fastpaths/test_ring_attention.py",
+        "tests/runtime/test_weight_broadcast.py", "tests/runtime/test_offload.py", "tests/rewards/test_call_limit.py",
+        "tests/runtime/test_async.py"]),
 }
 TARGETS = [file for files, _ in AREAS.values() for file in files]
 
