@@ -3,6 +3,7 @@ what they share from here, never from each other."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -364,3 +365,31 @@ def tiny_moe(kind: str, *, seed: int = 0, vocab: int = 320, hidden: int = 32, ex
         return MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=experts, **common))
     return Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
                                               shared_expert_intermediate_size=32, num_experts=experts, **common))
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """This process with one torch thread, like an actor with one CPU (the same float sums)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def backend_micro_loss(backend, seed: int):
+    """A next-token loss of the backend's train module on 2 random rows of 12 tokens (seeded)."""
+    import torch
+
+    ids = torch.randint(5, 300, (2, 12), generator=torch.Generator().manual_seed(seed))  # (2, T)
+    logits = backend.train_module(input_ids=ids).logits[:, :-1].float()  # (2, T-1, V)
+    return -torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).sum() / 100
+
+
+def backend_full_weights(model, backend) -> dict[str, Any]:
+    """Every parameter, whole (ZeRO-3 gathers them), as float32 copies."""
+    with backend.full_weights():
+        return {name: p.detach().float().clone() for name, p in model.named_parameters()}

@@ -45,13 +45,50 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class TensorOffload:
+class Offload:
+    """Something moved off its device and back: ``offload`` (idempotent, returns the bytes moved),
+    ``reload``, and ``in_use`` for a block that needs it on the device. Subclasses say what moves
+    (`_move_out`, `_move_back`)."""
+
+    offloaded = False
+
+    def offload(self) -> int:
+        """Move off the device; returns the bytes moved (0 when already away)."""
+        if self.offloaded:
+            return 0
+        moved = self._move_out()
+        self.offloaded = True
+        release_device_memory()
+        return moved
+
+    def reload(self) -> None:
+        """Bring everything back where it came from."""
+        if self.offloaded:
+            self._move_back()
+            self.offloaded = False
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """On the device inside the block, off it before and after."""
+        self.reload()
+        try:
+            yield
+        finally:
+            self.offload()
+
+    def _move_out(self) -> int:
+        raise NotImplementedError
+
+    def _move_back(self) -> None:
+        raise NotImplementedError
+
+
+class TensorOffload(Offload):
     """Tensors moved to host memory and back with their ``.data`` swapped, so every reference to them
     (a module, an optimizer's parameter groups) stays valid."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
         self.tensors = list(tensors)
-        self.offloaded = False
         self._devices: dict[int, torch.device] = {}
 
     def _tensors(self) -> Iterator[torch.Tensor]:
@@ -61,35 +98,17 @@ class TensorOffload:
                 seen.add(id(tensor))
                 yield tensor
 
-    def offload(self) -> int:
-        """Move every tensor off its device; returns the bytes moved."""
-        if self.offloaded:
-            return 0
+    def _move_out(self) -> int:
         moved = 0
         for tensor in self._tensors():
             self._devices[id(tensor)] = tensor.device
             tensor.data = host_copy(tensor.data)
             moved += nbytes(tensor)
-        self.offloaded = True
-        release_device_memory()
         return moved
 
-    def reload(self) -> None:
-        """Bring every tensor back to the device it came from."""
-        if not self.offloaded:
-            return
+    def _move_back(self) -> None:
         for tensor in self._tensors():
             tensor.data = tensor.data.to(self._devices[id(tensor)])
-        self.offloaded = False
-
-    @contextlib.contextmanager
-    def in_use(self) -> Iterator[None]:
-        """The tensors on their device inside the block, off it before and after."""
-        self.reload()
-        try:
-            yield
-        finally:
-            self.offload()
 
 
 class ModuleOffload(TensorOffload):
@@ -101,21 +120,17 @@ class ModuleOffload(TensorOffload):
         super().__init__(list(module.parameters()) + list(module.buffers()))
 
 
-class TrainStateOffload:
+class TrainStateOffload(Offload):
     """An optimizer's state tensors (moments, step counts, master weights: whatever ``optimizer.state``
     holds) and the gradients of ``params`` moved to host memory and back. Gradients are detached from
     their parameters while away (a parameter refuses a gradient on another device)."""
 
     def __init__(self, optimizer: Any, params: Iterable[torch.nn.Parameter]):
         self.optimizer, self.params = optimizer, list(params)
-        self.offloaded = False
         self._state_devices: dict[tuple[int, str], torch.device] = {}
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor, torch.device]] = []
 
-    def offload(self) -> int:
-        """Move the state and gradients off the device; returns the bytes moved."""
-        if self.offloaded:
-            return 0
+    def _move_out(self) -> int:
         moved = 0
         for index, state in enumerate(self.optimizer.state.values()):
             for key, value in state.items():
@@ -128,14 +143,9 @@ class TrainStateOffload:
                 self._grads.append((param, host_copy(param.grad), param.grad.device))
                 moved += nbytes(param.grad)
                 param.grad = None
-        self.offloaded = True
-        release_device_memory()
         return moved
 
-    def reload(self) -> None:
-        """Bring the state and gradients back where they were."""
-        if not self.offloaded:
-            return
+    def _move_back(self) -> None:
         for index, state in enumerate(self.optimizer.state.values()):
             for key, value in state.items():
                 if (index, key) in self._state_devices:
@@ -143,4 +153,3 @@ class TrainStateOffload:
         for param, grad, device in self._grads:
             param.grad = grad.to(device)
         self._state_devices, self._grads = {}, []
-        self.offloaded = False

@@ -24,7 +24,7 @@ import yaml
 
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train
-from tests.helpers import read_jsonl, run_cli
+from tests.helpers import backend_full_weights, backend_micro_loss, read_jsonl, run_cli
 
 pytestmark = pytest.mark.deepspeed
 HERE = Path(__file__).parent
@@ -162,17 +162,6 @@ def make_backend(model_dir, stage, dtype=torch.float32, **options):
                                                           warmup_steps=3, **options))
 
 
-def micro_loss(backend, seed):
-    ids = torch.randint(5, 300, (2, 12), generator=torch.Generator().manual_seed(seed))  # (2, T)
-    logits = backend.train_module(input_ids=ids).logits[:, :-1].float()  # (2, T-1, V)
-    return -torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).sum() / 100
-
-
-def full_weights(model, backend):
-    with backend.full_weights():
-        return {name: p.detach().float().clone() for name, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("stage, dtype", [(0, torch.float32), (1, torch.float32), (2, torch.float32),
                                           (3, torch.float32), (0, torch.bfloat16), (3, torch.bfloat16)])
 def test_zero_grad_drops_a_partial_accumulation_without_a_trace(tiny_model_dir, stage, dtype):
@@ -180,31 +169,31 @@ def test_zero_grad_drops_a_partial_accumulation_without_a_trace(tiny_model_dir, 
     weights, the optimizer and the LR schedule exactly as if those backwards had never run."""
     dropped_model, dropped = make_backend(tiny_model_dir, stage, dtype)
     clean_model, clean = make_backend(tiny_model_dir, stage, dtype)
-    dropped.backward(micro_loss(dropped, 0))
+    dropped.backward(backend_micro_loss(dropped, 0))
     dropped.zero_grad()
     stats = []
     for step_seeds in ((1, 2), (3,)):
         for backend in (dropped, clean):
             for seed in step_seeds:
-                backend.backward(micro_loss(backend, seed))
+                backend.backward(backend_micro_loss(backend, seed))
         stats.append((dropped.step(), clean.step()))
     for got, expected in stats:
         assert got == expected
     assert [s[0]["lr"] for s in stats] == pytest.approx([1e-2 / 3, 2e-2 / 3])  # warmup: steps 1 and 2 of 3
     assert all(s[0]["skipped"] == 0.0 and s[0]["grad_norm"] > 0 for s in stats)
-    got, expected = full_weights(dropped_model, dropped), full_weights(clean_model, clean)
+    got, expected = backend_full_weights(dropped_model, dropped), backend_full_weights(clean_model, clean)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
 
 
 def test_a_nan_gradient_skips_the_step_and_the_schedule(tiny_model_dir):
     model, backend = make_backend(tiny_model_dir, 2)
-    before = full_weights(model, backend)
-    backend.backward(micro_loss(backend, 0) * float("nan"))
+    before = backend_full_weights(model, backend)
+    backend.backward(backend_micro_loss(backend, 0) * float("nan"))
     stats = backend.step()
     assert stats["skipped"] == 1.0 and not torch.isfinite(torch.tensor(stats["grad_norm"]))
-    after = full_weights(model, backend)
+    after = backend_full_weights(model, backend)
     assert all(torch.equal(before[n], after[n]) for n in before)
-    backend.backward(micro_loss(backend, 1))
+    backend.backward(backend_micro_loss(backend, 1))
     assert backend.step()["lr"] == pytest.approx(1e-2 / 3)  # still the first warmup step
 
 

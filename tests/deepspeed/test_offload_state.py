@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import backend_full_weights, backend_micro_loss
+
 pytestmark = pytest.mark.deepspeed
 
 
@@ -18,17 +20,6 @@ def make_backend(model_dir, stage):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     return model, DeepSpeedBackend(model, DeepSpeedConfig(lr=1e-2, zero_stage=stage, micro_batch_size=2))
-
-
-def micro_loss(backend, seed):
-    ids = torch.randint(5, 300, (2, 12), generator=torch.Generator().manual_seed(seed))  # (2, T)
-    logits = backend.train_module(input_ids=ids).logits[:, :-1].float()  # (2, T-1, V)
-    return -torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).sum() / 100
-
-
-def full_weights(model, backend):
-    with backend.full_weights():
-        return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -46,8 +37,8 @@ def test_the_state_set_aside_between_steps_changes_nothing(tiny_model_dir, stage
                     assert backend.engine.optimizer.offloaded_states
                 backend.reload_state()
                 assert stage == 0 or not backend.engine.optimizer.offloaded_states
-            backend.backward(micro_loss(backend, seed))
+            backend.backward(backend_micro_loss(backend, seed))
             stats.append(backend.step())
     assert stats[0::2] == stats[1::2]
-    got, expected = full_weights(*runs[1]), full_weights(*runs[0])
+    got, expected = backend_full_weights(*runs[1]), backend_full_weights(*runs[0])
     assert all(torch.equal(got[name], expected[name]) for name in expected)

@@ -4,7 +4,6 @@ uses, and the run is still the local run without either option."""
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train as local_train
-from tests.helpers import final_weights, read_jsonl
+from tests.helpers import final_weights, one_thread, read_jsonl
 
 pytestmark = pytest.mark.ray
 
@@ -23,17 +22,6 @@ def make_config(model_dir, task, out, **overrides):
                   micro_batch_size=2, steps=3, lr=1e-2, kl_coef=0.1, out=str(out), progress=False, seed=7)
     values.update(overrides)
     return TrainConfig.from_dict(values)
-
-
-@contextlib.contextmanager
-def one_thread():
-    """The local process with one thread, like an actor with one CPU (the same float sums)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_colocated_offloads_reproduce_the_local_run_without_them(ray_cluster, tiny_model_dir, task, tmp_path):

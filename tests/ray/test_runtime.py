@@ -23,7 +23,7 @@ import rlhf
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train as local_train
-from tests.helpers import read_jsonl, write_task
+from tests.helpers import one_thread, read_jsonl, write_task
 from tests.ray.conftest import actor_processes
 
 pytestmark = pytest.mark.ray
@@ -65,17 +65,6 @@ def ray_train(config, plugins=None):
     from rlhf.runtime.ray import train
 
     return train(config, plugins=plugins or build_plugin_manager())
-
-
-@contextlib.contextmanager
-def one_thread():
-    """The local process with one thread, like an actor with a fraction of a CPU (same float sums)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def samples(out):
