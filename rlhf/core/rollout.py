@@ -27,6 +27,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     stop: tuple[str, ...] = ()  # stop strings (multi-turn environments); EOS always stops
     return_logprobs: bool = False  # report the log-prob of each sampled token
+    seed: int | None = None  # a random stream of the request's own (None: the engine's stream)
 
 
 @dataclass(kw_only=True)
@@ -59,3 +60,25 @@ class RolloutEngine(Protocol):
     def load_weights(self, state: Mapping[str, Any] | None = None) -> None:
         """Sample from new weights from now on: the policy module's (``state`` None, what the runtime
         passes) or those of ``state`` (full weights under the policy's parameter names)."""
+
+
+def batches_continuously(engine: Any, params: SamplingParams) -> bool:
+    """Whether ``engine`` batches the requests of a rollout sampled with ``params`` continuously.
+
+    An engine that can has the optional method
+
+        async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation
+
+    which generates one completion of one prompt, batched with every other request in flight
+    from the same event loop: a request joins the running decode batch at its next step and
+    leaves it when it ends, so a multi-turn trajectory's next turn starts as soon as its tool
+    call returns instead of waiting for the turn of the whole batch. ``params.seed`` (the rollout
+    sets one per request) seeds the request's own random stream, so what it samples does not
+    depend on which other requests share its batch (up to the float rounding of a batched
+    forward). It may also define ``continuous_for(params) -> bool`` to decline some rollouts
+    (say, a model its decoder does not support); those go through ``generate`` turn by turn.
+    """
+    if not callable(getattr(engine, "generate_one", None)):
+        return False
+    decide = getattr(engine, "continuous_for", None)
+    return bool(decide(params)) if callable(decide) else True
