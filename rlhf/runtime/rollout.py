@@ -6,6 +6,15 @@ each environment steps on its turn's text, and the observation is appended with 
 An episode ends when the environment says done, the model emits EOS, ``max_turns`` is reached,
 or the trajectory's token budget (prompt + every turn + observations) is spent. Only model
 tokens carry loss mask 1, so environment text never enters the policy loss.
+
+With an engine that batches continuously (`rlhf.core.rollout.batches_continuously`: the ``hf``
+engine's default) a multi-turn rollout runs every trajectory on its own instead: reset, then
+turn after turn, each turn a request of its own that joins the engine's running decode batch,
+so a trajectory whose tool call returns early generates its next turn while slower ones still
+wait. Each request samples from a random stream of its own, seeded from one draw of the
+process's stream per rollout, the trajectory's index and the turn: what a trajectory samples
+does not depend on when the others' tool calls return (up to the float rounding of a forward
+over a different batch).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +35,7 @@ from rlhf.core.environment import AsyncEnv, create_env, route_env
 from rlhf.core.errors import RlhfError
 from rlhf.core.references import resolve
 from rlhf.core.settings import build_component_config
-from rlhf.core.rollout import Generation, SamplingParams
+from rlhf.core.rollout import Generation, SamplingParams, batches_continuously
 from rlhf.core.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -166,6 +176,9 @@ class RolloutWorker:
         asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(len(episodes), MAX_ENV_THREADS)), thread_name_prefix="rlhf-env"))
         try:
+            if self.settings.max_turns > 1 and batches_continuously(self.engine, params):
+                await self._each_on_its_own(episodes, params)
+                return [self._trajectory(e) for e in episodes]
             await self._timed(episodes, [e.env.reset(e.item.prompt, e.label, e.item.columns) for e in episodes],
                               self._after_reset)
             for turn in range(self.settings.max_turns):
@@ -180,6 +193,33 @@ class RolloutWorker:
         finally:
             await asyncio.gather(*(e.env.close() for e in episodes), return_exceptions=True)
         return [self._trajectory(e) for e in episodes]
+
+    async def _each_on_its_own(self, episodes: list[_Episode], params: SamplingParams) -> None:
+        """Every trajectory's episode as a task of its own, its turns sent to the engine's continuous
+        batch; the first failure cancels the others."""
+        import torch
+
+        rollout_seed = int(torch.randint(0, 2 ** 62, (1,)).item())  # the one draw of the process's stream
+        tasks = [asyncio.ensure_future(self._episode(e, params, rollout_seed, index)) for index, e in enumerate(episodes)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _episode(self, episode: _Episode, params: SamplingParams, rollout_seed: int, index: int) -> None:
+        await self._timed([episode], [episode.env.reset(episode.item.prompt, episode.label, episode.item.columns)],
+                          self._after_reset)
+        for turn in range(self.settings.max_turns):
+            if episode.done:
+                return
+            turn_params = dataclasses.replace(params, max_new_tokens=self._turn_budget(episode, params),
+                                              stop=episode.stop, seed=request_seed(rollout_seed, index, turn))
+            generation = await self.engine.generate_one(list(episode.tokens), turn_params)
+            self._record_turn(episode, generation, last_turn=turn == self.settings.max_turns - 1)
+            await self._timed([episode], [episode.env.step(self._action_text(generation))], self._after_step)
 
     def _start(self, item: Any, group: int, params: SamplingParams) -> _Episode:
         name, label = route_env(item.label, self.settings.env)
@@ -288,3 +328,9 @@ class RolloutWorker:
                   "env_reward": episode.env_reward, "env_time_s": episode.env_time,
                   **({"env_steps": episode.step_infos} if episode.step_infos else {})},
         )
+
+
+def request_seed(rollout_seed: int, trajectory: int, turn: int) -> int:
+    """The seed of one turn's request: a hash of the rollout's seed, the trajectory's index and the turn."""
+    digest = hashlib.blake2b(f"{rollout_seed}/{trajectory}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits

@@ -21,6 +21,9 @@ class HFEngineConfig:
         "help": "auto (lean, else direct, when the model and the request allow it), lean (direct with the lean "
                 "step of Llama-architecture models), direct (a loop over the model's forward), or generate "
                 "(model.generate)"})
+    continuous: bool = field(default=True, metadata={
+        "help": "Multi-turn rollouts: each trajectory's turns join and leave one running decode batch, so a "
+                "turn starts as soon as its tool call returns (false: one batched generate per turn)"})
     synced_gpus: bool = run_field("synced_generation", False, "Ranks decode in lockstep until every rank has "
                                   "finished (the policy's weights are sharded over ranks: each forward is a collective)")
 

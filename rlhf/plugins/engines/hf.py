@@ -33,7 +33,9 @@ Shape legend: ``B`` rows (prompts x n), ``P`` prompt positions (left padded), ``
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -96,6 +98,7 @@ class HFEngine:
                         "Mistral without sliding windows) with sdpa attention and the transformers internals it "
                         "reads (rlhf.fastpaths.llama_like); decoding through the model's forward")
         self.warned_lean_unsupported = False
+        self.decode_batches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> DecodeBatch
 
     @property
     def device(self) -> torch.device:
@@ -145,6 +148,34 @@ class HFEngine:
         logprobs = logprobs.cpu() if logprobs is not None else None  # (B, N)
         return [self._to_generation(completions[row], logprobs[row] if logprobs is not None else None, params)
                 for row in range(completions.shape[0])]
+
+    # --- continuous batching (multi-turn rollouts) ---------------------------------------------
+
+    def continuous_for(self, params: SamplingParams) -> bool:
+        """Whether `generate_one` serves rollouts sampled with ``params``: ``continuous`` on, not the
+        ``generate`` decoder or ranks in lockstep, and a model the direct decoder runs whose cache
+        keeps plain per-layer keys and values (`rlhf.plugins.engines.hf_continuous`)."""
+        if not self.config.continuous or self.config.decoder == "generate" or self.config.synced_gpus:
+            return False
+        from transformers import DynamicCache, GenerationMixin
+
+        base = base_model(self.model)
+        if type(base).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation \
+                or base.config.is_encoder_decoder:
+            return False
+        layers = getattr(DynamicCache(config=base.config), "layers", None)
+        return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+    async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """One completion of ``prompt_ids``, decoded with every other request of this event loop in
+        one batch that requests join and leave (`rlhf.plugins.engines.hf_continuous`)."""
+        from rlhf.plugins.engines.hf_continuous import DecodeBatch
+
+        loop = asyncio.get_running_loop()
+        batch = self.decode_batches.get(loop)
+        if batch is None:
+            batch = self.decode_batches[loop] = DecodeBatch(self)
+        return await batch.submit(prompt_ids, params)
 
     # --- decoders -----------------------------------------------------------------------------
 
