@@ -41,7 +41,6 @@ has the measurement).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import threading
@@ -56,6 +55,7 @@ import torch
 from rlhf.core.batch import ExperienceBatch, collate
 from rlhf.core.errors import RlhfError
 from rlhf.core.types import Trajectory
+from rlhf.runtime.draw_order import ordered_draws
 
 STOP_TIMEOUT_S = 30.0  # how long `close` waits for a batch being generated to finish
 
@@ -85,6 +85,9 @@ class AsyncParts:
 
     snapshot: Callable[[], Any]
     make_copy: Callable[[], PolicyCopy]
+    # the copies' rollouts batch continuously (multi-turn, `rlhf.runtime.draw_order`): the batches
+    # of several steps may be rolled out at once, on a copy each (generation lanes)
+    rollouts_overlap: bool = False
 
 
 @dataclass(kw_only=True)
@@ -106,18 +109,20 @@ class Rolled:
 
     step: int
     trajectories: list[Trajectory]
-    batch: ExperienceBatch  # their tensors, for the behaviour log-probs (rewards still zero)
+    batch: ExperienceBatch | None = None  # their tensors, for the behaviour log-probs (rewards still zero)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
 class PipelineStages:
-    """A step's preparation in three stages, so that the batches of consecutive steps overlap:
-    ``rollout(step, rollout_role)`` generates (one batch at a time, in step order, on the policy
-    copy), ``score(rolled)`` calls the reward sources (several batches at once, each on a thread
-    of its own), ``finish(rolled, result)`` shapes and collates (one at a time, in step order)."""
+    """A step's preparation in stages, so that the batches of consecutive steps overlap:
+    ``rollout(step, rollout_role)`` generates (on a policy copy; its draws of the process's random
+    stream in step order), ``rollout_end(rolled)`` runs the end-of-rollout hooks and makes the
+    tensors (in step order), ``score(rolled)`` calls the reward sources (several batches at once,
+    each on a thread of its own), ``finish(rolled, result)`` shapes and collates (in step order)."""
 
     rollout: Callable[[int, Any], Rolled]
+    rollout_end: Callable[[Rolled], Rolled]
     score: Callable[[Rolled], Any]
     finish: Callable[[Rolled, Any], Prepared]
 
@@ -137,8 +142,10 @@ class AsyncGeneration:
 
     def __init__(self, *, parts: AsyncParts, prepare: Callable[[int, Any], Prepared], max_staleness: int,
                  total_steps: int, pad_token_id: int, stages: PipelineStages | None = None,
-                 threads: tuple[int, int] | None = None):
+                 threads: tuple[int, int] | None = None, lanes: int = 1):
         self.parts, self.prepare, self.stages = parts, prepare, stages
+        # generation lanes: batches rolled out at once, each on a policy copy of its own (stages only)
+        self.lanes = max(1, min(lanes, max_staleness)) if stages is not None else 1
         self.staleness, self.total, self.pad_token_id = max_staleness, total_steps, pad_token_id
         self.threads = threads  # torch threads (producer, trainer); None: leave them as they are
         self.cond = threading.Condition()
@@ -147,10 +154,11 @@ class AsyncGeneration:
         self.published = -1  # newest policy version published
         self.next_step = 0  # the next batch the producer makes (all stages done)
         self.next_rolled = 0  # the next batch the generation stage makes
-        self.scoring: collections.deque[_InFlight] = collections.deque()  # generated, not finished, in order
+        self.scoring: dict[int, _InFlight] = {}  # generated, not finished, by step
+        self.turns = {"draw": 0, "end": 0}  # with lanes: the step whose turn it is to draw / end its rollout
         self.error: BaseException | None = None
         self.stopping = False
-        self.thread: threading.Thread | None = None
+        self.threads_of_lanes: list[threading.Thread] = []
         self.finisher: threading.Thread | None = None
         self.generating = threading.Lock()  # held while the producer samples (see `separate_stream`)
 
@@ -159,16 +167,22 @@ class AsyncGeneration:
     def start(self, start_step: int) -> None:
         """Start producing from ``start_step`` (after any in-flight batches a checkpoint held)."""
         self.next_step = max(self.next_step, start_step)
-        self.copy = self.parts.make_copy()
-        self.copy_version = self.first_version = start_step  # a resumed run has no older weights
+        self.first_version = start_step  # a resumed run has no older weights
         self.publish(start_step)
-        self.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
+        self.lane_list = [_Lane(self.parts.make_copy(), start_step) for _ in range(self.lanes)]
+        for lane in self.lane_list:
+            lane.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
+        self.copy = self.lane_list[0].copy
         self.next_rolled = self.next_step
+        self.turns = {"draw": self.next_rolled, "end": self.next_rolled}
         if self.threads is not None:
             self.trainer_threads = torch.get_num_threads()
             torch.set_num_threads(self.threads[1])  # this (the trainer's) thread's share
-        self.thread = threading.Thread(target=self._run, name="rlhf-async-generation", daemon=True)
-        self.thread.start()
+        run = self._run if self.lanes == 1 else self._run_lane
+        self.threads_of_lanes = [threading.Thread(target=run, args=(lane,), name=f"rlhf-async-generation-{index}",
+                                                  daemon=True) for index, lane in enumerate(self.lane_list)]
+        for thread in self.threads_of_lanes:
+            thread.start()
         if self.stages is not None:
             self.finisher = threading.Thread(target=self._finish_in_order, name="rlhf-async-generation-finish",
                                              daemon=True)
@@ -215,7 +229,7 @@ class AsyncGeneration:
             saved = self.copy.swap_rng(state.get("rng"))
             if self.copy.evaluates_here:
                 with self.cond:
-                    own = self.snapshots[self.copy_version]
+                    own = self.snapshots[self.lane_list[0].version]
                 self.copy.load(self.parts.snapshot())  # the trainer's current weights (maybe not published yet)
             try:
                 yield
@@ -230,14 +244,14 @@ class AsyncGeneration:
             self.stopping = True
             self.cond.notify_all()
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for thread in (self.thread, self.finisher):
+        for thread in [*self.threads_of_lanes, self.finisher]:
             if thread is not None:
                 thread.join(max(deadline - time.monotonic(), 0.0))
         with self.cond:
-            scorers = [f.thread for f in self.scoring if f.thread is not None]
+            scorers = [f.thread for f in self.scoring.values() if f.thread is not None]
         for thread in scorers:  # reward calls still running (a stuck one is abandoned at the deadline)
             thread.join(max(deadline - time.monotonic(), 0.0))
-        self.thread = self.finisher = None
+        self.threads_of_lanes, self.finisher = [], None
         if self.threads is not None and hasattr(self, "trainer_threads"):
             torch.set_num_threads(self.trainer_threads)
 
@@ -276,7 +290,7 @@ class AsyncGeneration:
 
     # --- the producer -----------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, lane: _Lane) -> None:
         """The generation thread: every batch in step order, each from its version's weights. Without
         stages it prepares each batch whole; with them it hands each, generated, to a scoring
         thread of its own and goes on with the next (`_finish_in_order` collects them)."""
@@ -286,7 +300,7 @@ class AsyncGeneration:
             while self.next_rolled < self.total:
                 step = self.next_rolled
                 version = max(self.first_version, step - self.staleness)
-                idle = self._wait_for(version)
+                idle = self._wait_for(version, lane)
                 if self.stages is None:
                     with self.generating:
                         prepared = self._make(step, version)
@@ -295,20 +309,82 @@ class AsyncGeneration:
                     self._done(prepared)
                     continue
                 with self.generating:
-                    rolled = self.stages.rollout(step, self.copy.rollout)
+                    rolled = self.stages.rollout_end(self.stages.rollout(step, self.copy.rollout))
                     behaviour = self.copy.logprobs(rolled.batch) if self.staleness > 0 else None
-                flight = _InFlight(rolled=rolled, version=version, idle_s=idle, behaviour=behaviour)
-                flight.thread = threading.Thread(target=flight.score, args=(self.stages.score,), daemon=True,
-                                                 name=f"rlhf-async-scoring-{step}")
-                flight.thread.start()
+                self._score(rolled, version, idle, behaviour)
                 with self.cond:
-                    self.scoring.append(flight)
                     self.next_rolled = step + 1
                     self.cond.notify_all()
         except Stopped:
             return
         except BaseException as exc:  # handed to the trainer, raised by its next call
             self._fail(exc)
+
+    def _run_lane(self, lane: _Lane) -> None:
+        """One of several generation threads, each with a policy copy of its own: the lanes take
+        the steps in order, and while one batch's rollout waits (on tool calls) the next can start.
+        A rollout draws from the process's random stream only in its turn (step order) and hands
+        the turn on once it draws nothing more (`rlhf.runtime.draw_order`: a continuously batched
+        rollout, right after its seed) or returns; its end-of-rollout hooks run in step order too."""
+        try:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads[0])
+            while True:
+                with self.cond:
+                    step = self.next_rolled
+                    if step >= self.total or self.stopping:
+                        return
+                    self.next_rolled = step + 1
+                version = max(self.first_version, step - self.staleness)
+                idle = self._wait_for(version, lane)
+                self._await_turn("draw", step)
+                self.generating.acquire()
+                handed_on = []
+
+                def hand_on(step: int = step, handed_on: list = handed_on) -> None:
+                    if not handed_on:
+                        handed_on.append(True)
+                        self.generating.release()
+                        self._pass_turn("draw", step)
+
+                try:
+                    with ordered_draws(hand_on):
+                        rolled = self.stages.rollout(step, lane.copy.rollout)
+                finally:
+                    hand_on()
+                self._await_turn("end", step)
+                try:
+                    rolled = self.stages.rollout_end(rolled)
+                finally:
+                    self._pass_turn("end", step)
+                behaviour = lane.copy.logprobs(rolled.batch) if self.staleness > 0 else None
+                self._score(rolled, version, idle, behaviour)
+        except Stopped:
+            return
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _await_turn(self, kind: str, step: int) -> None:
+        with self.cond:
+            while self.turns[kind] != step and not self.stopping:
+                self.cond.wait(0.5)
+            if self.stopping:
+                raise Stopped
+
+    def _pass_turn(self, kind: str, step: int) -> None:
+        with self.cond:
+            self.turns[kind] = step + 1
+            self.cond.notify_all()
+
+    def _score(self, rolled: Rolled, version: int, idle: float, behaviour: torch.Tensor | None) -> None:
+        """Start the batch's reward call on a thread of its own; the finishing thread takes it."""
+        flight = _InFlight(rolled=rolled, version=version, idle_s=idle, behaviour=behaviour)
+        flight.thread = threading.Thread(target=flight.score, args=(self.stages.score,), daemon=True,
+                                         name=f"rlhf-async-scoring-{rolled.step}")
+        flight.thread.start()
+        with self.cond:
+            self.scoring[rolled.step] = flight
+            self.cond.notify_all()
 
     def _finish_in_order(self) -> None:
         """The finishing thread: each scored batch, in step order, shaped and collated."""
@@ -317,11 +393,11 @@ class AsyncGeneration:
                 torch.set_num_threads(self.threads[0])
             while self.next_step < self.total:
                 with self.cond:
-                    while not self.scoring and not self.stopping and self.error is None:
+                    while self.next_step not in self.scoring and not self.stopping and self.error is None:
                         self.cond.wait(0.5)
                     if self.stopping or self.error is not None:
                         return
-                    flight = self.scoring[0]
+                    flight = self.scoring[self.next_step]
                 while not flight.scored.wait(0.5):
                     if self.stopping:
                         return
@@ -332,7 +408,7 @@ class AsyncGeneration:
                 if flight.behaviour is not None:
                     prepared.batch = replace(prepared.batch, old_logprobs=flight.behaviour)
                 with self.cond:
-                    self.scoring.popleft()
+                    del self.scoring[flight.rolled.step]
                 self._done(prepared)
         except BaseException as exc:
             self._fail(exc)
@@ -350,21 +426,23 @@ class AsyncGeneration:
             self.stopping = True  # the other stage stops too
             self.cond.notify_all()
 
-    def _wait_for(self, version: int) -> float:
-        """Load the weights of ``version`` into the producer's copy (waiting for them); the seconds waited."""
+    def _wait_for(self, version: int, lane: _Lane) -> float:
+        """Load the weights of ``version`` into the lane's copy (waiting for them); the seconds waited."""
         began = time.perf_counter()
         with self.cond:
             while self.published < version and not self.stopping:
                 self.cond.wait(0.5)
             if self.stopping:
                 raise Stopped
-            state = self.snapshots[version] if version != self.copy_version else None
-            for old in [v for v in self.snapshots if v < version]:
+            state = self.snapshots[version] if version != lane.version else None
+            # the other lanes hold the steps just before this one: they may still need the versions
+            # just before this one's
+            for old in [v for v in self.snapshots if v < version - (self.lanes - 1)]:
                 del self.snapshots[old]
         waited = time.perf_counter() - began
         if state is not None:
-            self.copy.load(state)
-            self.copy_version = version
+            lane.copy.load(state)
+            lane.version = version
         return waited
 
     def _make(self, step: int, version: int) -> Prepared:
@@ -379,6 +457,14 @@ class AsyncGeneration:
         if isinstance(error, (RlhfError, KeyboardInterrupt)):
             return error
         return RlhfError(f"generation (--async) failed: {type(error).__name__}: {error}")
+
+
+@dataclass(eq=False)
+class _Lane:
+    """A generation lane's policy copy and the version it holds."""
+
+    copy: PolicyCopy
+    version: int
 
 
 class _InFlight:

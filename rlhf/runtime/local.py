@@ -22,6 +22,7 @@ from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.errors import ConfigError
 from rlhf.core.offload import shares_parameters
 from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.core.rollout import SamplingParams, batches_continuously
 from rlhf.runtime.async_generation import AsyncParts
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
@@ -219,7 +220,9 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
         pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
         async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
-                                                                                                    tokenizer))),
+                                                                                                    tokenizer)),
+                         rollouts_overlap=config.max_turns > 1 and batches_continuously(
+                             rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens))),
         export=lambda out_dir, critic_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist,
                                                         critic_dir),
     )

@@ -37,6 +37,7 @@ from rlhf.core.references import resolve
 from rlhf.core.settings import build_component_config
 from rlhf.core.rollout import Generation, SamplingParams, batches_continuously
 from rlhf.core.types import Trajectory
+from rlhf.runtime.draw_order import random_draws_done
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,7 @@ class RolloutWorker:
         import torch
 
         rollout_seed = int(torch.randint(0, 2 ** 62, (1,)).item())  # the one draw of the process's stream
+        random_draws_done()  # another batch's rollout may draw now (--async generation lanes)
         tasks = [asyncio.ensure_future(self._episode(e, params, rollout_seed, index)) for index, e in enumerate(episodes)]
         try:
             await asyncio.gather(*tasks)

@@ -340,26 +340,33 @@ class Trainer(SteppedLoop):
         # A sample filter decides from a batch's rewards whether to sample more prompts for the same
         # step, so that step's scoring cannot run beside the next step's generation.
         pipelined = not self.plan.filters_groups and not self.dist.active
-        stages = PipelineStages(rollout=self._pipelined_rollout, score=self._pipelined_score,
-                                finish=self._pipelined_finish) if pipelined else None
+        stages = PipelineStages(rollout=self._pipelined_rollout, rollout_end=self._pipelined_rollout_end,
+                                score=self._pipelined_score, finish=self._pipelined_finish) if pipelined else None
+        # continuously batched rollouts leave the random stream early: up to K batches roll out at once
+        lanes = staleness if parts.rollouts_overlap else 1
         return AsyncGeneration(parts=parts, prepare=lambda step, rollout: self._prepare(step, self._run_info, rollout),
                                stages=stages, max_staleness=staleness, total_steps=self.total_steps,
                                pad_token_id=self.workers.pad_token_id,
-                               threads=split_threads(torch.get_num_threads(), staleness))
+                               threads=split_threads(torch.get_num_threads(), staleness), lanes=lanes)
 
     # The pipelined stages (--async without a sample filter): what `_prepare` does, in three parts that
     # run on three threads; together they give the same batch as `_prepare`, bit for bit.
 
     def _pipelined_rollout(self, step: int, rollout: RolloutRole) -> Rolled:
-        """Stage 1 (the generation thread, in step order): sample the step's prompt groups."""
+        """Stage 1 (a generation thread; its random draws in step order): sample the step's prompt groups."""
         timer = Timer()
         with timer("rollout"):
             trajectories = self._roll(self.config.prompts_per_step, rollout)
-        self._emit("on_rollout_end", run=self._run_info, step=step, trajectories=trajectories)
-        size = len(trajectories)  # tensors for the behaviour log-probs; the rewards come in stage 3
-        batch = collate(trajectories, pad_token_id=self.workers.pad_token_id, rewards=torch.zeros(size),
-                        sample_mask=torch.ones(size))
-        return Rolled(step=step, trajectories=trajectories, batch=batch, seconds=dict(timer.seconds))
+        return Rolled(step=step, trajectories=trajectories, seconds=dict(timer.seconds))
+
+    def _pipelined_rollout_end(self, rolled: Rolled) -> Rolled:
+        """Stage 1, end (in step order): ``on_rollout_end``, then tensors for the behaviour log-probs
+        (the rewards come in stage 3)."""
+        self._emit("on_rollout_end", run=self._run_info, step=rolled.step, trajectories=rolled.trajectories)
+        size = len(rolled.trajectories)
+        rolled.batch = collate(rolled.trajectories, pad_token_id=self.workers.pad_token_id, rewards=torch.zeros(size),
+                               sample_mask=torch.ones(size))
+        return rolled
 
     def _pipelined_score(self, rolled: Rolled) -> Any:
         """Stage 2 (a thread per batch, several batches at once): the reward sources' call."""

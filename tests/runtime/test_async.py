@@ -248,3 +248,72 @@ def test_producer_and_trainer_split_the_threads_when_they_overlap(tiny_model_dir
          max_staleness=staleness)
     assert seen == {"rollout": {producer}, "step": {trainer}}
     torch.set_num_threads(before)
+
+
+# A multi-turn environment whose very first tool call returns only once a trajectory of a later batch
+# has started (a third distinct prompt: a batch holds two): with continuous batching the rollouts of
+# several batches overlap (generation lanes), so the run does not wait its 20 s out. Its other tool
+# calls take a random time, so trajectories and batches finish in a different order every run.
+GATED_TOOLS = '''
+import random, threading, time
+from pathlib import Path
+from rlhf.core.types import StepResult
+
+GATE = {gate}
+LOCK = threading.Lock()
+STATE = {{"resets": 0, "prompts": set()}}
+LATER_BATCH = threading.Event()
+
+
+class GatedTools:
+    def reset(self, prompt, label):
+        with LOCK:
+            self.first = STATE["resets"] == 0
+            STATE["resets"] += 1
+            STATE["prompts"].add(str(prompt))
+            if len(STATE["prompts"]) > 2:
+                LATER_BATCH.set()
+        self.turns = 0
+        return None
+
+    def step(self, action):
+        self.turns += 1
+        if GATE and self.first and self.turns == 1:
+            Path(__file__).with_suffix(".opened").write_text(str(LATER_BATCH.wait(20)))
+        else:
+            time.sleep(random.Random().uniform(0.0, 0.05))  # its own random numbers, never the run's
+        return StepResult(observation=" ok", reward=float(len(action) % 3), done=self.turns >= 2)
+'''
+
+
+def test_continuous_rollouts_of_several_batches_overlap_and_stay_deterministic_through_a_resume(
+        tiny_model_dir, task, tmp_path, make_plugin):
+    def options(name, gate=True):  # an env file per run: module state starts afresh
+        (tmp_path / f"{name}.py").write_text(GATED_TOOLS.format(gate=gate))
+        return dict(steps=5, save_every=2, async_rollout=True, max_staleness=2, max_turns=2, reward=[],
+                    env=f"{tmp_path / name}.py:GatedTools")
+
+    first = _run(tiny_model_dir, task, tmp_path / "a", **options("tools_a"))
+    assert (tmp_path / "tools_a.opened").read_text() == "True"  # batch 1 started while batch 0 waited on a tool
+    assert [m["async/staleness_max"] for m in first] == [0, 1, 2, 2, 2]
+    assert all(m["env/turns_mean"] > 1 for m in first)
+    second = _run(tiny_model_dir, task, tmp_path / "b", **options("tools_b"))
+    assert [{k: m[k] for k in TRAINING_KEYS} for m in second] == [{k: m[k] for k in TRAINING_KEYS} for m in first]
+    assert _samples(tmp_path / "b") == _samples(tmp_path / "a")
+    for (name, a), b in zip(final_weights(tmp_path / "a").items(), final_weights(tmp_path / "b").values()):
+        assert torch.equal(a, b), name
+
+    def crash(step):
+        if step == 2:
+            raise KeyboardInterrupt  # right after the step-2 checkpoint, with batches 2 and 3 in flight
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_model_dir, task, tmp_path / "c", plugins=plugins, **options("tools_c"))
+    assert _no_producer_left()
+    resumed = _run(tiny_model_dir, task, tmp_path / "c", resume=True, **options("tools_c", gate=False))
+    assert [{k: m[k] for k in TRAINING_KEYS} for m in resumed] == [{k: m[k] for k in TRAINING_KEYS} for m in first]
+    assert _samples(tmp_path / "c") == _samples(tmp_path / "a")
+    for (name, a), b in zip(final_weights(tmp_path / "a").items(), final_weights(tmp_path / "c").values()):
+        assert torch.equal(a, b), name
