@@ -193,6 +193,29 @@ class IgnoresStop(OneSampleShort):
                 for _ in range(len(prompts) * n)]
 
 
+class IgnoresSeeds:
+    """A valid turn-batched engine whose continuous requests sample from the process's stream,
+    whatever their seed."""
+
+    shares_weights = True
+
+    def __init__(self, model, tokenizer, config=None):
+        from rlhf.plugins.engines.hf import HFEngine
+
+        self.inner = HFEngine(model, tokenizer)
+
+    def generate(self, prompts, *, n, params):
+        return self.inner.generate(prompts, n=n, params=params)
+
+    async def generate_one(self, prompt_ids, params):
+        import dataclasses
+
+        return self.inner.generate([prompt_ids], n=1, params=dataclasses.replace(params, seed=None))[0]
+
+    def load_weights(self, state=None):
+        pass
+
+
 class _ResponseNLL:
     """A small SFT objective on prompt/response rows, correct except where a subclass breaks it."""
 

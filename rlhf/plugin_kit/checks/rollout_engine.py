@@ -4,7 +4,9 @@
 ``max_new_tokens``, with a valid finish reason and nothing after EOS; with ``return_logprobs``
 one finite log-prob <= 0 per token; a run of stop strings ends every completion at the first one
 (no stop string before the last token; ``stop_string`` names it); ``load_weights()`` (engines
-that do not share the policy's weights) makes the engine sample from changed weights.
+that do not share the policy's weights) makes the engine sample from changed weights. An engine
+that batches continuously (``generate_one``) answers requests sent at once, each by the same
+rules, and a request's seed decides what it samples.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def check(target: Target) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.core.rollout import Generation, SamplingParams
+    from rlhf.core.rollout import Generation, SamplingParams, batches_continuously
 
     ref = target.tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(ref)
@@ -39,6 +41,9 @@ def check(target: Target) -> list[str]:
             size = len(out) if isinstance(out, list) else type(out).__name__
             raise target.fail(f"generate(2 prompts, n={N}) should return a list of {2 * N} Generation, got {size} "
                               f"({what})")
+        return valid(out, params, what)
+
+    def valid(out: list[Any], params: SamplingParams, what: str) -> list[Any]:
         for i, g in enumerate(out):
             if not isinstance(g, Generation):
                 raise target.fail(f"item {i} is {type(g).__name__}, not rlhf.core.rollout.Generation ({what})")
@@ -82,6 +87,9 @@ def check(target: Target) -> list[str]:
                 raise target.fail(f"completion {i} ended at a stop string with finish_reason {g.finish_reason!r}")
     lines.append(f"stop strings end completions at the first one ({hits}/{len(out)} hit one)")
 
+    if batches_continuously(engine, SamplingParams(max_new_tokens=MAX_NEW)):
+        lines.append(continuous_requests(target, engine, prompts, valid))
+
     if not getattr(engine, "shares_weights", False):
         with torch.no_grad():
             for p in model.parameters():
@@ -90,3 +98,30 @@ def check(target: Target) -> list[str]:
         lines.append("load_weights() takes the policy's new weights")
     return lines
 
+
+
+def continuous_requests(target: Target, engine: Any, prompts: list[list[int]], valid: Any) -> str:
+    """``generate_one``: requests sent at once (with stop strings, log-probs, seeds), each a valid
+    completion; the same seed twice gives the same tokens, other seeds other ones."""
+    import asyncio
+
+    from rlhf.core.rollout import SamplingParams
+
+    def params(seed: int, **more: Any) -> SamplingParams:
+        return SamplingParams(max_new_tokens=MAX_NEW, return_logprobs=True, seed=seed, **more)
+
+    requests = [(prompts[i % 2], params(seed)) for i, seed in enumerate((11, 12, 11, 13))]
+    requests += [(prompts[0], params(14, stop=STOP))]
+
+    async def send() -> list[Any]:
+        return list(await asyncio.gather(*(engine.generate_one(prompt, p) for prompt, p in requests)))
+
+    out = guarded(target, "generate_one (requests at once)", lambda: asyncio.run(send()))
+    for (_, p), g in zip(requests, out):
+        valid([g], p, "generate_one")
+        if g.logprobs is None or len(g.logprobs) != len(g.token_ids):
+            raise target.fail("generate_one with return_logprobs=True must give one log-prob per token")
+    if out[0].token_ids != out[2].token_ids:
+        raise target.fail(f"generate_one: the same prompt with the same seed gave {out[0].token_ids} and "
+                          f"{out[2].token_ids}; sample each request from a stream seeded with params.seed")
+    return f"generate_one: {len(requests)} requests at once, each a valid completion; a seed repeats its sample"
