@@ -78,6 +78,7 @@ class FakeLLMEngine:
     running: dict[str, Running] = field(default_factory=dict)  # vLLM's id -> request
     added: list[str] = field(default_factory=list)
     sampling: dict[str, FakeSamplingParams] = field(default_factory=dict)  # by the caller's id
+    prompts: dict[str, list[int]] = field(default_factory=dict)  # by the caller's id
     batches: list[list[str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     internal_ids: bool = False
@@ -94,6 +95,7 @@ class FakeLLMEngine:
         used = f"{request_id}-internal" if self.internal_ids else request_id
         self.added.append(request_id)
         self.sampling[request_id] = params
+        self.prompts[request_id] = list(prompt["prompt_token_ids"])
         completion = self.llm.script(list(prompt["prompt_token_ids"]), params.kwargs)
         self.running[used] = Running(request_id, completion, params)
         return used if self.internal_ids else None

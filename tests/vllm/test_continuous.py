@@ -5,6 +5,7 @@ cancellation aborting requests, and sleep/wake and weight pushes with requests i
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -265,3 +266,110 @@ def test_new_weights_wait_for_the_requests_sampling_from_the_old(fake_vllm, poli
     assert llm.llm_engine.batches == [["rlhf-0"]] * 3 + [["rlhf-1"]] * 2
     assert resets == [True, True]
     assert torch.equal(llm.worker.model.loaded["model.norm.weight"], model.model.norm.weight)
+
+
+# --- through the rollout: multi-turn trajectories on the vllm engine --------------------------
+
+
+class Envs:
+    def __init__(self, env_cls):
+        self.env_cls = env_cls
+
+    def __call__(self, name):
+        from rlhf.core.environment import AsyncEnv
+
+        return AsyncEnv(self.env_cls(), name="tools")
+
+    def capabilities(self, name):
+        return {"multi_turn": True, "gives_rewards": True}
+
+
+def item(tokenizer, text, label):
+    from rlhf.runtime.data import PromptItem
+
+    return PromptItem(prompt=text, prompt_text=text, prompt_ids=tokenizer(text)["input_ids"], label=label,
+                      columns={}, origin=f"row {label}")
+
+
+def short_turns(prompt, sampling):
+    """Three tokens, no EOS: the budget ends the turn and the environment decides when to stop."""
+    return fakes.Completion(token_ids=[20, 21, 22], finish_reason="length")
+
+
+class GatedTools:
+    """The "slow" trajectory's first tool call returns only once the "fast" one has made its second,
+    which needs the fast one's second turn generated while the slow call is out."""
+
+    gate = threading.Event()
+    opened: list[bool] = []
+
+    def reset(self, prompt, label):
+        self.label, self.turns = label, 0
+        return None
+
+    def step(self, action):
+        from rlhf.core.types import StepResult
+
+        self.turns += 1
+        if self.label == "fast" and self.turns == 2:
+            GatedTools.gate.set()
+        if self.label == "slow" and self.turns == 1:
+            GatedTools.opened.append(GatedTools.gate.wait(timeout=30))
+        return StepResult(observation=" ok.", reward=float(self.turns), done=self.turns >= 3)
+
+
+def test_a_rollout_moves_each_trajectory_on_its_own(fake_vllm, policy):
+    from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+
+    model, tokenizer = policy
+    engine = make_engine(policy)
+    llm = fakes.FakeLLM.instances[0]
+    llm.script = staticmethod(short_turns)
+    GatedTools.gate.clear()
+    GatedTools.opened.clear()
+    worker = RolloutWorker(engine, tokenizer, Envs(GatedTools), RolloutSettings(env="tools", max_turns=3,
+                                                                                 max_total_tokens=256))
+    trajectories = worker.generate([item(tokenizer, "Q: 6*7?", "fast"), item(tokenizer, "Q: 7*6?", "slow")], n=1,
+                                   params=SamplingParams(max_new_tokens=3, temperature=1.0))
+    assert GatedTools.opened == [True]
+    assert [t.num_turns for t in trajectories] == [3, 3]
+    assert [t.info["env_reward"] for t in trajectories] == [6.0, 6.0]
+    seeds = [llm.llm_engine.sampling[rid].kwargs["seed"] for rid in llm.llm_engine.added]
+    assert len(seeds) == 6 and len(set(seeds)) == 6 and all(isinstance(s, int) for s in seeds)
+    assert not llm.llm_engine.running and "generate" not in llm.calls  # every turn went through generate_one
+
+
+class Crashing:
+    def reset(self, prompt, label):
+        self.label = label
+        return None
+
+    def step(self, action):
+        from rlhf.core.types import StepResult
+
+        if self.label == "crash":
+            raise ValueError("tool crashed")
+        return StepResult(observation=" ok.", reward=0.0, done=False)
+
+
+def test_a_failing_environment_aborts_the_other_trajectories_requests(fake_vllm, policy):
+    from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+
+    model, tokenizer = policy
+    engine = make_engine(policy)
+    llm = fakes.FakeLLM.instances[0]
+    long_prompt = item(tokenizer, "Write a very long essay", "long")
+
+    def script(prompt, sampling):  # the long trajectory's turn would take a million steps
+        length = 10 ** 6 if prompt == long_prompt.prompt_ids else 1
+        return fakes.Completion(token_ids=[20] * length, finish_reason="length")
+
+    llm.script = staticmethod(script)
+    worker = RolloutWorker(engine, tokenizer, Envs(Crashing), RolloutSettings(env="tools", max_turns=3,
+                                                                              max_total_tokens=64))
+    with pytest.raises(Exception, match="tool crashed"):
+        worker.generate([item(tokenizer, "Q: 6*7?", "crash"), long_prompt], n=1,
+                        params=SamplingParams(max_new_tokens=4, temperature=1.0))
+    [long_request] = [rid for rid, ids in llm.llm_engine.prompts.items() if ids == long_prompt.prompt_ids]
+    assert llm.llm_engine.aborted == [long_request] and not llm.llm_engine.running
+    assert len(llm.llm_engine.batches) < 10 ** 6
