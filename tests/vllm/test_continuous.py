@@ -339,6 +339,34 @@ def test_a_rollout_moves_each_trajectory_on_its_own(fake_vllm, policy):
     assert not llm.llm_engine.running and "generate" not in llm.calls  # every turn went through generate_one
 
 
+def test_continuous_false_turns_back_to_one_generate_per_turn(fake_vllm, policy):
+    from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+
+    engine = make_engine(policy, continuous=False)
+    llm = fakes.FakeLLM.instances[0]
+    llm.script = staticmethod(short_turns)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0)
+    assert not batches_continuously(engine, params)
+    worker = RolloutWorker(engine, policy[1], Envs(Echo), RolloutSettings(env="tools", max_turns=3,
+                                                                          max_total_tokens=256))
+    trajectories = worker.generate([item(policy[1], "Q: 6*7?", "a"), item(policy[1], "Q: 7*6?", "b")], n=1,
+                                   params=params)
+    assert [t.num_turns for t in trajectories] == [2, 2]
+    assert llm.calls.count("generate") == 2 and not llm.llm_engine.added  # one batched call per turn
+
+
+class Echo:
+    def reset(self, prompt, label):
+        self.turns = 0
+        return None
+
+    def step(self, action):
+        from rlhf.core.types import StepResult
+
+        self.turns += 1
+        return StepResult(observation=" ok.", reward=0.0, done=self.turns >= 2)
+
+
 class Crashing:
     def reset(self, prompt, label):
         self.label = label

@@ -308,6 +308,10 @@ class VLLMEngine:
             self.sleep()
         return generations
 
+    def continuous_for(self, params: SamplingParams) -> bool:
+        """Whether rollouts go through `generate_one`: the ``continuous`` setting (any sampling)."""
+        return self.config.continuous
+
     async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """One completion of one prompt, decoded in vLLM's running batch with every other request
         in flight from this event loop (see `batches_continuously`)."""
