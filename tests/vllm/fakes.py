@@ -3,16 +3,19 @@
 `install(monkeypatch)` puts a fake ``vllm`` module in ``sys.modules``, reports a supported
 installed version and a CUDA device, and returns the module; every `FakeLLM` it builds records
 its constructor arguments and each call, and its worker's model keeps the weights it was given.
-Completions are scripted: each row gets ``script(prompt_ids, sampling_kwargs)``.
+Completions are scripted: each row gets ``script(prompt_ids, sampling_kwargs)``. Its
+``llm_engine`` (`FakeLLMEngine`) is vLLM's engine as a caller that steps it sees: requests join
+the running batch at the next step, get one token a step, and leave at the step of their last.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib.metadata
 import random
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,11 +40,89 @@ class Completion:
 @dataclass
 class RequestOutput:
     outputs: list[Completion]
+    request_id: str = ""
+    finished: bool = True
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class FakeSamplingParams:
     def __init__(self, **kwargs: Any):
         self.kwargs = kwargs
+
+
+@dataclass
+class Running:
+    external_id: str
+    completion: Completion
+    sampling: FakeSamplingParams
+    emitted: int = 0
+
+
+@dataclass
+class FakeLLMEngine:
+    """``LLM.llm_engine``: ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``.
+
+    ``add_request`` scripts the whole completion at once (``llm.script``); each `step` decodes
+    every running request one token further, records the ids it decoded in ``batches``, and
+    returns the final `RequestOutput` of each request whose last token it produced (``FINAL_ONLY``).
+    ``internal_ids``: ``add_request`` returns an id of its own (``<id>-internal``, as later vLLM
+    releases may) and reports outputs under it. ``fail_at_step``: that step raises.
+    """
+
+    llm: Any
+    running: dict[str, Running] = field(default_factory=dict)  # vLLM's id -> request
+    added: list[str] = field(default_factory=list)
+    sampling: dict[str, FakeSamplingParams] = field(default_factory=dict)  # by the caller's id
+    prompts: dict[str, list[int]] = field(default_factory=dict)  # by the caller's id
+    batches: list[list[str]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    internal_ids: bool = False
+    fail_at_step: int | None = None
+
+    def add_request(self, request_id, prompt, params):
+        if request_id in self.added:
+            raise ValueError(f"request id {request_id} is already in use")
+        if not prompt["prompt_token_ids"]:
+            raise ValueError("The decoder prompt cannot be empty")  # vLLM's refusal
+        if not isinstance(params.kwargs.get("output_kind"), RequestOutputKind):
+            raise TypeError("a stepped request needs an output kind")
+        self.llm.calls.append("add_request")
+        used = f"{request_id}-internal" if self.internal_ids else request_id
+        self.added.append(request_id)
+        self.sampling[request_id] = params
+        self.prompts[request_id] = list(prompt["prompt_token_ids"])
+        completion = self.llm.script(list(prompt["prompt_token_ids"]), params.kwargs)
+        self.running[used] = Running(request_id, completion, params)
+        return used if self.internal_ids else None
+
+    def step(self):
+        if self.fail_at_step == len(self.batches) + 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.batches.append(sorted(request.external_id for request in self.running.values()))
+        if self.llm.calls[-1:] != ["step"]:
+            self.llm.calls.append("step")
+        finished = []
+        for used, request in list(self.running.items()):
+            request.emitted += 1
+            if request.emitted >= len(request.completion.token_ids):
+                del self.running[used]
+                finished.append(RequestOutput(outputs=[request.completion], request_id=used, finished=True))
+        return finished
+
+    def abort_request(self, request_ids):
+        for external in request_ids:
+            used = next((u for u, r in self.running.items() if r.external_id == external), None)
+            if used is not None:
+                del self.running[used]
+                self.aborted.append(external)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
 
 
 class FakeModel:
@@ -83,6 +164,7 @@ class FakeLLM:
         self.calls: list[Any] = []
         self.worker = FakeWorker()
         self.prompts: list[list[int]] = []
+        self.llm_engine = FakeLLMEngine(self)
         # vLLM seeds the process's global generators when its engine core runs in-process
         random.seed(kwargs.get("seed", 0))
         torch.manual_seed(kwargs.get("seed", 0))
@@ -99,8 +181,9 @@ class FakeLLM:
         return [method(self.worker, *args, **(kwargs or {}))]
 
     def reset_prefix_cache(self):
+        """Refused (False), as vLLM refuses it, while requests hold KV-cache blocks."""
         self.calls.append("reset_prefix_cache")
-        return True
+        return not self.llm_engine.running
 
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
@@ -114,7 +197,12 @@ def install(monkeypatch, version: str = "0.11.0") -> types.ModuleType:
     module.LLM = FakeLLM
     module.SamplingParams = FakeSamplingParams
     module.__version__ = version
+    sampling_module = types.ModuleType("vllm.sampling_params")
+    sampling_module.RequestOutputKind = RequestOutputKind
+    sampling_module.SamplingParams = FakeSamplingParams
+    module.sampling_params = sampling_module
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling_module)
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version",
                         lambda name: version if name == "vllm" else real_version(name))

@@ -138,3 +138,40 @@ def test_sleep_and_wake_round_trip(setup):
     assert [g.token_ids for g in engine.generate(prompts, n=1, params=params)] == before
     engine.sleep(level=2)  # weights dropped: the next generation pushes them again
     assert [g.token_ids for g in engine.generate(prompts, n=1, params=params)] == before
+
+
+def test_generate_one_batches_continuously(setup):
+    """Greedy: each request's tokens are ``generate``'s. Seeded sampling: a request's completion
+    does not depend on which requests share its steps (vLLM's per-request generator), and its
+    log-probs are the trainer's. A second turn is asked for while the other requests decode."""
+    import asyncio
+
+    model, engine, prompts = setup
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    expected = [g.token_ids for g in engine.generate(prompts, n=1, params=greedy)]
+
+    async def together(params_of):
+        return await asyncio.gather(*(engine.generate_one(p, params_of(i)) for i, p in enumerate(prompts)))
+
+    assert [g.token_ids for g in asyncio.run(together(lambda i: greedy))] == expected
+
+    def seeded(i):
+        return SamplingParams(max_new_tokens=24, temperature=1.0, seed=100 + i, return_logprobs=True)
+
+    batched = asyncio.run(together(seeded))
+    alone = [asyncio.run(engine.generate_one(p, seeded(i))) for i, p in enumerate(prompts)]
+    same = sum(b.token_ids == a.token_ids for b, a in zip(batched, alone))
+    assert same >= len(prompts) - 1, (batched, alone)  # batched bf16 logits may move one near-tie
+    errors = logprob_errors(model, prompts, batched, 1, temperature=1.0)
+    assert errors.max() <= MAX_LOGPROB_ERROR and errors.mean() <= MEAN_LOGPROB_ERROR, errors
+
+    async def two_turns():
+        first = await engine.generate_one(prompts[0], greedy)
+        return await engine.generate_one(prompts[0] + first.token_ids, greedy)
+
+    async def mixed():
+        return await asyncio.gather(two_turns(), *(engine.generate_one(p, greedy) for p in prompts[1:]))
+
+    second, *rest = asyncio.run(mixed())
+    assert [g.token_ids for g in rest] == expected[1:] and second.finish_reason in ("stop", "length")
+    assert not engine.llm.llm_engine.has_unfinished_requests()

@@ -62,3 +62,6 @@ class VLLMEngineConfig:
         "help": "Sleep after every generation and wake for the next sync or generation (needs enable_sleep_mode)"})
     sync_bucket_mb: float = field(default=512.0, metadata={
         "help": "Weight sync chunk size in MiB (bounds the extra memory of merged/gathered copies)"})
+    continuous: bool = field(default=True, metadata={
+        "help": "Multi-turn rollouts: each turn is a request of its own in vLLM's running batch, so a turn starts "
+                "as soon as its tool call returns (false: one batched generate per turn). Unverified on a GPU"})

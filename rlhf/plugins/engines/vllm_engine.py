@@ -27,17 +27,29 @@ Install with ``pip install "rlhf-core[vllm]"`` on a machine with a CUDA GPU; sel
 * **Sleep** (``enable_sleep_mode``): `sleep` frees the GPU memory vLLM holds (level 1: weights to
   CPU, KV cache dropped; level 2: both dropped) and `wake_up` takes it back; ``auto_sleep``
   sleeps after every generation and wakes for the next sync or generation.
+* **Continuous batching** (`generate_one`, what a rollout uses when the engine offers it): each
+  call adds one request to the ``LLM`` object's own engine and an asyncio task steps that engine
+  while requests are in flight (rlhf/plugins/engines/vllm_continuous.py says why not
+  ``AsyncLLM``), so a trajectory's next turn joins the running batch as soon as it is asked
+  for. Same sampling arguments as `generate`, plus ``params.seed`` as vLLM's per-request seed.
+  Before a request joins: wake, and push the weights if the policy changed (after the requests
+  in flight have ended, so that no request mixes two weight versions and the prefix-cache reset
+  is not refused). ``auto_sleep`` sleeps when the last request in flight has ended.
 
-Version-specific calls (vLLM 0.10.2-0.33, read from their sources) live in `build_llm` and
-`_load_into_worker`. Deviations: one engine per process (no data-parallel ranks sharing a
-process group with vLLM), dense unquantized models; tensor parallelism > 1 sends the weights
-through vLLM's worker RPC (pickled, slower) and is unverified.
+Version-specific calls (vLLM 0.10.2-0.33, read from their sources) live in `build_llm`,
+`final_only`, `_load_into_worker` and vllm_continuous.py (``llm_engine``'s request API).
+Deviations: one engine per process (no data-parallel ranks sharing a process group with vLLM),
+dense unquantized models; tensor parallelism > 1 sends the weights through vLLM's worker RPC
+(pickled, slower) and is unverified.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib
 import importlib.metadata
+import itertools
 import logging
 import os
 import random
@@ -50,6 +62,7 @@ import torch
 from rlhf.core.errors import ConfigError
 from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.plugins.engines.config import VLLMEngineConfig
+from rlhf.plugins.engines.vllm_continuous import RequestBatch
 from rlhf.plugins.engines.vllm_weights import (Named, bucket_by_bytes, map_state_dict, policy_version,
                                                policy_weights, receive_weights)
 
@@ -225,6 +238,12 @@ def build_llm(vllm: Any, kwargs: dict[str, Any]) -> Any:
         return vllm.LLM(**kwargs)
 
 
+def final_only() -> Any:
+    """vLLM's ``RequestOutputKind.FINAL_ONLY`` (``vllm.sampling_params``, 0.10.2-0.33): a stepped
+    request reports its output once, when it has finished, as ``LLM.generate`` asks for."""
+    return importlib.import_module("vllm.sampling_params").RequestOutputKind.FINAL_ONLY
+
+
 def _load_into_worker(worker: Any, weights: list[Named]) -> int:
     """Runs in vLLM's worker (``collective_rpc`` passes it first). ``get_model()`` unwraps CUDA-graph
     wrappers (workers of 0.10.2-0.33); the model's ``load_weights`` takes checkpoint names, fuses
@@ -271,9 +290,12 @@ class VLLMEngine:
         self._awake = set(WAKE_TAGS)
         self._weights_lost = False  # a level-2 sleep dropped them
         self._synced_version: tuple[int, ...] | None = None  # None: push before the first generation
+        self._batch: RequestBatch | None = None  # generate_one's requests in flight (one event loop)
+        self._request_ids = itertools.count()
 
     def generate(self, prompts: list[list[int]], *, n: int, params: SamplingParams) -> list[Generation]:
         """``n`` completions per prompt, as ``[p0s0 .. p0s(n-1), p1s0, ...]``."""
+        self._refuse_while_in_flight("generate")
         self._wake_for("generate")
         if self._weights_lost or self._synced_version != policy_version(self.model):
             self.load_weights(None)
@@ -285,6 +307,43 @@ class VLLMEngine:
         if self.config.auto_sleep:
             self.sleep()
         return generations
+
+    def continuous_for(self, params: SamplingParams) -> bool:
+        """Whether rollouts go through `generate_one`: the ``continuous`` setting (any sampling)."""
+        return self.config.continuous
+
+    async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """One completion of one prompt, decoded in vLLM's running batch with every other request
+        in flight from this event loop (see `batches_continuously`)."""
+        batch = self._batch_for_running_loop()
+        while self._weights_lost or self._synced_version != policy_version(self.model):
+            if batch.in_flight:  # new weights wait for the requests sampling from the old ones
+                await batch.idle.wait()
+                continue
+            self._wake_for("generate")
+            self.load_weights(None)
+        self._wake_for("generate")
+        sampling = self.vllm.SamplingParams(**sampling_kwargs(params, self.eos_ids), seed=params.seed,
+                                            output_kind=final_only())
+        output = await batch.run(f"rlhf-{next(self._request_ids)}", prompt_ids, sampling)
+        return to_generation(output.outputs[0], self.eos_ids, params.return_logprobs)
+
+    def _batch_for_running_loop(self) -> RequestBatch:
+        loop = asyncio.get_running_loop()
+        if self._batch is None or self._batch.loop is not loop:
+            if self._batch is not None:  # a closed loop's leftovers (its calls have ended) leave vLLM
+                self._batch.abort(list(self._batch.waiting))
+            self._batch = RequestBatch(self.llm.llm_engine, on_idle=self._after_continuous)
+        return self._batch
+
+    def _after_continuous(self) -> None:
+        if self.config.auto_sleep:
+            self.sleep()
+
+    def _refuse_while_in_flight(self, action: str) -> None:
+        if self._batch is not None and self._batch.in_flight:
+            raise RuntimeError(f"vllm engine: {action}() while {self._batch.in_flight} generate_one requests are "
+                               "in flight; await them first")
 
     # --- weights ---------------------------------------------------------------------------
 
@@ -319,6 +378,7 @@ class VLLMEngine:
     def sleep(self, level: int | None = None) -> None:
         """Free vLLM's GPU memory (level 1: weights to CPU; 2: weights dropped); the KV cache is dropped."""
         self._require_sleep_mode("sleep")
+        self._refuse_while_in_flight("sleep")
         level = self.config.sleep_level if level is None else level
         if level not in (1, 2):
             raise ConfigError(f"sleep level must be 1 or 2, got {level}")
