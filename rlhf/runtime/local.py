@@ -221,8 +221,9 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
         async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
                                                                                                     tokenizer)),
-                         rollouts_overlap=config.max_turns > 1 and batches_continuously(
-                             rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens))),
+                         # lanes copy the policy module: only for engines that sample from it in place
+                         rollouts_overlap=config.max_turns > 1 and rollout.engine.shares_weights
+                         and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens))),
         export=lambda out_dir, critic_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist,
                                                         critic_dir),
     )
