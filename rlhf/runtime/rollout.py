@@ -1,6 +1,7 @@
 """Rollouts: prompts -> trajectories, over one or many turns with an environment (docs/environments.md).
 
-Every trajectory gets its own environment. A turn is batched across every trajectory still
+Every trajectory gets its own environment. Single-turn rollouts, and multi-turn ones on an engine
+without continuous batching, go turn by turn, each turn batched across every trajectory still
 running: the engine generates (stopping at EOS, the budget, or the environment's stop strings),
 each environment steps on its turn's text, and the observation is appended with loss mask 0.
 An episode ends when the environment says done, the model emits EOS, ``max_turns`` is reached,
@@ -14,7 +15,8 @@ so a trajectory whose tool call returns early generates its next turn while slow
 wait. Each request samples from a random stream of its own, seeded from one draw of the
 process's stream per rollout, the trajectory's index and the turn: what a trajectory samples
 does not depend on when the others' tool calls return (up to the float rounding of a forward
-over a different batch).
+over a different batch). The rollout then says so (`rlhf.runtime.draw_order`): with ``--async``
+another batch's rollout may start beside it.
 """
 
 from __future__ import annotations
