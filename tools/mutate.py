@@ -96,6 +96,9 @@ AREAS = {
     ], ["tests/models/test_moe_aux_loss.py", "tests/fastpaths/test_ring_attention.py",
         "tests/runtime/test_weight_broadcast.py", "tests/runtime/test_offload.py", "tests/rewards/test_call_limit.py",
         "tests/runtime/test_async.py"]),
+    "rollouts": ([
+        "rlhf/runtime/rollout.py", "rlhf/plugins/engines/hf_continuous.py", "rlhf/runtime/draw_order.py",
+    ], ["tests/runtime/test_continuous_batching.py", "tests/runtime/test_multiturn.py", "tests/runtime/test_async.py"]),
 }
 TARGETS = [file for files, _ in AREAS.values() for file in files]
 
