@@ -222,7 +222,8 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
                                                                                                     tokenizer)),
                          # lanes copy the policy module: only for engines that sample from it in place
-                         rollouts_overlap=config.max_turns > 1 and rollout.engine.shares_weights
+                         rollouts_overlap=config.max_turns > 1 and plan.env_capability("multi_turn")
+                         and rollout.engine.shares_weights
                          and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens))),
         export=lambda out_dir, critic_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist,
                                                         critic_dir),

@@ -179,7 +179,7 @@ class RolloutWorker:
         asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(len(episodes), MAX_ENV_THREADS)), thread_name_prefix="rlhf-env"))
         try:
-            if self.settings.max_turns > 1 and batches_continuously(self.engine, params):
+            if self._multi_turn(episodes) and batches_continuously(self.engine, params):
                 await self._each_on_its_own(episodes, params)
                 return [self._trajectory(e) for e in episodes]
             await self._timed(episodes, [e.env.reset(e.item.prompt, e.label, e.item.columns) for e in episodes],
@@ -196,6 +196,11 @@ class RolloutWorker:
         finally:
             await asyncio.gather(*(e.env.close() for e in episodes), return_exceptions=True)
         return [self._trajectory(e) for e in episodes]
+
+    def _multi_turn(self, episodes: list[_Episode]) -> bool:
+        """Whether some episode may take several turns (a single-turn environment's never does)."""
+        return self.settings.max_turns > 1 and any(
+            self.make_env.capabilities(name)["multi_turn"] for name in {e.env.name for e in episodes})
 
     async def _each_on_its_own(self, episodes: list[_Episode], params: SamplingParams) -> None:
         """Every trajectory's episode as a task of its own, its turns sent to the engine's continuous

@@ -335,3 +335,30 @@ def test_a_failing_environment_names_itself_and_stops_the_other_trajectories(mod
     with pytest.raises(Exception, match=r"environment 'tools' failed on row slow: ValueError: tool crashed"):
         worker.generate([_item(tokenizer, "Q: 6*7?", "fast"), _item(tokenizer, "Q: 7*6?", "slow")], n=2,
                         params=SamplingParams(max_new_tokens=4, temperature=1.0))
+
+
+class _SingleTurnEnvs(_Envs):
+    def capabilities(self, name):
+        return {"multi_turn": False, "gives_rewards": False}
+
+
+class OneTurn:
+    def reset(self, prompt, label):
+        return None
+
+    def step(self, action):
+        return StepResult(reward=1.0, done=True)
+
+
+def test_single_turn_rollouts_stay_one_batched_generate(model_and_tokenizer, monkeypatch):
+    """A single-turn environment (however large --max-turns) and --max-turns 1 keep the turn-batched
+    decoders (the lean step, the process's random stream): continuous batching only pays between turns."""
+    model, tokenizer = model_and_tokenizer
+    items = [_item(tokenizer, "Q: 6*7?", "a"), _item(tokenizer, "Say many a's", "b")]
+    calls = []
+    monkeypatch.setattr(HFEngine, "generate_one", lambda self, *a, **k: calls.append("one"))
+    for envs, turns in ((_SingleTurnEnvs(OneTurn), 8), (_Envs(OneTurn), 1)):
+        worker = RolloutWorker(HFEngine(model, tokenizer), tokenizer, envs,
+                               RolloutSettings(env="tools", max_turns=turns, max_total_tokens=64))
+        trajectories = worker.generate(items, n=2, params=SamplingParams(max_new_tokens=4, temperature=1.0))
+        assert len(trajectories) == 4 and calls == []
