@@ -21,7 +21,8 @@ forward over a different batch (padding and batch size change the summation orde
 Every row is left padded to the batch's width, so the model sees the layout of an ordinary
 batched generation: real tokens right-aligned, explicit position ids, a key mask. Decoding goes
 through the model's forward (the lean step of the turn-batched decoder assumes a fixed batch).
-Supported where the direct decoder is: a decoder-only model without its own input preparation,
+Each admission copies the batch's cache once (a contiguous cache, not vLLM's pages), so
+requests that arrive together join together. Supported where the direct decoder is: a decoder-only model without its own input preparation,
 whose ``DynamicCache`` keeps plain per-layer keys and values (no sliding window); elsewhere the
 rollout batches by turns.
 
@@ -217,7 +218,8 @@ class DecodeBatch:
             if generation is not None:
                 request.future.set_result(generation)
                 ended.append(index)
-        stay = [i for i in range(len(self.rows)) if i not in set(ended)]
+        gone = set(ended)
+        stay = [i for i in range(len(self.rows)) if i not in gone]
         if ended:
             chosen = chosen[torch.tensor(stay, dtype=torch.long, device=chosen.device)]
             self._select(stay)
