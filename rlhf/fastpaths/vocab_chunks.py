@@ -5,8 +5,9 @@ their log-softmax, and in the backward as many again for their gradient. At Qwen
 (V = 151,936) that is 0.6 MB a position, 1.5 GB for a micro-batch of 8 x 320 tokens. Here the
 model's output layer hands back its input, the hidden states h (K, H), and the log-probs are
 computed from them tile by tile: up to `TILE_POSITIONS` positions x a block of b =
-``TILE_ELEMENTS / positions`` vocabulary entries (512 KB of float32: a tile stays in a core's L2
-cache while it is exponentiated and summed), each block's max and sum kept, merged at the end:
+``TILE_ELEMENTS / positions`` vocabulary entries (on a CPU 512 x 256, 512 KB of float32: a tile
+stays in a core's L2 cache while it is exponentiated and summed; on a GPU 4096 positions and 32 MB,
+the sizes from before that change, unmeasured there), each block's max and sum kept, merged at the end:
 
     z   = (h·W_bᵀ + b_b) / τ                  (c, b) float32, one tile at a time
     ℓ_k = z_k[y_k] − logsumexp(z_k)           the log-prob of the target y_k
@@ -25,7 +26,11 @@ entropy g_ℓ scales the (c, H) operands instead of the tile (the tile is only e
 the others). Memory is O(c·b) instead of O(K·V), for one more product with W than the plain path
 (four instead of three); the tiles' other work is a few passes over data in cache, where the plain
 path's log-softmax and its gradient pass over (K, V) in memory. The numbers are the plain path's up
-to float rounding. Cost (benchmarks/README.md, "Memory at a real vocabulary"): COST_FIGURES.
+to float rounding. Cost, measured on a 2-core AMD EPYC (MKL, one thread; benchmarks/README.md, "Memory at a real
+vocabulary"): a GRPO policy update of a 95M model with Qwen2's vocabulary (the output layer 82% of
+the weights) takes 1.05x the full logits' CPU time (1.29x with the earlier 32 MB tiles that
+applied each term over the whole tile); the output layer alone 1.02x at 512 positions (1.47x
+before), 1.21x at 2,048 (1.40x).
 A call still takes the full logits while they stay small (`FULL_LOGITS_UP_TO`, 64 MiB: a
 micro-batch of 8 x 64 tokens at a 32k vocabulary), with or without a backward: a policy and its
 reference then score a micro-batch the same way. Distillation's cross-entropy to a teacher's
@@ -66,8 +71,10 @@ from rlhf.fastpaths.verdicts import settle, verdict
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 1 << 23  # float32 logits of a chunk of distillation positions (32 MB): positions x vocabulary
-TILE_ELEMENTS = 1 << 17  # float32 logits per log-prob tile (512 KB, a core's L2 cache): positions x vocabulary block
-TILE_POSITIONS = 512  # positions per tile at most (more: the weight's gradient is summed over tiles)
+TILE_ELEMENTS = 1 << 17  # float32 logits per log-prob tile on a CPU (512 KB, a core's L2 cache): positions x block
+TILE_POSITIONS = 512  # positions per tile at most on a CPU (more: the weight's gradient is summed over tiles)
+ACCELERATOR_TILE_ELEMENTS = 1 << 23  # the same on a GPU (32 MB: few, large products; not measured since the CPU's change)
+ACCELERATOR_TILE_POSITIONS = 4096
 MIN_BLOCK = 256  # vocabulary entries per block at least
 FULL_LOGITS_UP_TO = 64 << 20  # bytes of float32 logits up to which a call with a backward takes them whole
 CHECK_POSITIONS = 64  # positions of the first call compared with the plain path
@@ -87,12 +94,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on
     return F.linear(x, weight, bias)
 
 
-def _tiles(count: int, vocab: int) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+def _tiles(count: int, vocab: int, device: torch.device) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
     """(first, end, vocabulary blocks) of each chunk of at most `TILE_POSITIONS` positions; a block
-    holds ``TILE_ELEMENTS / positions`` tokens of the vocabulary (at least `MIN_BLOCK`)."""
-    for first in range(0, count, TILE_POSITIONS):
-        end = min(first + TILE_POSITIONS, count)
-        width = min(vocab, max(MIN_BLOCK, TILE_ELEMENTS // (end - first)))
+    holds ``TILE_ELEMENTS / positions`` tokens of the vocabulary (at least `MIN_BLOCK`); off a CPU
+    the ``ACCELERATOR_`` sizes."""
+    cpu = device.type == "cpu"
+    positions = TILE_POSITIONS if cpu else ACCELERATOR_TILE_POSITIONS
+    elements = TILE_ELEMENTS if cpu else ACCELERATOR_TILE_ELEMENTS
+    for first in range(0, count, positions):
+        end = min(first + positions, count)
+        width = min(vocab, max(MIN_BLOCK, elements // (end - first)))
         yield first, end, [(v, min(v + width, vocab)) for v in range(0, vocab, width)]
 
 
@@ -109,7 +120,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = torch.empty(count, **floats)  # (K,) logsumexp(z)
         target_logit = torch.zeros(count, **floats)  # (K,) z[y]
         entropy = torch.empty(count if with_entropy else 0, **floats)  # (K,) or (0,)
-        for first, end, blocks in _tiles(count, weight.shape[0]):
+        for first, end, blocks in _tiles(count, weight.shape[0], hidden.device):
             rows, h, y = slice(first, end), hidden[first:end], targets[first:end]  # (c, H), (c,)
             tops = torch.empty(len(blocks), end - first, **floats)  # (n, c) max of each block, m
             sums = torch.empty(len(blocks), end - first, **floats)  # (n, c) Σ_v exp(z − m)
@@ -159,7 +170,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # (V, H), (V,): written by the first chunk of positions, summed into by the others
         grad_weight = (torch.empty if count else torch.zeros)(weight.shape, **floats) if want_weight else None
         grad_bias = (torch.empty if count else torch.zeros)(weight.shape[0], **floats) if want_bias else None
-        for first, end, blocks in _tiles(count, weight.shape[0]):
+        for first, end, blocks in _tiles(count, weight.shape[0], hidden.device):
             rows, h = slice(first, end), hidden[first:end]  # (c, H)
             # without entropy q = g_ℓ·p: p's rows are scaled by g_ℓ after the products, not in the tile
             row_scale = g_lp[rows] if g_ent is None else torch.ones(end - first, **floats)  # (c,)

@@ -6,6 +6,8 @@
   x 1 or 7 vocabulary entries and in one tile, through torch's and oneDNN's products, with a biased output layer;
 * distillation's cross-entropy to a teacher (another hidden size; logits at -inf) and its
   gradients equal `rlhf.objectives.distillation_loss`'s;
+* a block of logits all at −inf, or far below the rest, and repeated targets: the same log-probs
+  and gradients as log_softmax; tiles are 512 KB on a CPU and keep their earlier 32 MB elsewhere;
 * the backward keeps no tensor of (positions x vocabulary) elements;
 * a model whose logits are not its output layer's output (capped, scaled) keeps the plain path; a
   ZeRO-3 partitioned layer does not defer; a chunked result that differs is caught and replaced;
@@ -233,6 +235,16 @@ def test_blocks_at_minus_infinity_or_far_below_the_rest_and_repeated_targets(mon
     for a, b in zip(gradients(got), expected_grads):
         assert torch.isfinite(a).all() and torch.allclose(a, b, atol=1e-5)
     assert (expected_grads[1][:7] == 0).all() and expected_grads[1][8].abs().sum() > 0
+
+
+def test_tiles_fit_a_cpu_cache_and_keep_their_earlier_size_elsewhere():
+    cpu = list(vocab_chunks._tiles(1000, 151_936, torch.device("cpu")))
+    assert [(first, end) for first, end, _ in cpu] == [(0, 512), (512, 1000)]
+    assert cpu[0][2][:2] == [(0, 256), (256, 512)] and cpu[0][2][-1] == (151_808, 151_936)
+    assert len(cpu[1][2][0]) == 2 and cpu[1][2][0][1] == 268  # 2¹⁷ / 488 positions
+    elsewhere = list(vocab_chunks._tiles(5000, 151_936, torch.device("meta")))
+    assert [(first, end) for first, end, _ in elsewhere] == [(0, 4096), (4096, 5000)]
+    assert elsewhere[0][2][0] == (0, 2048)  # 2²³ / 4096
 
 
 def test_a_model_that_caps_its_logits_keeps_the_plain_path(caplog):
