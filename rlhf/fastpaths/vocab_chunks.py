@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 CHUNK_ELEMENTS = 1 << 23  # float32 logits of a chunk of distillation positions (32 MB): positions x vocabulary
 TILE_ELEMENTS = 1 << 17  # float32 logits per log-prob tile on a CPU (512 KB, a core's L2 cache): positions x block
 TILE_POSITIONS = 512  # positions per tile at most on a CPU (more: the weight's gradient is summed over tiles)
-ACCELERATOR_TILE_ELEMENTS = 1 << 23  # the same on a GPU (32 MB: few, large products; not measured since the CPU's change)
+ACCELERATOR_TILE_ELEMENTS = 1 << 23  # the same on a GPU (32 MB: few, large products; the earlier size, kept)
 ACCELERATOR_TILE_POSITIONS = 4096
 MIN_BLOCK = 256  # vocabulary entries per block at least
 FULL_LOGITS_UP_TO = 64 << 20  # bytes of float32 logits up to which a call with a backward takes them whole
@@ -124,7 +124,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             rows, h, y = slice(first, end), hidden[first:end], targets[first:end]  # (c, H), (c,)
             tops = torch.empty(len(blocks), end - first, **floats)  # (n, c) max of each block, m
             sums = torch.empty(len(blocks), end - first, **floats)  # (n, c) Σ_v exp(z − m)
-            weighted = torch.empty(len(blocks) if with_entropy else 0, end - first, **floats)  # Σ exp(z − m)·(z − m)
+            weighted = torch.empty(len(blocks) if with_entropy else 0, end - first, **floats)  # Σ e^(z−m)·(z − m)
             for i, (v0, v1) in enumerate(blocks):
                 z = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, temperature,
                             onednn)  # (c, b)
@@ -145,7 +145,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             scale = (tops - top).exp_()  # (n, c) exp(m − M): 0 for a block all −inf
             total = (sums * scale).sum(dim=0)  # (c,) Σ_v exp(z − M)
             lse[rows] = top + total.log()
-            if with_entropy:  # H = lse − Σ_v p z, Σ_v exp(z − M)·z = Σ_blocks exp(m − M)·(Σ exp(z − m)·(z − m) + m·Σ exp(z − m))
+            if with_entropy:  # H = lse − Σ_v p z; Σ_v e^(z−M)·z = Σ_blocks e^(m−M)·(Σ e^(z−m)·(z − m) + m·Σ e^(z−m))
                 shifts = torch.where(torch.isinf(tops), 0.0, tops)  # (n, c)
                 entropy[rows] = lse[rows] - ((weighted + shifts * sums) * scale).sum(dim=0) / total
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
