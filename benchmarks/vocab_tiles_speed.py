@@ -6,7 +6,10 @@ output layer computes log-probs in tiles (`rlhf.fastpaths.vocab_chunks`, every c
 one with the model's full logits. Rounds alternate; the medians of this process's CPU time are
 reported (one torch thread: the work done, whatever else runs on the machine).
 
-    python benchmarks/vocab_tiles_speed.py [--model vocab152k] [--rounds 3]
+``--layer-only K``: the output layer alone instead, log-probs of K positions (hidden 512, Qwen2's
+vocabulary, random weights) and their backward, the full logits' ``log_softmax`` against the tiles.
+
+    python benchmarks/vocab_tiles_speed.py [--model vocab152k] [--rounds 3] [--layer-only 512]
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ def main() -> None:
     parser.add_argument("--model", default="vocab152k", help="a benchlib model name or a model directory")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--layer-only", type=int, default=0, metavar="K", help="the output layer alone, K positions")
     args = parser.parse_args()
     benchlib.setup_environment(1)
+    if args.layer_only:
+        return layer_only(args.layer_only, args.rounds)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -77,6 +83,41 @@ def main() -> None:
             print(f"round {round_ + 1} {name:>11}: {seconds[name][-1]:.2f} s CPU", flush=True)
     full, tiles = statistics.median(seconds["full logits"]), statistics.median(seconds["tiles"])
     print(f"policy update, CPU s: full logits {full:.2f}, tiles {tiles:.2f}: {tiles / full:.2f}x")
+
+
+def layer_only(positions: int, rounds: int, hidden_size: int = 512, vocab: int = 151_936) -> None:
+    """Log-probs of ``positions`` positions and their backward (h and W), both ways, alternating."""
+    import torch
+
+    from rlhf.fastpaths import vocab_chunks
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.02).requires_grad_()  # (V, H)
+    hidden = torch.randn(positions, hidden_size, generator=generator)  # (K, H)
+    targets = torch.randint(0, vocab, (positions,), generator=generator)  # (K,)
+    weights = torch.randn(positions, generator=generator)  # (K,) the loss's gradient
+
+    def full_logits() -> None:
+        h = hidden.clone().requires_grad_()
+        log_p = torch.log_softmax(torch.nn.functional.linear(h, weight), dim=-1)  # (K, V)
+        (log_p.gather(-1, targets[:, None]).squeeze(-1) * weights).sum().backward()
+
+    def tiles() -> None:
+        h = hidden.clone().requires_grad_()
+        logprobs, _ = vocab_chunks._ChunkedLogprobs.apply(h, weight, None, targets, 1.0, False, False)  # (K,)
+        (logprobs * weights).sum().backward()
+
+    print(benchlib.machine_line(1))
+    seconds: dict[str, list[float]] = {"full logits": [], "tiles": []}
+    for round_ in range(rounds):
+        for name, run in (("full logits", full_logits), ("tiles", tiles)):
+            weight.grad = None
+            began = time.process_time()
+            run()
+            seconds[name].append(time.process_time() - began)
+            print(f"round {round_ + 1} {name:>11}: {seconds[name][-1]:.2f} s CPU", flush=True)
+    full, tiled = statistics.median(seconds["full logits"]), statistics.median(seconds["tiles"])
+    print(f"output layer, {positions} positions, CPU s: full logits {full:.2f}, tiles {tiled:.2f}: {tiled / full:.2f}x")
 
 
 if __name__ == "__main__":

@@ -5,24 +5,35 @@ their log-softmax, and in the backward as many again for their gradient. At Qwen
 (V = 151,936) that is 0.6 MB a position, 1.5 GB for a micro-batch of 8 x 320 tokens. Here the
 model's output layer hands back its input, the hidden states h (K, H), and the log-probs are
 computed from them tile by tile: up to `TILE_POSITIONS` positions x a block of b =
-``CHUNK_ELEMENTS / positions`` vocabulary entries, the logsumexp kept running over the blocks:
+``TILE_ELEMENTS / positions`` vocabulary entries (on a CPU 512 x 256, 512 KB of float32: a tile
+stays in a core's L2 cache while it is exponentiated and summed; on a GPU 4096 positions and 32 MB,
+the sizes from before that change, unmeasured there), each block's max and sum kept, merged at the end:
 
     z   = (h·W_bᵀ + b_b) / τ                  (c, b) float32, one tile at a time
     ℓ_k = z_k[y_k] − logsumexp(z_k)           the log-prob of the target y_k
     H_k = logsumexp(z_k) − Σ_v p_kv z_kv      the entropy, p = softmax(z)
 
-Only logsumexp(z) (K,) is kept for the backward, which recomputes each tile's z and applies
+Only logsumexp(z) (K,) is kept for the backward, which recomputes each tile's z. With
+∂z = (g_ℓ·onehot(y) − q) / τ and q = g_ℓ·p + g_H·p·(log p + H) (the entropy term only when the
+entropy has a gradient), the onehot part is applied once, outside the tiles, and without the
+entropy g_ℓ scales the (c, H) operands instead of the tile (the tile is only exp(z − lse), in place):
 
-    ∂z   = (g_ℓ·(onehot(y) − p) − g_H·p·(log p + H)) / τ
-    ∂h  += ∂z·W_b,   ∂W_b = ∂zᵀ·h,   ∂b_b = Σ_k ∂z_k
+    ∂h   = (g_ℓ·W_y − Σ_blocks q_b·W_b) / τ        q_b = g_ℓ·p_b: ∂h = g_ℓ·(W_y − Σ p_b·W_b) / τ
+    ∂W_b = −q_bᵀ·h / τ,   ∂W_y += g_ℓ·h / τ        q_b = g_ℓ·p_b: ∂W_b = −p_bᵀ·(g_ℓ·h) / τ
+    ∂b_b = −Σ_k q_kb / τ, ∂b_y += g_ℓ / τ
 
-(a block of the weight's gradient is written once, not summed over chunks of positions: each
-product has the tile's positions, all of them up to `TILE_POSITIONS`, as its rows). Memory is
-O(c·b) instead of O(K·V), for one more product with W than the plain path. The numbers are the
-plain path's up to float rounding. The recomputation costs time where the output layer is much of
-the model (a third more of its products), so a call takes the full logits while they stay small
-(`FULL_LOGITS_UP_TO`, 64 MiB: a micro-batch of 8 x 64 tokens at a 32k vocabulary), with or
-without a backward: a policy and its reference then score a micro-batch the same way. Distillation's cross-entropy to a teacher's
+(a block of the weight's gradient is written by the first chunk of positions and summed into by
+the others). Memory is O(c·b) instead of O(K·V), for one more product with W than the plain path
+(four instead of three); the tiles' other work is a few passes over data in cache, where the plain
+path's log-softmax and its gradient pass over (K, V) in memory. The numbers are the plain path's up
+to float rounding. Cost, measured on a 2-core AMD EPYC (MKL, one thread; benchmarks/README.md, "Memory at a real
+vocabulary"): a GRPO policy update of a 95M model with Qwen2's vocabulary (the output layer 82% of
+the weights) takes 1.05x the full logits' CPU time (1.29x with the earlier 32 MB tiles that
+applied each term over the whole tile); the output layer alone 1.02x at 512 positions (1.47x
+before), 1.21x at 2,048 (1.40x).
+A call still takes the full logits while they stay small (`FULL_LOGITS_UP_TO`, 64 MiB: a
+micro-batch of 8 x 64 tokens at a 32k vocabulary), with or without a backward: a policy and its
+reference then score a micro-batch the same way. Distillation's cross-entropy to a teacher's
 distribution (`rlhf.objectives.distillation_loss`) runs the same way, the teacher's logits
 z' = h'_c·W'ᵀ (+ b') recomputed beside the student's, in chunks of c = ``CHUNK_ELEMENTS / V``
 positions:
@@ -59,8 +70,11 @@ from rlhf.fastpaths.verdicts import settle, verdict
 
 log = logging.getLogger(__name__)
 
-CHUNK_ELEMENTS = 1 << 23  # float32 logits per tile (32 MB): positions x vocabulary block
-TILE_POSITIONS = 4096  # positions per tile at most (more: the weight's gradient is summed over tiles)
+CHUNK_ELEMENTS = 1 << 23  # float32 logits of a chunk of distillation positions (32 MB): positions x vocabulary
+TILE_ELEMENTS = 1 << 17  # float32 logits per log-prob tile on a CPU (512 KB, a core's L2 cache): positions x block
+TILE_POSITIONS = 512  # positions per tile at most on a CPU (more: the weight's gradient is summed over tiles)
+ACCELERATOR_TILE_ELEMENTS = 1 << 23  # the same on a GPU (32 MB: few, large products; the earlier size, kept)
+ACCELERATOR_TILE_POSITIONS = 4096
 MIN_BLOCK = 256  # vocabulary entries per block at least
 FULL_LOGITS_UP_TO = 64 << 20  # bytes of float32 logits up to which a call with a backward takes them whole
 CHECK_POSITIONS = 64  # positions of the first call compared with the plain path
@@ -80,12 +94,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on
     return F.linear(x, weight, bias)
 
 
-def _tiles(count: int, vocab: int) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+def _tiles(count: int, vocab: int, device: torch.device) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
     """(first, end, vocabulary blocks) of each chunk of at most `TILE_POSITIONS` positions; a block
-    holds ``CHUNK_ELEMENTS / positions`` tokens of the vocabulary (at least `MIN_BLOCK`)."""
-    for first in range(0, count, TILE_POSITIONS):
-        end = min(first + TILE_POSITIONS, count)
-        width = min(vocab, max(MIN_BLOCK, CHUNK_ELEMENTS // (end - first)))
+    holds ``TILE_ELEMENTS / positions`` tokens of the vocabulary (at least `MIN_BLOCK`); off a CPU
+    the ``ACCELERATOR_`` sizes."""
+    cpu = device.type == "cpu"
+    positions = TILE_POSITIONS if cpu else ACCELERATOR_TILE_POSITIONS
+    elements = TILE_ELEMENTS if cpu else ACCELERATOR_TILE_ELEMENTS
+    for first in range(0, count, positions):
+        end = min(first + positions, count)
+        width = min(vocab, max(MIN_BLOCK, elements // (end - first)))
         yield first, end, [(v, min(v + width, vocab)) for v in range(0, vocab, width)]
 
 
@@ -101,29 +119,35 @@ class _ChunkedLogprobs(torch.autograd.Function):
         floats = {"dtype": torch.float32, "device": hidden.device}
         lse = torch.empty(count, **floats)  # (K,) logsumexp(z)
         target_logit = torch.zeros(count, **floats)  # (K,) z[y]
-        weighted = torch.zeros(count, **floats)  # (K,) Σ_v exp(z − m)·z, for the entropy
-        for first, end, blocks in _tiles(count, weight.shape[0]):
-            rows = slice(first, end)
-            top = torch.full((end - first,), float("-inf"), **floats)  # (c,) running max m
-            total = torch.zeros(end - first, **floats)  # (c,) Σ_v exp(z − m)
-            for v0, v1 in blocks:
-                z = _logits(hidden[rows], weight[v0:v1], bias[v0:v1] if bias is not None else None, temperature,
+        entropy = torch.empty(count if with_entropy else 0, **floats)  # (K,) or (0,)
+        for first, end, blocks in _tiles(count, weight.shape[0], hidden.device):
+            rows, h, y = slice(first, end), hidden[first:end], targets[first:end]  # (c, H), (c,)
+            tops = torch.empty(len(blocks), end - first, **floats)  # (n, c) max of each block, m
+            sums = torch.empty(len(blocks), end - first, **floats)  # (n, c) Σ_v exp(z − m)
+            weighted = torch.empty(len(blocks) if with_entropy else 0, end - first, **floats)  # Σ e^(z−m)·(z − m)
+            for i, (v0, v1) in enumerate(blocks):
+                z = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, temperature,
                             onednn)  # (c, b)
-                new_top = torch.maximum(top, z.max(dim=-1).values)  # (c,)
-                shift = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)  # all −inf so far: 0
-                rescale = (top - shift).exp()  # (c,)
-                e = (z - shift[:, None]).exp()  # (c, b)
-                total = total * rescale + e.sum(dim=-1)
-                if with_entropy:
-                    weighted[rows] = weighted[rows] * rescale + (e * z).sum(dim=-1)
-                top = new_top
-                inside = (targets[rows] >= v0) & (targets[rows] < v1)  # (c,)
+                inside = (y >= v0) & (y < v1)  # (c,)
                 target_logit[rows] += torch.where(
-                    inside, z.gather(-1, (targets[rows] - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(-1), 0.0)
+                    inside, z.gather(-1, (y - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(-1), 0.0)
+                tops[i] = z.amax(dim=-1)
+                shift = torch.where(torch.isinf(tops[i]), 0.0, tops[i])  # (c,) a row all −inf: 0
+                shifted = z.sub_(shift[:, None])  # (c, b) z − m, in place of z
+                if with_entropy:
+                    e = torch.exp(shifted)  # (c, b)
+                    sums[i] = e.sum(dim=-1)
+                    weighted[i] = e.mul_(shifted).sum(dim=-1)
+                else:
+                    sums[i] = shifted.exp_().sum(dim=-1)  # in place: exp(z − m)
+            top = tops.amax(dim=0)  # (c,) M = max over the blocks
+            top = torch.where(torch.isinf(top), 0.0, top)
+            scale = (tops - top).exp_()  # (n, c) exp(m − M): 0 for a block all −inf
+            total = (sums * scale).sum(dim=0)  # (c,) Σ_v exp(z − M)
             lse[rows] = top + total.log()
-            if with_entropy:  # H = lse − Σ p z = lse − Σ exp(z − m)·z / Σ exp(z − m)
-                weighted[rows] = lse[rows] - weighted[rows] / total
-        entropy = weighted if with_entropy else weighted[:0]  # (K,) or (0,)
+            if with_entropy:  # H = lse − Σ_v p z; Σ_v e^(z−M)·z = Σ_blocks e^(m−M)·(Σ e^(z−m)·(z − m) + m·Σ e^(z−m))
+                shifts = torch.where(torch.isinf(tops), 0.0, tops)  # (n, c)
+                entropy[rows] = lse[rows] - ((weighted + shifts * sums) * scale).sum(dim=0) / total
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.with_entropy, ctx.onednn = temperature, with_entropy, onednn
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
@@ -141,29 +165,47 @@ class _ChunkedLogprobs(torch.autograd.Function):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
         floats = {"dtype": torch.float32, "device": hidden.device}
-        grad_hidden = torch.zeros(hidden.shape, **floats) if want_hidden else None  # (K, H), summed over blocks
-        grad_weight = torch.zeros(weight.shape, **floats) if want_weight else None  # (V, H)
-        grad_bias = torch.zeros(weight.shape[0], **floats) if want_bias else None  # (V,)
-        for first, end, blocks in _tiles(count, weight.shape[0]):
-            rows = slice(first, end)
-            h = hidden[rows]  # (c, H)
+        # ∂z = g_ℓ·onehot(y) − q, q = g_ℓ·p (+ g_H·p·(log p + H)); the onehot term is added once at the end
+        grad_hidden = torch.empty(hidden.shape, **floats) if want_hidden else None  # (K, H)
+        # (V, H), (V,): written by the first chunk of positions, summed into by the others
+        grad_weight = (torch.empty if count else torch.zeros)(weight.shape, **floats) if want_weight else None
+        grad_bias = (torch.empty if count else torch.zeros)(weight.shape[0], **floats) if want_bias else None
+        for first, end, blocks in _tiles(count, weight.shape[0], hidden.device):
+            rows, h = slice(first, end), hidden[first:end]  # (c, H)
+            # without entropy q = g_ℓ·p: p's rows are scaled by g_ℓ after the products, not in the tile
+            row_scale = g_lp[rows] if g_ent is None else torch.ones(end - first, **floats)  # (c,)
+            scaled_h = (h.float() * -row_scale[:, None]) if want_weight or want_bias else None  # (c, H)
+            products = torch.zeros(end - first, hidden.shape[1], **floats)  # (c, H) Σ_blocks q/row_scale·W_b
             for v0, v1 in blocks:
                 z = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, tau, ctx.onednn)  # (c, b)
                 log_p = z.sub_(lse[rows, None])  # (c, b), in place of z
-                p = log_p.exp()  # (c, b)
-                if g_ent is not None:  # ∂z = −p·(g_ℓ + g_H·(log p + H)) + g_ℓ·onehot(y)
-                    coefficient = log_p.add_(entropy[rows, None]).mul_(g_ent[rows, None])
-                    grad_z = coefficient.add_(g_lp[rows, None]).mul_(p).neg_()  # (c, b)
-                else:  # ∂z = g_ℓ·(onehot(y) − p)
-                    grad_z = p.mul_(-g_lp[rows, None])  # (c, b)
-                inside = ((targets[rows] >= v0) & (targets[rows] < v1)).nonzero().squeeze(1)  # (k,)
-                grad_z[inside, targets[rows][inside] - v0] += g_lp[rows][inside]
-                if want_hidden:  # ∂z·W = ∂z·(Wᵀ)ᵀ
-                    grad_hidden[rows] += _linear(grad_z.to(weight.dtype), weight[v0:v1].t(), None, ctx.onednn)
-                if want_weight:
-                    grad_weight[v0:v1].addmm_(grad_z.t(), h.float())  # (b, H)
-                if want_bias:
-                    grad_bias[v0:v1] += grad_z.sum(dim=0)
+                if g_ent is None:
+                    q = log_p.exp_()  # (c, b) p, in place
+                else:  # q = p·(g_ℓ + g_H·(log p + H))
+                    p = torch.exp(log_p)  # (c, b)
+                    q = log_p.add_(entropy[rows, None]).mul_(g_ent[rows, None]).add_(g_lp[rows, None]).mul_(p)
+                if want_hidden:
+                    if q.dtype == weight.dtype and not ctx.onednn:
+                        products.addmm_(q, weight[v0:v1])  # (c, H) += q·W_b
+                    else:
+                        products += _linear(q.to(weight.dtype), weight[v0:v1].t(), None, ctx.onednn)
+                if want_weight:  # ∂W_b = −qᵀ·h (rows scaled), (b, H)
+                    if first == 0:
+                        torch.mm(q.t(), scaled_h, out=grad_weight[v0:v1])
+                    else:
+                        grad_weight[v0:v1].addmm_(q.t(), scaled_h)
+                if want_bias:  # ∂b_b = −qᵀ·row_scale, (b,)
+                    if first == 0:
+                        torch.mv(q.t(), -row_scale, out=grad_bias[v0:v1])
+                    else:
+                        grad_bias[v0:v1].addmv_(q.t(), -row_scale)
+            if want_hidden:  # ∂h = g_ℓ·W_y − row_scale·Σ q·W
+                grad_hidden[rows] = weight[targets[rows]].float().mul_(g_lp[rows, None]) \
+                    .sub_(products.mul_(row_scale[:, None]))
+        if want_weight:
+            grad_weight.index_add_(0, targets, hidden.float() * g_lp[:, None])  # the onehot term: g_ℓ·h at y
+        if want_bias:
+            grad_bias.index_add_(0, targets, g_lp)
         return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)

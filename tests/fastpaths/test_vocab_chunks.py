@@ -6,6 +6,8 @@
   x 1 or 7 vocabulary entries and in one tile, through torch's and oneDNN's products, with a biased output layer;
 * distillation's cross-entropy to a teacher (another hidden size; logits at -inf) and its
   gradients equal `rlhf.objectives.distillation_loss`'s;
+* a block of logits all at −inf, or far below the rest, and repeated targets: the same log-probs
+  and gradients as log_softmax; tiles are 512 KB on a CPU and keep their earlier 32 MB elsewhere;
 * the backward keeps no tensor of (positions x vocabulary) elements;
 * a model whose logits are not its output layer's output (capped, scaled) keeps the plain path; a
   ZeRO-3 partitioned layer does not defer; a chunked result that differs is caught and replaced;
@@ -75,7 +77,7 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_full_logits(lm, monkey
     # tiles of 3 positions x `chunk` vocabulary entries (one of 1, of 7), or one tile
     monkeypatch.setattr(vocab_chunks, "TILE_POSITIONS", 3 if chunk else 4096)
     monkeypatch.setattr(vocab_chunks, "MIN_BLOCK", 1)
-    monkeypatch.setattr(vocab_chunks, "CHUNK_ELEMENTS", 3 * chunk if chunk else 1 << 30)
+    monkeypatch.setattr(vocab_chunks, "TILE_ELEMENTS", 3 * chunk if chunk else 1 << 30)
     if path == "shared/segment":
         import rlhf.fastpaths.prefix_sharing as prefix_sharing
 
@@ -109,7 +111,7 @@ def test_onednn_products_and_a_biased_output_layer(lm, monkeypatch):
     if not cpu_linear.onednn_available():
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setattr(cpu_linear, "ONEDNN_FROM", 1)
-    monkeypatch.setattr(vocab_chunks, "CHUNK_ELEMENTS", lm.lm_head.weight.shape[0] * 5)
+    monkeypatch.setattr(vocab_chunks, "TILE_ELEMENTS", lm.lm_head.weight.shape[0] * 5)
     biased = torch.nn.Linear(lm.lm_head.in_features, lm.lm_head.out_features, bias=True)
     with torch.no_grad():
         biased.weight.copy_(lm.lm_head.weight)
@@ -179,7 +181,7 @@ def test_the_cross_entropy_to_a_teacher_and_its_gradients_equal_the_full_logits(
 
 def test_the_backward_keeps_no_full_vocabulary_tensor(lm, monkeypatch):
     vocab = lm.lm_head.weight.shape[0]
-    monkeypatch.setattr(vocab_chunks, "CHUNK_ELEMENTS", vocab * 4)
+    monkeypatch.setattr(vocab_chunks, "TILE_ELEMENTS", vocab * 4)
     ids, mask, actions = padded_batch()
     positions = actions.shape[0] * actions.shape[1]  # (B·A) scored positions at most
 
@@ -198,6 +200,51 @@ def test_the_backward_keeps_no_full_vocabulary_tensor(lm, monkeypatch):
     vocab_chunks.use_vocab_chunks(chunked)
     assert largest_saved(lm) >= positions // 2 * vocab  # the plain path keeps (B, A', V) logits
     assert largest_saved(chunked) == 0  # only the output layer's (V, H) weight: not (positions, V)
+
+
+@pytest.mark.parametrize("positions", [3, 512])
+def test_blocks_at_minus_infinity_or_far_below_the_rest_and_repeated_targets(monkeypatch, positions):
+    """A block whose logits are all −inf, one whose max is 300 below the row's (its exp(m − M) is 0
+    in float32), targets inside it and repeated (the onehot term summed, not overwritten): the
+    same log-probs and gradients as log_softmax over the full logits; the weight's gradient summed
+    over chunks of 3 positions, or written by one chunk."""
+    monkeypatch.setattr(vocab_chunks, "TILE_POSITIONS", positions)
+    monkeypatch.setattr(vocab_chunks, "MIN_BLOCK", 1)
+    monkeypatch.setattr(vocab_chunks, "TILE_ELEMENTS", 3 * 7)  # 3 positions: blocks of 7
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 16, generator=generator).requires_grad_()  # (K, H)
+    weight = torch.randn(40, 16, generator=generator).requires_grad_()  # (V, H)
+    bias = torch.zeros(40)
+    bias[:7], bias[7:14] = float("-inf"), -300.0
+    bias.requires_grad_()
+    targets = torch.tensor([8, 8, 13, 20, 20, 20, 39, 7, 14, 30])  # (K,)
+    weights = torch.randn(10, generator=generator)  # (K,)
+
+    def gradients(logprobs):
+        (logprobs * weights).sum().backward()
+        grads = (hidden.grad.clone(), weight.grad.clone(), bias.grad.clone())
+        hidden.grad = weight.grad = bias.grad = None
+        return grads
+
+    plain = torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias) / 0.7, dim=-1)  # (K, V)
+    expected = plain.gather(-1, targets[:, None]).squeeze(-1)  # (K,)
+    expected_grads = gradients(expected)
+    got, entropy = vocab_chunks._ChunkedLogprobs.apply(hidden, weight, bias, targets, 0.7, False, False)
+    assert entropy.numel() == 0
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-5) and (got[:3] < -300).all()
+    for a, b in zip(gradients(got), expected_grads):
+        assert torch.isfinite(a).all() and torch.allclose(a, b, atol=1e-5)
+    assert (expected_grads[1][:7] == 0).all() and expected_grads[1][8].abs().sum() > 0
+
+
+def test_tiles_fit_a_cpu_cache_and_keep_their_earlier_size_elsewhere():
+    cpu = list(vocab_chunks._tiles(1000, 151_936, torch.device("cpu")))
+    assert [(first, end) for first, end, _ in cpu] == [(0, 512), (512, 1000)]
+    assert cpu[0][2][:2] == [(0, 256), (256, 512)] and cpu[0][2][-1] == (151_808, 151_936)
+    assert len(cpu[1][2][0]) == 2 and cpu[1][2][0][1] == 268  # 2¹⁷ / 488 positions
+    elsewhere = list(vocab_chunks._tiles(5000, 151_936, torch.device("meta")))
+    assert [(first, end) for first, end, _ in elsewhere] == [(0, 4096), (4096, 5000)]
+    assert elsewhere[0][2][0] == (0, 2048)  # 2²³ / 4096
 
 
 def test_a_model_that_caps_its_logits_keeps_the_plain_path(caplog):
@@ -257,7 +304,7 @@ def test_a_policy_step_is_the_same_with_vocab_chunks(lm, monkeypatch, micro, epo
     from tests.fastpaths.test_prefix_sharing import policy_step
     from tests.helpers import grouped_batch
 
-    monkeypatch.setattr(vocab_chunks, "CHUNK_ELEMENTS", lm.lm_head.weight.shape[0] * 6)
+    monkeypatch.setattr(vocab_chunks, "TILE_ELEMENTS", lm.lm_head.weight.shape[0] * 6)
     chunked = copy.deepcopy(lm)
     vocab_chunks.use_vocab_chunks(chunked)
     batch = grouped_batch()
