@@ -38,6 +38,27 @@ for _key in ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "RLHF_DEBUG", "RAY_ADD
 pytest_plugins = ["tests.helpers"]
 
 
+# `pytest -n 2` (pyproject.toml adds `--dist loadfile`) sends each test file to one worker, so a
+# module-scoped fixture (a training run several tests assert on) is built once; the files of these
+# folders go to one worker together, one after another: the Ray tests share one cluster and count
+# the machine's Ray actor processes, the sandbox tests look for what a sandbox left in the temp folder.
+SERIAL_FOLDERS = ("tests/ray/", "tests/sandbox/")
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without pytest-xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileOrFolderScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            folder = next((f for f in SERIAL_FOLDERS if nodeid.startswith(f)), None)
+            return folder or super()._split_scope(nodeid)
+
+    return FileOrFolderScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not any(item.get_closest_marker("gpu") for item in items):
         return

@@ -30,5 +30,5 @@ main_site=$("$main/bin/python" -c "import site; print(site.getsitepackages()[0])
 old_site=$("$old/bin/python" -c "import site; print(site.getsitepackages()[0])")
 echo "$main_site" > "$old_site/zz_main_venv.pth"  # after the old venv's own packages: they win
 "$old/bin/python" -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)"
-PYTHONPATH="$PWD" "$old/bin/python" -m pytest -q -p no:cacheprovider tests/fastpaths tests/models
+PYTHONPATH="$PWD" "$old/bin/python" -m pytest -q -p no:cacheprovider -n 2 tests/fastpaths tests/models
 echo "oldest transformers: $((SECONDS - start)) s"
