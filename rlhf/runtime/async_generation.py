@@ -26,6 +26,14 @@ rewards whether to sample more for the same step, so with one the producer prepa
 whole, one after the other. With K > 0 the producer's threads and the trainer's split the run's
 torch threads between them (`rlhf.runtime.threads.split_threads`).
 
+Generation lanes: a multi-turn rollout that batches continuously spends most of its time waiting
+for tool calls and draws from the process's random stream only at its start
+(`rlhf.runtime.draw_order`). The runtime then says so (``AsyncParts.rollouts_overlap``) and the
+generation stage runs as K lanes, threads with a policy copy each: lane after lane takes the next
+step, loads that step's version, waits for its turn at the random stream (step order), hands the
+turn on as soon as its rollout has drawn its seed, and ends its rollout (hooks, tensors) in step
+order; so up to K batches' rollouts overlap, and what each computes is what one lane would.
+
 Weights reach the producer by version: after each step (and its checkpoint) the trainer publishes
 a copy of the policy's state; the producer loads the version it needs. Sampling draws the
 process's random stream, which only the producer uses while it runs (eval swaps in a stream of
