@@ -296,6 +296,11 @@ class HFEngine:
         return bool(done)
 
     @staticmethod
+    def prompt_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab: int) -> torch.Tensor:
+        """(B, V) True where row b's prompt holds token v (`prompt_tokens`)."""
+        return prompt_tokens(input_ids, attention_mask, vocab)
+
+    @staticmethod
     def _process(scores: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
         """The repetition penalty (``seen`` (B, V): the tokens each row holds), temperature, top-k,
         then top-p: the distribution sampled from (and the engine's log-probs). (B, V)"""

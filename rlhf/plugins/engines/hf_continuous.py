@@ -144,9 +144,7 @@ class DecodeBatch:
                               **{cache_argument(type(base)): cache, "use_cache": True}, **keep).logits[:, -1]  # (J, V)
         seen = None
         if any(r.params.repetition_penalty != 1.0 for r in joining):
-            from rlhf.plugins.engines.hf import prompt_tokens
-
-            seen = prompt_tokens(input_ids, mask, logits.shape[-1])  # (J, V)
+            seen = engine.prompt_tokens(input_ids, mask, logits.shape[-1])  # (J, V)
         self._merge(joining, cache, mask, positions[:, -1:] + 1, logits, seen)
 
     def _merge(self, joining: list[_Request], cache: Any, mask: torch.Tensor, positions: torch.Tensor,
