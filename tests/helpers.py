@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -393,3 +394,70 @@ def backend_full_weights(model, backend) -> dict[str, Any]:
     """Every parameter, whole (ZeRO-3 gathers them), as float32 copies."""
     with backend.full_weights():
         return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+
+# --- rollouts with environments ------------------------------------------------------------------
+
+class EnvsOf:
+    """An environment factory for one class, under one name (what `EnvFactory` offers a rollout)."""
+
+    def __init__(self, env_cls, name: str = "tools", *, multi_turn: bool = True, gives_rewards: bool = True):
+        self.env_cls, self.name = env_cls, name
+        self.flags = {"multi_turn": multi_turn, "gives_rewards": gives_rewards}
+
+    def __call__(self, name):
+        from rlhf.core.environment import AsyncEnv
+
+        return AsyncEnv(self.env_cls(), name=self.name)
+
+    def capabilities(self, name):
+        return dict(self.flags)
+
+
+def prompt_item(tokenizer, text: str, label: Any, origin: str | None = None):
+    """One prompt as the loader gives it; ``origin`` defaults to ``row <label>``."""
+    from rlhf.runtime.data import PromptItem
+
+    return PromptItem(prompt=text, prompt_text=text, prompt_ids=tokenizer(text)["input_ids"], label=label,
+                      columns={}, origin=origin or f"row {label}")
+
+
+class GatedTools:
+    """The "slow" trajectory's first tool call returns only once the "fast" one has made its second,
+    which needs the fast one's second turn generated while the slow call is out: with turns batched
+    over the batch it would wait for the slow call (``opened`` records False after 30 s). Call
+    `GatedTools.clear` first."""
+
+    gate = threading.Event()
+    opened: list[bool] = []
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.gate.clear()
+        cls.opened.clear()
+
+    def reset(self, prompt, label):
+        self.label, self.turns = label, 0
+        return None
+
+    def step(self, action):
+        from rlhf.core.types import StepResult
+
+        self.turns += 1
+        if self.label == "fast" and self.turns == 2:
+            GatedTools.gate.set()
+        if self.label == "slow" and self.turns == 1:
+            GatedTools.opened.append(GatedTools.gate.wait(timeout=30))
+        return StepResult(observation=" ok.", reward=float(self.turns), done=self.turns >= 3)
+
+
+class RewardingEnv:
+    """An environment whose one step rewards 1 and ends the episode (``gives_rewards`` by default)."""
+
+    def reset(self, prompt, label):
+        return None
+
+    def step(self, action_text):
+        from rlhf.core.types import StepResult
+
+        return StepResult(reward=1.0, done=True)

@@ -13,6 +13,7 @@ it) but frees nothing. Either way the values come back exactly: copies never rou
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -45,7 +46,7 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class Offload:
+class Offload(abc.ABC):
     """Something moved off its device and back: ``offload`` (idempotent, returns the bytes moved),
     ``reload``, and ``in_use`` for a block that needs it on the device. Subclasses say what moves
     (`_move_out`, `_move_back`)."""
@@ -76,11 +77,13 @@ class Offload:
         finally:
             self.offload()
 
+    @abc.abstractmethod
     def _move_out(self) -> int:
-        raise NotImplementedError
+        """Move this kind's tensors to host memory; the bytes moved."""
 
+    @abc.abstractmethod
     def _move_back(self) -> None:
-        raise NotImplementedError
+        """Put them back on the devices they came from."""
 
 
 class TensorOffload(Offload):

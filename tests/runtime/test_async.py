@@ -31,6 +31,29 @@ def _no_producer_left():
     return not any(t.name.startswith("rlhf-async-") for t in threading.enumerate())
 
 
+def _assert_same_run(out, metrics, expected_out, expected_metrics):
+    """Two runs' training metrics, samples and final weights, bit for bit."""
+    assert [{k: m[k] for k in TRAINING_KEYS} for m in metrics] == \
+        [{k: m[k] for k in TRAINING_KEYS} for m in expected_metrics]
+    assert _samples(out) == _samples(expected_out)
+    for (name, a), b in zip(final_weights(expected_out).items(), final_weights(out).values()):
+        assert torch.equal(a, b), name
+
+
+def _killed_after_the_step_2_checkpoint(model, task, out, make_plugin, **options):
+    """A run killed right after its step-2 checkpoint (batches in flight); no producer thread left."""
+
+    def crash(step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("killer", on_checkpoint=crash))
+    with pytest.raises(KeyboardInterrupt):
+        _run(model, task, out, plugins=plugins, **options)
+    assert _no_producer_left()
+
+
 def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp_path):
     sync = _run(tiny_model_dir, task, tmp_path / "sync")
     ahead = _run(tiny_model_dir, task, tmp_path / "async", async_rollout=True, max_staleness=0)
@@ -64,27 +87,14 @@ def test_resume_with_batches_in_flight_reproduces_the_uninterrupted_run(tiny_mod
                                                                         staleness):
     options = dict(steps=5, save_every=2, async_rollout=True, max_staleness=staleness)
     straight = _run(tiny_model_dir, task, tmp_path / "straight", **options)
-
-    def crash(step):
-        if step == 2:
-            raise KeyboardInterrupt  # killed right after the step-2 checkpoint
-
-    plugins = build_plugin_manager()
-    plugins.register(make_plugin("killer", on_checkpoint=crash))
-    with pytest.raises(KeyboardInterrupt):
-        _run(tiny_model_dir, task, tmp_path / "resumed", plugins=plugins, **options)
-    assert _no_producer_left()
+    _killed_after_the_step_2_checkpoint(tiny_model_dir, task, tmp_path / "resumed", make_plugin, **options)
     inflight = tmp_path / "resumed" / "checkpoints" / "step_2" / "in_flight" / "inflight.json"
     assert inflight.is_file()
     if staleness == 2:  # a checkpoint from before the folder was renamed resumes the same
         inflight.parent.rename(inflight.parent.with_name("ahead"))
         (inflight.parents[1] / "MANIFEST.json").unlink()  # nor had manifests then
     resumed = _run(tiny_model_dir, task, tmp_path / "resumed", resume=True, **options)
-    assert [{k: m[k] for k in TRAINING_KEYS} for m in resumed] == [{k: m[k] for k in TRAINING_KEYS} for m in straight]
-    assert _samples(tmp_path / "resumed") == _samples(tmp_path / "straight")
-    for (name, a), b in zip(final_weights(tmp_path / "straight").items(),
-                            final_weights(tmp_path / "resumed").values()):
-        assert torch.equal(a, b), name
+    _assert_same_run(tmp_path / "resumed", resumed, tmp_path / "straight", straight)
 
 
 def test_an_error_in_generation_stops_the_run_and_the_producer(tiny_model_dir, task, tmp_path):
@@ -214,25 +224,10 @@ def test_pipelined_runs_overlap_rewards_and_stay_deterministic_through_a_resume(
     assert int((tmp_path / "reward_a.most").read_text()) >= 2  # batches scored at once
     second = _run(tiny_model_dir, task, tmp_path / "b", **options("reward_b"))
     assert [m["async/staleness_max"] for m in first] == [0, 1, 2, 2, 2]
-    assert [{k: m[k] for k in TRAINING_KEYS} for m in second] == [{k: m[k] for k in TRAINING_KEYS} for m in first]
-    assert _samples(tmp_path / "b") == _samples(tmp_path / "a")
-    for (name, a), b in zip(final_weights(tmp_path / "a").items(), final_weights(tmp_path / "b").values()):
-        assert torch.equal(a, b), name
-
-    def crash(step):
-        if step == 2:
-            raise KeyboardInterrupt  # right after the step-2 checkpoint, with batches 2 and 3 in flight
-
-    plugins = build_plugin_manager()
-    plugins.register(make_plugin("killer", on_checkpoint=crash))
-    with pytest.raises(KeyboardInterrupt):
-        _run(tiny_model_dir, task, tmp_path / "c", plugins=plugins, **options("reward_c"))
-    assert _no_producer_left()
+    _assert_same_run(tmp_path / "b", second, tmp_path / "a", first)
+    _killed_after_the_step_2_checkpoint(tiny_model_dir, task, tmp_path / "c", make_plugin, **options("reward_c"))
     resumed = _run(tiny_model_dir, task, tmp_path / "c", resume=True, **options("reward_c"))
-    assert [{k: m[k] for k in TRAINING_KEYS} for m in resumed] == [{k: m[k] for k in TRAINING_KEYS} for m in first]
-    assert _samples(tmp_path / "c") == _samples(tmp_path / "a")
-    for (name, a), b in zip(final_weights(tmp_path / "a").items(), final_weights(tmp_path / "c").values()):
-        assert torch.equal(a, b), name
+    _assert_same_run(tmp_path / "c", resumed, tmp_path / "a", first)
 
 
 @pytest.mark.parametrize("staleness, producer, trainer", [(0, 2, 2), (1, 1, 1)])
@@ -298,22 +293,7 @@ def test_continuous_rollouts_of_several_batches_overlap_and_stay_deterministic_t
     assert [m["async/staleness_max"] for m in first] == [0, 1, 2, 2, 2]
     assert all(m["env/turns_mean"] > 1 for m in first)
     second = _run(tiny_model_dir, task, tmp_path / "b", **options("tools_b"))
-    assert [{k: m[k] for k in TRAINING_KEYS} for m in second] == [{k: m[k] for k in TRAINING_KEYS} for m in first]
-    assert _samples(tmp_path / "b") == _samples(tmp_path / "a")
-    for (name, a), b in zip(final_weights(tmp_path / "a").items(), final_weights(tmp_path / "b").values()):
-        assert torch.equal(a, b), name
-
-    def crash(step):
-        if step == 2:
-            raise KeyboardInterrupt  # right after the step-2 checkpoint, with batches 2 and 3 in flight
-
-    plugins = build_plugin_manager()
-    plugins.register(make_plugin("killer", on_checkpoint=crash))
-    with pytest.raises(KeyboardInterrupt):
-        _run(tiny_model_dir, task, tmp_path / "c", plugins=plugins, **options("tools_c"))
-    assert _no_producer_left()
+    _assert_same_run(tmp_path / "b", second, tmp_path / "a", first)
+    _killed_after_the_step_2_checkpoint(tiny_model_dir, task, tmp_path / "c", make_plugin, **options("tools_c"))
     resumed = _run(tiny_model_dir, task, tmp_path / "c", resume=True, **options("tools_c", gate=False))
-    assert [{k: m[k] for k in TRAINING_KEYS} for m in resumed] == [{k: m[k] for k in TRAINING_KEYS} for m in first]
-    assert _samples(tmp_path / "c") == _samples(tmp_path / "a")
-    for (name, a), b in zip(final_weights(tmp_path / "a").items(), final_weights(tmp_path / "c").values()):
-        assert torch.equal(a, b), name
+    _assert_same_run(tmp_path / "c", resumed, tmp_path / "a", first)

@@ -6,19 +6,16 @@ its seed, not on its neighbours."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
 
-from tests.helpers import assert_engine_logprobs_are_the_trainers
-from rlhf.core.environment import AsyncEnv
+from tests.helpers import EnvsOf, GatedTools, RewardingEnv, assert_engine_logprobs_are_the_trainers, prompt_item
 from rlhf.core.rollout import SamplingParams, batches_continuously
 from rlhf.core.types import StepResult
 from rlhf.plugins.engines.config import HFEngineConfig
 from rlhf.plugins.engines.hf import HFEngine
 from rlhf.plugins.engines.hf_continuous import DecodeBatch, inverse_cdf
-from rlhf.runtime.data import PromptItem
 from rlhf.runtime.rollout import RolloutSettings, RolloutWorker, request_seed
 
 
@@ -231,49 +228,12 @@ def test_inverse_cdf_picks_the_interval_each_uniform_falls_in():
 
 # --- the rollout: trajectories move on their own ---------------------------------------------------
 
-def _item(tokenizer, text, label):
-    return PromptItem(prompt=text, prompt_text=text, prompt_ids=tokenizer(text)["input_ids"], label=label,
-                      columns={}, origin=f"row {label}")
-
-
-class _Envs:
-    def __init__(self, env_cls):
-        self.env_cls = env_cls
-
-    def __call__(self, name):
-        return AsyncEnv(self.env_cls(), name="tools")
-
-    def capabilities(self, name):
-        return {"multi_turn": True, "gives_rewards": True}
-
-
-class GatedTools:
-    """The "slow" trajectory's first tool call returns only once the "fast" one has made its second:
-    with turns batched over the batch, the fast one's second turn would wait for the slow call."""
-
-    gate = threading.Event()
-    opened: list[bool] = []
-
-    def reset(self, prompt, label):
-        self.label, self.turns = label, 0
-        return None
-
-    def step(self, action):
-        self.turns += 1
-        if self.label == "fast" and self.turns == 2:
-            GatedTools.gate.set()
-        if self.label == "slow" and self.turns == 1:
-            GatedTools.opened.append(GatedTools.gate.wait(timeout=30))
-        return StepResult(observation=" ok.", reward=float(self.turns), done=self.turns >= 3)
-
-
 def test_a_trajectory_whose_tool_returns_generates_its_next_turn_while_another_waits(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    GatedTools.gate.clear()
-    GatedTools.opened.clear()
-    worker = RolloutWorker(_never_ends(HFEngine(model, tokenizer)), tokenizer, _Envs(GatedTools),
+    GatedTools.clear()
+    worker = RolloutWorker(_never_ends(HFEngine(model, tokenizer)), tokenizer, EnvsOf(GatedTools),
                            RolloutSettings(env="tools", max_turns=3, max_total_tokens=256))
-    trajectories = worker.generate([_item(tokenizer, "Q: 6*7?", "fast"), _item(tokenizer, "Q: 7*6?", "slow")], n=1,
+    trajectories = worker.generate([prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")], n=1,
                                    params=SamplingParams(max_new_tokens=4, temperature=1.0))
     assert GatedTools.opened == [True]
     assert [t.num_turns for t in trajectories] == [3, 3]
@@ -296,12 +256,12 @@ def test_continuous_rollouts_lay_out_trajectories_as_turn_batched_ones(model_and
     """Greedy: the same tokens, masks, turns and finish reasons either way (sampling differs: the
     continuous rollout draws from per-request streams)."""
     model, tokenizer = model_and_tokenizer
-    items = [_item(tokenizer, "Q: 6*7?", "a"), _item(tokenizer, "Say many a's", "b")]
+    items = [prompt_item(tokenizer, "Q: 6*7?", "a"), prompt_item(tokenizer, "Say many a's", "b")]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, return_logprobs=True)
     runs = []
     for continuous in (True, False):
         engine = HFEngine(model, tokenizer, HFEngineConfig(continuous=continuous))
-        worker = RolloutWorker(engine, tokenizer, _Envs(Echo), RolloutSettings(env="tools", max_turns=3,
+        worker = RolloutWorker(engine, tokenizer, EnvsOf(Echo), RolloutSettings(env="tools", max_turns=3,
                                                                                max_total_tokens=40))
         runs.append(worker.generate(items, n=2, params=params))
     for got, expected in zip(*runs):
@@ -330,34 +290,21 @@ def test_a_failing_environment_names_itself_and_stops_the_other_trajectories(mod
             self.prompt = prompt
             return super().reset(prompt, label)
 
-    worker = RolloutWorker(_never_ends(HFEngine(model, tokenizer)), tokenizer, _Envs(Broken),
+    worker = RolloutWorker(_never_ends(HFEngine(model, tokenizer)), tokenizer, EnvsOf(Broken),
                            RolloutSettings(env="tools", max_turns=3, max_total_tokens=64))
     with pytest.raises(Exception, match=r"environment 'tools' failed on row slow: ValueError: tool crashed"):
-        worker.generate([_item(tokenizer, "Q: 6*7?", "fast"), _item(tokenizer, "Q: 7*6?", "slow")], n=2,
+        worker.generate([prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")], n=2,
                         params=SamplingParams(max_new_tokens=4, temperature=1.0))
-
-
-class _SingleTurnEnvs(_Envs):
-    def capabilities(self, name):
-        return {"multi_turn": False, "gives_rewards": False}
-
-
-class OneTurn:
-    def reset(self, prompt, label):
-        return None
-
-    def step(self, action):
-        return StepResult(reward=1.0, done=True)
 
 
 def test_single_turn_rollouts_stay_one_batched_generate(model_and_tokenizer, monkeypatch):
     """A single-turn environment (however large --max-turns) and --max-turns 1 keep the turn-batched
     decoders (the lean step, the process's random stream): continuous batching only pays between turns."""
     model, tokenizer = model_and_tokenizer
-    items = [_item(tokenizer, "Q: 6*7?", "a"), _item(tokenizer, "Say many a's", "b")]
+    items = [prompt_item(tokenizer, "Q: 6*7?", "a"), prompt_item(tokenizer, "Say many a's", "b")]
     calls = []
     monkeypatch.setattr(HFEngine, "generate_one", lambda self, *a, **k: calls.append("one"))
-    for envs, turns in ((_SingleTurnEnvs(OneTurn), 8), (_Envs(OneTurn), 1)):
+    for envs, turns in ((EnvsOf(RewardingEnv, multi_turn=False), 8), (EnvsOf(RewardingEnv), 1)):
         worker = RolloutWorker(HFEngine(model, tokenizer), tokenizer, envs,
                                RolloutSettings(env="tools", max_turns=turns, max_total_tokens=64))
         trajectories = worker.generate(items, n=2, params=SamplingParams(max_new_tokens=4, temperature=1.0))

@@ -13,9 +13,9 @@ from rlhf.core.rollout import Generation, SamplingParams
 from rlhf.core.types import StepResult
 from rlhf.core.batch import collate
 from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.data import PromptItem
 from rlhf.runtime.local import train
 from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+from tests.helpers import EnvsOf, prompt_item
 
 
 @pytest.fixture(scope="module")
@@ -72,27 +72,11 @@ class EchoEnv:
 
 
 def _item(tokenizer, text="Q: 6*7?", label="42"):
-    return PromptItem(prompt=text, prompt_text=text, prompt_ids=tokenizer(text)["input_ids"], label=label,
-                      columns={}, origin="test row 1")
-
-
-class _Envs:
-    """An environment factory for one class, under the name "echo" (what EnvFactory offers the rollout)."""
-
-    def __init__(self, env_cls):
-        self.env_cls = env_cls
-
-    def __call__(self, name):
-        from rlhf.core.environment import AsyncEnv
-
-        return AsyncEnv(self.env_cls(), name="echo")
-
-    def capabilities(self, name):
-        return {"multi_turn": True, "gives_rewards": True}
+    return prompt_item(tokenizer, text, label, origin="test row 1")
 
 
 def _worker(tokenizer, env_cls=EchoEnv, **settings):
-    return RolloutWorker(ScriptedEngine(None, tokenizer), tokenizer, _Envs(env_cls),
+    return RolloutWorker(ScriptedEngine(None, tokenizer), tokenizer, EnvsOf(env_cls, "echo"),
                          RolloutSettings(env="echo", **{"max_turns": 4, "max_total_tokens": 512, **settings}))
 
 

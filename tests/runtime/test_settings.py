@@ -238,22 +238,10 @@ def test_a_run_needs_a_reward_unless_its_environment_gives_them(plugins):
     with pytest.raises(ConfigError, match=r"--reward is required .* the 'single_turn' environment gives no rewards"):
         RunPlan.make(TrainConfig(model="m", data=["d"]), plugins).check(world_size=1)
     RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins).check(world_size=1)
-    rewarding = "tests.runtime.test_settings:RewardingEnv"
+    rewarding = "tests.helpers:RewardingEnv"
     RunPlan.make(TrainConfig(model="m", data=["d"], env=rewarding), plugins).check(world_size=1)
     with pytest.raises(ConfigError, match=r"--prompts-per-step \(8\) must be a multiple of the number of processes"):
         RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins).check(world_size=3)
-
-
-class RewardingEnv:
-    """An environment whose step rewards train the model (``gives_rewards`` by default)."""
-
-    def reset(self, prompt, label):
-        return None
-
-    def step(self, action_text):
-        from rlhf.core.types import StepResult
-
-        return StepResult(reward=1.0, done=True)
 
 
 def test_the_engine_is_asked_for_logprobs_only_when_the_loss_reads_them(plugins, make_plugin):

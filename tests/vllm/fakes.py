@@ -267,3 +267,11 @@ class MoENameLoader:
         if name not in self.params:
             raise KeyError(f"vLLM's {self.model_type} model has no parameter {name}")
         return name
+
+
+def make_engine(policy, **settings):
+    """A `VLLMEngine` on the ``policy`` fixture's model and tokenizer (with the stand-in installed)."""
+    from rlhf.plugins.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    model, tokenizer = policy
+    return VLLMEngine(model, tokenizer, VLLMEngineConfig(**settings))

@@ -5,33 +5,16 @@ cancellation aborting requests, and sleep/wake and weight pushes with requests i
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
 
 from rlhf.core.rollout import Generation, SamplingParams, batches_continuously
-from rlhf.plugins.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from tests.helpers import EnvsOf, GatedTools, prompt_item
 from tests.vllm import fakes
+from tests.vllm.fakes import make_engine
 
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.95, return_logprobs=True)
-
-
-@pytest.fixture
-def policy(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    return fakes.install(monkeypatch)
-
-
-def make_engine(policy, **settings):
-    model, tokenizer = policy
-    return VLLMEngine(model, tokenizer, VLLMEngineConfig(**settings))
 
 
 def length_script(prompt, sampling):
@@ -271,51 +254,9 @@ def test_new_weights_wait_for_the_requests_sampling_from_the_old(fake_vllm, poli
 # --- through the rollout: multi-turn trajectories on the vllm engine --------------------------
 
 
-class Envs:
-    def __init__(self, env_cls):
-        self.env_cls = env_cls
-
-    def __call__(self, name):
-        from rlhf.core.environment import AsyncEnv
-
-        return AsyncEnv(self.env_cls(), name="tools")
-
-    def capabilities(self, name):
-        return {"multi_turn": True, "gives_rewards": True}
-
-
-def item(tokenizer, text, label):
-    from rlhf.runtime.data import PromptItem
-
-    return PromptItem(prompt=text, prompt_text=text, prompt_ids=tokenizer(text)["input_ids"], label=label,
-                      columns={}, origin=f"row {label}")
-
-
 def short_turns(prompt, sampling):
     """Three tokens, no EOS: the budget ends the turn and the environment decides when to stop."""
     return fakes.Completion(token_ids=[20, 21, 22], finish_reason="length")
-
-
-class GatedTools:
-    """The "slow" trajectory's first tool call returns only once the "fast" one has made its second,
-    which needs the fast one's second turn generated while the slow call is out."""
-
-    gate = threading.Event()
-    opened: list[bool] = []
-
-    def reset(self, prompt, label):
-        self.label, self.turns = label, 0
-        return None
-
-    def step(self, action):
-        from rlhf.core.types import StepResult
-
-        self.turns += 1
-        if self.label == "fast" and self.turns == 2:
-            GatedTools.gate.set()
-        if self.label == "slow" and self.turns == 1:
-            GatedTools.opened.append(GatedTools.gate.wait(timeout=30))
-        return StepResult(observation=" ok.", reward=float(self.turns), done=self.turns >= 3)
 
 
 def test_a_rollout_moves_each_trajectory_on_its_own(fake_vllm, policy):
@@ -325,11 +266,10 @@ def test_a_rollout_moves_each_trajectory_on_its_own(fake_vllm, policy):
     engine = make_engine(policy)
     llm = fakes.FakeLLM.instances[0]
     llm.script = staticmethod(short_turns)
-    GatedTools.gate.clear()
-    GatedTools.opened.clear()
-    worker = RolloutWorker(engine, tokenizer, Envs(GatedTools), RolloutSettings(env="tools", max_turns=3,
+    GatedTools.clear()
+    worker = RolloutWorker(engine, tokenizer, EnvsOf(GatedTools), RolloutSettings(env="tools", max_turns=3,
                                                                                  max_total_tokens=256))
-    trajectories = worker.generate([item(tokenizer, "Q: 6*7?", "fast"), item(tokenizer, "Q: 7*6?", "slow")], n=1,
+    trajectories = worker.generate([prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")], n=1,
                                    params=SamplingParams(max_new_tokens=3, temperature=1.0))
     assert GatedTools.opened == [True]
     assert [t.num_turns for t in trajectories] == [3, 3]
@@ -347,9 +287,9 @@ def test_continuous_false_turns_back_to_one_generate_per_turn(fake_vllm, policy)
     llm.script = staticmethod(short_turns)
     params = SamplingParams(max_new_tokens=3, temperature=1.0)
     assert not batches_continuously(engine, params)
-    worker = RolloutWorker(engine, policy[1], Envs(Echo), RolloutSettings(env="tools", max_turns=3,
+    worker = RolloutWorker(engine, policy[1], EnvsOf(Echo), RolloutSettings(env="tools", max_turns=3,
                                                                           max_total_tokens=256))
-    trajectories = worker.generate([item(policy[1], "Q: 6*7?", "a"), item(policy[1], "Q: 7*6?", "b")], n=1,
+    trajectories = worker.generate([prompt_item(policy[1], "Q: 6*7?", "a"), prompt_item(policy[1], "Q: 7*6?", "b")], n=1,
                                    params=params)
     assert [t.num_turns for t in trajectories] == [2, 2]
     assert llm.calls.count("generate") == 2 and not llm.llm_engine.added  # one batched call per turn
@@ -386,17 +326,17 @@ def test_a_failing_environment_aborts_the_other_trajectories_requests(fake_vllm,
     model, tokenizer = policy
     engine = make_engine(policy)
     llm = fakes.FakeLLM.instances[0]
-    long_prompt = item(tokenizer, "Write a very long essay", "long")
+    long_prompt = prompt_item(tokenizer, "Write a very long essay", "long")
 
     def script(prompt, sampling):  # the long trajectory's turn would take a million steps
         length = 10 ** 6 if prompt == long_prompt.prompt_ids else 1
         return fakes.Completion(token_ids=[20] * length, finish_reason="length")
 
     llm.script = staticmethod(script)
-    worker = RolloutWorker(engine, tokenizer, Envs(Crashing), RolloutSettings(env="tools", max_turns=3,
+    worker = RolloutWorker(engine, tokenizer, EnvsOf(Crashing), RolloutSettings(env="tools", max_turns=3,
                                                                               max_total_tokens=64))
     with pytest.raises(Exception, match="tool crashed"):
-        worker.generate([item(tokenizer, "Q: 6*7?", "crash"), long_prompt], n=1,
+        worker.generate([prompt_item(tokenizer, "Q: 6*7?", "crash"), long_prompt], n=1,
                         params=SamplingParams(max_new_tokens=4, temperature=1.0))
     [long_request] = [rid for rid, ids in llm.llm_engine.prompts.items() if ids == long_prompt.prompt_ids]
     assert llm.llm_engine.aborted == [long_request] and not llm.llm_engine.running

@@ -14,27 +14,11 @@ import torch
 from rlhf.core.errors import ConfigError
 from rlhf.core.rollout import SamplingParams
 from rlhf.plugins.engines import vllm_engine
-from rlhf.plugins.engines.vllm_engine import (VLLMEngine, VLLMEngineConfig, VLLMSetupError, check_version,
+from rlhf.plugins.engines.vllm_engine import (VLLMSetupError, check_version,
                                               require_cuda, require_single_rank, require_vllm)
 from rlhf.plugins.engines.vllm_weights import bucket_by_bytes, policy_weights
 from tests.vllm import fakes
-
-
-@pytest.fixture
-def policy(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    return fakes.install(monkeypatch)
-
-
-def make_engine(policy, **settings):
-    model, tokenizer = policy
-    return VLLMEngine(model, tokenizer, VLLMEngineConfig(**settings))
+from tests.vllm.fakes import make_engine
 
 
 PARAMS = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.95, return_logprobs=True)
