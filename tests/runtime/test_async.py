@@ -137,6 +137,9 @@ def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task,
     untimed = lambda rows: [{k: v for k, v in m.items() if not k.startswith(timing)} for m in rows]  # noqa: E731
     assert untimed(first) == untimed(second)
     assert [m["step"] for m in first if "eval/reward/mean" in m] == [0, 2, 4]
+    # either way the loss's logp_old are the behaviour policy's: from step 2 the ratio is not 1
+    trained = [m for m in first if "policy/approx_kl" in m]
+    assert trained[0]["policy/approx_kl"] == 0 and all(m["policy/approx_kl"] != 0 for m in trained[1:])
 
 
 def test_async_is_refused_where_it_cannot_run(tiny_model_dir, task, tmp_path, plugins):
