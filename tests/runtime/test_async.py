@@ -295,6 +295,8 @@ def test_continuous_rollouts_of_several_batches_overlap_and_stay_deterministic_t
     assert (tmp_path / "tools_a.opened").read_text() == "True"  # batch 1 started while batch 0 waited on a tool
     assert [m["async/staleness_max"] for m in first] == [0, 1, 2, 2, 2]
     assert all(m["env/turns_mean"] > 1 for m in first)
+    # the lanes' behaviour log-probs are the loss's logp_old: from step 2 the ratio is not 1
+    assert first[0]["policy/approx_kl"] == 0 and all(m["policy/approx_kl"] != 0 for m in first[1:])
     second = _run(tiny_model_dir, task, tmp_path / "b", **options("tools_b"))
     _assert_same_run(tmp_path / "b", second, tmp_path / "a", first)
     _killed_after_the_step_2_checkpoint(tiny_model_dir, task, tmp_path / "c", make_plugin, **options("tools_c"))
