@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rlhf.algorithms.components import (AlgorithmConfigError, ComponentRef, build_config, check_shape, float_dtype,
-                                        load_component)
+from rlhf.algorithms.components import (AlgorithmConfigError, ComponentRef, LoadedComponent, build_config, check_shape,
+                                        float_dtype, load_component)
 from rlhf.core.errors import PluginError
 from rlhf.core.types import AdvantageConfig, AdvantageInputs
 
@@ -49,6 +49,28 @@ def compute_advantages(estimator: ComponentRef, *, rewards: torch.Tensor, action
     import torch
 
     component = load_component("advantage_estimator", estimator, plugins=plugins)
+    inputs = advantage_inputs(component, rewards=rewards, action_mask=action_mask, group_size=group_size,
+                              values=values, kl=kl, kl_coef=kl_coef, sample_mask=sample_mask,
+                              source_rewards=source_rewards, metadata=metadata)
+    settings = {"gamma": gamma, "lambd": lambd, "std_norm": std_norm, "reward_clip": reward_clip}
+    config = build_config(component, AdvantageConfig, settings, _ADVANTAGE_DEFAULTS, config)
+    with torch.no_grad():
+        result = component.obj(inputs, config)
+    return checked_advantages(component, result, tuple(action_mask.shape))
+
+
+def default_config(component: LoadedComponent) -> Any:
+    """The config object ``component`` (an advantage estimator) gets when no setting is changed."""
+    return build_config(component, AdvantageConfig, dict(_ADVANTAGE_DEFAULTS), _ADVANTAGE_DEFAULTS, None)
+
+
+def advantage_inputs(component: LoadedComponent, *, rewards: torch.Tensor, action_mask: torch.Tensor,
+                     group_size: int, values: torch.Tensor | None = None, kl: torch.Tensor | None = None,
+                     kl_coef: float = 0.0, sample_mask: torch.Tensor | None = None,
+                     source_rewards: dict[str, torch.Tensor] | None = None,
+                     metadata: list[dict[str, Any]] | None = None) -> AdvantageInputs:
+    """What ``component`` (an advantage estimator) is called with, every shape and its needs
+    (groups, a critic) checked; tensors in float32, or float64 when an input is."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be (B,), one reward per sequence; got shape {tuple(rewards.shape)}")
     batch_size = rewards.size(0)
@@ -71,11 +93,8 @@ def compute_advantages(estimator: ComponentRef, *, rewards: torch.Tensor, action
         raise AlgorithmConfigError(f"advantage estimator {component.name!r} needs critic values: pass values=")
     if not kl_coef >= 0:
         raise AlgorithmConfigError(f"kl_coef (β) must be >= 0, got {kl_coef}")
-    settings = {"gamma": gamma, "lambd": lambd, "std_norm": std_norm, "reward_clip": reward_clip}
-    config = build_config(component, AdvantageConfig, settings, _ADVANTAGE_DEFAULTS, config)
-
     dtype = float_dtype(rewards, values, kl)
-    inputs = AdvantageInputs(
+    return AdvantageInputs(
         rewards=rewards.to(dtype), action_mask=action_mask.to(dtype),
         kl=None if kl is None else kl.to(dtype), kl_coef=float(kl_coef),
         values=None if values is None else values.to(dtype), group_size=group_size,
@@ -83,12 +102,17 @@ def compute_advantages(estimator: ComponentRef, *, rewards: torch.Tensor, action
         source_rewards={name: per_source.to(dtype) for name, per_source in (source_rewards or {}).items()},
         metadata=list(metadata or []),
     )
-    with torch.no_grad():
-        result = component(inputs, config)
+
+
+def checked_advantages(component: LoadedComponent, result: Any,
+                       shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``result`` of the estimator ``component``, if it is (advantages, returns), two tensors of ``shape`` (B, A)."""
+    import torch
+
     if not (isinstance(result, tuple) and len(result) == 2
-            and all(isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(action_mask.shape) for t in result)):
+            and all(isinstance(t, torch.Tensor) and tuple(t.shape) == shape for t in result)):
         raise PluginError(f"advantage estimator {component.name!r} must return (advantages, returns), "
-                          f"two tensors of shape {tuple(action_mask.shape)}")
+                          f"two tensors of shape {shape}")
     return result
 
 

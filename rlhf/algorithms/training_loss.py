@@ -97,7 +97,7 @@ def per_token_policy_loss(loss: LoadedComponent, config: Any, *, logp: torch.Ten
             check_shape(arg, tensor, shape)
     inputs = PolicyLossInputs(logprobs=logp, old_logprobs=logp_old, advantages=advantages,
                               action_mask=mask.to(logp.dtype), rollout_logprobs=rollout_logp)
-    result = loss(inputs, config)
+    result = loss.obj(inputs, config)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
             and tuple(result[0].shape) == shape):
         raise PluginError(f"policy loss {loss.name!r} must return (per_token_loss, metrics) with a loss of shape "
@@ -109,7 +109,7 @@ def aggregate(aggregation: LoadedComponent, values: torch.Tensor, mask: torch.Te
               norm: LossNorm) -> torch.Tensor:
     """agg(values): this micro-batch's share of the step's aggregate. values, mask (B, A) -> ()."""
     check_shape("action_mask", mask, tuple(values.shape))
-    return aggregation(values, mask.to(values.dtype), norm)
+    return aggregation.obj(values, mask.to(values.dtype), norm)
 
 
 def clamped_kl(estimator: LoadedComponent, logp: torch.Tensor, logp_ref: torch.Tensor, *,
@@ -127,7 +127,7 @@ def clamped_kl(estimator: LoadedComponent, logp: torch.Tensor, logp_ref: torch.T
     import torch
 
     check_shape("logp_ref", logp_ref, tuple(logp.shape))
-    kl = estimator(logp, logp_ref)  # (B, A)
+    kl = estimator.obj(logp, logp_ref)  # (B, A)
     if not isinstance(kl, torch.Tensor) or kl.shape != logp.shape:
         raise PluginError(f"kl estimator {estimator.name!r} must return a tensor of shape {tuple(logp.shape)}")
     kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)  # (B, A)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from rlhf.algorithms import compute_advantages, kl_divergence
+from rlhf.algorithms.advantages import advantage_inputs, checked_advantages, default_config
+from rlhf.algorithms.training_loss import clamped_kl
 from rlhf.core.batch import ExperienceBatch
 
 if TYPE_CHECKING:
@@ -23,22 +24,22 @@ if TYPE_CHECKING:
 
     from rlhf.algorithms import ResolvedAlgorithm
     from rlhf.core.types import Trajectory
-    from rlhf.core.plugins import PluginSet
 
 
 @dataclass(frozen=True)
 class ExperienceMaker:
     algorithm: ResolvedAlgorithm
-    advantage_config: Any  # the estimator's config object
+    advantage_config: Any  # the estimator's config object (None: its defaults)
     n_samples: int
     recompute_old: bool  # old log-probs need a forward of their own (ResolvedAlgorithm.needs_old_logprobs)
-    plugins: PluginSet
 
     def make(self, batch: ExperienceBatch, policy: Any, reference: Any = None, critic: Any = None, *,
              kl_coef: float | None = None, source_rewards: dict[str, Any] | None = None,
              metadata: list[dict[str, Any]] | None = None) -> ExperienceBatch:
         """``kl_coef``: this step's β when adaptive (default: the algorithm's); ``source_rewards``
         and ``metadata`` are passed on to the advantage estimator."""
+        import torch
+
         algo = self.algorithm
         beta = algo.kl_coef if kl_coef is None else kl_coef
         old = batch.old_logprobs  # (B, A): given (--async: the behaviour policy's), else recomputed if needed
@@ -48,14 +49,16 @@ class ExperienceMaker:
         values = critic.values(batch) if critic is not None else None  # (B, A)
         kl = None
         if old is not None and ref is not None:
-            kl = kl_divergence(algo.kl_estimator, old, ref, action_mask=batch.action_mask)  # (B, A)
+            kl = clamped_kl(algo.kl_estimator, old, ref, mask=batch.action_mask)  # (B, A)
         in_reward = algo.kl_in_reward
-        advantages, returns = compute_advantages(
+        inputs = advantage_inputs(
             algo.advantage, rewards=batch.rewards, action_mask=batch.action_mask, group_size=self.n_samples,
             values=values, kl=kl if in_reward else None, kl_coef=beta if in_reward else 0.0,
-            sample_mask=batch.sample_mask.bool(), source_rewards=source_rewards, metadata=metadata,
-            config=self.advantage_config, plugins=self.plugins,
-        )  # (B, A), (B, A)
+            sample_mask=batch.sample_mask.bool(), source_rewards=source_rewards, metadata=metadata)
+        with torch.no_grad():
+            config = self.advantage_config if self.advantage_config is not None else default_config(algo.advantage)
+            estimate = algo.advantage.obj(inputs, config)  # the run's estimator, resolved once
+        advantages, returns = checked_advantages(algo.advantage, estimate, tuple(batch.action_mask.shape))  # (B, A) x2
         return replace(batch, old_logprobs=old, ref_logprobs=ref, values=values, kl=kl, advantages=advantages,
                        returns=returns)
 

@@ -96,7 +96,7 @@ class Trainer(SteppedLoop):
                                        repetition_penalty=self.config.repetition_penalty,
                                        return_logprobs=plan.rollout_logprobs)
         self.experience = ExperienceMaker(
-            plan.algorithm, plan.advantage_config, n_samples=self.config.n_samples, plugins=plugins,
+            plan.algorithm, plan.advantage_config, n_samples=self.config.n_samples,
             recompute_old=plan.algorithm.needs_old_logprobs(plan.derived.optimizer_steps_per_step))
         self.fingerprint = plugin_fingerprint(plugins)
         self.start_step = 0

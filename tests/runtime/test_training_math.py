@@ -319,7 +319,7 @@ def test_kl_goes_into_the_reward_when_it_is_placed_there(plugins):
     for kl_in, expected in (("reward", [1.0 - 0.1 * 1.5, 1.0 - 0.1 * 1.0]), ("loss", [1.0, 1.0])):
         algo = resolve_algorithm("reinforce_pp", n_samples=1, kl_in=kl_in, kl_coef=0.1, kl_estimator="k1",
                                  plugins=plugins)
-        maker = ExperienceMaker(algo, None, n_samples=1, recompute_old=True, plugins=plugins)
+        maker = ExperienceMaker(algo, None, n_samples=1, recompute_old=True)
         made = maker.make(batch, Fixed(old), Fixed(ref))
         assert made.kl.tolist() == [[0.5, 1.0]] and made.ref_logprobs is ref and made.old_logprobs is old
         assert made.returns.tolist() == [pytest.approx(expected)], kl_in
