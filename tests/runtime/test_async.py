@@ -236,15 +236,16 @@ def test_pipelined_runs_overlap_rewards_and_stay_deterministic_through_a_resume(
 @pytest.mark.parametrize("staleness, producer, trainer", [(0, 2, 2), (1, 1, 1)])
 def test_producer_and_trainer_split_the_threads_when_they_overlap(tiny_model_dir, task, tmp_path, make_plugin,
                                                                   staleness, producer, trainer):
-    seen = {"rollout": set(), "step": set()}
+    seen = {"rollout": set(), "step": set(), "end": set()}
     plugins = build_plugin_manager()
     plugins.register(make_plugin("threads_seen",
                                  on_rollout_end=lambda: seen["rollout"].add(torch.get_num_threads()),  # producer
-                                 on_step_end=lambda: seen["step"].add(torch.get_num_threads())))  # trainer
+                                 on_step_end=lambda: seen["step"].add(torch.get_num_threads()),  # trainer
+                                 on_run_end=lambda: seen["end"].add(torch.get_num_threads())))  # producer stopped
     before = torch.get_num_threads()
     _run(tiny_model_dir, task, tmp_path / "run", plugins=plugins, steps=2, threads=2, async_rollout=True,
          max_staleness=staleness)
-    assert seen == {"rollout": {producer}, "step": {trainer}}
+    assert seen == {"rollout": {producer}, "step": {trainer}, "end": {2}}  # the trainer's share given back
     torch.set_num_threads(before)
 
 
