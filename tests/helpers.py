@@ -461,3 +461,35 @@ class RewardingEnv:
         from rlhf.core.types import StepResult
 
         return StepResult(reward=1.0, done=True)
+
+
+def padded_batch():
+    """4 rows: left-padded, right-padded, both, none; actions from the third real token on."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 250, (4, 10), generator=generator)
+    mask = torch.ones(4, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, 7:] = 0
+    mask[2, :1] = 0
+    mask[2, 8:] = 0
+    actions = torch.zeros(4, 9)
+    for row in range(4):
+        real = mask[row].nonzero().flatten()
+        actions[row, int(real[2]):int(real[-1])] = 1
+    return ids * mask, mask, actions
+
+
+def post_raw(url: str, data: bytes, timeout: float = 10) -> tuple[int, dict[str, Any]]:
+    """POST ``data`` as is to a reward server's /get_reward: (status, JSON body)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "/get_reward", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

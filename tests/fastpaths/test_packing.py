@@ -23,7 +23,7 @@ from rlhf.fastpaths.verdicts import verdict
 from rlhf.runtime.micro_batches import token_budget_groups
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.workers import PolicyWorker, UpdateSettings
-from tests.helpers import MAX_NEW, assert_same_gradients, command_args, make_batch, read_jsonl, run_cli
+from tests.helpers import MAX_NEW, assert_same_gradients, command_args, make_batch, padded_batch, read_jsonl, run_cli
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
 
@@ -48,22 +48,6 @@ def test_token_budget_groups_by_hand():
     assert token_budget_groups([4, 4, 2], 12, rows=[2, 2, 1]) == [[0], [1, 2]]
     assert token_budget_groups([], 10) == []
     assert token_budget_groups([50], 10) == [[0]]  # over the budget: alone
-
-
-def padded_batch():
-    """4 rows: left-padded, right-padded, both, none; actions from the third real token on."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 250, (4, 10), generator=generator)
-    mask = torch.ones(4, 10, dtype=torch.long)
-    mask[0, :3] = 0
-    mask[1, 7:] = 0
-    mask[2, :1] = 0
-    mask[2, 8:] = 0
-    actions = torch.zeros(4, 9)
-    for row in range(4):
-        real = mask[row].nonzero().flatten()
-        actions[row, int(real[2]):int(real[-1])] = 1
-    return ids * mask, mask, actions
 
 
 @pytest.fixture(params=["sdpa", "eager"])

@@ -22,7 +22,7 @@ from rlhf.core.plugins import build_plugin_manager
 from rlhf.fastpaths.prefix_sharing import common_prefix, share_prefixes
 from tests.helpers import (assert_same_gradients, command_args, grouped_batch, read_jsonl, run_cli,
                            shared_batch)
-from tests.runtime.recording import RecordingBackend, recording_plugin
+from tests.runtime.recording import RecordingBackend, policy_step, recording_plugin
 
 
 def test_common_prefix_by_hand():
@@ -177,21 +177,6 @@ def test_shared_micro_batches_keep_a_prompts_samples_together_and_only_when_it_p
     assert shared_micro_batches(single, 2) is None
     assert all(micro.groups is None for micro in plan_micro_batches(single, 2, share=True))
     assert all(micro.groups is None for micro in plan_micro_batches(batch, 4, share=True, packed=True))
-
-
-def policy_step(model, batch, *, share, micro_batch_size=4, ppo_epochs=1, train_batch_size=None):
-    from rlhf.algorithms import resolve_algorithm
-    from rlhf.runtime.workers import PolicyWorker, UpdateSettings
-
-    RecordingBackend.steps.clear()
-    settings = UpdateSettings(train_batch_size=train_batch_size or batch.size, micro_batch_size=micro_batch_size,
-                              max_new_tokens=8, share_prompt=share, ppo_epochs=ppo_epochs)
-    algo = resolve_algorithm("grpo", n_samples=3, kl_coef=0.0, plugins=build_plugin_manager(load_entrypoints=False))
-    worker = PolicyWorker(model, RecordingBackend(model), settings, algo.policy_training_loss(None, entropy_coef=0.05))
-    logprobs = worker.logprobs(batch)
-    batch.old_logprobs = logprobs
-    metrics = worker.fit(batch, step=0)
-    return list(RecordingBackend.steps), metrics, logprobs
 
 
 @pytest.mark.parametrize(("micro", "epochs", "minibatch"), [(4, 1, None), (6, 2, 6), (12, 1, None)])

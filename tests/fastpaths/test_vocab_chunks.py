@@ -28,7 +28,7 @@ from rlhf.fastpaths.cpu_linear import use_onednn_linears
 from rlhf.fastpaths.packing import PackedModel
 from rlhf.fastpaths.prefix_sharing import share_prefixes, shared_token_logprobs
 from rlhf.fastpaths.verdicts import verdict
-from tests.fastpaths.test_packing import padded_batch
+from tests.helpers import padded_batch
 from tests.helpers import assert_same_gradients, shared_batch
 
 
@@ -301,8 +301,8 @@ def test_the_adapter_gives_policy_and_reference_vocab_chunks_unless_switched_off
 
 @pytest.mark.parametrize(("micro", "epochs", "share"), [(4, 1, True), (6, 2, False)])
 def test_a_policy_step_is_the_same_with_vocab_chunks(lm, monkeypatch, micro, epochs, share):
-    from tests.fastpaths.test_prefix_sharing import policy_step
     from tests.helpers import grouped_batch
+    from tests.runtime.recording import policy_step
 
     monkeypatch.setattr(vocab_chunks, "TILE_ELEMENTS", lm.lm_head.weight.shape[0] * 6)
     chunked = copy.deepcopy(lm)

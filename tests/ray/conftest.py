@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -24,19 +23,3 @@ def ray_cluster() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
-
-
-def actor_processes() -> list[int]:
-    """Process ids of live Ray actor processes of the Ray runtime (their title is ray::WorkerHost...)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if command.startswith("ray::WorkerHost") and state != "Z":
-            found.append(int(entry.name))
-    return found

@@ -4,7 +4,6 @@ run with a message naming it and a resumable checkpoint, and nothing is left run
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -24,7 +23,8 @@ from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.config import TrainConfig
 from rlhf.runtime.local import train as local_train
 from tests.helpers import one_thread, read_jsonl, write_task
-from tests.ray.conftest import actor_processes
+from tests.ray.runs import (TRAINING_KEYS, actor_processes, assert_same_training, final_weights, make_config,
+                            ray_processes, samples)
 
 pytestmark = pytest.mark.ray
 
@@ -41,9 +41,6 @@ class LengthEnv:
     def step(self, action):
         return StepResult(reward=0.05 * len(action), done=True)
 '''
-FRACTIONS = {"policy_cpus": 0.5, "ref_cpus": 0.5, "rollout_cpus": 0.5}  # the session cluster has 2 CPUs
-TRAINING_KEYS = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "policy/grad_norm",
-                 "policy/clip_frac", "kl/mean")
 
 
 @pytest.fixture(scope="module")
@@ -53,38 +50,10 @@ def task(tmp_path_factory):
     return root
 
 
-def make_config(model_dir, task, out, **overrides):
-    values = dict(model=str(model_dir), data=[str(task / "data.jsonl")], label_key="answer",
-                  reward=[str(task / "rewards.py")], prompts_per_step=2, n_samples=2, max_new_tokens=4,
-                  micro_batch_size=2, steps=2, lr=1e-3, out=str(out), progress=False, seed=7, **FRACTIONS)
-    values.update(overrides)
-    return TrainConfig.from_dict(values)
-
-
 def ray_train(config, plugins=None):
     from rlhf.runtime.ray import train
 
     return train(config, plugins=plugins or build_plugin_manager())
-
-
-def samples(out):
-    return [(s["step"], s["completion"], s["reward"]) for s in read_jsonl(out / "samples.jsonl")]
-
-
-def assert_same_training(ray_out, local_out, keys=TRAINING_KEYS, abs_tol=1e-9):
-    """Same sampled tokens and rewards; losses equal up to float round-off."""
-    assert samples(ray_out) == samples(local_out)
-    ray_metrics, local_metrics = read_jsonl(ray_out / "metrics.jsonl"), read_jsonl(local_out / "metrics.jsonl")
-    assert [m["step"] for m in ray_metrics] == [m["step"] for m in local_metrics]
-    for ray_step, local_step in zip(ray_metrics, local_metrics):
-        for key in keys:
-            assert ray_step[key] == pytest.approx(local_step[key], rel=1e-5, abs=abs_tol), (ray_step["step"], key)
-
-
-def final_weights(out):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
 
 
 def assert_no_actors_left(timeout_s=60.0):
@@ -319,17 +288,6 @@ def test_a_killed_worker_stops_the_run_and_resume_finishes_it(ray_cluster, tiny_
     metrics = read_jsonl(out / "metrics.jsonl")
     assert all(m["env/reward_mean"] > 0 for m in metrics)  # LengthEnv ran in the rollout actor
     assert (out / "final" / "config.json").is_file()
-
-
-def ray_processes(marker: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if marker in command:
-                    found.append(command[:120])
-    return found
 
 
 def test_rlhf_train_on_ray_with_two_policy_actors_leaves_nothing_running(tiny_model_dir, task):

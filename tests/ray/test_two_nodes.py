@@ -20,7 +20,7 @@ import rlhf
 from rlhf.core.plugins import build_plugin_manager
 from rlhf.runtime.local import train as local_train
 from tests.helpers import one_thread, read_jsonl
-from tests.ray.test_runtime import assert_same_training, final_weights, make_config, ray_processes
+from tests.ray.runs import assert_same_training, final_weights, make_config, ray_processes
 
 pytestmark = pytest.mark.ray
 

@@ -17,7 +17,7 @@ import pytest
 from rlhf.rewards.calling import FunctionSource
 from rlhf.rewards.options import RewardOptions
 from rlhf.rewards.server import RewardServer, ServerLimits
-from tests.rewards.test_serve_limits import post_raw, serve  # noqa: F401 - the fixture and the raw POST
+from tests.helpers import post_raw
 
 
 def get_health(url: str) -> tuple[int, dict[str, Any]]:

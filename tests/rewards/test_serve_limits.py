@@ -14,34 +14,8 @@ from typing import Any
 import pytest
 
 from rlhf.rewards.calling import FunctionSource
-from rlhf.rewards.server import RewardServer, ServerLimits
-
-
-@pytest.fixture
-def serve():
-    servers: list[RewardServer] = []
-
-    def start(source: Any = None, **limits: Any) -> str:
-        source = source or FunctionSource(lambda completions: [1.0] * len(completions), "ones", "ones")
-        server = RewardServer(source, host="127.0.0.1", port=0, limits=ServerLimits(**limits))
-        url = server.start()
-        threading.Thread(target=server.run, daemon=True).start()
-        servers.append(server)
-        return url
-
-    yield start
-    for server in servers:
-        server.stop()
-
-
-def post_raw(url: str, data: bytes, timeout: float = 10) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url + "/get_reward", data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+from rlhf.rewards.server import ServerLimits
+from tests.helpers import post_raw
 
 
 def health(url: str, timeout: float = 5) -> int:

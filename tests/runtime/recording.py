@@ -69,3 +69,21 @@ def recording_plugin() -> types.ModuleType:
 
     module.register_train_backends = rlhf.hookimpl(register_train_backends)
     return module
+
+
+def policy_step(model, batch, *, share, micro_batch_size=4, ppo_epochs=1, train_batch_size=None):
+    """One GRPO policy update of ``batch`` on the recording backend (``share``: prefix sharing):
+    (the gradients of its optimizer steps, its metrics, the log-probs before it)."""
+    from rlhf.algorithms import resolve_algorithm
+    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+
+    RecordingBackend.steps.clear()
+    settings = UpdateSettings(train_batch_size=train_batch_size or batch.size, micro_batch_size=micro_batch_size,
+                              max_new_tokens=8, share_prompt=share, ppo_epochs=ppo_epochs)
+    algo = resolve_algorithm("grpo", n_samples=3, kl_coef=0.0, plugins=build_plugin_manager(load_entrypoints=False))
+    worker = PolicyWorker(model, RecordingBackend(model), settings, algo.policy_training_loss(None, entropy_coef=0.05))
+    logprobs = worker.logprobs(batch)
+    batch.old_logprobs = logprobs
+    metrics = worker.fit(batch, step=0)
+    return list(RecordingBackend.steps), metrics, logprobs

@@ -11,7 +11,7 @@ import pytest
 
 from rlhf.runtime.local import sampling_seed
 
-from .test_data_parallel import torchrun
+from tests.helpers import torchrun
 
 
 def test_every_rank_has_its_own_sampling_seed():
