@@ -13,24 +13,27 @@ def rl_step():
 
 
 def test_the_rl_loss_file_calls_its_components_and_the_experience_step_calls_the_estimator(rl_step):
-    reading, _, handovers = rl_step
+    handovers = rl_step.handovers
     assert handovers["plugins/algorithms/ppo_loss.py:ppo_policy_loss"] == "algorithms/training_loss.py"
     assert handovers["plugins/algorithms/kl.py:k3"] == "algorithms/training_loss.py"
     assert handovers["plugins/algorithms/aggregation.py:token_mean"] == "algorithms/training_loss.py"
     assert handovers["plugins/algorithms/grpo.py:grpo_advantages"] == "runtime/experience.py"
     assert handovers["plugins/backends/torch_backend.py:step"] == "runtime/trained.py"
     assert handovers["rewards.py:exact_match"] == "rewards/calling.py"
-    assert "algorithms/components.py" not in reading and "algorithms/advantages.py" not in reading
+    assert "algorithms/components.py" not in rl_step.reading and "algorithms/advantages.py" not in rl_step.reading
 
 
 def test_the_rl_reading_path_stays_short(rl_step):
-    reading, running, _ = rl_step
-    assert len(reading) <= 23, reading
-    assert set(reading) - {"cli/main.py", "cli/train.py"} <= set(running) | {"runtime/local.py", "runtime/lifecycle.py"}
+    assert len(rl_step.reading) <= 23, rl_step.reading
+    update = rl_step.stages["runtime/workers.py:fit"]  # from main() through the policy update to optimizer.step()
+    assert len(update) <= 14 and "algorithms/training_loss.py" in update, update
+    assert set(rl_step.reading) == set().union(*rl_step.stages.values())
+    assert set(rl_step.reading) - {"cli/main.py", "cli/train.py", "runtime/local.py", "runtime/lifecycle.py"} \
+        <= set(rl_step.running)
 
 
 def test_one_dpo_step_goes_from_the_fit_loop_to_the_objective_and_the_shared_update():
-    reading, running, handovers = measure("dpo")
-    assert handovers["plugins/objectives/dpo.py:loss"] == "runtime/fit/loop.py"
-    assert handovers["plugins/backends/torch_backend.py:step"] == "runtime/trained.py"
-    assert "runtime/trained.py" in running and len(reading) <= 8, reading
+    dpo = measure("dpo")
+    assert dpo.handovers["plugins/objectives/dpo.py:loss"] == "runtime/fit/loop.py"
+    assert dpo.handovers["plugins/backends/torch_backend.py:step"] == "runtime/trained.py"
+    assert "runtime/trained.py" in dpo.running and len(dpo.reading) <= 8, dpo.reading

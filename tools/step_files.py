@@ -23,7 +23,9 @@ import os
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = str(ROOT / "rlhf") + os.sep
@@ -42,7 +44,7 @@ def command(kind: str, out: str) -> list[str]:
             "--batch-size", "4", "--steps", "1", "--no-progress", "--out", out]
 
 
-def _hands_over(code: object, filename: str) -> bool:
+def _hands_over(code: Any, filename: str) -> bool:
     """A call the reading path leads to: plugin or user code (the example's reward function), or the
     log-prob computation."""
     if filename.startswith(PLUGINS):
@@ -52,23 +54,46 @@ def _hands_over(code: object, filename: str) -> bool:
     return filename.startswith(str(ROOT / "examples"))  # the user's reward function
 
 
-def measure(kind: str) -> tuple[list[str], list[str], dict[str, str]]:
-    """(reading path, every file the step runs, {plugin or user function: the package file that calls it})."""
+@dataclass
+class StepFiles:
+    reading: list[str]  # the reading path
+    running: list[str]  # every file with a function that runs in the step
+    handovers: dict[str, str]  # plugin or user function -> the package file that calls it
+    stages: dict[str, list[str]]  # the reading path of each part of the step, named by the call the loop's step makes
+
+
+def _is_loop_step(code: Any) -> bool:
+    return code.co_name == "step" and (code.co_filename.endswith(os.path.join("runtime", "trainer.py"))
+                                       or code.co_filename.endswith(os.path.join("runtime", "fit", "loop.py")))
+
+
+def measure(kind: str) -> StepFiles:
     reading: set[str] = set()
     handovers: dict[str, str] = {}
     running: set[str] = set()
+    stages: dict[str, set[str]] = {}
     state = {"in_step": False, "done": False}
 
     def relative(path: str) -> str:
         return path[len(PACKAGE):]
 
-    def profile(frame, event, arg):  # noqa: ANN001
+    def stage_of(callers: list[Any]) -> str:
+        """The call the loop's step makes that leads here (outside the loop's own file)."""
+        outermost_first = callers[::-1]
+        for index, code in enumerate(outermost_first):
+            if _is_loop_step(code):
+                for inner in outermost_first[index + 1:]:
+                    if inner.co_filename != code.co_filename:
+                        return f"{relative(inner.co_filename)}:{inner.co_name}"
+                return f"{relative(code.co_filename)}:step"  # the step's own call
+        return "?"
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
         if state["done"] or event != "call":
             return
         code = frame.f_code
         filename = code.co_filename
-        if code.co_name == "step" and filename.endswith(os.path.join("runtime", "trainer.py")) or \
-                code.co_name == "step" and filename.endswith(os.path.join("runtime", "fit", "loop.py")):
+        if _is_loop_step(code):
             state["in_step"] = True
         if state["in_step"] and filename.startswith(PACKAGE) and code.co_name != "<module>":
             running.add(relative(filename))
@@ -78,12 +103,14 @@ def measure(kind: str) -> tuple[list[str], list[str], dict[str, str]]:
                 callers.append(caller.f_code)
                 caller = caller.f_back
             if not any(_hands_over(c, c.co_filename) for c in callers):  # the host's own hand-over, not a callback
-                reading.update(relative(c.co_filename) for c in callers if c.co_filename.startswith(PACKAGE))
+                path = {relative(c.co_filename) for c in callers if c.co_filename.startswith(PACKAGE)}
+                if filename.startswith(PACKAGE):
+                    path.add(relative(filename))
+                reading.update(path)
+                stages.setdefault(stage_of(callers), set()).update(path)
                 host = next((c.co_filename for c in callers if c.co_filename.startswith(PACKAGE)), "")
                 where = relative(filename) if filename.startswith(PACKAGE) else Path(filename).name
                 handovers.setdefault(f"{where}:{code.co_name}", relative(host))
-                if filename.startswith(PACKAGE):
-                    reading.add(relative(filename))
         if state["in_step"] and code.co_name == "step" and filename.startswith(PLUGINS + "backends"):
             state["done"] = True
 
@@ -99,22 +126,26 @@ def measure(kind: str) -> tuple[list[str], list[str], dict[str, str]]:
         finally:
             sys.setprofile(None)
             threading.setprofile(None)
-    return sorted(reading), sorted(running), handovers
+    return StepFiles(sorted(reading), sorted(running), handovers,
+                     {name: sorted(files) for name, files in stages.items()})
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=["rl", "dpo"])
     args = parser.parse_args(argv)
-    reading, running, handovers = measure(args.kind)
-    print(f"reading path: {len(reading)} files")
-    for name in reading:
+    files = measure(args.kind)
+    print(f"reading path: {len(files.reading)} files")
+    for name in files.reading:
         print("  ", name)
+    print("by the part of the step it reads (from main() too):")
+    for stage, path in files.stages.items():
+        print(f"   {stage}: {len(path)} files")
     print("hand-overs (called <- caller):")
-    for called, caller in sorted(handovers.items()):
+    for called, caller in sorted(files.handovers.items()):
         print("  ", called, "<-", caller)
-    print(f"every file the step runs: {len(running)}")
-    for name in running:
+    print(f"every file the step runs: {len(files.running)}")
+    for name in files.running:
         print("  ", name)
 
 
