@@ -1,11 +1,12 @@
 """The model card: ``README.md`` in ``final/`` and ``best/``, saying what the model is and how it was
 made: the base model, the method (algorithm and its parts, or objective), the data, the command,
-the steps, the key metrics at that point, the prompt format and, for a LoRA adapter, how to load it
-(instead of the adapter library's empty template).
+the steps, the key metrics at that point, the prompt format and, for an adapter in peft's format
+(whichever model adapter wrote it), how to load it (instead of peft's empty template).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -33,8 +34,6 @@ def model_card(config: dict[str, Any], *, command: str, step: int, total_steps: 
     values at ``step`` (the last step's and the last eval's); ``method``: how the loop names what
     it trained with (default: the objective or ``--algo``); ``best``: the metric that made this
     the best model (for ``best/``)."""
-    components = config.get("components") or {}
-    lora_rank = (components.get("model_adapter") or {}).get("lora_rank") or 0
     method = method or (f"`{config['objective']}` (offline objective)" if config.get("objective")
                         else f"`{config.get('algo')}` (RL)")
     data = ", ".join(f"`{d}`" for d in config.get("data") or []) or "-"
@@ -63,7 +62,19 @@ def model_card(config: dict[str, Any], *, command: str, step: int, total_steps: 
         lines.append("")
     lines += ["Made by:", "", "```", command_line(command, out.parent), "```", "",
               "Every option of the run is in its `config.yaml`; `metrics.jsonl` holds every step."]
-    if lora_rank:
-        lines += ["", f"This directory is a LoRA adapter (rank {lora_rank}) on `{config.get('model')}`: `rlhf chat`, "
-                  "`rlhf generate` and peft's `PeftModel.from_pretrained` load it on its base model."]
     return "\n".join(lines) + "\n"
+
+
+def export_notes(directory: Path) -> str:
+    """What the card adds once the model is written to ``directory``: for an adapter in peft's format
+    (``adapter_config.json``, whichever model adapter wrote it), what it is and how to load it."""
+    path = directory / "adapter_config.json"
+    if not path.is_file():
+        return ""
+    adapter = json.loads(path.read_text())
+    kind = {"LORA": "LoRA"}.get(str(adapter.get("peft_type")), str(adapter.get("peft_type") or "peft"))
+    rank = f" (rank {adapter['r']})" if adapter.get("r") else ""
+    base = adapter.get("base_model_name_or_path")
+    on = f" on `{base}`" if base else ""
+    return (f"\nThis directory is a {kind} adapter{rank}{on}: `rlhf chat`, `rlhf generate` and peft's "
+            "`PeftModel.from_pretrained` load it on its base model.\n")

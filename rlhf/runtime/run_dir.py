@@ -33,6 +33,7 @@ from typing import Any
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import ConfigError, RlhfError
 from rlhf.runtime import checkpoint
+from rlhf.runtime.model_card import export_notes
 from rlhf.runtime.run_lock import LOCK_NAME
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class RunDirectory:
     def write_model(self, directory: Path, export: Callable[[Path], None], *,
                     record: dict[str, Any] | None = None, card: str | None = None) -> Path:
         """``export(tmp)`` on every rank into a folder beside ``directory``, then (main rank) the JSON
-        files of ``record`` ({file name: data}) and the model card (README.md) added, and the folder
+        files of ``record`` ({file name: data}) and the model card (README.md, with `export_notes`) added, and the folder
         fsynced and renamed into place as a checkpoint is (`checkpoint.write_directory`): a reader,
         or a kill, never meets a half-written model."""
         def write(tmp: Path) -> None:
@@ -145,7 +146,7 @@ class RunDirectory:
                 for name, data in (record or {}).items():
                     (tmp / name).write_text(json.dumps(data, indent=2))
                 if card is not None:
-                    (tmp / "README.md").write_text(card)
+                    (tmp / "README.md").write_text(card + export_notes(tmp))
 
         return checkpoint.write_directory(directory, write, self.dist)
 

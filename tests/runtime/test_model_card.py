@@ -25,10 +25,11 @@ def test_an_rl_runs_cards_name_the_base_method_data_metrics_and_lora(tiny_model_
     assert f"| data | `{task / 'data.jsonl'}` |" in card and "| steps | 2 of 2 |" in card
     assert f"| `reward/mean` | {last['reward/mean']:.4g} |" in card and "| `eval/reward/mean` |" in card
     assert "plain prompts, no chat template" in card
-    assert "LoRA adapter (rank 2)" in card and "peft" in card and "TODO" not in card  # not peft's template
+    assert f"LoRA adapter (rank 2) on `{tiny_model_dir}`" in card and "peft" in card  # from adapter_config.json
+    assert "TODO" not in card  # not peft's template
     assert f"rlhf train --config {out / 'config.yaml'}" in card  # run from Python: the equivalent command
     best = (out / "best" / "README.md").read_text()
-    assert best.startswith("# run: the best model by `eval/reward/mean`")
+    assert best.startswith("# run: the best model by `eval/reward/mean`") and "LoRA adapter (rank 2)" in best
 
 
 def test_a_fit_runs_card(tiny_model_dir, fit_data, tmp_path, plugins):
@@ -38,6 +39,7 @@ def test_a_fit_runs_card(tiny_model_dir, fit_data, tmp_path, plugins):
     assert result.exit_code == 0, result.output
     card = (out / "final" / "README.md").read_text()
     assert "| method | `sft` (offline objective) |" in card and "| `train/loss` |" in card
+    assert "adapter" not in card  # full weights
     assert "| steps | 1 of 1 |" in card and "LoRA" not in card
 
 
