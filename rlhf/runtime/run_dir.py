@@ -137,9 +137,9 @@ class RunDirectory:
     def write_model(self, directory: Path, export: Callable[[Path], None], *,
                     record: dict[str, Any] | None = None, card: str | None = None) -> Path:
         """``export(tmp)`` on every rank into a folder beside ``directory``, then (main rank) the JSON
-        files of ``record`` ({file name: data}) and the model card (README.md, with `export_notes`) added, and the folder
-        fsynced and renamed into place as a checkpoint is (`checkpoint.write_directory`): a reader,
-        or a kill, never meets a half-written model."""
+        files of ``record`` ({file name: data}) and the model card (README.md, with `export_notes`)
+        added, and the folder fsynced and renamed into place as a checkpoint is
+        (`checkpoint.write_directory`): a reader, or a kill, never meets a half-written model."""
         def write(tmp: Path) -> None:
             export(tmp)
             if self.dist.is_main:
