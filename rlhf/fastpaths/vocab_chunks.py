@@ -26,11 +26,8 @@ entropy g_ℓ scales the (c, H) operands instead of the tile (the tile is only e
 the others). Memory is O(c·b) instead of O(K·V), for one more product with W than the plain path
 (four instead of three); the tiles' other work is a few passes over data in cache, where the plain
 path's log-softmax and its gradient pass over (K, V) in memory. The numbers are the plain path's up
-to float rounding. Cost, measured on a 2-core AMD EPYC (MKL, one thread; benchmarks/README.md, "Memory at a real
-vocabulary"): a GRPO policy update of a 95M model with Qwen2's vocabulary (the output layer 82% of
-the weights) takes 1.05x the full logits' CPU time (1.29x with the earlier 32 MB tiles that
-applied each term over the whole tile); the output layer alone 1.02x at 512 positions (1.47x
-before), 1.21x at 2,048 (1.40x).
+to float rounding. What that costs in CPU time, against the full logits (a whole policy update, and
+the output layer alone): benchmarks/README.md, "Memory at a real vocabulary".
 A call still takes the full logits while they stay small (`FULL_LOGITS_UP_TO`, 64 MiB: a
 micro-batch of 8 x 64 tokens at a 32k vocabulary), with or without a backward: a policy and its
 reference then score a micro-batch the same way. Distillation's cross-entropy to a teacher's

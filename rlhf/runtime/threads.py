@@ -5,9 +5,8 @@ torch sums floats in an order that depends on its thread count, so a run's numbe
 weights, in the last bits) follow the count. The default is therefore fixed by the machine, never
 by its load: `default_threads`, half the cores this process may use (at least one; all of what
 ``OMP_NUM_THREADS`` says where it is set). Half, because a thread per core stalls every parallel op
-whenever another process takes one of those cores (4-5x slower steps beside one busy process on
-two cores), while a thread left out costs little on the small products of a CPU run (figures in
-benchmarks/README.md, "Trust under faults"). The count a run used is recorded in its config.yaml
+whenever another process takes one of those cores, while a thread left out costs little on the
+small products of a CPU run (figures in benchmarks/README.md, "Trust under faults"). The count a run used is recorded in its config.yaml
 and a ``--resume`` without ``--threads`` reuses it.
 
 * `prepare_openmp` (before torch is imported: the ``rlhf`` command calls it first) lowers GNU
@@ -110,7 +109,7 @@ class ThreadGovernor:
 
     def adjust(self) -> int:
         # One look, no sleep: the smoothing over steps steadies it, and a step waits for nothing
-        # (three looks 2 ms apart cost 4 ms of every step's wall clock: 6% on the tiny benchmark).
+        # (three looks a few ms apart would add their wait to every step's wall clock).
         now = others_load(samples=1)
         if now is None:
             return self.current()

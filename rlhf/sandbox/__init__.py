@@ -14,7 +14,7 @@ client of a sandbox server with the same results::
 crash or a limit becomes ``status`` ``"ok" | "error" | "timeout" | "killed" | "sandbox_error"``
 with ``stdout``/``stderr`` (capped while reading, with ``*_truncated`` flags), ``returncode``,
 ``duration_s`` and ``isolation``: the layers actually enforced for this call. One call costs one
-Python start-up (``python -I -S``) plus a fork: about 45 ms on a 2-core VM.
+Python start-up (``python -I -S``) plus a fork.
 
 Every call: a new process in its own session with a scrubbed environment (PATH, locale,
 one-thread BLAS settings and ``env=``; nothing inherited), a fresh empty working directory (also
