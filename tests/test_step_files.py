@@ -1,6 +1,7 @@
 """The path a reader follows through one training step (tools/step_files.py, docs/architecture.md
 "Reading one step"): the formula's file calls the method's components itself, with no wrapper
-between them, and the path stays as short as it is."""
+between them, the path stays as short as it is, and with the fast paths switched off no code of
+theirs runs."""
 
 import pytest
 
@@ -30,6 +31,7 @@ def test_the_rl_reading_path_stays_short(rl_step):
     assert set(rl_step.reading) == set().union(*rl_step.stages.values())
     assert set(rl_step.reading) - {"cli/main.py", "cli/train.py", "runtime/local.py", "runtime/lifecycle.py"} \
         <= set(rl_step.running)
+    assert "fastpaths/prefix_sharing.py" in rl_step.running  # on by default
 
 
 def test_one_dpo_step_goes_from_the_fit_loop_to_the_objective_and_the_shared_update():
@@ -37,3 +39,10 @@ def test_one_dpo_step_goes_from_the_fit_loop_to_the_objective_and_the_shared_upd
     assert dpo.handovers["plugins/objectives/dpo.py:loss"] == "runtime/fit/loop.py"
     assert dpo.handovers["plugins/backends/torch_backend.py:step"] == "runtime/trained.py"
     assert "runtime/trained.py" in dpo.running and len(dpo.reading) <= 8, dpo.reading
+
+
+@pytest.mark.parametrize("kind", ["rl", "dpo"])
+def test_with_the_fast_paths_off_the_step_runs_none_of_their_code(kind):
+    plain = measure(kind, plain=True)
+    assert [f for f in plain.running if f.startswith("fastpaths/")] == []
+    assert "core/logprobs.py" in plain.running and "runtime/trained.py" in plain.running

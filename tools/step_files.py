@@ -2,6 +2,7 @@
 
     python -m tools.step_files rl      # one GRPO step of ``rlhf train``
     python -m tools.step_files dpo     # one step of ``rlhf dpo``
+    python -m tools.step_files rl --plain    # with every fast path switched off
 
 Two counts, from the command line's ``main()`` to the first ``optimizer.step()``:
 
@@ -11,7 +12,7 @@ Two counts, from the command line's ``main()`` to the first ``optimizer.step()``
   backward and step) and wherever log-probs are computed: the files a reader opens following the
   step from the command to the update;
 * every file with a function that runs during the step (from the trainer's step, or the fit
-  loop's, to ``optimizer.step()``; module import code left out).
+  loop's, to ``optimizer.step()``; the module and class bodies a lazy import runs left out).
 
 docs/architecture.md ("Reading one step") gives the figures.
 """
@@ -19,6 +20,7 @@ docs/architecture.md ("Reading one step") gives the figures.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import tempfile
@@ -33,15 +35,19 @@ PLUGINS = PACKAGE + "plugins" + os.sep
 LOGPROBS = PACKAGE + os.path.join("core", "logprobs.py")
 
 
-def command(kind: str, out: str) -> list[str]:
+PLAIN = ["--no-share-prompt", "--no-vocab-chunks", "--cpu-linear", "torch"]  # every fast path off (with the RL
+# step's ``--engine.decoder direct``)
+
+
+def command(kind: str, out: str, plain: bool = False) -> list[str]:
     model, data = str(ROOT / "examples" / "tiny-model"), ROOT / "examples"
     if kind == "rl":
         return ["train", "--algo", "grpo", "--model", model, "--data", str(data / "data" / "train.jsonl"),
                 "--input-key", "prompt", "--label-key", "answer", "--reward", f"{data / 'rewards.py'}:exact_match",
                 "--n-samples", "4", "--prompts-per-step", "2", "--max-new-tokens", "8", "--steps", "1",
-                "--no-progress", "--out", out]
+                "--no-progress", "--out", out] + (PLAIN + ["--engine.decoder", "direct"] if plain else [])
     return ["dpo", "--model", model, "--data", str(data / "pipeline" / "pairs.jsonl"), "--max-samples", "8",
-            "--batch-size", "4", "--steps", "1", "--no-progress", "--out", out]
+            "--batch-size", "4", "--steps", "1", "--no-progress", "--out", out] + (PLAIN if plain else [])
 
 
 def _hands_over(code: Any, filename: str) -> bool:
@@ -67,7 +73,8 @@ def _is_loop_step(code: Any) -> bool:
                                        or code.co_filename.endswith(os.path.join("runtime", "fit", "loop.py")))
 
 
-def measure(kind: str) -> StepFiles:
+def measure(kind: str, plain: bool = False) -> StepFiles:
+    """One step of ``kind`` (``plain``: with every fast path switched off)."""
     reading: set[str] = set()
     handovers: dict[str, str] = {}
     running: set[str] = set()
@@ -95,7 +102,8 @@ def measure(kind: str) -> StepFiles:
         filename = code.co_filename
         if _is_loop_step(code):
             state["in_step"] = True
-        if state["in_step"] and filename.startswith(PACKAGE) and code.co_name != "<module>":
+        if state["in_step"] and filename.startswith(PACKAGE) and code.co_flags & inspect.CO_OPTIMIZED:  # functions,
+            # not the bodies of modules or classes a lazy import runs
             running.add(relative(filename))
         if state["in_step"] and _hands_over(code, filename):
             callers, caller = [], frame.f_back
@@ -120,7 +128,7 @@ def measure(kind: str) -> StepFiles:
         sys.setprofile(profile)
         threading.setprofile(profile)
         try:
-            main(command(kind, str(Path(out) / "run")))
+            main(command(kind, str(Path(out) / "run"), plain))
         except SystemExit:
             pass
         finally:
@@ -133,8 +141,9 @@ def measure(kind: str) -> StepFiles:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=["rl", "dpo"])
+    parser.add_argument("--plain", action="store_true", help="every fast path switched off")
     args = parser.parse_args(argv)
-    files = measure(args.kind)
+    files = measure(args.kind, args.plain)
     print(f"reading path: {len(files.reading)} files")
     for name in files.reading:
         print("  ", name)

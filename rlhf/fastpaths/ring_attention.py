@@ -378,15 +378,3 @@ def check_model(model: Any, head_stride: int) -> None:
     if any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules()):
         raise ConfigError("--ring-attn-size does not work with --gradient-checkpointing yet (the recomputed layers "
                           "would run outside the ring); drop one of them")
-
-
-def forward_model(model: Any, *, packing: bool, ring: Any = None) -> Any:
-    """``model`` as the training forwards call it: over ``ring`` when there is one (`RingModel`,
-    packed with ``packing``), else packed with ``packing`` (`PackedModel`), else itself."""
-    if ring is not None:
-        return RingModel(model, ring, packed=packing)
-    if packing:
-        from rlhf.fastpaths.packing import PackedModel
-
-        return PackedModel(model)
-    return model

@@ -18,6 +18,21 @@ from rlhf.runtime.checkpoint import load_tensors, save_tensors
 from rlhf.runtime.weighted_means import WeightedMeans
 
 
+def forward_model(model: Any, *, packing: bool, ring: Any = None) -> Any:
+    """``model`` as the loops' forwards call it: over ``ring`` when there is one
+    (`rlhf.fastpaths.ring_attention.RingModel`, packed with ``packing``), else packed with ``packing``
+    (`rlhf.fastpaths.packing.PackedModel`), else itself: the plain path never enters the fast paths."""
+    if ring is not None:
+        from rlhf.fastpaths.ring_attention import RingModel
+
+        return RingModel(model, ring, packed=packing)
+    if packing:
+        from rlhf.fastpaths.packing import PackedModel
+
+        return PackedModel(model)
+    return model
+
+
 def check_nonfinite_limit(skipped_in_a_row: int, limit: int, *, loss: str, check: str) -> None:
     """``--max-nonfinite-steps``: stop the run once ``limit`` optimizer steps in a row were skipped for
     a NaN/inf (every loop, every trained model). ``loss`` names it ("the policy loss"), ``check``

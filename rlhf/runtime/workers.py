@@ -23,12 +23,11 @@ from rlhf.core.rewards import RewardResult
 from rlhf.rewards.combine import RewardSet
 from rlhf.core.logprobs import token_logprobs, without_last_token
 from rlhf.fastpaths.packing import is_packed
-from rlhf.fastpaths.ring_attention import forward_model
 from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes, shared_token_logprobs
 from rlhf.runtime.micro_batches import MicroBatch, minibatches, my_rows, plan_micro_batches
 from rlhf.runtime.router_aux import RouterAux
 from rlhf.runtime.threads import adjust_threads
-from rlhf.runtime.trained import TrainedModel
+from rlhf.runtime.trained import TrainedModel, forward_model
 from rlhf.runtime.weighted_means import WeightedMeans
 
 

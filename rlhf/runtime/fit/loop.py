@@ -34,7 +34,6 @@ from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 from rlhf.core.fingerprint import plugin_fingerprint
 from rlhf.core.objective import FitModels, Objective
-from rlhf.fastpaths.ring_attention import forward_model
 from rlhf.runtime.micro_batches import token_budget_groups
 from rlhf.core.plugins import PluginSet
 from rlhf.core.types import RunInfo
@@ -47,7 +46,7 @@ from rlhf.runtime.router_aux import RouterAux
 from rlhf.runtime.run_dir import RunDirectory
 from rlhf.runtime.threads import adjust_threads
 from rlhf.runtime.weighted_means import WeightedMeans, sum_over_ranks
-from rlhf.runtime.trained import TrainedModel, check_nonfinite_limit
+from rlhf.runtime.trained import TrainedModel, check_nonfinite_limit, forward_model
 
 log = logging.getLogger(__name__)
 
