@@ -129,11 +129,14 @@ def measure(kind: str, plain: bool = False) -> StepFiles:
         threading.setprofile(profile)
         try:
             main(command(kind, str(Path(out) / "run"), plain))
-        except SystemExit:
-            pass
+        except SystemExit as exit_:
+            if exit_.code not in (0, None):
+                raise RuntimeError(f"the measured {kind} run failed (exit {exit_.code}): see its output above") from None
         finally:
             sys.setprofile(None)
             threading.setprofile(None)
+    if not state["done"]:
+        raise RuntimeError(f"the measured {kind} run never reached optimizer.step()")
     return StepFiles(sorted(reading), sorted(running), handovers,
                      {name: sorted(files) for name, files in stages.items()})
 
