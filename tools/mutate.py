@@ -51,7 +51,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
             "tests/runtime/test_checkpoint_integrity.py", "tests/fastpaths/test_vocab_chunks.py",
             "tests/runtime/test_heap.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
-                 "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py"]
+                 "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py",
+                 "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]
 
 # area: (files mutated, fast tests run on each of its mutants). Kill rates are reported per area.
 AREAS = {

@@ -89,6 +89,17 @@ def test_a_response_that_is_not_text_in_sft(tiny_model_dir, tmp_path, plugins):
     assert result.exit_code == 2 and "a response must be a string" in result.output, result.output
 
 
+@pytest.mark.parametrize("row, what", [
+    ({"prompt": [{"role": "user", "content": "q"}], "response": "a"}, "the prompt"),
+    ({"prompt": "q", "response": [{"role": "assistant", "content": "a"}]}, "a response"),
+])
+def test_chat_messages_in_sft_without_the_chat_template_flag(tiny_model_dir, tmp_path, plugins, row, what):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "response": "a"}) + "\n" + json.dumps(row) + "\n")
+    result = sft(plugins, tiny_model_dir, data, tmp_path / "run")
+    assert_one_line(result, 2, f"{data} row 2: {what} holds chat messages, not a string; add --apply-chat-template")
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--lr", "-1", "--lr must be positive; got -1.0"),
     ("--steps", "0", "--steps must be at least 1; got 0"),
