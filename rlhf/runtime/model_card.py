@@ -68,10 +68,12 @@ def model_card(config: dict[str, Any], *, command: str, step: int, total_steps: 
 def export_notes(directory: Path) -> str:
     """What the card adds once the model is written to ``directory``: for an adapter in peft's format
     (``adapter_config.json``, whichever model adapter wrote it), what it is and how to load it."""
-    path = directory / "adapter_config.json"
-    if not path.is_file():
+    try:
+        adapter = json.loads((directory / "adapter_config.json").read_text())
+    except (OSError, ValueError):  # no adapter, or not peft's file: the card says nothing more
         return ""
-    adapter = json.loads(path.read_text())
+    if not isinstance(adapter, dict):
+        return ""
     kind = {"LORA": "LoRA"}.get(str(adapter.get("peft_type")), str(adapter.get("peft_type") or "peft"))
     rank = f" (rank {adapter['r']})" if adapter.get("r") else ""
     base = adapter.get("base_model_name_or_path")

@@ -21,27 +21,10 @@ import pytest
 
 from rlhf.rewards.calling import FunctionSource
 from rlhf.rewards.options import RewardOptions
-from rlhf.rewards.server import RewardServer
 from rlhf.rewards import RewardError, load_reward, load_rewards
 from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def serve():
-    servers: list[RewardServer] = []
-
-    def start(source: Any, token: str | None = None) -> str:
-        server = RewardServer(source, host="127.0.0.1", port=0, token=token)
-        url = server.start()
-        threading.Thread(target=server.run, daemon=True).start()
-        servers.append(server)
-        return url
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def post(url: str, body: Any, token: str | None = None) -> tuple[int, dict[str, Any]]:

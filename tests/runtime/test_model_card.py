@@ -48,3 +48,14 @@ def test_the_card_takes_the_rlhf_command_line_when_run_as_rlhf(tmp_path, monkeyp
     card = model_card({"model": "m m", "objective": "sft", "data": ["d.jsonl"]}, command="fit", step=3,
                       total_steps=3, metrics={"train/loss": 0.5}, out=tmp_path / "final")
     assert "rlhf sft --model 'm m' --data d.jsonl" in card and "| `train/loss` | 0.5 |" in card
+
+
+def test_the_card_notes_an_adapter_only_from_a_readable_adapter_config(tmp_path):
+    from rlhf.runtime.model_card import export_notes
+
+    assert export_notes(tmp_path) == ""
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    assert export_notes(tmp_path) == ""  # a broken file never costs the export
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8,
+                                                              "base_model_name_or_path": "base"}))
+    assert "This directory is a LoRA adapter (rank 8) on `base`" in export_notes(tmp_path)
