@@ -51,6 +51,18 @@ def cache_tensors(cache: Any) -> tuple[list[Any], list[Any]] | None:
     return keys, values
 
 
+def partitioned(module: Any) -> bool:
+    """Whether any parameter of ``module`` is marked ``ds_id`` (DeepSpeed ZeRO-3 partitions it). Walks
+    the module tree itself: ``parameters()`` costs several times more, and this runs per forward."""
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if any(hasattr(parameter, "ds_id") for parameter in current._parameters.values()):
+            return True
+        stack.extend(child for child in current._modules.values() if child is not None)
+    return False
+
+
 def llama_like(model: Any) -> bool:
     """Whether ``model`` runs as embed -> layers -> norm -> lm_head with the parts listed in the module
     docstring, so that its own modules called in that order give its forward: a `LLAMA_LIKE` class
@@ -60,7 +72,7 @@ def llama_like(model: Any) -> bool:
     config = getattr(base, "config", None)
     if type(base).__name__ not in LLAMA_LIKE or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
-    if any(hasattr(parameter, "ds_id") for parameter in base.parameters()):
+    if partitioned(base):
         return False  # DeepSpeed ZeRO-3 partitions: the model's forward gathers them
     inner = getattr(base, "model", None)
     if inner is None or not all(hasattr(inner, name) for name in MODEL_PARTS) or not hasattr(base, "lm_head"):

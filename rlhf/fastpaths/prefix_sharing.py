@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -33,8 +34,8 @@ import torch
 from rlhf.core.logprobs import deferred_head, hidden_states_out, scatter_logprobs
 from rlhf.core.modeling import accepts_logits_to_keep, base_model, innermost
 from rlhf.core.ordered_gather import gather_rows
-from rlhf.fastpaths.segment_attention import (segment_forward_supported, segment_layout, segments_pay,
-                                              shared_forward_hidden)
+from rlhf.fastpaths.segment_attention import (SegmentLayout, segment_forward_supported, segment_layout,
+                                              segments_pay, shared_forward_hidden)
 from rlhf.fastpaths.verdicts import settle, verdict
 
 _MASKED_ATTENTION = ("sdpa", "eager")
@@ -47,6 +48,11 @@ class SharedRows:
     allowed: torch.Tensor  # (G, L, L) query attends key: the prefix and its own remainder, causally
     index: torch.Tensor  # (B, T) where each real token sits in the flattened (G·L) rows; -1 on padding
     segments: torch.Tensor  # (G, L) 0 on the prefix, k on the k-th row's remainder, -1 on padding
+
+    @cached_property
+    def layout(self) -> SegmentLayout:
+        """Where the prefix and each remainder lie (`segment_layout` of ``segments``), worked out once."""
+        return segment_layout(self.segments)
 
 
 def common_prefix(rows: Sequence[Sequence[int]]) -> int:
@@ -126,7 +132,7 @@ def sharing_path(model: Any, rows: SharedRows) -> str:
     segment: a Llama-architecture model not wrapped for data parallelism, where it pays) or
     ``prefix_sharing/masked`` (the model's own forward under the row's mask)."""
     if innermost(model) is base_model(model) and segment_forward_supported(model) and \
-            segments_pay(segment_layout(rows.segments)):
+            segments_pay(rows.layout):
         return "prefix_sharing/segment"
     return "prefix_sharing/masked"
 
@@ -140,8 +146,7 @@ def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.
     (`rlhf.fastpaths.segment_attention`: the prefix's and each remainder's own scores, not the
     whole masked row's), or the model's forward under the row's mask."""
     if sharing_path(model, rows) == "prefix_sharing/segment":
-        layout = segment_layout(rows.segments)
-        hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, layout)  # (G, L, hidden)
+        hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, rows.layout)  # (G, L, hidden)
         return base_model(model).lm_head(gather_rows(hidden.reshape(-1, hidden.shape[-1]), flat))  # (K, V)
     length = rows.input_ids.shape[1]
     group, column = flat // length, flat % length  # (K,), (K,)

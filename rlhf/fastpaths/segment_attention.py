@@ -139,7 +139,8 @@ def segment_forward_supported(model: Any) -> bool:
     base = base_model(model)
     if base.training and float(getattr(base.config, "attention_dropout", 0.0) or 0.0) > 0:
         return False
-    return not any(getattr(module, "gradient_checkpointing", False) for module in base.modules())
+    flagged = (base, base.model, *base.model.layers)  # where transformers sets the flag (its modules that have one)
+    return not any(getattr(module, "gradient_checkpointing", False) for module in flagged)
 
 
 def shared_forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,

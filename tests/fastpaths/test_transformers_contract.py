@@ -177,3 +177,27 @@ def test_a_model_without_one_of_the_parts_is_not_llama_like(part):
     assert llama_like(model)
     delattr(owner, part)
     assert not llama_like(model)
+
+
+def test_gradient_checkpointing_is_flagged_on_the_model_or_its_layers(model):
+    """`segment_forward_supported` reads the flag on the model, its inner model and its layers only."""
+    from rlhf.fastpaths.segment_attention import segment_forward_supported
+
+    assert segment_forward_supported(model)
+    model.gradient_checkpointing_enable()
+    flagged = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False)]
+    looked_at = [model, model.model, *model.model.layers]
+    assert flagged and all(any(module is seen for seen in looked_at) for module in flagged)
+    assert not segment_forward_supported(model)
+
+
+@pytest.mark.parametrize("where", ["embedding", "last layer", "head"])
+def test_a_partitioned_parameter_anywhere_makes_a_model_not_llama_like(where):
+    """DeepSpeed ZeRO-3 marks the parameters it partitions with ``ds_id``; one marked parameter
+    anywhere in the tree and the model's own forward must run."""
+    model = build("llama")
+    assert llama_like(model)
+    parameter = {"embedding": model.model.embed_tokens.weight, "head": model.lm_head.weight,
+                 "last layer": model.model.layers[-1].mlp.down_proj.weight}[where]
+    parameter.ds_id = 3
+    assert not llama_like(model)
