@@ -54,6 +54,14 @@ def _killed_after_the_step_2_checkpoint(model, task, out, make_plugin, **options
     assert _no_producer_left()
 
 
+
+def assert_on_policy_only_at_first(metrics: list[dict]) -> None:
+    """The first step trains on samples of the weights it starts from: its ratio is 1 up to float
+    rounding (the sampler's and the training forward's log-probs of the same tokens; bit-equal on
+    some CPUs, not on others); every later step trains on older samples, with a visible KL."""
+    kl = [m["policy/approx_kl"] for m in metrics]
+    assert abs(kl[0]) < 1e-6 and all(abs(value) > 1e-5 for value in kl[1:]), kl
+
 def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp_path):
     sync = _run(tiny_model_dir, task, tmp_path / "sync")
     ahead = _run(tiny_model_dir, task, tmp_path / "async", async_rollout=True, max_staleness=0)
@@ -75,7 +83,7 @@ def test_staleness_one_samples_each_batch_from_the_previous_version(tiny_model_d
     assert [s for s in _samples(tmp_path / "async") if s[0] <= 2] == \
         [s for s in _samples(tmp_path / "frozen") if s[0] <= 2]
     # the loss's logp_old are the behaviour policy's: from step 2 the ratio to the current policy is not 1
-    assert ahead[0]["policy/approx_kl"] == 0 and all(m["policy/approx_kl"] != 0 for m in ahead[1:])
+    assert_on_policy_only_at_first(ahead)
     # and the run does not depend on timing
     again = _run(tiny_model_dir, task, tmp_path / "again", async_rollout=True, max_staleness=1)
     assert [{k: m[k] for k in TRAINING_KEYS} for m in again] == [{k: m[k] for k in TRAINING_KEYS} for m in ahead]
@@ -139,7 +147,7 @@ def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task,
     assert [m["step"] for m in first if "eval/reward/mean" in m] == [0, 2, 4]
     # either way the loss's logp_old are the behaviour policy's: from step 2 the ratio is not 1
     trained = [m for m in first if "policy/approx_kl" in m]
-    assert trained[0]["policy/approx_kl"] == 0 and all(m["policy/approx_kl"] != 0 for m in trained[1:])
+    assert_on_policy_only_at_first(trained)
 
 
 def test_async_is_refused_where_it_cannot_run(tiny_model_dir, task, tmp_path, plugins):
@@ -297,7 +305,7 @@ def test_continuous_rollouts_of_several_batches_overlap_and_stay_deterministic_t
     assert [m["async/staleness_max"] for m in first] == [0, 1, 2, 2, 2]
     assert all(m["env/turns_mean"] > 1 for m in first)
     # the lanes' behaviour log-probs are the loss's logp_old: from step 2 the ratio is not 1
-    assert first[0]["policy/approx_kl"] == 0 and all(m["policy/approx_kl"] != 0 for m in first[1:])
+    assert_on_policy_only_at_first(first)
     second = _run(tiny_model_dir, task, tmp_path / "b", **options("tools_b"))
     _assert_same_run(tmp_path / "b", second, tmp_path / "a", first)
     _killed_after_the_step_2_checkpoint(tiny_model_dir, task, tmp_path / "c", make_plugin, **options("tools_c"))
