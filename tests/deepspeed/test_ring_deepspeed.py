@@ -25,5 +25,12 @@ def test_a_ring_of_two_updates_like_one_process_under_zero2_and_zero3(tiny_model
         assert one[stage]["metrics"]["policy/grad_norm"] > 0
         for key, value in one[stage]["metrics"].items():
             assert ring[stage]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (stage, key)
-        for name, weight in one[stage]["weights"].items():  # Adam at lr 1e-2: atol = lr / 400
-            torch.testing.assert_close(ring[stage]["weights"][name], weight, rtol=0, atol=2.5e-5, msg=(stage, name))
+        # Adam at lr 1e-2 divides by the gradient's size, so where a gradient is nearly 0 the
+        # reduction's rounding shows in that element's update (5.3e-5 on one of 16,384 elements on an
+        # AVX-512 CPU): each element within lr / 20, each tensor's mean within lr / 4,000 (a missing,
+        # doubled or stale update moves every element by about lr). A wrong share or scale fails the
+        # metrics above, grad_norm to 1e-5.
+        for name, weight in one[stage]["weights"].items():
+            difference = (ring[stage]["weights"][name].float() - weight.float()).abs()
+            assert float(difference.max()) <= 5e-4 and float(difference.mean()) <= 2.5e-6, \
+                (stage, name, float(difference.max()), float(difference.mean()))
