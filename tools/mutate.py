@@ -100,6 +100,10 @@ AREAS = {
     "rollouts": ([
         "rlhf/runtime/rollout.py", "rlhf/plugins/engines/hf_continuous.py", "rlhf/runtime/draw_order.py",
     ], ["tests/runtime/test_continuous_batching.py", "tests/runtime/test_multiturn.py", "tests/runtime/test_async.py"]),
+    "plugin mechanism": ([
+        "rlhf/core/registry.py", "rlhf/core/settings.py", "rlhf/runtime/options.py", "rlhf/runtime/config.py",
+    ], ["tests/core", "tests/runtime/test_plugin_flags.py", "tests/runtime/test_settings.py",
+        "tests/plugin_kit/test_checks_broken.py", "tests/plugin_kit/test_checks_builtin.py"]),
 }
 TARGETS = [file for files, _ in AREAS.values() for file in files]
 
