@@ -54,13 +54,13 @@ def _killed_after_the_step_2_checkpoint(model, task, out, make_plugin, **options
     assert _no_producer_left()
 
 
-
 def assert_on_policy_only_at_first(metrics: list[dict]) -> None:
     """The first step trains on samples of the weights it starts from: its ratio is 1 up to float
     rounding (the sampler's and the training forward's log-probs of the same tokens; bit-equal on
     some CPUs, not on others); every later step trains on older samples, with a visible KL."""
     kl = [m["policy/approx_kl"] for m in metrics]
     assert abs(kl[0]) < 1e-6 and all(abs(value) > 1e-5 for value in kl[1:]), kl
+
 
 def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp_path):
     sync = _run(tiny_model_dir, task, tmp_path / "sync")
