@@ -270,3 +270,17 @@ def test_reward_names_resolve_in_the_runs_own_plugin_set(tiny_model_dir, task, t
 
     out = train(config, plugins=plugins)
     assert "reward/shorter" in json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("target, horizon", [(0.01, 0), (0.01, -5), (0.0, 40), (-1.0, 40)])
+def test_adaptive_kl_needs_a_positive_target_and_horizon(target, horizon):
+    config = TrainConfig(model="m", data=["d"], reward=["exact_match"], kl_target=target, kl_horizon=horizon)
+    with pytest.raises(ConfigError, match="--kl-target and --kl-horizon must be positive"):
+        config.derived()
+    TrainConfig(model="m", data=["d"], reward=["exact_match"], kl_target=0.01, kl_horizon=1).derived()
+
+
+def test_an_unknown_runtime_is_a_usage_error_naming_the_choices(plugins):
+    result = run_cli(plugins, ["train", "--model", "m", "--data", "d.jsonl", "--reward", "r.py", "--runtime", "rey"])
+    assert result.exit_code == 2, result.output
+    assert "rey" in result.output and "'local'" in result.output and "'ray'" in result.output
