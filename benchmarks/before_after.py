@@ -68,9 +68,9 @@ def lockstep(pythons: dict[str, str], args: list[str], steps: int, root: Path) -
         out = root / f"ab-run-{side}"
         shutil.rmtree(out, ignore_errors=True)
         command = [python, __file__, "--child", json.dumps([*args, "--steps", str(steps), "--out", str(out)])]
-        log = open(root / f"ab-run-{side}.log", "w")
-        procs[side] = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                       text=True, preexec_fn=pin_to_one_core)
+        with open(root / f"ab-run-{side}.log", "w") as log:  # the child keeps its own copy of the file
+            procs[side] = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=log, text=True, preexec_fn=pin_to_one_core)
     cpu: dict[str, list[float]] = {side: [] for side in procs}
     for step in range(steps + 1):  # the last turn lets each side finish its run
         order = list(procs) if step % 2 == 0 else list(reversed(procs))
