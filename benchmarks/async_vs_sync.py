@@ -78,9 +78,9 @@ class SlowToolEnv:
 def child(args: argparse.Namespace) -> None:
     """One run (this process): prints a JSON line with the step intervals and metrics."""
     benchlib.setup_environment(args.threads)
-    from rlhf.core.plugins import build_plugin_manager
-    from rlhf.runtime.config import TrainConfig
-    from rlhf.runtime.local import train
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.rl.local import train
 
     work, case, staleness = Path(args.work), args.case, args.staleness
     out = work / f"run-{case}-{staleness}"

@@ -101,7 +101,7 @@ def child(args: list[str]) -> None:
 
     import rlhf
     from rlhf.cli.main import make_cli
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
 
     started: dict[str, float] = {}
 

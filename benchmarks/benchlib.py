@@ -105,7 +105,7 @@ def model_dir(name: str, root: Path) -> Path:
     extra = "".join(f"-{key[0]}{value}" for key, value in sorted(shape.items()))
     out = root / f"{name}-h{hidden}-l{layers}-v{vocab}{extra}{'-tied' if name in TIED else ''}-noeos"
     if not (out / "config.json").is_file():
-        from rlhf.core.references import import_object
+        from rlhf.core.plugin_host.references import import_object
 
         tiny_model = f"{ROOT / 'examples' / 'tiny_model.py'}"
         tokenizer = import_object(f"{tiny_model}:build_tokenizer")()

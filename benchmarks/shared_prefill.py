@@ -31,7 +31,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.core.rollout import SamplingParams
+    from rlhf.core.protocols.rollout import SamplingParams
     from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig
 
     path = model_dir(options.model, work_dir(None))

@@ -1,6 +1,6 @@
 """How close is one `rlhf train` step to the bare model work it contains? Prints the ratio.
 
-Our step is timed in-process through ``rlhf.runtime.local.train`` (wall clock between
+Our step is timed in-process through ``rlhf.runtime.rl.local.train`` (wall clock between
 ``on_step_end`` events, steady state: the first step is dropped; the runtime's own
 ``time/step`` metric is printed next to it as a cross-check). The bare step does the same
 model work with nothing around it, in plain torch + transformers:
@@ -30,9 +30,9 @@ import benchlib  # noqa: E402
 
 def our_steps(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.StepClock:
     """Run `rlhf train` in-process; the clock holds each step's wall and CPU time and metrics."""
-    from rlhf.core.plugins import build_plugin_manager
-    from rlhf.runtime.config import TrainConfig
-    from rlhf.runtime.local import train
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.rl.local import train
 
     shutil.rmtree(out, ignore_errors=True)
     config = TrainConfig.from_dict(dict(

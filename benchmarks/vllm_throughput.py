@@ -94,7 +94,7 @@ def run_ours(args: argparse.Namespace, model: Path, prompts: list[list[int]]) ->
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.core.rollout import SamplingParams
+    from rlhf.core.protocols.rollout import SamplingParams
     from rlhf.plugins.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype)).cuda()

@@ -40,13 +40,14 @@ def main() -> None:
 
     from rlhf.algorithms import resolve_algorithm
     from rlhf.core.batch import collate
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
     from rlhf.core.types import Trajectory
     from rlhf.fastpaths import vocab_chunks
     from rlhf.fastpaths.cpu_linear import use_onednn_linears
     from rlhf.plugins.backends.config import BackendConfig
     from rlhf.plugins.backends.torch_backend import TorchBackend
-    from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+    from rlhf.runtime.rl.workers import PolicyWorker
+    from rlhf.runtime.step.micro_batches import UpdateSettings
 
     vocab_chunks.FULL_LOGITS_UP_TO = 0  # every call in tiles
     model = AutoModelForCausalLM.from_pretrained(benchlib.model_dir(args.model, benchlib.work_dir(args.work_dir)))

@@ -45,9 +45,9 @@ TRL_EXTRA: dict = {}  # more GRPOTrainer arguments for TRL's side (benchmarks/sc
 
 
 def run_ours(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.StepClock:
-    from rlhf.core.plugins import build_plugin_manager
-    from rlhf.runtime.config import TrainConfig
-    from rlhf.runtime.local import train
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.rl.local import train
 
     shutil.rmtree(out, ignore_errors=True)
     config = TrainConfig.from_dict(dict(
@@ -77,7 +77,7 @@ def run_trl(args, model: Path, data: Path, reward: Path, out: Path) -> benchlib.
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf.core.references import import_object
+    from rlhf.core.plugin_host.references import import_object
 
     shutil.rmtree(out, ignore_errors=True)
     rollout = args.prompts * args.n

@@ -48,7 +48,7 @@ def offline_model(name: str, root: Path) -> Path:
     hidden, layers, _ = benchlib.MODELS[name]
     out = root / f"offline-{name}-h{hidden}-l{layers}"
     if not (out / "config.json").is_file():
-        from rlhf.core.references import import_object
+        from rlhf.core.plugin_host.references import import_object
 
         build = import_object(f"{benchlib.ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
         build(out, hidden=hidden, layers=layers, heads=max(1, hidden // 64), max_positions=1024)
@@ -57,7 +57,7 @@ def offline_model(name: str, root: Path) -> Path:
 
 def run_ours(args, model: Path, data: Path, out: Path) -> benchlib.StepClock:
     from rlhf.cli.main import make_cli
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
 
     shutil.rmtree(out, ignore_errors=True)
     plugins = build_plugin_manager()

@@ -1,6 +1,6 @@
 """Write docs/plugin-hooks.md from the hook specs' docstrings (the contract lives in one place).
 
-Run ``python docs/generate_hook_docs.py`` after changing rlhf/core/hookspecs.py; a test fails
+Run ``python docs/generate_hook_docs.py`` after changing rlhf/core/plugin_host/hookspecs.py; a test fails
 when the file is stale.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 HEADER = """# Plugin hooks
 
-Generated from `rlhf/core/hookspecs.py` by `python docs/generate_hook_docs.py`; do not edit by hand.
+Generated from `rlhf/core/plugin_host/hookspecs.py` by `python docs/generate_hook_docs.py`; do not edit by hand.
 
 A plugin implements any of these with `@rlhf.hookimpl`, declaring only the arguments it uses
 (without default values: pluggy never passes an argument that has a default).
@@ -21,7 +21,7 @@ A plugin implements any of these with `@rlhf.hookimpl`, declaring only the argum
 
 
 def render() -> str:
-    from rlhf.core import hookspecs
+    from rlhf.core.plugin_host import hookspecs
 
     module_doc = inspect.getdoc(hookspecs) or ""
     parts = [HEADER, "## How hooks work\n\n", module_doc.split("\n", 1)[1].strip(), "\n"]

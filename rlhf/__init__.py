@@ -9,7 +9,7 @@ Plugin authors need only ``rlhf.hookimpl`` (and the types in ``rlhf.core.types``
         register("says_hello", says_hello)
 """
 
-from rlhf.core.hookspecs import hookimpl
+from rlhf.core.plugin_host.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 __all__ = ["hookimpl", "__version__"]

@@ -26,7 +26,7 @@ for _key, _value in {
     "TOKENIZERS_PARALLELISM": "false",
     "WANDB_MODE": "disabled",
     # A fixed thread count: runs compared bit for bit within a test must not follow the machine's load
-    # (rlhf.runtime.threads), and one thread per process keeps a shared 2-core machine fast.
+    # (rlhf.runtime.run.threads), and one thread per process keeps a shared 2-core machine fast.
     "RLHF_THREADS": "1",
     "GOMP_SPINCOUNT": "10000",
 }.items():

@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from rlhf.cli.main import make_cli
-from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight Llama (hidden 64, 2 layers, vocab 320) and its tokenizer, built once per session."""
-    from rlhf.core.references import import_object
+    from rlhf.core.plugin_host.references import import_object
 
     build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
     return build(tmp_path_factory.mktemp("tiny-model"))
@@ -130,7 +130,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def small_config(model_dir, task, out, **overrides):
     """A two-step ``rlhf train`` config on the toy task (2 prompts x 2 samples, 4 new tokens)."""
-    from rlhf.runtime.config import TrainConfig
+    from rlhf.runtime.config.train_config import TrainConfig
 
     values = dict(model=str(model_dir), data=[str(task / "data.jsonl")], label_key="answer",
                   reward=[str(task / "rewards.py")], prompts_per_step=2, n_samples=2, max_new_tokens=4,
@@ -310,7 +310,7 @@ def fit_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def fit_teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another random model with the same tokenizer."""
-    from rlhf.core.references import import_object
+    from rlhf.core.plugin_host.references import import_object
 
     build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
     return build(tmp_path_factory.mktemp("teacher"), seed=7)
@@ -336,10 +336,10 @@ def objective_scores(model_dir: Path, data: Path) -> list[tuple[float, float]]:
     then its ``scores``."""
     import torch
 
-    from rlhf.core.objective import FitModels
-    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.core.protocols.objective import FitModels
+    from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import build_parts
-    from rlhf.runtime.fit.plan import FitPlan
+    from rlhf.runtime.config.fit_plan import FitPlan
 
     config = FitConfig.from_dict({"model": str(model_dir), "data": [str(data)], "objective": "rm", "batch_size": 1,
                                   "out": str(model_dir.parent / "scored-by-objective")})
@@ -406,7 +406,7 @@ class EnvsOf:
         self.flags = {"multi_turn": multi_turn, "gives_rewards": gives_rewards}
 
     def __call__(self, name):
-        from rlhf.core.environment import AsyncEnv
+        from rlhf.core.protocols.environment import AsyncEnv
 
         return AsyncEnv(self.env_cls(), name=self.name)
 
@@ -416,7 +416,7 @@ class EnvsOf:
 
 def prompt_item(tokenizer, text: str, label: Any, origin: str | None = None):
     """One prompt as the loader gives it; ``origin`` defaults to ``row <label>``."""
-    from rlhf.runtime.data import PromptItem
+    from rlhf.runtime.run.data import PromptItem
 
     return PromptItem(prompt=text, prompt_text=text, prompt_ids=tokenizer(text)["input_ids"], label=label,
                       columns={}, origin=origin or f"row {label}")

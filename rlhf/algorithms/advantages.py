@@ -15,7 +15,7 @@ from rlhf.core.types import AdvantageConfig, AdvantageInputs
 if TYPE_CHECKING:
     import torch
 
-    from rlhf.core.plugins import PluginSet
+    from rlhf.core.plugin_host.loading import PluginSet
 
 _ADVANTAGE_DEFAULTS = {"gamma": 1.0, "lambd": 1.0, "std_norm": True, "reward_clip": 10.0}
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from rlhf.core.errors import ConfigError, PluginError
-from rlhf.core.kinds import get_kind
-from rlhf.core.references import import_object, is_reference
+from rlhf.core.plugin_host.kinds import get_kind
+from rlhf.core.plugin_host.references import import_object, is_reference
 
 if TYPE_CHECKING:
     import torch
 
-    from rlhf.core.plugins import PluginSet
+    from rlhf.core.plugin_host.loading import PluginSet
 
 
 class AlgorithmConfigError(ConfigError):
@@ -47,7 +47,7 @@ ComponentRef = Union[str, LoadedComponent, Callable[..., Any]]
 
 def plugin_set(plugins: PluginSet | None) -> PluginSet:
     """``plugins``, or the process-wide set of installed plugins built on first use."""
-    from rlhf.core.plugins import installed_plugins
+    from rlhf.core.plugin_host.loading import installed_plugins
 
     return installed_plugins(plugins)
 

@@ -20,7 +20,7 @@ from rlhf.algorithms.training_loss import (KL_CLAMP, KL_IS_WEIGHT_CLIP, aggregat
 if TYPE_CHECKING:
     import torch
 
-    from rlhf.core.plugins import PluginSet
+    from rlhf.core.plugin_host.loading import PluginSet
 
 
 def kl_divergence(estimator: ComponentRef, logp: torch.Tensor, logp_ref: torch.Tensor, *,

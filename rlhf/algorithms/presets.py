@@ -17,7 +17,7 @@ from rlhf.algorithms.training_loss import PolicyTrainingLoss, ValueTrainingLoss
 from rlhf.core.types import AdvantageConfig, AlgorithmPreset
 
 if TYPE_CHECKING:
-    from rlhf.core.plugins import PluginSet
+    from rlhf.core.plugin_host.loading import PluginSet
 
 KL_PLACEMENTS = ("reward", "loss", "none")
 

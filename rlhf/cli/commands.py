@@ -57,7 +57,7 @@ def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any]
         import yaml
 
         from rlhf.core.errors import ConfigError
-        from rlhf.runtime.options import gather_components
+        from rlhf.runtime.config.options import gather_components
 
         try:
             loaded = yaml.safe_load(Path(value).read_text()) or {}
@@ -97,7 +97,7 @@ def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any]
 def config_values(kwargs: dict[str, Any], config_cls: type) -> dict[str, Any]:
     """Parsed options -> the values of ``config_cls.from_dict``: component settings gathered into
     ``components``, unset options left out (except those that may be None)."""
-    from rlhf.core.references import Resolved
+    from rlhf.core.plugin_host.references import Resolved
 
     kwargs = dict(kwargs)
     kwargs.pop("config_file", None)
@@ -114,12 +114,12 @@ FORMAT_OPTIONS = ("apply_chat_template", "input_template")
 def model_prompt_format(values: dict[str, Any], model: str | None) -> None:
     """Where the user gave neither ``--apply-chat-template`` nor ``--input-template`` (on the command
     line or in a ``--config`` file), format prompts as ``model`` was trained (its
-    ``prompt_format.json``, rlhf/runtime/prompt_format.py), and say so once (main rank)."""
+    ``prompt_format.json``, rlhf/runtime/run/prompt_format.py), and say so once (main rank)."""
     import os
 
     from click.core import ParameterSource
 
-    from rlhf.runtime.prompt_format import PromptFormat
+    from rlhf.runtime.run.prompt_format import PromptFormat
 
     ctx = click.get_current_context()
     if any(ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT) for name in FORMAT_OPTIONS):

@@ -1,7 +1,7 @@
 """``rlhf fit --objective NAME`` and one command per objective registered with ``command=True``
 (``rlhf sft``, ``rlhf rm``, ``rlhf dpo``, ``rlhf kto``, ``rlhf prm``, ``rlhf distill``).
 
-Flags come from `rlhf.runtime.fit.config.FitConfig` (one per field) and the components'
+Flags come from `rlhf.runtime.config.fit_config.FitConfig` (one per field) and the components'
 settings: ``--backend.zero-stage`` and the model adapter's (with their short aliases, as in
 ``rlhf train``), and the objective's, ``--objective.<setting>``. A dedicated command fixes the
 objective and gives its settings plain flags too (``rlhf dpo --beta 0.1``). A setting that holds
@@ -36,8 +36,8 @@ _EXAMPLES = {
 
 def fit_flags(plugins: Any, objective: Any = None) -> list[Flag]:
     """The flags of ``rlhf fit`` (``objective`` None) or of one objective's command."""
-    from rlhf.runtime.fit.config import FIT_SLOTS, FitConfig
-    from rlhf.runtime.options import MODEL_SLOTS
+    from rlhf.runtime.config.fit_config import FIT_SLOTS, FitConfig
+    from rlhf.runtime.config.options import MODEL_SLOTS
 
     skip = ("components",) + (("objective",) if objective is not None else ())
     flags = config_flags(FitConfig, titles=_GROUP_TITLES, skip=skip) + component_flags(
@@ -77,7 +77,7 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
 
     def command(**kwargs: Any) -> None:
         from rlhf.cli.state import CliState
-        from rlhf.runtime.fit.config import FitConfig
+        from rlhf.runtime.config.fit_config import FitConfig
         from rlhf.runtime.fit.local import fit
 
         values = config_values(kwargs, FitConfig)
@@ -97,7 +97,7 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
         click.echo(f"run finished: {out}")
 
     command.__doc__ = _help(objective)
-    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.config.fit_config import FitConfig
 
     for flag in reversed(flags):
         command = flag.option()(command)

@@ -15,7 +15,7 @@ import click
 from rlhf import __version__
 from rlhf.core.errors import ConfigError, RlhfError, RunInterrupted
 from rlhf.cli.state import CliState, debug_enabled
-from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
 
 __all__ = ["CliState", "debug_enabled", "main", "make_cli"]
 
@@ -107,7 +107,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rlhf.runtime.threads import prepare_openmp
+    from rlhf.runtime.run.threads import prepare_openmp
 
     prepare_openmp()  # before anything imports torch: OpenMP reads it once, when torch loads it
     from rlhf.core.distributed import exit_process, launched_with_ranks

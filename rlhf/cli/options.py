@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from rlhf.cli.params import ComponentParam
-from rlhf.core.settings import setting_fields
+from rlhf.core.plugin_host.settings import setting_fields
 
 SLOT_SEPARATOR = "__"  # click parameter name of --backend.zero-stage: backend__zero_stage
 

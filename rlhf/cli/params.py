@@ -8,8 +8,8 @@ from typing import Any
 import click
 
 from rlhf.core.errors import RlhfError
-from rlhf.core.kinds import get_kind
-from rlhf.core.references import Resolved, resolve
+from rlhf.core.plugin_host.kinds import get_kind
+from rlhf.core.plugin_host.references import Resolved, resolve
 
 
 class ComponentParam(click.ParamType):

@@ -1,4 +1,4 @@
-"""``rlhf plot``: a run's curves as a PNG (rlhf/runtime/plot.py)."""
+"""``rlhf plot``: a run's curves as a PNG (rlhf/runtime/run/plot.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,6 @@ def plot_command(runs: tuple[Path, ...], metrics: tuple[str, ...], out: Path | N
     rlhf plot runs/quickstart
     rlhf plot runs/a runs/b --metric reward/mean --metric eval/pass@1 --out compare.png
     """
-    from rlhf.runtime.plot import plot_runs
+    from rlhf.runtime.run.plot import plot_runs
 
     click.echo(f"wrote {plot_runs(list(runs), metrics=list(metrics) or None, out=out, smoothing=smoothing)}")

@@ -9,9 +9,9 @@ from typing import Any
 import click
 
 from rlhf.core.errors import close_matches
-from rlhf.core.kinds import KINDS
-from rlhf.core.plugins import PluginRecord, PluginSet
-from rlhf.core.registry import Component, normalize_name
+from rlhf.core.plugin_host.kinds import KINDS
+from rlhf.core.plugin_host.loading import PluginRecord, PluginSet
+from rlhf.core.plugin_host.registry import Component, normalize_name
 
 
 @click.group("plugins")
@@ -192,7 +192,7 @@ def _flag_value(value: Any) -> str:
 def describe_config(config_cls: type, namespace: str | None = None, short_flags: tuple[str, ...] = ()) -> list[str]:
     """One line per dataclass field: name, type, default and help text; then how it is set: its
     flag ``<namespace>.<field>`` (and ``--<field>`` when in ``short_flags``), or the run value it receives."""
-    from rlhf.core.settings import RUN_VALUES, run_value_of
+    from rlhf.core.plugin_host.settings import RUN_VALUES, run_value_of
 
     lines = []
     for f in dataclasses.fields(config_cls):

@@ -85,7 +85,8 @@ def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | 
     rlhf reward serve ./reward-model --host 0.0.0.0 --token-env RM_TOKEN
     """
     from rlhf.rewards.remote import read_token
-    from rlhf.rewards.server import RewardServer, ServerLimits
+    from rlhf.rewards.limits import ServerLimits
+    from rlhf.rewards.server import RewardServer
     from rlhf.rewards import load_reward
 
     try:

@@ -6,7 +6,7 @@ import os
 
 import click
 
-from rlhf.core.plugins import PluginSet
+from rlhf.core.plugin_host.loading import PluginSet
 
 
 class CliState:

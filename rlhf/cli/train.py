@@ -1,4 +1,4 @@
-"""``rlhf train``: flags generated from `rlhf.runtime.config.TrainConfig`, one per field, plus
+"""``rlhf train``: flags generated from `rlhf.runtime.config.train_config.TrainConfig`, one per field, plus
 ``--<slot>.<setting>`` for every setting of every registered component (``--backend.zero-stage``).
 
 ``--config run.yaml`` supplies defaults for the same names (keys with ``_`` or ``-``; component
@@ -28,7 +28,7 @@ _GROUP_TITLES = {"model": "Model", "data": "Data", "algorithm": "Algorithm", "ro
 
 def train_flags(plugins: Any) -> list[Flag]:
     from rlhf.core.types import AdvantageConfig
-    from rlhf.runtime.config import NESTED, SETTING_SLOTS, TrainConfig
+    from rlhf.runtime.config.train_config import NESTED, SETTING_SLOTS, TrainConfig
 
     return (config_flags(TrainConfig, nested=NESTED, titles=_GROUP_TITLES, skip=("components",))
             + component_flags(plugins, SETTING_SLOTS, TrainConfig.short_flags(plugins),
@@ -52,7 +52,7 @@ def build_train_command(plugins: Any) -> click.Command:
         `rlhf plugins show NAME` lists them.
         """
         from rlhf.cli.state import CliState
-        from rlhf.runtime.config import TrainConfig
+        from rlhf.runtime.config.train_config import TrainConfig
 
         values = config_values(kwargs, TrainConfig)
         if not values.get("model"):
@@ -68,11 +68,11 @@ def build_train_command(plugins: Any) -> click.Command:
         if config.runtime == "ray":
             from rlhf.runtime.ray import train
         else:
-            from rlhf.runtime.local import train
+            from rlhf.runtime.rl.local import train
         out = train(config, plugins=state.plugins)
         click.echo(f"run finished: {out}")
 
-    from rlhf.runtime.config import TrainConfig
+    from rlhf.runtime.config.train_config import TrainConfig
 
     for flag in reversed(flags):
         command = flag.option()(command)

@@ -26,7 +26,7 @@ class RunInfo:
     out_dir: Path
     start_step: int = 0
     total_steps: int = 0
-    plugins: str = ""  # fingerprint, see rlhf.core.fingerprint
+    plugins: str = ""  # fingerprint, see rlhf.core.plugin_host.fingerprint
 
 
 @dataclass(kw_only=True)

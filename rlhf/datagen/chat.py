@@ -149,7 +149,7 @@ def run_chat(ref: str, settings: ChatSettings, *, stdin: Any = None, stdout: Any
     import torch
     from transformers import TextStreamer
 
-    from rlhf.runtime.options import check_sampling
+    from rlhf.runtime.config.options import check_sampling
 
     stdout = stdout or sys.stdout
     check_sampling(settings.top_k, settings.repetition_penalty)

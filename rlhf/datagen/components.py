@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlhf.core.settings import build_component_config
-from rlhf.runtime.options import Slot
+from rlhf.core.plugin_host.settings import build_component_config
+from rlhf.runtime.config.options import Slot
 
 
 def component(plugins: Any, slot: Slot, name: str, settings: dict[str, Any], run_values: dict[str, Any]) -> Any:
@@ -32,7 +32,7 @@ def sampling_components(config: Any, plugins: Any) -> tuple[tuple[Any, Any], tup
 
 
 def run_values(config: Any) -> dict[str, Any]:
-    """What a generation job offers to its components' run fields (``rlhf.core.settings.RUN_VALUES``)."""
+    """What a generation job offers to its components' run fields (``rlhf.core.plugin_host.settings.RUN_VALUES``)."""
     return {"seed": config.seed, "model": config.model, "tokenizer": config.tokenizer or config.model,
             "dtype": config.dtype, "device": config.device, "trust_remote_code": config.trust_remote_code,
             "max_prompt_length": config.max_prompt_length, "max_new_tokens": config.max_new_tokens, "max_turns": 1,
@@ -52,7 +52,7 @@ def load_reward_set(config: Any, plugins: Any) -> Any:
 
 
 def data_settings(config: Any) -> Any:
-    from rlhf.runtime.data import DataSettings
+    from rlhf.runtime.run.data import DataSettings
 
     return DataSettings(paths=list(config.data), input_key=config.input_key, label_key=config.label_key,
                         probs=config.mixing_probs, split=config.data_split,

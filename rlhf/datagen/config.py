@@ -1,6 +1,6 @@
 """Options of ``rlhf generate``, ``rlhf score`` and ``rlhf iterate`` (docs/generate.md), one dataclass each.
 
-They are built from the option groups every command shares (``rlhf.runtime.options``: model,
+They are built from the option groups every command shares (``rlhf.runtime.config.options``: model,
 data, runtime) plus their own; each field is one flag (``max_new_tokens`` -> ``--max-new-tokens``)
 and a key of ``--config run.yaml``. The rollout engine is a component like the model adapter:
 ``--engine NAME`` picks it and its settings are ``--engine.<setting>``. Reward sources use the
@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.rewards.options import RewardOptions
-from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, ModelOptions, RuntimeOptions,
+from rlhf.runtime.config.options import (MODEL_SLOTS, ConfigBase, DataOptions, ModelOptions, RuntimeOptions,
                                   Slot, check_sampling, many, opt)
 
 GENERATE_SLOTS: dict[str, Slot] = {"model_adapter": MODEL_SLOTS["model_adapter"],

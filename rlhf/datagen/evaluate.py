@@ -2,7 +2,7 @@
 
 The model samples ``--n-samples`` completions per prompt through the same rollout, engine and
 reward sources a training run's eval uses, and the metrics are the same, by the same names
-(`rlhf.runtime.evaluation.metrics_of`): ``eval/reward/mean``, ``eval/reward/<source>``,
+(`rlhf.runtime.run.evaluation.metrics_of`): ``eval/reward/mean``, ``eval/reward/<source>``,
 ``eval/pass@1``, ``eval/pass@N``, ``eval/response/length_mean``, ``eval/response/truncated_rate``,
 ``eval/prompts``. Prompts go through in batches of ``--batch-size``; ``--temperature 0`` is greedy.
 One process (not under torchrun).
@@ -36,16 +36,16 @@ class EvalReport:
 def evaluate(config: EvalConfig, *, plugins: Any = None) -> EvalReport:
     """Run ``rlhf eval`` in this process; the metrics and the per-sample rows."""
     from rlhf.core.distributed import launched_with_ranks
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
     from rlhf.core.rewards import RewardResult
-    from rlhf.core.rollout import SamplingParams
+    from rlhf.core.protocols.rollout import SamplingParams
     from rlhf.datagen.components import data_settings, load_reward_set, sampling_components
-    from rlhf.runtime.data import PromptFormatter, load_prompts
-    from rlhf.runtime.evaluation import metrics_of
-    from rlhf.runtime.lifecycle import seed_everything
-    from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
-    from rlhf.runtime.threads import set_threads
-    from rlhf.runtime.workers import RewardWorker
+    from rlhf.runtime.run.data import PromptFormatter, load_prompts
+    from rlhf.runtime.run.evaluation import metrics_of
+    from rlhf.runtime.run.lifecycle import seed_everything
+    from rlhf.runtime.rl.rollout import EnvFactory, RolloutSettings, RolloutWorker
+    from rlhf.runtime.run.threads import set_threads
+    from rlhf.runtime.rl.workers import RewardWorker
 
     config.check()
     if launched_with_ranks():

@@ -23,7 +23,7 @@ from rlhf.core.errors import RlhfError
 from rlhf.datagen.components import data_settings, load_reward_set, sampling_components
 from rlhf.datagen.config import GenerateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows
-from rlhf.runtime.run_lock import NoLock, RunLock
+from rlhf.runtime.run.run_lock import NoLock, RunLock
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Sampler:
     """Prompt items -> `Sample` s: the engine's completions, decoded, and their rewards."""
 
     def __init__(self, engine: Any, tokenizer: Any, rewards: Any, config: Any):
-        from rlhf.core.rollout import SamplingParams
+        from rlhf.core.protocols.rollout import SamplingParams
 
         self.engine, self.tokenizer, self.rewards, self.n = engine, tokenizer, rewards, config.n
         self.params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
@@ -100,13 +100,13 @@ def generate(config: GenerateConfig, *, plugins: Any = None) -> Report | None:
     """Run ``rlhf generate`` in this process (one rank under torchrun); returns what was written
     (None on ranks other than the main one)."""
     from rlhf.core.distributed import init_from_environment
-    from rlhf.core.plugins import build_plugin_manager
-    from rlhf.runtime.data import PromptFormatter, load_prompts
-    from rlhf.runtime.threads import set_threads
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.run.data import PromptFormatter, load_prompts
+    from rlhf.runtime.run.threads import set_threads
 
     mode = config.check()
     plugins = plugins or build_plugin_manager()
-    set_threads(config.threads)  # --threads, else the machine's fixed default (rlhf.runtime.threads)
+    set_threads(config.threads)  # --threads, else the machine's fixed default (rlhf.runtime.run.threads)
     (adapter_cls, adapter_config), (engine_cls, engine_config), _ = sampling_components(config, plugins)
     rewards = load_reward_set(config, plugins)
     if rewards is not None:
@@ -189,7 +189,7 @@ def run_batches(out: Output, total: int, batch_size: int, dist: Any, make: Any, 
                 what: str) -> None:
     """Call ``make(begin, end, batch_index) -> (rows, skipped, tokens)`` for every batch not yet
     written; batch b goes to rank ``b % W``; the main rank writes them in order."""
-    from rlhf.runtime.progress import Progress
+    from rlhf.runtime.run.progress import Progress
 
     batches = -(-total // batch_size)
     first = out.done_items // batch_size

@@ -32,7 +32,7 @@ from typing import Any
 from rlhf.core.errors import RlhfError
 from rlhf.datagen.config import GenerateConfig, IterateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows
-from rlhf.runtime.run_lock import RunLock
+from rlhf.runtime.run.run_lock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ _DPO_ONLY = ("rounds", "prompts_per_round", "beta", "lr", "epochs", "dpo_batch_s
 def iterate(config: IterateConfig, *, plugins: Any = None) -> Path:
     """Run every round not yet complete; returns the run directory."""
     from rlhf.core.distributed import launched_with_ranks
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
 
     config.check()
     if launched_with_ranks():
@@ -103,7 +103,7 @@ def _round_prompts(config: IterateConfig, k: int, round_dir: Path) -> list[str]:
     path = round_dir / "prompts.jsonl"
     if not path.exists():
         from rlhf.datagen.components import data_settings
-        from rlhf.runtime.data import load_prompts, row_values
+        from rlhf.runtime.run.data import load_prompts, row_values
 
         dataset = load_prompts(data_settings(config))
         begin = (k - 1) * config.prompts_per_round
@@ -132,10 +132,10 @@ def _write_pairs(generations: Path, pairs: Path) -> dict[str, float]:
 
 def _dpo(config: IterateConfig, start: str, pairs: Path, run_dir: Path, plugins: Any) -> Path:
     """``rlhf dpo`` on ``pairs`` from ``start`` (policy and reference) into ``run_dir``."""
-    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import fit
-    from rlhf.core.settings import setting_fields
-    from rlhf.runtime.options import parse_key_values
+    from rlhf.core.plugin_host.settings import setting_fields
+    from rlhf.runtime.config.options import parse_key_values
 
     values: dict[str, Any] = {
         "objective": "dpo", "model": start, "data": [str(pairs)], "out": str(run_dir), "lr": config.lr,

@@ -18,7 +18,7 @@ from rlhf.datagen.components import load_reward_set
 from rlhf.datagen.config import ScoreConfig
 from rlhf.datagen.generate import Report, open_output, row_settings, run_batches
 from rlhf.datagen.rows import Sample, Selection, make_rows
-from rlhf.runtime.run_lock import NoLock, RunLock
+from rlhf.runtime.run.run_lock import NoLock, RunLock
 
 
 class PromptText:
@@ -50,14 +50,14 @@ def score(config: ScoreConfig, *, plugins: Any = None) -> Report | None:
     """Run ``rlhf score`` in this process (one rank under torchrun); returns what was written
     (None on ranks other than the main one)."""
     from rlhf.core.distributed import init_from_environment
-    from rlhf.core.plugins import build_plugin_manager
-    from rlhf.runtime.data import load_rows, row_origin, row_values
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.run.data import load_rows, row_origin, row_values
 
-    from rlhf.runtime.threads import set_threads
+    from rlhf.runtime.run.threads import set_threads
 
     mode = config.check()
     plugins = plugins or build_plugin_manager()
-    set_threads(config.threads)  # --threads, else the machine's fixed default (rlhf.runtime.threads)
+    set_threads(config.threads)  # --threads, else the machine's fixed default (rlhf.runtime.run.threads)
     rewards = load_reward_set(config, plugins)
     text = PromptText(config)
     dataset = load_rows(list(config.data), split=config.data_split,

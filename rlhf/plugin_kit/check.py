@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rlhf.core.errors import RlhfError
-from rlhf.core.plugins import PluginRecord, PluginSet
-from rlhf.core.references import is_reference, resolve
-from rlhf.core.registry import normalize_name
+from rlhf.core.plugin_host.loading import PluginRecord, PluginSet
+from rlhf.core.plugin_host.references import is_reference, resolve
+from rlhf.core.plugin_host.registry import normalize_name
 from rlhf.plugin_kit.checks import Target, check_for
 
 SLOW_IMPORT_MS = 100.0
@@ -26,7 +26,7 @@ HEAVY = ("torch", "transformers", "datasets", "peft", "numpy", "ray", "deepspeed
 
 _PROBE = """
 import importlib, json, sys, time
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 plugins = build_plugin_manager(load_entrypoints=False, builtins=())
 before = set(sys.modules)
 start = time.perf_counter()

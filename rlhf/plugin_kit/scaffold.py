@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.kinds import KINDS
+from rlhf.core.plugin_host.kinds import KINDS
 
 TEMPLATES = Path(__file__).parent / "templates"
 TRAIN = "rlhf train --algo grpo --model ./examples/tiny-model --data examples/data/train.jsonl --input-key prompt " \

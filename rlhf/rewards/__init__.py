@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlhf.core.plugins import PluginSet, installed_plugins
+from rlhf.core.plugin_host.loading import PluginSet, installed_plugins
 from rlhf.rewards.combine import RewardResult, RewardSet
 from rlhf.rewards.failures import RewardConfigError, RewardError, RewardFailure
 from rlhf.rewards.loading import build_set, build_source, split_weight

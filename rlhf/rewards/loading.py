@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 
 from rlhf.core.errors import ConfigError, UnknownComponentError
 from rlhf.core.hub import check_model_option, hub_model_dir, is_hub_name
-from rlhf.core.references import import_object, is_reference
-from rlhf.core.registry import Registry
+from rlhf.core.plugin_host.references import import_object, is_reference
+from rlhf.core.plugin_host.registry import Registry
 from rlhf.rewards.calling import FunctionSource
 from rlhf.rewards.combine import RESERVED_NAMES, RewardSet
 from rlhf.rewards.failures import RewardConfigError

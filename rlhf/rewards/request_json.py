@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from rlhf.rewards.source import RewardBatch
 
 if TYPE_CHECKING:
-    from rlhf.rewards.server import ServerLimits
+    from rlhf.rewards.limits import ServerLimits
 
 PROTOCOL_KEYS = ("query", "prompts", "labels")
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')

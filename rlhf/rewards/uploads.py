@@ -12,7 +12,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlhf.rewards.server import ServerLimits
+    from rlhf.rewards.limits import ServerLimits
 
 GRACE_S = 1.0  # seconds before the minimum rate applies (a small body arrives within them)
 

@@ -361,7 +361,7 @@ def test_shape_mismatches_are_reported(plugins):
 # --- laziness and the command line ---------------------------------------------------------------
 
 def test_importing_the_api_builds_nothing_and_imports_no_torch():
-    code = ("import json, sys, rlhf.algorithms, rlhf.core.plugins as core\n"
+    code = ("import json, sys, rlhf.algorithms, rlhf.core.plugin_host.loading as core\n"
             "print(json.dumps([core._installed is None, 'torch' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [True, False]

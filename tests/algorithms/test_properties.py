@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlhf.algorithms import compute_advantages, kl_divergence, policy_loss
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.algorithms import oracle
 
 ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline", "rloo", "grpo", "dr_grpo")

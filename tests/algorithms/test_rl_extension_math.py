@@ -187,7 +187,7 @@ def test_the_unbiased_kl_weight_is_clamped_at_ten():
 
 
 def test_metrics_of_several_sampling_rounds_sum_counts_and_weight_means():
-    from rlhf.runtime.step_metrics import merge_round_metrics
+    from rlhf.runtime.rl.step_metrics import merge_round_metrics
 
     rounds = [({"reward/mean": 1.0, "reward/failures": 2.0, "reward/src/count": 1.0}, 4),
               ({"reward/mean": 0.0, "reward/failures": 1.0, "reward/src/count": 3.0}, 12)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.core.plugins import DEFAULT_PLUGINS, build_plugin_manager
+from rlhf.core.plugin_host.loading import DEFAULT_PLUGINS, build_plugin_manager
 
 PLUGINS_DIR = Path(__file__).resolve().parents[2] / "rlhf" / "plugins"
 PLUGIN_FILES = sorted(PLUGINS_DIR.rglob("*.py"))

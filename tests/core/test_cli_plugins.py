@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import rlhf
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import run_cli
 
 SAMPLE = "tests.core.sample_plugin"

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.fingerprint import fingerprint_differences, plugin_fingerprint
+from rlhf.core.plugin_host.loading import build_plugin_manager
 
 
 def test_fingerprint_lists_loaded_plugins_with_versions(fake_site):

@@ -10,9 +10,9 @@ from pathlib import Path
 import click
 import pytest
 
-from rlhf.core import hookspecs
+from rlhf.core.plugin_host import hookspecs
 from rlhf.core.errors import PluginError
-from rlhf.core.kinds import KIND_BY_HOOK
+from rlhf.core.plugin_host.kinds import KIND_BY_HOOK
 from rlhf.core.types import AlgorithmPreset, RunInfo
 from tests.helpers import run_cli
 
@@ -89,7 +89,7 @@ def test_hook_register_envs(bare_plugins, make_plugin):
 
 
 def test_hook_register_models(bare_plugins, make_plugin):
-    from rlhf.core.adapter import ModelAdapterBase
+    from rlhf.core.protocols.adapter import ModelAdapterBase
 
     class Frozen(ModelAdapterBase):
         def __init__(self, config):
@@ -120,7 +120,7 @@ def test_hook_register_rollout_engines(bare_plugins, make_plugin):
 
 
 def test_hook_register_train_backends(bare_plugins, make_plugin):
-    from rlhf.core.backend import TrainBackendBase
+    from rlhf.core.protocols.backend import TrainBackendBase
 
     class Backend(TrainBackendBase):
         def backward(self, loss):
@@ -143,7 +143,7 @@ def test_hook_register_train_backends(bare_plugins, make_plugin):
 
 
 def test_hook_register_objectives(bare_plugins, make_plugin):
-    from rlhf.core.objective import ObjectiveBase
+    from rlhf.core.protocols.objective import ObjectiveBase
 
     class Constant(ObjectiveBase):
         def columns(self):
@@ -182,7 +182,7 @@ def test_classes_that_break_their_protocol_are_refused_at_registration(bare_plug
 
 
 def test_a_backend_that_shards_its_state_must_write_its_own_checkpoints(bare_plugins, make_plugin):
-    from rlhf.core.backend import TrainBackendBase
+    from rlhf.core.protocols.backend import TrainBackendBase
 
     class Sharded(TrainBackendBase):
         shards_state = True

@@ -1,7 +1,9 @@
 """The layers of docs/architecture.md, machine-checked: ``cli -> runtime -> core <- plugins``.
 
-* no import circle between rlhf's modules (imports inside functions count; those under
-  ``if TYPE_CHECKING:`` do not run, so they do not);
+* no import circle between rlhf's modules, counting every import: inside functions and under
+  ``if TYPE_CHECKING:`` too (a type that only annotations need still belongs below its users);
+* no package of rlhf holds more than 15 modules side by side (a package splits by concept into
+  sub-packages before a reader has to search it);
 * the host (core, runtime, cli, algorithms, rewards) never imports a plugin module: it reaches
   plugins only through registries;
 * every built-in plugin module, and every object a built-in registers (lazy ``"module:attr"``
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.core.plugins import DEFAULT_PLUGINS
+from rlhf.core.plugin_host.loading import DEFAULT_PLUGINS
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "rlhf"
@@ -41,20 +43,11 @@ def _owner(name: str) -> str | None:
 
 
 class _Imports(ast.NodeVisitor):
-    """Every rlhf module a file imports, at any depth, except under ``if TYPE_CHECKING:``."""
+    """Every rlhf module a file imports, at any depth, ``if TYPE_CHECKING:`` blocks included."""
 
     def __init__(self, module: str, is_package: bool):
         self.module, self.is_package = module, is_package
         self.found: set[str] = set()
-
-    def visit_If(self, node: ast.If) -> None:
-        test = node.test
-        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-                (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
-            for child in node.orelse:
-                self.visit(child)
-            return
-        self.generic_visit(node)
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -128,12 +121,21 @@ def test_the_cycle_finder_finds_a_function_level_circle():
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
-def test_a_function_level_import_is_an_edge_and_a_type_checking_one_is_not():
-    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rlhf.runtime.trainer\n"
+def test_function_level_and_type_checking_imports_are_edges():
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rlhf.runtime.rl.trainer\n"
               "def f():\n    from rlhf.core import types\n")
     visitor = _Imports("rlhf.core.example", False)
     visitor.visit(ast.parse(source))
-    assert visitor.found == {"rlhf.core.types"}
+    assert visitor.found == {"rlhf.core.types", "rlhf.runtime.rl.trainer"}
+
+
+PACKAGES = sorted({p.parent for p in PACKAGE.rglob("*.py")})
+
+
+@pytest.mark.parametrize("folder", PACKAGES, ids=[str(p.relative_to(ROOT)) for p in PACKAGES])
+def test_no_package_holds_more_than_15_modules_side_by_side(folder):
+    modules = sorted(p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(modules) <= 15, f"{folder.relative_to(ROOT)} holds {len(modules)} modules: split it by concept"
 
 
 HOST = [m for m in MODULES if not m.startswith("rlhf.plugins")]
@@ -170,7 +172,7 @@ def public_api_violations(module: str) -> list[str]:
 
 def _registered_targets() -> list[tuple[str, str]]:
     """(component, module) for every object and config class the built-in plugins register."""
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
 
     plugins = build_plugin_manager(load_entrypoints=False)
     targets = []
@@ -202,8 +204,8 @@ def test_registered_objects_live_under_plugins_and_use_the_public_api(component,
 
 
 def test_the_public_api_check_catches_a_plugin_that_imports_the_runtime():
-    GRAPH["rlhf.plugins.example.thing"] = {"rlhf.core.types", "rlhf.runtime.trainer", "rlhf.plugins.other.x"}
+    GRAPH["rlhf.plugins.example.thing"] = {"rlhf.core.types", "rlhf.runtime.rl.trainer", "rlhf.plugins.other.x"}
     try:
-        assert public_api_violations("rlhf.plugins.example.thing") == ["rlhf.plugins.other.x", "rlhf.runtime.trainer"]
+        assert public_api_violations("rlhf.plugins.example.thing") == ["rlhf.plugins.other.x", "rlhf.runtime.rl.trainer"]
     finally:
         del GRAPH["rlhf.plugins.example.thing"]

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from rlhf.core.errors import ComponentConflictError, UnknownComponentError
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import run_cli
 
 REWARD_PLUGIN = """

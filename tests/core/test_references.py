@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from rlhf.cli.main import CliState
 from rlhf.cli.params import ComponentParam
 from rlhf.core.errors import BadReferenceError, UnknownComponentError
-from rlhf.core.references import import_object, is_reference, resolve
+from rlhf.core.plugin_host.references import import_object, is_reference, resolve
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ PROBE = f"""
 import json, sys
 from click.testing import CliRunner
 from rlhf.cli.main import make_cli
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 
 plugins = build_plugin_manager()
 for args in (["--help"], ["plugins", "list", "--all"], ["plugins", "list", "--json"]):
@@ -29,6 +29,6 @@ def test_help_and_plugins_list_import_nothing_heavy():
 
 
 def test_importing_rlhf_imports_nothing_heavy():
-    code = f"import json, sys, rlhf, rlhf.core.types, rlhf.core.hookspecs; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    code = f"import json, sys, rlhf, rlhf.core.types, rlhf.core.plugin_host.hookspecs; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(result.stdout) == []

@@ -12,8 +12,8 @@ import pytest
 
 from rlhf.core.errors import ConfigError
 from rlhf.rewards import RewardConfigError
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.plan import RunPlan
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.config.train_plan import RunPlan
 from tests.helpers import run_cli
 
 PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(2)]

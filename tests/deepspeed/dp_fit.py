@@ -13,7 +13,8 @@ from rlhf.core.types import Trajectory
 from rlhf.plugins.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedConfig
 from rlhf.core.batch import collate
 from rlhf.core.distributed import exit_process, init_from_environment
-from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+from rlhf.runtime.rl.workers import PolicyWorker
+from rlhf.runtime.step.micro_batches import UpdateSettings
 
 
 def fixed_batch():

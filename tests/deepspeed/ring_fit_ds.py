@@ -10,7 +10,8 @@ import torch
 from rlhf.algorithms import compute_advantages, resolve_algorithm
 from rlhf.core.distributed import exit_process, init_from_environment
 from rlhf.plugins.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedConfig
-from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+from rlhf.runtime.rl.workers import PolicyWorker
+from rlhf.runtime.step.micro_batches import UpdateSettings
 
 
 def fit(model_dir: str, stage: int, dist) -> dict:

@@ -22,8 +22,8 @@ import pytest
 import torch
 import yaml
 
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import train
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.local import train
 from tests.helpers import backend_full_weights, backend_micro_loss, read_jsonl, run_cli
 
 pytestmark = pytest.mark.deepspeed

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from rlhf.core.environment import (
+from rlhf.core.protocols.environment import (
     AsyncEnv,
     EnvContractError,
     Environment,

@@ -25,7 +25,7 @@ COMMAND_OPTIONS = {"sft": {"data": "sft.jsonl"}, "dpo": {"data": "pairs.jsonl", 
 
 
 def recording_plugins() -> Any:
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
     from tests.runtime.recording import recording_plugin
 
     plugins = build_plugin_manager(load_entrypoints=False)
@@ -36,10 +36,10 @@ def recording_plugins() -> Any:
 def fit_step(command: str, packing: bool, model_dir: str, data_dir: str, out: Path, dist: Any,
              teacher: str) -> dict[str, Any]:
     """One step of ``rlhf <command>`` (4 examples, micro-batches of 2) through the fit loop."""
-    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import build_parts
     from rlhf.runtime.fit.loop import FitLoop
-    from rlhf.runtime.fit.plan import FitPlan
+    from rlhf.runtime.config.fit_plan import FitPlan
     from tests.runtime.recording import RecordingBackend
 
     plugins = recording_plugins()
@@ -65,7 +65,8 @@ def rl_step(packing: bool, model_dir: str, dist: Any) -> dict[str, Any]:
     from rlhf.algorithms import compute_advantages, resolve_algorithm
     from rlhf.core.batch import collate
     from rlhf.core.types import Trajectory
-    from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+    from rlhf.runtime.rl.workers import PolicyWorker
+    from rlhf.runtime.step.micro_batches import UpdateSettings
     from tests.runtime.recording import RecordingBackend
 
     generator = torch.Generator().manual_seed(1)

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from rlhf.core.rollout import SamplingParams
+from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.core.types import Trajectory
 from rlhf.plugins.algorithms.returns import discounted_returns
 from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend

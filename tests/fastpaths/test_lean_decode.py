@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.core.rollout import SamplingParams
+from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig
 from rlhf.fastpaths import llama_like as llama_like_module
 from rlhf.fastpaths.lean_decode import LeanDecoder, lean_decoder_supported

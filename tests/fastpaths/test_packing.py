@@ -20,9 +20,10 @@ import torch
 from rlhf.core.logprobs import token_logprobs
 from rlhf.fastpaths.packing import PackedModel, pack_rows, unpack
 from rlhf.fastpaths.verdicts import verdict
-from rlhf.runtime.micro_batches import token_budget_groups
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+from rlhf.runtime.step.micro_batches import token_budget_groups
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.rl.workers import PolicyWorker
+from rlhf.runtime.step.micro_batches import UpdateSettings
 from tests.helpers import MAX_NEW, assert_same_gradients, command_args, make_batch, padded_batch, read_jsonl, run_cli
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
@@ -208,9 +209,9 @@ def test_a_bad_token_budget_is_a_user_error(tiny_model_dir, fit_data, fit_teache
 
 
 def test_the_train_options_reach_the_policy_and_reference_settings(tiny_model_dir):
-    from rlhf.runtime.config import TrainConfig
-    from rlhf.runtime.local import build_reference, update_settings
-    from rlhf.runtime.plan import RunPlan
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.rl.local import build_reference, update_settings
+    from rlhf.runtime.config.train_plan import RunPlan
 
     plugins = build_plugin_manager(load_entrypoints=False)
     config = TrainConfig(model=str(tiny_model_dir), data=["d"], algo="grpo", kl_coef=0.1, packing=True,

@@ -18,7 +18,7 @@ import torch
 
 from rlhf.core.logprobs import token_logprobs
 from rlhf.fastpaths.prefix_sharing import shared_token_logprobs
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from rlhf.fastpaths.prefix_sharing import common_prefix, share_prefixes
 from tests.helpers import (assert_same_gradients, command_args, grouped_batch, read_jsonl, run_cli,
                            shared_batch)
@@ -161,7 +161,7 @@ def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, fit_data, f
 
 
 def test_shared_micro_batches_keep_a_prompts_samples_together_and_only_when_it_pays():
-    from rlhf.runtime.micro_batches import plan_micro_batches, shared_micro_batches
+    from rlhf.runtime.step.micro_batches import plan_micro_batches, shared_micro_batches
 
     batch = grouped_batch()
     planned = shared_micro_batches(batch, 4)
@@ -185,7 +185,7 @@ def test_a_policy_step_is_the_same_with_shared_prompts(tiny_model_dir, monkeypat
 
     from transformers import AutoModelForCausalLM
 
-    import rlhf.runtime.workers as workers
+    import rlhf.runtime.rl.workers as workers
 
     calls = []
     real = workers.share_prefixes
@@ -211,7 +211,7 @@ def test_a_policy_step_is_the_same_with_shared_prompts(tiny_model_dir, monkeypat
 def test_reference_logprobs_are_the_same_with_shared_prompts(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from rlhf.runtime.workers import ReferenceWorker
+    from rlhf.runtime.rl.workers import ReferenceWorker
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     batch = grouped_batch()
@@ -244,9 +244,9 @@ def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypa
 
 @pytest.mark.parametrize("share", [True, False])
 def test_share_prompt_reaches_the_policy_and_reference_settings(tiny_model_dir, share):
-    from rlhf.runtime.config import TrainConfig
-    from rlhf.runtime.local import build_reference, update_settings
-    from rlhf.runtime.plan import RunPlan
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.rl.local import build_reference, update_settings
+    from rlhf.runtime.config.train_plan import RunPlan
 
     plugins = build_plugin_manager(load_entrypoints=False)
     config = TrainConfig(model=str(tiny_model_dir), data=["d"], algo="grpo", kl_coef=0.1, share_prompt=share)

@@ -78,7 +78,7 @@ def test_data_parallel_ranks_under_rings():
 @pytest.mark.parametrize("command", ["sft", "train"])
 def test_ring_options_the_run_cannot_use_are_one_line_errors(command, extra, message, tiny_model_dir, task, fit_data,
                                                              tmp_path):
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
     from tests.helpers import run_cli
 
     args = {"sft": ["sft", "--data", str(fit_data / "sft.jsonl")],

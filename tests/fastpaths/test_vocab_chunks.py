@@ -349,7 +349,7 @@ def test_the_cli_switch_reaches_the_run_and_the_runs_match(tiny_model_dir, task,
 @pytest.mark.parametrize("command", ["sft", "dpo", "kto", "prm", "distill"])
 def test_fit_commands_take_the_same_steps_with_vocab_chunks(tiny_model_dir, fit_data, fit_teacher, tmp_path,
                                                             monkeypatch, command):
-    from rlhf.core.plugins import build_plugin_manager
+    from rlhf.core.plugin_host.loading import build_plugin_manager
     from tests.helpers import command_args, read_jsonl, run_cli
     from tests.runtime.recording import RecordingBackend, recording_plugin
 

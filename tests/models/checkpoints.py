@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhf.core.references import import_object
+from rlhf.core.plugin_host.references import import_object
 
 ROOT = Path(__file__).resolve().parents[2]
 

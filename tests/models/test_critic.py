@@ -149,8 +149,8 @@ def test_lora_critic_trains_adapters_and_head_and_saves_them_merged(tiny_model_d
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_ppo_run_starts_the_critic_from_a_reward_model_and_saves_it(tiny_model_dir, classifier_dir, tmp_path,
                                                                      plugins, lora_rank):
-    from rlhf.runtime.config import TrainConfig
-    from rlhf.runtime.local import train
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.rl.local import train
 
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"What is {a} + 2?"}) + "\n" for a in range(4)))
     (tmp_path / "rewards.py").write_text(REWARD)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
 from rlhf.plugins.models.hf import LoRAModelAdapter
 from rlhf.plugins.models.lora import AdapterDisabledModel
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import train
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.local import train
 from rlhf.core.logprobs import token_logprobs
 from tests.helpers import read_jsonl, run_cli
 

@@ -13,7 +13,7 @@ import torch
 from rlhf.core.errors import ConfigError
 from rlhf.core.logprobs import token_logprobs, without_last_token
 from rlhf.fastpaths.packing import PackedModel
-from rlhf.runtime.router_aux import RouterAux
+from rlhf.runtime.step.router_aux import RouterAux
 from tests.helpers import command_args, read_jsonl, run_cli, tiny_moe
 
 VOCAB = 320  # the tiny tokenizer's (tiny_model_dir)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlhf.core.errors import UnknownComponentError
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import train
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.local import train
 from tests.helpers import run_cli
 from tests.models import freeze_plugin
 

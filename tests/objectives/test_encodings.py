@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf.core.objective import SkipExample
+from rlhf.core.protocols.objective import SkipExample
 from rlhf.plugins.objectives.config import (DistillConfig, DPOConfig, KTOConfig, PRMConfig, RewardModelConfig,
                                             SFTConfig)
 from rlhf.plugins.objectives.distill import DistillObjective

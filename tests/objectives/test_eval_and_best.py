@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import rlhf
-from rlhf.core.plugins import PluginSet, build_plugin_manager
+from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
 from rlhf.plugins.objectives.config import SFTConfig
 from rlhf.plugins.objectives.sft import SFTObjective
-from rlhf.runtime.fit.config import FitConfig
+from rlhf.runtime.config.fit_config import FitConfig
 from rlhf.runtime.fit.data import _epoch_order
 from rlhf.runtime.fit.local import fit
 from tests.helpers import objective_scores, read_jsonl, run_cli, write_jsonl

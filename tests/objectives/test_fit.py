@@ -14,7 +14,7 @@ import torch
 
 import rlhf
 
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import assert_same_gradients, command_args, read_jsonl, run_cli, torchrun, write_jsonl
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
@@ -90,7 +90,7 @@ def test_the_rm_command_writes_a_sequence_classifier_that_rlhf_train_scores_with
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, fit_data, tmp_path, make_plugin):
-    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import fit
 
     def config(out: Path, **extra) -> FitConfig:
@@ -269,7 +269,7 @@ def test_an_unknown_objective_suggests_the_closest(tiny_model_dir, fit_data, tmp
 
 def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, fit_data, tmp_path, make_plugin):
     """A plugin registering its own objective (here: SFT on the responses' first token only)."""
-    from rlhf.core.objective import ObjectiveBase, require
+    from rlhf.core.protocols.objective import ObjectiveBase, require
     from rlhf.objectives import sft_loss, token_batch
 
     class FirstToken(ObjectiveBase):
@@ -331,9 +331,9 @@ def test_zero3_takes_the_same_steps_as_the_torch_backend(command, tiny_model_dir
 
 
 def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_dir, fit_data, tmp_path):
-    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import build_parts
-    from rlhf.runtime.fit.plan import FitPlan
+    from rlhf.runtime.config.fit_plan import FitPlan
 
     config = FitConfig.from_dict({"model": str(tiny_model_dir), "data": [str(fit_data / "pairs.jsonl")],
                                   "objective": "dpo", "lora_rank": 4, "batch_size": 4, "out": str(tmp_path / "r")})
@@ -357,7 +357,7 @@ def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_di
 
 def test_resume_warns_about_a_changed_plugin_set_and_only_then(tiny_model_dir, fit_data, tmp_path, make_plugin,
                                                                caplog):
-    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import fit
 
     def config(steps: int, **extra) -> FitConfig:
@@ -399,7 +399,7 @@ def test_under_sharded_weights_a_rank_short_of_micro_batches_repeats_one_uncount
 
 
 def test_a_run_names_the_plugins_that_failed_to_load(tiny_model_dir, fit_data, tmp_path, make_plugin, caplog):
-    from rlhf.runtime.fit.config import FitConfig
+    from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import fit
 
     plugins = build_plugin_manager(load_entrypoints=False)

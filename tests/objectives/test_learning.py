@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import read_jsonl, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_distillation_brings_the_student_to_the_teacher(tmp_path):
     """A random student with the quickstart model's tokenizer, distilled from that model on its task."""
     from transformers import AutoTokenizer
 
-    from rlhf.core.references import import_object
+    from rlhf.core.plugin_host.references import import_object
 
     build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
     student = build(tmp_path / "student", tokenizer=AutoTokenizer.from_pretrained(MODEL))

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import ROOT, assert_same_gradients, run_cli, write_jsonl
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
@@ -44,7 +44,7 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory) -> Path:
     """Another random model with the same tokenizer."""
-    from rlhf.core.references import import_object
+    from rlhf.core.plugin_host.references import import_object
 
     build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
     return build(tmp_path_factory.mktemp("value-teacher"), seed=11)

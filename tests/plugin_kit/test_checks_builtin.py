@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf.core.kinds import KINDS
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.kinds import KINDS
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from rlhf.plugin_kit.checks import CHECKS, check_for
 from tests.helpers import run_cli
 

@@ -63,6 +63,6 @@ def test_new_refuses_a_name_that_is_not_an_identifier(plugins, tmp_path):
 
 
 def test_every_kind_has_a_template():
-    from rlhf.core.kinds import KINDS
+    from rlhf.core.plugin_host.kinds import KINDS
 
     assert sorted(SPECS) == sorted(KINDS), "add a KindTemplate to rlhf.plugin_kit.scaffold.SPECS and its template"

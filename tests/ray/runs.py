@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.runtime.config import TrainConfig
+from rlhf.runtime.config.train_config import TrainConfig
 from tests.helpers import read_jsonl
 
 FRACTIONS = {"policy_cpus": 0.5, "ref_cpus": 0.5, "rollout_cpus": 0.5}  # the session cluster has 2 CPUs

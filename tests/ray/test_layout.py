@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.config import TrainConfig
+from rlhf.runtime.config.train_config import TrainConfig
 from rlhf.runtime.ray.cluster import job_runtime_env
 from rlhf.runtime.ray.driver import worker_env
 from rlhf.runtime.ray.groups import (Host, WorkerDiedError, WorkerFailedError, WorkerTimeoutError, death_cause,
@@ -67,7 +67,7 @@ def test_both_pairs_colocate_together_as_openrlhfs_eight_gpu_layout():
     (["critic_reward", "policy_ref"], ("policy_ref", "critic_reward")), ("Policy-Ref", ("policy_ref",)),
 ])
 def test_colocation_reads_one_value_several_or_a_config_files_string(colocate, expected):
-    from rlhf.runtime.config import colocation
+    from rlhf.runtime.config.train_config import colocation
 
     assert colocation(colocate) == expected
 
@@ -87,7 +87,7 @@ def test_none_or_all_with_other_values_is_one_usage_error(colocate, message):
 
 def test_colocate_is_repeatable_on_the_command_line_and_refuses_bad_combinations(plugins, monkeypatch, tmp_path):
     import rlhf.runtime.ray as ray_runtime
-    from rlhf.runtime.config import colocation
+    from rlhf.runtime.config.train_config import colocation
     from tests.helpers import run_cli
 
     seen = []

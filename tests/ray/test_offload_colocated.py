@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import train as local_train
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.local import train as local_train
 from tests.helpers import final_weights, one_thread, read_jsonl
 
 pytestmark = pytest.mark.ray

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import rlhf
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import train as local_train
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.local import train as local_train
 from tests.helpers import one_thread, read_jsonl, write_task
 from tests.ray.runs import (TRAINING_KEYS, actor_processes, assert_same_training, final_weights, make_config,
                             ray_processes, samples)
@@ -126,7 +126,7 @@ def test_save_hf_every_on_ray_writes_the_policy_and_critic_of_each_step(ray_clus
     from transformers import AutoModelForCausalLM
 
     from rlhf.core.checkpoints import read_weight
-    from rlhf.runtime import checkpoint
+    from rlhf.runtime.run import checkpoint
 
     ppo = dict(algo="ppo", critic_cpus=0.25, policy_cpus=0.5, ref_cpus=0.25, rollout_cpus=0.5)
     out = tmp_path / "ray"
@@ -323,7 +323,7 @@ def run_in(work, tiny_model_dir, task):
     # The two rollout workers each sampled half the prompts; they come back in the loader's order, groups intact.
     from transformers import AutoTokenizer
 
-    from rlhf.runtime.local import build_loader
+    from rlhf.runtime.rl.local import build_loader
 
     loader = build_loader(TrainConfig.from_dict({"model": str(tiny_model_dir), "data": [str(work / "data.jsonl")],
                                                  "label_key": "answer"}), AutoTokenizer.from_pretrained(tiny_model_dir))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.config import TrainConfig
+from rlhf.runtime.config.train_config import TrainConfig
 from rlhf.runtime.ray.cluster import job_runtime_env
 from rlhf.runtime.ray.placement import Layout, never_fits, plan_layout
 from rlhf.runtime.ray.shipping import check_size, runtime_excludes, shipped_files

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import rlhf
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.local import train as local_train
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.rl.local import train as local_train
 from tests.helpers import one_thread, read_jsonl
 from tests.ray.runs import assert_same_training, final_weights, make_config, ray_processes
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from rlhf.rewards.calling import FunctionSource
-from rlhf.rewards.server import RewardServer, ServerLimits
+from rlhf.rewards.limits import ServerLimits
+from rlhf.rewards.server import RewardServer
 
 
 @pytest.fixture

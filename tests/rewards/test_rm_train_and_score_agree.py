@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.core.rollout import Generation
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.core.protocols.rollout import Generation
 from tests.helpers import objective_scores, read_jsonl, run_cli, write_jsonl
 
 WORDS = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]

@@ -16,7 +16,8 @@ import pytest
 
 from rlhf.rewards.calling import FunctionSource
 from rlhf.rewards.options import RewardOptions
-from rlhf.rewards.server import RewardServer, ServerLimits
+from rlhf.rewards.limits import ServerLimits
+from rlhf.rewards.server import RewardServer
 from tests.helpers import post_raw
 
 

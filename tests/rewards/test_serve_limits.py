@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rlhf.rewards.calling import FunctionSource
-from rlhf.rewards.server import ServerLimits
+from rlhf.rewards.limits import ServerLimits
 from tests.helpers import post_raw
 
 

@@ -111,7 +111,7 @@ def test_reward_options_fields_all_have_help():
 
 
 def test_default_plugin_set_is_built_lazily():
-    import rlhf.core.plugins as core
+    import rlhf.core.plugin_host.loading as core
 
     core._installed = None
     assert load_reward("exact_match").score(["p"], ["a"], ["a"]) == [1.0]

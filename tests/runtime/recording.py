@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import rlhf
-from rlhf.core.backend import TrainBackendBase
+from rlhf.core.protocols.backend import TrainBackendBase
 
 
 class RecordingBackend(TrainBackendBase):
@@ -75,8 +75,9 @@ def policy_step(model, batch, *, share, micro_batch_size=4, ppo_epochs=1, train_
     """One GRPO policy update of ``batch`` on the recording backend (``share``: prefix sharing):
     (the gradients of its optimizer steps, its metrics, the log-probs before it)."""
     from rlhf.algorithms import resolve_algorithm
-    from rlhf.core.plugins import build_plugin_manager
-    from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.rl.workers import PolicyWorker
+    from rlhf.runtime.step.micro_batches import UpdateSettings
 
     RecordingBackend.steps.clear()
     settings = UpdateSettings(train_batch_size=train_batch_size or batch.size, micro_batch_size=micro_batch_size,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rlhf.core.errors import RlhfError
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.local import train
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.rl.local import train
 from tests.helpers import final_weights, read_jsonl, run_cli, small_config
 
 TRAINING_KEYS = ("reward/mean", "policy/loss", "policy/grad_norm", "policy/approx_kl", "response/length_mean")

@@ -1,7 +1,7 @@
 """Checkpoints and saved models end with a manifest (every file's size and SHA-256, written last);
 ``--resume`` checks the newest checkpoint against it and falls back to the newest intact one with
 one warning naming the damaged file; a damaged file is one line, never a traceback; folders a
-killed write left behind are removed when the next run starts (rlhf/runtime/checkpoint.py)."""
+killed write left behind are removed when the next run starts (rlhf/runtime/run/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rlhf.core.errors import RlhfError
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime import checkpoint
-from rlhf.runtime.local import train
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.run import checkpoint
+from rlhf.runtime.rl.local import train
 from tests.helpers import final_weights, run_cli, small_config
 
 

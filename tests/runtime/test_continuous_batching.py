@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tests.helpers import EnvsOf, GatedTools, RewardingEnv, assert_engine_logprobs_are_the_trainers, prompt_item
-from rlhf.core.rollout import SamplingParams, batches_continuously
+from rlhf.core.protocols.rollout import SamplingParams, batches_continuously
 from rlhf.core.types import StepResult
 from rlhf.plugins.engines.config import HFEngineConfig
 from rlhf.plugins.engines.hf import HFEngine
 from rlhf.plugins.engines.hf_continuous import DecodeBatch, inverse_cdf
-from rlhf.runtime.rollout import RolloutSettings, RolloutWorker, request_seed
+from rlhf.runtime.rl.rollout import RolloutSettings, RolloutWorker, request_seed
 
 
 @pytest.fixture(scope="module")

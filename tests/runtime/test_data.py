@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlhf.runtime.data import DataError, DataSettings, PromptFormatter, PromptLoader, load_prompts
+from rlhf.runtime.run.data import DataError, DataSettings, PromptFormatter, PromptLoader, load_prompts
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +121,8 @@ def test_loader_order_is_seeded_covers_every_prompt_and_resumes(tmp_path, tokeni
 
 
 def test_the_runs_data_options_reach_the_loader(tmp_path, tokenizer):
-    from rlhf.runtime.config import TrainConfig
-    from rlhf.runtime.local import build_loader
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.rl.local import build_loader
 
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4", "level": 1}) + "\n")

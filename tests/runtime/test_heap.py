@@ -1,4 +1,4 @@
-"""Freed blocks go back to the system (rlhf/runtime/heap.py): in a fresh process, a 16 MiB tensor
+"""Freed blocks go back to the system (rlhf/runtime/run/heap.py): in a fresh process, a 16 MiB tensor
 freed after a 24 MiB one (which raises glibc's threshold) stays resident without the setting and is
 returned with it; a user's MALLOC_MMAP_THRESHOLD_ is left alone; every run's prologue sets it."""
 
@@ -13,7 +13,7 @@ import pytest
 
 PROBE = """
 import sys
-from rlhf.runtime.heap import return_freed_blocks
+from rlhf.runtime.run.heap import return_freed_blocks
 if sys.argv[1] == "set":
     assert return_freed_blocks()
 import torch
@@ -46,14 +46,14 @@ def test_a_freed_block_is_returned_with_the_setting_and_kept_without():
 
 
 def test_a_users_own_threshold_is_kept(monkeypatch):
-    from rlhf.runtime.heap import return_freed_blocks
+    from rlhf.runtime.run.heap import return_freed_blocks
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert return_freed_blocks() is False
 
 
 def test_every_run_prologue_sets_it(tiny_model_dir, task, tmp_path, plugins, monkeypatch):
-    from rlhf.runtime import lifecycle
+    from rlhf.runtime.run import lifecycle
     from tests.helpers import run_cli
 
     calls = []

@@ -1,4 +1,4 @@
-"""``--save-hf-every N`` (rlhf/runtime/checkpoint.py, lifecycle.py): every N steps the trained model
+"""``--save-hf-every N`` (rlhf/runtime/run/checkpoint.py, lifecycle.py): every N steps the trained model
 as ``final/`` is written, in ``checkpoints/step_N/hf`` (the critic in ``hf_critic``), loadable with
 ``from_pretrained``; inside the step's checkpoint when one is due, else in an HF-only folder that
 ``--resume`` never takes for a checkpoint; pruned by ``--keep-checkpoints`` with the checkpoints."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhf.core.checkpoints import read_weight
-from rlhf.runtime import checkpoint
+from rlhf.runtime.run import checkpoint
 from tests.helpers import final_weights, run_cli, torchrun
 
 

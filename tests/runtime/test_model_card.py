@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from rlhf.runtime.model_card import model_card
+from rlhf.runtime.run.model_card import model_card
 from tests.helpers import run_cli
 
 
@@ -51,7 +51,7 @@ def test_the_card_takes_the_rlhf_command_line_when_run_as_rlhf(tmp_path, monkeyp
 
 
 def test_the_card_notes_an_adapter_only_from_a_readable_adapter_config(tmp_path):
-    from rlhf.runtime.model_card import export_notes
+    from rlhf.runtime.run.model_card import export_notes
 
     assert export_notes(tmp_path) == ""
     (tmp_path / "adapter_config.json").write_text("{not json")

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from rlhf.core.rollout import SamplingParams
+from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.core.types import Trajectory
-from rlhf.runtime import checkpoint
+from rlhf.runtime.run import checkpoint
 from rlhf.plugins.backends.torch_backend import BackendConfig, TorchBackend, lr_factor
 from rlhf.core.batch import collate
 from tests.helpers import assert_engine_logprobs_are_the_trainers
@@ -194,8 +194,8 @@ def test_checkpoints_are_atomic_rotated_and_carry_rng(tmp_path):
 
 def test_length_sorted_micro_batches_cover_every_row_once_and_results_keep_row_order(model_and_tokenizer):
     from rlhf.core.distributed import SINGLE
-    from rlhf.runtime.micro_batches import micro_batches
-    from rlhf.runtime.workers import forward_rows
+    from rlhf.runtime.step.micro_batches import micro_batches
+    from rlhf.runtime.rl.workers import forward_rows
 
     model, _ = model_and_tokenizer
     lengths = [(2, 9), (3, 1), (1, 6), (4, 2), (2, 4)]  # (prompt, completion) lengths, deliberately unsorted

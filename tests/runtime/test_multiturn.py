@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from rlhf.algorithms import compute_advantages, policy_loss
-from rlhf.core.rollout import Generation, SamplingParams
+from rlhf.core.protocols.rollout import Generation, SamplingParams
 from rlhf.core.types import StepResult
 from rlhf.core.batch import collate
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import train
-from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.local import train
+from rlhf.runtime.rl.rollout import RolloutSettings, RolloutWorker
 from tests.helpers import EnvsOf, prompt_item
 
 

@@ -11,8 +11,8 @@ import torch
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.offload import ModuleOffload, TrainStateOffload, shares_parameters
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.plan import RunPlan
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.config.train_plan import RunPlan
 from tests.helpers import final_weights, read_jsonl, run_cli, small_config
 from tests.models.checkpoints import save_classifier, tokenizer
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.plot import choose_metrics, series, smooth
+from rlhf.runtime.run.plot import choose_metrics, series, smooth
 from tests.helpers import run_cli
 
 

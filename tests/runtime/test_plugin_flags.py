@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.config import TrainConfig
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.config.train_config import TrainConfig
 from tests.helpers import read_jsonl, run_cli
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.runtime.local import sampling_seed
+from rlhf.runtime.rl.local import sampling_seed
 
 from tests.helpers import torchrun
 

@@ -27,7 +27,7 @@ import torch
 
 import rlhf
 from rlhf.algorithms.components import load_component
-from rlhf.core.plugins import PluginSet
+from rlhf.core.plugin_host.loading import PluginSet
 from tests.helpers import assert_same_gradients, final_weights, read_jsonl, run_cli
 from tests.runtime.recording import RecordingBackend, recording_plugin
 

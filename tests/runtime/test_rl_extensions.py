@@ -11,8 +11,8 @@ import torch
 
 import rlhf
 from rlhf.core.errors import RlhfError
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.local import train
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.rl.local import train
 from tests.helpers import read_jsonl, run_cli, small_config, torchrun
 
 # Groups of prompts with an even answer all score 1: no variance, nothing for GRPO to learn.
@@ -335,7 +335,7 @@ def test_the_controllers_kl_leaves_out_skipped_samples():
     whose reward was skipped (loss mask 0, action mask 1) is not one of them."""
     from types import SimpleNamespace
 
-    from rlhf.runtime.step_metrics import sequence_kl
+    from rlhf.runtime.rl.step_metrics import sequence_kl
 
     kl = torch.tensor([[0.2, 0.4, 0.0], [5.0, 5.0, 5.0], [0.1, 0.1, 0.1]])  # (B, A)
     action_mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
@@ -349,7 +349,7 @@ def test_eval_pass_at_n_is_the_share_of_prompts_solved_in_n_tries():
     from types import SimpleNamespace
 
     from rlhf.core.rewards import RewardResult
-    from rlhf.runtime.evaluation import eval_metrics
+    from rlhf.runtime.run.evaluation import eval_metrics
 
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # 3 prompts x 2 samples: solved once, never, twice
     trajectories = [SimpleNamespace(num_policy_tokens=4, finish_reason="stop") for _ in rewards]

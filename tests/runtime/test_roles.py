@@ -1,13 +1,13 @@
-"""Both runtimes implement the roles the trainer loop drives (rlhf.core.roles): the local workers
+"""Both runtimes implement the roles the trainer loop drives (rlhf.core.protocols.roles): the local workers
 and the Ray group handles have every method and attribute of their protocol."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlhf.core import roles
-from rlhf.core.contracts import missing_members, protocol_members
-from rlhf.runtime import rollout, workers
+from rlhf.core.protocols import roles
+from rlhf.core.plugin_host.contracts import missing_members, protocol_members
+from rlhf.runtime.rl import rollout, workers
 from rlhf.runtime.ray import groups
 
 CASES = [

@@ -1,4 +1,4 @@
-"""The run directory's lifecycle, shared by `rlhf train` and the fit commands (rlhf/runtime/lifecycle.py):
+"""The run directory's lifecycle, shared by `rlhf train` and the fit commands (rlhf/runtime/run/lifecycle.py):
 checkpoints load no pickled code, --resume refuses changed options unless --resume-override names
 them, Ctrl-C and SIGTERM write a checkpoint and print the resume command, final/ appears whole or
 not at all, a run that failed at start is no run, and a full disk names the file."""
@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from rlhf.core.errors import RlhfError
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime import checkpoint
-from rlhf.runtime.local import train
-from rlhf.runtime.run_dir import RunDirectory
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.run import checkpoint
+from rlhf.runtime.rl.local import train
+from rlhf.runtime.run.run_dir import RunDirectory
 from tests.helpers import read_jsonl, run_cli, small_config
 
 
@@ -166,7 +166,7 @@ def test_a_full_disk_names_the_file_and_the_first_error_wins(tiny_model_dir, tas
 
 def test_on_run_end_errors_do_not_hide_a_completed_runs_failure_to_finish(tmp_path):
     """The other way round: a run that completed reports an on_run_end failure (nothing hides it)."""
-    from rlhf.runtime.lifecycle import _end
+    from rlhf.runtime.run.lifecycle import _end
 
     def emit(event, **kwargs):
         raise RuntimeError("flush failed")
@@ -243,7 +243,7 @@ def test_a_reward_that_fails_on_every_sample_warns_then_stops_the_run(tiny_model
 def test_torchs_iostream_error_on_a_full_disk_is_reported_as_such(tmp_path, monkeypatch):
     import shutil
 
-    from rlhf.runtime import checkpoint
+    from rlhf.runtime.run import checkpoint
 
     def write(folder: Path) -> None:
         raise RuntimeError("[enforce fail at inline_container.cc:858] . PytorchStreamWriter failed writing file "
@@ -256,7 +256,7 @@ def test_torchs_iostream_error_on_a_full_disk_is_reported_as_such(tmp_path, monk
 
 
 def test_the_same_signal_twice_abandons_the_step_the_launchers_sigterm_does_not():
-    from rlhf.runtime.lifecycle import StopRequest
+    from rlhf.runtime.run.lifecycle import StopRequest
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # SIG_IGN under nohup or `cmd &`
     with StopRequest().installed() as stop:
@@ -270,7 +270,7 @@ def test_the_same_signal_twice_abandons_the_step_the_launchers_sigterm_does_not(
 
 
 def test_logs_are_cut_back_to_the_checkpoint(tmp_path):
-    from rlhf.runtime.run_dir import cut_logs, log_sizes
+    from rlhf.runtime.run.run_dir import cut_logs, log_sizes
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1}\n{"step": 2}\n')

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from rlhf.runtime.run_lock import LOCK_NAME, RunInUseError, RunLock
+from rlhf.runtime.run.run_lock import LOCK_NAME, RunInUseError, RunLock
 from tests.helpers import run_cli
 
 

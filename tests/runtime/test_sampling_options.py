@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.core.rollout import SamplingParams
+from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig
 from tests.helpers import run_cli
 

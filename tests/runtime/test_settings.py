@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.settings import build_component_config, coerce, run_field, setting_fields
+from rlhf.core.plugin_host.settings import build_component_config, coerce, run_field, setting_fields
 from rlhf.core.types import AdvantageConfig
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.plan import RunPlan
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.config.train_plan import RunPlan
 from tests.helpers import run_cli
 
 
@@ -123,7 +123,7 @@ def test_an_option_two_components_have_must_be_named_with_its_slot(plugins, make
 
 
 def test_environment_options_reach_the_environment(plugins):
-    from rlhf.runtime.rollout import EnvFactory
+    from rlhf.runtime.rl.rollout import EnvFactory
 
     plan = RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"], env="tir",
                                     components={"env": {"timeout_s": 9}}), plugins)
@@ -195,7 +195,7 @@ def test_the_legacy_flat_keys_of_an_older_config_file_still_load(tiny_model_dir,
 def test_options_that_would_do_nothing_are_warned_about(plugins, caplog, tmp_path):
     import logging
 
-    from rlhf.runtime.lifecycle import start_run
+    from rlhf.runtime.run.lifecycle import start_run
 
     def start(**options):
         config = TrainConfig(model="m", data=["d"], reward=["exact_match"], out=str(tmp_path / "run"), **options)
@@ -266,7 +266,7 @@ def test_reward_names_resolve_in_the_runs_own_plugin_set(tiny_model_dir, task, t
     plugins.register(make_plugin("only_here", register_rewards=lambda register: register("shorter", shorter)))
     config = TrainConfig(model=str(tiny_model_dir), data=[str(task / "data.jsonl")], reward=["shorter"], steps=1,
                          prompts_per_step=2, n_samples=2, max_new_tokens=2, progress=False, out=str(tmp_path / "run"))
-    from rlhf.runtime.local import train
+    from rlhf.runtime.rl.local import train
 
     out = train(config, plugins=plugins)
     assert "reward/shorter" in json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

@@ -1,4 +1,4 @@
-"""CPU threads chosen for a shared machine (rlhf/runtime/threads.py)."""
+"""CPU threads chosen for a shared machine (rlhf/runtime/run/threads.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rlhf.runtime.threads import SPIN_COUNT, choose_threads, others_load, prepare_openmp, split_threads
+from rlhf.runtime.run.threads import SPIN_COUNT, choose_threads, others_load, prepare_openmp, split_threads
 
 
 @pytest.mark.parametrize(("load", "expected"), [
@@ -63,7 +63,7 @@ def test_rlhf_command_sets_spin_count_before_torch_loads():
 def test_the_governor_follows_the_load_between_steps(monkeypatch):
     import torch
 
-    from rlhf.runtime import threads
+    from rlhf.runtime.run import threads
 
     before = torch.get_num_threads()
     loads = iter([3.0, 3.0, 3.0, 0.0, 0.0, 0.0])
@@ -80,7 +80,7 @@ def test_the_governor_follows_the_load_between_steps(monkeypatch):
 def test_a_requested_count_turns_the_governor_off():
     import torch
 
-    from rlhf.runtime import threads
+    from rlhf.runtime.run import threads
 
     before = torch.get_num_threads()
     try:
@@ -95,7 +95,7 @@ def test_a_requested_count_turns_the_governor_off():
 
 
 def test_the_default_is_half_the_cores_whatever_the_load(monkeypatch):
-    from rlhf.runtime import threads
+    from rlhf.runtime.run import threads
 
     assert [threads.default_threads(cores, environ={}) for cores in (1, 2, 3, 16)] == [1, 1, 1, 8]
     assert threads.default_threads(16, environ={"OMP_NUM_THREADS": "3"}) == 3
@@ -122,7 +122,7 @@ def test_the_default_is_half_the_cores_whatever_the_load(monkeypatch):
 def test_auto_follows_the_load_and_says_so(monkeypatch):
     import torch
 
-    from rlhf.runtime import threads
+    from rlhf.runtime.run import threads
 
     monkeypatch.setattr(threads, "others_load", lambda **_: 3.0)
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)
@@ -143,7 +143,7 @@ def test_auto_follows_the_load_and_says_so(monkeypatch):
     (None, {}, None), (3, {}, 3), ("3", {}, 3), ("AUTO", {}, "auto"), (None, {"RLHF_THREADS": "2"}, 2),
     (None, {"RLHF_THREADS": "auto"}, "auto"), (4, {"RLHF_THREADS": "2"}, 4)])
 def test_requested_threads(given, environ, expected):
-    from rlhf.runtime.threads import requested_threads
+    from rlhf.runtime.run.threads import requested_threads
 
     assert requested_threads(given, environ) == expected
 
@@ -151,7 +151,7 @@ def test_requested_threads(given, environ, expected):
 @pytest.mark.parametrize(("given", "environ"), [(0, {}), ("many", {}), (None, {"RLHF_THREADS": "-1"}), (True, {})])
 def test_a_bad_thread_count_is_a_config_error(given, environ):
     from rlhf.core.errors import ConfigError
-    from rlhf.runtime.threads import requested_threads
+    from rlhf.runtime.run.threads import requested_threads
 
     with pytest.raises(ConfigError, match="at least 1, or auto"):
         requested_threads(given, environ)
@@ -172,7 +172,7 @@ def test_the_same_command_gives_the_same_bits_whatever_the_load(tiny_model_dir, 
     import torch
     import yaml
 
-    from rlhf.runtime import threads
+    from rlhf.runtime.run import threads
     from tests.helpers import final_weights
 
     monkeypatch.delenv("RLHF_THREADS", raising=False)
@@ -200,7 +200,7 @@ def test_a_resume_reuses_the_runs_count(tiny_model_dir, task, tmp_path, plugins,
     import torch
     import yaml
 
-    from rlhf.runtime import threads
+    from rlhf.runtime.run import threads
 
     monkeypatch.delenv("RLHF_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -15,9 +15,9 @@ import rlhf
 import yaml
 
 from rlhf.core.errors import RlhfError
-from rlhf.core.plugins import build_plugin_manager
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import train
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.local import train
 from tests.helpers import final_weights, read_jsonl, run_cli, small_config
 
 
@@ -246,8 +246,8 @@ def test_threads_below_one_is_a_config_error(tiny_model_dir, task, tmp_path, plu
 
 def test_engine_config_reaches_the_engine_and_unknown_keys_are_refused(tiny_model_dir, task, tmp_path, plugins):
     from rlhf.core.errors import ConfigError
-    from rlhf.runtime.local import build_workers
-    from rlhf.runtime.plan import RunPlan
+    from rlhf.runtime.rl.local import build_workers
+    from rlhf.runtime.config.train_plan import RunPlan
 
     config = small_config(tiny_model_dir, task, tmp_path / "run", engine_config=["decoder=generate",
                                                                                   "generation_batch_size=3"])

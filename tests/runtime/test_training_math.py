@@ -23,12 +23,13 @@ import torch
 
 from rlhf.algorithms import resolve_algorithm, step_norm
 from rlhf.core.batch import collate
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from rlhf.core.types import Trajectory
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.local import train
-from rlhf.runtime.plan import RunPlan
-from rlhf.runtime.workers import CriticWorker, PolicyWorker, UpdateSettings
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.local import train
+from rlhf.runtime.config.train_plan import RunPlan
+from rlhf.runtime.rl.workers import CriticWorker, PolicyWorker
+from rlhf.runtime.step.micro_batches import UpdateSettings
 from tests.helpers import MAX_NEW, ROWS, assert_same_gradients, make_batch
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
@@ -234,7 +235,7 @@ def test_a_saved_worker_loads_back_exactly(base_model, tmp_path, plugins):
 
 
 def test_minibatches_are_a_seeded_permutation_per_step_and_epoch():
-    from rlhf.runtime.micro_batches import minibatches
+    from rlhf.runtime.step.micro_batches import minibatches
 
     batch = make_batch()
     batch.input_ids[:, 0] = torch.arange(ROWS)  # row ids, to read the order back
@@ -252,7 +253,7 @@ def test_minibatches_are_a_seeded_permutation_per_step_and_epoch():
 
 
 def test_the_runs_seed_shuffles_the_minibatches(tiny_model_dir, task, tmp_path):
-    from rlhf.runtime.local import update_settings
+    from rlhf.runtime.rl.local import update_settings
 
     plan = RunPlan.make(config(tiny_model_dir, task, tmp_path / "run", seed=123, ppo_epochs=3, train_batch_size=4),
                         build_plugin_manager(load_entrypoints=False))
@@ -262,7 +263,7 @@ def test_the_runs_seed_shuffles_the_minibatches(tiny_model_dir, task, tmp_path):
 
 def test_the_reward_is_the_sources_plus_the_environments():
     from rlhf.rewards.combine import RewardResult
-    from rlhf.runtime.workers import RewardWorker
+    from rlhf.runtime.rl.workers import RewardWorker
 
     class Sources:
         def score_trajectories(self, trajectories):
@@ -306,7 +307,7 @@ class PositionCritic(torch.nn.Module):
 
 def test_kl_goes_into_the_reward_when_it_is_placed_there(plugins):
     """PPO's per-token reward: R_t = -β·kl_t, plus r on the last action token; returns sum them up."""
-    from rlhf.runtime.experience import ExperienceMaker
+    from rlhf.runtime.rl.experience import ExperienceMaker
 
     class Fixed:
         def __init__(self, logprobs):
@@ -438,8 +439,8 @@ def test_logprobs_are_taken_at_the_sampling_temperature(tiny_model_dir, task, tm
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_training_the_policy_leaves_the_reference_as_it_was(tiny_model_dir, task, tmp_path, plugins, lora_rank):
-    from rlhf.runtime.local import build_workers
-    from rlhf.runtime.plan import RunPlan
+    from rlhf.runtime.rl.local import build_workers
+    from rlhf.runtime.config.train_plan import RunPlan
 
     run = config(tiny_model_dir, task, tmp_path / "run", lora_rank=lora_rank, kl_coef=0.01)
     workers, _ = build_workers(RunPlan.make(run, plugins), plugins)
@@ -491,7 +492,7 @@ def test_token_budgets_are_refused_where_every_forward_is_a_collective():
     from types import SimpleNamespace
 
     from rlhf.core.errors import RlhfError
-    from rlhf.runtime.trained import TrainedModel
+    from rlhf.runtime.step.trained import TrainedModel
 
     model = torch.nn.Linear(2, 2)
     sharded = SimpleNamespace(train_module=model, shards_weights=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlhf.runtime.weight_broadcast import Bucket, WeightBroadcast, WeightSyncError, buckets, check_manifest
+from rlhf.runtime.ray.weight_broadcast import Bucket, WeightBroadcast, WeightSyncError, buckets, check_manifest
 
 BUCKET_BYTES = 1024
 # name -> (shape, dtype); "big" (16 KiB) travels alone, the bfloat16 one starts a bucket of its own
@@ -83,8 +83,8 @@ def test_a_receiver_whose_parameters_differ_is_told_which():
 
 
 def test_broadcast_in_the_local_runtime_is_warned_about(plugins):
-    from rlhf.runtime.config import TrainConfig
-    from rlhf.runtime.plan import RunPlan
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.config.train_plan import RunPlan
 
     def warnings(**options):
         return RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"], **options), plugins).warnings()

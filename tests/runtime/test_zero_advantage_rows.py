@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlhf.algorithms import resolve_algorithm
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.runtime.recording import RecordingBackend
 from tests.helpers import assert_same_gradients, grouped_batch
 
@@ -77,8 +77,9 @@ def test_every_row_trains_unless_the_objective_can_tell(overrides):
 
 def fit(model, batch, *, skip, share, micro_batch_size=4, monkeypatch=None, steps=1):
     from rlhf.algorithms.training_loss import PolicyTrainingLoss
-    import rlhf.runtime.workers as workers
-    from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+    import rlhf.runtime.rl.workers as workers
+    from rlhf.runtime.rl.workers import PolicyWorker
+    from rlhf.runtime.step.micro_batches import UpdateSettings
 
     rows = []
     real = workers.micro_logprobs
@@ -126,10 +127,12 @@ class NoneGradRecorder(RecordingBackend):
 def test_a_step_where_no_row_trains_still_gives_every_parameter_a_zero_gradient(tiny_model_dir, monkeypatch):
     """Zero gradients and no gradients differ to AdamW (momentum and weight decay act on the first
     only), so with every row idle one row still runs."""
-    import rlhf.runtime.workers as workers
+    import rlhf.runtime.rl.workers as workers
     from transformers import AutoModelForCausalLM
 
-    from rlhf.runtime.workers import PolicyWorker, UpdateSettings
+    from rlhf.runtime.rl.workers import PolicyWorker
+
+    from rlhf.runtime.step.micro_batches import UpdateSettings
 
     rows = []
     real = workers.micro_logprobs

@@ -105,7 +105,7 @@ def test_a_training_run_registers_its_data_run_directory_rewards_and_project(tin
 def test_system_directories_are_never_registered_as_the_project(tmp_path):
     from types import SimpleNamespace
 
-    from rlhf.runtime.lifecycle import run_data_paths
+    from rlhf.runtime.run.lifecycle import run_data_paths
 
     config = SimpleNamespace(data=[], eval_data=[], reward=["exact_match"], env="single_turn")
     assert run_data_paths(config, tmp_path / "run", cwd=Path("/")) == [str((tmp_path / "run").resolve())]

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from rlhf.core.rollout import Generation, SamplingParams, batches_continuously
+from rlhf.core.protocols.rollout import Generation, SamplingParams, batches_continuously
 from tests.helpers import EnvsOf, GatedTools, prompt_item
 from tests.vllm import fakes
 from tests.vllm.fakes import make_engine
@@ -260,7 +260,7 @@ def short_turns(prompt, sampling):
 
 
 def test_a_rollout_moves_each_trajectory_on_its_own(fake_vllm, policy):
-    from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+    from rlhf.runtime.rl.rollout import RolloutSettings, RolloutWorker
 
     model, tokenizer = policy
     engine = make_engine(policy)
@@ -280,7 +280,7 @@ def test_a_rollout_moves_each_trajectory_on_its_own(fake_vllm, policy):
 
 
 def test_continuous_false_turns_back_to_one_generate_per_turn(fake_vllm, policy):
-    from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+    from rlhf.runtime.rl.rollout import RolloutSettings, RolloutWorker
 
     engine = make_engine(policy, continuous=False)
     llm = fakes.FakeLLM.instances[0]
@@ -321,7 +321,7 @@ class Crashing:
 
 
 def test_a_failing_environment_aborts_the_other_trajectories_requests(fake_vllm, policy):
-    from rlhf.runtime.rollout import RolloutSettings, RolloutWorker
+    from rlhf.runtime.rl.rollout import RolloutSettings, RolloutWorker
 
     model, tokenizer = policy
     engine = make_engine(policy)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.rollout import SamplingParams
+from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.plugins.engines import vllm_engine
 from rlhf.plugins.engines.vllm_engine import (VLLMSetupError, check_version,
                                               require_cuda, require_single_rank, require_vllm)

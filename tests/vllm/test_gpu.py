@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.core.rollout import SamplingParams
+from rlhf.core.protocols.rollout import SamplingParams
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ def gpu_model_dir(tmp_path_factory):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from rlhf.core.references import import_object
+    from rlhf.core.plugin_host.references import import_object
 
     build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
     out = build(tmp_path_factory.mktemp("vllm-model"), hidden=128, layers=2, heads=2)

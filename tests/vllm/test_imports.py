@@ -18,7 +18,7 @@ PROBE = """
 import json, sys
 from click.testing import CliRunner
 from rlhf.cli.main import make_cli
-from rlhf.core.plugins import build_plugin_manager
+from rlhf.core.plugin_host.loading import build_plugin_manager
 
 plugins = build_plugin_manager()
 outputs = {}
@@ -26,7 +26,7 @@ for args in (["--help"], ["plugins", "list", "--all"], ["plugins", "show", "vllm
     result = CliRunner().invoke(make_cli(plugins), args)
     assert result.exit_code == 0, (args, result.output)
     outputs[" ".join(args)] = result.output
-import rlhf.plugins.engines.vllm_engine, rlhf.plugins.engines.vllm_weights, rlhf.runtime.local
+import rlhf.plugins.engines.vllm_engine, rlhf.plugins.engines.vllm_weights, rlhf.runtime.rl.local
 print(json.dumps({"imported": "vllm" in sys.modules, "outputs": outputs}))
 """
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.rollout import Generation, SamplingParams
-from rlhf.runtime.config import TrainConfig
+from rlhf.core.protocols.rollout import Generation, SamplingParams
+from rlhf.runtime.config.train_config import TrainConfig
 from rlhf.plugins.engines.vllm_engine import (VLLMEngineConfig, eos_token_ids, expand_prompts, llm_kwargs,
                                               sampled_logprobs, sampling_kwargs, to_generation, validate)
-from rlhf.runtime.plan import RunPlan
+from rlhf.runtime.config.train_plan import RunPlan
 from tests.vllm.fakes import Completion, Logprob
 
 # --- sampling parameters ---------------------------------------------------------------------

@@ -45,7 +45,7 @@ def environment(ctx: Context) -> Verdict:
     where = Path(rlhf.__file__).resolve().parent
     verdict.judge("rlhf imports from this checkout", where == (ctx.repo / "rlhf").resolve(), str(where))
     figures["rlhf-core"] = version_of("rlhf-core")
-    for module in ("datasets", "rlhf.runtime.local"):
+    for module in ("datasets", "rlhf.runtime.rl.local"):
         try:
             importlib.import_module(module)
             verdict.judge(f"import {module}", True)

@@ -121,7 +121,7 @@ def write_count_a_task(repo: Path, root: Path) -> tuple[Path, Path]:
     """The benchmarks' task (benchmarks/benchlib.py): prompts asking for a's and a reward file whose
     ``count_a_dense`` counts them (plus a tie-break under 0.1). A random-weight model climbs it within
     a few steps: it only has to write one byte more often."""
-    from rlhf.core.references import import_object
+    from rlhf.core.plugin_host.references import import_object
 
     root.mkdir(parents=True, exist_ok=True)
     return import_object(f"{repo / 'benchmarks' / 'benchlib.py'}:write_task")(root)

@@ -15,7 +15,7 @@ from rlhf.plugin_kit.checks.target import ContractError, Target
 
 __all__ = ["CHECKS", "ContractError", "Target", "check_for"]
 
-# kind name (rlhf.core.kinds.KINDS) -> the module under rlhf.plugin_kit.checks that checks it
+# kind name (rlhf.core.plugin_host.kinds.KINDS) -> the module under rlhf.plugin_kit.checks that checks it
 CHECKS: dict[str, str] = {
     "advantage_estimator": "advantage_estimator",
     "policy_loss": "policy_loss",

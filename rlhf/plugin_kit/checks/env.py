@@ -1,6 +1,6 @@
 """Contract of an environment (``register_envs``): a scripted episode (the class's
 ``sample_actions``) checking every return value, that the episode ends and that the class pickles
-(`rlhf.core.environment.check_env`)."""
+(`rlhf.core.protocols.environment.check_env`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rlhf.plugin_kit.checks.target import Target
 
 
 def check(target: Target) -> list[str]:
-    from rlhf.core.environment import EnvContractError, check_env
+    from rlhf.core.protocols.environment import EnvContractError, check_env
 
     config = target.config()
     try:

@@ -23,8 +23,8 @@ TEXTS = ["What is 2 + 3?", "The answer is 5.", "Say hello to the world.", "hello
 def check(target: Target) -> list[str]:
     import torch
 
-    from rlhf.core.objective import BadRow, FitModels, SkipExample, resolve_flag
-    from rlhf.core.settings import build_component_config
+    from rlhf.core.protocols.objective import BadRow, FitModels, SkipExample, resolve_flag
+    from rlhf.core.plugin_host.settings import build_component_config
     from rlhf.plugin_kit.checks.target import CHECK_RUN_VALUES
     from rlhf.runtime.fit.text import TextFormatter
 
@@ -133,7 +133,7 @@ def _adapter(target: Target) -> Any:
     if target.plugins is None:
         raise target.fail("checking an objective needs the installed plugins (for the hf model adapter)")
     component = target.plugins.registry("model").component("hf")
-    from rlhf.core.settings import build_component_config
+    from rlhf.core.plugin_host.settings import build_component_config
 
     config = build_component_config(component.load_config_cls(), settings={}, run_values=CHECK_RUN_VALUES,
                                     who="the 'hf' model adapter", flag="--model-adapter")

@@ -32,7 +32,7 @@ def _enabled_config(target: Target) -> Any:
     small sample value of its type: 4, 0.5 or true), else the default one."""
     import typing
 
-    from rlhf.core.settings import setting_fields
+    from rlhf.core.plugin_host.settings import setting_fields
 
     name = target.capabilities.get("enabled_by")
     fields = {f.name for f in setting_fields(target.config_cls)}

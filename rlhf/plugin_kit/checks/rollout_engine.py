@@ -25,7 +25,7 @@ def check(target: Target) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.core.rollout import Generation, SamplingParams, batches_continuously
+    from rlhf.core.protocols.rollout import Generation, SamplingParams, batches_continuously
 
     ref = target.tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(ref)
@@ -46,7 +46,7 @@ def check(target: Target) -> list[str]:
     def valid(out: list[Any], params: SamplingParams, what: str) -> list[Any]:
         for i, g in enumerate(out):
             if not isinstance(g, Generation):
-                raise target.fail(f"item {i} is {type(g).__name__}, not rlhf.core.rollout.Generation ({what})")
+                raise target.fail(f"item {i} is {type(g).__name__}, not rlhf.core.protocols.rollout.Generation ({what})")
             if not all(isinstance(t, int) for t in g.token_ids) or not 0 < len(g.token_ids) <= params.max_new_tokens:
                 raise target.fail(f"completion {i} has {len(g.token_ids)} tokens; expected 1 to "
                                   f"max_new_tokens={params.max_new_tokens} ints ({what})")
@@ -105,7 +105,7 @@ def continuous_requests(target: Target, engine: Any, prompts: list[list[int]], v
     completion; the same seed twice gives the same tokens, other seeds other ones."""
     import asyncio
 
-    from rlhf.core.rollout import SamplingParams
+    from rlhf.core.protocols.rollout import SamplingParams
 
     def params(seed: int, **more: Any) -> SamplingParams:
         return SamplingParams(max_new_tokens=MAX_NEW, return_logprobs=True, seed=seed, **more)

@@ -14,9 +14,9 @@ from rlhf.core.errors import RlhfError
 if TYPE_CHECKING:
     import torch
 
-    from rlhf.core.plugins import PluginSet
+    from rlhf.core.plugin_host.loading import PluginSet
 
-# The run values a check offers to a component's run fields (rlhf.core.settings.RUN_VALUES).
+# The run values a check offers to a component's run fields (rlhf.core.plugin_host.settings.RUN_VALUES).
 CHECK_RUN_VALUES: dict[str, Any] = {
     "seed": 0, "dtype": "fp32", "device": "cpu", "trust_remote_code": False, "max_prompt_length": 16,
     "max_new_tokens": 8, "max_turns": 1, "max_total_tokens": 24, "temperature": 1.0, "lr": 1e-2,
@@ -50,7 +50,7 @@ class Target:
     def config(self, settings: dict[str, Any] | None = None, **run_values: Any) -> Any:
         """The component's config object with default settings (or ``settings``) and the check's run
         values (None without a config class)."""
-        from rlhf.core.settings import build_component_config
+        from rlhf.core.plugin_host.settings import build_component_config
 
         if self.config_cls is None:
             return None
@@ -81,7 +81,7 @@ class Target:
 def _wants(config_cls: type, names: tuple[str, ...]) -> bool:
     import dataclasses
 
-    from rlhf.core.settings import run_value_of
+    from rlhf.core.plugin_host.settings import run_value_of
 
     return any(run_value_of(f) in names for f in dataclasses.fields(config_cls))
 

@@ -1,6 +1,6 @@
 """Settings of the built-in training backends (no torch here: the command line reads them).
 
-``lr``, ``total_steps`` and ``micro_batch_size`` are run fields (``rlhf.core.settings``): the run
+``lr``, ``total_steps`` and ``micro_batch_size`` are run fields (``rlhf.core.plugin_host.settings``): the run
 fills them (the policy's ``--lr`` or the critic's ``--critic-lr``, the optimizer steps of the whole
 run); everything else is a setting, ``--backend.<name>`` (or its short alias, e.g. ``--zero-stage``).
 """
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.settings import run_field
+from rlhf.core.plugin_host.settings import run_field
 
 LR_SCHEDULERS = ("constant", "cosine")
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.backend import TrainBackendBase
+from rlhf.core.protocols.backend import TrainBackendBase
 from rlhf.core.errors import ConfigError, RlhfError
 from rlhf.plugins.backends.config import DeepSpeedConfig
 from rlhf.plugins.backends.torch_backend import lr_factor

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.backend import TrainBackendBase
+from rlhf.core.protocols.backend import TrainBackendBase
 from rlhf.core.offload import TrainStateOffload
 from rlhf.plugins.backends.config import BackendConfig
 

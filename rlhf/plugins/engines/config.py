@@ -1,6 +1,6 @@
 """Settings of the built-in rollout engines (no torch here: the command line reads them).
 
-Fields declared with ``run_field`` are filled by the run (``rlhf.core.settings``); the others are
+Fields declared with ``run_field`` are filled by the run (``rlhf.core.plugin_host.settings``); the others are
 settings, ``--engine.<name>`` or ``--engine-config KEY=VALUE``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.core.settings import run_field
+from rlhf.core.plugin_host.settings import run_field
 
 DECODERS = ("auto", "lean", "direct", "generate")
 

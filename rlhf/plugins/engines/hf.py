@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.rollout import Generation, SamplingParams
+from rlhf.core.protocols.rollout import Generation, SamplingParams
 from rlhf.core.modeling import accepts_logits_to_keep, base_model, cache_argument
 from rlhf.plugins.engines.config import DECODERS, HFEngineConfig
 from rlhf.fastpaths.lean_decode import LeanDecoder, LeanDecodeUnsupported, lean_decoder_supported

@@ -1,7 +1,7 @@
 """Continuous batching for the ``hf`` engine: requests join and leave one running decode batch.
 
 A multi-turn rollout sends each trajectory's turns as requests of their own
-(`HFEngine.generate_one`, the contract in `rlhf.core.rollout.batches_continuously`). One
+(`HFEngine.generate_one`, the contract in `rlhf.core.protocols.rollout.batches_continuously`). One
 `DecodeBatch` per event loop decodes every request in flight, a token per row per step:
 
     loop while requests wait or decode:
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rlhf.core.modeling import accepts_logits_to_keep, base_model, cache_argument
-from rlhf.core.rollout import Generation, SamplingParams
+from rlhf.core.protocols.rollout import Generation, SamplingParams
 from rlhf.fastpaths.llama_like import cache_tensors
 
 

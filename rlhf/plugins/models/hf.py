@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.adapter import ModelAdapterBase
+from rlhf.core.protocols.adapter import ModelAdapterBase
 from rlhf.fastpaths.cpu_linear import check_mode, use_onednn_linears
 from rlhf.fastpaths.vocab_chunks import use_vocab_chunks
 from rlhf.core.errors import ConfigError

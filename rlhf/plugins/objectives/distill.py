@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.objective import FitModels, ObjectiveBase, TextFormat
+from rlhf.core.protocols.objective import FitModels, ObjectiveBase, TextFormat
 from rlhf.objectives import distillation_loss, sft_loss, token_batch
 from rlhf.plugins.objectives.config import DistillConfig
 from rlhf.plugins.objectives.sft import response_example

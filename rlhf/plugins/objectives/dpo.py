@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.objective import FitModels, ObjectiveBase, TextFormat
+from rlhf.core.protocols.objective import FitModels, ObjectiveBase, TextFormat
 from rlhf.objectives import dpo_loss, response_mask, sequence_logps, shared_token_logps, token_batch, token_logps
 from rlhf.plugins.objectives.config import DPOConfig
 from rlhf.plugins.objectives.pairs import pair_columns, pair_texts

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.objective import BadRow, FitModels, ObjectiveBase, TextFormat, require
+from rlhf.core.protocols.objective import BadRow, FitModels, ObjectiveBase, TextFormat, require
 from rlhf.objectives import kto_loss, response_mask, sequence_logps, token_batch, token_logps
 from rlhf.plugins.objectives.config import KTOConfig
 

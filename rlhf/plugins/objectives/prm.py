@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.objective import BadRow, FitModels, ObjectiveBase, SkipExample, TextFormat, require
+from rlhf.core.protocols.objective import BadRow, FitModels, ObjectiveBase, SkipExample, TextFormat, require
 from rlhf.objectives import pad_right, prm_loss, prm_loss_at
 from rlhf.plugins.objectives.config import PRMConfig
 

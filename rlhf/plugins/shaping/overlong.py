@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.settings import run_field
+from rlhf.core.plugin_host.settings import run_field
 from rlhf.core.types import Trajectory
 
 

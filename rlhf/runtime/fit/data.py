@@ -19,14 +19,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.core.objective import BadRow, Objective, SkipExample, TextFormat
-from rlhf.runtime.data import DataError, row_origin, row_values
+from rlhf.core.protocols.objective import BadRow, Objective, SkipExample, TextFormat
+from rlhf.runtime.run.data import DataError, row_origin, row_values
 
 log = logging.getLogger(__name__)
 
 
 def encode_rows(dataset: Any, objective: Objective, text: TextFormat, *, what: str = "--data") -> list[Any]:
-    """Every row of ``dataset`` (from `rlhf.runtime.data.load_rows`) as an example of ``objective``."""
+    """Every row of ``dataset`` (from `rlhf.runtime.run.data.load_rows`) as an example of ``objective``."""
     examples: list[Any] = []
     skipped: Counter[str] = Counter()
     first: dict[str, str] = {}

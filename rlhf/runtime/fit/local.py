@@ -15,19 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
-from rlhf.core.plugins import PluginSet, build_plugin_manager
-from rlhf.runtime.data import load_rows
+from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
+from rlhf.runtime.run.data import load_rows
 from rlhf.fastpaths.ring_attention import check_model as check_ring_model
-from rlhf.runtime.export import export_model
-from rlhf.runtime.fit.config import FitConfig
+from rlhf.runtime.run.export import export_model
+from rlhf.runtime.config.fit_config import FitConfig
 from rlhf.runtime.fit.data import encode_rows
 from rlhf.runtime.fit.loop import FitLoop, FitParts
-from rlhf.runtime.fit.plan import FitPlan
+from rlhf.runtime.config.fit_plan import FitPlan
 from rlhf.runtime.fit.text import TextFormatter
-from rlhf.runtime.prompt_format import PromptFormat
-from rlhf.runtime.lifecycle import seed_everything, start_run
-from rlhf.runtime.router_aux import RouterAux
-from rlhf.runtime.trained import TrainedModel
+from rlhf.runtime.run.prompt_format import PromptFormat
+from rlhf.runtime.run.lifecycle import seed_everything, start_run
+from rlhf.runtime.step.router_aux import RouterAux
+from rlhf.runtime.step.trained import TrainedModel
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ One optimizer step:
 6. metrics (weighted means over ranks), eval on ``--eval-data`` when due, ``--save-best``,
    lifecycle events and checkpoints, as in the RL loop.
 
-Everything the loop needs from the objective is the contract of ``rlhf.core.objective``.
+Everything the loop needs from the objective is the contract of ``rlhf.core.protocols.objective``.
 """
 
 from __future__ import annotations
@@ -32,21 +32,21 @@ import torch
 
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
-from rlhf.core.fingerprint import plugin_fingerprint
-from rlhf.core.objective import FitModels, Objective
-from rlhf.runtime.micro_batches import token_budget_groups
-from rlhf.core.plugins import PluginSet
+from rlhf.core.plugin_host.fingerprint import plugin_fingerprint
+from rlhf.core.protocols.objective import FitModels, Objective
+from rlhf.runtime.step.micro_batches import token_budget_groups
+from rlhf.core.plugin_host.loading import PluginSet
 from rlhf.core.types import RunInfo
-from rlhf.runtime.best_model import BestModel
+from rlhf.runtime.run.best_model import BestModel
 from rlhf.runtime.fit.data import StepOrder
-from rlhf.runtime.fit.plan import FitPlan
-from rlhf.runtime.lifecycle import SteppedLoop, run_loop
-from rlhf.runtime.model_card import model_card
-from rlhf.runtime.router_aux import RouterAux
-from rlhf.runtime.run_dir import RunDirectory
-from rlhf.runtime.threads import adjust_threads
-from rlhf.runtime.weighted_means import WeightedMeans, sum_over_ranks
-from rlhf.runtime.trained import TrainedModel, check_nonfinite_limit, forward_model
+from rlhf.runtime.config.fit_plan import FitPlan
+from rlhf.runtime.run.lifecycle import SteppedLoop, run_loop
+from rlhf.runtime.run.model_card import model_card
+from rlhf.runtime.step.router_aux import RouterAux
+from rlhf.runtime.run.run_dir import RunDirectory
+from rlhf.runtime.run.threads import adjust_threads
+from rlhf.runtime.step.weighted_means import WeightedMeans, sum_over_ranks
+from rlhf.runtime.step.trained import TrainedModel, check_nonfinite_limit, forward_model
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class FitLoop(SteppedLoop):
     # --- the run --------------------------------------------------------------------------------
 
     def run(self) -> Path:
-        """The run's lifecycle (``rlhf.runtime.lifecycle``): resume, steps, checkpoints, ``final/``."""
+        """The run's lifecycle (``rlhf.runtime.run.lifecycle``): resume, steps, checkpoints, ``final/``."""
         return run_loop(self, config=self.plan.run_config(), resume=self.config.resume,
                         save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
                         progress=self.config.progress, command="fit", fields=PROGRESS_FIELDS,

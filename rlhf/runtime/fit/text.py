@@ -1,5 +1,5 @@
 """`TextFormatter`: how the fit loop's objectives turn dataset values into text and token ids
-(``rlhf.core.objective.TextFormat``), the same way ``rlhf train`` formats prompts.
+(``rlhf.core.protocols.objective.TextFormat``), the same way ``rlhf train`` formats prompts.
 
 * A prompt is a string or chat messages. Under ``--apply-chat-template`` it is the tokenizer's
   chat template with the generation prompt (a string becomes one user message); otherwise a
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.objective import BadRow, SkipExample
+from rlhf.core.protocols.objective import BadRow, SkipExample
 
 
 class TextFormatter:

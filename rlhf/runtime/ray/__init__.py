@@ -3,7 +3,7 @@
 ``rlhf train --runtime ray ...`` (or `train` here) places the roles (policy, reference, critic,
 rollout, reward) in actor groups with their own resources (placement.py), builds each role
 inside its actor with the local runtime's builders (actors.py), and runs
-`rlhf.runtime.trainer.Trainer` in the driver with group handles in place of the local workers
+`rlhf.runtime.rl.trainer.Trainer` in the driver with group handles in place of the local workers
 (groups.py). Data-parallel policy (and reference, critic) actors form a torch.distributed group
 and follow the launcher scheme of rlhf/core/distributed.py, so ``token_mean`` and the other
 aggregations normalise over the whole minibatch across actors.
@@ -11,7 +11,7 @@ aggregations normalise over the whole minibatch across actors.
 Weights: rollout actors hold their own copy of the policy and receive policy rank 0's trainable
 parameters after every step (``time/sync``): through the object store, or with ``--weight-sync
 broadcast`` over a process group of policy rank 0 and the rollout actors
-(rlhf/runtime/weight_broadcast.py); with ``--colocate all`` the engine reads the policy's own
+(rlhf/runtime/ray/weight_broadcast.py); with ``--colocate all`` the engine reads the policy's own
 weights and nothing travels.
 
 Parity with the local runtime: the same seed and config give the same samples, rewards, losses
@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlhf.core.plugins import PluginSet
-    from rlhf.runtime.config import TrainConfig
+    from rlhf.core.plugin_host.loading import PluginSet
+    from rlhf.runtime.config.train_config import TrainConfig
 
 
 def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:

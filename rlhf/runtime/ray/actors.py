@@ -1,6 +1,6 @@
 """`WorkerHost`: one Ray actor process holding rank r of one or more roles (placement.py).
 
-A host builds its roles with the local runtime's per-role builders (rlhf/runtime/local.py), in
+A host builds its roles with the local runtime's per-role builders (rlhf/runtime/rl/local.py), in
 the local runtime's order (reward sources, adapter, tokenizer, policy, reference, critic,
 rollout), right after seeding the way the local runtime seeds itself. So the random numbers a
 host draws match the local process's as long as nothing the host does not build drew before it:
@@ -62,8 +62,8 @@ class WorkerHost:
 
         import ray
 
-        from rlhf.core.fingerprint import plugin_fingerprint
-        from rlhf.core.plugins import build_plugin_manager
+        from rlhf.core.plugin_host.fingerprint import plugin_fingerprint
+        from rlhf.core.plugin_host.loading import build_plugin_manager
 
         if self.plugins is None:
             self.plugins = build_plugin_manager()
@@ -77,10 +77,10 @@ class WorkerHost:
         """Join the group's process group, seed, and build every role this host holds."""
         began = time.perf_counter()
         from rlhf.core.distributed import SINGLE, init_from_environment
-        from rlhf.runtime import local
-        from rlhf.runtime.heap import return_freed_blocks
-        from rlhf.runtime.lifecycle import hide_run_data, seed_everything
-        from rlhf.runtime.plan import RunPlan
+        from rlhf.runtime.rl import local
+        from rlhf.runtime.run.heap import return_freed_blocks
+        from rlhf.runtime.run.lifecycle import hide_run_data, seed_everything
+        from rlhf.runtime.config.train_plan import RunPlan
 
         self.dist = SINGLE
         if self.process_group:
@@ -100,7 +100,7 @@ class WorkerHost:
             self.workers["reward"] = local.build_reward(config, plugins)
         self.plan = plan = RunPlan.make(config, plugins).with_prompts(num_prompts)
         hide_run_data(config, plan.out_dir)  # environments run model code in this process too
-        return_freed_blocks()  # as the prologue does in the driver's process (rlhf.runtime.heap)
+        return_freed_blocks()  # as the prologue does in the driver's process (rlhf.runtime.run.heap)
         self.adapter = self.tokenizer = None
         if any(role in roles for role in ("policy", "reference", "critic", "rollout")):
             self.adapter = local.build_adapter(plan)
@@ -164,7 +164,7 @@ class WorkerHost:
 
     def join_weight_sync(self, address: str, port: int, rank: int, world_size: int, backend: str) -> None:
         """Join the weight-broadcast group (rank 0: policy rank 0, which serves the rendezvous)."""
-        from rlhf.runtime.weight_broadcast import WeightBroadcast
+        from rlhf.runtime.ray.weight_broadcast import WeightBroadcast
 
         self.weight_sync = WeightBroadcast.join(address, port, rank, world_size, backend=backend,
                                                 timeout_s=self.plan.config.ray_timeout_s)
@@ -190,8 +190,8 @@ class WorkerHost:
 
     def behaviour_logprobs(self, batch: Any) -> Any:
         """(B, A) log-probs of a batch under this actor's copy of the policy (the version it samples from)."""
-        from rlhf.runtime import local
-        from rlhf.runtime.workers import model_logprobs
+        from rlhf.runtime.rl import local
+        from rlhf.runtime.rl.workers import model_logprobs
 
         return model_logprobs(self.rollout_model, batch, local.update_settings(self.plan),
                               temperature=self.plan.config.temperature)
@@ -210,7 +210,7 @@ class WorkerHost:
         """The role's state (trained roles) and this process's RNG states into ``directory``."""
         import torch
 
-        from rlhf.runtime.checkpoint import rng_state
+        from rlhf.runtime.run.checkpoint import rng_state
 
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ class WorkerHost:
         return self.workers[role].nonfinite_in_a_row if role in _TRAINED else None
 
     def load(self, role: str, directory: str) -> int | None:
-        from rlhf.runtime.checkpoint import load_tensors, set_rng_state
+        from rlhf.runtime.run.checkpoint import load_tensors, set_rng_state
 
         path = Path(directory)
         if role in _TRAINED:
@@ -234,15 +234,15 @@ class WorkerHost:
         return self.workers[role].nonfinite_in_a_row if role in _TRAINED else None
 
     def export_model(self, out_dir: str) -> None:
-        from rlhf.runtime.export import export_model
-        from rlhf.runtime.prompt_format import PromptFormat
+        from rlhf.runtime.run.export import export_model
+        from rlhf.runtime.run.prompt_format import PromptFormat
 
         export_model(self.adapter, self.tokenizer, self.workers["policy"], Path(out_dir), self.dist,
                      prompt_format=PromptFormat.of(self.plan.config))
 
     def export_critic(self, out_dir: str) -> None:
         """The critic as the local runtime saves it (``--save-critic``); called on every rank."""
-        from rlhf.runtime.export import export_critic
+        from rlhf.runtime.run.export import export_critic
 
         config = self.plan.config
         tokenizer = self.tokenizer or self.adapter.load_tokenizer(config.tokenizer or config.model)

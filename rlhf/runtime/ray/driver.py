@@ -18,20 +18,20 @@ from typing import Any
 
 from rlhf.core.distributed import SINGLE
 from rlhf.core.errors import ConfigError, PluginError
-from rlhf.core.fingerprint import fingerprint_differences, plugin_fingerprint
-from rlhf.core.plugins import PluginSet, build_plugin_manager
-from rlhf.runtime import checkpoint
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.async_generation import AsyncParts
-from rlhf.runtime.local import build_eval_prompts, build_loader
-from rlhf.runtime.plan import RunPlan
-from rlhf.runtime.lifecycle import seed_everything, start_run
-from rlhf.runtime.workers import RewardWorker
+from rlhf.core.plugin_host.fingerprint import fingerprint_differences, plugin_fingerprint
+from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
+from rlhf.runtime.run import checkpoint
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.rl.async_generation import AsyncParts
+from rlhf.runtime.rl.local import build_eval_prompts, build_loader
+from rlhf.runtime.config.train_plan import RunPlan
+from rlhf.runtime.run.lifecycle import seed_everything, start_run
+from rlhf.runtime.rl.workers import RewardWorker
 from rlhf.runtime.ray.cluster import Cluster, import_ray
 from rlhf.runtime.ray.groups import (CriticGroup, Host, PolicyGroup, ReferenceGroup, RewardGroup, RolloutGroup,
                                      WorkerFailedError, wait)
 from rlhf.runtime.ray.placement import Layout, create_placement_groups, plan_layout
-from rlhf.runtime.trainer import Trainer, Workers
+from rlhf.runtime.rl.trainer import Trainer, Workers
 
 log = logging.getLogger(__name__)
 

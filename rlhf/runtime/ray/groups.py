@@ -1,7 +1,7 @@
 """Group handles: what the trainer loop calls, fanned out to the Ray actors that hold a role.
 
 Each handle exposes the methods the loop calls on the local workers (`PolicyWorker.fit`,
-`RolloutWorker.generate`, ...), so `rlhf.runtime.trainer.Trainer` runs unchanged. A
+`RolloutWorker.generate`, ...), so `rlhf.runtime.rl.trainer.Trainer` runs unchanged. A
 data-parallel role receives the same full batch on every rank (``ray.put`` once, the reference
 passed to each actor); every rank works on its slice and the handle returns rank 0's result,
 which is already gathered or reduced over ranks.
@@ -221,7 +221,7 @@ class RolloutGroup(RoleGroup):
     after each step), and before a generation whenever the policy changed since the last sync (a
     resumed run: the policy loaded a checkpoint): through the object store, or, once
     `connect_broadcast` made policy rank 0 and the rollout actors a process group
-    (``--weight-sync broadcast``), broadcast over it (rlhf/runtime/weight_broadcast.py).
+    (``--weight-sync broadcast``), broadcast over it (rlhf/runtime/ray/weight_broadcast.py).
     """
 
     stateful = True  # each actor's sampling RNG

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.config import colocation
+from rlhf.runtime.config.train_config import colocation
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 10.0  # while the cluster has not placed the run yet, say so this often

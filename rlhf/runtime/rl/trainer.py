@@ -3,7 +3,7 @@
 One step: G prompts -> n trajectories each -> rewards -> experience (old/reference log-probs,
 values, KL) -> advantages -> policy (and critic) updates -> weight sync -> log -> checkpoint.
 
-The loop talks to the roles of `Workers` through the protocols of ``rlhf.core.roles``: the local
+The loop talks to the roles of `Workers` through the protocols of ``rlhf.core.protocols.roles``: the local
 runtime fills it with in-process workers, the Ray runtime with handles on actor groups. Under a
 launcher every rank runs this loop: prompts are split over the ranks for generation, rewards are
 scored and lifecycle events fired on the main rank, and every rank trains on its slice of each
@@ -27,24 +27,24 @@ from rlhf.algorithms.kl_control import KLController
 from rlhf.core.batch import collate
 from rlhf.core.distributed import SINGLE, DistContext, unshard
 from rlhf.core.errors import RlhfError
-from rlhf.core.fingerprint import plugin_fingerprint
-from rlhf.core.plugins import PluginSet
-from rlhf.core.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, RolloutRole
-from rlhf.core.rollout import SamplingParams
+from rlhf.core.plugin_host.fingerprint import plugin_fingerprint
+from rlhf.core.plugin_host.loading import PluginSet
+from rlhf.core.protocols.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole, RolloutRole
+from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.core.types import RunInfo, Trajectory
-from rlhf.runtime.async_generation import AsyncGeneration, AsyncParts, PipelineStages, Prepared, Rolled
-from rlhf.runtime.best_model import BestModel
-from rlhf.runtime.data import PromptLoader
-from rlhf.runtime.evaluation import Evaluator
-from rlhf.runtime.experience import ExperienceMaker, row_metadata, source_rewards
-from rlhf.runtime.plan import RunPlan
-from rlhf.runtime.lifecycle import SteppedLoop, run_loop
-from rlhf.runtime.model_card import model_card
-from rlhf.runtime.progress import RL_FIELDS
-from rlhf.runtime.run_dir import RunDirectory
-from rlhf.runtime.step_metrics import merge_round_metrics, sequence_kl, step_metrics
-from rlhf.runtime.threads import split_threads
-from rlhf.runtime.trained import check_nonfinite_limit
+from rlhf.runtime.rl.async_generation import AsyncGeneration, AsyncParts, PipelineStages, Prepared, Rolled
+from rlhf.runtime.run.best_model import BestModel
+from rlhf.runtime.run.data import PromptLoader
+from rlhf.runtime.run.evaluation import Evaluator
+from rlhf.runtime.rl.experience import ExperienceMaker, row_metadata, source_rewards
+from rlhf.runtime.config.train_plan import RunPlan
+from rlhf.runtime.run.lifecycle import SteppedLoop, run_loop
+from rlhf.runtime.run.model_card import model_card
+from rlhf.runtime.run.progress import RL_FIELDS
+from rlhf.runtime.run.run_dir import RunDirectory
+from rlhf.runtime.rl.step_metrics import merge_round_metrics, sequence_kl, step_metrics
+from rlhf.runtime.run.threads import split_threads
+from rlhf.runtime.step.trained import check_nonfinite_limit
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +117,14 @@ class Trainer(SteppedLoop):
     # --- the run --------------------------------------------------------------------------------
 
     def run(self) -> Path:
-        """The run's lifecycle (``rlhf.runtime.lifecycle``): resume, steps, checkpoints, ``final/``."""
+        """The run's lifecycle (``rlhf.runtime.run.lifecycle``): resume, steps, checkpoints, ``final/``."""
         fields = RL_FIELDS + ((("eval", "eval/reward/mean", ".3f"),) if self.evaluator is not None else ())
         return run_loop(self, config=self.plan.run_config(), resume=self.config.resume,
                         save_every=self.config.save_every, keep_checkpoints=self.config.keep_checkpoints,
                         progress=self.config.progress, command="train", fields=fields,
                         save_hf_every=self.config.save_hf_every)
 
-    # the lifecycle's calls (rlhf.runtime.lifecycle.SteppedLoop)
+    # the lifecycle's calls (rlhf.runtime.run.lifecycle.SteppedLoop)
 
     def begin(self, run: RunInfo) -> None:
         self._run_info = run

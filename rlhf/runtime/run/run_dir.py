@@ -32,9 +32,9 @@ from typing import Any
 
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import ConfigError, RlhfError
-from rlhf.runtime import checkpoint
-from rlhf.runtime.model_card import export_notes
-from rlhf.runtime.run_lock import LOCK_NAME
+from rlhf.runtime.run import checkpoint
+from rlhf.runtime.run.model_card import export_notes
+from rlhf.runtime.run.run_lock import LOCK_NAME
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.options import best_metric
+from rlhf.runtime.config.options import best_metric
 
 
 class BestModel:

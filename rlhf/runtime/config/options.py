@@ -3,7 +3,7 @@
 
 Every field of a config becomes a flag of its command (``micro_batch_size`` -> ``--micro-batch-size``)
 with the field's help text, and a key of ``--config run.yaml``. A component's own settings (its
-``config_cls`` fields, ``rlhf.core.settings``) live in ``components``, keyed by the slot that
+``config_cls`` fields, ``rlhf.core.plugin_host.settings``) live in ``components``, keyed by the slot that
 selects the component (a config class's ``SLOTS``): ``--backend.zero-stage 3`` is
 ``components["backend"]["zero_stage"] = 3``. A component registered with ``short_flags`` gives
 those settings a plain flag too (``--zero-stage 3``, ``--lora-rank 16``), in flags and in config
@@ -27,7 +27,7 @@ class Slot:
     """A place in a run that one component fills: the field naming it and the component's kind."""
 
     field: str  # the config field that selects the component, and the key in ``components``
-    kind: str  # the component kind (rlhf.core.kinds)
+    kind: str  # the component kind (rlhf.core.plugin_host.kinds)
 
     @property
     def flag(self) -> str:
@@ -271,7 +271,7 @@ class ConfigBase:
         component settings may be ``components: {slot: {...}}``, dotted keys (``backend.zero_stage``)
         or the short flags the registered components declare (``zero_stage``; ``plugins``: the
         plugin set that declares them, by default the installed plugins)."""
-        from rlhf.core.plugins import installed_plugins
+        from rlhf.core.plugin_host.loading import installed_plugins
 
         values = unflatten(dict(values), cls.NESTED)
         short_flags = cls.short_flags(installed_plugins(plugins))

@@ -1,13 +1,13 @@
 """The configuration of a training run: one dataclass, the single source of truth.
 
 `TrainConfig` holds what is cross-cutting (model, data, batch sizes, the components chosen, output):
-the option groups every training command shares (``rlhf.runtime.options``) plus the RL loop's own.
+the option groups every training command shares (``rlhf.runtime.config.options``) plus the RL loop's own.
 Every field becomes an ``rlhf train`` flag (``n_samples`` -> ``--n-samples``) with the field's help
 text; ``--config run.yaml`` fills the same fields (flags override the file); the resolved config
 is written to the run directory. Derived values are computed in `derived()`, never by mutating
 fields.
 
-A component's own settings (its ``config_cls`` fields, ``rlhf.core.settings``) live in
+A component's own settings (its ``config_cls`` fields, ``rlhf.core.plugin_host.settings``) live in
 ``components``, keyed by the slot that selects the component (`SLOTS`): ``--backend.zero-stage 3``
 is ``components["backend"]["zero_stage"] = 3``. The reward shapings of a run share one namespace,
 ``--reward-shaping.<setting>`` (`SETTING_SLOTS`). Short flags (``--zero-stage 3``, ``--lora-rank
@@ -23,10 +23,10 @@ from typing import ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.rewards.options import RewardOptions
-from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions, check_sampling,
+from rlhf.runtime.config.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions, check_sampling,
                                   OptimOptions, OutputOptions, RuntimeOptions, Slot, best_metric, parse_key_values)
-from rlhf.runtime.options import many as _many
-from rlhf.runtime.options import opt as _opt
+from rlhf.runtime.config.options import many as _many
+from rlhf.runtime.config.options import opt as _opt
 
 __all__ = ["ALGO_CONFIG_SLOTS", "COLOCATE_CHOICES", "COLOCATE_PAIRS", "DEFAULT_SAMPLE_FILTER", "NESTED",
            "SETTING_SLOTS", "SLOTS", "Derived", "Slot", "TrainConfig", "colocation", "parse_key_values"]

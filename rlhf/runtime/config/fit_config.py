@@ -1,6 +1,6 @@
 """The configuration of an offline training run (``rlhf fit``, ``rlhf sft``, ``rlhf dpo``, ...).
 
-`FitConfig` is made of the option groups every training command shares (``rlhf.runtime.options``:
+`FitConfig` is made of the option groups every training command shares (``rlhf.runtime.config.options``:
 model, data, optimisation, runtime, output) plus the fit loop's own (epochs, batch size, length
 budget, eval). The objective is a component like the backend: ``--objective NAME`` chooses it and
 its settings are ``--objective.<field>`` (``components["objective"]``); ``rlhf dpo`` and the other
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rlhf.core.errors import ConfigError
-from rlhf.runtime.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
+from rlhf.runtime.config.options import (MODEL_SLOTS, ConfigBase, DataOptions, EvalOptions, ModelOptions,
                                   OptimOptions, OutputOptions, RuntimeOptions, Slot, best_metric, opt)
 
 FIT_SLOTS: dict[str, Slot] = {**MODEL_SLOTS, "objective": Slot("objective", "objective")}

@@ -21,20 +21,21 @@ import torch
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
 from rlhf.core.errors import ConfigError
 from rlhf.core.offload import shares_parameters
-from rlhf.core.plugins import PluginSet, build_plugin_manager
-from rlhf.core.rollout import SamplingParams, batches_continuously
-from rlhf.runtime.async_generation import AsyncParts
-from rlhf.runtime.config import TrainConfig
-from rlhf.runtime.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
+from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
+from rlhf.core.protocols.rollout import SamplingParams, batches_continuously
+from rlhf.runtime.rl.async_generation import AsyncParts
+from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.run.data import DataSettings, PromptFormatter, PromptLoader, load_prompts
 from rlhf.fastpaths.ring_attention import check_model as check_ring_model
-from rlhf.runtime.export import export_critic, export_model
-from rlhf.runtime.plan import RunPlan
-from rlhf.runtime.prompt_format import PromptFormat
-from rlhf.runtime.rollout import EnvFactory, RolloutSettings, RolloutWorker
-from rlhf.runtime.lifecycle import seed_everything, start_run
-from rlhf.runtime.router_aux import RouterAux
-from rlhf.runtime.trainer import Trainer, Workers
-from rlhf.runtime.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, UpdateSettings
+from rlhf.runtime.run.export import export_critic, export_model
+from rlhf.runtime.config.train_plan import RunPlan
+from rlhf.runtime.run.prompt_format import PromptFormat
+from rlhf.runtime.rl.rollout import EnvFactory, RolloutSettings, RolloutWorker
+from rlhf.runtime.run.lifecycle import seed_everything, start_run
+from rlhf.runtime.step.router_aux import RouterAux
+from rlhf.runtime.rl.trainer import Trainer, Workers
+from rlhf.runtime.rl.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
+from rlhf.runtime.step.micro_batches import UpdateSettings
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ Shape legend: ``B`` sequences, ``T`` tokens, ``A = T - 1`` action positions.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -24,25 +23,11 @@ from rlhf.rewards.combine import RewardSet
 from rlhf.core.logprobs import token_logprobs, without_last_token
 from rlhf.fastpaths.packing import is_packed
 from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes, shared_token_logprobs
-from rlhf.runtime.micro_batches import MicroBatch, minibatches, my_rows, plan_micro_batches
-from rlhf.runtime.router_aux import RouterAux
-from rlhf.runtime.threads import adjust_threads
-from rlhf.runtime.trained import TrainedModel, forward_model
-from rlhf.runtime.weighted_means import WeightedMeans
-
-
-@dataclass(kw_only=True)
-class UpdateSettings:
-    """How one rollout batch turns into optimizer steps (shared by policy and critic)."""
-
-    ppo_epochs: int = 1
-    train_batch_size: int  # samples per optimizer step
-    micro_batch_size: int  # samples per forward/backward
-    max_tokens_per_micro_batch: int | None = None  # cut micro-batches by tokens instead (`micro_batches`)
-    packing: bool = False  # forwards run packed (rlhf/fastpaths/packing.py)
-    share_prompt: bool = False  # a prompt's samples share its forward when that pays (`shared_micro_batches`)
-    max_new_tokens: int  # Dr. GRPO's constant normaliser
-    seed: int = 0
+from rlhf.runtime.step.micro_batches import MicroBatch, UpdateSettings, minibatches, my_rows, plan_micro_batches
+from rlhf.runtime.step.router_aux import RouterAux
+from rlhf.runtime.run.threads import adjust_threads
+from rlhf.runtime.step.trained import TrainedModel, forward_model
+from rlhf.runtime.step.weighted_means import WeightedMeans
 
 
 # A micro-batch's share of the minibatch loss, its metrics and their weight (its loss tokens).

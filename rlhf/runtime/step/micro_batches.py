@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,8 +15,20 @@ from rlhf.core.batch import ExperienceBatch
 from rlhf.core.distributed import DistContext
 from rlhf.fastpaths.prefix_sharing import common_prefix
 
-if TYPE_CHECKING:
-    from rlhf.runtime.workers import UpdateSettings
+
+
+@dataclass(kw_only=True)
+class UpdateSettings:
+    """How one rollout batch turns into optimizer steps (shared by policy and critic)."""
+
+    ppo_epochs: int = 1
+    train_batch_size: int  # samples per optimizer step
+    micro_batch_size: int  # samples per forward/backward
+    max_tokens_per_micro_batch: int | None = None  # cut micro-batches by tokens instead (`micro_batches`)
+    packing: bool = False  # forwards run packed (rlhf/fastpaths/packing.py)
+    share_prompt: bool = False  # a prompt's samples share its forward when that pays (`shared_micro_batches`)
+    max_new_tokens: int  # Dr. GRPO's constant normaliser
+    seed: int = 0
 
 
 def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> list[ExperienceBatch]:

@@ -14,8 +14,8 @@ import torch
 
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
-from rlhf.runtime.checkpoint import load_tensors, save_tensors
-from rlhf.runtime.weighted_means import WeightedMeans
+from rlhf.runtime.run.checkpoint import load_tensors, save_tensors
+from rlhf.runtime.step.weighted_means import WeightedMeans
 
 
 def forward_model(model: Any, *, packing: bool, ring: Any = None) -> Any:

@@ -2,10 +2,10 @@
 
 torch's default generator is one stream for the whole process: runs are reproducible only if
 its numbers are drawn in the same order every time. ``--async`` with several generation lanes
-(`rlhf.runtime.async_generation`) therefore lets one batch's rollout draw at a time, in step
+(`rlhf.runtime.rl.async_generation`) therefore lets one batch's rollout draw at a time, in step
 order. A turn-batched rollout draws while it decodes, so the next batch's rollout starts when
 it returns. A continuously batched one draws a single seed at its start and samples every
-request from a stream of its own (`rlhf.runtime.rollout`): it calls `random_draws_done` then,
+request from a stream of its own (`rlhf.runtime.rl.rollout`): it calls `random_draws_done` then,
 and the next batch's rollout may start while this one still waits on its tool calls.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from rlhf.core.plugins import PluginSet
+from rlhf.core.plugin_host.loading import PluginSet
 
 
 def plugin_fingerprint(plugins: PluginSet) -> dict[str, Any]:

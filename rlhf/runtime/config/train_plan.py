@@ -2,12 +2,12 @@
 before any model loads, the same for the local and the Ray runtime.
 
 * the algorithm (``rlhf.algorithms.resolve_algorithm``);
-* for every slot (`rlhf.runtime.config.SLOTS`) the chosen component and its config object, built
+* for every slot (`rlhf.runtime.config.train_config.SLOTS`) the chosen component and its config object, built
   from the user's settings for that slot (``--backend.zero-stage``, aliases, ``--algo-config``,
   ``--engine-config``, ``--env-config``) and the run values its config class asks for
-  (``rlhf.core.settings``): nothing reaches a component by a matching field name;
+  (``rlhf.core.plugin_host.settings``): nothing reaches a component by a matching field name;
 * the checks both runtimes share (`RunPlan.check`) and its warnings (`RunPlan.warnings`), which
-  ``rlhf.runtime.lifecycle.start_run`` makes before anything is built.
+  ``rlhf.runtime.run.lifecycle.start_run`` makes before anything is built.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.references import is_reference, resolve
-from rlhf.core.settings import build_component_config, setting_fields
+from rlhf.core.plugin_host.references import is_reference, resolve
+from rlhf.core.plugin_host.settings import build_component_config, setting_fields
 from rlhf.core.types import AdvantageConfig
-from rlhf.runtime.config import (ALGO_CONFIG_SLOTS, DEFAULT_SAMPLE_FILTER, SETTING_SLOTS, SLOTS, Derived,
+from rlhf.runtime.config.train_config import (ALGO_CONFIG_SLOTS, DEFAULT_SAMPLE_FILTER, SETTING_SLOTS, SLOTS, Derived,
                                  TrainConfig, colocation, parse_key_values)
-from rlhf.runtime.options import data_parallel_ranks
-from rlhf.runtime.threads import requested_threads
+from rlhf.runtime.config.options import data_parallel_ranks
+from rlhf.runtime.run.threads import requested_threads
 
 if TYPE_CHECKING:
     from rlhf.algorithms import ResolvedAlgorithm
-    from rlhf.core.plugins import PluginSet
+    from rlhf.core.plugin_host.loading import PluginSet
 
 _KEY_VALUE_FLAGS = {"engine": ("engine_config", "--engine-config"), "env": ("env_config", "--env-config")}
 
@@ -72,7 +72,7 @@ class RunPlan:
             plan.component_config(slot)
         plan.reward_shapings(plugins)
         plan.check_model_refs(plugins)
-        from rlhf.runtime.router_aux import check_routes
+        from rlhf.runtime.step.router_aux import check_routes
 
         check_routes(config.aux_loss_coef, config.model, trust_remote_code=config.trust_remote_code)
         return plan
@@ -100,7 +100,7 @@ class RunPlan:
     # --- component configs --------------------------------------------------------------------
 
     def run_values(self, **changes: Any) -> dict[str, Any]:
-        """The values this run offers to components' run fields (``rlhf.core.settings.RUN_VALUES``)."""
+        """The values this run offers to components' run fields (``rlhf.core.plugin_host.settings.RUN_VALUES``)."""
         config = self.config
         values = {
             "seed": config.seed, "model": config.model, "tokenizer": config.tokenizer or config.model,
@@ -165,7 +165,7 @@ class RunPlan:
         declared = {f.name for f in setting_fields(config_cls)}
         return {k: v for k, v in given.items() if k in declared}
 
-    # --- before the run starts (``rlhf.runtime.lifecycle.start_run``) --------------------------
+    # --- before the run starts (``rlhf.runtime.run.lifecycle.start_run``) --------------------------
 
     @property
     def out_dir(self) -> Path:

@@ -3,8 +3,8 @@
 A kind fixes the hook that fills it, the capability flags a registration may carry (with
 their defaults) and what the registered object must be: for engines, backends, model
 adapters and objectives, a class implementing the written protocol
-(``rlhf.core.rollout.RolloutEngine``, ``rlhf.core.backend.TrainBackend``,
-``rlhf.core.adapter.ModelAdapter``, ``rlhf.core.objective.Objective``), checked when the class
+(``rlhf.core.protocols.rollout.RolloutEngine``, ``rlhf.core.protocols.backend.TrainBackend``,
+``rlhf.core.protocols.adapter.ModelAdapter``, ``rlhf.core.protocols.objective.Objective``), checked when the class
 is registered (or first used, when registered by ``"module:attr"`` reference).
 """
 
@@ -24,29 +24,29 @@ def _class(obj: Any) -> str | None:
 
 
 def _engine(obj: Any) -> str | None:
-    from rlhf.core.contracts import describe_missing
-    from rlhf.core.rollout import RolloutEngine
+    from rlhf.core.plugin_host.contracts import describe_missing
+    from rlhf.core.protocols.rollout import RolloutEngine
 
     return _class(obj) or describe_missing(obj, RolloutEngine)
 
 
 def _backend(obj: Any) -> str | None:
-    from rlhf.core.backend import TrainBackend, sharded_but_not_saved
-    from rlhf.core.contracts import describe_missing
+    from rlhf.core.protocols.backend import TrainBackend, sharded_but_not_saved
+    from rlhf.core.plugin_host.contracts import describe_missing
 
     return _class(obj) or describe_missing(obj, TrainBackend) or sharded_but_not_saved(obj)
 
 
 def _adapter(obj: Any) -> str | None:
-    from rlhf.core.adapter import ModelAdapter
-    from rlhf.core.contracts import describe_missing
+    from rlhf.core.protocols.adapter import ModelAdapter
+    from rlhf.core.plugin_host.contracts import describe_missing
 
     return _class(obj) or describe_missing(obj, ModelAdapter)
 
 
 def _objective(obj: Any) -> str | None:
-    from rlhf.core.contracts import describe_missing
-    from rlhf.core.objective import Objective
+    from rlhf.core.plugin_host.contracts import describe_missing
+    from rlhf.core.protocols.objective import Objective
 
     return _class(obj) or describe_missing(obj, Objective)
 

@@ -26,15 +26,15 @@ from typing import Any, Protocol
 
 from rlhf.core.distributed import DistContext
 from rlhf.core.errors import RlhfError, RunInterrupted
-from rlhf.core.fingerprint import fingerprint_differences
-from rlhf.core.plugins import PluginSet
+from rlhf.core.plugin_host.fingerprint import fingerprint_differences
+from rlhf.core.plugin_host.loading import PluginSet
 from rlhf.core.types import RunInfo
-from rlhf.runtime import checkpoint
-from rlhf.runtime.heap import return_freed_blocks
-from rlhf.runtime.model_card import model_card
-from rlhf.runtime.progress import RL_FIELDS, Progress
-from rlhf.runtime.run_dir import RunDirectory, cut_logs, log_sizes
-from rlhf.runtime.run_lock import NoLock, RunLock
+from rlhf.runtime.run import checkpoint
+from rlhf.runtime.run.heap import return_freed_blocks
+from rlhf.runtime.run.model_card import model_card
+from rlhf.runtime.run.progress import RL_FIELDS, Progress
+from rlhf.runtime.run.run_dir import RunDirectory, cut_logs, log_sizes
+from rlhf.runtime.run.run_lock import NoLock, RunLock
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class SteppedLoop(ABC):
     @abstractmethod
     def export_final(self, directory: Path, card: str) -> None:
         """The trained model(s) into ``directory``, on every rank, with ``card`` as its README.md
-        (``rlhf.runtime.model_card``)."""
+        (``rlhf.runtime.run.model_card``)."""
 
     def export_hf(self, directory: Path) -> None:
         """``--save-hf-every``: the trained model(s) into ``directory/hf`` (and the critic, with
@@ -157,7 +157,7 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
     warning naming any plugin that failed to load and each of the plan's warnings; this process's
     CPU threads (``threads``: models run in this process; a count fixed by the machine unless
     ``--threads`` says otherwise, the run's own count on ``--resume``); freed memory returned to the
-    system (`rlhf.runtime.heap`). The builders then seed
+    system (`rlhf.runtime.run.heap`). The builders then seed
     (`seed_everything`) before they draw anything."""
     plan.check(world_size=world_size)
     config = plan.config
@@ -180,9 +180,9 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
         for warning in plan.warnings():
             log.warning("%s", warning)
     hide_run_data(config, plan.out_dir)
-    return_freed_blocks()  # the peak memory is what the run holds (rlhf.runtime.heap)
+    return_freed_blocks()  # the peak memory is what the run holds (rlhf.runtime.run.heap)
     if threads:
-        from rlhf.runtime.threads import set_threads
+        from rlhf.runtime.run.threads import set_threads
 
         config.threads = set_threads(config.threads)  # config.yaml records the count the run uses
     return lock
@@ -246,7 +246,7 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
              save_hf_every: int = 0) -> Path:
     """Drive ``loop`` from its first (or resumed) step to ``final/``; returns the run directory.
     ``save_hf_every`` N: every N steps the model in HF format too (``checkpoints/step_N/hf``), inside
-    the step's checkpoint when one is due, else in a folder of its own (rlhf/runtime/checkpoint.py)."""
+    the step's checkpoint when one is due, else in a folder of its own (rlhf/runtime/run/checkpoint.py)."""
     run_dir, dist = loop.run_dir, loop.dist
     if resume and _complete(run_dir.path, loop.total_steps):
         if dist.is_main:

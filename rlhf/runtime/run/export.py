@@ -2,7 +2,7 @@
 policy, the fit loop's model) to ``<out>/final`` (and ``best/``) and, with ``--save-critic``, the
 critic to ``<out>/critic``, each as the model adapter lays it out (``ModelAdapter.save`` /
 ``save_critic``); the fit loop's objective may add entries to the saved ``config.json``, and the
-run's prompt format goes beside the weights (``prompt_format.json``, rlhf/runtime/prompt_format.py).
+run's prompt format goes beside the weights (``prompt_format.json``, rlhf/runtime/run/prompt_format.py).
 
 Called on every rank of the role: a backend that shards the weights gathers them inside
 ``full_weights()`` with every rank taking part, while the main rank writes.
@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.adapter import ModelAdapter
+from rlhf.core.protocols.adapter import ModelAdapter
 from rlhf.core.distributed import DistContext
-from rlhf.runtime.prompt_format import PromptFormat
+from rlhf.runtime.run.prompt_format import PromptFormat
 
 
 def export_model(adapter: ModelAdapter, tokenizer: Any, trained: Any, out_dir: Path, dist: DistContext, *,

@@ -2,7 +2,7 @@
 
 * for each slot (`FIT_SLOTS`: model adapter, backend, objective) the chosen component, from the
   registries or a ``module:Class`` reference, with its config object built from the user's
-  settings for that slot and the run values its config class asks for (``rlhf.core.settings``);
+  settings for that slot and the run values its config class asks for (``rlhf.core.plugin_host.settings``);
 * the objective's registration flags (``needs_reference``, ``needs_teacher``, ``head``,
   ``default_lr``), resolved against its config object;
 * the learning rate (``--lr``, else the objective's ``default_lr``) and the run's length in
@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.objective import HEADS, resolve_flag
-from rlhf.core.references import is_reference, resolve
-from rlhf.core.settings import build_component_config, setting_fields
-from rlhf.runtime.fit.config import FIT_SLOTS, FitConfig
-from rlhf.runtime.options import data_parallel_ranks
-from rlhf.runtime.plan import SlotChoice
-from rlhf.runtime.threads import requested_threads
+from rlhf.core.protocols.objective import HEADS, resolve_flag
+from rlhf.core.plugin_host.references import is_reference, resolve
+from rlhf.core.plugin_host.settings import build_component_config, setting_fields
+from rlhf.runtime.config.fit_config import FIT_SLOTS, FitConfig
+from rlhf.runtime.config.options import data_parallel_ranks
+from rlhf.runtime.config.train_plan import SlotChoice
+from rlhf.runtime.run.threads import requested_threads
 
 if TYPE_CHECKING:
-    from rlhf.core.plugins import PluginSet
+    from rlhf.core.plugin_host.loading import PluginSet
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class FitPlan:
             from rlhf.core.hub import check_model_option
 
             check_model_option(config.teacher, "--teacher")  # before any model loads
-        from rlhf.runtime.router_aux import check_routes
+        from rlhf.runtime.step.router_aux import check_routes
 
         check_routes(config.aux_loss_coef, config.model, trust_remote_code=config.trust_remote_code)
         roles = plan.choices["model_adapter"].capabilities.get("roles", ())
@@ -103,7 +103,7 @@ class FitPlan:
     # --- component configs --------------------------------------------------------------------
 
     def run_values(self, **changes: Any) -> dict[str, Any]:
-        """The values this run offers to components' run fields (``rlhf.core.settings.RUN_VALUES``)."""
+        """The values this run offers to components' run fields (``rlhf.core.plugin_host.settings.RUN_VALUES``)."""
         config = self.config
         values = {
             "seed": config.seed, "model": config.model, "tokenizer": config.tokenizer or config.model,
@@ -127,7 +127,7 @@ class FitPlan:
                                       who=f"the {choice.name!r} {slot_info.kind.replace('_', ' ')}",
                                       flag=slot_info.flag)
 
-    # --- before the run starts (``rlhf.runtime.lifecycle.start_run``) --------------------------
+    # --- before the run starts (``rlhf.runtime.run.lifecycle.start_run``) --------------------------
 
     @property
     def out_dir(self) -> Path:

@@ -13,12 +13,16 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rlhf.core.errors import BadReferenceError, close_matches
 
-if TYPE_CHECKING:
-    from rlhf.core.registry import Registry
+
+
+class Registered(Protocol):
+    """Where plain names are looked up: a registry (`rlhf.core.plugin_host.registry.Registry`)."""
+
+    def component(self, name: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ def is_reference(text: str) -> bool:
     return ":" in text or path.endswith(".py")
 
 
-def resolve(text: str, registry: Registry | None = None, *, default_attr: str | None = None) -> Resolved:
+def resolve(text: str, registry: Registered | None = None, *, default_attr: str | None = None) -> Resolved:
     """Resolve ``text`` against ``registry`` first, then as an import reference.
 
     Raises `UnknownComponentError` (with close matches) for an unknown plain name,

@@ -1,9 +1,9 @@
 """The roles a training run drives, as the trainer loop sees them (docs/architecture.md).
 
 The local runtime implements each with a plain worker class in this process
-(``rlhf/runtime/workers.py``, ``rlhf/runtime/rollout.py``); the Ray runtime with a handle that fans
+(``rlhf/runtime/rl/workers.py``, ``rlhf/runtime/rl/rollout.py``); the Ray runtime with a handle that fans
 the call out to the actors holding the role (``rlhf/runtime/ray/groups.py``). The loop
-(``rlhf/runtime/trainer.py``) is written against these protocols only, and a test checks that
+(``rlhf/runtime/rl/trainer.py``) is written against these protocols only, and a test checks that
 both runtimes' classes implement them.
 
 Batches are ``rlhf.core.batch.ExperienceBatch`` (every data-parallel rank receives the whole
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from rlhf.core.batch import ExperienceBatch
     from rlhf.core.rewards import RewardResult
-    from rlhf.core.rollout import SamplingParams
+    from rlhf.core.protocols.rollout import SamplingParams
     from rlhf.core.types import Trajectory
 
 

@@ -8,14 +8,14 @@ An episode ends when the environment says done, the model emits EOS, ``max_turns
 or the trajectory's token budget (prompt + every turn + observations) is spent. Only model
 tokens carry loss mask 1, so environment text never enters the policy loss.
 
-With an engine that batches continuously (`rlhf.core.rollout.batches_continuously`: the ``hf``
+With an engine that batches continuously (`rlhf.core.protocols.rollout.batches_continuously`: the ``hf``
 engine's default) a multi-turn rollout runs every trajectory on its own instead: reset, then
 turn after turn, each turn a request of its own that joins the engine's running decode batch,
 so a trajectory whose tool call returns early generates its next turn while slower ones still
 wait. Each request samples from a random stream of its own, seeded from one draw of the
 process's stream per rollout, the trajectory's index and the turn: what a trajectory samples
 does not depend on when the others' tool calls return (up to the float rounding of a forward
-over a different batch). The rollout then says so (`rlhf.runtime.draw_order`): with ``--async``
+over a different batch). The rollout then says so (`rlhf.runtime.rl.draw_order`): with ``--async``
 another batch's rollout may start beside it.
 """
 
@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.environment import AsyncEnv, create_env, route_env
+from rlhf.core.protocols.environment import AsyncEnv, create_env, route_env
 from rlhf.core.errors import RlhfError
-from rlhf.core.references import resolve
-from rlhf.core.settings import build_component_config
-from rlhf.core.rollout import Generation, SamplingParams, batches_continuously
+from rlhf.core.plugin_host.references import resolve
+from rlhf.core.plugin_host.settings import build_component_config
+from rlhf.core.protocols.rollout import Generation, SamplingParams, batches_continuously
 from rlhf.core.types import Trajectory
-from rlhf.runtime.draw_order import random_draws_done
+from rlhf.runtime.rl.draw_order import random_draws_done
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EnvFactory:
     """Resolves environment names once (registered names and ``module:Class``) and builds instances.
 
     ``settings_for(name, config_cls)`` gives the user's settings for an environment's config class;
-    ``run_values`` are the run's values for its run fields (``rlhf.core.settings``).
+    ``run_values`` are the run's values for its run fields (``rlhf.core.plugin_host.settings``).
     """
 
     def __init__(self, registry: Any, settings_for: Callable[[str, type | None], dict[str, Any]],

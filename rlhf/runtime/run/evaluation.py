@@ -19,8 +19,8 @@ from typing import Any
 
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.rewards import RewardResult
-from rlhf.core.roles import RewardRole, RolloutRole
-from rlhf.core.rollout import SamplingParams
+from rlhf.core.protocols.roles import RewardRole, RolloutRole
+from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.core.types import Trajectory
 
 

@@ -17,8 +17,8 @@ match the specs below. Two families:
   the slot that selects the component, ``--<slot>.<field>`` (``--policy-loss.clip-high``,
   ``--backend.zero-stage``, ``--env.timeout-s``), a key under ``components`` in a ``--config``
   file, and ``--algo-config`` / ``--engine-config`` / ``--env-config KEY=VALUE``. A field that
-  needs a value of the run declares it, ``rlhf.core.settings.run_field("seed", default, help)``
-  (the run values: ``rlhf.core.settings.RUN_VALUES``); nothing else of the run reaches a config,
+  needs a value of the run declares it, ``rlhf.core.plugin_host.settings.run_field("seed", default, help)``
+  (the run values: ``rlhf.core.plugin_host.settings.RUN_VALUES``); nothing else of the run reaches a config,
   whatever its fields are called.
 * ``register(..., short_flags=("zero_stage", ...))`` gives those settings a plain flag too
   (``--zero-stage`` besides ``--backend.zero-stage``), on the command line, in config files and
@@ -26,8 +26,8 @@ match the specs below. Two families:
   flag that is already an option of the command stays namespaced only; one another slot's
   component declared first too, with a warning in ``rlhf plugins list``.
 * Engines, backends and model adapters are classes implementing a written protocol
-  (``rlhf.core.rollout.RolloutEngine``, ``rlhf.core.backend.TrainBackend``,
-  ``rlhf.core.adapter.ModelAdapter``), checked when registered (when first used, for a
+  (``rlhf.core.protocols.rollout.RolloutEngine``, ``rlhf.core.protocols.backend.TrainBackend``,
+  ``rlhf.core.protocols.adapter.ModelAdapter``), checked when registered (when first used, for a
   ``"module:attr"`` reference); a class missing a member is refused with the list of what it lacks.
 * Lifecycle hooks, ``on_*``: events the trainer fires during a run; every plugin that
   implements one is called (loggers are plugins on these hooks).
@@ -235,7 +235,7 @@ def register_envs(register: Register) -> None:
       trajectory).
     - A label that is a dict (or a JSON object string) with an ``env_func`` key routes its sample
       to that env (name or ``module:Class``), which receives the label as a dict.
-    - The whole contract: ``rlhf.core.environment``; ``rlhf plugins check NAME`` runs a scripted
+    - The whole contract: ``rlhf.core.protocols.environment``; ``rlhf plugins check NAME`` runs a scripted
       episode (actions from the class's ``sample_actions``).
     """
 
@@ -245,7 +245,7 @@ def register_models(register: Register) -> None:
     """Register model adapters (``--model-adapter NAME``).
 
     - ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"),
-      config_cls=None)``; ``adapter_cls`` implements ``rlhf.core.adapter.ModelAdapter``
+      config_cls=None)``; ``adapter_cls`` implements ``rlhf.core.protocols.adapter.ModelAdapter``
       (``ModelAdapterBase`` gives ``save`` and ``save_critic``).
     - One instance per process, ``adapter_cls(config)`` (``config``: an instance of ``config_cls``
       with the user's ``--model-adapter.NAME`` settings and its run fields, or None).
@@ -269,11 +269,11 @@ def register_rollout_engines(register: Register) -> None:
     """Register rollout (generation) engines (``--engine NAME``).
 
     - ``register(name, engine_cls, *, needs_gpu=False, config_cls=None)``; ``engine_cls``
-      implements ``rlhf.core.rollout.RolloutEngine``.
+      implements ``rlhf.core.protocols.rollout.RolloutEngine``.
     - ``engine_cls(model, tokenizer, config)`` with the policy model.
     - ``generate(prompts, *, n, params) -> list[Generation]``: ``prompts`` are token-id lists,
-      ``params`` an ``rlhf.core.rollout.SamplingParams``; ``n`` completions per prompt,
-      contiguous (``[p0s0 .. p0s(n-1), p1s0, ...]``), each an ``rlhf.core.rollout.Generation``
+      ``params`` an ``rlhf.core.protocols.rollout.SamplingParams``; ``n`` completions per prompt,
+      contiguous (``[p0s0 .. p0s(n-1), p1s0, ...]``), each an ``rlhf.core.protocols.rollout.Generation``
       (tokens with EOS when generated, finish reason, and per-token log-probs when
       ``params.return_logprobs``).
     - Weights: an engine whose ``shares_weights`` attribute is True reads the policy's weights in
@@ -288,7 +288,7 @@ def register_train_backends(register: Register) -> None:
     """Register training backends (``--backend NAME``).
 
     - ``register(name, backend_cls, *, needs_gpu=False, offloads_state=False, config_cls=None)``;
-      ``backend_cls`` implements ``rlhf.core.backend.TrainBackend`` (subclass ``TrainBackendBase``
+      ``backend_cls`` implements ``rlhf.core.protocols.backend.TrainBackend`` (subclass ``TrainBackendBase``
       for the defaults).
     - ``backend_cls(model, config)`` per trained model (the config's run fields ``lr``,
       ``total_steps``, ``micro_batch_size`` are that model's).
@@ -313,7 +313,7 @@ def register_objectives(register: Register) -> None:
 
     - ``register(name, objective_cls, *, config_cls=None, needs_reference=False,
       needs_teacher=False, head="lm", default_lr=1e-5, command=False)``; ``objective_cls``
-      implements ``rlhf.core.objective.Objective`` (subclass ``ObjectiveBase`` for the optional
+      implements ``rlhf.core.protocols.objective.Objective`` (subclass ``ObjectiveBase`` for the optional
       parts).
     - One instance, ``objective_cls(config)`` (``config``: an instance of ``config_cls`` with the
       user's ``--objective.NAME`` settings, or None).
@@ -324,7 +324,7 @@ def register_objectives(register: Register) -> None:
     - ``loss(models, batch, stats) -> (loss, metrics)``: the mean loss over the micro-batch's
       ``units(batch)``, which the loop scales by units / step units, so the step gradient does
       not depend on micro-batch size or rank count.
-    - ``models`` (``rlhf.core.objective.FitModels``): ``model`` (the trained model),
+    - ``models`` (``rlhf.core.protocols.objective.FitModels``): ``model`` (the trained model),
       ``reference`` (with ``needs_reference``: the frozen start, or with LoRA the adapter
       switched off), ``teacher`` (with ``needs_teacher``: ``--teacher``).
     - ``head``: ``"lm"`` trains a causal LM, ``"score"`` a model whose forward returns one value
@@ -333,7 +333,7 @@ def register_objectives(register: Register) -> None:
       with the objective's settings as plain flags (a name that is already a command is refused).
     - At the end, ``final_statistics`` and ``output_config(stats)`` add entries to the saved
       ``config.json``.
-    - The whole contract: ``rlhf.core.objective``; the math of the built-ins: ``rlhf.objectives``.
+    - The whole contract: ``rlhf.core.protocols.objective``; the math of the built-ins: ``rlhf.objectives``.
     """
 
 

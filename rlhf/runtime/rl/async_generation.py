@@ -24,11 +24,11 @@ collation). Only the generation thread draws random numbers, in step order, so t
 changes when things happen, never what they compute. A sample filter decides from a batch's
 rewards whether to sample more for the same step, so with one the producer prepares each batch
 whole, one after the other. With K > 0 the producer's threads and the trainer's split the run's
-torch threads between them (`rlhf.runtime.threads.split_threads`).
+torch threads between them (`rlhf.runtime.run.threads.split_threads`).
 
 Generation lanes: a multi-turn rollout that batches continuously spends most of its time waiting
 for tool calls and draws from the process's random stream only at its start
-(`rlhf.runtime.draw_order`). The runtime then says so (``AsyncParts.rollouts_overlap``) and the
+(`rlhf.runtime.rl.draw_order`). The runtime then says so (``AsyncParts.rollouts_overlap``) and the
 generation stage runs as K lanes, threads with a policy copy each: lane after lane takes the next
 step, loads that step's version, waits for its turn at the random stream (step order), hands the
 turn on as soon as its rollout has drawn its seed, and ends its rollout (hooks, tensors) in step
@@ -63,7 +63,7 @@ import torch
 from rlhf.core.batch import ExperienceBatch, collate
 from rlhf.core.errors import RlhfError
 from rlhf.core.types import Trajectory
-from rlhf.runtime.draw_order import ordered_draws
+from rlhf.runtime.rl.draw_order import ordered_draws
 
 STOP_TIMEOUT_S = 30.0  # how long `close` waits for a batch being generated to finish
 
@@ -93,7 +93,7 @@ class AsyncParts:
 
     snapshot: Callable[[], Any]
     make_copy: Callable[[], PolicyCopy]
-    # the copies' rollouts batch continuously (multi-turn, `rlhf.runtime.draw_order`): the batches
+    # the copies' rollouts batch continuously (multi-turn, `rlhf.runtime.rl.draw_order`): the batches
     # of several steps may be rolled out at once, on a copy each (generation lanes)
     rollouts_overlap: bool = False
 
@@ -332,7 +332,7 @@ class AsyncGeneration:
         """One of several generation threads, each with a policy copy of its own: the lanes take
         the steps in order, and while one batch's rollout waits (on tool calls) the next can start.
         A rollout draws from the process's random stream only in its turn (step order) and hands
-        the turn on once it draws nothing more (`rlhf.runtime.draw_order`: a continuously batched
+        the turn on once it draws nothing more (`rlhf.runtime.rl.draw_order`: a continuously batched
         rollout, right after its seed) or returns; its end-of-rollout hooks run in step order too."""
         try:
             if self.threads is not None:

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import ComponentConflictError, PluginError, UnknownComponentError
-from rlhf.core.kinds import Kind
-from rlhf.core.settings import check_config_cls, setting_fields
+from rlhf.core.plugin_host.kinds import Kind
+from rlhf.core.plugin_host.settings import check_config_cls, setting_fields
 
 if TYPE_CHECKING:
-    from rlhf.core.plugins import PluginRecord
+    from rlhf.core.plugin_host.record import PluginRecord
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.]*$")
 _UNLOADED = object()
@@ -78,7 +78,7 @@ class Component:
         return self.config_cls
 
     def _import(self, ref: str, what: str) -> Any:
-        from rlhf.core.references import import_object
+        from rlhf.core.plugin_host.references import import_object
 
         try:
             return import_object(ref)
