@@ -7,30 +7,30 @@
   ``default_lr``), resolved against its config object;
 * the learning rate (``--lr``, else the objective's ``default_lr``) and the run's length in
   optimizer steps once the data is known (`with_examples`).
+
+What it shares with the RL loop's plan is `rlhf.runtime.config.plan.Plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.protocols.objective import HEADS, resolve_flag
-from rlhf.core.plugin_host.references import is_reference, resolve
-from rlhf.core.plugin_host.settings import build_component_config, setting_fields
 from rlhf.runtime.config.fit_config import FIT_SLOTS, FitConfig
-from rlhf.runtime.config.options import data_parallel_ranks
-from rlhf.runtime.config.train_plan import SlotChoice
-from rlhf.runtime.run.threads import requested_threads
+from rlhf.runtime.config.options import Slot, data_parallel_ranks
+from rlhf.runtime.config.plan import Plan, SlotChoice, choose, shared_run_values
 
 if TYPE_CHECKING:
     from rlhf.core.plugin_host.loading import PluginSet
 
 
 @dataclass(frozen=True)
-class FitPlan:
+class FitPlan(Plan):
+    SLOTS: ClassVar[dict[str, Slot]] = FIT_SLOTS
+
     config: FitConfig
     choices: dict[str, SlotChoice]  # slot -> chosen component
     total_steps: int = 1  # optimizer steps of the whole run (LR schedules); see `with_examples`
@@ -41,7 +41,7 @@ class FitPlan:
         config.check()
         if not config.out:  # the run directory, named once
             config = dataclasses.replace(config, out=str(config.out_dir))
-        plan = cls(config=config, choices={slot: _choice(getattr(config, slot), FIT_SLOTS[slot].kind, plugins)
+        plan = cls(config=config, choices={slot: choose(getattr(config, slot), FIT_SLOTS[slot].kind, plugins)
                                            for slot in FIT_SLOTS})
         for slot in FIT_SLOTS:  # a bad or unknown setting stops the run before any model loads
             plan.component_config(slot)
@@ -106,71 +106,27 @@ class FitPlan:
         """The values this run offers to components' run fields (``rlhf.core.plugin_host.settings.RUN_VALUES``)."""
         config = self.config
         values = {
-            "seed": config.seed, "model": config.model, "tokenizer": config.tokenizer or config.model,
-            "dtype": config.dtype, "device": config.device, "trust_remote_code": config.trust_remote_code,
-            "max_prompt_length": config.max_len, "max_new_tokens": config.max_len, "max_turns": 1,
-            "max_total_tokens": config.max_len, "temperature": 1.0, "total_steps": self.total_steps,
-            "micro_batch_size": config.micro_batch_size, "synced_generation": False, "save_critic": False,
+            **shared_run_values(config), "max_prompt_length": config.max_len, "max_new_tokens": config.max_len,
+            "max_turns": 1, "max_total_tokens": config.max_len, "temperature": 1.0, "total_steps": self.total_steps,
+            "save_critic": False,
         }
         if "lr" not in changes:
             values["lr"] = self.lr
         return {**values, **changes}
 
-    def component_config(self, slot: str, **run_values: Any) -> Any:
-        """The config object of the component in ``slot`` (None when it has no config class)."""
-        choice = self.choices[slot]
-        slot_info = FIT_SLOTS[slot]
-        if slot == "objective" and "lr" not in run_values:
-            return self.objective_config
-        return build_component_config(choice.config_cls, settings=self.config.components.get(slot, {}),
-                                      run_values=self.run_values(**run_values),
-                                      who=f"the {choice.name!r} {slot_info.kind.replace('_', ' ')}",
-                                      flag=slot_info.flag)
+    def component_config(self, slot: str, *, settings: dict[str, Any] | None = None, **run_values: Any) -> Any:
+        if slot == "objective" and "lr" not in run_values and settings is None:
+            return self.objective_config  # its learning rate first (a callable default_lr reads the config)
+        return super().component_config(slot, settings=settings, **run_values)
 
     # --- before the run starts (``rlhf.runtime.run.lifecycle.start_run``) --------------------------
 
-    @property
-    def out_dir(self) -> Path:
-        return self.config.out_dir
-
-    def check(self, *, world_size: int) -> None:
-        """What needs the number of data-parallel ranks (``world_size``) to check."""
+    def check_ranks(self, world_size: int) -> None:
         config = self.config
         if config.batch_size % world_size:
             raise ConfigError(f"--batch-size ({config.batch_size}) must be a multiple of "
                               f"{data_parallel_ranks(config, world_size)}")
-        requested_threads(config.threads)  # a count of at least 1, or auto
-
-    def warnings(self) -> list[str]:
-        """Options that will do nothing (none known for offline runs)."""
-        return []
 
     def run_config(self) -> dict[str, Any]:
         """The run's config as config.yaml records it (options, the LR used, every component setting)."""
-        return {**self.config.to_dict(), "lr": self.lr, "components": self.resolved_settings()}
-
-    def resolved_settings(self) -> dict[str, dict[str, Any]]:
-        """Every setting of every chosen component as the run uses it (for config.yaml)."""
-        out = {}
-        for slot in FIT_SLOTS:
-            config = self.component_config(slot)
-            out[slot] = {} if config is None else {f.name: _plain(getattr(config, f.name))
-                                                   for f in setting_fields(type(config))}
-        return out
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
-def _choice(name: str, kind: str, plugins: PluginSet) -> SlotChoice:
-    registry = plugins.registry(kind)
-    if is_reference(name):  # --objective my_pkg.module:MyObjective needs no plugin
-        obj = resolve(name).obj
-        problem = registry.kind.check(obj)
-        if problem:
-            raise ConfigError(f"{name} is not a usable {kind.replace('_', ' ')}: {problem}")
-        config_cls, capabilities = registry.kind.declared_by(obj)
-        return SlotChoice(name, config_cls, capabilities, obj=obj)
-    component = registry.component(name)
-    return SlotChoice(component.name, component.load_config_cls(), dict(component.capabilities), component=component)
+        return {**super().run_config(), "lr": self.lr}

@@ -8,23 +8,26 @@ before any model loads, the same for the local and the Ray runtime.
   (``rlhf.core.plugin_host.settings``): nothing reaches a component by a matching field name;
 * the checks both runtimes share (`RunPlan.check`) and its warnings (`RunPlan.warnings`), which
   ``rlhf.runtime.run.lifecycle.start_run`` makes before anything is built.
+
+What it shares with the fit loop's plan (slot choices, component configs, config.yaml's record) is
+`rlhf.runtime.config.plan.Plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugin_host.references import is_reference, resolve
 from rlhf.core.plugin_host.settings import build_component_config, setting_fields
 from rlhf.core.types import AdvantageConfig
+from rlhf.runtime.config.options import Slot, data_parallel_ranks
+from rlhf.runtime.config.plan import Plan, SlotChoice, choose, plain, shared_run_values
 from rlhf.runtime.config.train_config import (ALGO_CONFIG_SLOTS, DEFAULT_SAMPLE_FILTER, SETTING_SLOTS, SLOTS, Derived,
-                                 TrainConfig, colocation, parse_key_values)
-from rlhf.runtime.config.options import data_parallel_ranks
-from rlhf.runtime.run.threads import requested_threads
+                                              TrainConfig, colocation, parse_key_values)
 
 if TYPE_CHECKING:
     from rlhf.algorithms import ResolvedAlgorithm
@@ -34,21 +37,9 @@ _KEY_VALUE_FLAGS = {"engine": ("engine_config", "--engine-config"), "env": ("env
 
 
 @dataclass(frozen=True)
-class SlotChoice:
-    """The component chosen for one slot: its name, how to get the object, its config class."""
+class RunPlan(Plan):
+    SLOTS: ClassVar[dict[str, Slot]] = SLOTS
 
-    name: str
-    config_cls: type | None
-    capabilities: dict[str, Any] = field(default_factory=dict)
-    component: Any = None  # the registry's Component (None for a module:Class reference)
-    obj: Any = None  # the object itself, when already loaded
-
-    def load(self) -> Any:
-        return self.obj if self.obj is not None else self.component.load()
-
-
-@dataclass(frozen=True)
-class RunPlan:
     config: TrainConfig
     derived: Derived
     algorithm: ResolvedAlgorithm
@@ -103,26 +94,22 @@ class RunPlan:
         """The values this run offers to components' run fields (``rlhf.core.plugin_host.settings.RUN_VALUES``)."""
         config = self.config
         values = {
-            "seed": config.seed, "model": config.model, "tokenizer": config.tokenizer or config.model,
-            "dtype": config.dtype, "device": config.device, "trust_remote_code": config.trust_remote_code,
-            "max_prompt_length": config.max_prompt_length, "max_new_tokens": config.max_new_tokens,
-            "max_turns": config.max_turns, "max_total_tokens": self.token_budget, "temperature": config.temperature,
-            "lr": config.lr, "total_steps": self.optimizer_steps, "micro_batch_size": config.micro_batch_size,
-            "synced_generation": False, "save_critic": config.save_critic,
+            **shared_run_values(config), "max_prompt_length": config.max_prompt_length,
+            "max_new_tokens": config.max_new_tokens, "max_turns": config.max_turns,
+            "max_total_tokens": self.token_budget, "temperature": config.temperature, "lr": config.lr,
+            "total_steps": self.optimizer_steps, "save_critic": config.save_critic,
         }
         unknown = set(changes) - set(values)
         assert not unknown, f"not run values: {sorted(unknown)}"
         return {**values, **changes}
 
+    def slot_settings(self, slot: str) -> dict[str, Any]:
+        return self.settings.get(slot, {})  # the namespaced settings and the KEY=VALUE flags routed here
+
     def component_config(self, slot: str, *, settings: dict[str, Any] | None = None, **run_values: Any) -> Any:
-        """The config object of the component in ``slot`` (None when it has no config class)."""
-        choice = self.choices[slot]
-        if slot == "env" and choice.config_cls is None:
+        if slot == "env" and self.choices[slot].config_cls is None:
             return None  # --env.* settings are then for environments picked per sample (`env_settings`)
-        kind = SLOTS[slot].kind.replace("_", " ")
-        return build_component_config(choice.config_cls, settings=self.settings.get(slot, {}) if settings is None
-                                      else settings, run_values=self.run_values(**run_values),
-                                      who=f"the {choice.name!r} {kind}", flag=SLOTS[slot].flag)
+        return super().component_config(slot, settings=settings, **run_values)
 
     @property
     def policy_loss_config(self) -> Any:
@@ -138,20 +125,11 @@ class RunPlan:
         config = self.config
         return config.max_total_tokens or config.max_prompt_length + config.max_turns * config.max_new_tokens
 
-    def run_config(self) -> dict[str, Any]:
-        """The run's config as config.yaml records it (options, and every component setting)."""
-        return {**self.config.to_dict(), "components": self.resolved_settings()}
-
     def resolved_settings(self) -> dict[str, dict[str, Any]]:
-        """Every setting of every chosen component as the run uses it (for config.yaml)."""
-        out = {}
-        for slot in SLOTS:
-            config = self.component_config(slot)
-            if config is None:  # no config class; env settings are then for per-sample environments
-                out[slot] = dict(self.settings.get(slot, {})) if slot == "env" else {}
-                continue
-            out[slot] = {f.name: _plain(getattr(config, f.name)) for f in setting_fields(type(config))}
-        out["reward_shaping"] = {k: _plain(v) for k, v in self.settings.get("reward_shaping", {}).items()}
+        out = super().resolved_settings()
+        if self.component_config("env") is None:  # no config class: the settings are for per-sample environments
+            out["env"] = dict(self.settings.get("env", {}))
+        out["reward_shaping"] = {k: plain(v) for k, v in self.settings.get("reward_shaping", {}).items()}
         return out
 
     def env_settings(self, name: str, config_cls: type | None) -> dict[str, Any]:
@@ -171,7 +149,7 @@ class RunPlan:
     def out_dir(self) -> Path:
         return self.derived.out_dir
 
-    def check(self, *, world_size: int) -> None:
+    def check_ranks(self, world_size: int) -> None:
         """The checks both runtimes make before starting anything (``world_size``: data-parallel ranks)."""
         config, derived = self.config, self.derived
         if not config.reward and not self.env_capability("gives_rewards"):
@@ -193,7 +171,6 @@ class RunPlan:
                               "puts the rollout in the policy actors: use --colocate none or policy_ref")
         if config.offload_train_state:
             self._check_offload_train_state()
-        requested_threads(config.threads)  # a count of at least 1, or auto
 
     def _check_offload_train_state(self) -> None:
         config = self.config
@@ -282,10 +259,6 @@ def _registered_settings(registry: Any) -> set[str]:
     return names
 
 
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
 def _choices(config: TrainConfig, algorithm: ResolvedAlgorithm, plugins: PluginSet) -> dict[str, SlotChoice]:
     choices = {}
     for slot, loaded in (("advantage", algorithm.advantage), ("policy_loss", algorithm.policy_loss),
@@ -299,15 +272,7 @@ def _choices(config: TrainConfig, algorithm: ResolvedAlgorithm, plugins: PluginS
             if name is None:  # no filtering: an empty choice, with no config class
                 choices[slot] = SlotChoice("", None)
                 continue
-        registry = plugins.registry(SLOTS[slot].kind)
-        if slot in ("env", "sample_filter") and is_reference(name):  # module:attr needs no plugin
-            env_cls = resolve(name).obj
-            config_cls, capabilities = registry.kind.declared_by(env_cls)
-            choices[slot] = SlotChoice(name, config_cls, capabilities, obj=env_cls)
-            continue
-        component = registry.component(name)
-        choices[slot] = SlotChoice(component.name, component.load_config_cls(), dict(component.capabilities),
-                                   component=component)
+        choices[slot] = choose(name, SLOTS[slot].kind, plugins)
     return choices
 
 

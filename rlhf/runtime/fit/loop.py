@@ -34,7 +34,7 @@ from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugin_host.fingerprint import plugin_fingerprint
 from rlhf.core.protocols.objective import FitModels, Objective
-from rlhf.runtime.step.micro_batches import token_budget_groups
+from rlhf.runtime.step.micro_batches import cut_by_length
 from rlhf.core.plugin_host.loading import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime.run.best_model import BestModel
@@ -161,25 +161,19 @@ class FitLoop(SteppedLoop):
 
     def _micro_batches(self, examples: list[Any]) -> list[dict[str, Any]]:
         """``--micro-batch-size`` examples each, or as many as fit ``--max-tokens-per-micro-batch``,
-        cut after sorting by length: padding to the longest of similar lengths, not of any (less
-        CPU time for forward + backward of mixed lengths: benchmarks/packing.py). Losses are sums
-        over micro-batches, so the order changes nothing but float rounding."""
+        of similar lengths (`cut_by_length`, the RL loop's cutter too)."""
         size, max_tokens = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
         device, pad = self.trained.device, self.parts.pad_token_id
         masks = [self._attention_mask(self.objective.collate([example], pad)) for example in examples]
         lengths = [int(mask.sum(dim=1).max()) if mask is not None else 0 for mask in masks]
-        order = sorted(range(len(examples)), key=lambda i: lengths[i])
-        if max_tokens is None:
-            cuts = [order[i:i + size] for i in range(0, len(order), size)]
-        else:
+        if max_tokens is not None:
             self.trained.check_token_budget(max_tokens)
             if any(mask is None for mask in masks):
                 raise RlhfError(f"objective {self.config.objective!r} makes batches without an attention_mask; "
                                 "--max-tokens-per-micro-batch needs one to count tokens")
-            packed = self.config.packing
-            cost = [int(masks[i].sum()) if packed else lengths[i] for i in order]
-            groups = token_budget_groups(cost, max_tokens, rows=[masks[i].shape[0] for i in order], packed=packed)
-            cuts = [[order[i] for i in group] for group in groups]
+        cuts = cut_by_length(lengths, size, max_tokens, packed=self.config.packing,
+                             rows=[mask.shape[0] for mask in masks] if max_tokens is not None else None,
+                             tokens=[int(mask.sum()) for mask in masks] if max_tokens is not None else None)
         return [_to_device(self.objective.collate([examples[i] for i in cut], pad), device) for cut in cuts]
 
     @staticmethod

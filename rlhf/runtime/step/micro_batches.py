@@ -1,5 +1,7 @@
-"""How a step's batch is cut: shuffled minibatches per epoch, and micro-batches of rows of similar
-length (``size`` rows or a token budget), a prompt's samples together when they share its forward.
+"""How a step's batch is cut, the same for both loops: shuffled minibatches per epoch (RL), and
+micro-batches of items of similar length, ``size`` items or as many as fit a token budget
+(`cut_by_length`: the RL loop's rows, the fit loop's examples), a prompt's samples together when
+they share its forward (RL).
 
 Shape legend: ``B`` sequences, ``T`` tokens.
 """
@@ -42,19 +44,32 @@ def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> 
     return out
 
 
+def cut_by_length(lengths: list[int], size: int, max_tokens: int | None = None, *, rows: list[int] | None = None,
+                  tokens: list[int] | None = None, packed: bool = False) -> list[list[int]]:
+    """The micro-batches of both loops, as lists of item indices: items sorted by length (stably)
+    and cut every ``size`` items, or with ``max_tokens`` into as many as fit that many tokens
+    (`token_budget_groups`). Sorting before cutting removes most padding (benchmarks/packing.py
+    measures it on mixed lengths), and losses are sums over items, so the order changes nothing but
+    float rounding.
+
+    ``lengths[i]``: the longest sequence of item i (an RL row is one sequence; a fit example may be
+    several, ``rows[i]``, e.g. a preference pair); ``tokens[i]``: its real tokens, what it costs
+    when ``packed`` (default ``lengths``)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    if max_tokens is None:
+        return [order[begin:begin + size] for begin in range(0, len(order), size)]
+    cost = [(tokens if tokens is not None else lengths)[i] if packed else lengths[i] for i in order]
+    groups = token_budget_groups(cost, max_tokens, rows=None if rows is None else [rows[i] for i in order],
+                                 packed=packed)
+    return [[order[i] for i in group] for group in groups]
+
+
 def micro_batches(minibatch: ExperienceBatch, size: int, max_tokens: int | None = None,
                   packed: bool = False) -> list[tuple[torch.Tensor, ExperienceBatch]]:
-    """``(rows, micro-batch)`` pairs of rows of similar length: sorting by length before cutting
-    removes most padding (benchmarks/packing.py measures the fits on mixed lengths), and losses are sums over rows, so
-    the order changes nothing but float rounding. ``size`` rows each, or with ``max_tokens`` as
-    many as fit that many tokens (`token_budget_groups`: real tokens when ``packed``)."""
-    lengths = minibatch.attention_mask.sum(dim=1)  # (b,)
-    order = torch.argsort(lengths, stable=True)  # (b,)
-    if max_tokens is None:
-        cuts = [order[begin:begin + size] for begin in range(0, minibatch.size, size)]
-    else:
-        groups = token_budget_groups(lengths[order].tolist(), max_tokens, packed=packed)
-        cuts = [order[group] for group in groups]
+    """``(rows, micro-batch)`` pairs of RL rows of similar length (`cut_by_length`; a row's real
+    tokens are its length)."""
+    lengths = minibatch.attention_mask.sum(dim=1).tolist()  # (b,)
+    cuts = [torch.tensor(cut, dtype=torch.long) for cut in cut_by_length(lengths, size, max_tokens, packed=packed)]
     return [(rows, minibatch.select(rows)) for rows in cuts]
 
 
