@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,7 @@ class RunFiles:
     def __init__(self, path: Path, layout: Layout, owned: set[str], logs: set[str], recorded: bool):
         self.path, self.layout = Path(path), layout
         self.owned, self.logs, self.recorded = owned, logs, recorded
+        self._lock = threading.Lock()  # loggers may claim from the threads of --async
 
     @classmethod
     def read(cls, path: Path, layout: Layout) -> RunFiles | None:
@@ -134,12 +136,13 @@ class RunFiles:
     def claim(self, *names: str, log: bool = False) -> None:
         """Record ``names`` as the run's before they are written (``log``: JSON-lines logs, which
         ``--resume`` cuts back)."""
-        new_owned, new_logs = set(names) - self.owned, (set(names) - self.logs if log else set())
-        if not new_owned and not new_logs:
-            return
-        self.owned |= new_owned
-        self.logs |= new_logs
-        self.save()
+        with self._lock:
+            new_owned, new_logs = set(names) - self.owned, (set(names) - self.logs if log else set())
+            if not new_owned and not new_logs:
+                return
+            self.owned |= new_owned
+            self.logs |= new_logs
+            self.save()
 
     def existing_logs(self) -> list[Path]:
         return [self.path / name for name in sorted(self.logs) if (self.path / name).is_file()]
