@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from rlhf.cli.options import SLOT_SEPARATOR, Flag, nullable_fields, split_settings
+from rlhf.cli.options import SLOT_SEPARATOR, Flag, config_value_problem, nullable_fields, split_settings
 
 
 class LazyCommand(click.Command):
@@ -54,15 +54,16 @@ def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any]
     def load(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
         if value is None:
             return None
-        import yaml
-
         from rlhf.core.errors import ConfigError
+        from rlhf.core.safe_yaml import load_yaml
         from rlhf.runtime.config.options import gather_components
 
         try:
-            loaded = yaml.safe_load(Path(value).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise click.BadParameter(f"cannot read {value}: {exc}", ctx, param) from None
+            loaded = load_yaml(Path(value).read_text(), value) or {}
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {value}: {exc.strerror or exc}", ctx, param) from None
+        except ConfigError as exc:  # not YAML, nested aliases, a python tag: one line
+            raise click.BadParameter(f"cannot read {exc}", ctx, param) from None
         if not isinstance(loaded, dict):
             raise click.BadParameter(f"{value} must hold a mapping of option names to values", ctx, param)
         mapping = {str(key).replace("-", "_"): item for key, item in loaded.items()}
@@ -85,6 +86,13 @@ def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any]
             shown = [u.replace(SLOT_SEPARATOR, ".") for u in unknown]
             raise click.BadParameter(f"{value}: unknown option(s) {', '.join(shown)}", ctx, param)
         for flag in flags:
+            if flag.dest not in mapping:
+                continue
+            problem = config_value_problem(flag, mapping[flag.dest])
+            if problem is not None:
+                shown = repr(mapping[flag.dest])
+                raise click.BadParameter(f"{value}: {flag.dest.replace(SLOT_SEPARATOR, '.')} must be {problem}, not "
+                                         f"{shown if len(shown) <= 60 else shown[:57] + '...'}", ctx, param)
             if flag.multiple and isinstance(mapping.get(flag.dest), (str, int, float)):
                 mapping[flag.dest] = [mapping[flag.dest]]
         ctx.default_map = {**(ctx.default_map or {}), **mapping}

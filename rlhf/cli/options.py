@@ -77,6 +77,42 @@ def _metavar(base: Any, kind: Any) -> str | None:
     return "A,B" if typing.get_origin(base) in (tuple, list) or base in (tuple, list) else "VALUE"
 
 
+def config_value_problem(flag: Flag, value: Any) -> str | None:
+    """What is wrong with ``value`` for ``flag`` in a ``--config`` file, as "must be ..." (None: it
+    fits). Values click converts from text (a number written as text, ``1e-3``) fit; a list where
+    one value goes, a mapping, a word for a number do not. Types converted when the run is planned
+    (tuples, mappings) are checked there."""
+    if value is None:
+        return None
+    base = _base_type(flag.hint)
+    scalar = (str, int, float, bool)
+    if flag.nargs:
+        numbers = isinstance(value, list) and all(_is_number(v) for v in value)
+        return None if numbers and len(value) == flag.nargs else f"a list of {flag.nargs} numbers"
+    if flag.multiple:
+        items = value if isinstance(value, list) else [value]
+        return None if all(isinstance(v, scalar) for v in items) else "a list of values (text or numbers)"
+    if base is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if base in (int, float) and flag.component is None and not flag.choices:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            return "a whole number" if base is int else "a number"
+        try:
+            number = float(value) if base is float else (int(value) if not isinstance(value, float) else value)
+        except ValueError:
+            return "a whole number" if base is int else "a number"
+        if base is int and isinstance(number, float) and not number.is_integer():
+            return "a whole number"
+        return None
+    if base is str or flag.component is not None or flag.choices or typing.get_origin(base) is typing.Literal:
+        return None if isinstance(value, scalar) else "a single value"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _base_type(hint: Any) -> Any:
     """``int | None`` -> int, ``list[str]`` -> list[str]; unions of several types -> Any."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:

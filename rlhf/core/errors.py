@@ -9,6 +9,8 @@ directory taken), 130 for a run stopped by Ctrl-C/SIGTERM.
 from __future__ import annotations
 
 import difflib
+import errno
+import os
 from collections.abc import Iterable
 
 
@@ -21,6 +23,10 @@ class ConfigError(RlhfError):
 
     The command line reports it as a usage error (exit 2), like a bad flag value.
     """
+
+
+class NoSpaceError(RlhfError):
+    """A write that found its device full (`no_space`)."""
 
 
 class RunInterrupted(RlhfError, KeyboardInterrupt):
@@ -71,3 +77,60 @@ def close_matches(name: str, candidates: Iterable[str], n: int = 3) -> list[str]
     """The candidates ``name`` is probably a typo of. Short names share little by chance
     (``k4``/``k3``: half the letters); longer ones must share more (``nosuch`` is not ``torch``)."""
     return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5 if len(name) <= 3 else 0.6)
+
+
+# --- a full disk ------------------------------------------------------------------------------
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded", "StorageFull", "os error 28")
+
+
+def says_no_space(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a full device: an ``OSError`` with
+    ``ENOSPC``/``EDQUOT``, or a writer's message that says so (safetensors', a remote worker's)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in NO_SPACE_ERRNOS:
+            return True
+        if any(text in str(current) for text in _NO_SPACE_TEXTS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def size_text(size: int) -> str:
+    """Bytes as a reader wants them: ``312 bytes``, ``1.9 MiB``, ``4,210 MiB``, ``0 MiB`` for none."""
+    if size == 0:
+        return "0 MiB"
+    if size < 1 << 16:
+        return f"{size:,} bytes"
+    if size < 10 << 20:
+        return f"{size / (1 << 20):.1f} MiB"
+    return f"{size >> 20:,} MiB"
+
+
+def free_space(path: str | os.PathLike) -> int | None:
+    """The bytes free on the device of ``path`` (its nearest existing folder); None where unknown."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def no_space(path: str | os.PathLike, *, needed: str | None = None, free: int | None = None) -> NoSpaceError:
+    """``cannot write PATH: No space left on device (N MiB free there); it needs about M``: one line
+    naming what could not be written, the space left there and (``needed``, when known) what the
+    write needs."""
+    free = free_space(path) if free is None else free
+    where = f" ({size_text(free)} free there)" if free is not None else ""
+    need = f"; it needs {needed}" if needed else ""
+    return NoSpaceError(f"cannot write {path}: No space left on device{where}{need}. Free space there (or choose "
+                        "another --out), then rerun the command (training: with --resume)")

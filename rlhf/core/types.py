@@ -6,6 +6,7 @@ positions (``T - 1``: position t holds the log-prob of token t+1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,6 +28,17 @@ class RunInfo:
     start_step: int = 0
     total_steps: int = 0
     plugins: str = ""  # fingerprint, see rlhf.core.plugin_host.fingerprint
+    # What records a name as the run's (the run manifest, docs/runs.md); None where nothing records one.
+    claimer: Callable[[str, bool], None] | None = field(default=None, repr=False, compare=False)
+
+    def claim(self, name: str, *, log: bool = False) -> Path:
+        """``out_dir / name``, recorded as the run's own before the caller writes it there. A run owns
+        what it records, and only that (docs/runs.md): a file a user puts beside a run is never
+        touched. ``log``: a JSON-lines log, which ``--resume`` cuts back to its length when the
+        checkpoint resumed from was written (so a resumed logger simply appends)."""
+        if self.claimer is not None:
+            self.claimer(name, log)
+        return Path(self.out_dir) / name
 
 
 @dataclass(kw_only=True)

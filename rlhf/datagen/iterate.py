@@ -15,7 +15,8 @@ Round k (1-based), in ``<out>/round_k/``:
 
 One process (not under torchrun). A rerun continues after the last complete round; inside a round,
 the generation continues its file and the DPO run resumes from its latest checkpoint
-(``--dpo-config save_every=N``).
+(``--dpo-config save_every=N``). The run owns the names above (``<out>/.rlhf-run.json`` records
+them) and nothing else there; an ``--out`` that is not empty and holds no iterate run is refused.
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ from typing import Any
 from rlhf.core.errors import RlhfError
 from rlhf.datagen.config import GenerateConfig, IterateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows
-from rlhf.runtime.run.run_lock import RunLock
+from rlhf.runtime.run.run_files import Layout, RunFiles, check_not_foreign
+from rlhf.runtime.run.run_lock import LOCK_NAME, RunLock
 
 log = logging.getLogger(__name__)
+
+# What an iterate run writes at the top of its --out (and one from before run manifests owns).
+ITERATION = Layout(kind="iteration", marks=(r"config\.yaml", r"round_\d+"),
+                   legacy=(r"config\.yaml", r"metrics\.jsonl", r"round_\d+"))
 
 # IterateConfig fields that GenerateConfig shares (the rest are the loop's or DPO's).
 _DPO_ONLY = ("rounds", "prompts_per_round", "beta", "lr", "epochs", "dpo_batch_size", "micro_batch_size", "max_len",
@@ -52,7 +58,12 @@ def iterate(config: IterateConfig, *, plugins: Any = None) -> Path:
                         "each run data-parallel under torchrun on their own)")
     plugins = plugins or build_plugin_manager()
     out = Path(config.out)
+    if not (out / LOCK_NAME).exists():
+        check_not_foreign(out, ITERATION)  # before anything is written there
     with RunLock.for_directory(out):  # one iterate per run directory
+        check_not_foreign(out, ITERATION)
+        files = RunFiles.open(out, ITERATION)  # what the run owns there (rlhf.runtime.run.run_files)
+        files.claim("config.yaml", "metrics.jsonl")
         _write_config(out, config)
         model = config.model
         for k in range(1, config.rounds + 1):
@@ -62,6 +73,7 @@ def iterate(config: IterateConfig, *, plugins: Any = None) -> Path:
                 model = json.loads(marker.read_text())["model"]
                 log.info("round %d is complete (model %s)", k, model)
                 continue
+            files.claim(round_dir.name)
             model = run_round(config, k, model, round_dir, plugins)
     return out
 

@@ -14,13 +14,14 @@ two jobs; a file without a progress log is never overwritten without ``--overwri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import NO_SPACE_ERRNOS, RlhfError, no_space, size_text
 
 
 class ResumableJsonl:
@@ -78,10 +79,7 @@ class ResumableJsonl:
     def append(self, rows: list[dict[str, Any]], items: int, counters: dict[str, int] | None = None) -> None:
         """Write ``rows`` (the output of ``items`` more input items), then record the progress."""
         data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
-        with open(self.path, "ab") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _append_whole(self.path, data)
         self.done_items += items
         self.rows += len(rows)
         self.counters.update(counters or {})
@@ -97,10 +95,25 @@ class ResumableJsonl:
         return json.dumps({**record, "done": True} if self.finished else record)
 
     def _log(self) -> None:
-        with open(self.log_path, "a") as handle:
-            handle.write(self._record() + "\n")
-            handle.flush()
+        _append_whole(self.log_path, (self._record() + "\n").encode())
+
+
+def _append_whole(path: Path, data: bytes) -> None:
+    """Append ``data`` and fsync it, or, when that fails (a full disk), cut the file back to what it
+    held and raise one line naming it (and the space the rows need)."""
+    with open(path, "ab", buffering=0) as handle:  # unbuffered: nothing is left to write on close
+        start = handle.tell()
+        try:
+            view = memoryview(data)
+            while view:  # a write short of a full disk returns a count, the next one raises
+                view = view[handle.write(view):]
             os.fsync(handle.fileno())
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                handle.truncate(start)
+            if exc.errno in NO_SPACE_ERRNOS:
+                raise no_space(path, needed=size_text(len(data))) from exc
+            raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _replace(path: Path, text: str) -> None:

@@ -67,7 +67,11 @@ def test_two_rounds_the_second_starting_from_the_first_rounds_model(plugins, tin
     (second / "round.json").unlink()
     shutil.rmtree(second / "dpo" / "final")
     (second / "generations.jsonl").write_bytes(generations.splitlines(keepends=True)[0][:-5])  # killed mid-row
+    beside = {out / "notes.jsonl": '{"mine": 1}\n', second / "mine.txt": "mine", second / "dpo" / "mine.jsonl": "x\n"}
+    for path, text in beside.items():  # files a user put beside the runs: neither iterate nor DPO's resume owns them
+        path.write_text(text)
     ok(plugins, args)
+    assert {path: path.read_text() for path in beside} == beside
     assert {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()} == round_1_files
     assert (second / "generations.jsonl").read_bytes() == generations
     assert (second / "model" / "config.json").exists()

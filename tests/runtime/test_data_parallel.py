@@ -63,7 +63,9 @@ def test_rlhf_train_under_torchrun_with_two_processes(tiny_model_dir, tmp_path):
     assert len(samples) == 2 * 4 * 2  # every rank's trajectories, gathered
     assert sorted(p.name for p in (run / "checkpoints" / "step_2").iterdir()) == \
         ["MANIFEST.json", "policy", "rng_0.pt", "rng_1.pt", "trainer_state.json"]
+    (run / "gen_step_2.jsonl").write_text('{"mine": 1}\n')  # a file beside the run is not the run's
     torchrun(2, *args, "--steps", "3", "--resume", "--resume-override", "steps")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert (run / "gen_step_2.jsonl").read_text() == '{"mine": 1}\n'
     assert (run / "final" / "config.json").is_file()

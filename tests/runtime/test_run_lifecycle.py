@@ -270,8 +270,10 @@ def test_the_same_signal_twice_abandons_the_step_the_launchers_sigterm_does_not(
 
 
 def test_logs_are_cut_back_to_the_checkpoint(tmp_path):
-    from rlhf.runtime.run.run_dir import cut_logs, log_sizes
+    from rlhf.runtime.run.run_dir import TRAINING, cut_logs, log_sizes
+    from rlhf.runtime.run.run_files import RunFiles
 
+    RunFiles.open(tmp_path, TRAINING).claim("metrics.jsonl", "samples.jsonl", log=True)  # the run's logs
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1}\n{"step": 2}\n')
     state = {"step": 2, "log_sizes": log_sizes(tmp_path)}  # what a checkpoint of step 2 records

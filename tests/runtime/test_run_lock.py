@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from rlhf.runtime.run.run_lock import LOCK_NAME, RunInUseError, RunLock
 from tests.helpers import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tree(path):
@@ -91,3 +96,68 @@ def test_generate_and_score_lock_their_output_file(command, task, tmp_path, plug
         result = run_cli(plugins, args)
     assert result.exit_code == 1 and f"{target} is in use by another run" in result.output, result.output
     assert not target.exists()
+
+
+HAMMER = textwrap.dedent("""
+    import logging, os, sys, time
+    from pathlib import Path
+    from rlhf.runtime.run.run_lock import RunInUseError, RunLock
+
+    logging.disable(logging.CRITICAL)
+    target, marker, rounds = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    overlaps = held = 0
+    while held < rounds:
+        try:
+            lock = RunLock.for_directory(target).acquire()
+        except RunInUseError:
+            continue
+        try:  # while it holds the lock, nobody else may: the marker must not be there
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            overlaps += 1
+        else:
+            time.sleep(0.0005)
+            os.close(fd)
+            os.unlink(marker)
+        held += 1
+        lock.release()
+    print(overlaps)
+""")
+
+
+def test_runs_restarting_in_a_loop_never_hold_the_lock_together(tmp_path):
+    """Release removes the file while holding it; a process that opened the old file just before
+    must not count its lock of a file that is gone (two holders under a restart loop)."""
+    target = tmp_path / "run"
+    target.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    workers = [subprocess.Popen([sys.executable, "-c", HAMMER, str(target), str(tmp_path / "held"), "200"],
+                                stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    overlaps = [int(worker.communicate(timeout=300)[0]) for worker in workers]
+    assert all(worker.returncode == 0 for worker in workers)
+    assert overlaps == [0, 0, 0]
+    assert sorted(p.name for p in target.iterdir()) == []  # the last release removed the file
+
+
+def test_a_lock_whose_holder_was_killed_is_stale_and_taken_over(tmp_path, caplog):
+    target = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from rlhf.runtime.run.run_lock import RunLock
+        RunLock.for_directory({str(target)!r}).acquire()
+        print("held", flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunInUseError, match=rf"pid {holder.pid} on"):
+            RunLock.for_directory(target).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert json.loads((target / LOCK_NAME).read_text())["pid"] == holder.pid  # left behind by the kill
+    with RunLock.for_directory(target):
+        assert json.loads((target / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert f"taking over the lock left by pid {holder.pid} on {socket.gethostname()}" in caplog.text
+    assert not (target / LOCK_NAME).exists()

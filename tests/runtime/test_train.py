@@ -202,6 +202,8 @@ def test_unknown_algorithm_lists_the_presets(plugins):
 
 def test_existing_run_directory_is_not_overwritten(tiny_model_dir, task, tmp_path, plugins):
     (tmp_path / "run").mkdir()
+    for name in ("config.yaml", "plugins.json"):  # a run's (written before run manifests existed)
+        (tmp_path / "run" / name).write_text("{}\n")
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(RlhfError, match="already holds a run: pass --resume"):
         train(small_config(tiny_model_dir, task, tmp_path / "run"), plugins=plugins)

@@ -357,9 +357,12 @@ def on_run_start(run: RunInfo) -> None:
     Called once, after models, plugins and the run directory are set up and before the first
     rollout. ``run`` is an ``rlhf.core.types.RunInfo``: ``config`` (the resolved config as a
     dict), ``out_dir`` (the run directory), ``start_step`` (0, or the step resumed from),
-    ``total_steps`` and ``plugins`` (the fingerprint). Before this call the run directory's
-    ``*.jsonl`` files are cut back to their length when the checkpoint resumed from was written
-    (a resumed run logs the later steps again), so a logger may simply append to its own.
+    ``total_steps`` and ``plugins`` (the fingerprint). A run owns only the files it records:
+    a plugin that writes into the run directory names its file with ``run.claim(name)`` (which
+    returns its path), a JSON-lines log with ``run.claim(name, log=True)``. Before this call
+    the run's logs are cut back to their length when the checkpoint resumed from was written
+    (a resumed run logs the later steps again), so a logger may simply append to its own;
+    files the run did not record (a user's, beside the run) are never touched.
     """
 
 

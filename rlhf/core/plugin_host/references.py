@@ -5,6 +5,7 @@ packaged as a plugin.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
 import importlib.util
@@ -94,8 +95,17 @@ def _load_module(name: str) -> Any:
         raise BadReferenceError(f"importing module {name!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _path_problem(exc: BaseException) -> str:
+    if "loop" in str(exc).lower() or getattr(exc, "errno", None) == errno.ELOOP:
+        return "it is a symbolic link that leads back to itself (a symlink loop)"
+    return getattr(exc, "strerror", None) or str(exc)
+
+
 def _load_file(path_text: str) -> Any:
-    path = Path(path_text).expanduser().resolve()
+    try:
+        path = Path(path_text).expanduser().resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise BadReferenceError(f"file {path_text!r} cannot be read: {_path_problem(exc)}") from None
     if not path.is_file():
         raise BadReferenceError(f"file {path_text!r} does not exist (looked at {path})")
     # One module per file path, kept in sys.modules so pickling and dataclasses work.

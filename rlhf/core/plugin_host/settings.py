@@ -166,9 +166,9 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
         return tuple(converted) if (origin or hint) is tuple else converted
     if origin is dict or hint is dict:
         if isinstance(value, str):
-            import yaml
+            from rlhf.core.safe_yaml import load_yaml
 
-            value = yaml.safe_load(value) or {}
+            value = load_yaml(value, where) or {}
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)

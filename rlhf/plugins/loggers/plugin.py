@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import rlhf
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import NO_SPACE_ERRNOS, RlhfError, no_space, size_text
 
 _open: dict[tuple[str, Path], Any] = {}
 
@@ -33,7 +33,7 @@ def _append(run: Any, name: str, record: dict[str, Any]) -> None:
     key = (name, Path(run.out_dir))
     path = Path(run.out_dir) / name
     if key not in _open:
-        _open[key] = open(path, "ab", buffering=0)
+        _open[key] = open(run.claim(name, log=True), "ab", buffering=0)  # the run's log: cut back on --resume
     handle = _open[key]
     line = (json.dumps({k: _jsonable(v) for k, v in record.items()}, default=str) + "\n").encode()
     start = handle.tell()
@@ -44,6 +44,8 @@ def _append(run: Any, name: str, record: dict[str, Any]) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             handle.truncate(start)
+        if exc.errno in NO_SPACE_ERRNOS:
+            raise no_space(path, needed=size_text(len(line))) from exc
         raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
@@ -64,12 +66,14 @@ def on_run_start(run):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise RlhfError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
-        _open[("tensorboard", out)] = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=run.start_step)
+        _open[("tensorboard", out)] = SummaryWriter(log_dir=str(run.claim("tensorboard")),
+                                                     purge_step=run.start_step)
     if run.config.get("wandb_project"):
         try:
             import wandb
         except ImportError as exc:
             raise RlhfError("--wandb-project needs the wandb package: pip install 'rlhf-core[wandb]'") from exc
+        run.claim("wandb")  # the folder wandb writes its files into
         _open[("wandb", out)] = wandb.init(project=run.config["wandb_project"], config=run.config, dir=str(out),
                                            group=run.config.get("wandb_group"),
                                            name=run.config.get("wandb_run_name") or out.name, resume="allow")

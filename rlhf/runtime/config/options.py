@@ -335,12 +335,12 @@ def unflatten(values: dict[str, Any], nested: dict[str, tuple[str, type]]) -> di
 
 def parse_key_values(items: list[str], flag: str = "--algo-config") -> dict[str, Any]:
     """``["clip=0.3", "mode=tis"]`` -> ``{"clip": 0.3, "mode": "tis"}`` (values parsed as YAML scalars)."""
-    import yaml
+    from rlhf.core.safe_yaml import load_yaml
 
     values = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
-        values[key.strip().replace("-", "_")] = yaml.safe_load(raw)
+        values[key.strip().replace("-", "_")] = load_yaml(raw, f"{flag} {item}")
     return values

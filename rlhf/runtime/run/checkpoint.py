@@ -9,7 +9,10 @@ the rename, and the rename itself after it, so a power loss cannot leave a torn 
 Each such folder (checkpoints, ``final/``, ``best/``) ends with ``MANIFEST.json``, written last:
 every file's size and SHA-256. ``--resume`` checks the newest checkpoint against it and falls back
 to the newest intact one (`intact_checkpoint`), so a file damaged after the write (a disk error, a
-copy cut short) costs the steps since the checkpoint before, not the run.
+copy cut short) costs the steps since the checkpoint before, not the run; the damaged ones are set
+aside (``step_N.damaged``), so pruning never keeps them in place of an intact one. A write that
+fails (a full disk: one line with the space needed) removes its temporary folder and leaves the
+checkpoints before it as they were.
 
 With ``--save-hf-every N`` a step's folder also holds ``hf/`` (and ``hf_critic/``): the trained
 model as ``final/`` is written, loadable by ``from_pretrained``. On a step that is due a checkpoint
@@ -24,6 +27,7 @@ Checkpoints hold tensors and plain data only: torch files are read with ``weight
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -38,7 +42,7 @@ from typing import Any
 import torch
 
 from rlhf.core.distributed import SINGLE, DistContext
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import RlhfError, free_space, no_space, says_no_space, size_text
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +78,32 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_tensors(obj: Any, path: Path) -> None:
-    """``torch.save`` into a file this process opened, so a full disk reports the file and ``No space
-    left on device`` (torch's writer given a path says only "iostream error"), streamed: the state is
-    not copied into memory first (it is the weights and optimizer moments, the size of the model x 3)."""
+    """``torch.save`` into a file this process opened, so a failed write names the file (torch's
+    writer given a path says only "iostream error", and on a full disk "unexpected pos"), streamed:
+    the state is not copied into memory first (it is the weights and optimizer moments, the size of
+    the model x 3). A full disk is left to `write_directory` to report, with the space needed."""
     try:
         with open(path, "wb") as handle:
             torch.save(obj, handle)
     except OSError as exc:
-        raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        raise _write_failed(path, exc.strerror or str(exc)) from exc
+    except RuntimeError as exc:
+        if not _torch_writer_failed(exc):
+            raise
+        raise _write_failed(path, str(exc).strip().splitlines()[-1]) from exc
+
+
+def _write_failed(path: Path, reason: str) -> RlhfError:
+    error = RlhfError(f"cannot write {path}: {reason}")
+    error.filename = str(path)  # type: ignore[attr-defined]  # read by write_directory
+    return error
+
+
+def _torch_writer_failed(exc: BaseException) -> bool:
+    """torch's zip writer failing (a full disk shows as "unexpected pos", "iostream error" or
+    "PytorchStreamWriter failed writing file")."""
+    text = str(exc)
+    return any(mark in text for mark in ("PytorchStreamWriter", "iostream", "inline_container", "unexpected pos"))
 
 
 def load_tensors(path: Path) -> Any:
@@ -129,28 +151,84 @@ def replace_atomically(tmp: Path, final: Path) -> None:
 def write_directory(final: Path, write: Callable[[Path], None], dist: DistContext = SINGLE) -> Path:
     """``write(tmp)`` on every rank into a hidden ``.<name>.tmp`` beside ``final``, then (main
     rank) its `write_manifest` and `replace_atomically`: a kill at any moment leaves the old
-    ``final`` or the new one."""
+    ``final`` or the new one. A write that fails removes the temporary folder; a full disk is one
+    `NoSpaceError` naming the file and the space the folder needs (`_write_error`)."""
     tmp = final.with_name(f".{final.name}.tmp")
-    if dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
     try:
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
         write(tmp)
         dist.barrier()
         if dist.is_main:
             write_manifest(tmp)
             replace_atomically(tmp, final)
-    except OSError as exc:
-        raise RlhfError(f"cannot write {exc.filename or final}: {exc.strerror or exc}") from exc
-    except RuntimeError as exc:  # torch's own writer (DeepSpeed's checkpoints) says only "iostream error"
-        if "PytorchStreamWriter" not in str(exc) and "iostream" not in str(exc):
+    except Exception as exc:
+        error = _write_error(final, tmp, exc) if dist.is_main else None
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
             raise
-        free = shutil.disk_usage(final.parent).free
-        reason = "No space left on device" if free < 64 << 20 else str(exc).strip().splitlines()[-1]
-        raise RlhfError(f"cannot write {final}: {reason} ({free >> 20} MiB free there)") from exc
+        raise error from exc
     dist.barrier()
     return final
+
+
+def _write_error(final: Path, tmp: Path, exc: Exception) -> RlhfError | None:
+    """The one line for a failed write of ``final`` (None: ``exc`` is no write error; raise it as it is).
+    A full disk names the file and the space needed: about the size of the folder it replaces, or
+    of the newest folder beside it (a checkpoint weighs what the one before weighed), or at least
+    what was written before the disk filled."""
+    filename = next((getattr(e, "filename", None) for e in _chain(exc) if getattr(e, "filename", None)), None)
+    where = final
+    if filename is not None:  # the file as it would have been named once in place
+        try:
+            where = final / Path(filename).relative_to(tmp)
+        except ValueError:
+            where = Path(filename)
+    free = free_space(final.parent)
+    writer_failed = any(_torch_writer_failed(e) for e in _chain(exc))
+    if says_no_space(exc) or (writer_failed and free is not None and free < 64 << 20):
+        written = _folder_bytes(tmp)
+        reference = final if final.is_dir() else _newest_sibling(final)
+        size = _folder_bytes(reference) if reference is not None else 0
+        needed = f"about {size_text(size)}" if size > written else f"more than {size_text(written)}"
+        return no_space(where, needed=needed, free=None if free is None else free + written)
+    if isinstance(exc, RlhfError):
+        return None
+    if isinstance(exc, OSError):
+        return RlhfError(f"cannot write {where}: {exc.strerror or exc}")
+    if writer_failed:
+        return RlhfError(f"cannot write {where}: {str(exc).strip().splitlines()[-1]}")
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    found: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in found:
+        found.append(current)
+        current = current.__cause__ or current.__context__
+    return found
+
+
+def _folder_bytes(folder: Path) -> int:
+    """The bytes of every file under ``folder`` (0 for none)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+def _newest_sibling(final: Path) -> Path | None:
+    """The newest ``step_N`` folder beside the step folder ``final`` (None for other folders, or none)."""
+    if not _NAME.match(final.name):
+        return None
+    siblings = _step_folders(final.parent.parent)
+    return siblings[-1] if siblings else None
 
 
 def _sha256(path: Path) -> str:
@@ -168,9 +246,10 @@ def write_manifest(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
 
 
-def manifest_problem(folder: Path) -> str | None:
+def manifest_problem(folder: Path, *, quick: bool = False) -> str | None:
     """What is wrong with ``folder`` against its manifest, in a few words naming the file; None when
-    every file is there with its size and hash (or the folder predates manifests: nothing to check)."""
+    every file is there with its size and hash (or the folder predates manifests: nothing to check).
+    ``quick``: sizes only, no hashes (reads no file but the manifest)."""
     manifest = folder / MANIFEST
     if not manifest.is_file():
         return None
@@ -186,41 +265,94 @@ def manifest_problem(folder: Path) -> str | None:
         actual = path.stat().st_size
         if actual != size:
             return f"{path} has {actual:,} bytes where {size:,} were written"
-        if _sha256(path) != sha:
+        if not quick and _sha256(path) != sha:
             return f"{path} differs from what was written (its SHA-256 changed)"
     return None
 
 
+def checkpoint_problem(folder: Path, checkpoints: list[Path], *, quick: bool = False) -> str | None:
+    """`manifest_problem`, and a checkpoint without a manifest among ``checkpoints`` of which some have
+    one is damaged too: a copy cut short before its last file (a checkpoint of an rlhf from before
+    manifests sits only among others without one)."""
+    if not (folder / MANIFEST).is_file():
+        if any((other / MANIFEST).is_file() for other in checkpoints):
+            return f"{folder / MANIFEST} is missing (a write or copy that did not finish)"
+        return None
+    return manifest_problem(folder, quick=quick)
+
+
 def intact_checkpoint(out_dir: Path) -> Path | None:
-    """The newest checkpoint whose files match its manifest; each newer damaged one is named in a
-    warning. Raises `RlhfError` when checkpoints exist and none is intact."""
-    damaged = []
-    for path in reversed(list_checkpoints(out_dir)):
-        problem = manifest_problem(path)
-        if problem is None:
-            if damaged:
-                log.warning("--resume: %s is damaged (%s); resuming from %s instead", damaged[0][0].name,
-                            damaged[0][1], path.name)
-            return path
-        damaged.append((path, problem))
+    """The newest checkpoint whose files match its manifest. Each damaged one found on the way (and
+    each older one whose files have lost bytes) is set aside (`set_aside`) with a warning naming it,
+    so that pruning never counts it among the checkpoints it keeps. Raises `RlhfError` when
+    checkpoints exist and none is intact (then nothing is set aside)."""
+    checkpoints = list_checkpoints(out_dir)
+    damaged: list[tuple[Path, str]] = []
+    for index in range(len(checkpoints) - 1, -1, -1):
+        path = checkpoints[index]
+        problem = checkpoint_problem(path, checkpoints)
+        if problem is not None:
+            damaged.append((path, problem))
+            continue
+        if damaged:
+            names = ", ".join(p.name for p, _ in damaged)
+            aside = ", ".join(set_aside(p).name for p, _ in damaged)
+            log.warning("--resume: %s %s damaged (%s); resuming from %s instead. Set aside as checkpoints/%s "
+                        "(delete it once you no longer need it)", names, "is" if len(damaged) == 1 else "are",
+                        damaged[0][1], path.name, aside)
+        for older in checkpoints[:index]:  # sizes only: hashing every checkpoint would read them all
+            problem = checkpoint_problem(older, checkpoints, quick=True)
+            if problem is not None:
+                log.warning("--resume: the older checkpoint %s is damaged (%s); set aside as checkpoints/%s",
+                            older.name, problem, set_aside(older).name)
+        return path
     if damaged:
         raise RlhfError(f"--resume: no intact checkpoint in {out_dir / 'checkpoints'}: {damaged[0][1]}"
                         + (f" (and {len(damaged) - 1} older one(s) damaged too)" if len(damaged) > 1 else ""))
     return None
 
 
+def set_aside(path: Path) -> Path:
+    """Rename the damaged checkpoint ``step_N`` to ``step_N.damaged`` (``step_N.damaged-2``, ...): no
+    longer a checkpoint to resume from or to count when pruning, and its files are still there."""
+    target = path.with_name(f"{path.name}.damaged")
+    count = 1
+    while target.exists():
+        count += 1
+        target = path.with_name(f"{path.name}.damaged-{count}")
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
 def remove_leftovers(out_dir: Path) -> list[Path]:
-    """Remove the hidden ``.<name>.tmp``/``.<name>.old`` folders a killed write left in ``out_dir``
-    and its ``checkpoints/`` (call only while holding the run's lock: no write is under way)."""
-    removed = []
-    for folder in (out_dir, out_dir / "checkpoints"):
-        if not folder.is_dir():
+    """Clean up what a killed write left in ``checkpoints/`` (call only while holding the run's lock:
+    no write is under way): a ``.step_N.tmp`` or ``.step_N.pruned`` folder is removed, and a
+    ``.step_N.old`` one too, unless ``step_N`` itself is missing (the kill came between the two
+    renames of `replace_atomically`): then it is put back. Other names there are not the run's and stay."""
+    return clean_leftovers(out_dir / "checkpoints", lambda name: _NAME.match(name) is not None)
+
+
+def clean_leftovers(folder: Path, owns: Callable[[str], bool]) -> list[Path]:
+    """In ``folder``: remove each ``.<name>.tmp`` (file or folder), ``.<name>.old`` and
+    ``.<name>.pruned`` folder left by a write (or a removal) of an entry ``name`` that ``owns`` says is
+    the run's; an ``.old`` whose ``name`` is missing is renamed back instead. Returns what was
+    removed or put back."""
+    found: list[Path] = []
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.iterdir()):
+        name, dot, suffix = path.name[1:].rpartition(".")
+        if not path.name.startswith(".") or not dot or suffix not in ("tmp", "old", "pruned") or not owns(name):
             continue
-        for path in folder.iterdir():
-            if path.is_dir() and path.name.startswith(".") and path.name.endswith((".tmp", ".old")):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
+        if suffix == "old" and not (folder / name).exists():
+            os.rename(path, folder / name)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        found.append(path)
+    return found
 
 
 def save_checkpoint(out_dir: Path, step: int, *, workers: dict[str, Any], trainer_state: dict[str, Any],
@@ -261,11 +393,21 @@ def prune(out_dir: Path, keep: int) -> list[Path]:
         return []
     removed = list_checkpoints(out_dir)[:-keep]
     for old in removed:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_whole(old)
     stale = [p for p in list_hf_exports(out_dir)[:-keep] if is_hf_only(p)]
     for old in stale:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_whole(old)
     return removed + stale
+
+
+def remove_whole(folder: Path) -> None:
+    """Remove ``folder`` in one step as a reader sees it: renamed to a hidden ``.<name>.pruned`` first
+    (removed by the next run, `remove_leftovers`, if a kill comes before it is gone), so that no
+    half-removed checkpoint is ever left to pass for one."""
+    trash = folder.with_name(f".{folder.name}.pruned")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _step_folders(out_dir: Path) -> list[Path]:

@@ -34,7 +34,7 @@ from rlhf.runtime.run.heap import return_freed_blocks
 from rlhf.runtime.run.model_card import model_card
 from rlhf.runtime.run.progress import RL_FIELDS, Progress
 from rlhf.runtime.run.run_dir import RunDirectory, cut_logs, log_sizes
-from rlhf.runtime.run.run_lock import NoLock, RunLock
+from rlhf.runtime.run.run_lock import LOCK_NAME, NoLock, RunLock
 
 log = logging.getLogger(__name__)
 
@@ -165,15 +165,17 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
         config.threads = recorded_threads(plan.out_dir)
     lock: RunLock | NoLock = NoLock()
     if is_main:
+        run_dir = RunDirectory(plan.out_dir)
+        if not (plan.out_dir / LOCK_NAME).exists():  # a held lock speaks first; under it the check is made again
+            run_dir.check_not_foreign()  # before anything is written there, the lock file included
         lock = RunLock.for_directory(plan.out_dir).acquire()
         try:
-            RunDirectory(plan.out_dir).check_start(plan.run_config(), resume=config.resume,
-                                                   overrides=config.resume_override)
+            run_dir.check_start(plan.run_config(), resume=config.resume, overrides=config.resume_override)
         except BaseException:
             lock.release()
             raise
-        for leftover in checkpoint.remove_leftovers(plan.out_dir):  # a write a kill cut short
-            log.info("removed %s, left by a write that did not finish", leftover)
+        for leftover in run_dir.remove_leftovers():  # a write a kill cut short
+            log.info("cleaned up %s, left by a write that did not finish", leftover)
         if plugins.broken:
             log.warning("some plugins failed to load (see `rlhf plugins list`): %s",
                         ", ".join(r.label for r in plugins.broken))
@@ -268,7 +270,7 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
     if dist.is_main:
         cut_logs(run_dir.path, state)
     run = RunInfo(config=config, out_dir=run_dir.path, start_step=loop.start_step, total_steps=loop.total_steps,
-                  plugins=loop.fingerprint.get("hash", ""))
+                  plugins=loop.fingerprint.get("hash", ""), claimer=run_dir.claim if dist.is_main else None)
     bar = Progress(loop.total_steps, loop.start_step, enabled=progress and dist.is_main, fields=fields)
     stop = StopRequest()
     emit = _emitter(loop)

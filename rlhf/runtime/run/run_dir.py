@@ -9,9 +9,12 @@
     <out>/final/             the trained policy (the model adapter's layout; written like a checkpoint)
     <out>/best/              with --save-best: the policy that scored best on the eval, and best.json
 
-A directory "holds a run" once a step completed (a row in metrics.jsonl, a checkpoint or
-``final/``): the files a run writes as it starts (config.yaml, plugins.json) do not make one, so
-a run that failed at start can simply be rerun.
+A run owns its files, and only those (`rlhf.runtime.run.run_files`): ``<out>/.rlhf-run.json``
+records every name the run writes there, and resume and clean-up touch nothing else, so a file a
+user puts beside a run survives it. An ``--out`` that is not empty and holds no run is refused
+before anything is written. A directory "holds a run" once a step completed (a row in
+metrics.jsonl, a checkpoint or ``final/``): the files a run writes as it starts (config.yaml,
+plugins.json) do not make one, so a run that failed at start can simply be rerun.
 
 ``--resume`` continues from the latest complete checkpoint with the options the run was started
 with: an option that changes what the run trains (see `RESUME_FREE` for those that do not) is
@@ -31,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.distributed import SINGLE, DistContext
-from rlhf.core.errors import ConfigError, RlhfError
+from rlhf.core.errors import NO_SPACE_ERRNOS, ConfigError, RlhfError, no_space, size_text
 from rlhf.runtime.run import checkpoint
 from rlhf.runtime.run.model_card import export_notes
-from rlhf.runtime.run.run_lock import LOCK_NAME
+from rlhf.runtime.run.run_files import RUN_MANIFEST, Layout, RunFiles, check_not_foreign, entries
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +46,22 @@ RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_e
                          "save_hf_every", "threads",
                          "tensorboard", "wandb_project", "wandb_group", "wandb_run_name", "log_samples",
                          "ray_address", "ray_place", "device"})
-# Files a run writes before its first step completes.
+# What a training run writes at the top of its directory, and what one from before run manifests owns.
+TRAINING = Layout(kind="training", marks=(r"config\.yaml", r"plugins\.json"),
+                  legacy=(r"config\.yaml", r"config\.until_step_\d+\.yaml", r"plugins\.json", r"metrics\.jsonl",
+                          r"samples\.jsonl", "tensorboard", "wandb", "checkpoints", "final", "best", "critic"),
+                  legacy_logs=(r"metrics\.jsonl", r"samples\.jsonl"))
+# The names the host writes, recorded as the run's when it starts (logs are recorded as they are opened).
+HOST_NAMES = ("config.yaml", "plugins.json", "checkpoints", "final", "best", "critic")
+# What a run writes before its first step completes: a run that failed at start holds no run yet.
 _START_FILES = frozenset({"config.yaml", "plugins.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints",
-                          ".final.tmp", LOCK_NAME})
+                          RUN_MANIFEST})
 
 
 class RunDirectory:
     def __init__(self, path: Path, dist: DistContext = SINGLE):
         self.path, self.dist = Path(path), dist
+        self._files: RunFiles | None = None  # the run manifest, once `prepare` opened it (main rank)
 
     @property
     def final(self) -> Path:
@@ -59,15 +70,21 @@ class RunDirectory:
     # --- before anything is built ---------------------------------------------------------------
 
     def holds_run(self) -> bool:
-        """True once a step completed here (see the module docstring)."""
-        if not self.path.is_dir():
+        """True once a step completed here (see the module docstring); files that are not the run's do not count."""
+        files = RunFiles.read(self.path, TRAINING)
+        if files is None:
             return False
-        others = {p.name for p in self.path.iterdir()} - _START_FILES
+        others = {name for name in entries(self.path) if files.owns(name)} - _START_FILES
         return (bool(others) or bool(checkpoint.list_checkpoints(self.path))
                 or _has_step_rows(self.path / "metrics.jsonl"))
 
+    def check_not_foreign(self) -> None:
+        """Refuse an ``--out`` that is not empty and holds no run (exit 2; reads only)."""
+        check_not_foreign(self.path, TRAINING)
+
     def check_free(self, *, resume: bool) -> None:
-        """Refuse to start a new run over an existing one (before anything is built)."""
+        """Refuse an ``--out`` of other files, and a new run over an existing one (before anything is built)."""
+        self.check_not_foreign()
         if not resume and self.holds_run():
             raise RlhfError(f"{self.path} already holds a run: pass --resume to continue it, or choose another --out")
 
@@ -124,15 +141,34 @@ class RunDirectory:
             import yaml
 
             self.check_free(resume=resume)
-            self.path.mkdir(parents=True, exist_ok=True)
+            self._files = RunFiles.open(self.path, TRAINING)
+            self._files.claim(*HOST_NAMES)
             text = yaml.safe_dump(config, sort_keys=False)
             saved = self.path / "config.yaml"
             latest = checkpoint.latest_checkpoint(self.path)
             if resume and saved.is_file() and latest is not None and saved.read_text() != text:
-                os.replace(saved, self.path / f"config.until_{latest.name}.yaml")
+                until = f"config.until_{latest.name}.yaml"
+                self._files.claim(until)
+                os.replace(saved, self.path / until)
             write_text(saved, text)
             write_text(self.path / "plugins.json", json.dumps(plugins, indent=2))
         self.dist.barrier()
+
+    def claim(self, name: str, log: bool = False) -> None:
+        """Record ``name`` (at the top of the run directory) as the run's before it is written; ``log``:
+        a JSON-lines log, cut back on ``--resume`` (`cut_logs`). What ``RunInfo.claim`` calls (main rank)."""
+        if self._files is None:
+            self._files = RunFiles.open(self.path, TRAINING)
+        self._files.claim(name, log=log)
+
+    def remove_leftovers(self) -> list[Path]:
+        """What killed writes of the run left (call only while holding the run's lock): hidden
+        ``.<name>.tmp`` / ``.<name>.old`` entries of names the run owns, here and in ``checkpoints/``
+        (an ``.old`` whose ``name`` is missing is put back). Nothing that is not the run's is touched."""
+        files = RunFiles.read(self.path, TRAINING)
+        if files is None:
+            return []
+        return checkpoint.clean_leftovers(self.path, files.owns) + checkpoint.remove_leftovers(self.path)
 
     def write_model(self, directory: Path, export: Callable[[Path], None], *,
                     record: dict[str, Any] | None = None, card: str | None = None) -> Path:
@@ -189,17 +225,18 @@ class RunDirectory:
 
 
 def log_sizes(path: Path) -> dict[str, int]:
-    """The length of each ``*.jsonl`` file in the run directory (saved with every checkpoint)."""
-    return {file.name: file.stat().st_size for file in sorted(path.glob("*.jsonl")) if file.is_file()}
+    """The length of each of the run's logs (saved with every checkpoint)."""
+    files = RunFiles.read(path, TRAINING)
+    return {file.name: file.stat().st_size for file in files.existing_logs()} if files is not None else {}
 
 
 def cut_logs(path: Path, state: dict[str, Any] | None) -> None:
-    """Cut every ``*.jsonl`` file back to what it held when the checkpoint ``state`` was written
-    (``state`` None: the run starts from step 0, so to nothing). Rows written after the checkpoint
-    would otherwise appear twice once the resumed run logs those steps again."""
-    for file in sorted(path.glob("*.jsonl")):
-        if not file.is_file():
-            continue
+    """Cut each of the run's logs (the JSON-lines files its manifest records as logs, `RunFiles`) back
+    to what it held when the checkpoint ``state`` was written (``state`` None: the run starts from
+    step 0, so to nothing). Rows written after the checkpoint would otherwise appear twice once the
+    resumed run logs those steps again. Files that are not the run's are not touched."""
+    files = RunFiles.read(path, TRAINING)
+    for file in files.existing_logs() if files is not None else []:
         if state is None:
             keep = 0
         elif "log_sizes" in state:
@@ -235,6 +272,8 @@ def write_text(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
+        if exc.errno in NO_SPACE_ERRNOS:
+            raise no_space(path, needed=size_text(len(text.encode()))) from exc
         raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 

@@ -4,7 +4,9 @@ A training run locks its ``--out`` directory (``<out>/.rlhf-lock``); ``rlhf gene
 ``rlhf score`` lock their output file (``.<name>.lock`` beside it); ``rlhf iterate`` its run
 directory. A second command on the same output stops at once with one line naming the process
 that holds it, and writes nothing. The lock is an OS file lock (``flock``): it goes with the
-process, however the process ends. The file also records who holds it (pid, host, start, command);
+process, however the process ends; a releaser removes the file while holding it, and a process
+that locked a file just removed sees so and locks the new one, so two processes never hold it at
+once, however fast runs restart. The file also records who holds it (pid, host, start, command);
 a file left by a run that was killed is taken over with a warning naming it (and its host, when
 another machine wrote it: a lock over a network file system proves nothing about that machine).
 """
@@ -48,24 +50,17 @@ class RunLock:
         return cls(file.parent / f".{file.name}.lock", file)
 
     def acquire(self) -> RunLock:
-        """Take the lock, or raise `RunInUseError` naming its holder (nothing written)."""
+        """Take the lock, or raise `RunInUseError` naming its holder (nothing written).
+
+        The lock is the file's, and a releaser removes the file while it still holds it: a process
+        that opened the file just before (and locks it just after) holds the lock of a file that is
+        gone, so after locking it checks that the path still names the file it locked, and otherwise
+        starts again with the file there now (`_lock_current`)."""
         import fcntl
 
         folder = self.lock_file.parent
         self._made = [p for p in (folder, *folder.parents) if not p.exists()]
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise ConfigError(f"--out {self.target}: cannot write there ({exc.strerror or exc}); choose another "
-                              "--out") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            holder = _describe(_read(self.lock_file))
-            raise RunInUseError(f"{self.target} is in use by another run ({holder}): wait for it to end, or choose "
-                                "another --out") from None
+        fd = self._lock_current(fcntl)
         left = _read(self.lock_file)
         if left:  # a holder that never released it: killed
             other_host = left.get("host") not in (None, socket.gethostname())
@@ -79,14 +74,37 @@ class RunLock:
         self._fd = fd
         return self
 
+    def _lock_current(self, fcntl: Any) -> int:
+        """Open and lock the lock file until the file locked is the one its path names; the descriptor."""
+        while True:
+            try:
+                self.lock_file.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise ConfigError(f"--out {self.target}: cannot write there ({exc.strerror or exc}); choose "
+                                  "another --out") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                holder = _describe(_read(self.lock_file))
+                raise RunInUseError(f"{self.target} is in use by another run ({holder}): wait for it to end, or "
+                                    "choose another --out") from None
+            if _same_file(fd, self.lock_file):
+                return fd
+            os.close(fd)  # its holder removed it as we locked it: the lock is the file there now
+
     def release(self) -> None:
-        """Remove the lock file and let the lock go; folders made only for it are removed again."""
+        """Remove the lock file while still holding it, then let the lock go (a process waiting on the
+        removed file finds it gone and locks the path's new one: `acquire`); folders made only for
+        it are removed again."""
         if self._fd is None:
             return
         import fcntl
 
         try:
-            self.lock_file.unlink(missing_ok=True)
+            if _same_file(self._fd, self.lock_file):
+                self.lock_file.unlink(missing_ok=True)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
@@ -109,6 +127,16 @@ class NoLock:
 
     def release(self) -> None:
         pass
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _read(path: Path) -> dict[str, Any]:
