@@ -195,7 +195,7 @@ class IgnoresStop(OneSampleShort):
 
 class IgnoresSeeds:
     """A valid turn-batched engine whose continuous requests sample from the process's stream,
-    whatever their seed."""
+    whatever their seed (registered with ``continuous_batching=True``)."""
 
     shares_weights = True
 
@@ -211,6 +211,9 @@ class IgnoresSeeds:
         import dataclasses
 
         return self.inner.generate([prompt_ids], n=1, params=dataclasses.replace(params, seed=None))[0]
+
+    def continuous_for(self, params):
+        return True
 
     def load_weights(self, state=None):
         pass

@@ -15,4 +15,5 @@ def register_train_backends(register):
     register("deepspeed", "rlhf.plugins.backends.deepspeed_backend:DeepSpeedBackend",
              config_cls="rlhf.plugins.backends.config:DeepSpeedConfig",
              short_flags=OPTIMIZER_FLAGS + ("zero_stage", "offload_optimizer", "offload_params"), offloads_state=True,
+             sharding_setting="zero_stage",
              description="DeepSpeed ZeRO stages 0-3 with CPU optimizer/parameter offload, the torch backend's math")

@@ -7,8 +7,8 @@ import rlhf
 @rlhf.hookimpl
 def register_rollout_engines(register):
     register("hf", "rlhf.plugins.engines.hf:HFEngine", config_cls="rlhf.plugins.engines.config:HFEngineConfig",
-             short_flags=("generation_batch_size",),
+             short_flags=("generation_batch_size",), continuous_batching=True,
              description="transformers generate with a KV cache, in-process on the policy's own weights")
-    register("vllm", "rlhf.plugins.engines.vllm_engine:VLLMEngine", needs_gpu=True,
+    register("vllm", "rlhf.plugins.engines.vllm_engine:VLLMEngine", needs_gpu=True, continuous_batching=True,
              config_cls="rlhf.plugins.engines.config:VLLMEngineConfig",
              description="vLLM in-process (extra: rlhf-core[vllm], CUDA); policy weights pushed after each step")

@@ -13,11 +13,11 @@ SHORT_FLAGS = ("attn_implementation", "gradient_checkpointing", "chat_template",
 @rlhf.hookimpl
 def register_models(register):
     register("hf", "rlhf.plugins.models.hf:HFModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
-             short_flags=SHORT_FLAGS, roles=ROLES,
+             short_flags=SHORT_FLAGS, roles=ROLES, merge_setting="merge_lora",
              description="Any AutoModelForCausalLM directory or hub name (LoRA when --lora-rank > 0); "
                                       "critic and reward model = backbone + scalar head")
     register("lora", "rlhf.plugins.models.hf:LoRAModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
-             short_flags=SHORT_FLAGS, roles=ROLES,
+             short_flags=SHORT_FLAGS, roles=ROLES, merge_setting="merge_lora",
              description="The hf adapter with peft LoRA always on (rank 8 unless --lora-rank); "
                                       "reference = the base weights with the adapter off")
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from rlhf.core.errors import ConfigError
 from rlhf.core.protocols.objective import HEADS, resolve_flag
 from rlhf.core.plugin_host.references import is_reference, resolve
+from rlhf.core.plugin_host.registry import declared_registration
 from rlhf.core.plugin_host.settings import build_component_config, setting_fields
 from rlhf.runtime.config.fit_config import FIT_SLOTS, FitConfig
 from rlhf.runtime.config.options import data_parallel_ranks
@@ -170,7 +171,7 @@ def _choice(name: str, kind: str, plugins: PluginSet) -> SlotChoice:
         problem = registry.kind.check(obj)
         if problem:
             raise ConfigError(f"{name} is not a usable {kind.replace('_', ' ')}: {problem}")
-        config_cls, capabilities = registry.kind.declared_by(obj)
+        config_cls, capabilities = declared_registration(registry.kind, obj, name)
         return SlotChoice(name, config_cls, capabilities, obj=obj)
     component = registry.component(name)
     return SlotChoice(component.name, component.load_config_cls(), dict(component.capabilities), component=component)
