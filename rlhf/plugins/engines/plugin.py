@@ -1,10 +1,10 @@
 """The built-in rollout engines as a plugin. Both are registered by reference, so listing plugins
 imports neither torch nor vLLM."""
 
-import rlhf
+from rlhf.api import hookimpl
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_rollout_engines(register):
     register("hf", "rlhf.plugins.engines.hf:HFEngine", config_cls="rlhf.plugins.engines.config:HFEngineConfig",
              short_flags=("generation_batch_size",), continuous_batching=True,

@@ -15,8 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import rlhf
-from rlhf.core.errors import RlhfError
+from rlhf.api import RlhfError, hookimpl
 
 _open: dict[tuple[str, Path], Any] = {}
 
@@ -56,7 +55,7 @@ def _close(run: Any) -> None:
             handle.finish()
 
 
-@rlhf.hookimpl
+@hookimpl
 def on_run_start(run):
     out = Path(run.out_dir)
     if run.config.get("tensorboard"):
@@ -75,12 +74,12 @@ def on_run_start(run):
                                            name=run.config.get("wandb_run_name") or out.name, resume="allow")
 
 
-@rlhf.hookimpl
+@hookimpl
 def on_step_end(run, step, metrics):
     _log_row(run, step + 1, metrics)
 
 
-@rlhf.hookimpl(trylast=True)
+@hookimpl(trylast=True)
 def on_eval(run, step, metrics):
     _log_row(run, step, metrics)
 
@@ -100,7 +99,7 @@ def _log_row(run, step, metrics):
         wandb_run.log(dict(metrics), step=step)
 
 
-@rlhf.hookimpl(trylast=True)
+@hookimpl(trylast=True)
 def on_rewards(run, step, trajectories, rewards):
     limit = run.config.get("log_samples")
     for index, trajectory in enumerate(trajectories[:limit] if limit is not None else trajectories):
@@ -112,6 +111,6 @@ def on_rewards(run, step, trajectories, rewards):
         })
 
 
-@rlhf.hookimpl
+@hookimpl
 def on_run_end(run, status):
     _close(run)

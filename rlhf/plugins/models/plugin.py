@@ -1,7 +1,7 @@
 """Registers the built-in model adapters (imported lazily: this module stays torch-free) and the
 ``rlhf merge-lora`` command."""
 
-import rlhf
+from rlhf.api import hookimpl
 
 ROLES = ("policy", "reference", "critic", "reward")
 # Settings that also get a plain flag (--lora-rank besides --model-adapter.lora-rank).
@@ -10,7 +10,7 @@ SHORT_FLAGS = ("attn_implementation", "gradient_checkpointing", "chat_template",
                "vocab_chunks")
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_models(register):
     register("hf", "rlhf.plugins.models.hf:HFModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
              short_flags=SHORT_FLAGS, roles=ROLES, merge_setting="merge_lora",
@@ -22,7 +22,7 @@ def register_models(register):
                                       "reference = the base weights with the adapter off")
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_commands(cli):
     from rlhf.plugins.models.commands import merge_lora_command
 

@@ -2,12 +2,12 @@
 torch-free). Each also gets its own command (``rlhf sft``, ``rlhf dpo``, ...), whose help shows
 the registered ``example``; ``dpo`` declares ``beta`` its preference strength (``rlhf iterate``)."""
 
-import rlhf
+from rlhf.api import hookimpl
 
 _CONFIG = "rlhf.plugins.objectives.config:"
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_objectives(register):
     register("sft", "rlhf.plugins.objectives.sft:SFTObjective", config_cls=_CONFIG + "SFTConfig", default_lr=5e-6,
              command=True, description="Supervised fine-tuning: next-token loss on the responses",
