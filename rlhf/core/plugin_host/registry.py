@@ -200,10 +200,11 @@ def _check_aliases(kind: Kind, name: str, aliases: Any) -> tuple[str, ...]:
 
 
 def _first_doc_line(obj: Any) -> str:
-    from rlhf.core.types import AlgorithmPreset
+    from rlhf.core.plugin_host.contracts import declared
 
-    if isinstance(obj, AlgorithmPreset) and obj.description:  # a preset describes itself
-        return obj.description
+    own = declared(obj, "description")  # presets and similar objects describe themselves
+    if isinstance(own, str) and own:
+        return own
     doc = (inspect.getdoc(obj) or "").strip()
     return doc.splitlines()[0].strip() if doc else ""
 
