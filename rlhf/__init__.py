@@ -1,6 +1,7 @@
 """rlhf: plugin-first reinforcement learning for language models.
 
-Plugin authors need only ``rlhf.hookimpl`` (and the types in ``rlhf.core.types``)::
+Plugin authors need only ``rlhf.hookimpl`` (the same as ``rlhf.api.hookimpl``) and ``rlhf.api``, the
+plugin API, for everything else (docs/plugins.md)::
 
     import rlhf
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Union
 from rlhf.core.errors import ConfigError, PluginError
 from rlhf.core.plugin_host.kinds import get_kind
 from rlhf.core.plugin_host.references import import_object, is_reference
+from rlhf.core.plugin_host.registry import declared_registration
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +75,7 @@ def load_component(kind: str, ref: ComponentRef, *, plugins: PluginSet | None = 
     if problem:
         raise PluginError(f"{spec.title} {ref!r} should be {problem}, got {type(obj).__name__}")
     name = ref if isinstance(ref, str) else getattr(obj, "__name__", type(obj).__name__)
-    config_cls, capabilities = spec.declared_by(obj)
+    config_cls, capabilities = declared_registration(spec, obj, name)
     return LoadedComponent(kind, name, obj, config_cls, capabilities)
 
 

@@ -22,16 +22,6 @@ from rlhf.cli.options import SLOT_SEPARATOR, Flag, component_flags, config_flags
 FIT_HELP = "Train a model offline with any objective plugin (rlhf plugins list --kind objective)."
 _GROUP_TITLES = {"objective": "Objective", "model": "Model", "data": "Data", "train": "Optimisation",
                  "runtime": "Runtime", "eval": "Eval", "output": "Output"}
-_EXAMPLES = {
-    "sft": "rlhf sft --model ./base --data sft.jsonl --input-key prompt --output-key response --out runs/sft",
-    "rm": "rlhf rm --model runs/sft/final --data pairs.jsonl --chosen-key chosen --rejected-key rejected "
-          "--out runs/rm",
-    "dpo": "rlhf dpo --model runs/sft/final --data pairs.jsonl --beta 0.1 --out runs/dpo",
-    "kto": "rlhf kto --model runs/sft/final --data kto.jsonl --output-key completion --label-key label "
-           "--out runs/kto",
-    "prm": "rlhf prm --model ./base --data steps.jsonl --placeholder-token 'ки' --reward-tokens + - --out runs/prm",
-    "distill": "rlhf distill --model ./student --teacher runs/sft/final --data sft.jsonl --out runs/kd",
-}
 
 
 def fit_flags(plugins: Any, objective: Any = None) -> list[Flag]:
@@ -118,14 +108,15 @@ def _help(objective: Any) -> str:
         return """Train a model offline with an objective plugin (this process, or torchrun ranks).
 
         \b
-        rlhf fit --objective dpo --model runs/sft/final --data pairs.jsonl --out runs/dpo
+        rlhf fit --objective NAME --model runs/sft/final --data data.jsonl --out runs/NAME
         rlhf fit --objective my_pkg.objectives:SimPO --model ... --data ...
         python -m torch.distributed.run --standalone --nproc-per-node 2 -m rlhf fit ...
 
         The objective's own options are --objective.<option> (`rlhf plugins show NAME` lists
         them). Every option can also come from --config run.yaml (flags override the file).
         """
-    example = _EXAMPLES.get(objective.name, f"rlhf {objective.name} --model ... --data ... --out runs/{objective.name}")
+    example = (objective.capabilities.get("example")  # registered with the objective (register(..., example=))
+               or f"rlhf {objective.name} --model ... --data ... --out runs/{objective.name}")
     return f"""{objective.description} (the {objective.name!r} objective of `rlhf fit`).
 
         \b

@@ -164,7 +164,9 @@ class IterateConfig(ModelOptions, DataOptions, PromptKeys, SamplingOptions, Rewa
     rounds: int = opt(3, "Rounds of generate -> score -> pairs -> dpo", "iterate")
     prompts_per_round: int | None = opt(None, "Prompts sampled per round, taken in order and wrapping around "
                                         "(default: every prompt each round)", "iterate")
-    beta: float = opt(0.1, "DPO β", "dpo")
+    objective: str = opt("dpo", "The objective each round trains on its pairs: any registered with a preference "
+                         "strength (rlhf plugins show NAME)", "dpo")
+    beta: float = opt(0.1, "DPO β: the objective's preference strength", "dpo")
     lr: float = opt(5e-7, "DPO learning rate", "dpo")
     epochs: int = opt(1, "DPO passes over each round's pairs", "dpo")
     dpo_batch_size: int = opt(32, "DPO pairs per optimizer step", "dpo")

@@ -10,7 +10,10 @@ Round k (1-based), in ``<out>/round_k/``:
    ``pairs``; prompts whose samples tie are skipped and counted);
 3. ``dpo/``: ``rlhf dpo`` on the pairs, starting from and referenced to the round's starting model;
    its model is ``dpo/final`` (with LoRA, the merged ``dpo/final/merged``), also reachable as
-   ``model`` (a link);
+   ``model`` (a link). ``--objective`` picks another objective that learns from preference pairs
+   (one registered with ``preference_strength``, the setting ``--beta`` sets; its run is then in
+   ``<objective>/``); a model adapter registered with ``merge_setting`` is asked for a merged
+   model, so that the next round starts from full weights;
 4. ``round.json`` (written last: the round is complete) and one line of ``<out>/metrics.jsonl``.
 
 One process (not under torchrun). A rerun continues after the last complete round; inside a round,
@@ -30,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import ConfigError, RlhfError
 from rlhf.datagen.config import GenerateConfig, IterateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows
 from rlhf.runtime.run.run_files import Layout, RunFiles, check_not_foreign
@@ -43,8 +46,8 @@ ITERATION = Layout(kind="iteration", marks=(r"config\.yaml", r"round_\d+"),
                    legacy=(r"config\.yaml", r"metrics\.jsonl", r"round_\d+"))
 
 # IterateConfig fields that GenerateConfig shares (the rest are the loop's or DPO's).
-_DPO_ONLY = ("rounds", "prompts_per_round", "beta", "lr", "epochs", "dpo_batch_size", "micro_batch_size", "max_len",
-             "dpo_config", "out", "progress")
+_DPO_ONLY = ("rounds", "prompts_per_round", "objective", "beta", "lr", "epochs", "dpo_batch_size", "micro_batch_size",
+             "max_len", "dpo_config", "out", "progress")
 
 
 def iterate(config: IterateConfig, *, plugins: Any = None) -> Path:
@@ -94,11 +97,13 @@ def run_round(config: IterateConfig, k: int, start: str, round_dir: Path, plugin
     if not metrics["pairs"]:
         raise RlhfError(f"round {k}: the samples of every prompt tie, so there are no pairs to train on; use more "
                         "--n, a higher --temperature or a finer-grained --reward")
-    final = _dpo(config, start, round_dir / "pairs.jsonl", round_dir / "dpo", plugins)
+    objective = _objective(config, plugins)
+    final = _dpo(config, objective, start, round_dir / "pairs.jsonl", round_dir / objective.name, plugins)
     link = round_dir / "model"
     if not link.is_symlink():
         link.symlink_to(final.relative_to(round_dir), target_is_directory=True)
-    metrics.update({f"dpo/{key}": value for key, value in _last_metrics(round_dir / "dpo").items()})
+    metrics.update({f"{objective.name}/{key}": value
+                    for key, value in _last_metrics(round_dir / objective.name).items()})
     final = final.resolve()  # the next round's --model, the same in a fresh and in a resumed run
     record = {"round": k, "start_model": start, "model": str(final), **metrics}
     _atomic_write(round_dir / "round.json", json.dumps(record, indent=2))
@@ -142,46 +147,62 @@ def _write_pairs(generations: Path, pairs: Path) -> dict[str, float]:
             "pairs": len(rows), "skipped/ties": skipped["ties"], "skipped/unscored": skipped["unscored"]}
 
 
-def _dpo(config: IterateConfig, start: str, pairs: Path, run_dir: Path, plugins: Any) -> Path:
-    """``rlhf dpo`` on ``pairs`` from ``start`` (policy and reference) into ``run_dir``."""
+def _objective(config: IterateConfig, plugins: Any) -> Any:
+    """The registered objective the rounds train with (``--objective``, or ``objective=`` in
+    ``--dpo-config``): one that learns from preference pairs, declaring ``preference_strength``."""
+    from rlhf.runtime.config.options import parse_key_values
+
+    name = parse_key_values(config.dpo_config, "--dpo-config").get("objective", config.objective)
+    registry = plugins.registry("objective")
+    objective = registry.component(name)
+    if objective.capabilities["preference_strength"] is None:
+        usable = [c.name for c in registry.components() if c.capabilities["preference_strength"] is not None]
+        raise ConfigError(f"rlhf iterate trains each round on preference pairs, and the {objective.name!r} objective "
+                          "does not declare that it learns from them (register(..., preference_strength=SETTING)); "
+                          f"use --objective {' or '.join(usable) or 'NAME of one that does'}")
+    return objective
+
+
+def _dpo(config: IterateConfig, objective: Any, start: str, pairs: Path, run_dir: Path, plugins: Any) -> Path:
+    """The ``objective``'s fit run (``rlhf dpo`` by default) on ``pairs`` from ``start`` (policy and
+    reference) into ``run_dir``; ``--beta`` sets its preference strength."""
     from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import fit
-    from rlhf.core.plugin_host.settings import setting_fields
     from rlhf.runtime.config.options import parse_key_values
 
     values: dict[str, Any] = {
-        "objective": "dpo", "model": start, "data": [str(pairs)], "out": str(run_dir), "lr": config.lr,
+        "objective": objective.name, "model": start, "data": [str(pairs)], "out": str(run_dir), "lr": config.lr,
         "epochs": config.epochs, "batch_size": config.dpo_batch_size, "micro_batch_size": config.micro_batch_size,
         "max_len": config.max_len, "seed": config.seed, "tokenizer": config.tokenizer, "dtype": config.dtype,
         "device": config.device, "trust_remote_code": config.trust_remote_code,
         "apply_chat_template": config.apply_chat_template, "input_template": config.input_template,
         "threads": config.threads, "progress": config.progress, "model_adapter": config.model_adapter,
         "components": {"model_adapter": dict(config.components.get("model_adapter", {})),
-                       "objective": {"beta": config.beta}},
+                       "objective": {objective.capabilities["preference_strength"]: config.beta}},
     }
     fit_fields = {f.name for f in dataclasses.fields(FitConfig)}
     short_flags = FitConfig.short_flags(plugins)
     for key, value in parse_key_values(config.dpo_config, "--dpo-config").items():
         if key in fit_fields or key in short_flags:
             values[key] = value
-        else:  # the dpo objective's own settings (label_smoothing, ipo, nll_coef, ...)
+        else:  # the objective's own settings (dpo: label_smoothing, ipo, nll_coef, ...)
             values["components"]["objective"][key] = value
+    values["objective"] = objective.name
     adapter_settings = values["components"]["model_adapter"]
-    adapter = plugins.registry("model").component(config.model_adapter)
-    if (any(f.name == "merge_lora" for f in setting_fields(adapter.load_config_cls()))
-            and "merge_lora" not in values and "merge_lora" not in adapter_settings):
+    merge = plugins.registry("model").component(config.model_adapter).capabilities["merge_setting"]
+    if merge is not None and merge not in values and merge not in adapter_settings:
         # the next round starts from a full model, not from an adapter on an adapter (an adapter
         # that trains every weight saves the model itself, merged or not)
-        values["merge_lora"] = True
+        adapter_settings[merge] = True
     final = run_dir / "final"
     values["resume"] = run_dir.exists() and any(run_dir.iterdir())
-    if not (final / "config.json").exists() and not (final / "adapter_config.json").exists():
+    if not final.is_dir():  # written whole or not at all (runtime.run.checkpoint.write_directory)
         try:
             fit(FitConfig.from_dict(values, plugins), plugins=plugins)
         except RlhfError as exc:  # name iterate's flag, not the DPO run's, in the advice
             exc.args = (re.sub(r"(?<![\w-])--batch-size\b", "--dpo-batch-size", str(exc)),) + exc.args[1:]
             raise
-    return final / "merged" if (final / "merged" / "config.json").exists() else final
+    return final / "merged" if merge is not None and (final / "merged").is_dir() else final
 
 
 def _last_metrics(run_dir: Path) -> dict[str, float]:

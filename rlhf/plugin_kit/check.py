@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugin_host.loading import PluginRecord, PluginSet
 from rlhf.core.plugin_host.references import is_reference, resolve
-from rlhf.core.plugin_host.registry import normalize_name
+from rlhf.core.plugin_host.registry import declared_registration, normalize_name
 from rlhf.plugin_kit.checks import Target, check_for
 
 SLOW_IMPORT_MS = 100.0
@@ -66,7 +66,7 @@ def targets(name: str, plugins: PluginSet) -> list[tuple[Target, PluginRecord | 
     if is_reference(name):
         obj = resolve(name).obj
         kind = plugins.registry("env").kind
-        config_cls, capabilities = kind.declared_by(obj)
+        config_cls, capabilities = declared_registration(kind, obj, name)
         return [(Target("env", name, obj, config_cls, capabilities, plugins), None)]
     key, found = normalize_name(name), []
     for registry in plugins.registries().values():

@@ -116,7 +116,7 @@ def test_hook_register_rollout_engines(bare_plugins, make_plugin):
             pass
 
     component = _register_one(bare_plugins, make_plugin, "register_rollout_engines", Engine, needs_gpu=True)
-    assert component.capabilities == {"needs_gpu": True}
+    assert component.capabilities == {"needs_gpu": True, "continuous_batching": False}
 
 
 def test_hook_register_train_backends(bare_plugins, make_plugin):
@@ -139,7 +139,7 @@ def test_hook_register_train_backends(bare_plugins, make_plugin):
             pass
 
     assert _register_one(bare_plugins, make_plugin, "register_train_backends", Backend).capabilities == {
-        "needs_gpu": False, "offloads_state": False}
+        "needs_gpu": False, "offloads_state": False, "sharding_setting": None}
 
 
 def test_hook_register_objectives(bare_plugins, make_plugin):
@@ -161,7 +161,8 @@ def test_hook_register_objectives(bare_plugins, make_plugin):
     component = _register_one(bare_plugins, make_plugin, "register_objectives", Constant, needs_reference=True)
     assert component.load() is Constant
     assert component.capabilities == {"needs_reference": True, "needs_teacher": False, "head": "lm",
-                                      "default_lr": 1e-5, "command": False}
+                                      "default_lr": 1e-5, "command": False, "example": None,
+                                      "preference_strength": None}
 
 
 @pytest.mark.parametrize("hook, missing", [

@@ -8,8 +8,10 @@
   plugins only through registries;
 * every built-in plugin module, and every object a built-in registers (lazy ``"module:attr"``
   targets and config classes included), lives under ``rlhf/plugins/`` (or is a public type of
-  ``rlhf.core``) and imports only the public API: ``rlhf``, ``rlhf.core``, ``rlhf.objectives``,
-  ``rlhf.sandbox``, ``rlhf.fastpaths`` and its own plugin package;
+  ``rlhf.core``) and imports rlhf only through the plugin API, ``rlhf.api`` (plus ``rlhf.sandbox``,
+  untrusted code's runner, and its own plugin package); so does every module ``rlhf plugins new``
+  writes, for every kind;
+* the host never imports ``rlhf.api`` (it is the plugins' door, so no circle can pass through it);
 * the fast paths sit beside the core, not in it: ``rlhf.core`` never imports ``rlhf.fastpaths``,
   which imports only ``rlhf.core`` and itself.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.core.plugin_host.kinds import KINDS
 from rlhf.core.plugin_host.loading import DEFAULT_PLUGINS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,16 +161,25 @@ def test_fast_paths_import_only_the_core_and_each_other(module):
                   if not name.startswith(("rlhf.core", "rlhf.fastpaths"))) == [], module
 
 
+PLUGIN_API = ("rlhf.api", "rlhf.sandbox")  # what a plugin may import of rlhf, besides its own package
+
+
 def allowed_for(module: str) -> tuple[str, ...]:
     package = ".".join(module.split(".")[:3])  # rlhf.plugins.<package>
-    return ("rlhf", "rlhf.plugins", "rlhf.core", "rlhf.objectives", "rlhf.sandbox", "rlhf.fastpaths", package)
+    return (*PLUGIN_API, package) if module.startswith("rlhf.plugins.") else PLUGIN_API
+
+
+def violations(imported: set[str], allowed: tuple[str, ...]) -> list[str]:
+    return sorted(name for name in imported if not any(name == a or name.startswith(a + ".") for a in allowed))
 
 
 def public_api_violations(module: str) -> list[str]:
-    allowed = allowed_for(module)
-    return sorted(name for name in GRAPH[module]
-                  if not (name in ("rlhf", "rlhf.plugins") or any(name == a or name.startswith(a + ".")
-                                                                  for a in allowed[2:])))
+    return violations(GRAPH[module], allowed_for(module))
+
+
+@pytest.mark.parametrize("module", HOST)
+def test_the_host_never_imports_the_plugin_api(module):
+    assert "rlhf.api" not in GRAPH[module], f"{module} imports rlhf.api, the plugins' door"
 
 
 def _registered_targets() -> list[tuple[str, str]]:
@@ -203,9 +215,36 @@ def test_registered_objects_live_under_plugins_and_use_the_public_api(component,
     assert public_api_violations(module) == [], f"{component} ({module})"
 
 
-def test_the_public_api_check_catches_a_plugin_that_imports_the_runtime():
-    GRAPH["rlhf.plugins.example.thing"] = {"rlhf.core.types", "rlhf.runtime.rl.trainer", "rlhf.plugins.other.x"}
+def test_the_public_api_check_catches_a_plugin_that_imports_past_the_api():
+    GRAPH["rlhf.plugins.example.thing"] = {"rlhf.api", "rlhf.sandbox", "rlhf.plugins.example.other", "rlhf",
+                                           "rlhf.core.types", "rlhf.objectives", "rlhf.fastpaths.packing",
+                                           "rlhf.runtime.rl.trainer", "rlhf.plugins.other.x"}
     try:
-        assert public_api_violations("rlhf.plugins.example.thing") == ["rlhf.plugins.other.x", "rlhf.runtime.rl.trainer"]
+        assert public_api_violations("rlhf.plugins.example.thing") == [
+            "rlhf", "rlhf.core.types", "rlhf.fastpaths.packing", "rlhf.objectives", "rlhf.plugins.other.x",
+            "rlhf.runtime.rl.trainer"]
     finally:
         del GRAPH["rlhf.plugins.example.thing"]
+
+
+@pytest.fixture(scope="module")
+def scaffolded(tmp_path_factory):
+    """Every module ``rlhf plugins new`` writes, one package per kind: (kind, file, rlhf modules it imports)."""
+    from rlhf.plugin_kit.scaffold import SPECS, new_package
+
+    out = []
+    for kind in sorted(SPECS):
+        root = new_package(kind, "my_thing", tmp_path_factory.mktemp(kind))
+        for path in sorted(root.rglob("*.py")):
+            visitor = _Imports("rlhf_my_thing", False)
+            visitor.visit(ast.parse(path.read_text()))
+            out.append((kind, str(path.relative_to(root)), visitor.found))
+    return out
+
+
+def test_what_plugins_new_writes_imports_rlhf_only_through_the_plugin_api(scaffolded):
+    assert {kind for kind, _, _ in scaffolded} == set(KINDS)
+    wrong = {f"{kind}: {path}": violations(found, PLUGIN_API) for kind, path, found in scaffolded
+             if violations(found, PLUGIN_API)}
+    assert wrong == {}
+    assert any("rlhf.api" in found for _, _, found in scaffolded)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.protocols.adapter import ModelAdapterBase
-from rlhf.core.types import AdvantageConfig, AdvantageInputs
+from rlhf.api import AdvantageConfig, AdvantageInputs, ModelAdapterBase
 
 
 def _group_centered(inputs: AdvantageInputs, std: bool) -> torch.Tensor:
@@ -171,7 +170,7 @@ class OneSampleShort:
         self.model = model
 
     def generate(self, prompts, *, n, params):
-        from rlhf.core.protocols.rollout import Generation
+        from rlhf.api import Generation
 
         return [Generation(token_ids=[7], finish_reason="length", logprobs=[-1.0]) for _ in range(len(prompts) * n - 1)]
 
@@ -186,7 +185,7 @@ class IgnoresStop(OneSampleShort):
         self.ids = tokenizer("a b c d", add_special_tokens=False)["input_ids"]
 
     def generate(self, prompts, *, n, params):
-        from rlhf.core.protocols.rollout import Generation
+        from rlhf.api import Generation
 
         ids = self.ids[:params.max_new_tokens]
         return [Generation(token_ids=list(ids), finish_reason="length", logprobs=[-1.0] * len(ids))
@@ -195,7 +194,7 @@ class IgnoresStop(OneSampleShort):
 
 class IgnoresSeeds:
     """A valid turn-batched engine whose continuous requests sample from the process's stream,
-    whatever their seed."""
+    whatever their seed (registered with ``continuous_batching=True``)."""
 
     shares_weights = True
 
@@ -211,6 +210,9 @@ class IgnoresSeeds:
         import dataclasses
 
         return self.inner.generate([prompt_ids], n=1, params=dataclasses.replace(params, seed=None))[0]
+
+    def continuous_for(self, params):
+        return True
 
     def load_weights(self, state=None):
         pass

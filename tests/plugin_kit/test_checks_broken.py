@@ -115,13 +115,13 @@ def test_a_correct_backend_of_our_own_passes(plugins, make_plugin):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls, message", [
-    (broken.OneSampleShort, "generate(2 prompts, n=3) should return a list of 6 Generation, got 5"),
-    (broken.IgnoresStop, "goes on after the stop string"),
-    (broken.IgnoresSeeds, "generate_one: the same prompt with the same seed gave"),
+@pytest.mark.parametrize("cls, flags, message", [
+    (broken.OneSampleShort, {}, "generate(2 prompts, n=3) should return a list of 6 Generation, got 5"),
+    (broken.IgnoresStop, {}, "goes on after the stop string"),
+    (broken.IgnoresSeeds, {"continuous_batching": True}, "generate_one: the same prompt with the same seed gave"),
 ])
-def test_a_broken_engine_fails(plugins, make_plugin, cls, message):
-    result = check(plugins, make_plugin, "register_rollout_engines", "bad_engine", cls)
+def test_a_broken_engine_fails(plugins, make_plugin, cls, flags, message):
+    result = check(plugins, make_plugin, "register_rollout_engines", "bad_engine", cls, **flags)
     assert result.exit_code == 1, result.output
     assert message in result.output
 

@@ -27,7 +27,8 @@ def test_new_writes_a_package_with_entry_point_light_plugin_module_test_and_read
         ast.parse(text)
     plugin = ast.parse((root / "rlhf_my_thing" / "plugin.py").read_text())
     imported = {alias.name for node in ast.walk(plugin) if isinstance(node, ast.Import) for alias in node.names}
-    assert imported == {"rlhf"}, "the plugin module must stay light"
+    imported |= {node.module for node in ast.walk(plugin) if isinstance(node, ast.ImportFrom)}
+    assert imported == {"rlhf.api"}, "the plugin module must stay light"
     assert f'"rlhf_my_thing.{impl}:' in (root / "rlhf_my_thing" / "plugin.py").read_text()
     assert "rlhf plugins check my_thing" in (root / "README.md").read_text()
     assert f"pip install -e {root}" in result.output

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import rlhf
-from rlhf.core.protocols.backend import TrainBackendBase
+from rlhf.api import TrainBackendBase
 
 
 class RecordingBackend(TrainBackendBase):

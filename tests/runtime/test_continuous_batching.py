@@ -202,21 +202,19 @@ def test_a_failing_forward_fails_every_request_in_flight(model_and_tokenizer, mo
 def test_which_rollouts_batch_continuously(tiny_model_dir, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     params = SamplingParams(max_new_tokens=4)
-    assert batches_continuously(HFEngine(model, tokenizer), params)
-    assert not batches_continuously(HFEngine(model, tokenizer, HFEngineConfig(continuous=False)), params)
-    assert not batches_continuously(HFEngine(model, tokenizer, HFEngineConfig(decoder="generate")), params)
+    # the hf engine is registered with continuous_batching=True; its continuous_for decides per rollout
+    assert batches_continuously(HFEngine(model, tokenizer), params, declared=True)
+    assert not batches_continuously(HFEngine(model, tokenizer, HFEngineConfig(continuous=False)), params, declared=True)
+    assert not batches_continuously(HFEngine(model, tokenizer, HFEngineConfig(decoder="generate")), params,
+                                    declared=True)
     from transformers import MistralConfig, MistralForCausalLM
 
     windowed = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                                 sliding_window=16, layer_types=["sliding_attention"]))
-    assert not batches_continuously(HFEngine(windowed, tokenizer), params)
-
-    class TurnsOnly:
-        def generate(self, prompts, *, n, params):
-            """Only the turn-batched method."""
-
-    assert not batches_continuously(TurnsOnly(), params)
+    assert not batches_continuously(HFEngine(windowed, tokenizer), params, declared=True)
+    # an engine whose registration does not declare it batches turn by turn, whatever methods it has
+    assert not batches_continuously(HFEngine(model, tokenizer), params, declared=False)
 
 
 def test_inverse_cdf_picks_the_interval_each_uniform_falls_in():
@@ -232,7 +230,8 @@ def test_a_trajectory_whose_tool_returns_generates_its_next_turn_while_another_w
     model, tokenizer = model_and_tokenizer
     GatedTools.clear()
     worker = RolloutWorker(_never_ends(HFEngine(model, tokenizer)), tokenizer, EnvsOf(GatedTools),
-                           RolloutSettings(env="tools", max_turns=3, max_total_tokens=256))
+                           RolloutSettings(env="tools", max_turns=3, max_total_tokens=256),
+                           continuous_batching=True)
     trajectories = worker.generate([prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")], n=1,
                                    params=SamplingParams(max_new_tokens=4, temperature=1.0))
     assert GatedTools.opened == [True]
@@ -262,7 +261,8 @@ def test_continuous_rollouts_lay_out_trajectories_as_turn_batched_ones(model_and
     for continuous in (True, False):
         engine = HFEngine(model, tokenizer, HFEngineConfig(continuous=continuous))
         worker = RolloutWorker(engine, tokenizer, EnvsOf(Echo), RolloutSettings(env="tools", max_turns=3,
-                                                                               max_total_tokens=40))
+                                                                               max_total_tokens=40),
+                               continuous_batching=True)
         runs.append(worker.generate(items, n=2, params=params))
     for got, expected in zip(*runs):
         assert (got.token_ids, got.loss_mask, got.num_turns, got.finish_reason) == \
@@ -291,7 +291,8 @@ def test_a_failing_environment_names_itself_and_stops_the_other_trajectories(mod
             return super().reset(prompt, label)
 
     worker = RolloutWorker(_never_ends(HFEngine(model, tokenizer)), tokenizer, EnvsOf(Broken),
-                           RolloutSettings(env="tools", max_turns=3, max_total_tokens=64))
+                           RolloutSettings(env="tools", max_turns=3, max_total_tokens=64),
+                           continuous_batching=True)
     with pytest.raises(Exception, match=r"environment 'tools' failed on row slow: ValueError: tool crashed"):
         worker.generate([prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")], n=2,
                         params=SamplingParams(max_new_tokens=4, temperature=1.0))
@@ -306,6 +307,7 @@ def test_single_turn_rollouts_stay_one_batched_generate(model_and_tokenizer, mon
     monkeypatch.setattr(HFEngine, "generate_one", lambda self, *a, **k: calls.append("one"))
     for envs, turns in ((EnvsOf(RewardingEnv, multi_turn=False), 8), (EnvsOf(RewardingEnv), 1)):
         worker = RolloutWorker(HFEngine(model, tokenizer), tokenizer, envs,
-                               RolloutSettings(env="tools", max_turns=turns, max_total_tokens=64))
+                               RolloutSettings(env="tools", max_turns=turns, max_total_tokens=64),
+                               continuous_batching=True)
         trajectories = worker.generate(items, n=2, params=SamplingParams(max_new_tokens=4, temperature=1.0))
         assert len(trajectories) == 4 and calls == []

@@ -55,7 +55,7 @@ def test_generate_one_returns_what_generate_returns(fake_vllm, policy, internal_
         assert kwargs == llm.sampling.kwargs
     r0, r1, r2, r3 = llm.llm_engine.added  # 3, 1, 5 and 4 tokens: each leaves at the step of its last
     assert llm.llm_engine.batches == [[r0, r1, r2, r3], [r0, r2, r3], [r0, r2, r3], [r2, r3], [r2]]
-    assert not llm.llm_engine.running and batches_continuously(engine, params)
+    assert not llm.llm_engine.running and batches_continuously(engine, params, declared=True)
 
 
 def test_requests_join_and_leave_between_steps(fake_vllm, policy):
@@ -268,7 +268,8 @@ def test_a_rollout_moves_each_trajectory_on_its_own(fake_vllm, policy):
     llm.script = staticmethod(short_turns)
     GatedTools.clear()
     worker = RolloutWorker(engine, tokenizer, EnvsOf(GatedTools), RolloutSettings(env="tools", max_turns=3,
-                                                                                 max_total_tokens=256))
+                                                                                 max_total_tokens=256),
+                           continuous_batching=True)
     trajectories = worker.generate([prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")], n=1,
                                    params=SamplingParams(max_new_tokens=3, temperature=1.0))
     assert GatedTools.opened == [True]
@@ -286,9 +287,10 @@ def test_continuous_false_turns_back_to_one_generate_per_turn(fake_vllm, policy)
     llm = fakes.FakeLLM.instances[0]
     llm.script = staticmethod(short_turns)
     params = SamplingParams(max_new_tokens=3, temperature=1.0)
-    assert not batches_continuously(engine, params)
+    assert not batches_continuously(engine, params, declared=True)
     worker = RolloutWorker(engine, policy[1], EnvsOf(Echo), RolloutSettings(env="tools", max_turns=3,
-                                                                          max_total_tokens=256))
+                                                                          max_total_tokens=256),
+                           continuous_batching=True)
     trajectories = worker.generate([prompt_item(policy[1], "Q: 6*7?", "a"), prompt_item(policy[1], "Q: 7*6?", "b")], n=1,
                                    params=params)
     assert [t.num_turns for t in trajectories] == [2, 2]
@@ -334,7 +336,8 @@ def test_a_failing_environment_aborts_the_other_trajectories_requests(fake_vllm,
 
     llm.script = staticmethod(script)
     worker = RolloutWorker(engine, tokenizer, EnvsOf(Crashing), RolloutSettings(env="tools", max_turns=3,
-                                                                              max_total_tokens=64))
+                                                                              max_total_tokens=64),
+                           continuous_batching=True)
     with pytest.raises(Exception, match="tool crashed"):
         worker.generate([prompt_item(tokenizer, "Q: 6*7?", "crash"), long_prompt], n=1,
                         params=SamplingParams(max_new_tokens=4, temperature=1.0))

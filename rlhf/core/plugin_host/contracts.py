@@ -4,6 +4,11 @@ component is registered instead of being probed with ``hasattr`` where it is use
 A protocol is a ``typing.Protocol`` class: its methods and annotated attributes are the members
 (names starting with ``_`` are not). Capability flags are annotated attributes with a value the
 implementation declares (a class attribute or a property), e.g. ``shards_weights: bool``.
+
+Optional members a contract lets a class declare (the registration flags of a class used by
+``module:attr`` reference, an environment's ``stop``, ``blocking`` and ``close``, the
+``sample_*`` attributes ``rlhf plugins check`` reads) are read with `declared`, once, where the
+class is registered or resolved, never where the component is used.
 """
 
 from __future__ import annotations
@@ -36,6 +41,22 @@ def _has(obj: Any, name: str) -> bool:
         # capability flags and properties, which implementations declare on the class.
         return any(name in vars(cls) or name in getattr(cls, "__annotations__", {}) for cls in obj.__mro__)
     return hasattr(obj, name)
+
+
+def declared(obj: Any, name: str, default: Any = None) -> Any:
+    """What ``obj`` (a class, or a function) declares for the optional member ``name``, its own or
+    a base class's, without running a descriptor or ``__getattr__``; ``default`` when it declares
+    none. A ``staticmethod`` declared on a class is its function."""
+    value = inspect.getattr_static(obj, name, default)
+    return value.__func__ if isinstance(value, staticmethod) else value
+
+
+def declares(cls: type, name: str) -> bool:
+    """Whether ``cls`` (or a base) defines the optional member ``name``."""
+    return declared(cls, name, _ABSENT) is not _ABSENT
+
+
+_ABSENT = object()
 
 
 def describe_missing(obj: Any, protocol: type) -> str | None:

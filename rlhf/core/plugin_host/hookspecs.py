@@ -1,7 +1,8 @@
 """Every hook a plugin can implement. Each docstring is the contract.
 
-A plugin is a module (or any object) with functions decorated by ``@rlhf.hookimpl`` whose names
-match the specs below. Two families:
+A plugin is a module (or any object) with functions decorated by ``@rlhf.hookimpl`` (the same
+marker as ``rlhf.api.hookimpl``) whose names match the specs below, and imports what else it
+needs of rlhf from ``rlhf.api`` (docs/plugins.md lists it). Two families:
 
 * Registration hooks, ``register_<kind>s(register)``: called once per plugin when a run (or
   ``rlhf plugins list``) needs that kind. ``register(name, obj, *, description=None,
@@ -17,7 +18,7 @@ match the specs below. Two families:
   the slot that selects the component, ``--<slot>.<field>`` (``--policy-loss.clip-high``,
   ``--backend.zero-stage``, ``--env.timeout-s``), a key under ``components`` in a ``--config``
   file, and ``--algo-config`` / ``--engine-config`` / ``--env-config KEY=VALUE``. A field that
-  needs a value of the run declares it, ``rlhf.core.plugin_host.settings.run_field("seed", default, help)``
+  needs a value of the run declares it, ``rlhf.api.run_field("seed", default, help)``
   (the run values: ``rlhf.core.plugin_host.settings.RUN_VALUES``); nothing else of the run reaches a config,
   whatever its fields are called.
 * ``register(..., short_flags=("zero_stage", ...))`` gives those settings a plain flag too
@@ -29,6 +30,12 @@ match the specs below. Two families:
   (``rlhf.core.protocols.rollout.RolloutEngine``, ``rlhf.core.protocols.backend.TrainBackend``,
   ``rlhf.core.protocols.adapter.ModelAdapter``), checked when registered (when first used, for a
   ``"module:attr"`` reference); a class missing a member is refused with the list of what it lacks.
+* What a component can do beyond its kind's contract is declared with the registration, as
+  flags (``continuous_batching=True``, ``offloads_state=True``) or as the name of one of its
+  settings (``sharding_setting="zero_stage"``, ``merge_setting=``, ``preference_strength=``);
+  a flag that promises more methods is checked against their protocol, a setting name against
+  the config class. The host reads only these: it never probes a component for what it might
+  have, so a third-party component that declares the same gets the built-ins' treatment.
 * Lifecycle hooks, ``on_*``: events the trainer fires during a run; every plugin that
   implements one is called (loggers are plugins on these hooks).
 
@@ -218,7 +225,7 @@ def register_envs(register: Register) -> None:
       declares False); ``gives_rewards``: step rewards can train a model without ``--reward`` (a
       run with an env that declares False must have a reward source); ``needs_labels``: it checks
       answers against the label (a run without ``--label-key`` is refused). A ``module:Class`` env
-      may declare them (and ``config_cls``) as class attributes.
+      may declare them (and ``config_cls``) as class attributes, read once when it is resolved.
     - One instance per trajectory: ``env_cls()``, or ``env_cls(config)`` with a ``config_cls``.
     - ``reset(prompt, label, **columns) -> str | None``: text appended after the prompt, or
       ``None``. ``columns`` are the other dataset columns; only those ``reset`` declares are
@@ -227,10 +234,12 @@ def register_envs(register: Register) -> None:
       observation, reward, done, info, stop)``); ``action_text`` is the turn's decoded text
       including the stop string that ended it. The observation is appended with loss mask 0;
       ``stop`` lists stop strings for the next turn (besides EOS and the run's own); an optional
-      class attribute ``stop`` gives those of the first turn.
+      class attribute ``stop`` gives those of the first turn, and ``blocking = False`` runs a
+      cheap env's sync methods inline instead of in a worker thread (both read from the class
+      once, where it is resolved).
     - The trajectory reward is the sum of the step rewards plus the reward sources'. The episode
       ends when ``done`` is true, at ``--max-turns`` or when the token budget is spent;
-      ``close()`` is then called if the env has one.
+      ``close()`` is then called if the env's class defines one.
     - ``reset``, ``step`` and ``close`` may be ``async def`` (a slow sync method blocks every
       trajectory).
     - A label that is a dict (or a JSON object string) with an ``env_func`` key routes its sample
@@ -245,8 +254,13 @@ def register_models(register: Register) -> None:
     """Register model adapters (``--model-adapter NAME``).
 
     - ``register(name, adapter_cls, *, roles=("policy", "reference", "critic", "reward"),
-      config_cls=None)``; ``adapter_cls`` implements ``rlhf.core.protocols.adapter.ModelAdapter``
-      (``ModelAdapterBase`` gives ``save`` and ``save_critic``).
+      config_cls=None, merge_setting=None)``; ``adapter_cls`` implements
+      ``rlhf.core.protocols.adapter.ModelAdapter`` (``ModelAdapterBase`` gives ``save`` and
+      ``save_critic``).
+    - ``merge_setting``: the name of a bool setting of ``config_cls`` that makes ``save`` also
+      write the trained adapter merged into full weights, in ``out_dir/merged`` (a directory
+      ``from_pretrained`` loads; an adapter that trains every weight writes none). Commands that
+      continue from a run's model (``rlhf iterate``) turn it on unless the user set it.
     - One instance per process, ``adapter_cls(config)`` (``config``: an instance of ``config_cls``
       with the user's ``--model-adapter.NAME`` settings and its run fields, or None).
     - ``adapter.load_tokenizer(ref)``, then ``adapter.load(ref, role=ROLE)`` for each role the run
@@ -268,8 +282,8 @@ def register_models(register: Register) -> None:
 def register_rollout_engines(register: Register) -> None:
     """Register rollout (generation) engines (``--engine NAME``).
 
-    - ``register(name, engine_cls, *, needs_gpu=False, config_cls=None)``; ``engine_cls``
-      implements ``rlhf.core.protocols.rollout.RolloutEngine``.
+    - ``register(name, engine_cls, *, needs_gpu=False, continuous_batching=False, config_cls=None)``;
+      ``engine_cls`` implements ``rlhf.core.protocols.rollout.RolloutEngine``.
     - ``engine_cls(model, tokenizer, config)`` with the policy model.
     - ``generate(prompts, *, n, params) -> list[Generation]``: ``prompts`` are token-id lists,
       ``params`` an ``rlhf.core.protocols.rollout.SamplingParams``; ``n`` completions per prompt,
@@ -280,6 +294,12 @@ def register_rollout_engines(register: Register) -> None:
       place; otherwise the runtime calls ``load_weights()`` after each optimizer step (take the
       weights from the policy module the engine was built with; ``load_weights(state)`` loads the
       given full weights instead).
+    - ``continuous_batching=True``: the class also implements
+      ``rlhf.core.protocols.rollout.ContinuousEngine`` (checked with the registration):
+      ``async generate_one(prompt_ids, params) -> Generation`` joins one request to the running
+      decode batch (``params.seed`` seeds its own random stream), and ``continuous_for(params)``
+      says whether a rollout sampled with ``params`` goes that way. Multi-turn rollouts then run
+      each trajectory on its own; other engines go turn by turn through ``generate``.
     """
 
 
@@ -287,9 +307,12 @@ def register_rollout_engines(register: Register) -> None:
 def register_train_backends(register: Register) -> None:
     """Register training backends (``--backend NAME``).
 
-    - ``register(name, backend_cls, *, needs_gpu=False, offloads_state=False, config_cls=None)``;
-      ``backend_cls`` implements ``rlhf.core.protocols.backend.TrainBackend`` (subclass ``TrainBackendBase``
-      for the defaults).
+    - ``register(name, backend_cls, *, needs_gpu=False, offloads_state=False, sharding_setting=None,
+      config_cls=None)``; ``backend_cls`` implements ``rlhf.core.protocols.backend.TrainBackend``
+      (subclass ``TrainBackendBase`` for the defaults).
+    - ``sharding_setting``: the name of the setting of ``config_cls`` that chooses how much the
+      backend shards over ranks (``deepspeed``: ``zero_stage``); messages that need whole weights
+      on every rank (``--async``, multi-turn rollouts on sharded weights) tell the user to lower it.
     - ``backend_cls(model, config)`` per trained model (the config's run fields ``lr``,
       ``total_steps``, ``micro_batch_size`` are that model's).
     - Per micro-batch ``backward(loss)``, on a loss from a forward through ``train_module``: each
@@ -312,9 +335,9 @@ def register_objectives(register: Register) -> None:
     """Register offline training objectives (``rlhf fit --objective NAME``; SFT, DPO, ... are built-ins).
 
     - ``register(name, objective_cls, *, config_cls=None, needs_reference=False,
-      needs_teacher=False, head="lm", default_lr=1e-5, command=False)``; ``objective_cls``
-      implements ``rlhf.core.protocols.objective.Objective`` (subclass ``ObjectiveBase`` for the optional
-      parts).
+      needs_teacher=False, head="lm", default_lr=1e-5, command=False, example=None,
+      preference_strength=None)``; ``objective_cls`` implements
+      ``rlhf.core.protocols.objective.Objective`` (subclass ``ObjectiveBase`` for the optional parts).
     - One instance, ``objective_cls(config)`` (``config``: an instance of ``config_cls`` with the
       user's ``--objective.NAME`` settings, or None).
     - ``columns()``; ``encode(row, text)`` per dataset row (an example; raise ``SkipExample`` or
@@ -331,6 +354,12 @@ def register_objectives(register: Register) -> None:
       per position ``(B, T)`` and which is saved as a one-label sequence classifier.
       ``default_lr``: the learning rate without ``--lr``. ``command``: also offer ``rlhf NAME``
       with the objective's settings as plain flags (a name that is already a command is refused).
+      ``example``: one command line using it, shown by ``rlhf NAME --help``.
+    - ``preference_strength``: the name of the setting of ``config_cls`` that holds how strongly
+      the objective keeps the policy near its reference (``dpo``: ``beta``). Declaring it says the
+      objective learns from preference pairs (``prompt``, ``chosen``, ``rejected``) against a
+      reference, so ``rlhf iterate --objective NAME`` can train each round with it and set that
+      setting from ``--beta``.
     - At the end, ``final_statistics`` and ``output_config(stats)`` add entries to the saved
       ``config.json``.
     - The whole contract: ``rlhf.core.protocols.objective``; the math of the built-ins: ``rlhf.objectives``.

@@ -6,6 +6,12 @@ adapters and objectives, a class implementing the written protocol
 (``rlhf.core.protocols.rollout.RolloutEngine``, ``rlhf.core.protocols.backend.TrainBackend``,
 ``rlhf.core.protocols.adapter.ModelAdapter``, ``rlhf.core.protocols.objective.Objective``), checked when the class
 is registered (or first used, when registered by ``"module:attr"`` reference).
+
+Some capabilities promise more: a flag in ``promises`` that a registration sets true makes the
+class implement one more protocol (``continuous_batching=True``: `ContinuousEngine`), and a
+flag in ``setting_capabilities`` names one of the component's settings (a field of its
+``config_cls``: ``sharding_setting="zero_stage"``), both checked with the registration. The host
+then decides what a component can do from its capabilities alone (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -64,16 +70,29 @@ class Kind:
     flag: str  # the command-line option that selects one
     capabilities: dict[str, Any] = field(default_factory=dict)  # allowed flags and defaults
     check: Callable[[Any], str | None] = _callable  # returns what obj should have been
+    promises: dict[str, str] = field(default_factory=dict)  # flag -> "module:Protocol" the class implements when true
+    setting_capabilities: tuple[str, ...] = ()  # flags whose value is the name of one of the component's settings
 
     @property
     def title(self) -> str:
         return self.name.replace("_", " ")
 
-    def declared_by(self, obj: Any) -> tuple[Any, dict[str, Any]]:
-        """``(config_cls, capabilities)`` of an object used without registration (a ``module:attr``
-        reference): what it declares as class attributes, else no config and the kind's defaults."""
-        return getattr(obj, "config_cls", None), {flag: getattr(obj, flag, default)
-                                                  for flag, default in self.capabilities.items()}
+    def problem(self, obj: Any, capabilities: dict[str, Any]) -> str | None:
+        """What ``obj``, registered with ``capabilities``, should have been; None when it is fine:
+        the kind's check, then the protocol of each promise its capabilities make."""
+        return self.check(obj) or self.broken_promise(obj, capabilities)
+
+    def broken_promise(self, obj: Any, capabilities: dict[str, Any]) -> str | None:
+        """What ``obj`` lacks of the protocol a true capability in ``promises`` stands for, or None."""
+        for flag, protocol in self.promises.items():
+            if capabilities.get(flag):
+                from rlhf.core.plugin_host.contracts import describe_missing
+                from rlhf.core.plugin_host.references import import_object
+
+                problem = describe_missing(obj, import_object(protocol))
+                if problem:
+                    return f"{problem}, as it declares {flag}=True"
+        return None
 
 
 KINDS: dict[str, Kind] = {
@@ -90,15 +109,20 @@ KINDS: dict[str, Kind] = {
         Kind("env", "register_envs", "--env", {"multi_turn": True, "gives_rewards": True, "needs_labels": False},
              check=_class),
         Kind("model", "register_models", "--model-adapter",
-             {"roles": ("policy", "reference", "critic", "reward")}, check=_adapter),
-        Kind("rollout_engine", "register_rollout_engines", "--engine", {"needs_gpu": False}, check=_engine),
-        Kind("train_backend", "register_train_backends", "--backend", {"needs_gpu": False, "offloads_state": False},
-             check=_backend),
+             {"roles": ("policy", "reference", "critic", "reward"), "merge_setting": None}, check=_adapter,
+             setting_capabilities=("merge_setting",)),
+        Kind("rollout_engine", "register_rollout_engines", "--engine",
+             {"needs_gpu": False, "continuous_batching": False}, check=_engine, promises={"continuous_batching": "rlhf.core.protocols.rollout:ContinuousEngine"}),
+        Kind("train_backend", "register_train_backends", "--backend",
+             {"needs_gpu": False, "offloads_state": False, "sharding_setting": None}, check=_backend,
+             setting_capabilities=("sharding_setting",)),
         Kind("sample_filter", "register_sample_filters", "--sample-filter"),
-        Kind("reward_shaping", "register_reward_shapings", "--reward-shaping", {"enabled_by": None}),
+        Kind("reward_shaping", "register_reward_shapings", "--reward-shaping", {"enabled_by": None},
+             setting_capabilities=("enabled_by",)),
         Kind("objective", "register_objectives", "--objective",
-             {"needs_reference": False, "needs_teacher": False, "head": "lm", "default_lr": 1e-5, "command": False},
-             check=_objective),
+             {"needs_reference": False, "needs_teacher": False, "head": "lm", "default_lr": 1e-5, "command": False,
+              "example": None, "preference_strength": None},
+             check=_objective, setting_capabilities=("preference_strength",)),
     )
 }
 

@@ -54,7 +54,7 @@ class Component:
             obj = self.target
             if self.is_lazy:
                 obj = self._import(self.target, "")
-            problem = self.kind.check(obj)
+            problem = self.kind.problem(obj, self.capabilities)
             if problem:
                 raise PluginError(
                     f"{self.kind.title} {self.name!r} from {self.provider.label} should be "
@@ -70,10 +70,10 @@ class Component:
             if problem:
                 raise PluginError(f"{self.kind.title} {self.name!r} from {self.provider.label}: config_cls "
                                   f"{self.config_cls!r} should be {problem}")
-            unknown = [name for name in self.short_flags if name not in {f.name for f in setting_fields(config_cls)}]
-            if unknown:
-                raise PluginError(f"{self.kind.title} {self.name!r} from {self.provider.label}: short_flags "
-                                  f"{', '.join(unknown)} are not settings of {self.config_cls!r}")
+            problem = unknown_settings(self.kind, config_cls, self.short_flags, self.capabilities)
+            if problem:
+                raise PluginError(f"{self.kind.title} {self.name!r} from {self.provider.label}: {problem} of "
+                                  f"{self.config_cls!r}")
             self.config_cls = config_cls
         return self.config_cls
 
@@ -109,6 +109,10 @@ def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
     short_flags = (short_flags,) if isinstance(short_flags, str) else tuple(short_flags)
     if short_flags and config_cls is None:
         raise TypeError(f"{kind.title} {name!r}: short_flags name settings of a config_cls; it has none")
+    capabilities = {**kind.capabilities, **capabilities}
+    named = [flag for flag in kind.setting_capabilities if capabilities[flag] is not None]
+    if named and config_cls is None:
+        raise TypeError(f"{kind.title} {name!r}: {', '.join(named)} name settings of a config_cls; it has none")
     bad = [flag for flag in short_flags if not (isinstance(flag, str) and flag.isidentifier())]
     if bad:
         raise ValueError(f"{kind.title} {name!r}: short_flags must be setting names (identifiers), got {bad!r}")
@@ -116,7 +120,7 @@ def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
         if ":" not in obj:
             raise ValueError(f"{kind.title} {name!r}: a lazy reference must read 'module.path:attr', got {obj!r}")
     else:
-        problem = kind.check(obj)
+        problem = kind.problem(obj, capabilities)
         if problem:
             raise TypeError(f"{kind.title} {name!r} should be {problem}, got {type(obj).__name__}")
     if isinstance(config_cls, str):
@@ -127,18 +131,57 @@ def make_component(kind: Kind, provider: PluginRecord, name: Any, obj: Any, *,
         problem = check_config_cls(config_cls)
         if problem:
             raise TypeError(f"{kind.title} {name!r}: config_cls should be {problem}, got {config_cls!r}")
-        unknown = [flag for flag in short_flags if flag not in {f.name for f in setting_fields(config_cls)}]
-        if unknown:
-            raise ValueError(f"{kind.title} {name!r}: short_flags {', '.join(unknown)} are not settings of "
-                             f"{config_cls.__name__}")
+        problem = unknown_settings(kind, config_cls, short_flags, capabilities)
+        if problem:
+            raise ValueError(f"{kind.title} {name!r}: {problem} of {config_cls.__name__}")
     if description is None:
         description = "" if isinstance(obj, str) else _first_doc_line(obj)
     return Component(
         kind=kind, name=normalize_name(name), target=obj, provider=provider,
         description=description, config_cls=config_cls,
-        capabilities={**kind.capabilities, **capabilities}, short_flags=short_flags, aliases=aliases,
+        capabilities=capabilities, short_flags=short_flags, aliases=aliases,
         _obj=_UNLOADED if isinstance(obj, str) else obj,
     )
+
+
+def unknown_settings(kind: Kind, config_cls: type, short_flags: tuple[str, ...],
+                     capabilities: dict[str, Any]) -> str | None:
+    """The short flags and setting-naming capabilities (`Kind.setting_capabilities`) of one
+    registration that name no setting of ``config_cls``, said for a message; None when all do."""
+    settings = {f.name for f in setting_fields(config_cls)}
+    unknown = [name for name in short_flags if name not in settings]
+    if unknown:
+        return f"short_flags {', '.join(unknown)} are not settings"
+    named = {flag: capabilities[flag] for flag in kind.setting_capabilities if capabilities.get(flag) is not None}
+    wrong = [f"{flag}={value!r}" for flag, value in named.items() if value not in settings]
+    return f"{', '.join(wrong)} {'names no setting' if len(wrong) == 1 else 'name no settings'}" if wrong else None
+
+
+def declared_registration(kind: Kind, obj: Any, ref: str) -> tuple[Any, dict[str, Any]]:
+    """``(config_cls, capabilities)`` of an object used by reference (``ref``, ``module:attr``) with
+    no registration: what it declares under ``config_cls`` and the kind's flag names (class
+    attributes, or attributes of a function) stands for the ``register(...)`` arguments, the kind's
+    defaults where it declares none. Read once, where the reference is resolved, and checked as a
+    registration is (the protocols its flags promise, the settings they name); the caller has
+    checked the object against the kind. Raises `PluginError`."""
+    from rlhf.core.plugin_host.contracts import declared
+
+    config_cls = declared(obj, "config_cls")
+    capabilities = {flag: declared(obj, flag, default) for flag, default in kind.capabilities.items()}
+    problem = kind.broken_promise(obj, capabilities)
+    if problem:
+        raise PluginError(f"{kind.title} {ref!r} should be {problem}")
+    named = [flag for flag in kind.setting_capabilities if capabilities[flag] is not None]
+    if config_cls is None and named:
+        raise PluginError(f"{kind.title} {ref!r}: {', '.join(named)} name settings of a config_cls; it declares none")
+    if config_cls is not None:
+        problem = check_config_cls(config_cls)
+        if problem:
+            raise PluginError(f"{kind.title} {ref!r}: config_cls should be {problem}, got {config_cls!r}")
+        problem = unknown_settings(kind, config_cls, (), capabilities)
+        if problem:
+            raise PluginError(f"{kind.title} {ref!r}: {problem} of {config_cls.__name__}")
+    return config_cls, capabilities
 
 
 def _check_aliases(kind: Kind, name: str, aliases: Any) -> tuple[str, ...]:
@@ -157,7 +200,9 @@ def _check_aliases(kind: Kind, name: str, aliases: Any) -> tuple[str, ...]:
 
 
 def _first_doc_line(obj: Any) -> str:
-    own = getattr(obj, "description", None)  # presets and similar objects describe themselves
+    from rlhf.core.plugin_host.contracts import declared
+
+    own = declared(obj, "description")  # presets and similar objects describe themselves
     if isinstance(own, str) and own:
         return own
     doc = (inspect.getdoc(obj) or "").strip()

@@ -104,6 +104,8 @@ class TrainBackendBase:
 
 def sharded_but_not_saved(backend_cls: type) -> str | None:
     """A backend class that declares ``shards_state`` must write its own checkpoints."""
-    if getattr(backend_cls, "shards_state", False) is True and backend_cls.save_checkpoint is TrainBackendBase.save_checkpoint:
+    from rlhf.core.plugin_host.contracts import declared
+
+    if declared(backend_cls, "shards_state", False) is True and backend_cls.save_checkpoint is TrainBackendBase.save_checkpoint:
         return "a backend that overrides save_checkpoint and load_checkpoint (it declares shards_state)"
     return None

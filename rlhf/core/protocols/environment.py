@@ -25,6 +25,8 @@ An environment drives one trajectory. The runtime creates an instance per trajec
 * Environment classes must be importable by module path (Ray workers import them).
 * Optional class attributes for ``rlhf plugins check``: ``sample_actions`` (scripted model turns),
   ``sample_prompt``, ``sample_label``.
+* The optional members (``stop``, ``blocking``, ``close``) are read from the class once, where it
+  is resolved (`EnvDeclarations`), never probed on an instance.
 
 Per-sample routing: a label that is a dict, or a string holding a JSON object, with an
 ``env_func`` key runs the environment it names (a registered name or ``module:Class``) instead
@@ -40,10 +42,12 @@ import json
 import math
 import pickle
 from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol, runtime_checkable
 
 from rlhf.core.errors import RlhfError
+from rlhf.core.plugin_host.contracts import declared, declares
 from rlhf.core.types import StepResult
 
 ENV_FUNC_KEY = "env_func"
@@ -111,20 +115,50 @@ def create_env(env_cls: Any, config: Any = None) -> Any:
     return env_cls() if config is None else env_cls(config)
 
 
-class AsyncEnv:
-    """Any environment seen through one async interface, its results checked against the contract."""
+@dataclass(frozen=True)
+class EnvDeclarations:
+    """The optional members an environment class declares, read once per class (`declared`).
 
-    def __init__(self, env: Any, name: str | None = None):
+    ``stop``: the first turn's stop strings (class attribute ``stop``); ``blocking``: False when
+    the class sets ``blocking = False`` (its methods run inline, not in a worker thread);
+    ``closes``: it defines ``close()``.
+    """
+
+    stop: tuple[str, ...] | None = None
+    blocking: bool = True
+    closes: bool = False
+
+    @classmethod
+    def of(cls, env_cls: type) -> EnvDeclarations:
+        return _declarations(env_cls)
+
+
+@lru_cache(maxsize=256)
+def _declarations(env_cls: type) -> EnvDeclarations:
+    stop = _check_stop(declared(env_cls, "stop"), f"{env_cls.__qualname__}.stop")
+    return EnvDeclarations(stop=None if stop is None else tuple(stop),
+                           blocking=declared(env_cls, "blocking", True) is not False,
+                           closes=declares(env_cls, "close"))
+
+
+class AsyncEnv:
+    """Any environment seen through one async interface, its results checked against the contract.
+
+    ``declarations``: what its class declares (`EnvDeclarations.of`, read once per class by the
+    caller that resolved it; read here from ``type(env)`` when not given)."""
+
+    def __init__(self, env: Any, name: str | None = None, declarations: EnvDeclarations | None = None):
         if not isinstance(env, Environment):
             raise EnvContractError(f"{type(env).__qualname__} is not an environment: it needs reset() and step()")
         self.env = env
         self.name = name or type(env).__qualname__
-        self.call = call_maybe_async if getattr(env, "blocking", True) is False else call_in_thread
+        self.declarations = declarations or EnvDeclarations.of(type(env))
+        self.call = call_in_thread if self.declarations.blocking else call_maybe_async
 
     @property
     def stop(self) -> list[str] | None:
-        """Stop strings for the first turn (the env's ``stop`` attribute)."""
-        return _check_stop(getattr(self.env, "stop", None), f"{self.name}.stop")
+        """Stop strings for the first turn (the class's ``stop`` attribute)."""
+        return None if self.declarations.stop is None else list(self.declarations.stop)
 
     async def reset(self, prompt: Any, label: Any, columns: Mapping[str, Any] | None = None) -> str | None:
         kwargs = _declared(self.env.reset, columns or {})
@@ -140,9 +174,8 @@ class AsyncEnv:
         return as_step_result(await self.call(self.env.step, action_text), f"{self.name}.step")
 
     async def close(self) -> None:
-        close = getattr(self.env, "close", None)
-        if callable(close):
-            await call_maybe_async(close)
+        if self.declarations.closes:
+            await call_maybe_async(self.env.close)
 
 
 def _declared(fn: Any, columns: Mapping[str, Any]) -> dict[str, Any]:
@@ -245,9 +278,9 @@ async def _scripted_episode(env_cls: Any, config: Any, name: str, max_turns: int
     except Exception as exc:
         raise EnvContractError(f"creating {name} raised {type(exc).__name__}: {exc}") from exc
     lines.append(f"created {name}{'(config)' if config is not None else '()'}; first-turn stop: {env.stop!r}")
-    prompt = getattr(env_cls, "sample_prompt", SAMPLE_PROMPT)
-    label = getattr(env_cls, "sample_label", SAMPLE_LABEL)
-    actions = list(getattr(env_cls, "sample_actions", None) or GENERIC_ACTIONS)
+    prompt = declared(env_cls, "sample_prompt", SAMPLE_PROMPT)
+    label = declared(env_cls, "sample_label", SAMPLE_LABEL)
+    actions = list(declared(env_cls, "sample_actions") or GENERIC_ACTIONS)
     observation = await attempt("reset", env.reset(prompt, label, {}))
     lines.append(f"reset({prompt!r}, {label!r}) -> {_short(observation)}")
     for turn in range(1, max_turns + 1):

@@ -62,23 +62,30 @@ class RolloutEngine(Protocol):
         passes) or those of ``state`` (full weights under the policy's parameter names)."""
 
 
-def batches_continuously(engine: Any, params: SamplingParams) -> bool:
-    """Whether ``engine`` batches the requests of a rollout sampled with ``params`` continuously.
+@runtime_checkable
+class ContinuousEngine(Protocol):
+    """What an engine registered with ``continuous_batching=True`` has besides `RolloutEngine`
+    (checked with the registration): continuous batching, one request at a time.
 
-    An engine that can has the optional method
-
-        async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation
-
-    which generates one completion of one prompt, batched with every other request in flight
-    from the same event loop: a request joins the running decode batch at its next step and
-    leaves it when it ends, so a multi-turn trajectory's next turn starts as soon as its tool
+    ``generate_one`` generates one completion of one prompt, batched with every other request in
+    flight from the same event loop: a request joins the running decode batch at its next step
+    and leaves it when it ends, so a multi-turn trajectory's next turn starts as soon as its tool
     call returns instead of waiting for the turn of the whole batch. ``params.seed`` (the rollout
     sets one per request) seeds the request's own random stream, so what it samples does not
     depend on which other requests share its batch (up to the float rounding of a batched
-    forward). It may also define ``continuous_for(params) -> bool`` to decline some rollouts
-    (say, a model its decoder does not support); those go through ``generate`` turn by turn.
+    forward). ``continuous_for(params)`` may decline some rollouts (say, a model its decoder does
+    not support); those go through ``generate`` turn by turn.
     """
-    if not callable(getattr(engine, "generate_one", None)):
-        return False
-    decide = getattr(engine, "continuous_for", None)
-    return bool(decide(params)) if callable(decide) else True
+
+    async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """One completion of ``prompt_ids``, sampled with ``params`` beside the other requests in flight."""
+
+    def continuous_for(self, params: SamplingParams) -> bool:
+        """Whether rollouts sampled with ``params`` go through `generate_one`."""
+
+
+def batches_continuously(engine: Any, params: SamplingParams, *, declared: bool) -> bool:
+    """Whether ``engine`` batches the requests of a rollout sampled with ``params`` continuously:
+    its registration declares ``continuous_batching`` (``declared``: the engine's capability, so
+    its class implements `ContinuousEngine`) and its ``continuous_for(params)`` takes the rollout."""
+    return declared and bool(engine.continuous_for(params))

@@ -24,12 +24,13 @@ def check(target: Target) -> list[str]:
     import torch
 
     from rlhf.core.protocols.objective import BadRow, FitModels, SkipExample, resolve_flag
+    from rlhf.core.plugin_host.contracts import declared
     from rlhf.core.plugin_host.settings import build_component_config
     from rlhf.plugin_kit.checks.target import CHECK_RUN_VALUES
     from rlhf.runtime.fit.text import TextFormatter
 
     ref = str(target.tiny_model())
-    settings = dict(getattr(target.obj, "sample_settings", None) or {})
+    settings = dict(declared(target.obj, "sample_settings") or {})
     config = None
     if target.config_cls is not None:
         try:
@@ -44,7 +45,7 @@ def check(target: Target) -> list[str]:
     tokenizer = adapter.load_tokenizer(ref)
     text = TextFormatter(tokenizer, max_len=64)
     columns = guarded(target, "columns()", objective.columns)
-    rows = list(getattr(target.obj, "sample_rows", None) or
+    rows = list(declared(target.obj, "sample_rows") or
                 [{c: TEXTS[(i + j) % len(TEXTS)] for j, c in enumerate(columns)} for i in range(4)])
     examples = []
     for i, row in enumerate(rows):

@@ -5,8 +5,8 @@
 one finite log-prob <= 0 per token; a run of stop strings ends every completion at the first one
 (no stop string before the last token; ``stop_string`` names it); ``load_weights()`` (engines
 that do not share the policy's weights) makes the engine sample from changed weights. An engine
-that batches continuously (``generate_one``) answers requests sent at once, each by the same
-rules, and a request's seed decides what it samples.
+registered with ``continuous_batching`` (``generate_one``) answers requests sent at once, each by
+the same rules, and a request's seed decides what it samples.
 """
 
 from __future__ import annotations
@@ -87,10 +87,11 @@ def check(target: Target) -> list[str]:
                 raise target.fail(f"completion {i} ended at a stop string with finish_reason {g.finish_reason!r}")
     lines.append(f"stop strings end completions at the first one ({hits}/{len(out)} hit one)")
 
-    if batches_continuously(engine, SamplingParams(max_new_tokens=MAX_NEW)):
+    if batches_continuously(engine, SamplingParams(max_new_tokens=MAX_NEW),
+                            declared=target.capabilities.get("continuous_batching", False)):
         lines.append(continuous_requests(target, engine, prompts, valid))
 
-    if not getattr(engine, "shares_weights", False):
+    if not engine.shares_weights:  # a protocol member, checked with the registration
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))

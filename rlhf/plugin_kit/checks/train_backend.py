@@ -28,39 +28,39 @@ def check(target: Target) -> list[str]:
     backend = _make(target, model)
     lines = []
 
-    before = _weights(backend)
+    before = _weights(backend, model)
     _backward(target, backend, batches[0])
     result = _step(target, backend)
     if result["skipped"] != 0.0:
         raise target.fail(f"step() skipped a step with a finite gradient: {result}")
-    if _same(before, _weights(backend)):
+    if _same(before, _weights(backend, model)):
         raise target.fail("step() did not change the weights after backward(loss); call optimizer.step()")
-    _expect_no_gradient(target, backend, "after step()")
+    _expect_no_gradient(target, backend, model, "after step()")
     lines.append(f"backward + step changes the weights; step() -> grad_norm {result['grad_norm']:.3g}, "
                  f"lr {result['lr']:.3g}, skipped 0; gradients cleared")
 
-    before = _weights(backend)
+    before = _weights(backend, model)
     _backward(target, backend, batches[1], scale=float("nan"))
     result = _step(target, backend)
-    if result["skipped"] != 1.0 or not _same(before, _weights(backend)):
+    if result["skipped"] != 1.0 or not _same(before, _weights(backend, model)):
         raise target.fail(f"a NaN gradient must make step() a no-op reported as skipped 1.0; got {result} and the "
-                          f"weights {'unchanged' if _same(before, _weights(backend)) else 'changed'}")
-    _expect_no_gradient(target, backend, "after a skipped step()")
+                          f"weights {'unchanged' if _same(before, _weights(backend, model)) else 'changed'}")
+    _expect_no_gradient(target, backend, model, "after a skipped step()")
     lines.append("a NaN gradient: step() changes nothing and reports skipped 1.0")
 
     _backward(target, backend, batches[1])
     guarded(target, "zero_grad()", backend.zero_grad)
-    _expect_no_gradient(target, backend, "after zero_grad()")
+    _expect_no_gradient(target, backend, model, "after zero_grad()")
     lines.append("zero_grad() drops accumulated gradients")
 
-    if getattr(backend, "shards_state", False):
-        lines.append(_checkpoint_round_trip(target, backend, ref, batches))
+    if backend.shards_state:  # a protocol member, checked with the registration
+        lines.append(_checkpoint_round_trip(target, backend, model, ref, batches))
     else:
-        lines.append(_state_dict_round_trip(target, backend, ref, batches))
+        lines.append(_state_dict_round_trip(target, backend, model, ref, batches))
     return lines
 
 
-def _state_dict_round_trip(target: Target, backend: Any, ref: Any, batches: list[Any]) -> str:
+def _state_dict_round_trip(target: Target, backend: Any, model: Any, ref: Any, batches: list[Any]) -> str:
     import torch
 
     state = guarded(target, "state_dict()", backend.state_dict)
@@ -72,27 +72,28 @@ def _state_dict_round_trip(target: Target, backend: Any, ref: Any, batches: list
     except Exception as exc:
         raise target.fail(f"state_dict() cannot be written with torch.save: {type(exc).__name__}: {exc}") from exc
     twin_model = _load_model(ref)
-    twin_model.load_state_dict(backend.model.state_dict() if hasattr(backend, "model") else _weights(backend))
+    twin_model.load_state_dict(_weights(backend, model))
     twin = _make(target, twin_model)
     guarded(target, "load_state_dict()", lambda: twin.load_state_dict(state))
     for b in (backend, twin):
         _backward(target, b, batches[2])
         _step(target, b)
-    if not _same(_weights(backend), _weights(twin)):
+    if not _same(_weights(backend, model), _weights(twin, twin_model)):
         raise target.fail("a new backend given load_state_dict(state_dict()) on the same weights took a different "
                           "next step than the original: state_dict() misses optimizer or schedule state")
     return "state_dict() round trip: torch.save-able, and a restored backend takes the same next step"
 
 
-def _checkpoint_round_trip(target: Target, backend: Any, ref: Any, batches: list[Any]) -> str:
+def _checkpoint_round_trip(target: Target, backend: Any, model: Any, ref: Any, batches: list[Any]) -> str:
     folder = target.workdir() / "backend-checkpoint"
     guarded(target, "save_checkpoint()", lambda: backend.save_checkpoint(folder))
-    twin = _make(target, _load_model(ref))
+    twin_model = _load_model(ref)
+    twin = _make(target, twin_model)
     guarded(target, "load_checkpoint()", lambda: twin.load_checkpoint(folder))
     for b in (backend, twin):
         _backward(target, b, batches[2])
         _step(target, b)
-    if not _same(_weights(backend), _weights(twin)):
+    if not _same(_weights(backend, model), _weights(twin, twin_model)):
         raise target.fail("a new backend given load_checkpoint(save_checkpoint()) took a different next step than "
                           "the original: the checkpoint misses weights, optimizer or schedule state")
     return "save_checkpoint / load_checkpoint round trip: a restored backend takes the same next step"
@@ -133,10 +134,10 @@ def _step(target: Target, backend: Any) -> dict[str, float]:
     return result
 
 
-def _weights(backend: Any) -> dict[str, Any]:
+def _weights(backend: Any, model: Any) -> dict[str, Any]:
+    """The weights of ``model``, which ``backend`` trains in place (``backend_cls(model, config)``)."""
     with backend.full_weights():
-        module = getattr(backend, "model", None) or backend.train_module
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -145,9 +146,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _expect_no_gradient(target: Target, backend: Any, when: str) -> None:
-    module = getattr(backend, "model", None) or backend.train_module
-    left = [n for n, p in module.named_parameters() if p.grad is not None and p.grad.abs().sum() != 0]
+def _expect_no_gradient(target: Target, backend: Any, model: Any, when: str) -> None:
+    left = [n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() != 0]
     if left:
         raise target.fail(f"gradients are left on {left[0]} (and {len(left) - 1} more) {when}; clear them")
 

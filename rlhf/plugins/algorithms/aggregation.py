@@ -23,9 +23,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.errors import RlhfError
-from rlhf.core.types import LossNorm
-from rlhf.core.masked import masked_sum
+from rlhf.api import LossNorm, RlhfError, masked_sum
 
 
 def _at_least_one(count: Any) -> Any:

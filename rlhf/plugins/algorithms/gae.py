@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.types import AdvantageConfig, AdvantageInputs
-from rlhf.core.masked import as_float, masked
+from rlhf.api import AdvantageConfig, AdvantageInputs, as_float, masked
 from rlhf.plugins.algorithms.returns import effective_action_mask, gae, token_rewards, whiten
 
 

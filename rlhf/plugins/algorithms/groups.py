@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.types import AdvantageInputs
-from rlhf.core.masked import as_float
+from rlhf.api import AdvantageInputs, as_float
 
 
 def grouped(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.types import AdvantageConfig, AdvantageInputs
+from rlhf.api import AdvantageConfig, AdvantageInputs
 from rlhf.plugins.algorithms.groups import group_mean, group_std, grouped, ungrouped
 from rlhf.plugins.algorithms.returns import returns_from_sequence_rewards, unit_gamma
 

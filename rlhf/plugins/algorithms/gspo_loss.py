@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.errors import RlhfError
-from rlhf.core.masked import masked, masked_mean, masked_sum
-from rlhf.core.types import PolicyLossInputs
+from rlhf.api import PolicyLossInputs, RlhfError, masked, masked_mean, masked_sum
 from rlhf.plugins.algorithms.ppo_config import PPOLossConfig
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.masked import as_float
+from rlhf.api import as_float
 
 
 def log_ratio(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.masked import as_float, masked_mean
+from rlhf.api import as_float, masked_mean
 from rlhf.plugins.algorithms.ppo_config import CORRECTIONS
 
 

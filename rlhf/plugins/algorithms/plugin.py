@@ -13,8 +13,7 @@ combines them, and the critic's value loss, are the host's: ``rlhf.algorithms``.
 
 from __future__ import annotations
 
-import rlhf
-from rlhf.core.types import AdvantageConfig
+from rlhf.api import AdvantageConfig, hookimpl
 from rlhf.plugins.algorithms.presets import PRESETS
 
 _HERE = "rlhf.plugins.algorithms"
@@ -38,7 +37,7 @@ ESTIMATORS = {
 }
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_advantage_estimators(register):
     for name, (ref, description, needs_critic, needs_groups, aliases) in ESTIMATORS.items():
         register(name, f"{_HERE}.{ref}", description=description, config_cls=AdvantageConfig,
@@ -46,7 +45,7 @@ def register_advantage_estimators(register):
                  needs_critic=needs_critic, needs_groups=needs_groups)
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_kl_estimators(register):
     register("k1", f"{_HERE}.kl:k1", description="k1 = δ = logp - logp_ref (unbiased, may be negative)")
     register("k2", f"{_HERE}.kl:k2", description="k2 = δ²/2 (non-negative)")
@@ -58,7 +57,7 @@ def corrects_mismatch(config) -> bool:
     return config is not None and config.correction is not None
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_policy_losses(register):
     register("ppo", f"{_HERE}.ppo_loss:ppo_policy_loss",
              description="PPO clipped surrogate (asymmetric clip, dual clip, TIS/ICEPOP correction)",
@@ -72,7 +71,7 @@ def register_policy_losses(register):
              aggregation="seq_mean_token_mean", advantage_weighted=True)
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_loss_aggregations(register):
     register("token_mean", f"{_HERE}.aggregation:token_mean",
              description="Σ ℓ m / tokens of the whole optimizer step", sums_rows=True)
@@ -84,7 +83,7 @@ def register_loss_aggregations(register):
              description="mean over sequences of token sum / max new tokens (Dr. GRPO)", sums_rows=True)
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_algorithms(register):
     for name, preset in PRESETS.items():
         register(name, preset)

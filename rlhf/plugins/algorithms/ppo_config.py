@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.core.errors import RlhfError
+from rlhf.api import RlhfError
 
 CORRECTIONS = ("tis", "icepop", "seq_mask_tis")  # rollout/trainer mismatch corrections (mismatch.py)
 

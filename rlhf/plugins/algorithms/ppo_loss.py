@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.errors import RlhfError
-from rlhf.core.types import PolicyLossInputs
-from rlhf.core.masked import masked, masked_mean
+from rlhf.api import PolicyLossInputs, RlhfError, masked, masked_mean
 from rlhf.plugins.algorithms.mismatch import correction_weights
 from rlhf.plugins.algorithms.ppo_config import PPOLossConfig
 

@@ -7,7 +7,7 @@ critic is built follows from the estimator (only ``gae`` needs one). No torch he
 
 from __future__ import annotations
 
-from rlhf.core.types import AlgorithmPreset
+from rlhf.api import AlgorithmPreset
 
 PRESETS: dict[str, AlgorithmPreset] = {
     "ppo": AlgorithmPreset(

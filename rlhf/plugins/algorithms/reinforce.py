@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.types import AdvantageConfig, AdvantageInputs
+from rlhf.api import AdvantageConfig, AdvantageInputs, as_float
 from rlhf.plugins.algorithms.groups import group_mean, grouped, ungrouped
-from rlhf.core.masked import as_float
 from rlhf.plugins.algorithms.returns import returns_from_sequence_rewards, unit_gamma
 
 

@@ -29,8 +29,7 @@ import warnings
 
 import torch
 
-from rlhf.core.types import AdvantageConfig, AdvantageInputs
-from rlhf.core.masked import as_float, masked, masked_sum
+from rlhf.api import AdvantageConfig, AdvantageInputs, as_float, masked, masked_sum
 
 WHITEN_MIN_VARIANCE = 1e-8
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.core.types import AdvantageConfig, AdvantageInputs
+from rlhf.api import AdvantageConfig, AdvantageInputs
 from rlhf.plugins.algorithms.groups import grouped, leave_one_out_mean, ungrouped
 from rlhf.plugins.algorithms.returns import returns_from_sequence_rewards, unit_gamma
 

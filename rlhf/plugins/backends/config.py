@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.plugin_host.settings import run_field
+from rlhf.api import ConfigError, run_field
 
 LR_SCHEDULERS = ("constant", "cosine")
 

@@ -45,8 +45,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.protocols.backend import TrainBackendBase
-from rlhf.core.errors import ConfigError, RlhfError
+from rlhf.api import ConfigError, RlhfError, TrainBackendBase
 from rlhf.plugins.backends.config import DeepSpeedConfig
 from rlhf.plugins.backends.torch_backend import lr_factor
 
@@ -131,7 +130,7 @@ def join_process_group() -> None:
     import deepspeed.ops
     import torch.distributed as dist
 
-    from rlhf.core.distributed import init_from_environment
+    from rlhf.api import init_from_environment
 
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -279,7 +278,7 @@ class DeepSpeedBackend(TrainBackendBase):
         with ``params`` at stage 3 the parameter partitions too), the client optimizer's state at stage 0.
         What DeepSpeed already keeps on the CPU (``offload_optimizer``) stays. Returns the bytes moved
         (0: DeepSpeed does not say)."""
-        from rlhf.core.offload import TensorOffload, TrainStateOffload
+        from rlhf.api import TensorOffload, TrainStateOffload
 
         config, optimizer = self.config, self.engine.optimizer
         if config.zero_stage == 0:  # the client optimizer, stepped by DeepSpeed as it is

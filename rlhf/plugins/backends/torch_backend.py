@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.protocols.backend import TrainBackendBase
-from rlhf.core.offload import TrainStateOffload
+from rlhf.api import TrainBackendBase, TrainStateOffload
 from rlhf.plugins.backends.config import BackendConfig
 
 __all__ = ["BackendConfig", "TorchBackend", "lr_factor"]

@@ -41,11 +41,9 @@ from typing import Any
 
 import torch
 
-from rlhf.core.protocols.rollout import Generation, SamplingParams
-from rlhf.core.modeling import accepts_logits_to_keep, base_model, cache_argument
+from rlhf.api import (Generation, LeanDecodeUnsupported, LeanDecoder, SamplingParams, accepts_logits_to_keep,
+                      base_model, cache_argument, fast_path_verdict, lean_decoder_supported, settle_fast_path)
 from rlhf.plugins.engines.config import DECODERS, HFEngineConfig
-from rlhf.fastpaths.lean_decode import LeanDecoder, LeanDecodeUnsupported, lean_decoder_supported
-from rlhf.fastpaths.verdicts import settle, verdict
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +209,7 @@ class HFEngine:
         lean = self._lean_decoder(cache, attention_mask, params.max_new_tokens, source)
         # A variant of the lean step not yet checked on this model runs beside the forward for its
         # first LEAN_CHECK_STEPS steps (the cache growing), then alone if their logits agree.
-        checking = lean is not None and verdict(base, lean.path) is None
+        checking = lean is not None and fast_path_verdict(base, lean.path) is None
         to_check, worst = min(LEAN_CHECK_STEPS, params.max_new_tokens - 1), 0.0
         if source is not None and not torch.equal(source, torch.arange(len(source), device=source.device)):
             if lean is None or checking:
@@ -255,8 +253,8 @@ class HFEngine:
                     if t + 1 >= to_check or not worst <= _lean_tolerance(logits):
                         tolerance = _lean_tolerance(logits)
                         checking = False
-                        if not settle(base, lean.path, worst, tolerance, who="hf engine",
-                                      switch="--engine.decoder direct"):
+                        if not settle_fast_path(base, lean.path, worst, tolerance, who="hf engine",
+                                                switch="--engine.decoder direct"):
                             lean = None
             next_position = next_position + 1
         return tokens, logprobs
@@ -283,7 +281,7 @@ class HFEngine:
                             "forward", exc)
                 self.warned_lean_unsupported = True
             return None
-        return lean if verdict(base_model(self.model), lean.path) is not False else None
+        return lean if fast_path_verdict(base_model(self.model), lean.path) is not False else None
 
     def _all_finished(self, finished: torch.Tensor) -> bool:
         """Every row has ended; with ``synced_gpus``, on every rank (a rank that is done keeps decoding padding)."""

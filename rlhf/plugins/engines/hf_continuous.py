@@ -38,9 +38,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.modeling import accepts_logits_to_keep, base_model, cache_argument
-from rlhf.core.protocols.rollout import Generation, SamplingParams
-from rlhf.fastpaths.llama_like import cache_tensors
+from rlhf.api import Generation, SamplingParams, accepts_logits_to_keep, base_model, cache_argument, cache_tensors
 
 
 @dataclass(eq=False)

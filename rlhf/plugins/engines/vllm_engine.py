@@ -59,8 +59,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.protocols.rollout import Generation, SamplingParams
+from rlhf.api import ConfigError, Generation, SamplingParams
 from rlhf.plugins.engines.config import VLLMEngineConfig
 from rlhf.plugins.engines.vllm_continuous import RequestBatch
 from rlhf.plugins.engines.vllm_weights import (Named, bucket_by_bytes, map_state_dict, policy_version,

@@ -38,8 +38,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.modeling import innermost
+from rlhf.api import ConfigError, innermost
 
 Named = tuple[str, torch.Tensor]
 

@@ -5,10 +5,10 @@ Registered by reference so that listing plugins imports neither the sandbox nor 
 
 from __future__ import annotations
 
-import rlhf
+from rlhf.api import hookimpl
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_envs(register):
     register("single_turn", "rlhf.plugins.envs.single_turn:SingleTurnEnv", multi_turn=False, gives_rewards=False,
              description="One model turn; the reward comes from the reward sources")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.core.types import StepResult
+from rlhf.api import StepResult
 
 
 class SingleTurnEnv:

@@ -36,8 +36,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from rlhf.core.errors import RlhfError
-from rlhf.core.types import StepResult
+from rlhf.api import RlhfError, StepResult
 from rlhf.sandbox import SandboxConfig, SandboxResult, run_code_async
 
 FENCE_STOP = "```\n"

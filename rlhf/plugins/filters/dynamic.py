@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.types import Trajectory
+from rlhf.api import ConfigError, Trajectory
 
 
 @dataclass(kw_only=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import rlhf
+from rlhf.api import hookimpl
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_sample_filters(register):
     register("dynamic", "rlhf.plugins.filters.dynamic:dynamic_filter",
              description="DAPO dynamic sampling: drop groups whose scores do not vary (or whose mean is outside "

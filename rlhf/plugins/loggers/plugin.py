@@ -15,8 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import rlhf
-from rlhf.core.errors import NO_SPACE_ERRNOS, RlhfError, no_space, size_text
+from rlhf.api import RlhfError, hookimpl, no_space, says_no_space, size_text
 
 _open: dict[tuple[str, Path], Any] = {}
 
@@ -44,7 +43,7 @@ def _append(run: Any, name: str, record: dict[str, Any]) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             handle.truncate(start)
-        if exc.errno in NO_SPACE_ERRNOS:
+        if says_no_space(exc):
             raise no_space(path, needed=size_text(len(line))) from exc
         raise RlhfError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
@@ -58,7 +57,7 @@ def _close(run: Any) -> None:
             handle.finish()
 
 
-@rlhf.hookimpl
+@hookimpl
 def on_run_start(run):
     out = Path(run.out_dir)
     if run.config.get("tensorboard"):
@@ -79,12 +78,12 @@ def on_run_start(run):
                                            name=run.config.get("wandb_run_name") or out.name, resume="allow")
 
 
-@rlhf.hookimpl
+@hookimpl
 def on_step_end(run, step, metrics):
     _log_row(run, step + 1, metrics)
 
 
-@rlhf.hookimpl(trylast=True)
+@hookimpl(trylast=True)
 def on_eval(run, step, metrics):
     _log_row(run, step, metrics)
 
@@ -104,7 +103,7 @@ def _log_row(run, step, metrics):
         wandb_run.log(dict(metrics), step=step)
 
 
-@rlhf.hookimpl(trylast=True)
+@hookimpl(trylast=True)
 def on_rewards(run, step, trajectories, rewards):
     limit = run.config.get("log_samples")
     for index, trajectory in enumerate(trajectories[:limit] if limit is not None else trajectories):
@@ -116,6 +115,6 @@ def on_rewards(run, step, trajectories, rewards):
         })
 
 
-@rlhf.hookimpl
+@hookimpl
 def on_run_end(run, status):
     _close(run)

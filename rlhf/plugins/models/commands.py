@@ -26,7 +26,7 @@ def merge_lora_command(adapter_dir: Path, base: str | None, out_dir: Path, dtype
 
     The result loads with AutoModelForCausalLM.from_pretrained and vLLM, without peft.
     """
-    from rlhf.core.errors import ConfigError
+    from rlhf.api import ConfigError
     from rlhf.plugins.models.loading import DTYPES
     from rlhf.plugins.models.lora import merge_lora
 

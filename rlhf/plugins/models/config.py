@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.core.plugin_host.settings import run_field
+from rlhf.api import run_field
 
 
 @dataclass(kw_only=True)

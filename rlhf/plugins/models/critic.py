@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.checkpoints import read_weight, scalar_head_layout
-from rlhf.core.errors import ConfigError
+from rlhf.api import ConfigError, read_weight, scalar_head_layout
 from rlhf.plugins.models.lora import merged_state_dict
 
 log = logging.getLogger(__name__)

@@ -34,10 +34,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.protocols.adapter import ModelAdapterBase
-from rlhf.fastpaths.cpu_linear import check_mode, use_onednn_linears
-from rlhf.fastpaths.vocab_chunks import use_vocab_chunks
-from rlhf.core.errors import ConfigError
+from rlhf.api import ConfigError, ModelAdapterBase, check_cpu_linear_mode, use_onednn_linears, use_vocab_chunks
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.critic import CriticModel
 from rlhf.plugins.models.loading import (ATTENTION, DTYPES, check_attention, enable_activation_checkpointing,
@@ -64,7 +61,7 @@ class HFModelAdapter(ModelAdapterBase):
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         check_attention(self.config.attn_implementation, None)
-        check_mode(self.config.cpu_linear)
+        check_cpu_linear_mode(self.config.cpu_linear)
         self.lora: Any = None
         if self.config.lora_rank > 0:
             self.lora = LoRA(self.config, self.device)

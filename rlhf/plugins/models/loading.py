@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.modeling import check_model_ref, reading_weights
+from rlhf.api import ConfigError, check_model_ref, reading_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

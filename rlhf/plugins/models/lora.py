@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.modeling import innermost, reading_weights
+from rlhf.api import ConfigError, innermost, reading_weights
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.loading import enable_activation_checkpointing, is_installed, quiet_transformers
 

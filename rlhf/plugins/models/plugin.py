@@ -1,7 +1,7 @@
 """Registers the built-in model adapters (imported lazily: this module stays torch-free) and the
 ``rlhf merge-lora`` command."""
 
-import rlhf
+from rlhf.api import hookimpl
 
 ROLES = ("policy", "reference", "critic", "reward")
 # Settings that also get a plain flag (--lora-rank besides --model-adapter.lora-rank).
@@ -10,19 +10,19 @@ SHORT_FLAGS = ("attn_implementation", "gradient_checkpointing", "chat_template",
                "vocab_chunks")
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_models(register):
     register("hf", "rlhf.plugins.models.hf:HFModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
-             short_flags=SHORT_FLAGS, roles=ROLES,
+             short_flags=SHORT_FLAGS, roles=ROLES, merge_setting="merge_lora",
              description="Any AutoModelForCausalLM directory or hub name (LoRA when --lora-rank > 0); "
                                       "critic and reward model = backbone + scalar head")
     register("lora", "rlhf.plugins.models.hf:LoRAModelAdapter", config_cls="rlhf.plugins.models.config:HFModelConfig",
-             short_flags=SHORT_FLAGS, roles=ROLES,
+             short_flags=SHORT_FLAGS, roles=ROLES, merge_setting="merge_lora",
              description="The hf adapter with peft LoRA always on (rank 8 unless --lora-rank); "
                                       "reference = the base weights with the adapter off")
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_commands(cli):
     from rlhf.plugins.models.commands import merge_lora_command
 

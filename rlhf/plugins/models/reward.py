@@ -22,7 +22,7 @@ import copy
 from pathlib import Path
 import torch
 
-from rlhf.core.errors import ConfigError
+from rlhf.api import ConfigError
 from rlhf.plugins.models.critic import CriticModel
 from rlhf.plugins.models.lora import merged_state_dict
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.core.errors import ConfigError
+from rlhf.api import ConfigError
 
 
 def _opt(default, help: str):

@@ -18,9 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.protocols.objective import FitModels, ObjectiveBase, TextFormat
-from rlhf.objectives import distillation_loss, sft_loss, token_batch
+from rlhf.api import ConfigError, FitModels, ObjectiveBase, TextFormat, distillation_loss, sft_loss, token_batch
 from rlhf.plugins.objectives.config import DistillConfig
 from rlhf.plugins.objectives.sft import response_example
 
@@ -48,7 +46,7 @@ class DistillObjective(ObjectiveBase):
         return float(batch["loss_mask"][:, 1:].sum())
 
     def loss(self, models: FitModels, batch: dict[str, Any], stats: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
-        from rlhf.core.logprobs import deferred_head
+        from rlhf.api import deferred_head
 
         student, teacher = deferred_head(models.model), deferred_head(models.teacher)
         if student is not None and teacher is not None:
@@ -83,7 +81,7 @@ class DistillObjective(ObjectiveBase):
         (`rlhf.core.logprobs.DeferredHead`): only the learnt tokens' predictions are projected."""
         import torch
 
-        from rlhf.core.logprobs import hidden_states_out
+        from rlhf.api import hidden_states_out
 
         input_ids, attention_mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         if student.weight.shape[0] != teacher.weight.shape[0]:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.protocols.objective import FitModels, ObjectiveBase, TextFormat
-from rlhf.objectives import dpo_loss, response_mask, sequence_logps, shared_token_logps, token_batch, token_logps
+from rlhf.api import (FitModels, ObjectiveBase, TextFormat, dpo_loss, response_mask, sequence_logps,
+                      shared_token_logps, token_batch, token_logps)
 from rlhf.plugins.objectives.config import DPOConfig
 from rlhf.plugins.objectives.pairs import pair_columns, pair_texts
 
@@ -76,9 +76,7 @@ class DPOObjective(ObjectiveBase):
     def _forward(self, batch: dict[str, Any], share: bool) -> Any:
         """``m -> (2P, A) log-probs of the learnt tokens under m`` (the policy or the reference), each
         pair's prompt shared when ``share`` and the model takes it (`checked_for_sharing`)."""
-        from rlhf.core.logprobs import without_last_token
-        from rlhf.fastpaths.packing import is_packed
-        from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes
+        from rlhf.api import can_share, checked_for_sharing, is_packed, share_prefixes, without_last_token
 
         inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
         pairs = len(batch["input_ids"]) // 2

@@ -23,8 +23,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.protocols.objective import BadRow, FitModels, ObjectiveBase, TextFormat, require
-from rlhf.objectives import kto_loss, response_mask, sequence_logps, token_batch, token_logps
+from rlhf.api import (BadRow, FitModels, ObjectiveBase, TextFormat, kto_loss, require, response_mask, sequence_logps,
+                      token_batch, token_logps)
 from rlhf.plugins.objectives.config import KTOConfig
 
 _TRUE = ("true", "1", "yes", "desirable", "good")

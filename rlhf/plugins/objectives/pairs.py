@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.protocols.objective import BadRow, SkipExample, TextFormat, require
+from rlhf.api import BadRow, SkipExample, TextFormat, require
 from rlhf.plugins.objectives.config import PairConfig
 
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.protocols.objective import BadRow, FitModels, ObjectiveBase, SkipExample, TextFormat, require
-from rlhf.objectives import pad_right, prm_loss, prm_loss_at
+from rlhf.api import (BadRow, ConfigError, FitModels, ObjectiveBase, SkipExample, TextFormat, pad_right, prm_loss,
+                      prm_loss_at, require)
 from rlhf.plugins.objectives.config import PRMConfig
 
 IGNORE_INDEX = -100
@@ -101,7 +100,7 @@ class PRMObjective(ObjectiveBase):
         return float(((batch["input_ids"] == self._tokens[0]) & (batch["labels"] != IGNORE_INDEX)).sum())
 
     def loss(self, models: FitModels, batch: dict[str, Any], stats: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
-        from rlhf.core.logprobs import deferred_head, hidden_states_out
+        from rlhf.api import deferred_head, hidden_states_out
 
         placeholder, reward_ids = self._tokens
         head = deferred_head(models.model)

@@ -19,8 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.protocols.objective import BadRow, FitModels, ObjectiveBase, TextFormat
-from rlhf.objectives import last_token_scores, reward_model_loss, token_batch
+from rlhf.api import BadRow, FitModels, ObjectiveBase, TextFormat, last_token_scores, reward_model_loss, token_batch
 from rlhf.plugins.objectives.config import RewardModelConfig
 from rlhf.plugins.objectives.pairs import pair_columns, pair_texts
 

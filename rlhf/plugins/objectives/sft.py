@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.core.protocols.objective import BadRow, FitModels, ObjectiveBase, TextFormat, require
-from rlhf.objectives import response_mask, token_batch, token_logps
+from rlhf.api import BadRow, FitModels, ObjectiveBase, TextFormat, require, response_mask, token_batch, token_logps
 from rlhf.plugins.objectives.config import SFTConfig
 
 

@@ -6,12 +6,12 @@ loads when a run uses it.
 
 from __future__ import annotations
 
-import rlhf
+from rlhf.api import hookimpl
 from rlhf.plugins.rewards.builtin import exact_match, regex_match, think_format
 from rlhf.plugins.rewards.math_answer import boxed_math
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_rewards(register):
     register("exact_match", exact_match, batched=True, is_async=False)
     register("regex_match", regex_match, batched=False, is_async=False)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.plugin_host.settings import run_field
-from rlhf.core.types import Trajectory
+from rlhf.api import ConfigError, Trajectory, run_field
 
 
 @dataclass(kw_only=True)

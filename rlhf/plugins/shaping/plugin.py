@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import rlhf
+from rlhf.api import hookimpl
 
 
-@rlhf.hookimpl
+@hookimpl
 def register_reward_shapings(register):
     register("overlong", "rlhf.plugins.shaping.overlong:overlong_shaping",
              description="DAPO soft overlong penalty: -factor·excess/buffer past --max-new-tokens minus "

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.core.errors import ConfigError
-from rlhf.core.types import Trajectory
+from rlhf.api import ConfigError, Trajectory
 
 TRUNCATED = ("length", "budget")  # finish reasons of a completion cut by a limit
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugin_host.references import is_reference, resolve
+from rlhf.core.plugin_host.registry import declared_registration
 from rlhf.core.plugin_host.settings import build_component_config, setting_fields
 from rlhf.runtime.run.threads import requested_threads
 
@@ -53,7 +54,7 @@ def choose(name: str, kind: str, plugins: PluginSet) -> SlotChoice:
         problem = registry.kind.check(obj)
         if problem:
             raise ConfigError(f"{name} is not a usable {kind.replace('_', ' ')}: {problem}")
-        config_cls, capabilities = registry.kind.declared_by(obj)
+        config_cls, capabilities = declared_registration(registry.kind, obj, name)
         return SlotChoice(name, config_cls, capabilities, obj=obj)
     component = registry.component(name)
     return SlotChoice(component.name, component.load_config_cls(), dict(component.capabilities), component=component)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugin_host.references import is_reference, resolve
+from rlhf.core.plugin_host.registry import declared_registration
 from rlhf.core.plugin_host.settings import build_component_config, setting_fields
 from rlhf.core.types import AdvantageConfig
 from rlhf.runtime.config.options import Slot, data_parallel_ranks
@@ -187,6 +188,21 @@ class RunPlan(Plan):
                               "registers no offloads_state=True): drop --offload-train-state, or use a backend that "
                               "can (`rlhf plugins list`)")
 
+    def whole_weights_advice(self) -> str:
+        """How to keep the policy's weights whole on every rank, for messages: lower the setting the
+        backend declares shards its memory (``sharding_setting``, by the flag a user types), or
+        choose a backend that does not shard."""
+        backend = self.choices["backend"]
+        setting = backend.capabilities.get("sharding_setting")
+        if setting is None:
+            return f"use a backend that keeps whole weights on every rank (not {backend.name!r})"
+        dashed = setting.replace("_", "-")
+        short = (backend.component is not None and setting in backend.component.short_flags
+                 and setting not in {f.name for f in dataclasses.fields(TrainConfig)})
+        flag = f"--{dashed}" if short else f"{SLOTS['backend'].flag}.{dashed}"
+        return (f"lower {flag} (the {backend.name!r} backend's sharding setting) until it keeps whole weights on "
+                "every rank")
+
     def warnings(self) -> list[str]:
         """Options that will do nothing, one sentence each (both runtimes print them before a run)."""
         found = []
@@ -224,7 +240,7 @@ class RunPlan(Plan):
         for name in dict.fromkeys(enabled + list(self.config.reward_shaping)):
             if is_reference(name):
                 obj = resolve(name).obj
-                config_cls, _ = registry.kind.declared_by(obj)
+                config_cls, _ = declared_registration(registry.kind, obj, name)
             else:
                 component = registry.component(name)
                 obj, config_cls, name = component.load(), component.load_config_cls(), component.name

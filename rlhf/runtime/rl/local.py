@@ -110,8 +110,9 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
     the device while the engine generates with ``--offload-train-state``."""
     config = plan.config
     if synced_generation and plan.env_capability("multi_turn"):
-        raise ConfigError(f"--env {config.env} with --zero-stage 3 on several ranks is not supported yet: every rank "
-                          "must make the same generate calls; use --zero-stage 2, or one process")
+        raise ConfigError(f"--env {config.env} on several ranks with a backend that shards the weights is not supported "
+                          f"yet: every rank must make the same generate calls; {plan.whole_weights_advice()}, or run "
+                          "one process")
     engine_config = plan.component_config("engine", synced_generation=synced_generation)
     engine = plan.choices["engine"].load()(model, tokenizer, engine_config)
     envs = EnvFactory(plugins.registry("env"), plan.env_settings, plan.run_values())
@@ -119,7 +120,8 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
     set_aside = [worker.backend for worker in trained if worker is not None] if config.offload_train_state else []
     return RolloutWorker(engine, tokenizer, envs, RolloutSettings(env=config.env, max_turns=config.max_turns,
                                                                   max_total_tokens=plan.token_budget),
-                         set_aside=set_aside)
+                         set_aside=set_aside,
+                         continuous_batching=plan.choices["engine"].capabilities["continuous_batching"])
 
 
 def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker:
@@ -210,7 +212,7 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     critic = build_critic(plan, adapter, dist) if plan.algorithm.needs_critic else None
     if config.async_rollout and policy.backend.shards_weights:
         raise ConfigError(f"--async copies the policy's weights for generation, and the {config.backend!r} backend "
-                          "shards them: use --zero-stage 2 or lower, or drop --async")
+                          f"shards them: {plan.whole_weights_advice()}, or drop --async")
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
                             synced_generation=policy.backend.shards_weights and dist.active, trained=(policy, critic))
     # Sampling starts from its own seed, whatever the builds drew (as in the Ray rollout actors), and
@@ -225,7 +227,8 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
                          # lanes copy the policy module: only for engines that sample from it in place
                          rollouts_overlap=config.max_turns > 1 and plan.env_capability("multi_turn")
                          and rollout.engine.shares_weights
-                         and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens))),
+                         and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens),
+                                                  declared=rollout.continuous_batching)),
         export=lambda out_dir, critic_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist,
                                                         critic_dir),
     )

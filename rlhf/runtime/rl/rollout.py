@@ -8,9 +8,10 @@ An episode ends when the environment says done, the model emits EOS, ``max_turns
 or the trajectory's token budget (prompt + every turn + observations) is spent. Only model
 tokens carry loss mask 1, so environment text never enters the policy loss.
 
-With an engine that batches continuously (`rlhf.core.protocols.rollout.batches_continuously`: the ``hf``
-engine's default) a multi-turn rollout runs every trajectory on its own instead: reset, then
-turn after turn, each turn a request of its own that joins the engine's running decode batch,
+With an engine that batches continuously (registered with ``continuous_batching``,
+`rlhf.core.protocols.rollout.batches_continuously`: the ``hf`` engine's default) a multi-turn
+rollout runs every trajectory on its own instead: reset, then turn after turn, each turn a
+request of its own that joins the engine's running decode batch,
 so a trajectory whose tool call returns early generates its next turn while slower ones still
 wait. Each request samples from a random stream of its own, seeded from one draw of the
 process's stream per rollout, the trajectory's index and the turn: what a trajectory samples
@@ -33,9 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.protocols.environment import AsyncEnv, create_env, route_env
+from rlhf.core.protocols.environment import AsyncEnv, EnvDeclarations, create_env, route_env
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugin_host.references import resolve
+from rlhf.core.plugin_host.registry import declared_registration
 from rlhf.core.plugin_host.settings import build_component_config
 from rlhf.core.protocols.rollout import Generation, SamplingParams, batches_continuously
 from rlhf.core.types import Trajectory
@@ -73,7 +75,7 @@ class EnvFactory:
 
     def __call__(self, name: str) -> AsyncEnv:
         env_cls, config, _ = self._resolve(name)
-        return AsyncEnv(create_env(env_cls, config), name=name)
+        return AsyncEnv(create_env(env_cls, config), name=name, declarations=EnvDeclarations.of(env_cls))
 
     def _resolve(self, name: str) -> tuple[type, Any, dict[str, Any]]:
         if name not in self._resolved:
@@ -82,9 +84,10 @@ class EnvFactory:
                 component = self.registry.component(name)
                 config_cls, capabilities = component.load_config_cls(), dict(component.capabilities)
             else:
-                config_cls, capabilities = self.registry.kind.declared_by(found.obj)
+                config_cls, capabilities = declared_registration(self.registry.kind, found.obj, name)
             config = build_component_config(config_cls, settings=self.settings_for(name, config_cls),
                                             run_values=self.run_values, who=f"the {name!r} env", flag="--env")
+            EnvDeclarations.of(found.obj)  # its optional members read (and checked) once, with the rest
             self._resolved[name] = (found.obj, config, capabilities)
         return self._resolved[name]
 
@@ -121,11 +124,13 @@ class RolloutWorker:
     stateful = False  # its random numbers are this process's, which every checkpoint saves
 
     def __init__(self, engine: Any, tokenizer: Any, env_factory: Any, settings: RolloutSettings, *,
-                 set_aside: Sequence[Any] = ()):
+                 set_aside: Sequence[Any] = (), continuous_batching: bool = False):
         """``set_aside``: training backends (``offloads_state``) whose training state leaves the device
         while this worker generates (``--offload-train-state``); their parameters too when the engine
-        has weights of its own."""
+        has weights of its own. ``continuous_batching``: the engine's registration declares it
+        (`rlhf.core.protocols.rollout.ContinuousEngine`)."""
         self.engine, self.tokenizer = engine, tokenizer
+        self.continuous_batching = continuous_batching
         self.make_env, self.settings = env_factory, settings
         self.set_aside = list(set_aside)
         self.told_offload = False  # the first set-aside's size is logged once
@@ -179,7 +184,8 @@ class RolloutWorker:
         asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(len(episodes), MAX_ENV_THREADS)), thread_name_prefix="rlhf-env"))
         try:
-            if self._multi_turn(episodes) and batches_continuously(self.engine, params):
+            if self._multi_turn(episodes) and batches_continuously(self.engine, params,
+                                                                   declared=self.continuous_batching):
                 await self._each_on_its_own(episodes, params)
                 return [self._trajectory(e) for e in episodes]
             await self._timed(episodes, [e.env.reset(e.item.prompt, e.label, e.item.columns) for e in episodes],
