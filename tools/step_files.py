@@ -69,7 +69,7 @@ class StepFiles:
 
 
 def _is_loop_step(code: Any) -> bool:
-    return code.co_name == "step" and (code.co_filename.endswith(os.path.join("runtime", "trainer.py"))
+    return code.co_name == "step" and (code.co_filename.endswith(os.path.join("runtime", "rl", "trainer.py"))
                                        or code.co_filename.endswith(os.path.join("runtime", "fit", "loop.py")))
 
 
