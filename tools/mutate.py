@@ -4,6 +4,7 @@
     python tools/mutate.py --sample 0           # only the curated ones (wiring bugs reviews found)
     python tools/mutate.py --per-area 15        # curated + 15 drawn from each area
     python tools/mutate.py --sample 400 --jobs 2 --seed 3 --json mutants.json
+    python tools/mutate.py --files rlhf/algorithms/training_loss.py --sample 10 --tests tests/algorithms
 
 Each mutant changes one spot of one file in a copy of the repository (never this checkout) and
 runs the fast tests of the file's area there (`AREAS`, ``-x``); a mutant is *killed* when they
@@ -411,10 +412,11 @@ def run_tests(copy: Path, timeout: float, tests: list[str]) -> str:
     return "survived" if result.returncode == 0 else "killed"
 
 
-def run(mutants: list[Mutant], jobs: int, timeout: float) -> None:
+def run(mutants: list[Mutant], jobs: int, timeout: float, tests: list[str] | None = None) -> None:
+    """Each mutant against its area's fast tests, or against ``tests`` when given (a quicker sample)."""
     copies = [make_copy() for _ in range(jobs)]
     try:
-        every_test = list(dict.fromkeys(t for _, tests in AREAS.values() for t in tests))
+        every_test = tests or list(dict.fromkeys(t for _, area_tests in AREAS.values() for t in area_tests))
         if run_tests(copies[0], timeout * 5, every_test) != "survived":
             raise SystemExit(f"the fast tests fail on the unmutated code (in {copies[0]}); fix that first")
         free = list(copies)
@@ -426,7 +428,7 @@ def run(mutants: list[Mutant], jobs: int, timeout: float) -> None:
             began = time.perf_counter()
             try:
                 target.write_text(mutant.source)
-                mutant.status = run_tests(copy, timeout, tests_of(mutant.file))
+                mutant.status = run_tests(copy, timeout, tests or tests_of(mutant.file))
             finally:
                 target.write_text(original)
                 free.append(copy)
@@ -450,6 +452,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once (one repository copy each)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant before it counts as killed")
     parser.add_argument("--files", nargs="*", default=TARGETS, help="files to mutate (default: every area's)")
+    parser.add_argument("--tests", nargs="*", default=None,
+                        help="run these tests on every mutant instead of its area's (a quicker, narrower sample)")
     parser.add_argument("--json", type=Path, help="write every mutant's result here")
     args = parser.parse_args()
 
@@ -463,7 +467,7 @@ def main() -> None:
     mutants = curated + drawn
     print(f"running {len(mutants)} mutants ({len(curated)} curated, {len(drawn)} drawn from the operators) "
           f"in {len(args.files)} files", flush=True)
-    run(mutants, args.jobs, args.timeout)
+    run(mutants, args.jobs, args.timeout, args.tests)
     print()
     for area in [*AREAS, "other"]:
         print_rate(area, [m for m in mutants if m.area == area])
