@@ -188,7 +188,7 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
 def test_async_trains_against_the_behaviour_policys_logprobs(tiny_model_dir, task, reward, tmp_path, plugins,
                                                              options, steps_per_rollout):
     """With --max-staleness 1, the batch of step s ≥ 1 was sampled by version s − 1 of the policy
-    and trains version s. The ratio of the PPO loss must be exp(logp_s − logp_{s−1}), and KL in
+    and trains version s. The ratio of the PPO loss must be exp(logprobs_s − logprobs_{s−1}), and KL in
     the reward k1 = logprobs_{s−1} − ref_logprobs: the behaviour log-probs the producer computed with the
     weights that sampled. A trainer that recomputed the old log-probs with the weights it trains
     (what a synchronous run does when an optimizer step or the KL needs them) would see a ratio

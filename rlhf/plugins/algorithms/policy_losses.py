@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from rlhf.core.types import LossNorm, PolicyLossInputs
 
 __all__ = ["CORRECTIONS", "LOG_RATIO_CLAMP", "PPOLossConfig", "clipped_surrogate", "correction_weights",
-           "gspo_policy_loss", "k1", "k2", "k3", "log_ratio", "policy_metrics", "ppo_policy_loss", "seq_mean_token_mean",
-           "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_mean"]
+           "gspo_policy_loss", "k1", "k2", "k3", "log_ratio", "policy_metrics", "ppo_policy_loss",
+           "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_mean"]
 
 
 # --- 1. settings ----------------------------------------------------------------------------------
@@ -284,17 +284,19 @@ def log_ratio(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tenso
 
 
 def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k1 = δ: unbiased, may be negative; the default for KL in the reward. (B, A)"""
+    """k1 = δ (Schulman 2020): unbiased, may be negative; the default for KL in the reward. (B, A)"""
     return log_ratio(logprobs, ref_logprobs)  # (B, A)
 
 
 def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k2 = δ²/2: biased, non-negative; its gradient matches k1's in expectation near δ = 0. (B, A)"""
+    """k2 = δ²/2 (Schulman 2020): biased, non-negative; its gradient matches k1's in expectation near
+    δ = 0. (B, A)"""
     return log_ratio(logprobs, ref_logprobs).pow(2) / 2.0  # (B, A)
 
 
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(-δ) - 1 + δ: unbiased, non-negative, low variance; GRPO's KL loss. (B, A)"""
+    """k3 = exp(-δ) - 1 + δ (Schulman 2020): unbiased, non-negative, low variance; GRPO's KL loss
+    (Shao et al. 2024, arXiv:2402.03300). (B, A)"""
     delta = log_ratio(logprobs, ref_logprobs)  # (B, A)
     return ((-delta).exp() - 1 + delta).clamp(min=0)  # (B, A); the clamp only undoes rounding
 
@@ -325,7 +327,7 @@ def token_mean(loss: torch.Tensor, loss_mask: torch.Tensor, norm: LossNorm) -> t
 
 def seq_mean_token_mean(loss: torch.Tensor, loss_mask: torch.Tensor, norm: LossNorm) -> torch.Tensor:
     """Σ_i (Σ_t ℓ m / Σ_t m) / N_seq: every sequence weighs the same, tokens within it equally (the GRPO
-    paper's form). loss, loss_mask (B, A) -> ()"""
+    paper's form, Shao et al. 2024, arXiv:2402.03300). loss, loss_mask (B, A) -> ()"""
     from rlhf.core.masked import masked_sum
 
     tokens_per_sequence = loss_mask.bool().sum(dim=-1).clamp(min=1).to(loss.dtype)  # (B,)
