@@ -322,6 +322,7 @@ def test_gae_needs_values(plugins):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"dual_clip": 0.9}, "dual_clip must be greater than 1"),
+    ({"dual_clip": 1.0}, "dual_clip must be greater than 1"),  # c = 1 would cap a negative-advantage ratio at 1
     ({"correction": "seq-tis"}, "unknown mismatch correction 'seq_tis'"),
     ({"correction": "tis"}, "needs the rollout engine's log-probs"),
     ({"clip_low": 1.5}, "clip ranges"),
