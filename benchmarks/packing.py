@@ -59,8 +59,8 @@ def main() -> None:
         for begin in range(0, len(order), options.micro_batch_size):
             rows = order[begin:begin + options.micro_batch_size]
             keep = max(lengths[r] for r in rows)
-            logps, _ = token_logprobs(forward, ids[rows, :keep], mask[rows, :keep], actions[rows, :keep - 1])
-            (logps * actions[rows, :keep - 1]).sum().backward()
+            logprobs, _ = token_logprobs(forward, ids[rows, :keep], mask[rows, :keep], actions[rows, :keep - 1])
+            (logprobs * actions[rows, :keep - 1]).sum().backward()
         model.zero_grad()
         return time.perf_counter() - wall, time.process_time() - cpu
 

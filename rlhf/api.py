@@ -76,12 +76,12 @@ _HOMES: dict[str, str] = {
     "distillation_loss": "rlhf.objectives",
     "prm_loss": "rlhf.objectives",
     "prm_loss_at": "rlhf.objectives",
-    "sequence_logps": "rlhf.objectives",
+    "sequence_logprobs": "rlhf.objectives",
     "pad_right": "rlhf.objectives",
     "token_batch": "rlhf.objectives",
     "response_mask": "rlhf.objectives",
-    "token_logps": "rlhf.objectives",
-    "shared_token_logps": "rlhf.objectives",
+    "learnt_logprobs": "rlhf.objectives",
+    "shared_learnt_logprobs": "rlhf.objectives",
     "last_token_scores": "rlhf.objectives",
     # log-probs
     "token_logprobs": "rlhf.core.logprobs",
@@ -170,7 +170,7 @@ if TYPE_CHECKING:  # the same names for type checkers and editors (tests/core/te
     from rlhf.fastpaths.verdicts import settle as settle_fast_path
     from rlhf.fastpaths.verdicts import verdict as fast_path_verdict
     from rlhf.fastpaths.vocab_chunks import use_vocab_chunks
-    from rlhf.objectives import (distillation_loss, dpo_loss, kto_loss, last_token_scores, pad_right, prm_loss,
-                                 prm_loss_at, response_mask, reward_model_loss, sequence_logps, sft_loss,
-                                 shared_token_logps, token_batch, token_logps)
+    from rlhf.objectives import (distillation_loss, dpo_loss, kto_loss, last_token_scores, learnt_logprobs, pad_right,
+                                 prm_loss, prm_loss_at, response_mask, reward_model_loss, sequence_logprobs, sft_loss,
+                                 shared_learnt_logprobs, token_batch)
     from rlhf.plugin_kit.testing import run_rlhf

@@ -15,9 +15,9 @@ def rl_step():
 
 def test_the_rl_loss_file_calls_its_components_and_the_experience_step_calls_the_estimator(rl_step):
     handovers = rl_step.handovers
-    assert handovers["plugins/algorithms/ppo_loss.py:ppo_policy_loss"] == "algorithms/training_loss.py"
-    assert handovers["plugins/algorithms/kl.py:k3"] == "algorithms/training_loss.py"
-    assert handovers["plugins/algorithms/aggregation.py:token_mean"] == "algorithms/training_loss.py"
+    assert handovers["plugins/algorithms/policy_losses.py:ppo_policy_loss"] == "algorithms/training_loss.py"
+    assert handovers["plugins/algorithms/policy_losses.py:k3"] == "algorithms/training_loss.py"
+    assert handovers["plugins/algorithms/policy_losses.py:token_mean"] == "algorithms/training_loss.py"
     assert handovers["plugins/algorithms/grpo.py:grpo_advantages"] == "runtime/rl/experience.py"
     assert handovers["plugins/backends/torch_backend.py:step"] == "runtime/step/trained.py"
     assert handovers["rewards.py:exact_match"] == "rewards/calling.py"
@@ -25,9 +25,9 @@ def test_the_rl_loss_file_calls_its_components_and_the_experience_step_calls_the
 
 
 def test_the_rl_reading_path_stays_short(rl_step):
-    assert len(rl_step.reading) <= 23, rl_step.reading
+    assert len(rl_step.reading) <= 21, rl_step.reading
     update = rl_step.stages["runtime/rl/workers.py:fit"]  # from main() through the policy update to optimizer.step()
-    assert len(update) <= 14 and "algorithms/training_loss.py" in update, update
+    assert len(update) <= 12 and "algorithms/training_loss.py" in update, update
     assert set(rl_step.stages) == {"runtime/rl/rollout.py:generate", "runtime/rl/workers.py:score",
                                    "runtime/rl/experience.py:make", "runtime/rl/workers.py:fit"}  # the step's four parts
     assert set(rl_step.reading) - {"cli/main.py", "cli/train.py", "runtime/rl/local.py", "runtime/run/lifecycle.py"} \

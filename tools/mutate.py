@@ -4,6 +4,7 @@
     python tools/mutate.py --sample 0           # only the curated ones (wiring bugs reviews found)
     python tools/mutate.py --per-area 15        # curated + 15 drawn from each area
     python tools/mutate.py --sample 400 --jobs 2 --seed 3 --json mutants.json
+    python tools/mutate.py --files rlhf/algorithms/training_loss.py --sample 10 --tests tests/algorithms
 
 Each mutant changes one spot of one file in a copy of the repository (never this checkout) and
 runs the fast tests of the file's area there (`AREAS`, ``-x``); a mutant is *killed* when they
@@ -59,11 +60,10 @@ AREAS = {
     "RL math": ([
         "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/training_loss.py",
         "rlhf/algorithms/presets.py", "rlhf/algorithms/kl_control.py", "rlhf/core/masked.py", "rlhf/core/batch.py",
-        "rlhf/plugins/algorithms/aggregation.py", "rlhf/plugins/algorithms/gae.py",
-        "rlhf/plugins/algorithms/groups.py", "rlhf/plugins/algorithms/grpo.py", "rlhf/plugins/algorithms/kl.py",
-        "rlhf/plugins/algorithms/mismatch.py", "rlhf/plugins/algorithms/ppo_loss.py",
+        "rlhf/plugins/algorithms/policy_losses.py", "rlhf/plugins/algorithms/gae.py",
+        "rlhf/plugins/algorithms/groups.py", "rlhf/plugins/algorithms/grpo.py",
         "rlhf/plugins/algorithms/reinforce.py", "rlhf/plugins/algorithms/returns.py",
-        "rlhf/plugins/algorithms/rloo.py", "rlhf/plugins/algorithms/gspo_loss.py", "rlhf/rewards/combine.py",
+        "rlhf/plugins/algorithms/rloo.py", "rlhf/rewards/combine.py",
         "rlhf/plugins/filters/dynamic.py", "rlhf/plugins/shaping/overlong.py", "rlhf/plugins/shaping/truncation.py",
     ], RL_TESTS),
     "RL wiring": ([
@@ -135,10 +135,10 @@ CURATED = [
      "packed log-probs used although they differ from the padded forward"),
     ("rlhf/algorithms/training_loss.py", "total = total - entropy_coef * aggregate(",
      "total = total + entropy_coef * aggregate(", "entropy bonus with the wrong sign"),
-    ("rlhf/algorithms/training_loss.py", "kl = clamped_kl(kl_estimator, logp, ref_logp,",
-     "kl = clamped_kl(kl_estimator, logp.detach(), ref_logp,", "KL in the loss on detached log-probs"),
-    ("rlhf/algorithms/training_loss.py", "advantages=batch.advantages, mask=batch.loss_mask,",
-     "advantages=batch.advantages, mask=batch.action_mask,", "loss masked with action_mask, not loss_mask"),
+    ("rlhf/algorithms/training_loss.py", "kl = clamped_kl(kl_estimator, logprobs, ref_logprobs,",
+     "kl = clamped_kl(kl_estimator, logprobs.detach(), ref_logprobs,", "KL in the loss on detached log-probs"),
+    ("rlhf/algorithms/training_loss.py", "advantages=batch.advantages, loss_mask=batch.loss_mask,",
+     "advantages=batch.advantages, loss_mask=batch.action_mask,", "loss masked with action_mask, not loss_mask"),
     ("rlhf/runtime/rl/workers.py", "micro,\n                                               temperature=self.training_loss.temperature,",
      "micro, temperature=1.0,", "temperature not passed to the training log-probs"),
     ("rlhf/algorithms/presets.py", "return optimizer_steps_per_rollout > 1 or self.kl_in_reward",
@@ -181,19 +181,19 @@ CURATED = [
      "grad_weight = onednn_product(rows.t(), grad_rows.t())", "oneDNN linear: the weight gradient transposed"),
     ("rlhf/fastpaths/cpu_linear.py", "grad_bias = grad_rows.sum(dim=0)", "grad_bias = grad_rows.mean(dim=0)",
      "oneDNN linear: the bias gradient averaged over rows"),
-    ("rlhf/algorithms/training_loss.py", "    total = aggregate(loss_aggregation or aggregation, per_token, mask, norm)",
-     "    total = aggregate(aggregation, per_token, mask, norm)", "gspo's own aggregation ignored in training"),
+    ("rlhf/algorithms/training_loss.py", "    total = aggregate(loss_aggregation or aggregation, per_token, loss_mask, norm)",
+     "    total = aggregate(aggregation, per_token, loss_mask, norm)", "gspo's own aggregation ignored in training"),
     ("rlhf/algorithms/training_loss.py", "        if not self.loss_aggregation.capabilities.get(\"sums_rows\"):",
      "        if not self.aggregation.capabilities.get(\"sums_rows\"):",
      "zero-advantage rows judged by the run's aggregation, not the loss's own"),
     # the offline half (issue 31): objectives feeding the wrong tensor into correct math, masks, positions
-    ("rlhf/plugins/objectives/dpo.py", "ref_sums, _ = sequence_logps(forward(models.reference), mask)",
-     "ref_sums, _ = sequence_logps(forward(models.model), mask)", "dpo: the reference log-probs taken from the policy"),
+    ("rlhf/plugins/objectives/dpo.py", "ref_sums, _ = sequence_logprobs(forward(models.reference), mask)",
+     "ref_sums, _ = sequence_logprobs(forward(models.model), mask)", "dpo: the reference log-probs taken from the policy"),
     ("rlhf/plugins/objectives/dpo.py", "nll = -means[:pairs].mean()", "nll = -means[pairs:].mean()",
      "dpo: --nll-coef's term on the rejected responses"),
     ("rlhf/plugins/objectives/kto.py",
-     "reference, _ = sequence_logps(token_logps(models.reference, *inputs), mask)  # (B,)\n        return",
-     "reference, _ = sequence_logps(token_logps(models.model, *inputs), mask)  # (B,)\n        return",
+     "reference, _ = sequence_logprobs(learnt_logprobs(models.reference, *inputs), mask)  # (B,)\n        return",
+     "reference, _ = sequence_logprobs(learnt_logprobs(models.model, *inputs), mask)  # (B,)\n        return",
      "kto: the reference point from the policy alone (always 0)"),
     ("rlhf/plugins/objectives/kto.py", "other = examples[(index + 1) % len(examples)]", "other = example",
      "kto: the reference point from each sample's own completion, not a mismatched one"),
@@ -412,10 +412,11 @@ def run_tests(copy: Path, timeout: float, tests: list[str]) -> str:
     return "survived" if result.returncode == 0 else "killed"
 
 
-def run(mutants: list[Mutant], jobs: int, timeout: float) -> None:
+def run(mutants: list[Mutant], jobs: int, timeout: float, tests: list[str] | None = None) -> None:
+    """Each mutant against its area's fast tests, or against ``tests`` when given (a quicker sample)."""
     copies = [make_copy() for _ in range(jobs)]
     try:
-        every_test = list(dict.fromkeys(t for _, tests in AREAS.values() for t in tests))
+        every_test = tests or list(dict.fromkeys(t for _, area_tests in AREAS.values() for t in area_tests))
         if run_tests(copies[0], timeout * 5, every_test) != "survived":
             raise SystemExit(f"the fast tests fail on the unmutated code (in {copies[0]}); fix that first")
         free = list(copies)
@@ -427,7 +428,7 @@ def run(mutants: list[Mutant], jobs: int, timeout: float) -> None:
             began = time.perf_counter()
             try:
                 target.write_text(mutant.source)
-                mutant.status = run_tests(copy, timeout, tests_of(mutant.file))
+                mutant.status = run_tests(copy, timeout, tests or tests_of(mutant.file))
             finally:
                 target.write_text(original)
                 free.append(copy)
@@ -451,6 +452,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once (one repository copy each)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant before it counts as killed")
     parser.add_argument("--files", nargs="*", default=TARGETS, help="files to mutate (default: every area's)")
+    parser.add_argument("--tests", nargs="*", default=None,
+                        help="run these tests on every mutant instead of its area's (a quicker, narrower sample)")
     parser.add_argument("--json", type=Path, help="write every mutant's result here")
     args = parser.parse_args()
 
@@ -464,7 +467,7 @@ def main() -> None:
     mutants = curated + drawn
     print(f"running {len(mutants)} mutants ({len(curated)} curated, {len(drawn)} drawn from the operators) "
           f"in {len(args.files)} files", flush=True)
-    run(mutants, args.jobs, args.timeout)
+    run(mutants, args.jobs, args.timeout, args.tests)
     print()
     for area in [*AREAS, "other"]:
         print_rate(area, [m for m in mutants if m.area == area])

@@ -1,8 +1,9 @@
 """The algorithm math as plain functions, for the trainer, plugins, notebooks and tests (docs/algorithms.md).
 
 Training calls `PolicyTrainingLoss` / `ValueTrainingLoss` (``training_loss.py``: the whole
-formula, L = agg(ℓ) + β·agg(kl) − c·agg(H), in one place), which compute what `policy_objective` /
-`value_loss` compute from names: what these functions give is what a run optimises.
+formula, L = agg(ℓ) + β·agg(kl) − c·agg(H), in one place); `policy_objective`, `value_loss` and
+the other functions of ``losses.py`` resolve names and call the same code: what they give is what
+a run optimises. The built-in terms themselves are plugins (rlhf/plugins/algorithms/policy_losses.py).
 
 Every function takes the component to use as its first argument: a registered name (``"grpo"``,
 ``"k3"``, ``"ppo"``, ``"token_mean"``), a ``"module.path:attr"`` or ``"file.py:attr"`` reference,
@@ -22,11 +23,12 @@ Example::
     advantages, returns = compute_advantages("grpo", rewards=rewards, action_mask=action_mask,
                                              group_size=4)  # advantages[:, 0] = [1.5, -.5, -.5, -.5]
     logprobs = torch.zeros(4, 3, requires_grad=True)
-    loss, metrics = policy_loss("ppo", logp=logprobs, logp_old=logprobs.detach(),
-                                advantages=advantages, action_mask=action_mask)
-    ref = torch.full((4, 3), -0.5)                          # (B, A) reference log-probs
-    loss, metrics = policy_objective("ppo", logp=logprobs, logp_old=logprobs.detach(), advantages=advantages,
-                                     action_mask=action_mask, ref_logp=ref, kl_estimator="k3", kl_coef=0.001)
+    loss, metrics = policy_loss("ppo", logprobs=logprobs, old_logprobs=logprobs.detach(),
+                                advantages=advantages, loss_mask=action_mask, clip_high=0.28)
+    ref_logprobs = torch.full((4, 3), -0.5)                 # (B, A) reference log-probs
+    loss, metrics = policy_objective("ppo", logprobs=logprobs, old_logprobs=logprobs.detach(),
+                                     advantages=advantages, loss_mask=action_mask, ref_logprobs=ref_logprobs,
+                                     kl_estimator="k3", kl_coef=0.001)
 
 Shape legend: ``B`` sequences (the n samples of a prompt are contiguous rows), ``A`` action
 positions (``T - 1``: position t holds the log-prob of token t+1), ``V`` vocabulary.

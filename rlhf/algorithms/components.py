@@ -101,6 +101,24 @@ def build_config(component: LoadedComponent, base: type | None, settings: dict[s
     return config_cls(**{k: v for k, v in settings.items() if k in fields})
 
 
+def config_from_settings(component: LoadedComponent, settings: Mapping[str, Any], config: Any) -> Any:
+    """The config object for one call: ``config`` as given, or the component's own config class built
+    from ``settings`` (its defaults for the rest; None when it has no config class). A setting the
+    class lacks is an error, and so are ``config`` and settings together."""
+    if config is not None:
+        if settings:
+            raise AlgorithmConfigError(f"pass either config= or {', '.join(settings)}, not both")
+        return config
+    fields = {f.name for f in dataclasses.fields(component.config_cls)} if component.config_cls is not None else set()
+    unsupported = [k for k in settings if k not in fields]
+    if unsupported:
+        raise AlgorithmConfigError(
+            f"{component.kind.replace('_', ' ')} {component.name!r} has no setting "
+            f"{', '.join(unsupported)}; its settings: {', '.join(sorted(fields)) or 'none'}"
+        )
+    return None if component.config_cls is None else component.config_cls(**settings)
+
+
 def check_shape(name: str, tensor: Any, shape: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != shape:
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")

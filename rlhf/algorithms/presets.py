@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf.algorithms.advantages import groups_message
 from rlhf.algorithms.components import AlgorithmConfigError, ComponentRef, LoadedComponent, load_component
-from rlhf.algorithms.training_loss import PolicyTrainingLoss, ValueTrainingLoss
+from rlhf.algorithms.training_loss import PolicyTrainingLoss, ValueTrainingLoss, loss_aggregation_of
 from rlhf.core.types import AdvantageConfig, AlgorithmPreset
 
 if TYPE_CHECKING:
@@ -143,8 +143,7 @@ def resolve_algorithm(algo: ComponentRef = "grpo", *, advantage: ComponentRef | 
     loss = load_component("policy_loss", policy_loss or preset.policy_loss, plugins=plugins)
     kl = load_component("kl_estimator", kl_estimator or preset.kl_estimator, plugins=plugins)
     aggregation = load_component("loss_aggregation", loss_agg or preset.loss_agg, plugins=plugins)
-    own = loss.capabilities.get("aggregation")
-    loss_aggregation = load_component("loss_aggregation", own, plugins=plugins) if own else aggregation
+    loss_aggregation = loss_aggregation_of(loss, aggregation, plugins=plugins)
     needs_groups = bool(estimator.capabilities.get("needs_groups"))
     if needs_groups and n_samples < 2:
         raise AlgorithmConfigError(groups_message(estimator.name, n_samples))

@@ -1,19 +1,21 @@
 """What RL training differentiates, in one place: the policy's loss and the critic's.
 
-    L_policy = agg(ℓ) + β·agg(clamp(kl(logp, logp_ref), ±10)) − c·agg(H)
+    L_policy = agg(ℓ) + β·agg(clamp(kl(logprobs, ref_logprobs), ±10)) − c·agg(H)
     L_value  = 0.5·agg(max((V_clip − G)², (V − G)²))
 
-* ℓ is the run's policy loss per token, the body of the method: ``ppo``
-  (rlhf/plugins/algorithms/ppo_loss.py: the clipped surrogate, dual clip, mismatch corrections)
-  or ``gspo`` (gspo_loss.py: one ratio per sequence), or a plugin's.
-* agg is the run's loss aggregation (``token_mean``, ...: rlhf/plugins/algorithms/aggregation.py)
-  over the counts of the whole optimizer step, so the gradient does not depend on how the step is
-  split into micro-batches and ranks; a policy loss may declare its own for the ℓ term (``gspo``:
-  per sequence).
-* kl is the run's KL estimator (``k1``, ``k2``, ``k3``: kl.py), on the policy's log-probs with
-  grad, clamped to [-10, 10]; the term exists when KL goes into the loss with β > 0 (with KL in
-  the reward, the advantages carry it and β here is 0). ``kl_unbiased_gradient`` keeps its value
-  and gives it the importance-weighted score-function gradient of the reverse KL.
+This file is the formula; every built-in term it calls is in
+rlhf/plugins/algorithms/policy_losses.py, registered like a third party's:
+
+* ℓ is the run's policy loss per token, the body of the method: ``ppo`` (the clipped surrogate,
+  dual clip, mismatch corrections) or ``gspo`` (one ratio per sequence), or a plugin's.
+* agg is the run's loss aggregation (``token_mean``, ...) over the counts of the whole optimizer
+  step, so the gradient does not depend on how the step is split into micro-batches and ranks; a
+  policy loss may declare its own for the ℓ term (``gspo``: per sequence).
+* kl is the run's KL estimator (``k1``, ``k2``, ``k3``), on the policy's log-probs with grad,
+  clamped to [-10, 10] here for every estimator; the term exists when KL goes into the loss with
+  β > 0 (with KL in the reward, the advantages carry it and β here is 0).
+  ``kl_unbiased_gradient`` keeps the estimator's value and gives it the importance-weighted
+  score-function gradient of the reverse KL (`clamped_kl`).
 * H is the entropy of the policy's next-token distribution (only when c > 0).
 * Every mask is the *loss* mask: the action tokens of samples that count, so a sample skipped by
   the reward failure policy adds nothing.
@@ -21,8 +23,8 @@
 `policy_training_loss` is the formula over resolved components; `PolicyTrainingLoss` and
 `ValueTrainingLoss` hold a run's components (resolved once, by `rlhf.algorithms.resolve_algorithm`
 with the run's plugin set) and compute one micro-batch's share of the step loss: the trained
-workers call only them. ``rlhf.algorithms.policy_objective`` and friends compute the same from
-names, for notebooks and tests.
+workers call only them. ``rlhf.algorithms.policy_objective`` and friends (``losses.py``) resolve
+names and call the same functions, for notebooks and tests.
 
 Shape legend: ``B`` sequences, ``A`` action positions.
 """
@@ -32,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlhf.algorithms.components import AlgorithmConfigError, LoadedComponent, check_shape
+from rlhf.algorithms.components import AlgorithmConfigError, ComponentRef, LoadedComponent, check_shape, load_component
 from rlhf.core.errors import PluginError
 from rlhf.core.types import LossNorm, PolicyLossInputs
 
@@ -40,22 +42,23 @@ if TYPE_CHECKING:
     import torch
 
     from rlhf.core.batch import ExperienceBatch
+    from rlhf.core.plugin_host.loading import PluginSet
 
 KL_CLAMP = 10.0  # every KL estimate is clamped to [-10, 10]
 KL_IS_WEIGHT_CLIP = 10.0  # the importance weight of the unbiased KL gradient is clamped above at this
 
 
 def policy_training_loss(*, loss: LoadedComponent, loss_config: Any, aggregation: LoadedComponent,
-                         kl_estimator: LoadedComponent, logp: torch.Tensor, logp_old: torch.Tensor,
-                         advantages: torch.Tensor, mask: torch.Tensor, norm: LossNorm,
-                         loss_aggregation: LoadedComponent | None = None, ref_logp: torch.Tensor | None = None,
+                         kl_estimator: LoadedComponent, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                         advantages: torch.Tensor, loss_mask: torch.Tensor, norm: LossNorm,
+                         loss_aggregation: LoadedComponent | None = None, ref_logprobs: torch.Tensor | None = None,
                          kl_coef: float = 0.0, entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
-                         rollout_logp: torch.Tensor | None = None,
+                         rollout_logprobs: torch.Tensor | None = None,
                          kl_unbiased_gradient: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
     """L = agg(ℓ) + β·agg(clamp(kl)) − c·agg(H) for one micro-batch: its share of the step loss.
 
-    logp (B, A) with grad; logp_old, advantages, mask (the loss mask), ref_logp, entropy (with
-    grad), rollout_logp (B, A); ``norm`` the optimizer step's counts. ``loss_aggregation``: the
+    logprobs (B, A) with grad; old_logprobs, advantages, loss_mask, ref_logprobs, entropy (with
+    grad), rollout_logprobs (B, A); ``norm`` the optimizer step's counts. ``loss_aggregation``: the
     aggregation of the ℓ term when the policy loss declares its own (gspo's), else ``aggregation``.
     Returns ``(loss (), metrics)``: the policy loss's metrics, plus ``policy/kl`` (token mean of the
     clamped KL) with the KL term and ``policy/entropy`` (token mean of H) with the entropy term.
@@ -64,39 +67,40 @@ def policy_training_loss(*, loss: LoadedComponent, loss_config: Any, aggregation
 
     if not kl_coef >= 0 or not entropy_coef >= 0:
         raise AlgorithmConfigError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
-    per_token, metrics = per_token_policy_loss(loss, loss_config, logp=logp, logp_old=logp_old,
-                                               advantages=advantages, mask=mask, rollout_logp=rollout_logp)
-    total = aggregate(loss_aggregation or aggregation, per_token, mask, norm)
+    per_token, metrics = per_token_policy_loss(loss, loss_config, logprobs=logprobs, old_logprobs=old_logprobs,
+                                               advantages=advantages, loss_mask=loss_mask,
+                                               rollout_logprobs=rollout_logprobs)  # ℓ (B, A)
+    total = aggregate(loss_aggregation or aggregation, per_token, loss_mask, norm)
     if kl_coef > 0:
-        if ref_logp is None:
+        if ref_logprobs is None:
             raise AlgorithmConfigError("the KL term of the loss (kl_coef > 0) needs the reference log-probs: "
-                                       "pass ref_logp")
-        kl = clamped_kl(kl_estimator, logp, ref_logp, mask=mask, unbiased_gradient=kl_unbiased_gradient,
-                        logp_old=logp_old)  # (B, A)
-        total = total + kl_coef * aggregate(aggregation, kl, mask, norm)
-        metrics["policy/kl"] = masked_mean(kl.detach(), mask)
+                                       "pass ref_logprobs")
+        kl = clamped_kl(kl_estimator, logprobs, ref_logprobs, mask=loss_mask, unbiased_gradient=kl_unbiased_gradient,
+                        old_logprobs=old_logprobs)  # (B, A)
+        total = total + kl_coef * aggregate(aggregation, kl, loss_mask, norm)
+        metrics["policy/kl"] = masked_mean(kl.detach(), loss_mask)
     if entropy_coef > 0:
         if entropy is None:
             raise AlgorithmConfigError("the entropy bonus (entropy_coef > 0) needs the per-token entropy: "
                                        "pass entropy")
-        total = total - entropy_coef * aggregate(aggregation, entropy, mask, norm)
-        metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
+        total = total - entropy_coef * aggregate(aggregation, entropy, loss_mask, norm)
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), loss_mask)
     return total, metrics
 
 
-def per_token_policy_loss(loss: LoadedComponent, config: Any, *, logp: torch.Tensor, logp_old: torch.Tensor,
-                          advantages: torch.Tensor, mask: torch.Tensor,
-                          rollout_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """ℓ (B, A), 0 off the mask, and its metrics: the registered policy loss, its output checked."""
+def per_token_policy_loss(loss: LoadedComponent, config: Any, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                          advantages: torch.Tensor, loss_mask: torch.Tensor,
+                          rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """ℓ (B, A), 0 off the loss mask, and its metrics: the registered policy loss, its output checked."""
     import torch
 
-    shape = tuple(logp.shape)
-    for arg, tensor in (("logp_old", logp_old), ("advantages", advantages), ("action_mask", mask),
-                        ("rollout_logp", rollout_logp)):
+    shape = tuple(logprobs.shape)
+    for arg, tensor in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask),
+                        ("rollout_logprobs", rollout_logprobs)):
         if tensor is not None:
             check_shape(arg, tensor, shape)
-    inputs = PolicyLossInputs(logprobs=logp, old_logprobs=logp_old, advantages=advantages,
-                              action_mask=mask.to(logp.dtype), rollout_logprobs=rollout_logp)
+    inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+                              loss_mask=loss_mask.to(logprobs.dtype), rollout_logprobs=rollout_logprobs)
     result = loss.obj(inputs, config)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
             and tuple(result[0].shape) == shape):
@@ -105,51 +109,60 @@ def per_token_policy_loss(loss: LoadedComponent, config: Any, *, logp: torch.Ten
     return result[0], dict(result[1])
 
 
-def aggregate(aggregation: LoadedComponent, values: torch.Tensor, mask: torch.Tensor,
+def loss_aggregation_of(loss: LoadedComponent, aggregation: ComponentRef, *,
+                        plugins: PluginSet | None = None) -> LoadedComponent:
+    """The aggregation of a policy loss's ℓ term: its own when it declares one (gspo's
+    ``seq_mean_token_mean``), else ``aggregation`` (the run's)."""
+    return load_component("loss_aggregation", loss.capabilities.get("aggregation") or aggregation, plugins=plugins)
+
+
+def aggregate(aggregation: LoadedComponent, values: torch.Tensor, loss_mask: torch.Tensor,
               norm: LossNorm) -> torch.Tensor:
-    """agg(values): this micro-batch's share of the step's aggregate. values, mask (B, A) -> ()."""
-    check_shape("action_mask", mask, tuple(values.shape))
-    return aggregation.obj(values, mask.to(values.dtype), norm)
+    """agg(values): this micro-batch's share of the step's aggregate. values, loss_mask (B, A) -> ()."""
+    check_shape("loss_mask", loss_mask, tuple(values.shape))
+    return aggregation.obj(values, loss_mask.to(values.dtype), norm)
 
 
-def clamped_kl(estimator: LoadedComponent, logp: torch.Tensor, logp_ref: torch.Tensor, *,
+def clamped_kl(estimator: LoadedComponent, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *,
                mask: torch.Tensor | None = None, unbiased_gradient: bool = False,
-               logp_old: torch.Tensor | None = None) -> torch.Tensor:
-    """kl(logp, logp_ref) per token, clamped to [-10, 10], 0 off ``mask``; differentiable in ``logp``.
+               old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """kl(logprobs, ref_logprobs) per token, clamped to [-10, 10], 0 off ``mask``; differentiable in ``logprobs``.
 
-    ``unbiased_gradient``: the value stays the estimator's, but the gradient becomes the
-    importance-weighted score-function gradient of the reverse KL, ∇ = w·δ·∇logp, δ = logp −
-    logp_ref, w = min(exp(logp − logp_old), 10) detached (w = 1 without ``logp_old``), whatever the
-    estimator: kl ← value.detach() + w·δ²/2 − (w·δ²/2).detach(). Samples come from the old policy,
-    so E_old[w·δ·∇logp] = ∇ KL(π ‖ π_ref), which the plain estimators' pathwise gradients are not
-    (k1's is 1 on every token). All (B, A).
+    ``unbiased_gradient`` (OpenRLHF 0.11's ``compute_approx_kl(unbiased_gradient=True)``): the value
+    stays the estimator's, but the gradient becomes the importance-weighted score-function gradient
+    of the reverse KL, ∇ = w·δ·∇logprobs, δ = logprobs − ref_logprobs, w = min(exp(logprobs −
+    old_logprobs), 10) detached (w = 1 without ``old_logprobs``), whatever the estimator:
+    kl ← value.detach() + w·δ²/2 − (w·δ²/2).detach(). Samples come from the old policy, so
+    E_old[w·δ·∇logprobs] = ∇ KL(π ‖ π_ref), which the plain estimators' pathwise gradients are not
+    (k1's is 1 on every token). All (B, A); ``mask`` is the loss mask in the loss, the action mask
+    for KL in the reward.
     """
     import torch
 
-    check_shape("logp_ref", logp_ref, tuple(logp.shape))
-    kl = estimator.obj(logp, logp_ref)  # (B, A)
-    if not isinstance(kl, torch.Tensor) or kl.shape != logp.shape:
-        raise PluginError(f"kl estimator {estimator.name!r} must return a tensor of shape {tuple(logp.shape)}")
+    check_shape("ref_logprobs", ref_logprobs, tuple(logprobs.shape))
+    kl = estimator.obj(logprobs, ref_logprobs)  # (B, A)
+    if not isinstance(kl, torch.Tensor) or kl.shape != logprobs.shape:
+        raise PluginError(f"kl estimator {estimator.name!r} must return a tensor of shape {tuple(logprobs.shape)}")
     kl = kl.clamp(min=-KL_CLAMP, max=KL_CLAMP)  # (B, A)
     if unbiased_gradient:
-        delta = logp.float() - logp_ref.float()  # (B, A)
+        delta = logprobs.float() - ref_logprobs.float()  # (B, A)
         weight = 1.0
-        if logp_old is not None:
-            check_shape("logp_old", logp_old, tuple(logp.shape))
-            weight = (logp.float() - logp_old.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()  # (B, A)
-        surrogate = weight * delta.pow(2) / 2  # (B, A): its gradient is w·δ·∇logp
+        if old_logprobs is not None:
+            check_shape("old_logprobs", old_logprobs, tuple(logprobs.shape))
+            weight = (logprobs.float() - old_logprobs.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()  # (B, A)
+        surrogate = weight * delta.pow(2) / 2  # (B, A): its gradient is w·δ·∇logprobs
         kl = kl.detach() + surrogate - surrogate.detach()  # (B, A): the estimator's value, the surrogate's gradient
     if mask is not None:
-        check_shape("action_mask", mask, tuple(logp.shape))
+        check_shape("mask", mask, tuple(logprobs.shape))
         kl = torch.where(mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device))  # (B, A)
     return kl
 
 
-def loss_norm(action_mask: torch.Tensor, num_tokens: Any = None, num_sequences: Any = None,
+def loss_norm(loss_mask: torch.Tensor, num_tokens: Any = None, num_sequences: Any = None,
               max_new_tokens: int | None = None) -> LossNorm:
-    """Step-wide counts for the aggregations; those not given are counted from ``action_mask``
-    (B, A), which is then the whole step: action tokens, and sequences with at least one."""
-    mask = action_mask.bool()  # (B, A)
+    """Step-wide counts for the aggregations; those not given are counted from ``loss_mask``
+    (B, A), which is then the whole step: loss tokens, and sequences with at least one."""
+    mask = loss_mask.bool()  # (B, A)
     if num_tokens is None:
         num_tokens = float(mask.sum())
     if num_sequences is None:
@@ -196,14 +209,14 @@ class PolicyTrainingLoss:
         Old log-probs missing means on-policy (one optimizer step per rollout): old = current,
         detached, so the ratio is 1 and its gradient the policy gradient.
         """
-        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         beta = self.kl_coef if kl_coef is None or self.kl_coef == 0 else kl_coef
         return policy_training_loss(
             loss=self.loss, loss_config=self.loss_config, aggregation=self.aggregation,
-            loss_aggregation=self.loss_aggregation, kl_estimator=self.kl_estimator, logp=logprobs, logp_old=old,
-            advantages=batch.advantages, mask=batch.loss_mask, norm=norm, ref_logp=batch.ref_logprobs, kl_coef=beta,
-            entropy=entropy, entropy_coef=self.entropy_coef, rollout_logp=batch.rollout_logprobs,
-            kl_unbiased_gradient=self.kl_unbiased_gradient)
+            loss_aggregation=self.loss_aggregation, kl_estimator=self.kl_estimator, logprobs=logprobs,
+            old_logprobs=old_logprobs, advantages=batch.advantages, loss_mask=batch.loss_mask, norm=norm,
+            ref_logprobs=batch.ref_logprobs, kl_coef=beta, entropy=entropy, entropy_coef=self.entropy_coef,
+            rollout_logprobs=batch.rollout_logprobs, kl_unbiased_gradient=self.kl_unbiased_gradient)
 
     def trained_rows(self, batch: ExperienceBatch) -> torch.Tensor | None:
         """(B,) bool: the rows of ``batch`` that can add to the loss or its gradient; None when the
@@ -234,7 +247,7 @@ class ValueTrainingLoss:
                  norm: LossNorm) -> tuple[torch.Tensor, dict[str, Any]]:
         """values (b, A) from the training forward: the value of the state before each action."""
         return value_training_loss(values=values, old_values=batch.values, returns=batch.returns,
-                                   mask=batch.loss_mask, norm=norm, aggregation=self.aggregation, clip=self.clip)
+                                   loss_mask=batch.loss_mask, norm=norm, aggregation=self.aggregation, clip=self.clip)
 
 
 def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
@@ -260,11 +273,11 @@ def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns:
 
 
 def value_training_loss(*, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                        mask: torch.Tensor, norm: LossNorm, aggregation: LoadedComponent,
+                        loss_mask: torch.Tensor, norm: LossNorm, aggregation: LoadedComponent,
                         clip: float | None = 0.5) -> tuple[torch.Tensor, dict[str, Any]]:
     """L_V = 0.5·agg(max((V_clip − G)², (V − G)²)) (``clip=None``: 0.5·agg((V − G)²)).
 
-    values (B, A) with grad; old_values, returns, mask (B, A). Returns ``(loss (), metrics)`` with
+    values (B, A) with grad; old_values, returns, loss_mask (B, A). Returns ``(loss (), metrics)`` with
     ``critic/clip_frac`` (share of tokens where the clipped error is the larger) and
     ``critic/values`` (mean value over action tokens).
     """
@@ -272,11 +285,11 @@ def value_training_loss(*, values: torch.Tensor, old_values: torch.Tensor, retur
 
     if clip is not None and not clip > 0:
         raise AlgorithmConfigError(f"value clip must be positive (or None for no clipping), got {clip}")
-    check_shape("action_mask", mask, tuple(values.shape))
+    check_shape("loss_mask", loss_mask, tuple(values.shape))
     error, clipped = clipped_value_error(values, old_values, returns, clip)  # (B, A), (B, A)
-    loss = 0.5 * aggregate(aggregation, error, mask, norm)
+    loss = 0.5 * aggregate(aggregation, error, loss_mask, norm)
     metrics = {
-        "critic/clip_frac": masked_mean(clipped.to(error.dtype), mask).detach(),
-        "critic/values": masked_mean(values.detach(), mask),
+        "critic/clip_frac": masked_mean(clipped.to(error.dtype), loss_mask).detach(),
+        "critic/values": masked_mean(values.detach(), loss_mask),
     }
     return loss, metrics

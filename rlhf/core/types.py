@@ -137,7 +137,7 @@ class PolicyLossInputs:
     logprobs: torch.Tensor  # (B, A) current policy, with grad
     old_logprobs: torch.Tensor  # (B, A) policy at rollout time (recomputed by the trainer)
     advantages: torch.Tensor  # (B, A)
-    action_mask: torch.Tensor  # (B, A) float 0/1
+    loss_mask: torch.Tensor  # (B, A) float 0/1: the action tokens of the samples that count
     rollout_logprobs: torch.Tensor | None = None  # (B, A) as reported by the rollout engine
 
 
@@ -145,8 +145,8 @@ class PolicyLossInputs:
 class LossNorm:
     """Counts over a whole optimizer step (all micro-batches, all data-parallel ranks)."""
 
-    num_tokens: float  # action tokens
-    num_sequences: float  # sequences with at least one action token
+    num_tokens: float  # loss tokens
+    num_sequences: float  # sequences with at least one loss token
     max_new_tokens: int | None = None  # generation budget per sequence (Dr. GRPO's constant normaliser)
 
 

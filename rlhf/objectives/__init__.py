@@ -15,7 +15,7 @@ into its share of the optimizer step (mean × micro-batch count / step count), s
 does not depend on how it is split.
 
 Helpers for objective writers (``batching``): `pad_right`, `token_batch`, `response_mask`,
-`token_logps` (log-probs of the learnt tokens), `shared_token_logps` (the same, rows
+`learnt_logprobs` (log-probs of the learnt tokens), `shared_learnt_logprobs` (the same, rows
 sharing their prompt's forward) and `last_token_scores` (a scalar head's score).
 
 Shape legend: ``B`` sequences (or pairs), ``T`` tokens, ``V`` vocabulary.
@@ -23,11 +23,12 @@ Shape legend: ``B`` sequences (or pairs), ``T`` tokens, ``V`` vocabulary.
 
 from __future__ import annotations
 
-from rlhf.objectives.batching import (last_token_scores, pad_right, response_mask, shared_token_logps, token_batch,
-                                     token_logps)
-from rlhf.objectives.language import distillation_loss, sequence_logps, sft_loss
+from rlhf.objectives.batching import (last_token_scores, learnt_logprobs, pad_right, response_mask,
+                                     shared_learnt_logprobs, token_batch)
+from rlhf.objectives.language import distillation_loss, sequence_logprobs, sft_loss
 from rlhf.objectives.preference import dpo_loss, kto_loss, reward_model_loss
 from rlhf.objectives.process import prm_loss, prm_loss_at
 
-__all__ = ["distillation_loss", "dpo_loss", "kto_loss", "last_token_scores", "pad_right", "prm_loss", "prm_loss_at", "response_mask",
-           "reward_model_loss", "sequence_logps", "sft_loss", "shared_token_logps", "token_batch", "token_logps"]
+__all__ = ["distillation_loss", "dpo_loss", "kto_loss", "last_token_scores", "learnt_logprobs", "pad_right",
+           "prm_loss", "prm_loss_at", "response_mask", "reward_model_loss", "sequence_logprobs", "sft_loss",
+           "shared_learnt_logprobs", "token_batch"]

@@ -48,7 +48,7 @@ def response_mask(length: int, prompt_len: int) -> list[int]:
     return [0] * prompt_len + [1] * (length - prompt_len)
 
 
-def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def learnt_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 loss_mask: torch.Tensor) -> torch.Tensor:
     """(B, A) log-probs of each learnt token under ``model``, 0 elsewhere (grad flows when enabled).
 
@@ -57,19 +57,19 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     from rlhf.core.logprobs import token_logprobs
 
     action_mask = loss_mask[:, 1:]  # (B, A)
-    logps, _ = token_logprobs(model, input_ids, attention_mask, action_mask)  # (B, A)
-    return logps * action_mask
+    logprobs, _ = token_logprobs(model, input_ids, attention_mask, action_mask)  # (B, A)
+    return logprobs * action_mask
 
 
-def shared_token_logps(model: torch.nn.Module, rows: SharedRows, input_ids: torch.Tensor,
+def shared_learnt_logprobs(model: torch.nn.Module, rows: SharedRows, input_ids: torch.Tensor,
                        loss_mask: torch.Tensor) -> torch.Tensor:
-    """`token_logps` with groups of rows sharing their common prefix's forward: ``rows`` is
+    """`learnt_logprobs` with groups of rows sharing their common prefix's forward: ``rows`` is
     `rlhf.fastpaths.prefix_sharing.share_prefixes` of this batch. (B, A), 0 off the learnt tokens."""
     from rlhf.fastpaths.prefix_sharing import shared_token_logprobs
 
     action_mask = loss_mask[:, 1:]  # (B, A)
-    logps, _ = shared_token_logprobs(model, rows, input_ids, action_mask)  # (B, A)
-    return logps * action_mask
+    logprobs, _ = shared_token_logprobs(model, rows, input_ids, action_mask)  # (B, A)
+    return logprobs * action_mask
 
 
 def last_token_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

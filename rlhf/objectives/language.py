@@ -50,12 +50,12 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, loss_m
     return -(per_position * mask).sum() / mask.sum()
 
 
-def sequence_logps(per_token_logps: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(per_token_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's summed and mean log-prob over its masked tokens.
 
-    per_token_logps, loss_mask (B, A). Returns ``(sums (B,), means (B,))``; a sequence without masked
+    per_token_logprobs, loss_mask (B, A). Returns ``(sums (B,), means (B,))``; a sequence without masked
     tokens has mean 0.
     """
-    mask = loss_mask.to(per_token_logps.dtype)  # (B, A)
-    sums = (per_token_logps * mask).sum(dim=-1)  # (B,)
+    mask = loss_mask.to(per_token_logprobs.dtype)  # (B, A)
+    sums = (per_token_logprobs * mask).sum(dim=-1)  # (B,)
     return sums, sums / mask.sum(dim=-1).clamp(min=1)

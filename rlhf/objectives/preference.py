@@ -42,9 +42,9 @@ def reward_model_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
     raise ValueError(f"reward model loss kind must be one of {', '.join(REWARD_MODEL_LOSSES)}, got {kind!r}")
 
 
-def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-             ref_rejected_logps: torch.Tensor, *, beta: float = 0.1, label_smoothing: float = 0.0,
-             ipo: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_loss(policy_chosen_logprobs: torch.Tensor, policy_rejected_logprobs: torch.Tensor,
+             ref_chosen_logprobs: torch.Tensor, ref_rejected_logprobs: torch.Tensor, *, beta: float = 0.1,
+             label_smoothing: float = 0.0, ipo: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DPO / cDPO / IPO, mean over pairs; and the implicit rewards β(log π − log π_ref), detached.
 
     All inputs (B,): summed log-probs of each response. Returns ``(loss (), chosen_rewards (B,),
@@ -52,32 +52,33 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     """
     import torch.nn.functional as F
 
-    logits = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)  # (B,)
+    logits = ((policy_chosen_logprobs - policy_rejected_logprobs)
+              - (ref_chosen_logprobs - ref_rejected_logprobs))  # (B,)
     if ipo:
         losses = (logits - 1 / (2 * beta)) ** 2  # (B,)
     else:
         losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
                   - F.logsigmoid(-beta * logits) * label_smoothing)  # (B,)
-    chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps).detach()  # (B,)
-    rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps).detach()  # (B,)
+    chosen_rewards = beta * (policy_chosen_logprobs - ref_chosen_logprobs).detach()  # (B,)
+    rejected_rewards = beta * (policy_rejected_logprobs - ref_rejected_logprobs).detach()  # (B,)
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def kto_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, policy_kl_logps: torch.Tensor,
-             ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor, ref_kl_logps: torch.Tensor, *,
-             beta: float = 0.1, desirable_weight: float = 1.0,
+def kto_loss(policy_chosen_logprobs: torch.Tensor, policy_rejected_logprobs: torch.Tensor,
+             policy_kl_logprobs: torch.Tensor, ref_chosen_logprobs: torch.Tensor, ref_rejected_logprobs: torch.Tensor,
+             ref_kl_logprobs: torch.Tensor, *, beta: float = 0.1, desirable_weight: float = 1.0,
              undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """KTO, mean over desirable and undesirable samples together; either side may be empty.
 
-    *_chosen_logps (D,) desirable samples, *_rejected_logps (U,) undesirable ones, *_kl_logps (K,) the
-    mismatched (prompt, other completion) pairs that estimate the reference point z (detached,
-    clamped at 0). Returns ``(loss (), chosen_rewards (D,), rejected_rewards (U,), z ())``.
+    *_chosen_logprobs (D,) desirable samples, *_rejected_logprobs (U,) undesirable ones,
+    *_kl_logprobs (K,) the mismatched (prompt, other completion) pairs that estimate the reference
+    point z (detached, clamped at 0). Returns ``(loss (), chosen_rewards (D,), rejected_rewards (U,), z ())``.
     """
     import torch
 
-    kl = (policy_kl_logps - ref_kl_logps).mean().detach().clamp(min=0)  # ()
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps  # (D,)
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps  # (U,)
+    kl = (policy_kl_logprobs - ref_kl_logprobs).mean().detach().clamp(min=0)  # ()
+    chosen_logratios = policy_chosen_logprobs - ref_chosen_logprobs  # (D,)
+    rejected_logratios = policy_rejected_logprobs - ref_rejected_logprobs  # (U,)
     chosen_losses = 1 - torch.sigmoid(beta * (chosen_logratios - kl))  # (D,)
     rejected_losses = 1 - torch.sigmoid(beta * (kl - rejected_logratios))  # (U,)
     loss = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses), 0).mean()

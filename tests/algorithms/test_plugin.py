@@ -165,11 +165,11 @@ def test_a_reference_or_a_function_works_without_registration(plugins):
                                        rewards=torch.tensor([1.0, 0.0]), action_mask=torch.ones(2, 1), group_size=2)
     assert advantages.flatten().tolist() == [0.5, -0.5]
 
-    def halve(loss, action_mask, norm):
-        return (loss * action_mask).sum() / norm.num_tokens / 2
+    def halve(loss, loss_mask, norm):
+        return (loss * loss_mask).sum() / norm.num_tokens / 2
 
-    loss, _ = policy_loss("ppo", logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
-                          action_mask=torch.ones(1, 2), aggregation=halve, plugins=plugins)
+    loss, _ = policy_loss("ppo", logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2),
+                          advantages=torch.ones(1, 2), loss_mask=torch.ones(1, 2), aggregation=halve, plugins=plugins)
     assert loss.item() == -0.5
     with pytest.raises(AlgorithmConfigError, match="not a policy loss"):
         load_component("policy_loss", load_component("kl_estimator", "k1", plugins=plugins))
@@ -178,10 +178,11 @@ def test_a_reference_or_a_function_works_without_registration(plugins):
 def test_the_functions_find_components_of_the_plugin_set_they_are_given(plugins, make_plugin):
     """A component only a run's own plugin set has (not the process-wide default one) is found by name."""
     plugins.register(make_plugin("halving", register_loss_aggregations=lambda register: register(
-        "halved_token_mean", lambda loss, action_mask, norm: (loss * action_mask).sum() / norm.num_tokens / 2)))
+        "halved_token_mean", lambda loss, loss_mask, norm: (loss * loss_mask).sum() / norm.num_tokens / 2)))
     assert aggregate_loss("halved_token_mean", torch.ones(1, 2), torch.ones(1, 2), plugins=plugins).item() == 0.5
-    loss, _ = policy_loss("ppo", logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
-                          action_mask=torch.ones(1, 2), aggregation="halved_token_mean", plugins=plugins)
+    loss, _ = policy_loss("ppo", logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2),
+                          advantages=torch.ones(1, 2), loss_mask=torch.ones(1, 2), aggregation="halved_token_mean",
+                          plugins=plugins)
     assert loss.item() == -0.5
 
 
@@ -222,8 +223,8 @@ def test_a_policy_loss_that_returns_the_wrong_thing_is_named(plugins, make_plugi
     plugins.register(make_plugin("bad_loss", register_policy_losses=lambda register: register(
         "bad", lambda inputs, config: returned)))
     with pytest.raises(PluginError, match=r"policy loss 'bad' must return \(per_token_loss, metrics\)"):
-        policy_loss("bad", logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
-                    action_mask=torch.ones(1, 2), plugins=plugins)
+        policy_loss("bad", logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.ones(1, 2),
+                    loss_mask=torch.ones(1, 2), plugins=plugins)
 
 
 @pytest.mark.parametrize("shape", [(3, 4), (4,), (2, 4, 1)])
@@ -245,9 +246,10 @@ def test_kl_is_in_the_objective_only_when_placed_in_the_loss(plugins, algo, kl_i
 def test_the_objective_refuses_negative_coefficients_and_missing_inputs(plugins):
     from rlhf.algorithms import AlgorithmConfigError, policy_objective
 
-    kwargs = dict(logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
-                  action_mask=torch.ones(1, 2), plugins=plugins)
-    for bad in ({"kl_coef": -0.1, "ref_logp": torch.zeros(1, 2)}, {"entropy_coef": -0.1, "entropy": torch.ones(1, 2)}):
+    kwargs = dict(logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.ones(1, 2),
+                  loss_mask=torch.ones(1, 2), plugins=plugins)
+    for bad in ({"kl_coef": -0.1, "ref_logprobs": torch.zeros(1, 2)},
+                {"entropy_coef": -0.1, "entropy": torch.ones(1, 2)}):
         with pytest.raises(AlgorithmConfigError, match="must be >= 0"):
             policy_objective("ppo", **kwargs, **bad)
     with pytest.raises(AlgorithmConfigError, match="needs the reference log-probs"):
@@ -320,6 +322,7 @@ def test_gae_needs_values(plugins):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"dual_clip": 0.9}, "dual_clip must be greater than 1"),
+    ({"dual_clip": 1.0}, "dual_clip must be greater than 1"),  # c = 1 would cap a negative-advantage ratio at 1
     ({"correction": "seq-tis"}, "unknown mismatch correction 'seq_tis'"),
     ({"correction": "tis"}, "needs the rollout engine's log-probs"),
     ({"clip_low": 1.5}, "clip ranges"),
@@ -327,8 +330,8 @@ def test_gae_needs_values(plugins):
 ])
 def test_bad_policy_loss_settings_are_user_errors(plugins, kwargs, message):
     with pytest.raises(RlhfError, match=message):
-        policy_loss("ppo", logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
-                    action_mask=torch.ones(1, 2), plugins=plugins, **kwargs)
+        policy_loss("ppo", logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.ones(1, 2),
+                    loss_mask=torch.ones(1, 2), plugins=plugins, **kwargs)
 
 
 def test_a_setting_the_loss_does_not_have_is_refused(plugins, make_plugin):
@@ -336,8 +339,8 @@ def test_a_setting_the_loss_does_not_have_is_refused(plugins, make_plugin):
         return -inputs.advantages * inputs.logprobs, {}
 
     plugins.register(make_plugin("plain_loss", register_policy_losses=lambda register: register("plain", plain)))
-    kwargs = dict(logp=torch.zeros(1, 2), logp_old=torch.zeros(1, 2), advantages=torch.ones(1, 2),
-                  action_mask=torch.ones(1, 2), plugins=plugins)
+    kwargs = dict(logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.ones(1, 2),
+                  loss_mask=torch.ones(1, 2), plugins=plugins)
     assert policy_loss("plain", **kwargs)[0].item() == 0.0
     with pytest.raises(AlgorithmConfigError, match="policy loss 'plain' has no setting dual_clip"):
         policy_loss("plain", dual_clip=2.0, **kwargs)
@@ -346,7 +349,7 @@ def test_a_setting_the_loss_does_not_have_is_refused(plugins, make_plugin):
 def test_value_loss_rejects_a_non_positive_clip(plugins):
     with pytest.raises(AlgorithmConfigError, match="value clip must be positive"):
         value_loss(values=torch.zeros(1, 1), old_values=torch.zeros(1, 1), returns=torch.zeros(1, 1),
-                   action_mask=torch.ones(1, 1), clip=0.0, plugins=plugins)
+                   loss_mask=torch.ones(1, 1), clip=0.0, plugins=plugins)
 
 
 def test_shape_mismatches_are_reported(plugins):

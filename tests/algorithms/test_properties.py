@@ -91,9 +91,10 @@ def test_padding_with_masked_positions_changes_nothing(estimator, batch, left, r
 @given(batch=rollout_batches(min_group=1), left=st.integers(0, 3), right=st.integers(0, 3))
 def test_policy_loss_ignores_masked_padding(aggregation, batch, left, right):
     mask = batch["action_mask"]
-    logp_old = -batch["values"].abs()
-    logp = (logp_old + batch["kl"]).requires_grad_()
-    loss, _ = policy_loss("ppo", logp=logp, logp_old=logp_old, advantages=batch["values"], action_mask=mask,
+    old_logprobs = -batch["values"].abs()
+    logprobs = (old_logprobs + batch["kl"]).requires_grad_()
+    loss, _ = policy_loss("ppo", logprobs=logprobs, old_logprobs=old_logprobs, advantages=batch["values"],
+                          loss_mask=mask,
                           aggregation=aggregation, max_new_tokens=16, plugins=PLUGINS)
 
     def pad(tensor, fill):
@@ -101,8 +102,8 @@ def test_policy_loss_ignores_masked_padding(aggregation, batch, left, right):
         return torch.cat([torch.full((rows, left), fill, dtype=tensor.dtype), tensor,
                           torch.full((rows, right), fill, dtype=tensor.dtype)], dim=1)
 
-    padded_loss, _ = policy_loss("ppo", logp=pad(logp.detach(), -5.0), logp_old=pad(logp_old, 3.0),
-                                 advantages=pad(batch["values"], 50.0), action_mask=pad(mask, 0.0),
+    padded_loss, _ = policy_loss("ppo", logprobs=pad(logprobs.detach(), -5.0), old_logprobs=pad(old_logprobs, 3.0),
+                                 advantages=pad(batch["values"], 50.0), loss_mask=pad(mask, 0.0),
                                  aggregation=aggregation, max_new_tokens=16, plugins=PLUGINS)
     torch.testing.assert_close(padded_loss, loss.detach(), atol=1e-12, rtol=1e-10)
 
@@ -113,22 +114,23 @@ def test_policy_loss_ignores_masked_padding(aggregation, batch, left, right):
        dual_clip=st.sampled_from([None, 3.0]))
 def test_micro_batch_split_gives_the_same_gradient(aggregation, batch, cuts, dual_clip):
     mask, advantages = batch["action_mask"], batch["values"]
-    logp_old = -batch["values"].abs()
+    old_logprobs = -batch["values"].abs()
     batch_size = mask.size(0)
     bounds = sorted({0, batch_size, *[c for c in cuts if c < batch_size]})
     kwargs = dict(aggregation=aggregation, max_new_tokens=16, dual_clip=dual_clip, plugins=PLUGINS)
 
-    whole = (logp_old + batch["kl"] * 5).requires_grad_()
-    loss, _ = policy_loss("ppo", logp=whole, logp_old=logp_old, advantages=advantages, action_mask=mask, **kwargs)
+    whole = (old_logprobs + batch["kl"] * 5).requires_grad_()
+    loss, _ = policy_loss("ppo", logprobs=whole, old_logprobs=old_logprobs, advantages=advantages, loss_mask=mask,
+                          **kwargs)
     loss.backward()
 
-    split = (logp_old + batch["kl"] * 5).requires_grad_()
+    split = (old_logprobs + batch["kl"] * 5).requires_grad_()
     num_tokens = float(mask.sum())
     num_sequences = float((mask.sum(dim=-1) > 0).sum())
     total = torch.zeros((), dtype=torch.float64)
     for start, stop in zip(bounds, bounds[1:]):  # one backward per micro-batch, as in training
-        part, _ = policy_loss("ppo", logp=split[start:stop], logp_old=logp_old[start:stop],
-                              advantages=advantages[start:stop], action_mask=mask[start:stop],
+        part, _ = policy_loss("ppo", logprobs=split[start:stop], old_logprobs=old_logprobs[start:stop],
+                              advantages=advantages[start:stop], loss_mask=mask[start:stop],
                               num_tokens=num_tokens, num_sequences=num_sequences, **kwargs)
         part.backward()
         total += part.detach()
@@ -162,20 +164,20 @@ def test_grpo_advantages_of_a_group_sum_to_zero(batch):
 
 
 @PROPERTY_SETTINGS
-@given(logp=st.lists(st.floats(-30, 0), min_size=1, max_size=20), shift=st.floats(-15, 15))
-def test_k3_is_never_negative(logp, shift):
-    logp = torch.tensor([logp], dtype=torch.float64)
-    logp_ref = (logp + shift).clamp(max=0)
+@given(logprobs=st.lists(st.floats(-30, 0), min_size=1, max_size=20), shift=st.floats(-15, 15))
+def test_k3_is_never_negative(logprobs, shift):
+    logprobs = torch.tensor([logprobs], dtype=torch.float64)
+    ref_logprobs = (logprobs + shift).clamp(max=0)
     for dtype in (torch.float64, torch.float32):
-        assert (kl_divergence("k3", logp.to(dtype), logp_ref.to(dtype), plugins=PLUGINS) >= 0).all()
+        assert (kl_divergence("k3", logprobs.to(dtype), ref_logprobs.to(dtype), plugins=PLUGINS) >= 0).all()
 
 
 @PROPERTY_SETTINGS
 @given(batch=rollout_batches(min_group=1), clip_low=st.floats(0.0, 0.5), clip_high=st.floats(0.0, 0.5))
 def test_clip_fraction_is_zero_when_the_ratio_is_one(batch, clip_low, clip_high):
-    logp = -batch["values"].abs()
-    _, metrics = policy_loss("ppo", logp=logp, logp_old=logp.clone(), advantages=batch["values"] * 10,
-                             action_mask=batch["action_mask"], clip_low=clip_low, clip_high=clip_high,
+    logprobs = -batch["values"].abs()
+    _, metrics = policy_loss("ppo", logprobs=logprobs, old_logprobs=logprobs.clone(), advantages=batch["values"] * 10,
+                             loss_mask=batch["action_mask"], clip_low=clip_low, clip_high=clip_high,
                              dual_clip=2.0, plugins=PLUGINS)
     assert metrics["policy/clip_frac"].item() == 0.0
     assert metrics["policy/dual_clip_frac"].item() == 0.0

@@ -75,15 +75,15 @@ def test_reinforce_pp_baseline_before_whitening_is_the_group_mean_baseline(plugi
 
 @pytest.mark.parametrize("estimator, expected", [("k1", 0.2), ("k2", 0.02), ("k3", 0.0187308)])
 def test_kl_estimators_reproduce_design_values(plugins, estimator, expected):
-    logp, logp_ref = torch.tensor([[-1.0]]), torch.tensor([[-1.2]])  # δ = 0.2
-    assert kl_divergence(estimator, logp, logp_ref, plugins=plugins).item() == approx(expected, abs=1e-6)
+    logprobs, ref_logprobs = torch.tensor([[-1.0]]), torch.tensor([[-1.2]])  # δ = 0.2
+    assert kl_divergence(estimator, logprobs, ref_logprobs, plugins=plugins).item() == approx(expected, abs=1e-6)
 
 
 def test_kl_is_clamped_to_ten_and_masked(plugins):
-    logp, logp_ref = torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[-30.0, 30.0, 1.0]])  # δ = 30, -30, -1
-    assert kl_divergence("k1", logp, logp_ref, plugins=plugins).tolist() == [[10.0, -10.0, -1.0]]
-    assert kl_divergence("k3", logp, logp_ref, plugins=plugins)[0, 1].item() == 10.0  # exp(30) clamped
-    masked = kl_divergence("k1", logp, logp_ref, action_mask=torch.tensor([[1, 0, 1]]), plugins=plugins)
+    logprobs, ref_logprobs = torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[-30.0, 30.0, 1.0]])  # δ = 30, -30, -1
+    assert kl_divergence("k1", logprobs, ref_logprobs, plugins=plugins).tolist() == [[10.0, -10.0, -1.0]]
+    assert kl_divergence("k3", logprobs, ref_logprobs, plugins=plugins)[0, 1].item() == 10.0  # exp(30) clamped
+    masked = kl_divergence("k1", logprobs, ref_logprobs, mask=torch.tensor([[1, 0, 1]]), plugins=plugins)
     assert masked.tolist() == [[10.0, 0.0, -1.0]]
 
 
@@ -175,11 +175,12 @@ def test_kl_in_the_loss_leaves_the_reward_alone(plugins):
 # --- PPO policy loss -------------------------------------------------------------------------
 
 def _ppo(plugins, ratios, advantages, **kwargs):
-    logp_old = torch.zeros(1, len(ratios))
-    logp = torch.tensor([ratios]).log().requires_grad_()
-    loss, metrics = policy_loss("ppo", logp=logp, logp_old=logp_old, advantages=torch.tensor([advantages]),
-                                action_mask=torch.ones(1, len(ratios)), plugins=plugins, **kwargs)
-    return loss, metrics, logp
+    old_logprobs = torch.zeros(1, len(ratios))
+    logprobs = torch.tensor([ratios]).log().requires_grad_()
+    loss, metrics = policy_loss("ppo", logprobs=logprobs, old_logprobs=old_logprobs,
+                                advantages=torch.tensor([advantages]),
+                                loss_mask=torch.ones(1, len(ratios)), plugins=plugins, **kwargs)
+    return loss, metrics, logprobs
 
 
 def test_ppo_asymmetric_clip(plugins):
@@ -201,12 +202,12 @@ def test_ppo_dual_clip(plugins):
     # c = 3: ρ 5, Â -1: min(-5, -1.2) = -5, max(-5, -3) = -3 → ℓ 3 (dual clip active)
     #        ρ 2, Â -1: min(-2, -1.2) = -2, max(-2, -3) = -2 → ℓ 2
     #        ρ 5, Â +1: min(5, 1.2) = 1.2 → ℓ -1.2 (dual clip only acts on Â < 0)
-    loss, metrics, logp = _ppo(plugins, [5.0, 2.0, 5.0], [-1.0, -1.0, 1.0], dual_clip=3.0)
+    loss, metrics, logprobs = _ppo(plugins, [5.0, 2.0, 5.0], [-1.0, -1.0, 1.0], dual_clip=3.0)
     assert loss.item() == approx((3 + 2 - 1.2) / 3, abs=1e-5)
     assert metrics["policy/dual_clip_frac"].item() == approx(1 / 3)
     loss.backward()
     # Only the middle token is unclipped: dℓ/dlogp = -Â·ρ = 2, over 3 tokens.
-    assert logp.grad[0].tolist() == approx([0.0, 2 / 3, 0.0], abs=1e-6)
+    assert logprobs.grad[0].tolist() == approx([0.0, 2 / 3, 0.0], abs=1e-6)
     plain, _, _ = _ppo(plugins, [5.0, 2.0, 5.0], [-1.0, -1.0, 1.0])
     assert plain.item() == approx((5 + 2 - 1.2) / 3, abs=1e-5)
 
@@ -218,27 +219,28 @@ def test_ppo_dual_clip_leaves_small_positive_advantages_alone(plugins):
 
 
 def test_ppo_log_ratio_is_clamped_before_exp(plugins):
-    loss, _ = policy_loss("ppo", logp=torch.tensor([[100.0]]), logp_old=torch.zeros(1, 1),
-                             advantages=torch.tensor([[-1.0]]), action_mask=torch.ones(1, 1), plugins=plugins)
+    loss, _ = policy_loss("ppo", logprobs=torch.tensor([[100.0]]), old_logprobs=torch.zeros(1, 1),
+                             advantages=torch.tensor([[-1.0]]), loss_mask=torch.ones(1, 1), plugins=plugins)
     assert loss.item() == approx(math.exp(20), rel=1e-6)  # ρ = exp(20), not inf
 
 
 def test_ppo_metrics_approx_kl_and_zero_clip_fraction_on_policy(plugins):
-    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
-    loss, metrics = policy_loss("ppo", logp=logp, logp_old=torch.tensor([[-1.5, -2.0, -2.0]]),
-                                advantages=torch.tensor([[1.0, 1.0, 1.0]]), action_mask=torch.tensor([[1, 1, 0]]),
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    loss, metrics = policy_loss("ppo", logprobs=logprobs, old_logprobs=torch.tensor([[-1.5, -2.0, -2.0]]),
+                                advantages=torch.tensor([[1.0, 1.0, 1.0]]), loss_mask=torch.tensor([[1, 1, 0]]),
                                 plugins=plugins)
-    # masked mean of logp_old - logp over the first two tokens: (-0.5 + 0)/2
+    # masked mean of old_logprobs - logprobs over the first two tokens: (-0.5 + 0)/2
     assert metrics["policy/approx_kl"].item() == approx(-0.25)
     assert not metrics["policy/approx_kl"].requires_grad
-    on_policy, on_metrics = policy_loss("ppo", logp=logp, logp_old=logp.detach(), advantages=torch.ones(1, 3),
-                                        action_mask=torch.ones(1, 3), plugins=plugins)
+    on_policy, on_metrics = policy_loss("ppo", logprobs=logprobs, old_logprobs=logprobs.detach(),
+                                        advantages=torch.ones(1, 3),
+                                        loss_mask=torch.ones(1, 3), plugins=plugins)
     assert on_metrics["policy/clip_frac"].item() == 0.0 and on_policy.item() == approx(-1.0)
 
 
 # --- mismatch correction ---------------------------------------------------------------------
 
-# exp(logp_old - logp_rollout) = [0.25, 1, 2, 8]; bounds [0.5, 5].
+# exp(old_logprobs - rollout_logprobs) = [0.25, 1, 2, 8]; bounds [0.5, 5].
 ROLLOUT_RATIO = [0.25, 1.0, 2.0, 8.0]
 
 
@@ -247,31 +249,31 @@ ROLLOUT_RATIO = [0.25, 1.0, 2.0, 8.0]
     ("icepop", [0.0, 1.0, 2.0, 0.0]),  # zero outside [0.5, 5], untouched inside
 ])
 def test_mismatch_correction_weights(plugins, correction, weights):
-    logp_old = torch.full((1, 4), -1.0)
-    rollout_logp = logp_old - torch.tensor([ROLLOUT_RATIO]).log()
-    logp = logp_old.clone().requires_grad_()  # ρ = 1, Â = 1: ℓ = -w per token
-    loss, metrics = policy_loss("ppo", logp=logp, logp_old=logp_old, advantages=torch.ones(1, 4),
-                                action_mask=torch.ones(1, 4), rollout_logp=rollout_logp, correction=correction,
+    old_logprobs = torch.full((1, 4), -1.0)
+    rollout_logprobs = old_logprobs - torch.tensor([ROLLOUT_RATIO]).log()
+    logprobs = old_logprobs.clone().requires_grad_()  # ρ = 1, Â = 1: ℓ = -w per token
+    loss, metrics = policy_loss("ppo", logprobs=logprobs, old_logprobs=old_logprobs, advantages=torch.ones(1, 4),
+                                loss_mask=torch.ones(1, 4), rollout_logprobs=rollout_logprobs, correction=correction,
                                 correction_bounds=(0.5, 5.0), plugins=plugins)
     assert loss.item() == approx(-sum(weights) / 4, abs=1e-6)
     loss.backward()
-    assert logp.grad[0].tolist() == approx([-w / 4 for w in weights], abs=1e-6)  # weights are constants
+    assert logprobs.grad[0].tolist() == approx([-w / 4 for w in weights], abs=1e-6)  # weights are constants
     assert metrics["policy/correction_weight_mean"].item() == approx(sum(weights) / 4, abs=1e-6)
     assert metrics["policy/correction_clip_frac"].item() == 0.5
-    # mean of logp_rollout - logp_old = -mean(log [0.25, 1, 2, 8]) = -log(4)/4
+    # mean of rollout_logprobs - old_logprobs = -mean(log [0.25, 1, 2, 8]) = -log(4)/4
     assert metrics["policy/mismatch_kl"].item() == approx(-math.log(4) / 4, abs=1e-6)
 
 
 def test_the_correction_bounds_are_inclusive():
     """A ratio exactly at a bound is inside [lo, hi]: icepop keeps it, tis leaves it as it is."""
-    from rlhf.plugins.algorithms.mismatch import correction_weights
+    from rlhf.plugins.algorithms.policy_losses import correction_weights
 
-    logp_old = torch.full((1, 3), -1.0)
-    rollout_logp = logp_old - torch.tensor([[0.5, 1.0, 2.0]]).log()
-    ratio = (logp_old - rollout_logp).exp()  # (1, 3), as the correction computes it
+    old_logprobs = torch.full((1, 3), -1.0)
+    rollout_logprobs = old_logprobs - torch.tensor([[0.5, 1.0, 2.0]]).log()
+    ratio = (old_logprobs - rollout_logprobs).exp()  # (1, 3), as the correction computes it
     low, high = float(ratio[0, 0]), float(ratio[0, 2])
     for kind in ("icepop", "tis"):
-        weights, outside = correction_weights(logp_old, rollout_logp, kind=kind, bounds=(low, high))
+        weights, outside = correction_weights(old_logprobs, rollout_logprobs, kind=kind, bounds=(low, high))
         assert weights.tolist() == ratio.tolist() and not outside.any(), kind
 
 
@@ -329,8 +331,8 @@ def test_a_step_of_one_token_is_that_tokens_loss(plugins, aggregation):
 
 def test_policy_loss_uses_the_chosen_aggregation(plugins):
     advantages = torch.tensor([[1.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
-    logp = torch.zeros(2, 3)
-    loss, _ = policy_loss("ppo", logp=logp, logp_old=logp, advantages=advantages, action_mask=MASK[:2],
+    logprobs = torch.zeros(2, 3)
+    loss, _ = policy_loss("ppo", logprobs=logprobs, old_logprobs=logprobs, advantages=advantages, loss_mask=MASK[:2],
                           aggregation="seq_mean_token_sum_norm", max_new_tokens=4, plugins=plugins)
     assert loss.item() == approx(-((1 + 1) / 4 + 2 / 4) / 2)  # ℓ = -Â at ρ = 1
 
@@ -343,7 +345,7 @@ def test_clipped_value_loss(plugins):
     #           token 2: V_clip = 2.0 = V, errors 1 vs 1 → 1
     values = torch.tensor([[1.0, 1.0, 2.0]], requires_grad=True)
     kwargs = dict(old_values=torch.tensor([[0.0, 0.0, 1.8]]), returns=torch.tensor([[0.4, 2.0, 3.0]]),
-                  action_mask=torch.ones(1, 3), plugins=plugins)
+                  loss_mask=torch.ones(1, 3), plugins=plugins)
     loss, metrics = value_loss(values=values, **kwargs)
     assert loss.item() == approx(0.5 * (0.36 + 2.25 + 1.0) / 3, abs=1e-6)
     assert metrics["critic/clip_frac"].item() == approx(1 / 3)
@@ -364,12 +366,12 @@ def test_entropy_from_logits():
 
 
 def test_half_precision_log_probs_are_computed_in_float32(plugins):
-    logp = torch.tensor([[-1.0, -2.5, -0.3]])
+    logprobs = torch.tensor([[-1.0, -2.5, -0.3]])
     ref = torch.tensor([[-1.2, -2.0, -0.3]])
     for estimator in ("k1", "k2", "k3"):
-        full = kl_divergence(estimator, logp, ref, plugins=plugins)
-        half = kl_divergence(estimator, logp.bfloat16(), ref.bfloat16(), plugins=plugins)
+        full = kl_divergence(estimator, logprobs, ref, plugins=plugins)
+        half = kl_divergence(estimator, logprobs.bfloat16(), ref.bfloat16(), plugins=plugins)
         assert half.dtype == torch.float32, estimator
-        torch.testing.assert_close(half, kl_divergence(estimator, logp.bfloat16().float(), ref.bfloat16().float(),
+        torch.testing.assert_close(half, kl_divergence(estimator, logprobs.bfloat16().float(), ref.bfloat16().float(),
                                                        plugins=plugins))
         assert full.dtype == torch.float32

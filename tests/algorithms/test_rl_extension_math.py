@@ -12,8 +12,7 @@ import torch
 from rlhf.algorithms import kl_divergence, policy_loss, policy_objective
 from rlhf.algorithms.kl_control import KLController
 from rlhf.core.types import PolicyLossInputs, Trajectory
-from rlhf.plugins.algorithms.ppo_config import PPOLossConfig
-from rlhf.plugins.algorithms.ppo_loss import ppo_policy_loss
+from rlhf.plugins.algorithms.policy_losses import PPOLossConfig, ppo_policy_loss
 from rlhf.plugins.filters.dynamic import DynamicFilterConfig, dynamic_filter, keeps_group
 from rlhf.plugins.shaping.overlong import OverlongConfig, overlong_shaping
 from rlhf.plugins.shaping.truncation import TruncationConfig, truncation_shaping
@@ -24,10 +23,10 @@ from rlhf.plugins.shaping.truncation import TruncationConfig, truncation_shaping
 
 def test_gspo_uses_one_clipped_ratio_per_sequence_and_a_per_sequence_mean():
     old = torch.zeros(2, 3)
-    logp = torch.tensor([[0.1, 0.3, 9.0], [0.5, 0.0, 0.0]], requires_grad=True)  # row 0: 2 tokens, row 1: 1
+    logprobs = torch.tensor([[0.1, 0.3, 9.0], [0.5, 0.0, 0.0]], requires_grad=True)  # row 0: 2 tokens, row 1: 1
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     advantages = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
-    loss, metrics = policy_loss("gspo", logp=logp, logp_old=old, advantages=advantages, action_mask=mask,
+    loss, metrics = policy_loss("gspo", logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=mask,
                                 aggregation="token_mean")  # gspo always aggregates per sequence
     s0, s1 = math.exp(0.2), math.exp(0.5)  # geometric mean ratios of the two sequences
     row0 = -min(s0, 1.2)  # positive advantage: clipped at 1 + 0.2
@@ -36,25 +35,25 @@ def test_gspo_uses_one_clipped_ratio_per_sequence_and_a_per_sequence_mean():
     loss.backward()
     # row 0 is clipped (no gradient); row 1: d(s1/2)/dlogp = s1/2 on its only token
     expected = torch.tensor([[0.0, 0.0, 0.0], [s1 / 2, 0.0, 0.0]])
-    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
     assert metrics["policy/clip_frac"].item() == pytest.approx(2 / 3)  # row 0's two tokens of three
 
 
 def test_gspo_gradient_spreads_over_the_tokens_of_the_sequence():
     old = torch.zeros(1, 2)
-    logp = torch.tensor([[0.0, 0.1]], requires_grad=True)
-    loss, _ = policy_loss("gspo", logp=logp, logp_old=old, advantages=torch.full((1, 2), -1.0),
-                          action_mask=torch.ones(1, 2))
+    logprobs = torch.tensor([[0.0, 0.1]], requires_grad=True)
+    loss, _ = policy_loss("gspo", logprobs=logprobs, old_logprobs=old, advantages=torch.full((1, 2), -1.0),
+                          loss_mask=torch.ones(1, 2))
     loss.backward()  # loss = s = exp(0.05) (unclipped for a negative advantage); ds/dlogp_t = s / 2
-    assert torch.allclose(logp.grad, torch.full((1, 2), math.exp(0.05) / 2), atol=1e-6)
+    assert torch.allclose(logprobs.grad, torch.full((1, 2), math.exp(0.05) / 2), atol=1e-6)
 
 
 def test_gspo_with_a_correction_takes_its_ratio_against_the_rollout_logprobs():
-    logp = torch.zeros(1, 2, requires_grad=True)
-    kwargs = dict(logp=logp, logp_old=torch.zeros(1, 2), advantages=torch.full((1, 2), -1.0),
-                  action_mask=torch.ones(1, 2))
-    loss, _ = policy_loss("gspo", rollout_logp=torch.full((1, 2), -0.4), correction="tis", **kwargs)
-    assert loss.item() == pytest.approx(math.exp(0.4))  # ratio exp(mean(logp - logp_rollout))
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    kwargs = dict(logprobs=logprobs, old_logprobs=torch.zeros(1, 2), advantages=torch.full((1, 2), -1.0),
+                  loss_mask=torch.ones(1, 2))
+    loss, _ = policy_loss("gspo", rollout_logprobs=torch.full((1, 2), -0.4), correction="tis", **kwargs)
+    assert loss.item() == pytest.approx(math.exp(0.4))  # ratio exp(mean(logprobs - rollout_logprobs))
 
 
 # --- seq_mask_tis ----------------------------------------------------------------------------------
@@ -64,7 +63,7 @@ def test_seq_mask_tis_drops_whole_sequences_and_keeps_unclamped_token_weights():
     old = torch.tensor([[0.1, -0.1], [2.0, 2.0]])
     rollout = torch.zeros(2, 2)
     inputs = PolicyLossInputs(logprobs=old.clone(), old_logprobs=old, advantages=torch.ones(2, 2),
-                              action_mask=torch.ones(2, 2), rollout_logprobs=rollout)
+                              loss_mask=torch.ones(2, 2), rollout_logprobs=rollout)
     config = PPOLossConfig(correction="seq-mask-tis", correction_bounds=(0.5, 1.5))  # OpenRLHF's spelling works
     assert config.correction == "seq_mask_tis"
     loss, metrics = ppo_policy_loss(inputs, config)
@@ -87,30 +86,32 @@ def test_unbiased_kl_gradient_equals_the_analytic_reverse_kl_gradient():
     theta = torch.randn(5, requires_grad=True)
     theta_old = (theta + 0.3 * torch.randn(5)).detach()  # sampled a little before this update
     ref = torch.randn(5).log_softmax(-1)
-    logp = theta.log_softmax(-1)  # every token's log-prob under π_θ
+    logprobs = theta.log_softmax(-1)  # every token's log-prob under π_θ
     old = theta_old.log_softmax(-1)
     sampling = old.exp().detach()  # probability of drawing each token
 
-    analytic = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta, retain_graph=True)[0]  # ∇ KL(π_θ ‖ π_ref)
+    analytic = torch.autograd.grad((logprobs.exp() * (logprobs - ref)).sum(), theta,
+                                   retain_graph=True)[0]  # ∇ KL(π_θ ‖ π_ref)
     for estimator in ("k1", "k2", "k3"):
-        kl = kl_divergence(estimator, logp[None], ref[None], unbiased_gradient=True, logp_old=old[None])  # (1, 5)
+        kl = kl_divergence(estimator, logprobs[None], ref[None], unbiased_gradient=True,
+                           old_logprobs=old[None])  # (1, 5)
         surrogate = (sampling * kl[0]).sum()  # E_{y ~ π_old}[kl(y)], exactly
         grad = torch.autograd.grad(surrogate, theta, retain_graph=True)[0]
         assert torch.allclose(grad, analytic, atol=1e-5), estimator
-        plain = kl_divergence(estimator, logp[None], ref[None])
+        plain = kl_divergence(estimator, logprobs[None], ref[None])
         assert torch.allclose(kl.detach(), plain.detach()), f"{estimator}: the value must not change"
-    biased = torch.autograd.grad((sampling * kl_divergence("k1", logp[None], ref[None])[0]).sum(), theta)[0]
+    biased = torch.autograd.grad((sampling * kl_divergence("k1", logprobs[None], ref[None])[0]).sum(), theta)[0]
     assert not torch.allclose(biased, analytic, atol=1e-3)  # k1's own gradient is not the KL gradient
 
 
 def test_policy_objective_passes_the_unbiased_gradient_to_its_kl_term():
-    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
-    common = dict(logp=logp, logp_old=logp.detach(), advantages=torch.zeros(1, 2), action_mask=torch.ones(1, 2),
-                  ref_logp=ref, kl_estimator="k3", kl_coef=0.5)
+    common = dict(logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=torch.zeros(1, 2),
+                  loss_mask=torch.ones(1, 2), ref_logprobs=ref, kl_estimator="k3", kl_coef=0.5)
     loss, _ = policy_objective("ppo", kl_unbiased_gradient=True, **common)
     loss.backward()  # β·token_mean(kl): gradient β·δ/2 per token (w = 1 on-policy)
-    assert torch.allclose(logp.grad, 0.5 * (logp.detach() - ref) / 2, atol=1e-6)
+    assert torch.allclose(logprobs.grad, 0.5 * (logprobs.detach() - ref) / 2, atol=1e-6)
 
 
 # --- adaptive KL -----------------------------------------------------------------------------------
@@ -169,21 +170,22 @@ def test_truncation_scales_or_replaces_the_reward_of_cut_completions():
 
 
 def test_gspo_scales_with_the_advantage_and_clips_on_the_right_side():
-    logp = torch.tensor([[0.3, 0.3]], requires_grad=True)  # s = exp(0.3) = 1.35, outside [0.8, 1.2]
+    logprobs = torch.tensor([[0.3, 0.3]], requires_grad=True)  # s = exp(0.3) = 1.35, outside [0.8, 1.2]
     old = torch.zeros(1, 2)
     mask = torch.ones(1, 2)
-    up, _ = policy_loss("gspo", logp=logp, logp_old=old, advantages=torch.full((1, 2), 2.0), action_mask=mask)
-    down, _ = policy_loss("gspo", logp=logp, logp_old=old, advantages=torch.full((1, 2), -2.0), action_mask=mask)
+    kwargs = dict(logprobs=logprobs, old_logprobs=old, loss_mask=mask)
+    up, _ = policy_loss("gspo", advantages=torch.full((1, 2), 2.0), **kwargs)
+    down, _ = policy_loss("gspo", advantages=torch.full((1, 2), -2.0), **kwargs)
     assert up.item() == pytest.approx(-1.2 * 2.0)  # positive advantage: the clipped ratio caps the gain
     assert down.item() == pytest.approx(math.exp(0.3) * 2.0)  # negative: the unclipped (larger) loss
 
 
 def test_the_unbiased_kl_weight_is_clamped_at_ten():
-    logp = torch.tensor([[0.0]], requires_grad=True)
+    logprobs = torch.tensor([[0.0]], requires_grad=True)
     ref, old = torch.tensor([[-1.0]]), torch.tensor([[-3.0]])  # π/π_old = e³ ≈ 20, clamped to 10
-    kl = kl_divergence("k3", logp, ref, unbiased_gradient=True, logp_old=old)
+    kl = kl_divergence("k3", logprobs, ref, unbiased_gradient=True, old_logprobs=old)
     kl.sum().backward()
-    assert logp.grad.item() == pytest.approx(10.0 * 1.0)  # w·δ with δ = logp - ref = 1
+    assert logprobs.grad.item() == pytest.approx(10.0 * 1.0)  # w·δ with δ = logprobs - ref = 1
 
 
 def test_metrics_of_several_sampling_rounds_sum_counts_and_weight_means():

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from rlhf.objectives import distillation_loss, dpo_loss, kto_loss, prm_loss, reward_model_loss, sequence_logps, sft_loss
+from rlhf.objectives import (distillation_loss, dpo_loss, kto_loss, prm_loss, reward_model_loss, sequence_logprobs,
+                             sft_loss)
 
 approx = pytest.approx
 
@@ -119,14 +120,14 @@ def test_prm_loss_hard_and_soft_labels():
     assert whole_vocab.item() == approx((-math.log(3 / 8) - math.log(1 / 8)) / 2, abs=1e-6)  # softmax over 6 tokens
 
 
-def test_sequence_logps_sum_and_mean_over_the_mask():
-    logps = torch.tensor([[-1.0, -2.0, -4.0], [-3.0, 0.0, 0.0]])
-    sums, means = sequence_logps(logps, torch.tensor([[0, 1, 1], [0, 0, 0]]))
+def test_sequence_logprobs_sum_and_mean_over_the_mask():
+    logprobs = torch.tensor([[-1.0, -2.0, -4.0], [-3.0, 0.0, 0.0]])
+    sums, means = sequence_logprobs(logprobs, torch.tensor([[0, 1, 1], [0, 0, 0]]))
     assert sums.tolist() == [-6.0, 0.0] and means.tolist() == [-3.0, 0.0]
 
 
-def test_sequence_logps_of_a_single_learnt_token_is_that_token():
-    sums, means = sequence_logps(torch.tensor([[-1.0, -2.5, -4.0]]), torch.tensor([[0, 1, 0]]))
+def test_sequence_logprobs_of_a_single_learnt_token_is_that_token():
+    sums, means = sequence_logprobs(torch.tensor([[-1.0, -2.5, -4.0]]), torch.tensor([[0, 1, 0]]))
     assert sums.tolist() == [-2.5] and means.tolist() == [-2.5]
 
 

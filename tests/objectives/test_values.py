@@ -95,7 +95,7 @@ def causal_lm(model_dir: Path, weights: dict[str, torch.Tensor] | None = None) -
     return model.eval()
 
 
-def learnt_logps(model: torch.nn.Module, ids: list[int], start: int) -> torch.Tensor:
+def logprobs_by_hand(model: torch.nn.Module, ids: list[int], start: int) -> torch.Tensor:
     """(N,) log-probs of tokens ``ids[start:]``, each predicted from the tokens before it."""
     logits = model(torch.tensor([ids])).logits[0].float()  # (T, V)
     targets = torch.tensor(ids[start:])  # (N,)
@@ -120,10 +120,10 @@ def test_sft_is_the_mean_nll_of_every_response_token_of_the_step(tiny_model_dir,
     logged, weights, grad = train_two_steps(["sft", "--model", str(tiny_model_dir), "--data", str(data)],
                                             tmp_path / "run", lr=0.5)
     model = causal_lm(tiny_model_dir, weights)
-    logps = torch.cat([learnt_logps(model, *prompt_response(tokenizer, row["prompt"], row["response"]))
+    logprobs = torch.cat([logprobs_by_hand(model, *prompt_response(tokenizer, row["prompt"], row["response"]))
                        for row in SFT_ROWS])  # (N,) every learnt token of the step
-    loss = -logps.mean()
-    assert_step(logged, {"loss": loss}, units=float(len(logps)))
+    loss = -logprobs.mean()
+    assert_step(logged, {"loss": loss}, units=float(len(logprobs)))
     assert_same_gradients(grad, gradients(loss, dict(model.named_parameters())), atol=1e-5)
 
 
@@ -142,11 +142,11 @@ def test_distill_mixes_the_nll_and_the_cross_entropy_to_the_teacher_by_kd_coef(t
     for row in SFT_ROWS:
         ids, start = prompt_response(tokenizer, row["prompt"], row["response"])
         inputs = torch.tensor([ids])
-        student_logps = student(inputs).logits[0, start - 1:-1].float().log_softmax(-1)  # (N, V)
+        student_logprobs = student(inputs).logits[0, start - 1:-1].float().log_softmax(-1)  # (N, V)
         with torch.no_grad():
             teacher_probs = teacher(inputs).logits[0, start - 1:-1].float().softmax(-1)  # (N, V)
-        nll.append(-student_logps.gather(1, torch.tensor(ids[start:])[:, None]).squeeze(1))  # (N,)
-        cross_entropy.append(-(teacher_probs * student_logps).sum(-1))  # (N,)
+        nll.append(-student_logprobs.gather(1, torch.tensor(ids[start:])[:, None]).squeeze(1))  # (N,)
+        cross_entropy.append(-(teacher_probs * student_logprobs).sum(-1))  # (N,)
     sft_term, kd_term = torch.cat(nll).mean(), torch.cat(cross_entropy).mean()
     loss = (1 - kd_coef) * sft_term + kd_coef * kd_term
     assert abs(float((kd_term - sft_term).detach())) > 0.1  # swapped coefficients would show
@@ -211,7 +211,7 @@ def test_dpo_and_its_variants_against_the_frozen_starting_model(variant, tiny_mo
     policy, reference = causal_lm(tiny_model_dir, weights), causal_lm(tiny_model_dir)
 
     def summed(model: torch.nn.Module, response: str, prompt: str) -> torch.Tensor:
-        return learnt_logps(model, *prompt_response(tokenizer, prompt, response)).sum()
+        return logprobs_by_hand(model, *prompt_response(tokenizer, prompt, response)).sum()
 
     sums = {}
     for side in ("chosen", "rejected"):
@@ -234,8 +234,9 @@ def test_dpo_and_its_variants_against_the_frozen_starting_model(variant, tiny_mo
     expected = {"accuracy": (gap > 0).float().mean(), "margin": gap.mean(), "chosen_reward": chosen_rewards.mean(),
                 "rejected_reward": rejected_rewards.mean()}
     if variant == "nll":
-        per_token_nll = torch.stack([-learnt_logps(policy, *prompt_response(tokenizer, row["prompt"], row["chosen"]))
-                                    .mean() for row in PAIR_ROWS])  # (P,) mean over each chosen response's tokens
+        per_token_nll = torch.stack([
+            -logprobs_by_hand(policy, *prompt_response(tokenizer, row["prompt"], row["chosen"])).mean()
+            for row in PAIR_ROWS])  # (P,) mean over each chosen response's tokens
         loss = loss + nll_coef * per_token_nll.mean()
         expected["nll"] = per_token_nll.mean()
     expected["loss"] = loss
@@ -270,14 +271,14 @@ def test_kto_against_a_reference_point_from_mismatched_pairs(tiny_model_dir, tok
         for index, (ids, prompt_len) in enumerate(encoded):
             other_ids, other_prompt_len = encoded[(index + 1) % len(encoded)]
             mismatched = (ids[:prompt_len] + other_ids[other_prompt_len:])[:max(len(ids), len(other_ids))]
-            kl_terms.append(learnt_logps(policy, mismatched, prompt_len).sum()
-                            - learnt_logps(reference, mismatched, prompt_len).sum())
+            kl_terms.append(logprobs_by_hand(policy, mismatched, prompt_len).sum()
+                            - logprobs_by_hand(reference, mismatched, prompt_len).sum())
         z = torch.stack(kl_terms).mean().clamp(min=0)
     assert float(z) > 1e-3  # a reference point that is always 0 would show
 
     with torch.no_grad():
-        reference_sums = torch.stack([learnt_logps(reference, ids, start).sum() for ids, start in encoded])  # (B,)
-    logratios = torch.stack([learnt_logps(policy, ids, start).sum() for ids, start in encoded]) - reference_sums
+        reference_sums = torch.stack([logprobs_by_hand(reference, ids, start).sum() for ids, start in encoded])  # (B,)
+    logratios = torch.stack([logprobs_by_hand(policy, ids, start).sum() for ids, start in encoded]) - reference_sums
     desirable = torch.tensor([row["label"] for row in rows])  # (B,)
     losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (logratios - z))),
                          undesirable_weight * (1 - torch.sigmoid(beta * (z - logratios))))  # (B,)
@@ -330,8 +331,8 @@ def test_dpo_runs_each_pair_as_one_row_sharing_its_prompt_unless_told_not_to(tin
     from rlhf.plugins.objectives import dpo as dpo_module
 
     shared_calls: list[int] = []
-    original = dpo_module.shared_token_logps
-    monkeypatch.setattr(dpo_module, "shared_token_logps",
+    original = dpo_module.shared_learnt_logprobs
+    monkeypatch.setattr(dpo_module, "shared_learnt_logprobs",
                         lambda *args, **kwargs: shared_calls.append(1) or original(*args, **kwargs))
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIR_ROWS)
     args = ["dpo", "--model", str(tiny_model_dir), "--data", str(data)]

@@ -45,13 +45,13 @@ def unmasked_policy_loss(inputs, config):
 
 def detached_policy_loss(inputs, config):
     ratio = (inputs.logprobs.detach() - inputs.old_logprobs).exp()
-    return -ratio * inputs.advantages * inputs.action_mask, {}
+    return -ratio * inputs.advantages * inputs.loss_mask, {}
 
 
 def batch_normalised_policy_loss(inputs, config):
     """Divides by a batch statistic, so a row's loss depends on the other rows."""
-    loss = -(inputs.logprobs - inputs.old_logprobs).exp() * inputs.advantages * inputs.action_mask
-    return loss / inputs.action_mask.sum(), {"policy/mean": loss.mean().item()}
+    loss = -(inputs.logprobs - inputs.old_logprobs).exp() * inputs.advantages * inputs.loss_mask
+    return loss / inputs.loss_mask.sum(), {"policy/mean": loss.mean().item()}
 
 
 def shifted_kl(logprobs, ref_logprobs):

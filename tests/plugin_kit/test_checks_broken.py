@@ -15,7 +15,7 @@ ESTIMATORS = [
     (broken.ignores_sample_mask, "advantages of a sample left out by sample_mask (False) should be 0"),
 ]
 LOSSES = [
-    (broken.unmasked_policy_loss, "the per-token loss is not zero where action_mask is 0"),
+    (broken.unmasked_policy_loss, "the per-token loss is not zero where loss_mask is 0"),
     (broken.detached_policy_loss, "the loss does not depend on inputs.logprobs"),
     (broken.batch_normalised_policy_loss, "splitting the batch into two micro-batches changed the per-token losses"),
 ]

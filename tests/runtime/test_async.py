@@ -1,5 +1,5 @@
 """--async: generation beside training. Exact at staleness 0, staleness bounded and deterministic,
-behaviour log-probs as logp_old, exact resume with in-flight batches, clean shutdown on errors on
+behaviour log-probs as old_logprobs, exact resume with in-flight batches, clean shutdown on errors on
 either side, and environments of a batch stepping concurrently."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_staleness_one_samples_each_batch_from_the_previous_version(tiny_model_d
     _run(tiny_model_dir, task, tmp_path / "frozen", freeze_actor_steps=2)
     assert [s for s in _samples(tmp_path / "async") if s[0] <= 2] == \
         [s for s in _samples(tmp_path / "frozen") if s[0] <= 2]
-    # the loss's logp_old are the behaviour policy's: from step 2 the ratio to the current policy is not 1
+    # the loss's old_logprobs are the behaviour policy's: from step 2 the ratio to the current policy is not 1
     assert_on_policy_only_at_first(ahead)
     # and the run does not depend on timing
     again = _run(tiny_model_dir, task, tmp_path / "again", async_rollout=True, max_staleness=1)
@@ -145,7 +145,7 @@ def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task,
     untimed = lambda rows: [{k: v for k, v in m.items() if not k.startswith(timing)} for m in rows]  # noqa: E731
     assert untimed(first) == untimed(second)
     assert [m["step"] for m in first if "eval/reward/mean" in m] == [0, 2, 4]
-    # either way the loss's logp_old are the behaviour policy's: from step 2 the ratio is not 1
+    # either way the loss's old_logprobs are the behaviour policy's: from step 2 the ratio is not 1
     trained = [m for m in first if "policy/approx_kl" in m]
     assert_on_policy_only_at_first(trained)
 
@@ -304,7 +304,7 @@ def test_continuous_rollouts_of_several_batches_overlap_and_stay_deterministic_t
     assert (tmp_path / "tools_a.opened").read_text() == "True"  # batch 1 started while batch 0 waited on a tool
     assert [m["async/staleness_max"] for m in first] == [0, 1, 2, 2, 2]
     assert all(m["env/turns_mean"] > 1 for m in first)
-    # the lanes' behaviour log-probs are the loss's logp_old: from step 2 the ratio is not 1
+    # the lanes' behaviour log-probs are the loss's old_logprobs: from step 2 the ratio is not 1
     assert_on_policy_only_at_first(first)
     second = _run(tiny_model_dir, task, tmp_path / "b", **options("tools_b"))
     _assert_same_run(tmp_path / "b", second, tmp_path / "a", first)

@@ -101,11 +101,11 @@ def test_token_layout_and_masks_keep_environment_tokens_out_of_the_loss(tokenize
                                        group_size=1, gamma=0.5, std_norm=False)
     env_positions = batch.action_mask[0] == 0
     assert (advantages[0][env_positions] == 0).all() and (advantages[0][~env_positions] != 0).all()
-    logp = torch.zeros_like(batch.action_mask, requires_grad=True)
-    loss, _ = policy_loss("ppo", logp=logp, logp_old=logp.detach(), advantages=advantages + 1.0,
-                          action_mask=batch.action_mask)
+    logprobs = torch.zeros_like(batch.action_mask, requires_grad=True)
+    loss, _ = policy_loss("ppo", logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=advantages + 1.0,
+                          loss_mask=batch.loss_mask)
     loss.backward()
-    assert (logp.grad[0][env_positions] == 0).all() and (logp.grad[0][~env_positions] != 0).all()
+    assert (logprobs.grad[0][env_positions] == 0).all() and (logprobs.grad[0][~env_positions] != 0).all()
 
 
 def test_budget_and_max_turns_end_episodes(tokenizer):

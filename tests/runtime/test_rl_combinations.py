@@ -169,9 +169,11 @@ class Policy:
         return {name: p.grad.detach().clone() for name, p in self.parameters.items()}
 
 
-def ppo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token mean of PPO's clipped surrogate, −min(r·Â, clip(r, 1 ± ε)·Â), r = exp(logp − logp_old)."""
-    ratio = torch.exp(logp - logp_old)  # (B, A)
+def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+    """Token mean of PPO's clipped surrogate, −min(r·Â, clip(r, 1 ± ε)·Â),
+    r = exp(logprobs − old_logprobs)."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, A)
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages)  # (B, A)
     return -(surrogate * mask).sum() / mask.sum()
 
@@ -186,8 +188,8 @@ def ppo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tenso
 def test_async_trains_against_the_behaviour_policys_logprobs(tiny_model_dir, task, reward, tmp_path, plugins,
                                                              options, steps_per_rollout):
     """With --max-staleness 1, the batch of step s ≥ 1 was sampled by version s − 1 of the policy
-    and trains version s. The ratio of the PPO loss must be exp(logp_s − logp_{s−1}), and KL in
-    the reward k1 = logp_{s−1} − logp_ref: the behaviour log-probs the producer computed with the
+    and trains version s. The ratio of the PPO loss must be exp(logprobs_s − logprobs_{s−1}), and KL in
+    the reward k1 = logprobs_{s−1} − ref_logprobs: the behaviour log-probs the producer computed with the
     weights that sampled. A trainer that recomputed the old log-probs with the weights it trains
     (what a synchronous run does when an optimizer step or the KL needs them) would see a ratio
     of exactly 1 at each step's first optimizer step and the trained policy's KL: the importance
@@ -226,7 +228,7 @@ def test_async_trains_against_the_behaviour_policys_logprobs(tiny_model_dir, tas
             assert torch.allclose(estimate["kl"], expected_kl, atol=2e-5), step
         else:
             assert estimate["kl"] is None
-        # the step's first optimizer step: the whole rollout batch, the PPO loss with logp_old = behaviour
+        # the step's first optimizer step: the whole rollout batch, the PPO loss with old_logprobs = behaviour
         loss = ppo_loss(trained, behaviour, estimate["advantages"], action_mask)
         expected = policy.gradient(loss)
         assert_same_gradients(RecordingBackend.steps[step * steps_per_rollout], expected, atol=1e-5)

@@ -1,7 +1,7 @@
 """What training optimises, checked as behaviour on the tiny model, against gradients computed
 independently from the formulas (tests/runtime/recording.py keeps each optimizer step's gradient):
 
-* the KL term of the loss has the gradient of β·mean(k3(logp, logp_ref)) against a distant reference;
+* the KL term of the loss has the gradient of β·mean(k3(logprobs, ref_logprobs)) against a distant reference;
 * the entropy bonus has the gradient of −c·mean(H), H from the full softmax;
 * a sample dropped by the reward failure policy adds nothing to the gradient, and is left out of
   the group statistics of the advantages;
@@ -86,8 +86,8 @@ def test_kl_in_the_loss_has_the_estimators_gradient_against_a_distant_reference(
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.5, kl_estimator=estimator, plugins=plugins)
     got, metrics = fit_once(model, batch, algo.policy_training_loss(None))  # SGD with lr 0: the weights stay
 
-    logp, _ = full_logprobs(model, batch)
-    kl = KL_FORMULAS[estimator](logp - batch.ref_logprobs)  # (B, A), δ = logp - logp_ref
+    logprobs, _ = full_logprobs(model, batch)
+    kl = KL_FORMULAS[estimator](logprobs - batch.ref_logprobs)  # (B, A), δ = logprobs - ref_logprobs
     expected = gradients(model, 0.5 * token_mean(kl, batch.loss_mask))
     assert_same_gradients(got, expected)
     assert metrics["policy/kl"] == pytest.approx(float(token_mean(kl, batch.loss_mask)), rel=1e-4)
@@ -107,15 +107,15 @@ def test_gspo_trains_per_sequence_whatever_the_runs_aggregation(model, plugins, 
     assert training_loss.trained_rows(batch).tolist() == [False, False] + [True] * (ROWS - 2)
     got, _ = fit_once(model, batch, training_loss)
 
-    logp, _ = full_logprobs(model, batch)  # on-policy: ratio 1, ℓ = −s·Â with s = exp(mean(logp − logp.detach()))
+    logprobs, _ = full_logprobs(model, batch)  # on-policy: ratio 1, ℓ = −s·Â, s = exp(mean(log-ratio))
     mask = batch.loss_mask  # (B, A)
-    mean_log_ratio = ((logp - logp.detach()) * mask).sum(dim=1) / mask.sum(dim=1)  # (B,)
+    mean_log_ratio = ((logprobs - logprobs.detach()) * mask).sum(dim=1) / mask.sum(dim=1)  # (B,)
     per_token = -torch.exp(mean_log_ratio)[:, None] * batch.advantages  # (B, A)
     per_sequence = (per_token * mask).sum(dim=1) / mask.sum(dim=1)  # (B,)
     assert_same_gradients(got, gradients(model, per_sequence.mean()))
     # the rows GSPO skips depend on its own aggregation, not on the run's (here one that is no sum of rows)
     plugins.register(make_plugin("squared_mean", register_loss_aggregations=lambda register: register(
-        "squared_mean", lambda loss, action_mask, norm: ((loss * action_mask).sum() / norm.num_tokens) ** 2)))
+        "squared_mean", lambda loss, loss_mask, norm: ((loss * loss_mask).sum() / norm.num_tokens) ** 2)))
     squared = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, policy_loss="gspo", loss_agg="squared_mean",
                                 plugins=plugins)
     assert squared.policy_training_loss(None).trained_rows(batch) is not None
@@ -143,14 +143,14 @@ AGGREGATIONS = {
 
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
 def test_the_policy_gradient_is_minus_the_aggregated_advantage_weighted_score(model, plugins, aggregation):
-    """On-policy (ratio 1): the PPO loss's gradient is −agg(Â ∇logp), with the run's aggregation."""
+    """On-policy (ratio 1): the PPO loss's gradient is −agg(Â ∇logprobs), with the run's aggregation."""
     batch = make_batch()
     batch.advantages = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(3)) * \
         batch.action_mask  # (B, A)
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, loss_agg=aggregation, plugins=plugins)
     got, _ = fit_once(model, batch, algo.policy_training_loss(None))
-    logp, _ = full_logprobs(model, batch)
-    expected = -AGGREGATIONS[aggregation](batch.advantages * logp, batch.loss_mask)
+    logprobs, _ = full_logprobs(model, batch)
+    expected = -AGGREGATIONS[aggregation](batch.advantages * logprobs, batch.loss_mask)
     assert_same_gradients(got, gradients(model, expected))
 
 

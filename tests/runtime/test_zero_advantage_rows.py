@@ -56,12 +56,12 @@ def test_trained_rows_are_those_with_a_nonzero_advantage_on_a_loss_token():
 
 def custom_loss(inputs, config):
     """A policy loss registered without ``advantage_weighted``: its rows always train."""
-    return -(inputs.logprobs * inputs.advantages) * inputs.action_mask, {}
+    return -(inputs.logprobs * inputs.advantages) * inputs.loss_mask, {}
 
 
-def custom_aggregation(loss, action_mask, norm):
+def custom_aggregation(loss, loss_mask, norm):
     """An aggregation registered without ``sums_rows``."""
-    return (loss * action_mask).sum() / max(norm.num_tokens, 1)
+    return (loss * loss_mask).sum() / max(norm.num_tokens, 1)
 
 
 @pytest.mark.parametrize("overrides", [

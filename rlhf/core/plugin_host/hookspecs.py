@@ -110,9 +110,10 @@ def register_policy_losses(register: Register) -> None:
       (``ppo`` and ``gspo`` declare it).
     - ``loss(inputs, config) -> (per_token_loss, metrics)``: ``inputs`` an
       ``rlhf.core.types.PolicyLossInputs`` (``logprobs (B, A)`` with grad, ``old_logprobs``,
-      ``advantages``, ``action_mask`` float 0/1, all ``(B, A)``, and ``rollout_logprobs (B, A)``
-      or ``None``: the rollout engine's log-probs); ``config`` an instance of ``config_cls`` or
-      ``None``. The loss per token is ``(B, A)`` and 0 where ``action_mask`` is 0; the metrics are
+      ``advantages``, ``loss_mask`` float 0/1 (the action tokens of the samples that count), all
+      ``(B, A)``, and ``rollout_logprobs (B, A)`` or ``None``: the rollout engine's log-probs);
+      ``config`` an instance of ``config_cls`` or ``None``. The loss per token is ``(B, A)`` and 0
+      where ``loss_mask`` is 0; the metrics are
       detached scalars under namespaced keys (``policy/clip_frac``, ``policy/approx_kl``, ...).
     - Called once per micro-batch by the run's training loss (rlhf/algorithms/training_loss.py;
       ``rlhf.algorithms.policy_objective`` computes the same from names): the host adds the KL and
@@ -127,7 +128,7 @@ def register_kl_estimators(register: Register) -> None:
     ``register(name, estimator)``.
 
     ``estimator(logprobs, ref_logprobs) -> kl``: all three ``(B, A)`` float. The host
-    (``rlhf.algorithms.kl_divergence``) clamps the result to [-10, 10] and masks it; the
+    (``rlhf.algorithms.training_loss.clamped_kl``) clamps the result to [-10, 10] and masks it; the
     estimator sees raw log-probs. KL goes into the reward or into the loss, never both.
     """
 
@@ -140,10 +141,10 @@ def register_loss_aggregations(register: Register) -> None:
     per-row terms over the step's counts, so a row whose per-token losses are 0 adds 0 (every
     built-in aggregation; it lets training skip zero-advantage rows, see ``register_policy_losses``).
 
-    ``aggregate(loss, action_mask, norm) -> scalar tensor``: ``loss`` and ``action_mask``
+    ``aggregate(loss, loss_mask, norm) -> scalar tensor``: ``loss`` and ``loss_mask``
     (float 0/1) are one micro-batch ``(B, A)``; ``norm`` is an ``rlhf.core.types.LossNorm``
     with counts over the whole optimizer step (all micro-batches and data-parallel ranks):
-    ``num_tokens``, ``num_sequences`` (with at least one action token) and
+    ``num_tokens``, ``num_sequences`` (with at least one loss token) and
     ``max_new_tokens`` (or ``None`` when the run has no fixed budget). Return this
     micro-batch's share of the step loss: the sum of the returns over the step must equal the
     step loss, so the gradient does not depend on how the step is split.

@@ -50,7 +50,7 @@ def check(target: Target) -> list[str]:
         outputs = []
         for name, value in zip(("advantages", "returns"), result):
             expect_tensor(target, f"{name} ({what})", value, (B, A))
-            expect_zero_where_masked(target, f"{name} ({what})", value, mask)
+            expect_zero_where_masked(target, f"{name} ({what})", value, mask, mask_name="action_mask")
             outputs.append(value.float())
         return outputs[0], outputs[1]
 

@@ -16,9 +16,9 @@ def check(target: Target) -> list[str]:
 
     generator = torch.Generator().manual_seed(0)
     lengths = torch.tensor([5, 2, 4, 1, 5, 3])
-    action_mask = (torch.arange(A)[None, :] < lengths[:, None]).float()  # (B, A)
-    loss = (torch.randn(B, A, generator=generator) * action_mask).requires_grad_(True)  # (B, A)
-    norm = LossNorm(num_tokens=float(action_mask.sum()), num_sequences=float((action_mask.sum(1) > 0).sum()),
+    loss_mask = (torch.arange(A)[None, :] < lengths[:, None]).float()  # (B, A)
+    loss = (torch.randn(B, A, generator=generator) * loss_mask).requires_grad_(True)  # (B, A)
+    norm = LossNorm(num_tokens=float(loss_mask.sum()), num_sequences=float((loss_mask.sum(1) > 0).sum()),
                     max_new_tokens=A)
 
     def run(values, mask, what):
@@ -33,7 +33,7 @@ def check(target: Target) -> list[str]:
             raise target.fail(f"returned {out.item()} ({what})")
         return out
 
-    whole = run(loss, action_mask, "the whole step")
+    whole = run(loss, loss_mask, "the whole step")
     lines = ["returns a finite scalar tensor"]
     if not whole.requires_grad:
         raise target.fail("the result does not depend on the loss (no gradient flows)")
@@ -41,14 +41,14 @@ def check(target: Target) -> list[str]:
     if loss.grad is None or not (loss.grad != 0).any():
         raise target.fail("no gradient reaches the per-token loss")
     lines.append("differentiable")
-    noisy = loss.detach() + (1 - action_mask) * 1e3  # garbage at masked positions
-    expect_close(target, "values at masked positions (action_mask 0) changed the result; mask them out",
-                 run(noisy, action_mask, "garbage at masked positions").detach(), whole.detach(), atol=1e-4)
+    noisy = loss.detach() + (1 - loss_mask) * 1e3  # garbage at masked positions
+    expect_close(target, "values at masked positions (loss_mask 0) changed the result; mask them out",
+                 run(noisy, loss_mask, "garbage at masked positions").detach(), whole.detach(), atol=1e-4)
     lines.append("masked positions are ignored")
     for split in ((3, 3), (1, 2, 3), (5, 1)):
         parts, start = [], 0
         for size in split:
-            parts.append(run(loss.detach()[start:start + size], action_mask[start:start + size], f"micro-batch of {size}"))
+            parts.append(run(loss.detach()[start:start + size], loss_mask[start:start + size], f"micro-batch of {size}"))
             start += size
         expect_close(target, f"the micro-batch losses of a step split {list(split)} do not add up to the whole "
                      "step's loss; divide by the step counts in `norm`, not by this micro-batch's",

@@ -1,6 +1,6 @@
 """Contract of a policy loss (``register_policy_losses``).
 
-On synthetic micro-batches: the per-token loss is ``(B, A)``, finite, zero where ``action_mask`` is
+On synthetic micro-batches: the per-token loss is ``(B, A)``, finite, zero where ``loss_mask`` is
 0 and differentiable in ``logprobs`` (finite gradient, not all zero); metrics are finite scalars;
 and each row's loss depends only on its own row, so splitting a batch into micro-batches gives the
 same per-token losses (the host's aggregation then makes the step independent of the split).
@@ -24,7 +24,7 @@ def check(target: Target) -> list[str]:
     config = target.config()
     generator = torch.Generator().manual_seed(0)
     lengths = torch.tensor([5, 2, 4, 1, 5, 3])
-    action_mask = (torch.arange(A)[None, :] < lengths[:, None]).float()  # (B, A)
+    loss_mask = (torch.arange(A)[None, :] < lengths[:, None]).float()  # (B, A)
     old_logprobs = -torch.rand(B, A, generator=generator) * 2  # (B, A)
     logprobs = old_logprobs + torch.randn(B, A, generator=generator) * 0.3  # (B, A) ratios around 1, some clipped
     advantages = torch.randn(B, A, generator=generator)  # (B, A), not masked: the loss must mask itself
@@ -33,7 +33,7 @@ def check(target: Target) -> list[str]:
     def run(rows: slice) -> tuple[Any, Any, dict]:
         current = logprobs[rows].clone().requires_grad_(True)
         inputs = PolicyLossInputs(logprobs=current, old_logprobs=old_logprobs[rows], advantages=advantages[rows],
-                                  action_mask=action_mask[rows], rollout_logprobs=rollout_logprobs[rows])
+                                  loss_mask=loss_mask[rows], rollout_logprobs=rollout_logprobs[rows])
         try:
             result = target.obj(inputs, config)
         except Exception as exc:
@@ -43,7 +43,7 @@ def check(target: Target) -> list[str]:
         loss, metrics = result
         n = rows.stop - rows.start
         expect_tensor(target, "the per-token loss", loss, (n, A))
-        expect_zero_where_masked(target, "the per-token loss", loss.detach(), action_mask[rows])
+        expect_zero_where_masked(target, "the per-token loss", loss.detach(), loss_mask[rows], mask_name="loss_mask")
         return current, loss, metrics
 
     lines = []
@@ -54,11 +54,11 @@ def check(target: Target) -> list[str]:
             raise target.fail(f"metric {key!r} should be a finite scalar, got {value!r}")
         if hasattr(value, "requires_grad") and value.requires_grad:
             raise target.fail(f"metric {key!r} should be detached (it requires grad)")
-    lines.append(f"per-token loss is ({B}, {A}), finite, zero where action_mask is 0; "
+    lines.append(f"per-token loss is ({B}, {A}), finite, zero where loss_mask is 0; "
                  f"{len(metrics)} finite metric(s)")
     if not loss.requires_grad:
         raise target.fail("the loss does not depend on inputs.logprobs (no gradient flows)")
-    (loss * action_mask).sum().backward()
+    (loss * loss_mask).sum().backward()
     grad = current.grad
     if grad is None or not torch.isfinite(grad).all() or not (grad != 0).any():
         raise target.fail(f"the gradient with respect to logprobs should be finite and not all zero, got {grad}")

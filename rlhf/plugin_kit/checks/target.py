@@ -111,11 +111,12 @@ def expect_finite(target: Target, what: str, value: torch.Tensor) -> None:
         raise target.fail(f"{what} is NaN or inf at {where}")
 
 
-def expect_zero_where_masked(target: Target, what: str, value: torch.Tensor, mask: torch.Tensor) -> None:
+def expect_zero_where_masked(target: Target, what: str, value: torch.Tensor, mask: torch.Tensor, *,
+                             mask_name: str) -> None:
     leaked = (value != 0) & (mask == 0)
     if leaked.any():
         where = [tuple(i.tolist()) for i in leaked.nonzero()[:3]]
-        raise target.fail(f"{what} is not zero where action_mask is 0, e.g. at {where} "
+        raise target.fail(f"{what} is not zero where {mask_name} is 0, e.g. at {where} "
                           f"(value {value[where[0]].item():.4g}); multiply by the mask")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.api import AdvantageConfig, AdvantageInputs, as_float, masked
-from rlhf.plugins.algorithms.returns import effective_action_mask, gae, token_rewards, whiten
+from rlhf.plugins.algorithms.returns import gae, loss_mask_of, token_rewards, whiten
 
 
 def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,9 +31,9 @@ def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig | None) -> t
     """
     config = config or AdvantageConfig()
     assert inputs.values is not None, "gae needs critic values (inputs.values)"
-    action_mask = effective_action_mask(inputs)  # (B, A)
-    rewards = token_rewards(as_float(inputs.rewards), action_mask, kl=inputs.kl, kl_coef=inputs.kl_coef,
+    loss_mask = loss_mask_of(inputs)  # (B, A)
+    rewards = token_rewards(as_float(inputs.rewards), loss_mask, kl=inputs.kl, kl_coef=inputs.kl_coef,
                             reward_clip=config.reward_clip)  # (B, A)
-    advantages, returns = gae(rewards, inputs.values, action_mask, gamma=config.gamma, lambd=config.lambd)  # (B, A)
-    advantages = whiten(advantages, action_mask, std_norm=config.std_norm)  # (B, A)
-    return masked(advantages, action_mask), masked(returns, action_mask)
+    advantages, returns = gae(rewards, inputs.values, loss_mask, gamma=config.gamma, lambd=config.lambd)  # (B, A)
+    advantages = whiten(advantages, loss_mask, std_norm=config.std_norm)  # (B, A)
+    return masked(advantages, loss_mask), masked(returns, loss_mask)

@@ -4,11 +4,13 @@ same hooks third parties use.
 Every torch-using object is registered by ``"module:attr"`` reference with an explicit
 description, so importing this module (``rlhf --help``, ``rlhf plugins list``) imports no torch.
 
-Where each piece lives, in this package: ``grpo.py`` (grpo, dr_grpo), ``rloo.py``,
-``reinforce.py`` (reinforce_pp, reinforce_pp_baseline), ``gae.py``, ``gspo_loss.py``, ``returns.py`` (reward
-placement, returns, GAE, whitening), ``groups.py``, ``kl.py``, ``ppo_loss.py`` (settings:
-``ppo_config.py``), ``mismatch.py``, ``aggregation.py``, ``presets.py``. The objective that
-combines them, and the critic's value loss, are the host's: ``rlhf.algorithms``.
+Where each piece lives, in this package: the advantage estimators in ``grpo.py`` (grpo, dr_grpo),
+``rloo.py``, ``reinforce.py`` (reinforce_pp, reinforce_pp_baseline) and ``gae.py``, with what they
+share in ``returns.py`` (reward placement, returns, GAE, whitening) and ``groups.py``; every term of
+the policy loss in ``policy_losses.py`` (the ppo and gspo losses and their settings, the mismatch
+corrections, the KL estimators, the loss aggregations); the presets in ``presets.py``. The
+formula that combines the loss terms, and the critic's value loss, are the host's:
+``rlhf/algorithms/training_loss.py``.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def register_advantage_estimators(register):
 
 @hookimpl
 def register_kl_estimators(register):
-    register("k1", f"{_HERE}.kl:k1", description="k1 = δ = logp - logp_ref (unbiased, may be negative)")
-    register("k2", f"{_HERE}.kl:k2", description="k2 = δ²/2 (non-negative)")
-    register("k3", f"{_HERE}.kl:k3", description="k3 = exp(-δ) - 1 + δ (unbiased, non-negative)")
+    register("k1", f"{_HERE}.policy_losses:k1",
+             description="k1 = δ = logprobs - ref_logprobs (unbiased, may be negative)")
+    register("k2", f"{_HERE}.policy_losses:k2", description="k2 = δ²/2 (non-negative)")
+    register("k3", f"{_HERE}.policy_losses:k3", description="k3 = exp(-δ) - 1 + δ (unbiased, non-negative)")
 
 
 def corrects_mismatch(config) -> bool:
@@ -59,27 +62,27 @@ def corrects_mismatch(config) -> bool:
 
 @hookimpl
 def register_policy_losses(register):
-    register("ppo", f"{_HERE}.ppo_loss:ppo_policy_loss",
+    register("ppo", f"{_HERE}.policy_losses:ppo_policy_loss",
              description="PPO clipped surrogate (asymmetric clip, dual clip, TIS/ICEPOP correction)",
-             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
+             config_cls=f"{_HERE}.policy_losses:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
              needs_rollout_logprobs=corrects_mismatch,
              advantage_weighted=True)
-    register("gspo", f"{_HERE}.gspo_loss:gspo_policy_loss",
+    register("gspo", f"{_HERE}.policy_losses:gspo_policy_loss",
              description="GSPO: sequence-level ratio exp(mean log-ratio), clipped, per-sequence mean",
-             config_cls=f"{_HERE}.ppo_config:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
+             config_cls=f"{_HERE}.policy_losses:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
              needs_rollout_logprobs=corrects_mismatch,
              aggregation="seq_mean_token_mean", advantage_weighted=True)
 
 
 @hookimpl
 def register_loss_aggregations(register):
-    register("token_mean", f"{_HERE}.aggregation:token_mean",
+    register("token_mean", f"{_HERE}.policy_losses:token_mean",
              description="Σ ℓ m / tokens of the whole optimizer step", sums_rows=True)
-    register("seq_mean_token_mean", f"{_HERE}.aggregation:seq_mean_token_mean",
+    register("seq_mean_token_mean", f"{_HERE}.policy_losses:seq_mean_token_mean",
              description="mean over sequences of each sequence's token mean", sums_rows=True)
-    register("seq_mean_token_sum", f"{_HERE}.aggregation:seq_mean_token_sum",
+    register("seq_mean_token_sum", f"{_HERE}.policy_losses:seq_mean_token_sum",
              description="mean over sequences of each sequence's token sum", sums_rows=True)
-    register("seq_mean_token_sum_norm", f"{_HERE}.aggregation:seq_mean_token_sum_norm",
+    register("seq_mean_token_sum_norm", f"{_HERE}.policy_losses:seq_mean_token_sum_norm",
              description="mean over sequences of token sum / max new tokens (Dr. GRPO)", sums_rows=True)
 
 

@@ -17,8 +17,9 @@ Estimation" (arXiv:1506.02438). REINFORCE++ whitening: Hu 2025 (arXiv:2501.03262
 Deviations from OpenRLHF:
 1. Advantages and returns are set to 0 where the action mask is 0 (OpenRLHF leaves values there
    that the loss ignores). Action positions are unaffected.
-2. ``sample_mask``: a sample marked invalid has an all-zero action mask here, so it adds nothing
-   to returns or whitening statistics and gets advantage and return 0.
+2. ``sample_mask``: a sample marked invalid has an all-zero loss mask here (the action mask with
+   its row zeroed), so it adds nothing to returns or whitening statistics and gets advantage and
+   return 0.
 
 Shape legend: ``B`` sequences, ``A`` action positions.
 """
@@ -34,48 +35,49 @@ from rlhf.api import AdvantageConfig, AdvantageInputs, as_float, masked, masked_
 WHITEN_MIN_VARIANCE = 1e-8
 
 
-def effective_action_mask(inputs: AdvantageInputs) -> torch.Tensor:
-    """The action mask with invalid samples' rows zeroed, as float of the rewards' dtype. (B, A)"""
-    action_mask = inputs.action_mask.bool()  # (B, A)
+def loss_mask_of(inputs: AdvantageInputs) -> torch.Tensor:
+    """The loss mask: the action mask with invalid samples' rows zeroed, as float of the rewards'
+    dtype. (B, A)"""
+    loss_mask = inputs.action_mask.bool()  # (B, A)
     if inputs.sample_mask is not None:
         assert inputs.sample_mask.shape == inputs.rewards.shape, (
             f"sample_mask {tuple(inputs.sample_mask.shape)} must match rewards {tuple(inputs.rewards.shape)}"
         )
-        action_mask = action_mask & inputs.sample_mask.bool()[:, None]  # (B, A)
-    return action_mask.to(as_float(inputs.rewards).dtype)  # (B, A)
+        loss_mask = loss_mask & inputs.sample_mask.bool()[:, None]  # (B, A)
+    return loss_mask.to(as_float(inputs.rewards).dtype)  # (B, A)
 
 
-def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last position where ``action_mask`` is 1 (A - 1 for an empty row). (B, 1)
+def last_action_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position where ``mask`` is 1 (A - 1 for an empty row). (B, 1)
 
     In a multi-turn sample this is the last token of the last model turn.
     """
-    num_positions = action_mask.size(1)
-    return num_positions - 1 - action_mask.long().fliplr().argmax(dim=1, keepdim=True)  # (B, 1)
+    num_positions = mask.size(1)
+    return num_positions - 1 - mask.long().fliplr().argmax(dim=1, keepdim=True)  # (B, 1)
 
 
-def token_rewards(shaped_rewards: torch.Tensor, action_mask: torch.Tensor, *, kl: torch.Tensor | None,
+def token_rewards(shaped_rewards: torch.Tensor, loss_mask: torch.Tensor, *, kl: torch.Tensor | None,
                   kl_coef: float, reward_clip: float | None) -> torch.Tensor:
     """R_t = -β·kl_t + [t = last action token]·clip(r̃, -c, c), and 0 where m_t = 0.
 
-    shaped_rewards (B,), action_mask (B, A) float, kl (B, A) or None. Returns (B, A).
+    shaped_rewards (B,), loss_mask (B, A) float, kl (B, A) or None. Returns (B, A).
     """
-    assert shaped_rewards.dim() == 1 and action_mask.dim() == 2 and shaped_rewards.size(0) == action_mask.size(0), (
-        f"rewards {tuple(shaped_rewards.shape)} and action_mask {tuple(action_mask.shape)} disagree on B"
+    assert shaped_rewards.dim() == 1 and loss_mask.dim() == 2 and shaped_rewards.size(0) == loss_mask.size(0), (
+        f"rewards {tuple(shaped_rewards.shape)} and loss_mask {tuple(loss_mask.shape)} disagree on B"
     )
-    r = shaped_rewards.to(action_mask.dtype)  # (B,)
+    r = shaped_rewards.to(loss_mask.dtype)  # (B,)
     if reward_clip is not None:
         r = r.clamp(min=-reward_clip, max=reward_clip)  # (B,)
-    rewards = torch.zeros_like(action_mask).scatter_(1, last_action_index(action_mask), r[:, None])  # (B, A)
+    rewards = torch.zeros_like(loss_mask).scatter_(1, last_action_index(loss_mask), r[:, None])  # (B, A)
     if kl is not None and kl_coef > 0:
-        assert kl.shape == action_mask.shape, f"kl {tuple(kl.shape)} must match action_mask {tuple(action_mask.shape)}"
-        rewards = rewards + (-kl_coef) * kl.to(action_mask.dtype)  # (B, A)
-    return masked(rewards, action_mask)  # (B, A)
+        assert kl.shape == loss_mask.shape, f"kl {tuple(kl.shape)} must match loss_mask {tuple(loss_mask.shape)}"
+        rewards = rewards + (-kl_coef) * kl.to(loss_mask.dtype)  # (B, A)
+    return masked(rewards, loss_mask)  # (B, A)
 
 
-def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = m_t R_t + γ G_{t+1}, G_A = 0 (REINFORCE returns-to-go). rewards, action_mask (B, A) -> (B, A)."""
-    rewards = masked(rewards, action_mask)  # (B, A)
+def discounted_returns(rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = m_t R_t + γ G_{t+1}, G_A = 0 (REINFORCE returns-to-go). rewards, loss_mask (B, A) -> (B, A)."""
+    rewards = masked(rewards, loss_mask)  # (B, A)
     if gamma == 1.0 and bool(((rewards != 0).sum(dim=1) <= 1).all()):
         # An outcome reward without per-token KL: at most one nonzero term per row, so every sum is
         # exact in any order and a reverse cumulative sum equals the loop below bit for bit.
@@ -89,16 +91,16 @@ def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: 
     return returns
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, *, gamma: float,
+def gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, *, gamma: float,
         lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE: δ_t = R_t + γV_{t+1} - V_t, Â_t = δ_t + γλÂ_{t+1}; returns = Â + V (V_A = 0).
 
-    rewards, values, action_mask (B, A). Masked positions carry V = R = 0. Returns
+    rewards, values, loss_mask (B, A). Masked positions carry V = R = 0. Returns
     ``(advantages (B, A), returns (B, A))`` before whitening.
     """
     assert values.shape == rewards.shape, f"values {tuple(values.shape)} must match rewards {tuple(rewards.shape)}"
-    values = masked(values.to(rewards.dtype), action_mask)  # (B, A)
-    rewards = masked(rewards, action_mask)  # (B, A)
+    values = masked(values.to(rewards.dtype), loss_mask)  # (B, A)
+    rewards = masked(rewards, loss_mask)  # (B, A)
     num_positions = rewards.size(1)
     advantages = torch.zeros_like(rewards)  # (B, A)
     last_advantage = torch.zeros_like(rewards[:, 0])  # (B,)
@@ -110,19 +112,19 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, 
     return advantages, advantages + values
 
 
-def whiten(advantages: torch.Tensor, action_mask: torch.Tensor, *, std_norm: bool = True) -> torch.Tensor:
+def whiten(advantages: torch.Tensor, loss_mask: torch.Tensor, *, std_norm: bool = True) -> torch.Tensor:
     """Token-weighted whitening over every action token of the batch. (B, A) -> (B, A)
 
     μ = Σ Â m / Σ m, σ² = Σ (Â - μ)² m / Σ m, Â ← (Â - μ) / sqrt(max(σ², 1e-8));
     with ``std_norm=False`` only μ is subtracted. A batch without action tokens is returned as is.
     """
-    num_tokens = action_mask.bool().sum()
+    num_tokens = loss_mask.bool().sum()
     if num_tokens == 0:
         return advantages
-    mean = masked_sum(advantages, action_mask) / num_tokens  # ()
+    mean = masked_sum(advantages, loss_mask) / num_tokens  # ()
     if not std_norm:
         return advantages - mean
-    variance = masked_sum((advantages - mean).pow(2), action_mask) / num_tokens  # ()
+    variance = masked_sum((advantages - mean).pow(2), loss_mask) / num_tokens  # ()
     return (advantages - mean) * variance.clamp(min=WHITEN_MIN_VARIANCE).rsqrt()  # (B, A)
 
 
@@ -148,9 +150,9 @@ def returns_from_sequence_rewards(shaped_rewards: torch.Tensor, inputs: Advantag
 
     ``advantages = returns = G`` before whitening; only the advantages are whitened.
     """
-    action_mask = effective_action_mask(inputs)  # (B, A)
-    rewards = token_rewards(shaped_rewards, action_mask, kl=inputs.kl, kl_coef=inputs.kl_coef,
+    loss_mask = loss_mask_of(inputs)  # (B, A)
+    rewards = token_rewards(shaped_rewards, loss_mask, kl=inputs.kl, kl_coef=inputs.kl_coef,
                             reward_clip=config.reward_clip)  # (B, A)
-    returns = discounted_returns(rewards, action_mask, gamma)  # (B, A)
-    advantages = whiten(returns, action_mask, std_norm=config.std_norm) if whiten_advantages else returns  # (B, A)
-    return masked(advantages, action_mask), masked(returns, action_mask)
+    returns = discounted_returns(rewards, loss_mask, gamma)  # (B, A)
+    advantages = whiten(returns, loss_mask, std_norm=config.std_norm) if whiten_advantages else returns  # (B, A)
+    return masked(advantages, loss_mask), masked(returns, loss_mask)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.api import (FitModels, ObjectiveBase, TextFormat, dpo_loss, response_mask, sequence_logps,
-                      shared_token_logps, token_batch, token_logps)
+from rlhf.api import (FitModels, ObjectiveBase, TextFormat, dpo_loss, learnt_logprobs, response_mask, sequence_logprobs,
+                      shared_learnt_logprobs, token_batch)
 from rlhf.plugins.objectives.config import DPOConfig
 from rlhf.plugins.objectives.pairs import pair_columns, pair_texts
 
@@ -59,9 +59,9 @@ class DPOObjective(ObjectiveBase):
         pairs = len(batch["input_ids"]) // 2
         mask = batch["loss_mask"][:, 1:]  # (2P, A)
         forward = self._forward(batch, models.share_prompt)
-        sums, means = sequence_logps(forward(models.model), mask)  # (2P,), (2P,)
+        sums, means = sequence_logprobs(forward(models.model), mask)  # (2P,), (2P,)
         with torch.no_grad():
-            ref_sums, _ = sequence_logps(forward(models.reference), mask)  # (2P,)
+            ref_sums, _ = sequence_logprobs(forward(models.reference), mask)  # (2P,)
         config = self.config
         loss, chosen_rewards, rejected_rewards = dpo_loss(sums[:pairs], sums[pairs:], ref_sums[:pairs],
                                                           ref_sums[pairs:], beta=config.beta,
@@ -85,10 +85,10 @@ class DPOObjective(ObjectiveBase):
 
         def forward(m: Any) -> Any:
             def shared() -> Any:
-                return shared_token_logps(m, rows, batch["input_ids"], batch["loss_mask"])
+                return shared_learnt_logprobs(m, rows, batch["input_ids"], batch["loss_mask"])
 
             def separate() -> Any:
-                return token_logps(m, *inputs)
+                return learnt_logprobs(m, *inputs)
 
             if rows is not None and not is_packed(m) and can_share(m) and \
                     checked_for_sharing(m, rows, shared, separate, "dpo"):

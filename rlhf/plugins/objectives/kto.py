@@ -23,8 +23,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.api import (BadRow, FitModels, ObjectiveBase, TextFormat, kto_loss, require, response_mask, sequence_logps,
-                      token_batch, token_logps)
+from rlhf.api import (BadRow, FitModels, ObjectiveBase, TextFormat, kto_loss, learnt_logprobs, require, response_mask,
+                      sequence_logprobs, token_batch)
 from rlhf.plugins.objectives.config import KTOConfig
 
 _TRUE = ("true", "1", "yes", "desirable", "good")
@@ -91,8 +91,8 @@ class KTOObjective(ObjectiveBase):
     def step_statistics(self, models: FitModels, batch: dict[str, Any]) -> dict[str, float]:
         inputs = (batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_loss_mask"])
         mask = batch["kl_loss_mask"][:, 1:]  # (B, A)
-        policy, _ = sequence_logps(token_logps(models.model, *inputs), mask)  # (B,)
-        reference, _ = sequence_logps(token_logps(models.reference, *inputs), mask)  # (B,)
+        policy, _ = sequence_logprobs(learnt_logprobs(models.model, *inputs), mask)  # (B,)
+        reference, _ = sequence_logprobs(learnt_logprobs(models.reference, *inputs), mask)  # (B,)
         return {"kl_sum": float((policy - reference).sum()), "kl_count": float(len(policy))}
 
     def loss(self, models: FitModels, batch: dict[str, Any], stats: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
@@ -100,9 +100,9 @@ class KTOObjective(ObjectiveBase):
 
         inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
         mask = batch["loss_mask"][:, 1:]  # (B, A)
-        policy, _ = sequence_logps(token_logps(models.model, *inputs), mask)  # (B,)
+        policy, _ = sequence_logprobs(learnt_logprobs(models.model, *inputs), mask)  # (B,)
         with torch.no_grad():
-            reference, _ = sequence_logps(token_logps(models.reference, *inputs), mask)  # (B,)
+            reference, _ = sequence_logprobs(learnt_logprobs(models.reference, *inputs), mask)  # (B,)
         z = torch.tensor([stats["kl_sum"] / stats["kl_count"]], dtype=policy.dtype, device=policy.device)  # (1,)
         desirable = batch["desirable"].bool()  # (B,)
         config = self.config

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.api import BadRow, FitModels, ObjectiveBase, TextFormat, require, response_mask, token_batch, token_logps
+from rlhf.api import BadRow, FitModels, ObjectiveBase, TextFormat, learnt_logprobs, require, response_mask, token_batch
 from rlhf.plugins.objectives.config import SFTConfig
 
 
@@ -49,9 +49,10 @@ class SFTObjective(ObjectiveBase):
         return float(batch["loss_mask"][:, 1:].sum())
 
     def loss(self, models: FitModels, batch: dict[str, Any], stats: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
-        logps = token_logps(models.model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])  # (B, A)
+        logprobs = learnt_logprobs(models.model, batch["input_ids"], batch["attention_mask"],
+                                   batch["loss_mask"])  # (B, A)
         tokens = batch["loss_mask"][:, 1:].sum()
-        loss = -logps.sum() / tokens.clamp(min=1)
+        loss = -logprobs.sum() / tokens.clamp(min=1)
         return loss, {}
 
 

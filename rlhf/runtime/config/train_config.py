@@ -114,7 +114,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     algo_config: list[str] = _many("KEY=VALUE for an option of the policy loss, advantage estimator, KL estimator, "
                                    "loss aggregation or model adapter, whichever has it (repeatable)", "algorithm")
     kl_unbiased_gradient: bool = _opt(False, "KL in the loss: keep the estimator's value but use the importance-"
-                                      "weighted reverse-KL gradient w·δ·∇logp, w = min(π/π_old, 10)", "algorithm")
+                                      "weighted reverse-KL gradient w·δ·∇logprobs, w = min(π/π_old, 10)",
+                                      "algorithm")
     kl_target: float | None = _opt(None, "Adaptive KL (Ziegler et al.): steer β so the measured KL approaches this "
                                    "target (default: β stays --kl-coef)", "algorithm")
     kl_horizon: int = _opt(10000, "Adaptive KL: samples over which β may change by the clipped error ±20%",
