@@ -139,7 +139,7 @@ def test_hook_register_train_backends(bare_plugins, make_plugin):
             pass
 
     assert _register_one(bare_plugins, make_plugin, "register_train_backends", Backend).capabilities == {
-        "needs_gpu": False, "offloads_state": False, "sharding_setting": None}
+        "needs_gpu": False, "offloads_state": False, "sharding_setting": None, "shards_weights": False}
 
 
 def test_hook_register_objectives(bare_plugins, make_plugin):

@@ -309,8 +309,12 @@ def register_train_backends(register: Register) -> None:
     """Register training backends (``--backend NAME``).
 
     - ``register(name, backend_cls, *, needs_gpu=False, offloads_state=False, sharding_setting=None,
-      config_cls=None)``; ``backend_cls`` implements ``rlhf.core.protocols.backend.TrainBackend``
-      (subclass ``TrainBackendBase`` for the defaults).
+      shards_weights=False, config_cls=None)``; ``backend_cls`` implements
+      ``rlhf.core.protocols.backend.TrainBackend`` (subclass ``TrainBackendBase`` for the defaults).
+    - ``shards_weights``: a bool, or a function of the backend's config object (``deepspeed``:
+      ``zero_stage == 3``), saying before any model loads what the instances' ``shards_weights``
+      will be, so a run checks what needs whole weights (``--async``, multi-turn rollouts over
+      several ranks) up front; an instance that disagrees stops the run.
     - ``sharding_setting``: the name of the setting of ``config_cls`` that chooses how much the
       backend shards over ranks (``deepspeed``: ``zero_stage``); messages that need whole weights
       on every rank (``--async``, multi-turn rollouts on sharded weights) tell the user to lower it.

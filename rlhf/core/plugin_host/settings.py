@@ -184,3 +184,9 @@ def _items(value: Any) -> list[Any]:
             items += _items(item) if isinstance(item, str) and "," in item else [item]
         return items
     return [value]
+
+
+def resolve_flag(value: Any, config: Any) -> Any:
+    """A registration flag that may be a function of the component's config object (an objective's
+    ``needs_reference``, a backend's ``shards_weights``): its value for ``config``."""
+    return value(config) if callable(value) else value

@@ -186,8 +186,3 @@ class ObjectiveBase:
 
     def output_config(self, stats: Mapping[str, float]) -> dict[str, Any]:
         return {}
-
-
-def resolve_flag(value: Any, config: Any) -> Any:
-    """A registration flag that may be a function of the component's config object."""
-    return value(config) if callable(value) else value

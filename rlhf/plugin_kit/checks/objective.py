@@ -23,7 +23,8 @@ TEXTS = ["What is 2 + 3?", "The answer is 5.", "Say hello to the world.", "hello
 def check(target: Target) -> list[str]:
     import torch
 
-    from rlhf.core.protocols.objective import BadRow, FitModels, SkipExample, resolve_flag
+    from rlhf.core.plugin_host.settings import resolve_flag
+    from rlhf.core.protocols.objective import BadRow, FitModels, SkipExample
     from rlhf.core.plugin_host.contracts import declared
     from rlhf.core.plugin_host.settings import build_component_config
     from rlhf.plugin_kit.checks.target import CHECK_RUN_VALUES

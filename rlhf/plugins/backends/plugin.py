@@ -7,6 +7,11 @@ from rlhf.api import hookimpl
 OPTIMIZER_FLAGS = ("weight_decay", "adam_betas", "max_grad_norm", "lr_scheduler", "warmup_ratio")
 
 
+def _zero3(config) -> bool:
+    """ZeRO-3 partitions the parameters over the ranks (the instances' ``shards_weights``)."""
+    return config.zero_stage == 3
+
+
 @hookimpl
 def register_train_backends(register):
     register("torch", "rlhf.plugins.backends.torch_backend:TorchBackend",
@@ -15,5 +20,5 @@ def register_train_backends(register):
     register("deepspeed", "rlhf.plugins.backends.deepspeed_backend:DeepSpeedBackend",
              config_cls="rlhf.plugins.backends.config:DeepSpeedConfig",
              short_flags=OPTIMIZER_FLAGS + ("zero_stage", "offload_optimizer", "offload_params"), offloads_state=True,
-             sharding_setting="zero_stage",
+             sharding_setting="zero_stage", shards_weights=_zero3,
              description="DeepSpeed ZeRO stages 0-3 with CPU optimizer/parameter offload, the torch backend's math")

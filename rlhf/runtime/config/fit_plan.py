@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.protocols.objective import HEADS, resolve_flag
+from rlhf.core.plugin_host.settings import resolve_flag
+from rlhf.core.protocols.objective import HEADS
 from rlhf.runtime.config.fit_config import FIT_SLOTS, FitConfig
 from rlhf.runtime.config.options import Slot, data_parallel_ranks
 from rlhf.runtime.config.plan import Plan, SlotChoice, choose, shared_run_values

@@ -300,3 +300,14 @@ class Derived:
     train_batch_size: int  # samples per optimizer step
     optimizer_steps_per_step: int
     out_dir: Path
+
+
+def ray_env_pairs(config: TrainConfig) -> list[tuple[str, str]]:
+    """``--ray-env KEY=VALUE`` as ``(KEY, VALUE)`` pairs; a usage error for an item without ``=``."""
+    pairs = []
+    for item in config.ray_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--ray-env expects KEY=VALUE, got {item!r}")
+        pairs.append((key.strip(), value))
+    return pairs

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugin_host.references import is_reference, resolve
 from rlhf.core.plugin_host.registry import declared_registration
-from rlhf.core.plugin_host.settings import build_component_config, setting_fields
+from rlhf.core.plugin_host.settings import build_component_config, resolve_flag, setting_fields
 from rlhf.core.types import AdvantageConfig
 from rlhf.runtime.config.options import Slot, data_parallel_ranks
 from rlhf.runtime.config.plan import Plan, SlotChoice, choose, plain, shared_run_values
 from rlhf.runtime.config.train_config import (ALGO_CONFIG_SLOTS, DEFAULT_SAMPLE_FILTER, SETTING_SLOTS, SLOTS, Derived,
-                                              TrainConfig, colocation, parse_key_values)
+                                              TrainConfig, colocation, parse_key_values, ray_env_pairs)
 
 if TYPE_CHECKING:
     from rlhf.algorithms import ResolvedAlgorithm
@@ -172,6 +172,42 @@ class RunPlan(Plan):
                               "puts the rollout in the policy actors: use --colocate none or policy_ref")
         if config.offload_train_state:
             self._check_offload_train_state()
+        if config.async_rollout and config.runtime == "local" and self.shards_weights:
+            raise ConfigError(f"--async copies the policy's weights for generation, and the {config.backend!r} backend "
+                              f"shards them: {self.whole_weights_advice()}, or drop --async")
+        if self.synced_generation(world_size) and self.env_capability("multi_turn"):
+            raise ConfigError(f"--env {config.env} on several ranks with a backend that shards the weights is not "
+                              f"supported yet: every rank must make the same generate calls; "
+                              f"{self.whole_weights_advice()}, or run one process")
+        if config.runtime == "ray":
+            self._check_ray()
+
+    def _check_ray(self) -> None:
+        config = self.config
+        for flag, actors in (("--policy-actors", config.policy_actors), ("--critic-actors", config.critic_actors or 1)):
+            if self.derived.train_batch_size % actors:
+                raise ConfigError(f"--train-batch-size ({self.derived.train_batch_size}) must be a multiple of {flag} "
+                                  f"({actors}): every data-parallel rank trains the same number of rows")
+        ray_env_pairs(config)  # KEY=VALUE syntax
+        if config.weight_sync == "broadcast" and config.async_rollout:
+            raise ConfigError("--async loads the weights of a given policy version, which only the object store "
+                              "keeps: use --weight-sync object-store with --async")
+
+    @property
+    def shards_weights(self) -> bool:
+        """Whether the policy's backend will partition its weights over the ranks, as its registration
+        declares (``shards_weights``: a bool or a function of its config); the built backend must agree."""
+        return bool(resolve_flag(self.choices["backend"].capabilities["shards_weights"],
+                                 self.component_config("backend")))
+
+    def synced_generation(self, world_size: int) -> bool:
+        """Whether ranks decode in lockstep: the engine samples from the trained policy itself, whose
+        forwards are collectives over several ranks (sharded weights)."""
+        if not self.shards_weights:
+            return False
+        if self.config.runtime == "ray":  # the rollout in the policy actors samples from their shards
+            return colocation(self.config.colocate) == ("all",) and self.config.policy_actors > 1
+        return world_size > 1
 
     def _check_offload_train_state(self) -> None:
         config = self.config

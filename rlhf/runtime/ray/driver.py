@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.distributed import SINGLE
-from rlhf.core.errors import ConfigError, PluginError
+from rlhf.core.errors import PluginError
 from rlhf.core.plugin_host.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
 from rlhf.runtime.run import checkpoint
-from rlhf.runtime.config.train_config import TrainConfig
+from rlhf.runtime.config.train_config import TrainConfig, ray_env_pairs
 from rlhf.runtime.rl.async_generation import AsyncParts
 from rlhf.runtime.rl.local import build_eval_prompts, build_loader
 from rlhf.runtime.config.train_plan import RunPlan
@@ -48,7 +48,6 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
     import_ray()
     plugins = plugins or build_plugin_manager()
     plan = RunPlan.make(config, plugins)
-    _check_actor_counts(plan)
     # before paying for a cluster. world_size 1: the trainer loop runs once, here, and the actors shard
     # within each call; the models (and their threads) live in the actors
     lock = start_run(plan, plugins, world_size=1, threads=False)
@@ -75,18 +74,6 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
             cluster.close()
     finally:
         lock.release()
-
-
-def _check_actor_counts(plan: RunPlan) -> None:
-    config, derived = plan.config, plan.derived
-    for flag, actors in (("--policy-actors", config.policy_actors), ("--critic-actors", config.critic_actors or 1)):
-        if derived.train_batch_size % actors:
-            raise ConfigError(f"--train-batch-size ({derived.train_batch_size}) must be a multiple of {flag} "
-                              f"({actors}): every data-parallel rank trains the same number of rows")
-    worker_env(config)  # KEY=VALUE syntax
-    if config.weight_sync == "broadcast" and config.async_rollout:
-        raise ConfigError("--async loads the weights of a given policy version, which only the object store keeps: "
-                          "use --weight-sync object-store with --async")
 
 
 def connect_weight_broadcast(rollout: RolloutGroup, layout: Layout) -> None:
@@ -126,11 +113,7 @@ def _warn_unused_gpus(layout: Layout) -> None:
 def worker_env(config: TrainConfig) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false"}
     env.update({key: os.environ[key] for key in FORWARDED_ENV if key in os.environ})
-    for item in config.ray_env:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--ray-env expects KEY=VALUE, got {item!r}")
-        env[key.strip()] = value
+    env.update(ray_env_pairs(config))
     return env
 
 

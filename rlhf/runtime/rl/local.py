@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
-from rlhf.core.errors import ConfigError
+from rlhf.core.errors import PluginError
 from rlhf.core.offload import shares_parameters
 from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
 from rlhf.core.protocols.rollout import SamplingParams, batches_continuously
@@ -64,7 +64,14 @@ def build_adapter(plan: RunPlan) -> Any:
 
 
 def build_backend(plan: RunPlan, model: torch.nn.Module, lr: float) -> Any:
-    return plan.choices["backend"].load()(model, plan.component_config("backend", lr=lr))
+    """The backend of one trained model; its ``shards_weights`` must be what it registered, which the
+    plan's checks (`RunPlan.check`) relied on before anything was built."""
+    backend = plan.choices["backend"].load()(model, plan.component_config("backend", lr=lr))
+    if bool(backend.shards_weights) != plan.shards_weights:
+        raise PluginError(f"the {plan.choices['backend'].name!r} train backend's shards_weights is "
+                          f"{bool(backend.shards_weights)} but its registration declares {plan.shards_weights}: "
+                          "fix the plugin's shards_weights= in register_train_backends")
+    return backend
 
 
 def build_policy(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE) -> PolicyWorker:
@@ -109,10 +116,6 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
     ``trained``: the trained workers of this process (policy, critic), whose training state leaves
     the device while the engine generates with ``--offload-train-state``."""
     config = plan.config
-    if synced_generation and plan.env_capability("multi_turn"):
-        raise ConfigError(f"--env {config.env} on several ranks with a backend that shards the weights is not supported "
-                          f"yet: every rank must make the same generate calls; {plan.whole_weights_advice()}, or run "
-                          "one process")
     engine_config = plan.component_config("engine", synced_generation=synced_generation)
     engine = plan.choices["engine"].load()(model, tokenizer, engine_config)
     envs = EnvFactory(plugins.registry("env"), plan.env_settings, plan.run_values())
@@ -210,9 +213,6 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     policy = build_policy(plan, adapter, dist)
     reference = build_reference(plan, adapter, dist, policy=policy.model) if plan.algorithm.needs_reference else None
     critic = build_critic(plan, adapter, dist) if plan.algorithm.needs_critic else None
-    if config.async_rollout and policy.backend.shards_weights:
-        raise ConfigError(f"--async copies the policy's weights for generation, and the {config.backend!r} backend "
-                          f"shards them: {plan.whole_weights_advice()}, or drop --async")
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
                             synced_generation=policy.backend.shards_weights and dist.active, trained=(policy, critic))
     # Sampling starts from its own seed, whatever the builds drew (as in the Ray rollout actors), and
