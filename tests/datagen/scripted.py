@@ -1,11 +1,11 @@
 """A rollout engine for the data-generation tests whose samples say what they are.
 
 Sample s of prompt ``p`` (s counts the prompt's samples within one call, whether asked for with
-``n`` or by repeating the prompt, as a rollout does) is the text ``" r=<value> #<draw>"``: ``value`` is ``SCRIPT[p][s]`` (a
-number, or ``none`` for a sample the `score` reward abstains on), ``draw`` a number drawn from
-torch's global random stream as the sample is made (so a sample shows which seed it was drawn
-under, and two samples drawn from one stream differ). `score` reads the value back: the rewards
-of every command are known by hand. Every call is recorded in ``ScriptedEngine.calls``.
+``n`` or by repeating the prompt, as a rollout does) is the text ``" r=<value> #<draw>"``:
+``value`` is ``SCRIPT[p][s]`` (a number, or ``none`` for a sample the `score` reward abstains
+on), ``draw`` a number drawn from torch's global random stream as the sample is made (so a sample
+shows which seed it was drawn under, and two samples drawn from one stream differ). `score` reads
+the value back: the rewards of every command are known by hand. Every call is recorded in ``ScriptedEngine.calls``.
 
 Registered as ``scripted`` by `scripted_plugin`.
 """
