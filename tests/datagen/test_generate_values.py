@@ -227,3 +227,21 @@ def test_score_passes_the_label_column_generate_wrote(plugins, score_job, tmp_pa
                  "--out", str(tmp_path / "labels.jsonl"), "--no-progress"])
     assert [row["rewards"] for row in read_jsonl(tmp_path / "labels.jsonl")] == [
         [float(ord(row["label"]))] * 3 for row in GENERATIONS]
+
+
+def test_score_draws_the_conditional_sample_by_seed_and_row_not_by_batch(plugins, score_job, tmp_path):
+    """--conditional-rows prompt picks one scored sample per row, seeded by --seed and the row's
+    place in the data: the same file whatever --batch-size, another pick for another seed."""
+    picks = {}
+    for seed in ("1", "2", "3", "4"):
+        for batch_size in ("1", "3"):
+            out = f"c{seed}-{batch_size}.jsonl"
+            ok(plugins, score_job(out, "--conditional", "--seed", seed, "--batch-size", batch_size))
+            picks[seed, batch_size] = read_jsonl(tmp_path / out)
+        assert picks[seed, "1"] == picks[seed, "3"]
+        for row in picks[seed, "1"]:
+            prompt = row["prompt"].split(" <rm_score>: ")[0]
+            source = next(r for r in GENERATIONS if r["prompt"] == prompt)
+            assert row["response"] in source["completions"] and value(row["response"]) == row["reward"]
+    assert [row["prompt"].split(" ")[0] for row in picks["1", "1"]] == ["q0", "q1", "q2"]  # q3: nothing scored
+    assert len({tuple(row["response"] for row in picks[seed, "1"]) for seed in ("1", "2", "3", "4")}) > 1
