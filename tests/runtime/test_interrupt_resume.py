@@ -30,7 +30,10 @@ def reward_func(completions, **kwargs):
     calls = int(counter.read_text()) + 1 if counter.exists() else 1
     counter.write_text(str(calls))
     if calls == int(os.environ.get("SIGNAL_ON_CALL", "0")):
-        os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))
+        sig = getattr(signal, os.environ["SIGNAL"])
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler, None):
+            raise RuntimeError(f"the run has no handler for {sig.name}")  # a test failure, not a killed pytest
+        os.kill(os.getpid(), sig)
     return [len(c) / 10 for c in completions]
 '''
 
@@ -105,6 +108,7 @@ def test_a_signal_during_an_sft_step_checkpoints_it_and_resume_ends_as_an_uninte
     def signalling_loss(self, models, batch, stats):
         calls.append(1)
         if len(calls) == 5:  # the first micro-batch of step 3 (two per step)
+            assert signal.getsignal(getattr(signal, sig)) not in (signal.SIG_DFL, signal.default_int_handler)
             os.kill(os.getpid(), getattr(signal, sig))
         return real_loss(self, models, batch, stats)
 
