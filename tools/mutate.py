@@ -435,13 +435,17 @@ def make_copy() -> Path:
     return copy
 
 
-def run_tests(copy: Path, timeout: float, tests: list[str]) -> str:
+def run_tests(copy: Path, timeout: float, tests: list[str], output: list[str] | None = None) -> str:
+    """"survived" when ``tests`` pass in ``copy``, else "killed" (or "timeout"); ``output`` gets pytest's
+    last lines."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
     try:
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout"
+    if output is not None:
+        output.append("\n".join((result.stdout + result.stderr).splitlines()[-40:]))
     return "survived" if result.returncode == 0 else "killed"
 
 
@@ -449,8 +453,10 @@ def run(mutants: list[Mutant], jobs: int, timeout: float, focused: bool = False)
     copies = [make_copy() for _ in range(jobs)]
     try:
         every_test = list(dict.fromkeys(t for m in mutants for t in tests_of(m.file, focused)))
-        if run_tests(copies[0], timeout * 5, every_test) != "survived":
-            raise SystemExit(f"the fast tests fail on the unmutated code (in {copies[0]}); fix that first")
+        output: list[str] = []
+        if run_tests(copies[0], timeout * 5, every_test, output) != "survived":
+            raise SystemExit(f"the fast tests fail on the unmutated code (in {copies[0]}); fix that first:\n"
+                             + "".join(output))
         free = list(copies)
 
         def one(mutant: Mutant) -> Mutant:
