@@ -74,10 +74,11 @@ def test_a_signal_during_an_rl_step_checkpoints_it_and_resume_ends_as_an_uninter
     monkeypatch.setenv("SIGNAL_ON_CALL", "2")  # step 2's reward (each step scores once)
     (tmp_path / "calls").unlink()
     out = tmp_path / "stopped"
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # SIG_IGN under nohup or `cmd &`
     with pytest.raises(RunInterrupted, match=rf"interrupted \({sig}\) after step 2/3; the latest checkpoint is "
                                              rf".*step_2 \(step 2\)"):
         train(rl_config(tiny_model_dir, task, signalling_task, out), plugins=plugins)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handlers are gone
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # the run's handlers gone
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == [1, 2]  # step 2 finished
     assert json.loads((out / "checkpoints" / "step_2" / "trainer_state.json").read_text())["step"] == 2
     assert not (out / "final").exists()
