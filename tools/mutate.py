@@ -59,9 +59,10 @@ OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "test
                  "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]
 # issue tests-bite-4: the tests written for what the audit of data generation, the fast paths, the run
 # lifecycle and the fit loop found unguarded
-FIT_TESTS = ["tests/objectives/test_eval_loss_weights.py", "tests/rewards/test_reward_model_truncation.py"]
+FIT_TESTS = ["tests/objectives/test_eval_loss_weights.py", "tests/rewards/test_reward_model_truncation.py",
+             "tests/objectives/test_fit_reports.py"]
 LIFECYCLE_TESTS = ["tests/runtime/test_checkpoint_discovery.py", "tests/runtime/test_resume_options.py",
-                   "tests/runtime/test_interrupt_resume.py"]
+                   "tests/runtime/test_interrupt_resume.py", "tests/runtime/test_thread_messages.py"]
 FASTPATH_TESTS = ["tests/fastpaths/test_verdicts.py", "tests/fastpaths/test_shared_mask_by_hand.py",
                   "tests/fastpaths/test_ring_in_process.py"]
 DATAGEN_TESTS = ["tests/datagen", "tests/runtime/test_run_lock.py"]
@@ -130,7 +131,7 @@ FOCUS = {
     "run lifecycle": LIFECYCLE_TESTS + [
         "tests/runtime/test_run_lifecycle.py", "tests/runtime/test_checkpoint_integrity.py", "tests/runtime/test_run_lock.py",
         "tests/objectives/test_eval_and_best.py", "tests/runtime/test_threads.py", "tests/runtime/test_heap.py",
-        "tests/runtime/test_hf_exports.py"],
+        "tests/runtime/test_hf_exports.py", "tests/objectives/test_fit.py"],
     "fit loop": FIT_TESTS + OFFLINE_TESTS,
     "objectives": FIT_TESTS + OFFLINE_TESTS,
     "datagen": DATAGEN_TESTS,

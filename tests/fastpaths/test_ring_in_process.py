@@ -10,7 +10,10 @@ fast tests check what test_ring_attention.py checks under torchrun:
   (summed over the ranks, as the backends sum them), padded and packed, rows of ragged lengths
   and an odd length (the layout pads it to a multiple of the ring), and a micro-batch whose
   actions all lie on one rank's columns (the other still runs its layers' collectives);
-* the layout by hand: where each token lies, its position and sequence, and each rank's columns.
+* the layout by hand: where each token lies, its position and sequence, and each rank's columns;
+* the layer's attention dropout in training only;
+* the CUDA kernel path (``ring_flash_attn``, no GPU here) through a stand-in for the package: the
+  packed row's sequence boundaries and every setting it is handed, and when the path is taken.
 """
 
 from __future__ import annotations
@@ -208,3 +211,90 @@ def test_the_layouts_by_hand():
     assert packed.segment.tolist() == [[0, 0, 0, 1, 1, -1]]
     assert packed.index.tolist() == [[0, 1, 2], [-1, 3, 4]]
     assert packed.columns == (3, 6)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "training"])
+def test_attention_dropout_only_in_training(training):
+    """The model's attention dropout applies in training only: in eval mode the ring's output is
+    plain attention's whatever the dropout the layer asks for."""
+    segment = SEGMENTS["padded"]
+    rows, length = segment.shape
+    generator = torch.Generator().manual_seed(4)
+    query, key, value = (torch.randn(rows, heads, length, 8, generator=generator) for heads in (4, 2, 2))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask_by_hand(segment)[:, None], scale=0.3, enable_gqa=True).transpose(1, 2)
+
+    def work(ring):
+        layout = RingLayout(group=ring.group, size=ring.size, rank=ring.rank, head_stride=1,
+                            input_ids=segment, position_ids=segment, segment=segment, index=segment)
+        start, stop = layout.columns
+        module = torch.nn.Module().train(training)
+        token = ring_module._ACTIVE.set(layout)
+        try:
+            out, _ = ring_attention(module, *(t[:, :, start:stop] for t in (query, key, value)), None, scaling=0.3,
+                                    dropout=0.9)
+        finally:
+            ring_module._ACTIVE.reset(token)
+        return out
+
+    got = torch.cat(on_two_ranks(work), dim=1)
+    real = (segment >= 0)[:, :, None, None]
+    same = torch.allclose(got * real, expected * real, atol=1e-5)
+    assert same is not training
+
+
+def fake_ring_flash_attn(calls):
+    """A stand-in for the ``ring_flash_attn`` package that records what it is given."""
+    import importlib.machinery
+    import types
+
+    module = types.ModuleType("ring_flash_attn")
+    module.__spec__ = importlib.machinery.ModuleSpec("ring_flash_attn", None)
+
+    def prepare(cu_seqlens, *, causal, rank, world_size):
+        calls["prepare"] = {"cu_seqlens": cu_seqlens.tolist(), "dtype": cu_seqlens.dtype, "causal": causal,
+                            "rank": rank, "world_size": world_size}
+        return "cu_q", "cu_k", 7, 12, "local slice"
+
+    def varlen(query, key, value, cu_q, cu_k, max_q, max_k, **options):
+        calls["varlen"] = {"shapes": [tuple(t.shape) for t in (query, key, value)],
+                           "lengths": (cu_q, cu_k, max_q, max_k), **options}
+        return torch.ones(query.shape)  # (l, H, D)
+
+    module.llama3_flash_attn_prepare_cu_seqlens = prepare
+    module.llama3_flash_attn_varlen_func = varlen
+    return module
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_packed_half_precision_cuda_rows_go_to_ring_flash_attn_with_the_sequences_boundaries(monkeypatch, window):
+    """The CUDA kernel path (no GPU here): the packed row's sequence starts as ``cu_seqlens`` (padding
+    at the end one more sequence), the head stride, window, dropout, scale and group handed on."""
+    import sys
+    import types
+
+    calls: dict = {}
+    monkeypatch.setitem(sys.modules, "ring_flash_attn", fake_ring_flash_attn(calls))
+    segment = SEGMENTS["packed"]  # (1, 12): sequences at 0, 3, 9, padding from 11
+    layout = RingLayout(group="the ring", size=2, rank=1, head_stride=2, input_ids=segment, position_ids=segment,
+                        segment=segment, index=segment)
+    query, key, value = torch.zeros(1, 4, 6, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8)
+    out = ring_module._flash_ring(query, key, value, layout, 0.3, 0.1, window)
+    assert out.shape == (1, 6, 4, 8) and bool((out == 1).all())
+    assert calls["prepare"] == {"cu_seqlens": [0, 3, 9, 11, 12], "dtype": torch.int32, "causal": True, "rank": 1,
+                                "world_size": 2}
+    assert calls["varlen"] == {"shapes": [(6, 4, 8), (6, 2, 8), (6, 2, 8)], "lengths": ("cu_q", "cu_k", 7, 12),
+                               "heads_k_stride": 2, "local_k_slice": "local slice", "dropout_p": 0.1,
+                               "softmax_scale": 0.3, "causal": True,
+                               "window_size": (-1, -1) if window is None else (window - 1, 0), "group": "the ring"}
+    half_on_cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    assert ring_module._flash_ring_usable(half_on_cuda, layout)
+    padded = RingLayout(**{**layout.__dict__, "input_ids": torch.zeros(3, 12, dtype=torch.long)})
+    assert not ring_module._flash_ring_usable(half_on_cuda, padded)  # padded rows: the torch path
+    assert not ring_module._flash_ring_usable(types.SimpleNamespace(is_cuda=True, dtype=torch.float32), layout)
+    assert not ring_module._flash_ring_usable(types.SimpleNamespace(is_cuda=False, dtype=torch.bfloat16), layout)
+    monkeypatch.delitem(sys.modules, "ring_flash_attn")
+    import importlib.util
+
+    if importlib.util.find_spec("ring_flash_attn") is None:
+        assert not ring_module._flash_ring_usable(half_on_cuda, layout)  # not installed
