@@ -160,8 +160,19 @@ def test_a_batch_draws_what_its_seed_says_whatever_ran_before_it(plugins, job, t
     log.write_text("".join(lines[:3]))
     (tmp_path / "cut.jsonl").write_bytes(whole[:after_batch_one["bytes"]])
     torch.manual_seed(12345)  # the global stream elsewhere: the job seeds each batch itself
+    ScriptedEngine.calls.clear()
     ok(plugins, job("cut.jsonl"))
     assert (tmp_path / "cut.jsonl").read_bytes() == whole
+    assert [call["prompts"] for call in ScriptedEngine.calls] == [["p2", "p3"], ["p4"]]  # only what the file lacked
+
+
+def test_a_rerun_of_a_finished_file_samples_nothing(plugins, job, tmp_path):
+    ok(plugins, job("done.jsonl"))
+    before = (tmp_path / "done.jsonl").read_bytes()
+    ScriptedEngine.calls.clear()
+    result = ok(plugins, job("done.jsonl"))
+    assert "5 row(s) for 5 prompt(s)" in result.output and "already complete" in result.output
+    assert ScriptedEngine.calls == [] and (tmp_path / "done.jsonl").read_bytes() == before
 
 
 # --- rlhf score -------------------------------------------------------------------------------------
