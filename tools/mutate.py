@@ -5,12 +5,16 @@
     python tools/mutate.py --per-area 15        # curated + 15 drawn from each area
     python tools/mutate.py --sample 400 --jobs 2 --seed 3 --json mutants.json
     python tools/mutate.py --files rlhf/algorithms/training_loss.py --sample 10 --tests tests/algorithms
+    python tools/mutate.py --per-area 12 --areas "fast paths" "run lifecycle" --focused   # a quick sample
 
 Each mutant changes one spot of one file in a copy of the repository (never this checkout) and
 runs the fast tests of the file's area there (`AREAS`, ``-x``); a mutant is *killed* when they
 fail (or time out), and *survives* when they pass. Survivors are printed with file, line and
 change: each is a missing test or an equivalent mutant. The kill rate is killed / (killed +
-survived), printed per area (RL math, RL wiring, fit loop, objectives, fast paths) and in all.
+survived), printed per area (RL math, RL wiring, fit loop, objectives, fast paths, run lifecycle,
+data generation, ...) and in all. ``--focused`` runs each mutant against its area's own tests only
+(`FOCUS`): minutes instead of an hour on a small machine, a lower bound on the kill rate whose
+survivors are then confirmed against the full list.
 
 Operators (applied to the `TARGETS` files, outside docstrings, asserts, f-strings, annotations
 and ``raise`` statements): arithmetic and comparison operators swapped, unary minus and ``not``
@@ -54,6 +58,15 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/ru
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py",
                  "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]
+# issue tests-bite-4: the tests written for what the audit of data generation, the fast paths, the run
+# lifecycle and the fit loop found unguarded
+FIT_TESTS = ["tests/objectives/test_eval_loss_weights.py", "tests/rewards/test_reward_model_truncation.py",
+             "tests/objectives/test_fit_reports.py"]
+LIFECYCLE_TESTS = ["tests/runtime/test_checkpoint_discovery.py", "tests/runtime/test_resume_options.py",
+                   "tests/runtime/test_interrupt_resume.py", "tests/runtime/test_thread_messages.py"]
+FASTPATH_TESTS = ["tests/fastpaths/test_verdicts.py", "tests/fastpaths/test_shared_mask_by_hand.py",
+                  "tests/fastpaths/test_ring_in_process.py"]
+DATAGEN_TESTS = ["tests/datagen", "tests/runtime/test_run_lock.py"]
 
 # area: (files mutated, fast tests run on each of its mutants). Kill rates are reported per area.
 AREAS = {
@@ -73,30 +86,30 @@ AREAS = {
     ], RL_TESTS),
     "fit loop": ([
         "rlhf/runtime/fit/loop.py", "rlhf/runtime/fit/data.py", "rlhf/runtime/fit/text.py", "rlhf/runtime/fit/local.py",
-    ], OFFLINE_TESTS),
+    ], OFFLINE_TESTS + FIT_TESTS),
     "objectives": ([
         "rlhf/objectives/batching.py", "rlhf/objectives/language.py", "rlhf/objectives/preference.py",
         "rlhf/objectives/process.py", "rlhf/plugins/objectives/sft.py", "rlhf/plugins/objectives/reward_model.py",
         "rlhf/plugins/objectives/dpo.py", "rlhf/plugins/objectives/kto.py", "rlhf/plugins/objectives/prm.py",
         "rlhf/plugins/objectives/distill.py", "rlhf/plugins/objectives/pairs.py", "rlhf/rewards/reward_model.py",
-    ], OFFLINE_TESTS),
+    ], OFFLINE_TESTS + FIT_TESTS),
     "run lifecycle": ([
         "rlhf/runtime/run/best_model.py", "rlhf/runtime/run/lifecycle.py", "rlhf/runtime/step/trained.py",
         "rlhf/runtime/run/run_dir.py", "rlhf/runtime/run/checkpoint.py", "rlhf/runtime/run/threads.py",
         "rlhf/runtime/run/heap.py",
-    ], RL_TESTS + OFFLINE_TESTS),
+    ], RL_TESTS + OFFLINE_TESTS + LIFECYCLE_TESTS),
     "fast paths": ([
         "rlhf/core/logprobs.py", "rlhf/fastpaths/prefix_sharing.py", "rlhf/fastpaths/segment_attention.py",
         "rlhf/fastpaths/cpu_linear.py", "rlhf/fastpaths/lean_decode.py", "rlhf/plugins/engines/hf.py",
         "rlhf/fastpaths/packing.py", "rlhf/fastpaths/verdicts.py", "rlhf/fastpaths/llama_like.py",
         "rlhf/core/ordered_gather.py", "rlhf/fastpaths/vocab_chunks.py",
-    ], RL_TESTS + OFFLINE_TESTS + ["tests/fastpaths/test_transformers_contract.py"]),
+    ], RL_TESTS + OFFLINE_TESTS + ["tests/fastpaths/test_transformers_contract.py"] + FASTPATH_TESTS),
     "parallelism and memory": ([
         "rlhf/runtime/step/router_aux.py", "rlhf/fastpaths/ring_attention.py", "rlhf/runtime/ray/weight_broadcast.py",
         "rlhf/core/offload.py", "rlhf/rewards/threads.py",
     ], ["tests/models/test_moe_aux_loss.py", "tests/fastpaths/test_ring_attention.py",
         "tests/runtime/test_weight_broadcast.py", "tests/runtime/test_offload.py", "tests/rewards/test_call_limit.py",
-        "tests/runtime/test_async.py"]),
+        "tests/runtime/test_async.py", "tests/fastpaths/test_ring_in_process.py"]),
     "rollouts": ([
         "rlhf/runtime/rl/rollout.py", "rlhf/plugins/engines/hf_continuous.py", "rlhf/runtime/rl/draw_order.py",
     ], ["tests/runtime/test_continuous_batching.py", "tests/runtime/test_multiturn.py", "tests/runtime/test_async.py"]),
@@ -104,6 +117,24 @@ AREAS = {
         "rlhf/core/plugin_host/registry.py", "rlhf/core/plugin_host/settings.py", "rlhf/runtime/config/options.py", "rlhf/runtime/config/train_config.py",
     ], ["tests/core", "tests/runtime/test_plugin_flags.py", "tests/runtime/test_settings.py",
         "tests/plugin_kit/test_checks_broken.py", "tests/plugin_kit/test_checks_builtin.py"]),
+    "datagen": ([
+        "rlhf/datagen/generate.py", "rlhf/datagen/score.py", "rlhf/datagen/evaluate.py", "rlhf/datagen/iterate.py",
+        "rlhf/datagen/rows.py", "rlhf/datagen/output.py", "rlhf/datagen/chat.py", "rlhf/datagen/components.py",
+    ], DATAGEN_TESTS),
+}
+# --focused: each area's own tests (a sample in minutes on a small machine; a mutant that survives them
+# may still die in the area's full list above, so survivors are to be confirmed with it)
+FOCUS = {
+    "fast paths": ["tests/fastpaths/test_verdicts.py", "tests/fastpaths/test_shared_mask_by_hand.py",
+                   "tests/fastpaths/test_ring_in_process.py", "tests/fastpaths"],
+    "parallelism and memory": ["tests/fastpaths/test_ring_in_process.py", "tests/fastpaths/test_ring_attention.py"],
+    "run lifecycle": LIFECYCLE_TESTS + [
+        "tests/runtime/test_run_lifecycle.py", "tests/runtime/test_checkpoint_integrity.py", "tests/runtime/test_run_lock.py",
+        "tests/objectives/test_eval_and_best.py", "tests/runtime/test_threads.py", "tests/runtime/test_heap.py",
+        "tests/runtime/test_hf_exports.py", "tests/objectives/test_fit.py"],
+    "fit loop": FIT_TESTS + OFFLINE_TESTS,
+    "objectives": FIT_TESTS + OFFLINE_TESTS,
+    "datagen": DATAGEN_TESTS,
 }
 TARGETS = [file for files, _ in AREAS.values() for file in files]
 
@@ -112,17 +143,20 @@ def area_of(file: str) -> str:
     return next((name for name, (files, _) in AREAS.items() if file in files), "other")
 
 
-def tests_of(file: str) -> list[str]:
-    """The fast tests a mutant of ``file`` runs (its area's; every area's for a file in none)."""
+def tests_of(file: str, focused: bool = False) -> list[str]:
+    """The fast tests a mutant of ``file`` runs (its area's; every area's for a file in none); ``focused``:
+    the area's own tests (`FOCUS`) where it has such a list."""
     area = area_of(file)
     if area == "other":
         return list(dict.fromkeys(t for _, tests in AREAS.values() for t in tests))
+    if focused and area in FOCUS:
+        return list(dict.fromkeys(FOCUS[area]))
     return AREAS[area][1]
 
 
 # (file, text, replacement, what): the wiring bugs a design review found (issue 14), always run.
 CURATED = [
-    ("rlhf/fastpaths/verdicts.py", "agrees = difference <= tolerance", "agrees = True",
+    ("rlhf/fastpaths/verdicts.py", "agrees = math.isfinite(difference) and difference <= tolerance", "agrees = True",
      "a fast path that differs from the plain path is still taken"),
     ("rlhf/fastpaths/prefix_sharing.py", '        return "prefix_sharing/segment"\n    return "prefix_sharing/masked"',
      '        return "prefix_sharing/masked"\n    return "prefix_sharing/masked"',
@@ -402,23 +436,31 @@ def make_copy() -> Path:
     return copy
 
 
-def run_tests(copy: Path, timeout: float, tests: list[str]) -> str:
+def run_tests(copy: Path, timeout: float, tests: list[str], output: list[str] | None = None) -> str:
+    """"survived" when ``tests`` pass in ``copy``, else "killed" (or "timeout"); ``output`` gets pytest's
+    last lines."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
     try:
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout"
+    if output is not None:
+        output.append("\n".join((result.stdout + result.stderr).splitlines()[-40:]))
     return "survived" if result.returncode == 0 else "killed"
 
 
-def run(mutants: list[Mutant], jobs: int, timeout: float, tests: list[str] | None = None) -> None:
-    """Each mutant against its area's fast tests, or against ``tests`` when given (a quicker sample)."""
+def run(mutants: list[Mutant], jobs: int, timeout: float, tests: list[str] | None = None,
+        focused: bool = False) -> None:
+    """Each mutant against its area's fast tests (``focused``: its area's own), or against ``tests``
+    when given (a quicker, narrower sample)."""
     copies = [make_copy() for _ in range(jobs)]
     try:
-        every_test = tests or list(dict.fromkeys(t for _, area_tests in AREAS.values() for t in area_tests))
-        if run_tests(copies[0], timeout * 5, every_test) != "survived":
-            raise SystemExit(f"the fast tests fail on the unmutated code (in {copies[0]}); fix that first")
+        every_test = tests or list(dict.fromkeys(t for m in mutants for t in tests_of(m.file, focused)))
+        output: list[str] = []
+        if run_tests(copies[0], timeout * 5, every_test, output) != "survived":
+            raise SystemExit(f"the fast tests fail on the unmutated code (in {copies[0]}); fix that first:\n"
+                             + "".join(output))
         free = list(copies)
 
         def one(mutant: Mutant) -> Mutant:
@@ -428,7 +470,7 @@ def run(mutants: list[Mutant], jobs: int, timeout: float, tests: list[str] | Non
             began = time.perf_counter()
             try:
                 target.write_text(mutant.source)
-                mutant.status = run_tests(copy, timeout, tests or tests_of(mutant.file))
+                mutant.status = run_tests(copy, timeout, tests or tests_of(mutant.file, focused))
             finally:
                 target.write_text(original)
                 free.append(copy)
@@ -455,8 +497,18 @@ def main() -> None:
     parser.add_argument("--tests", nargs="*", default=None,
                         help="run these tests on every mutant instead of its area's (a quicker, narrower sample)")
     parser.add_argument("--json", type=Path, help="write every mutant's result here")
+    parser.add_argument("--focused", action="store_true",
+                        help="run each mutant against its area's own tests (FOCUS) instead of the full list: a quick "
+                             "sample; confirm its survivors with the full list")
+    parser.add_argument("--areas", nargs="*", default=None,
+                        help="draw mutants from these areas' files only (names as printed, e.g. 'fast paths')")
     args = parser.parse_args()
 
+    if args.areas is not None:
+        unknown = sorted(set(args.areas) - set(AREAS))
+        if unknown:
+            raise SystemExit(f"--areas: no such area {', '.join(unknown)}; the areas: {', '.join(AREAS)}")
+        args.files = [f for f in args.files if area_of(f) in args.areas]
     drawn = [m for file in args.files for m in mutants_of(file)]
     random.Random(args.seed).shuffle(drawn)
     if args.per_area is not None:
@@ -467,7 +519,7 @@ def main() -> None:
     mutants = curated + drawn
     print(f"running {len(mutants)} mutants ({len(curated)} curated, {len(drawn)} drawn from the operators) "
           f"in {len(args.files)} files", flush=True)
-    run(mutants, args.jobs, args.timeout, args.tests)
+    run(mutants, args.jobs, args.timeout, args.tests, args.focused)
     print()
     for area in [*AREAS, "other"]:
         print_rate(area, [m for m in mutants if m.area == area])

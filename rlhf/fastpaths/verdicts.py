@@ -15,6 +15,7 @@ Shape-free: callers hand in the largest absolute difference they measured.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -32,9 +33,10 @@ def verdict(model: Any, path: str) -> bool | None:
 
 
 def settle(model: Any, path: str, difference: float, tolerance: float, *, who: str, switch: str) -> bool:
-    """Keep whether ``path`` agrees with the plain path on ``model`` (``difference`` <= ``tolerance``,
-    a NaN never agrees); warn once when it does not. Returns the verdict."""
-    agrees = difference <= tolerance  # False for NaN
+    """Keep whether ``path`` agrees with the plain path on ``model`` (``difference`` <= ``tolerance``;
+    a difference that is not finite, NaN or ±inf, never agrees); warn once when it does not. Returns
+    the verdict."""
+    agrees = math.isfinite(difference) and difference <= tolerance
     _store(model)[path] = agrees
     if not agrees:
         log.warning("%s: the fast path %s differs from the plain path by %.3g (tolerance %.3g); this model runs "
