@@ -135,8 +135,8 @@ def iterate_run(plugins, files, tiny_model_dir, monkeypatch):
         generated.append(config)
         return real_generate(config, plugins=plugins)
 
-    def fake_dpo(config, start, pairs, run_dir, plugins):
-        trained.append({"start": start, "pairs": read_jsonl(pairs), "run_dir": run_dir})
+    def fake_dpo(config, objective, start, pairs, run_dir, plugins):
+        trained.append({"objective": objective.name, "start": start, "pairs": read_jsonl(pairs), "run_dir": run_dir})
         shutil.copytree(start, run_dir / "final")
         (run_dir / "metrics.jsonl").write_text('{"step": 1, "train/loss": 0.25}\n')
         return run_dir / "final"
@@ -199,7 +199,7 @@ def test_a_rerun_of_a_finished_iterate_samples_and_trains_nothing(iterate_run):
 def test_the_dpo_round_gets_the_pairs_the_start_model_and_iterates_dpo_options(tmp_path, plugins, monkeypatch):
     import rlhf.runtime.fit.local as local
     from rlhf.datagen.config import IterateConfig
-    from rlhf.datagen.iterate import _dpo
+    from rlhf.datagen.iterate import _dpo, _objective
 
     seen = []
 
@@ -212,7 +212,9 @@ def test_the_dpo_round_gets_the_pairs_the_start_model_and_iterates_dpo_options(t
     config = IterateConfig(model="m0", data=["d.jsonl"], reward=["r.py"], out=str(tmp_path / "idpo"), beta=0.3,
                            lr=2e-6, epochs=2, dpo_batch_size=6, micro_batch_size=3, max_len=99, seed=17,
                            dpo_config=["label_smoothing=0.1", "save_every=4"])
-    final = _dpo(config, "round_1/model", tmp_path / "pairs.jsonl", tmp_path / "dpo", plugins)
+    objective = _objective(config, plugins)
+    assert objective.name == "dpo"  # the default --objective
+    final = _dpo(config, objective, "round_1/model", tmp_path / "pairs.jsonl", tmp_path / "dpo", plugins)
     (fit_config,) = seen
     assert final == tmp_path / "dpo" / "final"
     assert (fit_config.objective, fit_config.model, fit_config.data, fit_config.out) == (
@@ -221,7 +223,7 @@ def test_the_dpo_round_gets_the_pairs_the_start_model_and_iterates_dpo_options(t
             fit_config.seed, fit_config.save_every) == (2e-6, 2, 6, 3, 99, 17, 4)
     assert fit_config.components["objective"] == {"beta": 0.3, "label_smoothing": 0.1}
     assert fit_config.resume is False
-    _dpo(config, "round_1/model", tmp_path / "pairs.jsonl", tmp_path / "dpo", plugins)
+    _dpo(config, _objective(config, plugins), "round_1/model", tmp_path / "pairs.jsonl", tmp_path / "dpo", plugins)
     assert len(seen) == 1  # a round whose DPO model is written does not train again
 
 

@@ -84,6 +84,7 @@ def test_an_interrupted_run_names_its_highest_checkpoint(run):
 
 def test_a_resumed_run_keeps_the_replaced_config_under_the_highest_step(run):
     (run / "config.yaml").write_text("lr: 0.1\n")
+    (run / "plugins.json").write_text("{}")  # with config.yaml: a run's directory (docs/runs.md)
     RunDirectory(run).prepare(config={"lr": 0.2}, plugins={}, resume=True)
     assert (run / "config.until_step_100.yaml").read_text() == "lr: 0.1\n"
     assert json.loads((run / "plugins.json").read_text()) == {}
