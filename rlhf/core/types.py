@@ -74,6 +74,21 @@ class Trajectory:
         return sum(self.loss_mask)
 
 
+def groups_of(trajectories: list[Trajectory], n: int) -> list[list[Trajectory]]:
+    """A batch's trajectories as its prompt groups (``n`` contiguous samples per prompt)."""
+    return [trajectories[i:i + n] for i in range(0, len(trajectories), n)]
+
+
+def number_groups(groups: list[list[Trajectory]]) -> list[Trajectory]:
+    """Prompt groups as one batch, each trajectory's ``group`` its group's place in it."""
+    trajectories = []
+    for index, group in enumerate(groups):
+        for trajectory in group:
+            trajectory.group = index
+            trajectories.append(trajectory)
+    return trajectories
+
+
 @dataclass(kw_only=True)
 class StepResult:
     """What an environment returns after a model turn."""

@@ -24,6 +24,7 @@ from rlhf.runtime.run import checkpoint
 from rlhf.runtime.config.train_config import TrainConfig, ray_env_pairs
 from rlhf.runtime.rl.async_generation import AsyncParts
 from rlhf.runtime.rl.local import build_eval_prompts, build_loader
+from rlhf.runtime.rl.scoring import Scoring
 from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.run.lifecycle import seed_everything, start_run
 from rlhf.runtime.rl.workers import RewardWorker
@@ -63,7 +64,7 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
             hosts = launch(layout, config, len(loader), plugins, cluster)
             log.info("Ray runtime ready in %.1f s (cluster %.1f s): %s", time.perf_counter() - began,
                      cluster.seconds, layout.describe())
-            workers = make_workers(plan, hosts, tokenizer, loader)
+            workers = make_workers(plan, plugins, hosts, tokenizer, loader)
             if config.weight_sync == "broadcast":
                 connect_weight_broadcast(workers.rollout, layout)
             try:
@@ -188,7 +189,7 @@ def kill(hosts: list[Host]) -> None:
         ray.kill(host.handle, no_restart=True)
 
 
-def make_workers(plan: RunPlan, hosts: list[Host], tokenizer: Any, loader: Any) -> Workers:
+def make_workers(plan: RunPlan, plugins: PluginSet, hosts: list[Host], tokenizer: Any, loader: Any) -> Workers:
     config = plan.config
     timeout = config.ray_timeout_s
 
@@ -216,9 +217,10 @@ def make_workers(plan: RunPlan, hosts: list[Host], tokenizer: Any, loader: Any) 
     async_parts = None
     if rollout.own_copy:  # --async: the rollout actors' copies generate ahead, weights pushed by version
         async_parts = AsyncParts(snapshot=policy.snapshot, make_copy=lambda: RayPolicyCopy(rollout, config.seed))
-    return Workers(policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
-                   pad_token_id=tokenizer.pad_token_id, export=export, dist=SINGLE,
-                   eval_prompts=build_eval_prompts(config, tokenizer), async_parts=async_parts)
+    return Workers(policy=policy, rollout=rollout, reward=reward, scoring=Scoring(plan, plugins, reward),
+                   reference=reference, critic=critic, loader=loader, pad_token_id=tokenizer.pad_token_id,
+                   export=export, dist=SINGLE, eval_prompts=build_eval_prompts(config, tokenizer),
+                   async_parts=async_parts)
 
 
 class RayPolicyCopy:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError, RlhfError
-from rlhf.core.distributed import unshard
+from rlhf.runtime.rl.ranks import regroup
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,8 @@ class RewardGroup(RoleGroup):
 
 class RolloutGroup(RoleGroup):
     """Rollout actors: prompts are split over them (prompt p to actor p mod N, as `DistContext.shard`
-    splits them over launcher ranks) and the trajectories come back in prompt order, groups intact.
+    splits them over launcher ranks) and the trajectories come back in prompt order, groups intact
+    and numbered over the whole batch (`rlhf.runtime.rl.ranks.regroup`, as under a launcher).
 
     Actors holding their own copy of the policy get its weights from policy rank 0 (``sync_weights``,
     after each step), and before a generation whenever the policy changed since the last sync (a
@@ -258,15 +259,7 @@ class RolloutGroup(RoleGroup):
             shard = prompts[rank::self.size]
             if shard:
                 calls.append((host, host.handle.run.remote("rollout", "generate", shard, n=n, params=params)))
-        per_host = self._wait(calls, "rollout.generate")
-        groups = unshard([[shard[i:i + n] for i in range(0, len(shard), n)] for shard in per_host])
-        assert len(groups) == len(prompts), f"{len(groups)} prompt groups came back for {len(prompts)} prompts"
-        trajectories = []
-        for index, group in enumerate(groups):  # groups numbered over the whole batch, as in one process
-            for trajectory in group:
-                trajectory.group = index
-                trajectories.append(trajectory)
-        return trajectories
+        return regroup(self._wait(calls, "rollout.generate"), n, len(prompts))  # as one process numbers them
 
     def sync_weights(self) -> None:
         """Push policy rank 0's weights to every rollout actor: broadcast over the weight group, or

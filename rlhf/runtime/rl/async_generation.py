@@ -37,7 +37,7 @@ order; so up to K batches' rollouts overlap, and what each computes is what one 
 Weights reach the producer by version: after each step (and its checkpoint) the trainer publishes
 a copy of the policy's state; the producer loads the version it needs. Sampling draws the
 process's random stream, which only the producer uses while it runs (eval swaps in a stream of
-its own under `separate_stream`), so checkpoints stay exact: at a checkpoint after step s the
+its own under `eval_stream`), so checkpoints stay exact: at a checkpoint after step s the
 producer is paused once it has made batches up to s + K - 1, and those in-flight batches are
 written into the checkpoint (``in_flight/``) with the random state and data position after them; a
 resumed run trains on them and generates the rest from the checkpoint's weights.
@@ -45,6 +45,10 @@ resumed run trains on them and generates the rest from the checkpoint's weights.
 Why a thread, not a process: generation and training are torch ops, which release the GIL, so a
 thread overlaps them without copying weights or batches between processes (benchmarks/README.md
 has the measurement).
+
+`AsyncGeneration` is the trainer's batch maker for such a run (`rlhf.runtime.rl.batches.Batches`):
+it makes each batch with the steps every maker uses (`rlhf.runtime.rl.batches.BatchSteps`), whole
+or in the pipeline's stages.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,8 +66,12 @@ import torch
 
 from rlhf.core.batch import ExperienceBatch, collate
 from rlhf.core.errors import RlhfError
+from rlhf.core.protocols.roles import RolloutRole
 from rlhf.core.types import Trajectory
+from rlhf.runtime.config.train_plan import RunPlan
+from rlhf.runtime.rl.batches import BatchSteps, Prepared, Rolled
 from rlhf.runtime.rl.draw_order import ordered_draws
+from rlhf.runtime.run.threads import split_threads
 
 STOP_TIMEOUT_S = 30.0  # how long `close` waits for a batch being generated to finish
 
@@ -98,43 +106,6 @@ class AsyncParts:
     rollouts_overlap: bool = False
 
 
-@dataclass(kw_only=True)
-class Prepared:
-    """One step's batch, ready for experience making."""
-
-    step: int  # the step that trains on it
-    version: int  # the policy version that generated it
-    trajectories: list[Trajectory]
-    batch: ExperienceBatch
-    reward_metrics: dict[str, float]
-    seconds: dict[str, float] = field(default_factory=dict)  # the producer's time per phase
-    idle_s: float = 0.0  # time the producer waited for the weights of `version`
-
-
-@dataclass(kw_only=True)
-class Rolled:
-    """A step's trajectories, generated and not yet scored (the pipeline's first stage)."""
-
-    step: int
-    trajectories: list[Trajectory]
-    batch: ExperienceBatch | None = None  # their tensors, for the behaviour log-probs (rewards still zero)
-    seconds: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(kw_only=True)
-class PipelineStages:
-    """A step's preparation in stages, so that the batches of consecutive steps overlap:
-    ``rollout(step, rollout_role)`` generates (on a policy copy; its draws of the process's random
-    stream in step order), ``rollout_end(rolled)`` runs the end-of-rollout hooks and makes the
-    tensors (in step order), ``score(rolled)`` calls the reward sources (several batches at once,
-    each on a thread of its own), ``finish(rolled, result)`` shapes and collates (in step order)."""
-
-    rollout: Callable[[int, Any], Rolled]
-    rollout_end: Callable[[Rolled], Rolled]
-    score: Callable[[Rolled], Any]
-    finish: Callable[[Rolled, Any], Prepared]
-
-
 class Stopped(Exception):
     """The trainer closed the producer."""
 
@@ -142,19 +113,18 @@ class Stopped(Exception):
 class AsyncGeneration:
     """The producer thread and the hand-over of batches and weights (see the module docstring).
 
-    ``prepare(step, rollout)`` makes the batch of a step with the given rollout role (the
-    trainer's own preparation); ``parts`` give weight snapshots and the producer's copy; with
-    ``max_staleness`` 0 the copy's behaviour log-probs are not computed (the trainer does as in a
-    synchronous run).
+    ``steps`` make each batch: whole, or with ``pipelined`` in the pipeline's stages, on the policy
+    copy's rollout role; ``rollout`` is the trainer's (checkpointed when it keeps state of its own);
+    ``parts`` give weight snapshots and the producer's copy; with ``max_staleness`` 0 the copy's
+    behaviour log-probs are not computed (the trainer does as in a synchronous run).
     """
 
-    def __init__(self, *, parts: AsyncParts, prepare: Callable[[int, Any], Prepared], max_staleness: int,
-                 total_steps: int, pad_token_id: int, stages: PipelineStages | None = None,
-                 threads: tuple[int, int] | None = None, lanes: int = 1):
-        self.parts, self.prepare, self.stages = parts, prepare, stages
-        # generation lanes: batches rolled out at once, each on a policy copy of its own (stages only)
-        self.lanes = max(1, min(lanes, max_staleness)) if stages is not None else 1
-        self.staleness, self.total, self.pad_token_id = max_staleness, total_steps, pad_token_id
+    def __init__(self, *, steps: BatchSteps, rollout: RolloutRole, parts: AsyncParts, max_staleness: int,
+                 total_steps: int, pipelined: bool = False, threads: tuple[int, int] | None = None, lanes: int = 1):
+        self.steps, self.rollout, self.parts, self.pipelined = steps, rollout, parts, pipelined
+        # generation lanes: batches rolled out at once, each on a policy copy of its own (pipelined only)
+        self.lanes = max(1, min(lanes, max_staleness)) if pipelined else 1
+        self.staleness, self.total, self.pad_token_id = max_staleness, total_steps, steps.pad_token_id
         self.threads = threads  # torch threads (producer, trainer); None: leave them as they are
         self.cond = threading.Condition()
         self.ready: dict[int, Prepared] = {}
@@ -168,7 +138,7 @@ class AsyncGeneration:
         self.stopping = False
         self.threads_of_lanes: list[threading.Thread] = []
         self.finisher: threading.Thread | None = None
-        self.generating = threading.Lock()  # held while the producer samples (see `separate_stream`)
+        self.generating = threading.Lock()  # held while the producer samples (see `eval_stream`)
 
     # --- the trainer's side ---------------------------------------------------------------------
 
@@ -191,13 +161,13 @@ class AsyncGeneration:
                                                   daemon=True) for index, lane in enumerate(self.lane_list)]
         for thread in self.threads_of_lanes:
             thread.start()
-        if self.stages is not None:
+        if self.pipelined:
             self.finisher = threading.Thread(target=self._finish_in_order, name="rlhf-async-generation-finish",
                                              daemon=True)
             self.finisher.start()
 
-    def next(self, step: int) -> tuple[Prepared, float]:
-        """The batch of ``step`` and the seconds the trainer waited for it."""
+    def next(self, step: int) -> Prepared:
+        """The batch of ``step``, with its staleness and the seconds the trainer waited for it."""
         began = time.perf_counter()
         with self.cond:
             while step not in self.ready and self.error is None:
@@ -206,7 +176,14 @@ class AsyncGeneration:
                 failure = self._failure()
                 raise failure from (None if failure is self.error else self.error)
             prepared = self.ready.pop(step)
-        return prepared, time.perf_counter() - began
+        waited, staleness = time.perf_counter() - began, float(step - prepared.version)
+        prepared.metrics = {"async/staleness_mean": staleness, "async/staleness_max": staleness,
+                            "async/wait_s": waited, "async/idle_s": prepared.idle_s,
+                            "async/version": float(prepared.version)}
+        return prepared
+
+    def sync_weights(self) -> None:
+        """Nothing: the producer takes the weights by version (`publish`, after each step)."""
 
     def publish(self, version: int) -> None:
         """The policy's weights after ``version`` steps, for the batches that need them."""
@@ -228,7 +205,7 @@ class AsyncGeneration:
                 raise failure from (None if failure is self.error else self.error)
 
     @contextlib.contextmanager
-    def separate_stream(self, state: dict[str, Any]) -> Iterator[None]:
+    def eval_stream(self, state: dict[str, Any]) -> Iterator[None]:
         """Eval between two of the producer's batches: sampling from a random stream of its own, kept
         in ``state["rng"]`` (None: a fresh one from the run's seed), and, where eval samples with the
         producer's copy (Ray), from the newest weights; the producer's stream and weights are put
@@ -264,6 +241,11 @@ class AsyncGeneration:
             torch.set_num_threads(self.trainer_threads)
 
     # --- checkpoints (a role of the checkpoint: save/load) -----------------------------------------
+
+    def checkpoint_roles(self) -> dict[str, Any]:
+        """The trainer's rollout, when it keeps state of its own, and the batches in flight (made, not
+        yet trained: the checkpoint's ``in_flight/``)."""
+        return {**({"rollout": self.rollout} if self.rollout.stateful else {}), "in_flight": self}
 
     def save(self, directory: Path) -> None:
         """The in-flight batches (made, not yet trained) as JSON trajectories plus their tensors."""
@@ -309,7 +291,7 @@ class AsyncGeneration:
                 step = self.next_rolled
                 version = max(self.first_version, step - self.staleness)
                 idle = self._wait_for(version, lane)
-                if self.stages is None:
+                if not self.pipelined:
                     with self.generating:
                         prepared = self._make(step, version)
                     prepared.idle_s = idle
@@ -317,7 +299,7 @@ class AsyncGeneration:
                     self._done(prepared)
                     continue
                 with self.generating:
-                    rolled = self.stages.rollout_end(self.stages.rollout(step, self.copy.rollout))
+                    rolled = self.steps.end_rollout(self.steps.roll_out(step, self.copy.rollout))
                     behaviour = self.copy.logprobs(rolled.batch) if self.staleness > 0 else None
                 self._score(rolled, version, idle, behaviour)
                 with self.cond:
@@ -357,12 +339,12 @@ class AsyncGeneration:
 
                 try:
                     with ordered_draws(hand_on):
-                        rolled = self.stages.rollout(step, lane.copy.rollout)
+                        rolled = self.steps.roll_out(step, lane.copy.rollout)
                 finally:
                     hand_on()
                 self._await_turn("end", step)
                 try:
-                    rolled = self.stages.rollout_end(rolled)
+                    rolled = self.steps.end_rollout(rolled)
                 finally:
                     self._pass_turn("end", step)
                 behaviour = lane.copy.logprobs(rolled.batch) if self.staleness > 0 else None
@@ -387,7 +369,7 @@ class AsyncGeneration:
     def _score(self, rolled: Rolled, version: int, idle: float, behaviour: torch.Tensor | None) -> None:
         """Start the batch's reward call on a thread of its own; the finishing thread takes it."""
         flight = _InFlight(rolled=rolled, version=version, idle_s=idle, behaviour=behaviour)
-        flight.thread = threading.Thread(target=flight.score, args=(self.stages.score,), daemon=True,
+        flight.thread = threading.Thread(target=flight.score, args=(self.steps.call_rewards,), daemon=True,
                                          name=f"rlhf-async-scoring-{rolled.step}")
         flight.thread.start()
         with self.cond:
@@ -411,7 +393,7 @@ class AsyncGeneration:
                         return
                 if flight.failure is not None:
                     raise flight.failure
-                prepared = self.stages.finish(flight.rolled, flight.result)
+                prepared = self.steps.finish(flight.rolled, flight.result)
                 prepared.version, prepared.idle_s = flight.version, flight.idle_s
                 if flight.behaviour is not None:
                     prepared.batch = replace(prepared.batch, old_logprobs=flight.behaviour)
@@ -454,7 +436,7 @@ class AsyncGeneration:
         return waited
 
     def _make(self, step: int, version: int) -> Prepared:
-        prepared = self.prepare(step, self.copy.rollout)
+        prepared = self.steps.prepare(step, self.copy.rollout)
         prepared.version = version
         if self.staleness > 0:
             prepared.batch = replace(prepared.batch, old_logprobs=self.copy.logprobs(prepared.batch))
@@ -492,3 +474,18 @@ class _InFlight:
             self.failure = exc
         finally:
             self.scored.set()
+
+
+def async_batches(plan: RunPlan, steps: BatchSteps, rollout: RolloutRole, parts: AsyncParts | None,
+                  total_steps: int) -> AsyncGeneration:
+    """``--async``'s batch maker for a run; ``parts``: what the runtime gives (None: no --async there)."""
+    if parts is None:
+        raise RlhfError("--async is not available with this runtime yet: use the local runtime")
+    staleness = plan.config.max_staleness
+    # continuously batched rollouts leave the random stream early: up to K batches roll out at once
+    lanes = staleness if parts.rollouts_overlap else 1
+    # A sample filter decides from a batch's rewards whether to sample more prompts for the same
+    # step, so that step's scoring cannot run beside the next step's generation.
+    return AsyncGeneration(steps=steps, rollout=rollout, parts=parts, max_staleness=staleness, total_steps=total_steps,
+                           pipelined=not plan.filters_groups, threads=split_threads(torch.get_num_threads(), staleness),
+                           lanes=lanes)

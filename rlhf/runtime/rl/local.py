@@ -2,7 +2,8 @@
 
 `train(config)` is what ``rlhf train`` calls; tests and notebooks call it directly too. Started
 by a launcher (``torchrun --nproc-per-node N -m rlhf train ...``), each process is one
-data-parallel rank running the same loop (rlhf/core/distributed.py).
+data-parallel rank running the same loop (rlhf/core/distributed.py), with roles that share the
+prompts out over the ranks and score on the main rank (rlhf/runtime/rl/ranks.py).
 
 The role builders below are shared with the Ray runtime, which calls each inside the actor that
 holds the role, in the same order (so the same random numbers are drawn).
@@ -30,7 +31,9 @@ from rlhf.fastpaths.ring_attention import check_model as check_ring_model
 from rlhf.runtime.run.export import export_critic, export_model
 from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.run.prompt_format import PromptFormat
+from rlhf.runtime.rl.ranks import on_ranks
 from rlhf.runtime.rl.rollout import EnvFactory, RolloutSettings, RolloutWorker
+from rlhf.runtime.rl.scoring import Scoring
 from rlhf.runtime.run.lifecycle import seed_everything, start_run
 from rlhf.runtime.step.router_aux import RouterAux
 from rlhf.runtime.rl.trainer import Trainer, Workers
@@ -218,9 +221,10 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     # Sampling starts from its own seed, whatever the builds drew (as in the Ray rollout actors), and
     # every rank (same initial weights, from one seed) samples apart from the others.
     seed_everything(sampling_seed(config.seed, dist.rank))
+    scoring = Scoring(plan, plugins, reward) if dist.is_main else None  # the others take the main rank's verdict
     workers = Workers(
-        policy=policy, rollout=rollout, reward=reward, reference=reference, critic=critic, loader=loader,
-        pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
+        policy=policy, rollout=rollout, reward=reward, scoring=scoring, reference=reference, critic=critic,
+        loader=loader, pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
         async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
                                                                                                     tokenizer)),
@@ -232,7 +236,7 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
         export=lambda out_dir, critic_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist,
                                                         critic_dir),
     )
-    return workers, plan
+    return (on_ranks(workers) if dist.active else workers), plan
 
 
 def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:

@@ -1,15 +1,35 @@
 """The metrics of one training step (``metrics.jsonl``, the progress bar, loggers): rewards as the
 loss used them, lengths, KL, environment figures for multi-turn runs, the roles' training
-metrics, time per phase and throughput."""
+metrics, time per phase (`Timer`) and throughput."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from rlhf.core.batch import ExperienceBatch
 from rlhf.core.types import Trajectory
+
+
+class Timer:
+    """Seconds per phase of a step, and the whole step."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        began = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - began
+
+    def done(self) -> dict[str, float]:
+        return {**self.seconds, "step": time.perf_counter() - self.started}
 
 
 def step_metrics(trajectories: list[Trajectory], batch: ExperienceBatch, reward_metrics: dict[str, float],

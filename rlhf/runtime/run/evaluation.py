@@ -8,20 +8,29 @@ solved at least once in n tries for 0/1 rewards, OpenRLHF's ``pass{n}``), ``eval
 over prompts of the mean reward), ``eval/response/length_mean`` (policy tokens) and
 ``eval/response/truncated_rate``. Eval runs before the first step, every ``--eval-every`` steps
 and after the last; sampling draws from the rollout's random stream, at the same points on a
-resumed run, so resume stays exact.
+resumed run, so resume stays exact (with ``--async``, from a random stream of eval's own).
+
+`Evaluator` runs one eval; `TrainingEvals` is the RL loop's side of them: when, ``on_eval``,
+``--save-best``, and what the trainer state keeps. Under a launcher the rollout and reward roles
+given here share the prompts out over the ranks and score on the main rank
+(rlhf/runtime/rl/ranks.py): every rank gets the same figures.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.rewards import RewardResult
 from rlhf.core.protocols.roles import RewardRole, RolloutRole
 from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.core.types import Trajectory
+from rlhf.runtime.run.best_model import BestModel
+from rlhf.runtime.run.model_card import model_card
+from rlhf.runtime.run.run_dir import RunDirectory
 
 
 @dataclass(kw_only=True)
@@ -32,18 +41,71 @@ class Evaluator:
     params: SamplingParams
     rollout: RolloutRole
     reward: RewardRole
-    gather: Callable[[list[Trajectory], int, int], list[Trajectory]]  # every rank's, in prompt order
-    dist: DistContext = SINGLE
+
+    @classmethod
+    def of_run(cls, config: Any, prompts: list[Any] | None, rollout: RolloutRole,
+               reward: RewardRole) -> Evaluator | None:
+        """The eval of an RL run (``config``: its `TrainConfig`) on ``prompts`` (None: no eval)."""
+        if not prompts:
+            return None
+        temperature = config.eval_temperature if config.eval_temperature is not None else config.temperature
+        params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature, top_p=config.top_p,
+                                top_k=config.top_k, repetition_penalty=config.repetition_penalty)
+        return cls(prompts=prompts, n_samples=config.eval_n_samples, every=config.eval_every, params=params,
+                   rollout=rollout, reward=reward)
 
     def due(self, done: int, total: int) -> bool:
         """Whether to evaluate after ``done`` completed steps (0: before training)."""
         return done == 0 or done == total or (self.every > 0 and done % self.every == 0)
 
     def run(self) -> dict[str, float]:
-        local = self.rollout.generate(self.dist.shard(self.prompts), n=self.n_samples, params=self.params)
-        trajectories = self.gather(local, len(self.prompts), self.n_samples)
-        metrics = eval_metrics(trajectories, self.reward, self.n_samples) if self.dist.is_main else None
-        return self.dist.broadcast(metrics) if self.dist.active else metrics
+        trajectories = self.rollout.generate(self.prompts, n=self.n_samples, params=self.params)
+        return eval_metrics(trajectories, self.reward, self.n_samples)
+
+
+class TrainingEvals:
+    """The RL loop's evals: each one when due (after ``done`` steps, `after`), in the random stream
+    ``stream(state)`` gives (``--async``: eval's own, kept in ``state["rng"]``), its ``on_eval``
+    event (``emit``), ``--save-best`` (the model written by ``export(directory)`` into
+    ``<out>/best``, its card naming ``method``), and what a checkpoint keeps of them."""
+
+    def __init__(self, evaluator: Evaluator | None, *, total_steps: int, save_best: str | None,
+                 emit: Callable[..., None], stream: Callable[[dict[str, Any]], contextlib.AbstractContextManager[None]],
+                 run_dir: RunDirectory, export: Callable[[Path], None], run_config: Callable[[], dict[str, Any]],
+                 method: str):
+        self.evaluator, self.total_steps, self.emit, self.stream = evaluator, total_steps, emit, stream
+        self.run_dir, self.export, self.run_config, self.method = run_dir, export, run_config, method
+        self.best_model = BestModel(save_best)
+        self.last: dict[str, float] = {}  # the last eval's metrics
+        self.stream_state: dict[str, Any] = {"rng": None}
+
+    def after(self, done: int) -> dict[str, float]:
+        """Eval after ``done`` steps when due (0: before the first); the last eval's metrics."""
+        if self.evaluator is None or not self.evaluator.due(done, self.total_steps):
+            return self.last
+        with self.stream(self.stream_state):
+            self.last = self.evaluator.run()
+        self.emit("on_eval", step=done, metrics=self.last)
+        self.best_model.consider(self.last, done, lambda record: self._write_best(done, record))
+        return self.last
+
+    def _write_best(self, done: int, record: dict[str, Any]) -> None:
+        best = self.run_dir.path / "best"
+        self.run_dir.write_model(best, self.export, record={"best.json": record}, card=model_card(
+            self.run_config(), command="train", step=done, total_steps=self.total_steps, metrics=self.last, out=best,
+            method=self.method, best=record["metric"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        rng = self.stream_state["rng"]
+        return {"best": self.best_model.record, "last_eval": self.last,
+                "eval_rng": None if rng is None else [s.tolist() for s in rng]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch
+
+        self.best_model.record, self.last = state.get("best"), state.get("last_eval") or {}
+        if state.get("eval_rng") is not None:
+            self.stream_state["rng"] = [torch.tensor(s, dtype=torch.uint8) for s in state["eval_rng"]]
 
 
 def eval_metrics(trajectories: list[Trajectory], reward: RewardRole, n_samples: int) -> dict[str, float]:

@@ -1,0 +1,244 @@
+"""Making the batches an RL run trains on (docs/architecture.md): prompts -> rollout ->
+``on_rollout_end`` -> scoring (rewards, shaping, the sample filter's verdict; more prompts while
+the filter keeps too few groups) -> ``on_rewards`` -> tensors.
+
+The trainer sees `Batches`: ``next(step)`` gives each step's `Prepared` batch, and the run's
+lifecycle passes through it (start, the weights after an update, checkpoints, eval, the end).
+`SyncBatches` makes each batch when the step asks for it; ``--async``'s maker
+(`rlhf.runtime.rl.async_generation.AsyncGeneration`) makes them ahead, on threads of its own. Both
+make a batch with the same `BatchSteps`, whole or, pipelined, in stages (`BatchSteps.roll_out`,
+`end_rollout`, `call_rewards`, `finish`) that give the same batch bit for bit.
+
+Neither knows about data-parallel ranks: the runtime hands them roles that share the prompts
+out and agree on the scores (rlhf/runtime/rl/ranks.py), and events that only the main rank fires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from rlhf.core.batch import ExperienceBatch, collate
+from rlhf.core.protocols.roles import RolloutRole
+from rlhf.core.protocols.rollout import SamplingParams
+from rlhf.core.rewards import RewardResult
+from rlhf.core.types import Trajectory, groups_of, number_groups
+from rlhf.runtime.config.train_plan import RunPlan
+from rlhf.runtime.rl.events import Events
+from rlhf.runtime.rl.scoring import Scored, Scoring
+from rlhf.runtime.rl.step_metrics import Timer, merge_round_metrics
+from rlhf.runtime.run.data import PromptLoader
+
+
+@dataclass(kw_only=True)
+class Prepared:
+    """One step's batch, ready for experience making."""
+
+    step: int  # the step that trains on it
+    version: int  # the policy version that generated it
+    trajectories: list[Trajectory]
+    batch: ExperienceBatch
+    reward_metrics: dict[str, float]
+    seconds: dict[str, float] = field(default_factory=dict)  # time per phase of its making
+    idle_s: float = 0.0  # time the producer waited for the weights of `version` (--async)
+    metrics: dict[str, float] = field(default_factory=dict)  # of its making, for the step's (--async: staleness)
+
+
+@dataclass(kw_only=True)
+class Rolled:
+    """A step's trajectories, generated and not yet scored (the pipeline's first stage)."""
+
+    step: int
+    trajectories: list[Trajectory]
+    batch: ExperienceBatch | None = None  # their tensors, for the behaviour log-probs (rewards still zero)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Batches(Protocol):
+    """What the trainer asks of batch making."""
+
+    def start(self, start_step: int) -> None:
+        """The run starts (or resumes) at ``start_step``."""
+
+    def next(self, step: int) -> Prepared:
+        """The batch step ``step`` trains on."""
+
+    def sync_weights(self) -> None:
+        """The policy was updated: batches sample from its new weights from now on."""
+
+    def quiesce(self, done: int) -> None:
+        """A checkpoint after ``done`` steps is about to be written."""
+
+    def publish(self, done: int) -> None:
+        """Step ``done`` is finished, its checkpoint written."""
+
+    def eval_stream(self, state: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+        """Around an eval: where its sampling draws its random numbers (``state["rng"]``, kept)."""
+
+    def checkpoint_roles(self) -> dict[str, Any]:
+        """What a checkpoint saves of batch making: name -> an object with ``save(dir)``/``load(dir)``."""
+
+    def close(self) -> None:
+        """The run ends, however it ends."""
+
+
+class BatchSteps:
+    """The steps of making a batch, the same for every maker. ``rollout``: the role that samples
+    (the trainer's, or ``--async``'s policy copy's)."""
+
+    def __init__(self, plan: RunPlan, *, scoring: Scoring, loader: PromptLoader, pad_token_id: int,
+                 events: Events, prompt_multiple: int = 1):
+        config = plan.config
+        self.scoring, self.loader, self.pad_token_id, self.events = scoring, loader, pad_token_id, events
+        self.n_samples, self.wanted = config.n_samples, config.prompts_per_step
+        self.filters_groups = plan.filters_groups
+        self.max_rounds = config.max_filter_rounds if plan.filters_groups else 1
+        self.prompt_multiple = prompt_multiple  # a generate call's prompts come in multiples of this
+        self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                       top_p=config.top_p, top_k=config.top_k,
+                                       repetition_penalty=config.repetition_penalty,
+                                       return_logprobs=plan.rollout_logprobs)
+
+    def prepare(self, step: int, rollout: RolloutRole) -> Prepared:
+        """The batch of a step, whole: prompt groups sampled, scored, shaped and filtered
+        (`_collect`), the ``on_rewards`` event, then tensors."""
+        timer = Timer()
+        trajectories, reward_metrics = self._collect(step, rollout, timer)
+        return self._collated(step, trajectories, reward_metrics, timer)
+
+    def _collect(self, step: int, rollout: RolloutRole, timer: Timer) -> tuple[list[Trajectory], dict[str, float]]:
+        """Sample and score ``--prompts-per-step`` prompt groups; with a sample filter, drop the
+        groups it rejects and sample new prompts until enough are kept (``--max-filter-rounds``)."""
+        kept: list[list[Trajectory]] = []
+        rounds = dropped = sampled = 0
+        metrics: list[tuple[dict[str, float], int]] = []
+        last: list[list[Trajectory]] = []
+        while len(kept) < self.wanted and rounds < self.max_rounds:
+            rounds += 1
+            need = self.wanted - len(kept)
+            need += -need % self.prompt_multiple
+            with timer("rollout"):
+                trajectories = self._roll(need, rollout)
+            with timer("reward"):
+                self.events.emit("on_rollout_end", step=step, trajectories=trajectories)
+                scored = self.scoring.score(trajectories)
+            groups = groups_of(scored.trajectories, self.n_samples)
+            sampled += len(groups)
+            dropped += scored.keep.count(False)
+            metrics.append((scored.metrics, len(scored.trajectories)))
+            kept += [g for g, k in zip(groups, scored.keep) if k]
+            last = groups
+        return self._kept(step, kept, last, rounds=rounds, sampled=sampled, dropped=dropped, metrics=metrics)
+
+    def _roll(self, need: int, rollout: RolloutRole) -> list[Trajectory]:
+        """``need`` prompts' groups sampled, in prompt order."""
+        return rollout.generate(self.loader.next_batch(need), n=self.n_samples, params=self.sampling)
+
+    def _kept(self, step: int, kept: list[list[Trajectory]], last: list[list[Trajectory]], *, rounds: int,
+              sampled: int, dropped: int, metrics: list[tuple[dict[str, float], int]]
+              ) -> tuple[list[Trajectory], dict[str, float]]:
+        """The groups a step trains on, renumbered, and the rounds' reward (and filter) metrics."""
+        if self.filters_groups:
+            if not kept:
+                self.events.warn("step %d: no prompt group passed the sample filter in %d rounds; training on the "
+                                 "last round's groups unfiltered", step + 1, rounds)
+                kept = last
+            elif len(kept) < self.wanted:
+                self.events.warn("step %d: %d of %d prompt groups passed the sample filter in %d rounds (--max-"
+                                 "filter-rounds); training on those", step + 1, len(kept), self.wanted, rounds)
+        kept = kept[:self.wanted]
+        merged = merge_round_metrics(metrics)
+        if self.filters_groups:
+            merged.update({"filter/rounds": float(rounds), "filter/dropped_groups": float(dropped),
+                           "filter/kept_groups": float(len(kept)), "filter/sampled_groups": float(sampled),
+                           "filter/pass_rate": (sampled - dropped) / max(sampled, 1)})
+        return number_groups(kept), merged
+
+    def _collated(self, step: int, trajectories: list[Trajectory], reward_metrics: dict[str, float],
+                  timer: Timer) -> Prepared:
+        """The scored batch of a step as tensors, after the ``on_rewards`` event."""
+        with timer("experience"):
+            rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajectories],
+                                   dtype=torch.float32)  # (B,)
+            sample_mask = torch.tensor([t.reward is not None for t in trajectories], dtype=torch.float32)  # (B,)
+            self.events.emit("on_rewards", step=step, trajectories=trajectories, rewards=rewards)
+            batch = collate(trajectories, pad_token_id=self.pad_token_id, rewards=rewards * sample_mask,
+                            sample_mask=sample_mask)
+        return Prepared(step=step, version=step, trajectories=trajectories, batch=batch, reward_metrics=reward_metrics,
+                        seconds=dict(timer.seconds))
+
+    # The same batch in stages that run on three threads (--async without a sample filter, where
+    # no batch's rewards decide whether to sample more): together they give what `prepare` gives.
+
+    def roll_out(self, step: int, rollout: RolloutRole) -> Rolled:
+        """Stage 1 (a generation thread; its random draws in step order): sample the step's prompt groups."""
+        timer = Timer()
+        with timer("rollout"):
+            trajectories = self._roll(self.wanted, rollout)
+        return Rolled(step=step, trajectories=trajectories, seconds=dict(timer.seconds))
+
+    def end_rollout(self, rolled: Rolled) -> Rolled:
+        """Stage 1, end (in step order): ``on_rollout_end``, then tensors for the behaviour log-probs
+        (the rewards come in stage 3)."""
+        self.events.emit("on_rollout_end", step=rolled.step, trajectories=rolled.trajectories)
+        size = len(rolled.trajectories)
+        rolled.batch = collate(rolled.trajectories, pad_token_id=self.pad_token_id, rewards=torch.zeros(size),
+                               sample_mask=torch.ones(size))
+        return rolled
+
+    def call_rewards(self, rolled: Rolled) -> RewardResult:
+        """Stage 2 (a thread per batch, several batches at once): the reward sources' call."""
+        began = time.perf_counter()
+        result = self.scoring.call_rewards(rolled.trajectories)
+        rolled.seconds["reward"] = time.perf_counter() - began
+        return result
+
+    def finish(self, rolled: Rolled, result: RewardResult) -> Prepared:
+        """Stage 3 (the finishing thread, in step order): shaping, ``on_rewards``, tensors."""
+        timer = Timer()
+        timer.seconds.update(rolled.seconds)
+        with timer("reward"):
+            scored: Scored = self.scoring.judge(rolled.trajectories, result)
+        groups = groups_of(scored.trajectories, self.n_samples)
+        trajectories, merged = self._kept(rolled.step, groups, groups, rounds=1, sampled=len(groups),
+                                          dropped=scored.keep.count(False),
+                                          metrics=[(scored.metrics, len(scored.trajectories))])
+        return self._collated(rolled.step, trajectories, merged, timer)
+
+
+class SyncBatches:
+    """Each step's batch made when the step asks for it, with the trainer's own rollout."""
+
+    def __init__(self, steps: BatchSteps, rollout: RolloutRole):
+        self.steps, self.rollout = steps, rollout
+
+    def start(self, start_step: int) -> None:
+        pass
+
+    def next(self, step: int) -> Prepared:
+        return self.steps.prepare(step, self.rollout)
+
+    def sync_weights(self) -> None:
+        self.rollout.sync_weights()  # in-process engines share the weights; others get them pushed
+
+    def quiesce(self, done: int) -> None:
+        pass
+
+    def publish(self, done: int) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def eval_stream(self, state: dict[str, Any]) -> Iterator[None]:
+        yield  # eval draws from the process's random stream, at the same points on a resumed run
+
+    def checkpoint_roles(self) -> dict[str, Any]:
+        """The rollout, when it keeps state of its own."""
+        return {"rollout": self.rollout} if self.rollout.stateful else {}
+
+    def close(self) -> None:
+        pass
