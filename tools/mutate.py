@@ -41,7 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RL_TESTS = ["tests/algorithms", "tests/runtime/test_training_math.py", "tests/runtime/test_model_pieces.py",
+RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/test_training_math.py",
+            "tests/runtime/test_model_pieces.py",
             "tests/runtime/test_train.py", "tests/runtime/test_settings.py", "tests/runtime/test_data.py",
             "tests/runtime/test_multiturn.py",
             "tests/rewards/test_failures.py", "tests/rewards/test_conventions.py",
@@ -83,6 +84,8 @@ AREAS = {
         "rlhf/runtime/rl/workers.py", "rlhf/runtime/step/micro_batches.py", "rlhf/runtime/rl/experience.py",
         "rlhf/runtime/rl/trainer.py", "rlhf/runtime/rl/local.py", "rlhf/runtime/config/train_plan.py", "rlhf/runtime/run/evaluation.py",
         "rlhf/runtime/rl/step_metrics.py", "rlhf/runtime/rl/async_generation.py", "rlhf/plugins/models/hf.py",
+        "rlhf/runtime/rl/batches.py", "rlhf/runtime/rl/scoring.py", "rlhf/runtime/rl/ranks.py",
+        "rlhf/runtime/rl/events.py", "rlhf/runtime/rl/guards.py",
     ], RL_TESTS),
     "fit loop": ([
         "rlhf/runtime/fit/loop.py", "rlhf/runtime/fit/data.py", "rlhf/runtime/fit/text.py", "rlhf/runtime/fit/local.py",
@@ -262,8 +265,9 @@ CURATED = [
      "a NaN eval becomes the best"),
     ("rlhf/runtime/run/best_model.py", "if not (value < best if direction == \"min\" else value > best):",
      "if not (value <= best if direction == \"min\" else value >= best):", "a tie replaces the best"),
-    ("rlhf/runtime/rl/trainer.py", "self.best_model.record, self.last_eval = state.get(\"best\"), state.get(\"last_eval\") or {}",
-     "self.best_model.record, self.last_eval = None, state.get(\"last_eval\") or {}", "RL: --resume forgets the best eval"),
+    ("rlhf/runtime/run/evaluation.py",
+     "self.best_model.record, self.last = state.get(\"best\"), state.get(\"last_eval\") or {}",
+     "self.best_model.record, self.last = None, state.get(\"last_eval\") or {}", "RL: --resume forgets the best eval"),
     # RL options in combination (issue 31)
     ("rlhf/runtime/rl/experience.py", "        if old is None and self.recompute_old:\n",
      "        if self.recompute_old:\n", "async: old log-probs recomputed with the trained policy, not the behaviour's"),

@@ -68,9 +68,13 @@ class StepFiles:
     stages: dict[str, list[str]]  # the reading path of each part of the step, named by the call the loop's step makes
 
 
+RL_LOOP = os.path.join("runtime", "rl", "trainer.py")
+FIT_LOOP = os.path.join("runtime", "fit", "loop.py")
+BATCH_MAKING = os.path.join("runtime", "rl", "batches.py")  # the RL step's own: the parts of its batch
+
+
 def _is_loop_step(code: Any) -> bool:
-    return code.co_name == "step" and (code.co_filename.endswith(os.path.join("runtime", "rl", "trainer.py"))
-                                       or code.co_filename.endswith(os.path.join("runtime", "fit", "loop.py")))
+    return code.co_name == "step" and code.co_filename.endswith((RL_LOOP, FIT_LOOP))
 
 
 def measure(kind: str, plain: bool = False) -> StepFiles:
@@ -85,12 +89,13 @@ def measure(kind: str, plain: bool = False) -> StepFiles:
         return path[len(PACKAGE):]
 
     def stage_of(callers: list[Any]) -> str:
-        """The call the loop's step makes that leads here (outside the loop's own file)."""
+        """The call the loop's step makes that leads here (outside the loop's own files: its step's
+        and, for RL, the batch making's, which calls the rollout and the scoring)."""
         outermost_first = callers[::-1]
         for index, code in enumerate(outermost_first):
             if _is_loop_step(code):
                 for inner in outermost_first[index + 1:]:
-                    if inner.co_filename != code.co_filename:
+                    if inner.co_filename != code.co_filename and not inner.co_filename.endswith(BATCH_MAKING):
                         return f"{relative(inner.co_filename)}:{inner.co_name}"
                 return f"{relative(code.co_filename)}:step"  # the step's own call
         return "?"

@@ -281,8 +281,8 @@ class AsyncGeneration:
     # --- the producer -----------------------------------------------------------------------------
 
     def _run(self, lane: _Lane) -> None:
-        """The generation thread: every batch in step order, each from its version's weights. Without
-        stages it prepares each batch whole; with them it hands each, generated, to a scoring
+        """The generation thread: every batch in step order, each from its version's weights. Not
+        pipelined it prepares each batch whole; pipelined it hands each, generated, to a scoring
         thread of its own and goes on with the next (`_finish_in_order` collects them)."""
         try:
             if self.threads is not None:

@@ -89,7 +89,9 @@ class Batches(Protocol):
 
 class BatchSteps:
     """The steps of making a batch, the same for every maker. ``rollout``: the role that samples
-    (the trainer's, or ``--async``'s policy copy's)."""
+    (the trainer's, or ``--async``'s policy copy's). The pipelined stages call the two halves of
+    ``scoring`` (`Scoring.call_rewards`, `Scoring.judge`), so they need it unwrapped: ``--async``
+    runs in one process."""
 
     def __init__(self, plan: RunPlan, *, scoring: Scoring, loader: PromptLoader, pad_token_id: int,
                  events: Events, prompt_multiple: int = 1):

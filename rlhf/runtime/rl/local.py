@@ -224,7 +224,8 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     scoring = Scoring(plan, plugins, reward) if dist.is_main else None  # the others take the main rank's verdict
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, scoring=scoring, reference=reference, critic=critic,
-        loader=loader, pad_token_id=tokenizer.pad_token_id, dist=dist, eval_prompts=build_eval_prompts(config, tokenizer),
+        loader=loader, pad_token_id=tokenizer.pad_token_id, dist=dist,
+        eval_prompts=build_eval_prompts(config, tokenizer),
         async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
                                                                                                     tokenizer)),
