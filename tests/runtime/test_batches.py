@@ -22,7 +22,7 @@ from rlhf.core.types import Trajectory, groups_of, number_groups
 from rlhf.runtime.rl.batches import BatchSteps, SyncBatches
 from rlhf.runtime.rl.events import Events
 from rlhf.runtime.rl.guards import StepGuards
-from rlhf.runtime.rl.ranks import RankedRollout, ScoredOnMain, regroup
+from rlhf.runtime.rl.ranks import RankedRollout, ScoredOnMain, on_ranks, regroup
 from rlhf.runtime.rl.scoring import Scored, Scoring
 
 pytestmark = pytest.mark.unit
@@ -123,6 +123,25 @@ def test_scored_on_main_scores_on_the_main_rank_and_every_rank_gets_its_answer()
     other = FakeDist(rank=1, world_size=2, sent="the main rank's")
     assert ScoredOnMain(None, other).score(["t"]) == "the main rank's"  # never builds nor calls a scorer
     assert other.calls == [("broadcast", None)]
+
+
+def test_on_ranks_gives_the_loop_roles_that_share_the_prompts_and_score_on_the_main_rank():
+    from rlhf.runtime.rl.trainer import Workers
+
+    rollout, reward, scoring_ = SimpleNamespace(stateful=False), SimpleNamespace(), SimpleNamespace()
+    dist = FakeDist(rank=1, world_size=4)
+    workers = Workers(policy=None, rollout=rollout, reward=reward, scoring=scoring_, loader=None, pad_token_id=0,
+                      export=None, dist=dist)
+    ranked = on_ranks(workers)
+    assert isinstance(ranked.rollout, RankedRollout) and ranked.rollout.rollout is rollout
+    assert isinstance(ranked.reward, ScoredOnMain) and ranked.reward.scorer is reward
+    assert isinstance(ranked.scoring, ScoredOnMain) and ranked.scoring.scorer is scoring_
+    assert ranked.rollout.dist is ranked.reward.dist is ranked.scoring.dist is dist
+    assert ranked.prompt_multiple == 4 and workers.prompt_multiple == 1  # a new Workers: the given one unchanged
+    ringed = FakeDist(rank=1, world_size=4)  # in rings of 2 ranks: two data-parallel ranks
+    object.__setattr__(ringed, "ring", SimpleNamespace(size=2))
+    assert on_ranks(Workers(policy=None, rollout=rollout, reward=reward, scoring=scoring_, loader=None,
+                            pad_token_id=0, export=None, dist=ringed)).prompt_multiple == 2
 
 
 def test_only_the_main_rank_fires_events_and_warns(caplog):
