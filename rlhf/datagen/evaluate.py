@@ -37,11 +37,10 @@ def evaluate(config: EvalConfig, *, plugins: Any = None) -> EvalReport:
     """Run ``rlhf eval`` in this process; the metrics and the per-sample rows."""
     from rlhf.core.distributed import launched_with_ranks
     from rlhf.core.plugin_host.loading import build_plugin_manager
-    from rlhf.core.rewards import RewardResult
     from rlhf.core.protocols.rollout import SamplingParams
     from rlhf.datagen.components import data_settings, load_reward_set, sampling_components
     from rlhf.runtime.run.data import PromptFormatter, load_prompts
-    from rlhf.runtime.run.evaluation import metrics_of
+    from rlhf.runtime.run.evaluation import metrics_of, sampled
     from rlhf.runtime.run.lifecycle import seed_everything
     from rlhf.runtime.rl.rollout import EnvFactory, RolloutSettings, RolloutWorker
     from rlhf.runtime.run.threads import set_threads
@@ -70,19 +69,9 @@ def evaluate(config: EvalConfig, *, plugins: Any = None) -> EvalReport:
     reward = RewardWorker(rewards)
     params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
                             top_k=config.top_k, repetition_penalty=config.repetition_penalty)
-    trajectories, total, per_source = [], [], {}
-    for begin in range(0, len(prompts), config.batch_size):
-        batch = rollout.generate(prompts[begin:begin + config.batch_size], n=config.n, params=params)
-        result = reward.score(batch)
-        result.assign(batch)
-        done = len(trajectories)
-        trajectories += batch
-        total += result.total
-        for name, scores in result.per_source.items():
-            per_source.setdefault(name, [None] * done).extend(scores)
-        for name, scores in per_source.items():
-            scores.extend([None] * (len(trajectories) - len(scores)))
-    metrics = metrics_of(trajectories, RewardResult(total=total, per_source=per_source, metrics={}), config.n)
+    trajectories, result = sampled(rollout, reward, prompts, config.n, params, batch_size=config.batch_size,
+                                   assign=True)
+    metrics = metrics_of(trajectories, result, config.n)
     if formatter.truncated_count:
         log.warning("%d prompt(s) were longer than --max-prompt-length %d and lost their start",
                     formatter.truncated_count, config.max_prompt_length)

@@ -349,12 +349,12 @@ def test_eval_pass_at_n_is_the_share_of_prompts_solved_in_n_tries():
     from types import SimpleNamespace
 
     from rlhf.core.rewards import RewardResult
-    from rlhf.runtime.run.evaluation import eval_metrics
+    from rlhf.runtime.run.evaluation import metrics_of
 
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # 3 prompts x 2 samples: solved once, never, twice
     trajectories = [SimpleNamespace(num_policy_tokens=4, finish_reason="stop") for _ in rewards]
     reward = SimpleNamespace(score=lambda t: RewardResult(total=rewards, per_source={}, metrics={}))
-    metrics = eval_metrics(trajectories, reward, n_samples=2)
+    metrics = metrics_of(trajectories, reward.score(trajectories), n_samples=2)
     assert metrics["eval/pass@2"] == pytest.approx(2 / 3)
     assert metrics["eval/pass@1"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)
     assert metrics["eval/reward/mean"] == pytest.approx(0.5) and metrics["eval/prompts"] == 3

@@ -38,6 +38,7 @@ from rlhf.runtime.step.micro_batches import cut_by_length
 from rlhf.core.plugin_host.loading import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime.run.best_model import BestModel
+from rlhf.runtime.run.evaluation import EvalSchedule, objective_eval
 from rlhf.runtime.fit.data import StepOrder
 from rlhf.runtime.config.fit_plan import FitPlan
 from rlhf.runtime.run.lifecycle import SteppedLoop, run_loop
@@ -213,19 +214,14 @@ class FitLoop(SteppedLoop):
                 yield self._micro_batches(examples[:1])[0], False
 
     def evaluate(self) -> dict[str, float]:
-        """The objective's loss and metrics on the eval examples (no grad, eval mode): ``eval/*``."""
+        """The objective's loss and metrics on the eval examples (no grad, eval mode): ``eval/*``
+        (`rlhf.runtime.run.evaluation.objective_eval`)."""
         if not self.parts.eval_examples:
             return {}
         examples = self.objective.step_examples(list(self.parts.eval_examples))
         passes = list(self._passes(examples))
         stats = self._statistics(passes, self.objective.step_statistics)
-        means = WeightedMeans()
-        with torch.no_grad():
-            for batch, counted in passes:
-                loss, metrics = self.objective.loss(self.models, batch, stats)
-                if counted:
-                    means.add({"loss": loss, **metrics}, float(self.objective.units(batch)))
-        return {f"eval/{k}": v for k, v in means.result(self.dist).items()}
+        return objective_eval(self.objective, self.models, passes, stats, self.dist)
 
     def _eval_metric_names(self) -> set[str]:
         """The names the eval reports (``eval/loss`` and the objective's metrics), from one eval
@@ -244,10 +240,9 @@ class FitLoop(SteppedLoop):
     # --- eval schedule, best model, outputs ------------------------------------------------------
 
     def _eval_due(self, done: int) -> bool:
-        if not self.parts.eval_examples:
-            return False
+        """After every ``--eval-every`` steps (default: each epoch) and the last."""
         every = self.config.eval_every or self.order.steps_per_epoch
-        return done % every == 0 or done == self.total_steps
+        return bool(self.parts.eval_examples) and EvalSchedule(every, self.total_steps).due(done)
 
     def _export(self, directory: Path, record: dict[str, Any] | None = None, *, card: str | None = None) -> None:
         """The trained model to ``directory`` (written like a checkpoint: beside it, fsynced, renamed

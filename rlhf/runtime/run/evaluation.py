@@ -1,5 +1,14 @@
-"""Evaluation during RL training (``--eval-data``): sample the eval prompts with the current policy,
-score them with the run's reward sources, report ``eval/*`` metrics.
+"""Evaluation, one module for every command that evaluates: the RL loop (``rlhf train --eval-data``),
+the fit loop (``rlhf sft``/``dpo``/... ``--eval-data``) and ``rlhf eval``.
+
+* When: `EvalSchedule`, both loops (every ``--eval-every`` steps and after the last; the RL loop
+  also before the first, the fit loop by default once per epoch).
+* The sampled eval (the RL loop and ``rlhf eval``): the eval prompts sampled with the current
+  policy (`sampled`), scored with the run's reward sources, and the ``eval/*`` metrics below
+  (`metrics_of`): one definition for both commands.
+* The fit loop's eval (`objective_eval`): the objective's loss and metrics over the eval examples,
+  each micro-batch weighted by its units (tokens, pairs, ...), so the figures do not depend on
+  ``--micro-batch-size``.
 
 Metrics (``n`` = ``--eval-n-samples``): ``eval/reward/mean`` (mean total reward over scored
 samples, before any reward shaping), ``eval/reward/<source>`` (each source's mean),
@@ -10,7 +19,7 @@ over prompts of the mean reward), ``eval/response/length_mean`` (policy tokens) 
 and after the last; sampling draws from the rollout's random stream, at the same points on a
 resumed run, so resume stays exact (with ``--async``, from a random stream of eval's own).
 
-`Evaluator` runs one eval; `TrainingEvals` is the RL loop's side of them: when, ``on_eval``,
+`Evaluator` runs one sampled eval; `TrainingEvals` is the RL loop's side of them: when, ``on_eval``,
 ``--save-best``, and what the trainer state keeps. Under a launcher the rollout and reward roles
 given here share the prompts out over the ranks and score on the main rank
 (rlhf/runtime/rl/ranks.py): every rank gets the same figures.
@@ -56,11 +65,72 @@ class Evaluator:
 
     def due(self, done: int, total: int) -> bool:
         """Whether to evaluate after ``done`` completed steps (0: before training)."""
-        return done == 0 or done == total or (self.every > 0 and done % self.every == 0)
+        return EvalSchedule(self.every, total, at_start=True).due(done)
 
     def run(self) -> dict[str, float]:
-        trajectories = self.rollout.generate(self.prompts, n=self.n_samples, params=self.params)
-        return eval_metrics(trajectories, self.reward, self.n_samples)
+        trajectories, result = sampled(self.rollout, self.reward, self.prompts, self.n_samples, self.params)
+        return metrics_of(trajectories, result, self.n_samples)
+
+
+@dataclass(frozen=True)
+class EvalSchedule:
+    """When a loop evaluates, after ``done`` of ``total`` steps: every ``every`` steps (0: never in
+    between), after the last, and with ``at_start`` before the first (``done`` 0)."""
+
+    every: int
+    total: int
+    at_start: bool = False
+
+    def due(self, done: int) -> bool:
+        return (self.at_start and done == 0) or done == self.total or (self.every > 0 and done > 0
+                                                                          and done % self.every == 0)
+
+
+def sampled(rollout: RolloutRole, reward: RewardRole, prompts: list[Any], n_samples: int, params: SamplingParams,
+            batch_size: int | None = None, assign: bool = False) -> tuple[list[Trajectory], RewardResult]:
+    """``n_samples`` completions of each prompt and their scores, ``batch_size`` prompts at a time
+    (None: all in one call), the batches' results joined in prompt order (a source that scored no
+    sample of a batch has None there). ``assign``: each batch's rewards written into its
+    trajectories (`RewardResult.assign`)."""
+    size = batch_size or max(len(prompts), 1)
+    trajectories: list[Trajectory] = []
+    total: list[float | None] = []
+    per_source: dict[str, list[float | None]] = {}
+    result = RewardResult(total=[], per_source={}, metrics={})
+    for begin in range(0, len(prompts), size):
+        batch = rollout.generate(prompts[begin:begin + size], n=n_samples, params=params)
+        result = reward.score(batch)
+        if assign:
+            result.assign(batch)
+        if batch_size is None:  # one call: its result as it came
+            return batch, result
+        done = len(trajectories)
+        trajectories += batch
+        total += result.total
+        for name, scores in result.per_source.items():
+            per_source.setdefault(name, [None] * done).extend(scores)
+        for scores in per_source.values():
+            scores.extend([None] * (len(trajectories) - len(scores)))
+    return trajectories, RewardResult(total=total, per_source=per_source, metrics={})
+
+
+def objective_eval(objective: Any, models: Any, passes: list[tuple[dict[str, Any], bool]],
+                   stats: dict[str, float], dist: Any) -> dict[str, float]:
+    """The fit loop's eval: ``objective.loss`` on each of this rank's eval micro-batches (``passes``:
+    ``(batch, counted)``; an uncounted one only keeps a sharded model's collectives in step), no
+    grad, its loss and metrics averaged over every counted micro-batch of every rank weighted by
+    the micro-batch's units: ``eval/loss`` and ``eval/<metric>``."""
+    import torch
+
+    from rlhf.runtime.step.weighted_means import WeightedMeans
+
+    means = WeightedMeans()
+    with torch.no_grad():
+        for batch, counted in passes:
+            loss, metrics = objective.loss(models, batch, stats)
+            if counted:
+                means.add({"loss": loss, **metrics}, float(objective.units(batch)))
+    return {f"eval/{k}": v for k, v in means.result(dist).items()}
 
 
 class TrainingEvals:
@@ -106,10 +176,6 @@ class TrainingEvals:
         self.best_model.record, self.last = state.get("best"), state.get("last_eval") or {}
         if state.get("eval_rng") is not None:
             self.stream_state["rng"] = [torch.tensor(s, dtype=torch.uint8) for s in state["eval_rng"]]
-
-
-def eval_metrics(trajectories: list[Trajectory], reward: RewardRole, n_samples: int) -> dict[str, float]:
-    return metrics_of(trajectories, reward.score(trajectories), n_samples)
 
 
 def metrics_of(trajectories: list[Trajectory], result: RewardResult, n_samples: int) -> dict[str, float]:
