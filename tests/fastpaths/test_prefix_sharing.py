@@ -132,8 +132,13 @@ def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, fit_data,
     calls = []
     import rlhf.fastpaths.prefix_sharing as sharing
 
+    import rlhf.api
+
     real = sharing.share_prefixes
-    monkeypatch.setattr(sharing, "share_prefixes", lambda *a: calls.append(1) or real(*a))
+    counting = lambda *a: calls.append(1) or real(*a)  # noqa: E731
+    # the objective reads it through rlhf.api, which keeps what it resolved first: patch both
+    monkeypatch.setattr(sharing, "share_prefixes", counting)
+    monkeypatch.setattr(rlhf.api, "share_prefixes", counting, raising=False)
     shared = dpo_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path / "shared", [])
     assert calls, "the default dpo run did not share its prompts"
     calls.clear()
