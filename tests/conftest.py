@@ -35,7 +35,7 @@ for _key, _value in {
 for _key in ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "RLHF_DEBUG", "RAY_ADDRESS"):
     os.environ.pop(_key, None)
 
-pytest_plugins = ["tests.helpers"]
+pytest_plugins = ["tests.helpers", "pytester"]
 
 
 # `pytest -n 2` (pyproject.toml adds `--dist loadfile`) sends each test file to one worker, so a
@@ -59,7 +59,34 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return FileOrFolderScheduling(config, log)
 
 
+# Every test is in exactly one tier (README, "Run the tests"): its file says `pytestmark = pytest.mark.unit`,
+# or, where a file mixes tiers, each test says its own. `pytest -m unit` is the quick pass.
+TIERS = {
+    "unit": "no model is trained or generated from; seconds",
+    "run": "trains or generates with a tiny model",
+    "cluster": "starts Ray, torchrun or DeepSpeed processes",
+}
+
+
+def tier_error(item: pytest.Item) -> str | None:
+    """What is wrong with the test's tier: none, or more than one; None when it has exactly one."""
+    tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+    if len(tiers) == 1:
+        return None
+    choices = ", ".join(f"`{name}` ({meaning})" for name, meaning in TIERS.items())
+    return (f"{item.nodeid} is {'in the tiers ' + ' and '.join(tiers) if tiers else 'in no tier'}: mark its file "
+            f"(`pytestmark = pytest.mark.unit`), or the test itself where its file mixes tiers, with exactly one of "
+            f"{choices}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: a test in no tier is never selected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test without its one tier is a collection error: nothing runs (under pytest-xdist the other tests run, as
+    # with any collection error, and the run fails).
+    for item in items:
+        error = tier_error(item)
+        if error:
+            config.hook.pytest_collectreport(report=pytest.CollectReport(item.nodeid, "failed", error, []))
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch

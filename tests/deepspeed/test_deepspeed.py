@@ -26,7 +26,7 @@ from rlhf.runtime.config.train_config import TrainConfig
 from rlhf.runtime.rl.local import train
 from tests.helpers import backend_full_weights, backend_micro_loss, read_jsonl, run_cli
 
-pytestmark = pytest.mark.deepspeed
+pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed]
 HERE = Path(__file__).parent
 LR = 1e-3
 CPU_ADAM_BUILD_S = 300
@@ -229,7 +229,6 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
-@pytest.mark.slow
 def test_two_processes_update_like_one_under_zero2_and_zero3(tiny_model_dir, tmp_path):
     script = str(HERE / "dp_fit.py")
     torchrun(1, script, str(tiny_model_dir), str(tmp_path / "one.pt"), "2,3")
@@ -244,7 +243,6 @@ def test_two_processes_update_like_one_under_zero2_and_zero3(tiny_model_dir, tmp
             assert torch.allclose(weight, two[stage]["weights"][name], rtol=0, atol=2e-5), (stage, name)
 
 
-@pytest.mark.slow
 def test_rlhf_train_zero3_under_torchrun_resumes_and_exports_a_consolidated_model(tiny_model_dir, task, tmp_path):
     """Two processes: 2 steps with a checkpoint each, then --resume to 3; the same run with the torch
     backend, uninterrupted, is the reference; the final model is the checkpoint's consolidated weights."""
@@ -284,7 +282,6 @@ def cpu_adam():
         pytest.skip(f"DeepSpeed's cpu_adam op cannot be built here: {result.stderr[-500:]}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage, options", [(2, {}), (3, {"offload_params": True})],
                          ids=["zero2", "zero3-offload-params"])
 def test_offload_optimizer_trains_like_the_torch_backend(tiny_model_dir, task, tmp_path, torch_run, cpu_adam,

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import read_jsonl, run_cli, tiny_moe
 
-pytestmark = pytest.mark.deepspeed
+pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed]
 
 
 @pytest.fixture(scope="module")

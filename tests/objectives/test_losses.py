@@ -14,6 +14,8 @@ import torch
 
 from rlhf.objectives import distillation_loss, dpo_loss, kto_loss, prm_loss, reward_model_loss, sequence_logps, sft_loss
 
+pytestmark = pytest.mark.unit
+
 approx = pytest.approx
 
 

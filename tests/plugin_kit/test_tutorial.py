@@ -55,6 +55,7 @@ def run_tutorial(lines: list[str], workdir: Path) -> dict[str, str]:
     return outputs
 
 
+@pytest.mark.unit
 def test_the_tutorial_covers_every_kind():
     assert sorted(KINDS) == sorted(SPECS)
     for kind, lines in KINDS.items():
@@ -63,7 +64,7 @@ def test_the_tutorial_covers_every_kind():
         assert lines[4].startswith(("rlhf train ", "rlhf fit ")), lines[4]
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_the_walkthrough_runs_as_written(tmp_path):
     lines = WALKTHROUGH["Five minutes: a reward, from nothing to a trained run"]
     outputs = run_tutorial(lines, tmp_path)
@@ -76,7 +77,7 @@ def test_the_walkthrough_runs_as_written(tmp_path):
     assert (tmp_path / "runs" / "contains_label" / "final" / "config.json").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.run
 @pytest.mark.parametrize("kind", sorted(SPECS))
 def test_every_kind_goes_from_plugins_new_to_a_trained_run(tmp_path, kind):
     lines = KINDS[kind]
