@@ -13,7 +13,6 @@ most lr / 600 after 8 optimizer steps; one element at lr / 450 in a ZeRO-3 run a
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import yaml
 
 from rlhf.runtime.config.train_config import TrainConfig
 from rlhf.runtime.rl.local import train
-from tests.helpers import backend_full_weights, backend_micro_loss, read_jsonl, run_cli
+from tests.helpers import backend_full_weights, backend_micro_loss, read_jsonl, run_cli, torchrun
 
 pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed]
 HERE = Path(__file__).parent
@@ -219,14 +218,6 @@ def test_fp16_on_a_device_without_it_is_a_config_error(tiny_model_dir):
 
 
 # --- several processes --------------------------------------------------------------------------
-
-
-def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
 
 
 def test_two_processes_update_like_one_under_zero2_and_zero3(tiny_model_dir, tmp_path):

@@ -5,7 +5,6 @@ Qwen2-MoE) against transformers' own value, its gradient, the fast paths, and en
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -177,14 +176,6 @@ def test_a_reward_model_backbone_gives_transformers_value(tmp_path):
 
 
 # --- end to end -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    """A tiny Mixtral saved as a model directory (its tokenizer: pass tiny_model_dir's)."""
-    out = tmp_path_factory.mktemp("tiny-mixtral")
-    tiny_moe("mixtral").save_pretrained(out)
-    return out
 
 
 def _fit(plugins, tmp_path, args, coef):
