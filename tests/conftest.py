@@ -45,6 +45,11 @@ pytest_plugins = ["tests.helpers", "pytester"]
 SERIAL_FOLDERS = ("tests/ray/", "tests/sandbox/")
 
 
+def scope_of(nodeid: str) -> str:
+    """What pytest-xdist hands to one worker at once: a serial folder, else the test's file."""
+    return next((f for f in SERIAL_FOLDERS if nodeid.startswith(f)), nodeid.split("::", 1)[0])
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without pytest-xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if config.getoption("dist") != "loadfile":
@@ -53,8 +58,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class FileOrFolderScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            folder = next((f for f in SERIAL_FOLDERS if nodeid.startswith(f)), None)
-            return folder or super()._split_scope(nodeid)
+            return scope_of(nodeid)
+
+        def schedule(self) -> None:
+            # hand out scopes in the workers' collection order (costliest tier first, see
+            # pytest_collection_modifyitems), not pytest-xdist's most-tests-first
+            self.config.option.loadscopereorder = False
+            super().schedule()
 
     return FileOrFolderScheduling(config, log)
 
@@ -87,6 +97,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         error = tier_error(item)
         if error:
             config.hook.pytest_collectreport(report=pytest.CollectReport(item.nodeid, "failed", error, []))
+    if hasattr(config, "workerinput"):
+        # a pytest-xdist worker's collection: the scopes with a cluster test first (the Ray folder, the longest,
+        # before them), then those with a run test, the unit files last, so that the files still running when
+        # the other worker runs out of work are short ones (by test count, xdist's own order, the one-test files
+        # that train for minutes came last)
+        rank = {"cluster": 0, "run": 1, "unit": 2}
+        order: dict[str, tuple[int, bool]] = {}
+        for item in items:
+            scope = scope_of(item.nodeid)
+            tier = rank[next((m.name for m in item.iter_markers() if m.name in TIERS), "unit")]
+            order[scope] = (min(order.get(scope, (2,))[0], tier), scope not in SERIAL_FOLDERS)
+        items.sort(key=lambda item: order[scope_of(item.nodeid)])  # stable: a file's tests keep their order
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
