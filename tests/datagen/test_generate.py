@@ -133,7 +133,7 @@ def test_selections_need_a_reward_and_exclude_each_other(plugins, job):
 
 
 @pytest.mark.run
-def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(job, tmp_path):
+def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(plugins, job, tmp_path):
     """SIGKILL inside the reward of the third batch (prompts 5-6 of 9); the rerun writes the same
     file as an uninterrupted run. A torn row after the last record is dropped too."""
     env = {**os.environ, "RLHF_LOAD_PLUGINS": "", "CALLS_FILE": str(tmp_path / "calls"), "KILL_ON_CALL": "3",
@@ -149,9 +149,7 @@ def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(job, tmp_pa
     resumed = subprocess.run([sys.executable, "-m", "rlhf", *args], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert int((tmp_path / "calls").read_text()) == 3 + 3  # batches 3, 4, 5 of 5 (nothing redone)
-    whole = subprocess.run([sys.executable, "-m", "rlhf", *job("whole.jsonl")], env=env, capture_output=True,
-                           text=True)
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    ok(plugins, job("whole.jsonl"))  # the uninterrupted run: no process of its own needed
     assert [row["prompt"] for row in read(out)] == [p["prompt"] for p in PROMPTS]
     assert out.read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
 
@@ -206,13 +204,13 @@ def test_rlhf_score_scores_existing_completions_like_generate_does(plugins, job,
 
 
 @pytest.mark.cluster
-def test_two_torchrun_ranks_write_the_file_one_process_writes(job, tmp_path):
+def test_two_torchrun_ranks_write_the_file_one_process_writes(plugins, job, tmp_path):
+    ok(plugins, job("one.jsonl", "--pairs"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
-    for nproc, out in ((1, "one.jsonl"), (2, "two.jsonl")):
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 str(nproc), "-m", "rlhf", *job(out, "--pairs")], env=env, capture_output=True,
-                                text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-4000:]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "rlhf", *job("two.jsonl", "--pairs")], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()
     assert not list(tmp_path.glob("two.jsonl.rank*"))
 
