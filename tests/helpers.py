@@ -147,8 +147,12 @@ def final_weights(out: Path) -> dict[str, Any]:
 
 
 def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc args``; one process runs without the launcher: a launcher of one
+    sets WORLD_SIZE=1, on which rlhf takes the path of a process on its own (core/distributed.py), so the
+    launcher's process would be the only difference."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    command = [sys.executable, *launcher, *args]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
@@ -291,9 +295,10 @@ def shared_batch():
 # --- the fit loop's data ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fit_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Eight rows of each objective's data: words of various lengths, so micro-batches pad."""
+    """Eight rows of each objective's data: words of various lengths, so micro-batches pad (written once per
+    session: tests must not write into it)."""
     root = tmp_path_factory.mktemp("fit-data")
     words = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]
     n = len(words)
@@ -307,9 +312,9 @@ def fit_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fit_teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Another random model with the same tokenizer."""
+    """Another random model with the same tokenizer, built once per session (tests must not write into it)."""
     from rlhf.core.plugin_host.references import import_object
 
     build = import_object(f"{ROOT / 'examples' / 'tiny_model.py'}:build_random_model")
@@ -366,6 +371,15 @@ def tiny_moe(kind: str, *, seed: int = 0, vocab: int = 320, hidden: int = 32, ex
         return MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=experts, **common))
     return Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
                                               shared_expert_intermediate_size=32, num_experts=experts, **common))
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_moe`'s Mixtral saved as a model directory, once per session (its tokenizer: pass tiny_model_dir's;
+    tests must not write into it)."""
+    out = tmp_path_factory.mktemp("tiny-mixtral")
+    tiny_moe("mixtral").save_pretrained(out)
+    return out
 
 
 @contextlib.contextmanager

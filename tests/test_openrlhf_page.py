@@ -15,6 +15,8 @@ import pytest
 from rlhf.cli.main import make_cli
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.unit
+
 PAGE = ROOT / "docs" / "openrlhf.md"
 
 # Flags other branches of issue 37 add (items 2, 3, 7 and 8) while this page was written: allowed to be

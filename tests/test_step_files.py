@@ -7,6 +7,8 @@ import pytest
 
 from tools.step_files import measure
 
+pytestmark = pytest.mark.run
+
 
 @pytest.fixture(scope="module")
 def rl_step():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.run
+
 
 def test_tiny_model_round_trips_through_auto_classes(tiny_model_dir):
     import torch

@@ -8,7 +8,8 @@
     python tools/mutate.py --per-area 12 --areas "fast paths" "run lifecycle" --focused   # a quick sample
 
 Each mutant changes one spot of one file in a copy of the repository (never this checkout) and
-runs the fast tests of the file's area there (`AREAS`, ``-x``); a mutant is *killed* when they
+runs the fast tests of the file's area there (`AREAS`, ``-x``: their `unit` and `run` tiers, not the
+`LEARNING_TESTS`); a mutant is *killed* when they
 fail (or time out), and *survives* when they pass. Survivors are printed with file, line and
 change: each is a missing test or an equivalent mutant. The kill rate is killed / (killed +
 survived), printed per area (RL math, RL wiring, fit loop, objectives, fast paths, run lifecycle,
@@ -68,6 +69,10 @@ LIFECYCLE_TESTS = ["tests/runtime/test_checkpoint_discovery.py", "tests/runtime/
 FASTPATH_TESTS = ["tests/fastpaths/test_verdicts.py", "tests/fastpaths/test_shared_mask_by_hand.py",
                   "tests/fastpaths/test_ring_in_process.py"]
 DATAGEN_TESTS = ["tests/datagen", "tests/runtime/test_run_lock.py"]
+
+# Tests of the areas below that no mutant runs: they train for a minute or more to show that a task is learnt,
+# where the value and end-to-end tests of the same areas see a wrong formula or wiring in seconds.
+LEARNING_TESTS = ["tests/objectives/test_learning.py", "tests/objectives/test_pipeline.py"]
 
 # area: (files mutated, fast tests run on each of its mutants). Kill rates are reported per area.
 AREAS = {
@@ -444,7 +449,8 @@ def run_tests(copy: Path, timeout: float, tests: list[str], output: list[str] | 
     """"survived" when ``tests`` pass in ``copy``, else "killed" (or "timeout"); ``output`` gets pytest's
     last lines."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not cluster",
+               *(f"--ignore={test}" for test in LEARNING_TESTS), *tests]
     try:
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -29,6 +29,8 @@ from rlhf.core.errors import PluginError, RlhfError, UnknownComponentError
 from rlhf.core.types import AdvantageConfig, AlgorithmPreset
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.unit
+
 ESTIMATOR_FLAGS = {  # name: (needs_critic, needs_groups)
     "gae": (True, False),
     "reinforce_pp": (False, False),

@@ -16,6 +16,8 @@ from rlhf.algorithms import compute_advantages, kl_divergence, policy_loss
 from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.algorithms import oracle
 
+pytestmark = pytest.mark.unit
+
 ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline", "rloo", "grpo", "dr_grpo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

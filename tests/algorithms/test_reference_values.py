@@ -20,6 +20,8 @@ from rlhf.algorithms import (
 )
 from rlhf.plugins.algorithms.returns import token_rewards
 
+pytestmark = pytest.mark.unit
+
 approx = pytest.approx
 
 

@@ -17,6 +17,8 @@ from rlhf.plugins.filters.dynamic import DynamicFilterConfig, dynamic_filter, ke
 from rlhf.plugins.shaping.overlong import OverlongConfig, overlong_shaping
 from rlhf.plugins.shaping.truncation import TruncationConfig, truncation_shaping
 
+pytestmark = pytest.mark.unit
+
 
 # --- GSPO ------------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ def _estimator(inputs, config):
     return inputs.action_mask, inputs.action_mask
 
 
+@pytest.mark.unit
 def test_an_alias_looks_up_the_same_component_under_its_own_name(make_plugin, bare_plugins):
     bare_plugins.register(make_plugin(register_advantage_estimators=lambda register: register(
         "median_baseline", _estimator, aliases=("Median-Base", "mb"))))
@@ -32,6 +33,7 @@ def test_an_alias_looks_up_the_same_component_under_its_own_name(make_plugin, ba
     assert registry.components() == [component]  # one registration, however many names
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("aliases, message", [
     (("bad:alias",), "invalid alias 'bad:alias' of advantage estimator 'own'"),
     (("Own",), "alias 'Own' repeats its name"),
@@ -44,6 +46,7 @@ def test_bad_aliases_are_refused_at_registration(make_plugin, bare_plugins, alia
     assert record.status == "error" and message in record.error
 
 
+@pytest.mark.unit
 def test_an_alias_that_is_another_components_name_is_a_conflict_naming_both(make_plugin, bare_plugins):
     bare_plugins.register(make_plugin("rlhf_alpha", register_advantage_estimators=lambda register: register(
         "alpha_pp", _estimator, aliases=("shared",))))
@@ -67,6 +70,7 @@ def test_an_alias_that_is_another_components_name_is_a_conflict_naming_both(make
     assert "alpha_pp (alias: shared [conflict])" in listing and "shared [conflict]" in listing
 
 
+@pytest.mark.unit
 def test_two_aliases_alike_conflict_and_the_order_of_registration_does_not_matter(make_plugin, bare_plugins):
     bare_plugins.register(make_plugin("rlhf_one", register_advantage_estimators=lambda register: register(
         "one", _estimator, aliases=("same",))))
@@ -78,6 +82,7 @@ def test_two_aliases_alike_conflict_and_the_order_of_registration_does_not_matte
     assert registry.names() == ["one", "two"]
 
 
+@pytest.mark.unit
 def test_unknown_names_suggest_aliases_too(make_plugin, bare_plugins):
     bare_plugins.register(make_plugin(register_advantage_estimators=lambda register: register(
         "reinforce_pp_baseline", _estimator, aliases=("reinforce_baseline",))))
@@ -92,10 +97,12 @@ def test_unknown_names_suggest_aliases_too(make_plugin, bare_plugins):
 OPENRLHF_NAMES = {"reinforce": "reinforce_pp", "reinforce_baseline": "reinforce_pp_baseline", "group_norm": "grpo"}
 
 
+@pytest.mark.unit
 def test_the_builtin_estimators_answer_to_openrlhfs_names(plugins):
     assert plugins.registry("advantage_estimator").aliases() == OPENRLHF_NAMES
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("alias", sorted(OPENRLHF_NAMES))
 def test_an_alias_gives_exactly_the_advantages_of_the_builtin_it_names(plugins, alias):
     import torch
@@ -124,6 +131,7 @@ def _whiten(values, mask):
     return (values - mean) / var.clamp(min=1e-8).sqrt() * mask
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("alias", sorted(OPENRLHF_NAMES))
 def test_each_alias_is_openrlhfs_estimator_of_that_name(plugins, alias):
     """OpenRLHF's definitions, written out by hand (γ = 1, no KL): ``group_norm`` = (r - mean) / (std + 1e-9)
@@ -149,6 +157,7 @@ def test_each_alias_is_openrlhfs_estimator_of_that_name(plugins, alias):
     assert torch.allclose(advantages, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.unit
 def test_plugins_show_and_list_name_the_aliases(plugins):
     shown = run_cli(plugins, ["plugins", "show", "group-norm"])
     assert shown.exit_code == 0, shown.output
@@ -165,6 +174,7 @@ def test_plugins_show_and_list_name_the_aliases(plugins):
     assert typo.exit_code == 2 and "did you mean 'group_norm'" in typo.output
 
 
+@pytest.mark.run
 def test_a_run_given_an_alias_uses_and_logs_the_builtin(tiny_model_dir, task, tmp_path, plugins):
     """Through the real command line: ``--advantage reinforce_baseline`` trains with
     reinforce_pp_baseline, exactly as the name itself does (same metrics, same weights)."""
@@ -191,6 +201,7 @@ def test_a_run_given_an_alias_uses_and_logs_the_builtin(tiny_model_dir, task, tm
     assert "advantage `reinforce_pp_baseline`" in (outputs["reinforce_baseline"] / "final" / "README.md").read_text()
 
 
+@pytest.mark.unit
 def test_a_mistyped_estimator_is_a_usage_error_suggesting_the_alias(tiny_model_dir, task, tmp_path, plugins):
     result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
                                "--reward", str(task / "rewards.py"), "--advantage", "group_nrm", "--out",
@@ -198,6 +209,7 @@ def test_a_mistyped_estimator_is_a_usage_error_suggesting_the_alias(tiny_model_d
     assert result.exit_code == 2 and "Did you mean 'group_norm'?" in result.output
 
 
+@pytest.mark.unit
 def test_a_new_plugin_named_like_an_alias_is_warned_about(plugins, tmp_path):
     result = run_cli(plugins, ["plugins", "new", "advantage_estimator", "group_norm", "--dir", str(tmp_path)])
     assert result.exit_code == 0, result.output

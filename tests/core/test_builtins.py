@@ -13,6 +13,8 @@ import pytest
 
 from rlhf.core.plugin_host.loading import DEFAULT_PLUGINS, build_plugin_manager
 
+pytestmark = pytest.mark.unit
+
 PLUGINS_DIR = Path(__file__).resolve().parents[2] / "rlhf" / "plugins"
 PLUGIN_FILES = sorted(PLUGINS_DIR.rglob("*.py"))
 

@@ -14,6 +14,8 @@ import rlhf
 from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.unit
+
 SAMPLE = "tests.core.sample_plugin"
 JSON_KEYS = {"name", "distribution", "version", "source", "status", "hooks", "provides", "aliases", "error",
              "warnings"}

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from tests.helpers import pip_install, readme_plugin_files
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,7 +23,6 @@ def rlhf_cli(target: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhf", *args], capture_output=True, text=True, env=env, check=True)
 
 
-@pytest.mark.slow
 def test_pip_installed_example_plugin_is_listed_with_version_and_component(tmp_path):
     source = tmp_path / "src"
     shutil.copytree(ROOT / "examples" / "plugins" / "rlhf-hello", source)  # builds write next to the source
@@ -37,7 +38,6 @@ def test_pip_installed_example_plugin_is_listed_with_version_and_component(tmp_p
     assert "object:      rlhf_hello.plugin:says_hello" in shown
 
 
-@pytest.mark.slow
 def test_the_readme_plugin_example_installs_and_shows_up(tmp_path):
     files = readme_plugin_files()
     assert "pyproject.toml" in files and len(files) >= 2, f"README example files not found: {sorted(files)}"

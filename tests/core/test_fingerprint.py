@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import pytest
+
 from rlhf.core.plugin_host.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.plugin_host.loading import build_plugin_manager
+
+pytestmark = pytest.mark.unit
 
 
 def test_fingerprint_lists_loaded_plugins_with_versions(fake_site):

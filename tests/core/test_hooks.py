@@ -16,6 +16,8 @@ from rlhf.core.plugin_host.kinds import KIND_BY_HOOK
 from rlhf.core.types import AlgorithmPreset, RunInfo
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = sorted(name for name, obj in vars(hookspecs).items() if hasattr(obj, "rlhf_spec"))
 

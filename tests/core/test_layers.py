@@ -26,6 +26,8 @@ import pytest
 from rlhf.core.plugin_host.kinds import KINDS
 from rlhf.core.plugin_host.loading import DEFAULT_PLUGINS
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "rlhf"
 

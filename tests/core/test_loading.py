@@ -10,6 +10,8 @@ from rlhf.core.errors import ComponentConflictError, UnknownComponentError
 from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.unit
+
 REWARD_PLUGIN = """
     import rlhf
 

@@ -11,6 +11,8 @@ from rlhf.cli.params import ComponentParam
 from rlhf.core.errors import BadReferenceError, UnknownComponentError
 from rlhf.core.plugin_host.references import import_object, is_reference, resolve
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def reward_file(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 from rlhf.core.errors import PluginError, UnknownComponentError
 from rlhf.core.types import AlgorithmPreset
 
+pytestmark = pytest.mark.unit
+
 
 def test_names_are_case_insensitive_and_dash_equals_underscore(make_plugin, bare_plugins):
     bare_plugins.register(make_plugin(register_kl_estimators=lambda register: register("My-KL", abs)))

@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 HEAVY = ("torch", "transformers", "datasets", "peft", "ray", "deepspeed", "vllm", "numpy")
 
 PROBE = f"""

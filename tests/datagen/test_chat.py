@@ -34,7 +34,7 @@ def answer(child) -> str:
     return child.before.replace("\r\n", "\n").strip("\n")
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_two_turns_through_a_pty_keep_the_history_and_reset_forgets_it(tiny_model_dir):
     env = {**os.environ, "RLHF_LOAD_PLUGINS": "", "OMP_NUM_THREADS": "1", "TERM": "dumb"}
     child = pexpect.spawn(sys.executable, ["-m", "rlhf", "chat", str(tiny_model_dir), "--temperature", "0",
@@ -65,6 +65,7 @@ def test_two_turns_through_a_pty_keep_the_history_and_reset_forgets_it(tiny_mode
     assert fresh.strip() == greedy_answer(tiny_model_dir, [], "and 4+4", 8).strip()
 
 
+@pytest.mark.unit
 def test_a_lora_adapter_directory_loads_on_its_base_model(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,6 +87,7 @@ def test_a_lora_adapter_directory_loads_on_its_base_model(tiny_model_dir, tmp_pa
     assert not torch.allclose(got, plain, atol=1e-3)  # the adapter is applied
 
 
+@pytest.mark.unit
 def test_the_conversation_text_with_the_chat_template_or_an_input_template(tiny_model_dir):
     from transformers import AutoTokenizer
 
@@ -107,6 +109,7 @@ def test_the_conversation_text_with_the_chat_template_or_an_input_template(tiny_
     assert "question 0" not in tokenizer.decode(ids)
 
 
+@pytest.mark.run
 def test_a_model_trained_on_plain_prompts_is_chatted_with_in_plain_text(tiny_model_dir, tmp_path, plugins):
     """The tokenizer has a chat template, and the model's prompt_format.json says it was trained
     without it: chat uses plain text (it used to apply the template and garble), says why, and
@@ -134,6 +137,7 @@ def test_a_model_trained_on_plain_prompts_is_chatted_with_in_plain_text(tiny_mod
     assert result.exit_code == 0 and "(its chat template)" in result.output, result.output
 
 
+@pytest.mark.run
 def test_an_answer_never_runs_past_the_context_and_a_message_that_fills_it_is_refused(tiny_model_dir, monkeypatch):
     """With --max-new-tokens above the context (512 new tokens, a small model's 64 positions), the
     prompt keeps its tokens and the answer gets what the context leaves; a message longer than the

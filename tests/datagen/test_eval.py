@@ -20,6 +20,7 @@ def prompts(tmp_path):
     return path
 
 
+@pytest.mark.run
 def test_greedy_eval_reports_what_the_training_runs_eval_reports_before_step_1(plugins, tiny_model_dir, prompts,
                                                                               tmp_path):
     common = ["--label-key", "answer", "--reward", "exact_match", "--max-new-tokens", "6",
@@ -48,6 +49,7 @@ def test_greedy_eval_reports_what_the_training_runs_eval_reports_before_step_1(p
     assert all(row["reward"] == float(row["completion"].strip() == row["label"]) for row in rows)  # exact match
 
 
+@pytest.mark.run
 def test_the_table_names_each_metric(plugins, tiny_model_dir, prompts):
     result = run_cli(plugins, ["eval", "--model", str(tiny_model_dir), "--data", str(prompts), "--label-key",
                                "answer", "--reward", "exact_match", "--n-samples", "1", "--max-new-tokens", "4"])
@@ -56,6 +58,7 @@ def test_the_table_names_each_metric(plugins, tiny_model_dir, prompts):
     assert float(lines["eval/prompts"]) == len(PROMPTS) and "eval/pass@1" in lines and "eval/pass@2" not in lines
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args, message", [
     ([], "--reward is required"),
     (["--reward", "exact_match"], "pass --label-key COLUMN"),

@@ -56,7 +56,7 @@ def ok(plugins, args: list[str]):
     return result
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_each_mode_writes_its_rows_and_selects_by_the_rewards_in_the_file(plugins, job, tmp_path):
     ok(plugins, job("all.jsonl"))
     samples = read(tmp_path / "all.jsonl")
@@ -106,6 +106,7 @@ def test_each_mode_writes_its_rows_and_selects_by_the_rewards_in_the_file(plugin
                        "response": samples[0]["completions"][1], "reward": samples[0]["rewards"][1]}
 
 
+@pytest.mark.run
 def test_without_a_reward_rows_have_no_rewards_and_the_same_samples(plugins, job, tmp_path):
     ok(plugins, job("a.jsonl"))
     ok(plugins, job("b.jsonl", reward=False))
@@ -114,7 +115,7 @@ def test_without_a_reward_rows_have_no_rewards_and_the_same_samples(plugins, job
     assert [row["completions"] for row in a] == [row["completions"] for row in b]  # rewards do not touch sampling
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_the_same_seed_gives_the_same_file_and_another_seed_another(plugins, job, tmp_path):
     ok(plugins, job("one.jsonl", reward=False))
     ok(plugins, job("two.jsonl", reward=False))
@@ -123,6 +124,7 @@ def test_the_same_seed_gives_the_same_file_and_another_seed_another(plugins, job
     assert (tmp_path / "one.jsonl").read_bytes() != (tmp_path / "three.jsonl").read_bytes()
 
 
+@pytest.mark.unit
 def test_selections_need_a_reward_and_exclude_each_other(plugins, job):
     result = run_cli(plugins, job("x.jsonl", "--pairs", reward=False))
     assert result.exit_code == 2 and "--pairs ranks samples by reward: add --reward" in result.output
@@ -130,8 +132,8 @@ def test_selections_need_a_reward_and_exclude_each_other(plugins, job):
     assert result.exit_code == 2 and "pick one" in result.output
 
 
-@pytest.mark.slow
-def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(job, tmp_path):
+@pytest.mark.run
+def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(plugins, job, tmp_path):
     """SIGKILL inside the reward of the third batch (prompts 5-6 of 9); the rerun writes the same
     file as an uninterrupted run. A torn row after the last record is dropped too."""
     env = {**os.environ, "RLHF_LOAD_PLUGINS": "", "CALLS_FILE": str(tmp_path / "calls"), "KILL_ON_CALL": "3",
@@ -147,14 +149,12 @@ def test_a_killed_run_continues_and_writes_every_prompt_exactly_once(job, tmp_pa
     resumed = subprocess.run([sys.executable, "-m", "rlhf", *args], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert int((tmp_path / "calls").read_text()) == 3 + 3  # batches 3, 4, 5 of 5 (nothing redone)
-    whole = subprocess.run([sys.executable, "-m", "rlhf", *job("whole.jsonl")], env=env, capture_output=True,
-                           text=True)
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    ok(plugins, job("whole.jsonl"))  # the uninterrupted run: no process of its own needed
     assert [row["prompt"] for row in read(out)] == [p["prompt"] for p in PROMPTS]
     assert out.read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_a_file_cut_anywhere_is_completed_to_the_same_bytes(plugins, job, tmp_path):
     ok(plugins, job("whole.jsonl", "--pairs"))
     whole = (tmp_path / "whole.jsonl").read_bytes()
@@ -167,7 +167,7 @@ def test_a_file_cut_anywhere_is_completed_to_the_same_bytes(plugins, job, tmp_pa
         assert (tmp_path / "cut.jsonl").read_bytes() == whole, keep
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_a_rerun_of_a_finished_file_changes_nothing_and_other_settings_are_refused(plugins, job, tmp_path):
     ok(plugins, job("done.jsonl", reward=False))
     before = (tmp_path / "done.jsonl").read_bytes()
@@ -182,6 +182,7 @@ def test_a_rerun_of_a_finished_file_changes_nothing_and_other_settings_are_refus
     assert result.exit_code == 1 and "was not written by this command" in result.output
 
 
+@pytest.mark.run
 def test_rlhf_score_scores_existing_completions_like_generate_does(plugins, job, tmp_path):
     ok(plugins, job("plain.jsonl", reward=False))
     ok(plugins, job("scored_by_generate.jsonl"))
@@ -202,14 +203,14 @@ def test_rlhf_score_scores_existing_completions_like_generate_does(plugins, job,
         assert row["reward"] == pytest.approx(2.5 * row["chosen_reward"])
 
 
-@pytest.mark.slow
-def test_two_torchrun_ranks_write_the_file_one_process_writes(job, tmp_path):
+@pytest.mark.cluster
+def test_two_torchrun_ranks_write_the_file_one_process_writes(plugins, job, tmp_path):
+    ok(plugins, job("one.jsonl", "--pairs"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
-    for nproc, out in ((1, "one.jsonl"), (2, "two.jsonl")):
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 str(nproc), "-m", "rlhf", *job(out, "--pairs")], env=env, capture_output=True,
-                                text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-4000:]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "rlhf", *job("two.jsonl", "--pairs")], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()
     assert not list(tmp_path.glob("two.jsonl.rank*"))
 
@@ -225,7 +226,7 @@ def score(completions, answer, **kwargs):
 '''
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_chat_prompts_and_the_files_feed_rlhf_sft_and_rlhf_dpo_without_conversion(plugins, tiny_model_dir, tmp_path):
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in CHAT_PROMPTS))
     (tmp_path / "picky.py").write_text(PICKY_REWARD)
@@ -261,6 +262,7 @@ def test_chat_prompts_and_the_files_feed_rlhf_sft_and_rlhf_dpo_without_conversio
         assert (tmp_path / run / "final" / "config.json").exists()
 
 
+@pytest.mark.run
 def test_rlhf_score_runs_a_reward_model_over_the_file_in_batches(plugins, job, tmp_path, tiny_model_dir):
     """Batched, padded reward-model scores equal one unpadded forward per prompt + completion."""
     import torch

@@ -11,6 +11,8 @@ import torch
 
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.run
+
 REWARD = "def score(completions, **kwargs):\n    return [float(len(set(c))) for c in completions]\n"
 
 
@@ -20,7 +22,6 @@ def ok(plugins, args):
     return result
 
 
-@pytest.mark.slow
 def test_two_rounds_the_second_starting_from_the_first_rounds_model(plugins, tiny_model_dir, task, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -39,6 +39,7 @@ def files(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.unit
 def test_train_with_a_reward_that_compares_with_labels_and_no_label_key_is_refused_before_models_load(
         plugins, files, tmp_path):
     out = tmp_path / "run"
@@ -52,6 +53,7 @@ def test_train_with_a_reward_that_compares_with_labels_and_no_label_key_is_refus
     assert not out.exists() or not any(out.iterdir())  # nothing written
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("reward, argument", [("wants_labels", "labels"), ("per_sample", "ground_truth")])
 def test_generate_with_a_reward_that_needs_labels_and_no_label_key_is_refused(plugins, files, tmp_path, reward,
                                                                             argument):
@@ -63,6 +65,7 @@ def test_generate_with_a_reward_that_needs_labels_and_no_label_key_is_refused(pl
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.unit
 def test_sources_that_need_no_labels_or_take_them_optionally_are_not_refused(plugins, files):
     from rlhf.rewards import load_rewards
 
@@ -75,6 +78,7 @@ def test_sources_that_need_no_labels_or_take_them_optionally_are_not_refused(plu
         rewards.check_labels_given(None)
 
 
+@pytest.mark.run
 def test_score_reads_the_label_column_that_generate_writes(plugins, files, tiny_model_dir, tmp_path):
     generated = tmp_path / "generated.jsonl"
     result = run_cli(plugins, ["generate", "--model", str(tiny_model_dir), "--data", str(files / "prompts.jsonl"),
@@ -115,6 +119,7 @@ class CheckingEnv:
         return StepResult(reward=1.0, done=True)
 
 
+@pytest.mark.unit
 def test_an_environment_that_needs_labels_is_refused_without_a_label_key(plugins):
     env = "tests.datagen.test_labels:CheckingEnv"
     with pytest.raises(ConfigError, match=r"the '.*CheckingEnv' environment checks answers against labels .* "

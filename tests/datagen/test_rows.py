@@ -10,6 +10,8 @@ from rlhf.core.errors import ConfigError
 from rlhf.datagen.config import GenerateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows, with_score
 
+pytestmark = pytest.mark.unit
+
 SAMPLE = Sample(prompt="2+2=", completions=["a", "b", "c", "d"], rewards=[0.5, 2.0, None, 2.0], label="4",
                 columns={"answer": "4", "id": 7}, index=3)
 

@@ -13,7 +13,6 @@ most lr / 600 after 8 optimizer steps; one element at lr / 450 in a ZeRO-3 run a
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +23,9 @@ import yaml
 
 from rlhf.runtime.config.train_config import TrainConfig
 from rlhf.runtime.rl.local import train
-from tests.helpers import backend_full_weights, backend_micro_loss, read_jsonl, run_cli
+from tests.helpers import backend_full_weights, backend_micro_loss, read_jsonl, run_cli, torchrun
 
-pytestmark = pytest.mark.deepspeed
+pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed]
 HERE = Path(__file__).parent
 LR = 1e-3
 CPU_ADAM_BUILD_S = 300
@@ -221,15 +220,6 @@ def test_fp16_on_a_device_without_it_is_a_config_error(tiny_model_dir):
 # --- several processes --------------------------------------------------------------------------
 
 
-def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_LOAD_PLUGINS": ""}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
-
-
-@pytest.mark.slow
 def test_two_processes_update_like_one_under_zero2_and_zero3(tiny_model_dir, tmp_path):
     script = str(HERE / "dp_fit.py")
     torchrun(1, script, str(tiny_model_dir), str(tmp_path / "one.pt"), "2,3")
@@ -244,7 +234,6 @@ def test_two_processes_update_like_one_under_zero2_and_zero3(tiny_model_dir, tmp
             assert torch.allclose(weight, two[stage]["weights"][name], rtol=0, atol=2e-5), (stage, name)
 
 
-@pytest.mark.slow
 def test_rlhf_train_zero3_under_torchrun_resumes_and_exports_a_consolidated_model(tiny_model_dir, task, tmp_path):
     """Two processes: 2 steps with a checkpoint each, then --resume to 3; the same run with the torch
     backend, uninterrupted, is the reference; the final model is the checkpoint's consolidated weights."""
@@ -284,7 +273,6 @@ def cpu_adam():
         pytest.skip(f"DeepSpeed's cpu_adam op cannot be built here: {result.stderr[-500:]}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage, options", [(2, {}), (3, {"offload_params": True})],
                          ids=["zero2", "zero3-offload-params"])
 def test_offload_optimizer_trains_like_the_torch_backend(tiny_model_dir, task, tmp_path, torch_run, cpu_adam,

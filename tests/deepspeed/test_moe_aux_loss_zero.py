@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import read_jsonl, run_cli, tiny_moe
+from rlhf.core.plugin_host.loading import build_plugin_manager
+from tests.helpers import read_jsonl, run_cli
 
-pytestmark = pytest.mark.deepspeed
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-mixtral")
-    tiny_moe("mixtral").save_pretrained(out)
-    return out
+pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed]
 
 
 def _sft(plugins, moe_dir, tiny_model_dir, fit_data, out, *backend):
@@ -27,9 +21,17 @@ def _sft(plugins, moe_dir, tiny_model_dir, fit_data, out, *backend):
     return read_jsonl(out / "metrics.jsonl")
 
 
+@pytest.fixture(scope="module")
+def torch_metrics(moe_dir, tiny_model_dir, fit_data, tmp_path_factory):
+    """The torch backend's metrics: every stage's reference, run once."""
+    return _sft(build_plugin_manager(load_entrypoints=False), moe_dir, tiny_model_dir, fit_data,
+                tmp_path_factory.mktemp("torch") / "run")
+
+
 @pytest.mark.parametrize("stage", ["2", "3"])
-def test_zero_stages_add_the_torch_backend_s_aux_loss(stage, plugins, moe_dir, tiny_model_dir, fit_data, tmp_path):
-    expected = _sft(plugins, moe_dir, tiny_model_dir, fit_data, tmp_path / "torch")
+def test_zero_stages_add_the_torch_backend_s_aux_loss(stage, plugins, moe_dir, tiny_model_dir, fit_data, tmp_path,
+                                                      torch_metrics):
+    expected = torch_metrics
     got = _sft(plugins, moe_dir, tiny_model_dir, fit_data, tmp_path / "ds", "--backend", "deepspeed",
                "--zero-stage", stage)
     assert len(got) == len(expected) == 2

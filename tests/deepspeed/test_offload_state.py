@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import backend_full_weights, backend_micro_loss
 
-pytestmark = pytest.mark.deepspeed
+pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed]
 
 
 def make_backend(model_dir, stage):

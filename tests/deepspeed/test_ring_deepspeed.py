@@ -12,7 +12,7 @@ import torch
 from tests.helpers import torchrun
 
 HERE = Path(__file__).parent
-pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed]
 
 
 def test_a_ring_of_two_updates_like_one_process_under_zero2_and_zero3(tiny_model_dir, tmp_path):

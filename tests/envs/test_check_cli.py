@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tir runs the sandbox")
 def test_check_tir_plays_a_scripted_episode(plugins):

@@ -21,6 +21,8 @@ from rlhf.core.types import StepResult
 from rlhf.plugins.envs.single_turn import SingleTurnEnv
 from rlhf.plugins.envs.tir import TIREnv
 
+pytestmark = pytest.mark.unit
+
 # --- routing ----------------------------------------------------------------------------------
 
 

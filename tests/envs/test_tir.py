@@ -22,6 +22,8 @@ from rlhf.plugins.envs.tir import (
     truncate_middle,
 )
 
+pytestmark = pytest.mark.unit
+
 CALL = "Compute.\n```python\nprint(6 * 7)\n```\n"
 
 

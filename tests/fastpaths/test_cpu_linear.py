@@ -40,6 +40,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape", [(96, 128), (3, 40, 128)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [128, 200])  # square and not: a transposed weight would show
@@ -58,6 +59,7 @@ def test_outputs_and_gradients_equal_nn_linear(shape, bias, out_features):
     assert (got - want).abs().max() < 1e-4  # MKL's and oneDNN's sums differ in rounding only
 
 
+@pytest.mark.unit
 def test_strided_inputs_frozen_weights_and_no_grad():
     plain, fast = pair(128, 256, bias=True)
     x = torch.randn(128, 64).t()  # (64, 128), not contiguous
@@ -73,6 +75,7 @@ def test_strided_inputs_frozen_weights_and_no_grad():
         assert close(fast(x), plain(x))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("reduce", ["sum", "strided"])
 def test_upstream_gradients_that_are_expanded_or_strided(reduce):
     """out.sum() hands backward a stride-0 gradient, a slice a strided one."""
@@ -88,6 +91,7 @@ def test_upstream_gradients_that_are_expanded_or_strided(reduce):
         assert close(got, want)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_weight_gets_its_gradient_when_the_input_needs_none(monkeypatch, bias):
     """The first layer after a frozen embedding (or a LoRA A matrix behind frozen layers): the input
@@ -114,6 +118,7 @@ def test_the_weight_gets_its_gradient_when_the_input_needs_none(monkeypatch, bia
         assert got is not None and close(got, want)
 
 
+@pytest.mark.unit
 def test_a_second_derivative_is_an_error_not_a_wrong_number():
     _, fast = pair(128, 128, bias=False)
     x = torch.randn(64, 128, requires_grad=True)
@@ -122,6 +127,7 @@ def test_a_second_derivative_is_an_error_not_a_wrong_number():
         grad.sum().backward()
 
 
+@pytest.mark.unit
 def test_which_calls_take_onednn(monkeypatch):
     taken = []
     real = cpu_linear._OneDnnLinearFunction.apply
@@ -147,6 +153,7 @@ def test_which_calls_take_onednn(monkeypatch):
     assert taken == [1, 1]
 
 
+@pytest.mark.unit
 def test_only_plain_linear_layers_change_and_modes_are_checked(monkeypatch):
     class Custom(nn.Linear):
         pass
@@ -167,6 +174,7 @@ def test_only_plain_linear_layers_change_and_modes_are_checked(monkeypatch):
         cpu_linear.check_mode("onednn")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("vendor, capability, pays", [("AuthenticAMD", "AVX512", True), ("GenuineIntel", "AVX512", False),
                                                       ("AuthenticAMD", "AVX2", False), ("", "AVX512", False)])
 def test_auto_means_an_avx512_cpu_not_made_by_intel(monkeypatch, vendor, capability, pays):
@@ -179,6 +187,7 @@ def test_auto_means_an_avx512_cpu_not_made_by_intel(monkeypatch, vendor, capabil
         cpu_linear.onednn_pays.cache_clear()
 
 
+@pytest.mark.unit
 def test_the_vendor_is_read_from_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
@@ -186,6 +195,7 @@ def test_the_vendor_is_read_from_cpuinfo(tmp_path):
     assert cpu_linear._cpu_vendor(str(tmp_path / "missing")) == ""
 
 
+@pytest.mark.unit
 def test_the_adapter_gives_a_model_the_same_logprobs_and_gradients(tiny_model_dir):
     """The tiny Llama (hidden 64, MLP 256) on 6 x 24 tokens: its MLP products take oneDNN."""
     generator = torch.Generator().manual_seed(0)
@@ -210,6 +220,7 @@ def test_the_adapter_gives_a_model_the_same_logprobs_and_gradients(tiny_model_di
         assert close(got_grads[name], grad), name
 
 
+@pytest.mark.unit
 def test_lora_matrices_behind_frozen_layers_get_nn_linears_gradients(tiny_model_dir, monkeypatch):
     """With LoRA the embeddings and norms are frozen: the first layer's A matrices see an input that
     needs no gradient while their weights train. Rank 64 on 8 x 40 tokens puts their products
@@ -241,11 +252,13 @@ def test_lora_matrices_behind_frozen_layers_get_nn_linears_gradients(tiny_model_
         assert gradients["onednn"][name] is not None and close(gradients["onednn"][name], grad), name
 
 
+@pytest.mark.unit
 def test_unknown_mode_is_a_config_error_before_loading():
     with pytest.raises(ConfigError, match="--cpu-linear must be one of"):
         HFModelAdapter(HFModelConfig(device="cpu", cpu_linear="fast"))
 
 
+@pytest.mark.run
 def test_the_cli_flag_reaches_the_models_and_the_run_matches(tiny_model_dir, task, tmp_path, plugins, monkeypatch):
     """`rlhf train --cpu-linear onednn|torch`: the policy's training products go through oneDNN or
     not, and one step's metrics agree to float rounding."""
@@ -273,6 +286,7 @@ def test_the_cli_flag_reaches_the_models_and_the_run_matches(tiny_model_dir, tas
         assert metrics["onednn"][key] == pytest.approx(metrics["torch"][key], rel=1e-4, abs=1e-7), key
 
 
+@pytest.mark.unit
 def test_an_unknown_cli_value_is_one_line(tiny_model_dir, task, tmp_path, plugins):
     from tests.helpers import run_cli
 
@@ -284,6 +298,7 @@ def test_an_unknown_cli_value_is_one_line(tiny_model_dir, task, tmp_path, plugin
     assert "Traceback" not in result.output
 
 
+@pytest.mark.unit
 def test_a_layer_whose_onednn_product_differs_goes_back_to_nn_linear(monkeypatch, caplog):
     plain, fast = pair(128, 256, bias=True)
     x = torch.randn(64, 128)

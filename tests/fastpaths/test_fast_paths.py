@@ -35,6 +35,7 @@ def loop_returns(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_unit_gamma_outcome_returns_equal_the_loop_bit_for_bit(dtype):
     generator = torch.Generator().manual_seed(0)
@@ -58,6 +59,7 @@ def test_unit_gamma_outcome_returns_equal_the_loop_bit_for_bit(dtype):
         int(last[row]) + 1)
 
 
+@pytest.mark.unit
 def test_returns_with_many_nonzero_terms_keep_the_sequential_sum():
     rewards = torch.tensor([[1e8, 1.0, 1.0, 1.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float32)  # KL-like terms
     mask = torch.ones_like(rewards)
@@ -66,6 +68,7 @@ def test_returns_with_many_nonzero_terms_keep_the_sequential_sum():
     assert returns[1].tolist() == pytest.approx([1.0, 0.9, 0.7, 0.4])
 
 
+@pytest.mark.unit
 def test_inverse_cdf_sampling_follows_the_probabilities_and_skips_zeros():
     torch.manual_seed(0)
     probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.125, 0.125, 0.0])  # zeros first, inside and last
@@ -90,6 +93,7 @@ def _engines(model, tokenizer):
     return {name: HFEngine(model, tokenizer, HFEngineConfig(decoder=name)) for name in ("direct", "generate")}
 
 
+@pytest.mark.unit
 def test_direct_decoder_is_chosen_unless_stop_strings_need_generate(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = HFEngine(model, tokenizer)
@@ -101,6 +105,7 @@ def test_direct_decoder_is_chosen_unless_stop_strings_need_generate(model_and_to
         HFEngine(model, tokenizer, HFEngineConfig(decoder="fast"))
 
 
+@pytest.mark.run
 def test_greedy_tokens_and_logprobs_equal_generate(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     prompts = [tokenizer("What is 12 + 7?")["input_ids"], tokenizer("hi")["input_ids"]]  # different lengths
@@ -123,6 +128,7 @@ def one_prefill_per_row(engine, rows, params):
         return engine._decode(input_ids, attention_mask, params)
 
 
+@pytest.mark.run
 def test_a_prompt_is_prefilled_once_for_all_the_rows_that_continue_it(model_and_tokenizer):
     """Rows that continue the same prompt share one prefill, its KV cache copied to each, whether
     they are the n samples of one prompt or the same prompt given again as rows of its own (as the
@@ -152,6 +158,7 @@ def test_a_prompt_is_prefilled_once_for_all_the_rows_that_continue_it(model_and_
         hook.remove()
 
 
+@pytest.mark.run
 def test_direct_decoder_samples_the_models_first_token_distribution(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     prompt = tokenizer("What is 12 + 7?")["input_ids"]
@@ -166,6 +173,7 @@ def test_direct_decoder_samples_the_models_first_token_distribution(model_and_to
     assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-4).all()
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("decoder", ["direct", "generate"])
 def test_model_generation_config_does_not_change_the_sampled_distribution(model_and_tokenizer, decoder):
     """A checkpoint's repetition penalty, minimum length or top-k must not leak into rollouts: the
@@ -188,6 +196,7 @@ def test_model_generation_config_does_not_change_the_sampled_distribution(model_
     assert_engine_logprobs_are_the_trainers(model, tokenizer, prompts * 4, generations)
 
 
+@pytest.mark.run
 def test_stop_strings_still_cut_generations(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = HFEngine(model, tokenizer)
@@ -202,6 +211,7 @@ def test_stop_strings_still_cut_generations(model_and_tokenizer):
     assert len(tokenizer.decode(cut.token_ids)) <= len(text)
 
 
+@pytest.mark.unit
 def test_fused_adamw_steps_like_the_plain_one():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
@@ -224,6 +234,7 @@ def test_fused_adamw_steps_like_the_plain_one():
     assert not torch.equal(model[0].weight, initial), "the optimizer did not move the weights"
 
 
+@pytest.mark.unit
 def test_token_logprobs_at_unit_temperature_and_through_peft(model_and_tokenizer):
     from peft import LoraConfig, get_peft_model
 
@@ -260,6 +271,7 @@ def test_token_logprobs_at_unit_temperature_and_through_peft(model_and_tokenizer
     assert math.isfinite(float(logprobs[mask].sum()))
 
 
+@pytest.mark.unit
 def test_without_last_token_unsets_each_rows_last_real_token_on_either_padding_side():
     from rlhf.core.logprobs import without_last_token
     from rlhf.fastpaths.prefix_sharing import share_prefixes

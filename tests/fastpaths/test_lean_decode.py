@@ -52,6 +52,7 @@ def prompts(tokenizer):
             tokenizer("Say many a's please")["input_ids"]]
 
 
+@pytest.mark.unit
 def test_the_lean_step_is_used_where_supported(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     assert lean_decoder_supported(model)
@@ -60,6 +61,7 @@ def test_the_lean_step_is_used_where_supported(model_and_tokenizer):
     assert not HFEngine(model, tokenizer, HFEngineConfig(synced_gpus=True)).uses_lean_step()
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_lean_samples_what_the_direct_decoder_samples(model_and_tokenizer, temperature):
     model, tokenizer = model_and_tokenizer
@@ -80,6 +82,7 @@ def test_lean_samples_what_the_direct_decoder_samples(model_and_tokenizer, tempe
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("source", [None, [0, 0, 1, 1, 2, 2], [2, 0, 1, 0]],
                          ids=["a-row-per-prompt", "a-prompts-samples-together", "any-order"])
 def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer, source):
@@ -114,6 +117,7 @@ def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer, source):
         assert lean.prompt_keys[0].shape[0] == 3  # one cache row per prompt, not per sample
 
 
+@pytest.mark.unit
 def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,6 +142,7 @@ def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
     assert not lean_decoder_supported(llama)
 
 
+@pytest.mark.run
 def test_decoder_lean_on_an_unsupported_model_warns_and_decodes_through_the_forward(tiny_model_dir, caplog):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -153,6 +158,7 @@ def test_decoder_lean_on_an_unsupported_model_warns_and_decodes_through_the_forw
         [g.token_ids for g in expected]
 
 
+@pytest.mark.run
 def test_every_internal_the_lean_step_reads_is_checked(tiny_model_dir, monkeypatch, caplog):
     """A transformers without one of the internals: the model is not Llama-like (rotary function),
     or the engine warns and decodes through the forward (the cache's per-layer tensors)."""
@@ -182,6 +188,7 @@ def _decode_differs(monkeypatch, when):
     monkeypatch.setattr(LeanDecoder, "step", step)
 
 
+@pytest.mark.run
 def test_a_lean_step_that_differs_is_caught_and_the_forward_runs(tiny_model_dir, monkeypatch, caplog):
     model, tokenizer = build("llama", tiny_model_dir)
     params = SamplingParams(max_new_tokens=6, temperature=0.0, return_logprobs=True)
@@ -200,6 +207,7 @@ def test_a_lean_step_that_differs_is_caught_and_the_forward_runs(tiny_model_dir,
         assert [g.logprobs for g in run] == [g.logprobs for g in expected]
 
 
+@pytest.mark.run
 def test_a_lean_step_that_differs_only_once_the_cache_has_grown_is_caught(tiny_model_dir, monkeypatch):
     model, tokenizer = build("llama", tiny_model_dir)
     _decode_differs(monkeypatch, lambda lean: lean.length >= 3)  # right for two steps, then wrong
@@ -212,6 +220,7 @@ def test_a_lean_step_that_differs_only_once_the_cache_has_grown_is_caught(tiny_m
     assert [g.token_ids for g in got] == [g.token_ids for g in expected]
 
 
+@pytest.mark.run
 def test_each_variant_of_the_lean_step_is_checked_on_its_own_first_use(tiny_model_dir, monkeypatch, caplog):
     """Agreement on padded prompts says nothing of unpadded ones (no key mask), nor of a prompt's
     cache copied per row: each is checked when it first runs."""
@@ -230,6 +239,7 @@ def test_each_variant_of_the_lean_step_is_checked_on_its_own_first_use(tiny_mode
     assert "lean_decode/unpadded/grouped differs" in caplog.text
 
 
+@pytest.mark.run
 def test_lean_runs_the_lora_layers_of_a_peft_policy(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
 
@@ -253,6 +263,7 @@ def test_lean_runs_the_lora_layers_of_a_peft_policy(tiny_model_dir):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
 
 
+@pytest.mark.unit
 def test_the_lean_check_measures_the_difference_relative_to_the_logits_scale():
     """bf16/fp16 logits of a large scale differ by more in absolute terms: the check divides by the
     scale (at least 1), so a difference of 0.01 on logits of size 100 is 1e-4."""

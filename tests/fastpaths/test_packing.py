@@ -28,6 +28,7 @@ from tests.helpers import MAX_NEW, assert_same_gradients, command_args, make_bat
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
 
+@pytest.mark.unit
 def test_pack_rows_and_unpack_by_hand():
     ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 0], [1, 2, 3, 4]])  # left-, right- and not padded
     mask = (torch.arange(4)[None, :] >= torch.tensor([[2], [0], [0]])) & \
@@ -40,6 +41,7 @@ def test_pack_rows_and_unpack_by_hand():
     assert back.tolist() == [[-1, -1, 5, 6], [7, 8, 9, -1], [1, 2, 3, 4]]
 
 
+@pytest.mark.unit
 def test_token_budget_groups_by_hand():
     # padded: rows x longest; 2 x 3 = 6 fits 10, a third of 5 makes 3 x 5 = 15
     assert token_budget_groups([3, 3, 5, 5, 9], 10) == [[0, 1], [2, 3], [4]]
@@ -58,6 +60,7 @@ def lm(request, tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=request.param)
 
 
+@pytest.mark.unit
 def test_packed_logprobs_entropy_and_gradients_equal_the_padded_ones(lm):
     ids, mask, actions = padded_batch()
     padded, padded_entropy = token_logprobs(lm, ids, mask, actions, temperature=0.7, with_entropy=True)
@@ -77,6 +80,7 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_ones(lm):
     assert verdict(lm, "packing") is True
 
 
+@pytest.mark.unit
 def test_a_packed_forward_that_differs_is_caught_and_the_model_runs_padded(tiny_model_dir, monkeypatch, caplog):
     """A transformers that ignored the packed row's sequence boundaries (attention across the
     packed sequences) would give other log-probs: the first packed call compares, warns, and the
@@ -106,6 +110,7 @@ def test_a_packed_forward_that_differs_is_caught_and_the_model_runs_padded(tiny_
     assert torch.equal(first, padded) and torch.equal(again, padded)
 
 
+@pytest.mark.unit
 def test_a_packed_lm_returns_the_padded_logits_and_a_value_head_runs_padded(lm):
     ids, mask, _ = padded_batch()
     with torch.no_grad():
@@ -135,6 +140,7 @@ def policy_step(model, batch, *, packing, micro_batch_size=8, max_tokens=None):
     return RecordingBackend.steps[0], metrics, worker.logprobs(batch)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("packing", "micro", "max_tokens"), [(True, 8, None), (True, 8, 24), (False, 8, 30)])
 def test_a_policy_step_is_the_same_packed_and_in_token_budget_micro_batches(tiny_model_dir, packing, micro,
                                                                             max_tokens):
@@ -155,6 +161,7 @@ def test_a_policy_step_is_the_same_packed_and_in_token_budget_micro_batches(tiny
     assert torch.allclose(logprobs * mask, expected_logprobs * mask, atol=1e-5)
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("command", ["sft", "dpo", "kto", "distill"])
 def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(command, tiny_model_dir, fit_data,
                                                                           fit_teacher, tmp_path):
@@ -180,6 +187,7 @@ def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(comman
             assert math.isclose(a["train/loss"], b["train/loss"], rel_tol=1e-4, abs_tol=1e-6)
 
 
+@pytest.mark.run
 def test_a_padded_token_budget_counts_every_row_of_an_example(tiny_model_dir, fit_data, fit_teacher, tmp_path,
                                                              monkeypatch):
     """A DPO example is two rows (chosen, rejected): a padded micro-batch of k examples costs
@@ -200,6 +208,7 @@ def test_a_padded_token_budget_counts_every_row_of_an_example(tiny_model_dir, fi
     assert micro_batches and all(tokens <= budget for _, tokens in micro_batches)
 
 
+@pytest.mark.unit
 def test_a_bad_token_budget_is_a_user_error(tiny_model_dir, fit_data, fit_teacher, tmp_path):
     plugins = build_plugin_manager(load_entrypoints=False)
     args = command_args("sft", tiny_model_dir, fit_data, fit_teacher) + ["--max-tokens-per-micro-batch", "0",
@@ -208,6 +217,7 @@ def test_a_bad_token_budget_is_a_user_error(tiny_model_dir, fit_data, fit_teache
     assert result.exit_code != 0 and "--max-tokens-per-micro-batch must be at least 1" in result.output
 
 
+@pytest.mark.unit
 def test_the_train_options_reach_the_policy_and_reference_settings(tiny_model_dir):
     from rlhf.runtime.config.train_config import TrainConfig
     from rlhf.runtime.rl.local import build_reference, update_settings

@@ -25,6 +25,7 @@ from tests.helpers import (assert_same_gradients, command_args, grouped_batch, r
 from tests.runtime.recording import RecordingBackend, policy_step, recording_plugin
 
 
+@pytest.mark.unit
 def test_common_prefix_by_hand():
     assert common_prefix([[1, 2, 3], [1, 2, 4, 5]]) == 2
     assert common_prefix([[1, 2], [1, 2, 4]]) == 2  # one row is a prefix of the other
@@ -33,6 +34,7 @@ def test_common_prefix_by_hand():
     assert common_prefix([[4], [5]]) == 0
 
 
+@pytest.mark.unit
 def test_share_prefixes_lays_out_groups_by_hand():
     ids = torch.tensor([[0, 1, 2, 3, 4],   # left-padded: real 1 2 3 4
                         [1, 2, 5, 0, 0],   # right-padded: real 1 2 5
@@ -67,6 +69,7 @@ def lm(request, tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=request.param)
 
 
+@pytest.mark.unit
 def test_shared_logprobs_entropy_and_gradients_equal_the_separate_ones(lm):
     ids, mask, actions, groups = shared_batch()
     rows = share_prefixes(ids, mask, groups)
@@ -90,6 +93,7 @@ def test_shared_logprobs_entropy_and_gradients_equal_the_separate_ones(lm):
     assert_same_gradients(got, expected, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_the_masked_shared_forward_projects_only_the_positions_it_scores(lm):
     """Under the row's mask (segments do not pay for a batch this small), the model is asked for
     logits at the columns some action needs only (``logits_to_keep``), not at every position."""
@@ -128,6 +132,7 @@ def assert_same_steps(got, expected):
             assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), key
 
 
+@pytest.mark.run
 def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, fit_data, fit_teacher, tmp_path, monkeypatch):
     calls = []
     import rlhf.fastpaths.prefix_sharing as sharing
@@ -147,6 +152,7 @@ def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, fit_data,
     assert_same_steps(shared, separate)
 
 
+@pytest.mark.run
 def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, fit_data, fit_teacher, tmp_path, monkeypatch,
                                                      caplog):
     import rlhf.fastpaths.prefix_sharing as sharing
@@ -165,6 +171,7 @@ def test_a_model_that_ignores_the_mask_runs_unshared(tiny_model_dir, fit_data, f
 # --- rlhf train: a prompt's samples share its forward ---------------------------------------
 
 
+@pytest.mark.unit
 def test_shared_micro_batches_keep_a_prompts_samples_together_and_only_when_it_pays():
     from rlhf.runtime.step.micro_batches import plan_micro_batches, shared_micro_batches
 
@@ -184,6 +191,7 @@ def test_shared_micro_batches_keep_a_prompts_samples_together_and_only_when_it_p
     assert all(micro.groups is None for micro in plan_micro_batches(batch, 4, share=True, packed=True))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("micro", "epochs", "minibatch"), [(4, 1, None), (6, 2, 6), (12, 1, None)])
 def test_a_policy_step_is_the_same_with_shared_prompts(tiny_model_dir, monkeypatch, micro, epochs, minibatch):
     import copy
@@ -213,6 +221,7 @@ def test_a_policy_step_is_the_same_with_shared_prompts(tiny_model_dir, monkeypat
     assert torch.allclose(logprobs * mask, expected_logprobs * mask, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_reference_logprobs_are_the_same_with_shared_prompts(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -227,6 +236,7 @@ def test_reference_logprobs_are_the_same_with_shared_prompts(tiny_model_dir):
     assert torch.allclose(shared * mask, separate * mask, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypatch, caplog):
     import copy
 
@@ -247,6 +257,7 @@ def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypa
     assert torch.allclose(logprobs * batch.action_mask, expected_logprobs * batch.action_mask, atol=1e-5)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("share", [True, False])
 def test_share_prompt_reaches_the_policy_and_reference_settings(tiny_model_dir, share):
     from rlhf.runtime.config.train_config import TrainConfig

@@ -23,7 +23,7 @@ def ring_results(tiny_model_dir, tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.parametrize("case", ["attention/padded/stride1", "attention/padded/stride2", "attention/packed"])
 def test_ring_attention_equals_plain_causal_attention_values_and_gradients(ring_results, case):
     """Each rank's queries over the whole rows' keys (gathered), causal within each sequence: the
@@ -36,7 +36,7 @@ def test_ring_attention_equals_plain_causal_attention_values_and_gradients(ring_
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()), msg=name)
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_ring_model_gives_the_one_process_logprobs_outputs_and_gradients(ring_results, layout):
     """Right-, left- and unpadded rows of odd length (padded to a multiple of the ring), packed or
@@ -55,12 +55,14 @@ def test_ring_model_gives_the_one_process_logprobs_outputs_and_gradients(ring_re
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
+@pytest.mark.unit
 def test_ring_size_must_divide_the_number_of_processes():
     with pytest.raises(ConfigError, match="--ring-attn-size 2 needs a number of processes that it divides"):
         DistContext(rank=0, world_size=3).with_rings(2)
     assert DistContext().with_rings(1) == DistContext()  # no ring: the context itself
 
 
+@pytest.mark.unit
 def test_data_parallel_ranks_under_rings():
     """Ranks 0-1 and 2-3 are two rings of two: two data-parallel ranks, ring peers shard alike."""
     from rlhf.core.distributed import RingGroup
@@ -70,6 +72,7 @@ def test_data_parallel_ranks_under_rings():
     assert [c.shard(list(range(5))) for c in contexts] == [[0, 2, 4], [0, 2, 4], [1, 3], [1, 3]]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("extra,message", [
     (["--ring-attn-size", "2"], "--ring-attn-size 2 needs a number of processes that it divides (this run has 1)"),
     (["--ring-attn-size", "0"], "--ring-attn-size must be a whole number of at least 1; got 0"),
@@ -92,6 +95,7 @@ def test_ring_options_the_run_cannot_use_are_one_line_errors(command, extra, mes
     assert not (tmp_path / "run").exists()  # refused before the run starts
 
 
+@pytest.mark.unit
 def test_ring_attention_with_async_generation_is_refused(tiny_model_dir, task, tmp_path):
     from tests.helpers import small_config
 

@@ -14,6 +14,8 @@ from rlhf.core.distributed import SINGLE
 from tests.fastpaths.ring_fit import CASES, take_step
 from tests.helpers import torchrun
 
+pytestmark = pytest.mark.cluster
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 
@@ -26,7 +28,6 @@ def ring_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("command,packing", CASES)
 def test_a_ring_of_two_takes_the_one_process_step(command, packing, ring_steps, tiny_model_dir, fit_data, fit_teacher,
                                                   tmp_path):
@@ -45,7 +46,6 @@ def test_a_ring_of_two_takes_the_one_process_step(command, packing, ring_steps, 
         torch.testing.assert_close(got["old"], expected["old"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_rlhf_train_with_a_ring_logs_the_one_process_run(tiny_model_dir, task, tmp_path):
     """Two steps of GRPO with --packing: under torchrun with --ring-attn-size 2 (one data-parallel
     rank, each sequence split over two) the policy's loss and gradient norm are the one-process

@@ -26,6 +26,8 @@ from rlhf.fastpaths.verdicts import verdict
 from rlhf.fastpaths.segment_attention import segment_attention, segment_forward_supported, segment_layout, segments_pay
 from tests.helpers import assert_same_gradients, shared_batch
 
+pytestmark = pytest.mark.unit
+
 
 def test_segment_layout_by_hand():
     # group 0: prefix 1 2, row 0's remainder 3 4, row 1's 5; group 1: a row of its own, then padding

@@ -18,6 +18,8 @@ from rlhf.core.modeling import accepts_logits_to_keep, cache_argument
 from rlhf.fastpaths.llama_like import (ATTENTION_PARTS, LAYER_PARTS, MODEL_PARTS, cache_tensors, llama_like,
                                        rotary_function)
 
+pytestmark = pytest.mark.unit
+
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 

@@ -70,7 +70,9 @@ def assert_same(got, expected):
     assert_same_gradients(got[2], expected[2], atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, None])
+# one vocabulary entry a tile is seconds of small products: out of the quick tier
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.run), pytest.param(7, marks=pytest.mark.unit),
+                                   pytest.param(None, marks=pytest.mark.unit)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("path", ["padded", "packed", "shared/masked", "shared/segment"])
 def test_chunked_logprobs_entropy_and_gradients_equal_the_full_logits(lm, monkeypatch, path, temperature, chunk):
@@ -105,6 +107,7 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_full_logits(lm, monkey
     assert verdict(chunked.lm_head, "vocab_chunks") is True
 
 
+@pytest.mark.unit
 def test_onednn_products_and_a_biased_output_layer(lm, monkeypatch):
     from rlhf.fastpaths import cpu_linear
 
@@ -134,6 +137,7 @@ def test_onednn_products_and_a_biased_output_layer(lm, monkeypatch):
     assert len(products) > 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("chunk", [1, 3, None])
 def test_the_cross_entropy_to_a_teacher_and_its_gradients_equal_the_full_logits(lm, monkeypatch, chunk):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -179,6 +183,7 @@ def test_the_cross_entropy_to_a_teacher_and_its_gradients_equal_the_full_logits(
     assert all(p.grad is None for p in chunked_teacher.parameters())
 
 
+@pytest.mark.unit
 def test_the_backward_keeps_no_full_vocabulary_tensor(lm, monkeypatch):
     vocab = lm.lm_head.weight.shape[0]
     monkeypatch.setattr(vocab_chunks, "TILE_ELEMENTS", vocab * 4)
@@ -202,6 +207,7 @@ def test_the_backward_keeps_no_full_vocabulary_tensor(lm, monkeypatch):
     assert largest_saved(chunked) == 0  # only the output layer's (V, H) weight: not (positions, V)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("positions", [3, 512])
 def test_blocks_at_minus_infinity_or_far_below_the_rest_and_repeated_targets(monkeypatch, positions):
     """A block whose logits are all −inf, one whose max is 300 below the row's (its exp(m − M) is 0
@@ -237,6 +243,7 @@ def test_blocks_at_minus_infinity_or_far_below_the_rest_and_repeated_targets(mon
     assert (expected_grads[1][:7] == 0).all() and expected_grads[1][8].abs().sum() > 0
 
 
+@pytest.mark.unit
 def test_tiles_fit_a_cpu_cache_and_keep_their_earlier_size_elsewhere():
     cpu = list(vocab_chunks._tiles(1000, 151_936, torch.device("cpu")))
     assert [(first, end) for first, end, _ in cpu] == [(0, 512), (512, 1000)]
@@ -247,6 +254,7 @@ def test_tiles_fit_a_cpu_cache_and_keep_their_earlier_size_elsewhere():
     assert elsewhere[0][2][0] == (0, 2048)  # 2²³ / 4096
 
 
+@pytest.mark.unit
 def test_a_model_that_caps_its_logits_keeps_the_plain_path(caplog):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -260,6 +268,7 @@ def test_a_model_that_caps_its_logits_keeps_the_plain_path(caplog):
     assert vocab_chunks.use_vocab_chunks(Gemma2ForCausalLM(config)) is True
 
 
+@pytest.mark.unit
 def test_a_partitioned_output_layer_does_not_defer(lm):
     vocab_chunks.use_vocab_chunks(lm)
     lm.lm_head.weight.ds_id = 7  # what DeepSpeed ZeRO-3 marks a partitioned parameter with
@@ -269,6 +278,7 @@ def test_a_partitioned_output_layer_does_not_defer(lm):
     assert (logprobs[actions.bool()] < 0).all()
 
 
+@pytest.mark.unit
 def test_chunked_logprobs_that_differ_are_caught_and_the_plain_path_runs(lm, monkeypatch, caplog):
     expected_model = copy.deepcopy(lm)
     vocab_chunks.use_vocab_chunks(lm)
@@ -286,6 +296,7 @@ def test_chunked_logprobs_that_differ_are_caught_and_the_plain_path_runs(lm, mon
     assert_same(got, expected)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("on", [True, False])
 def test_the_adapter_gives_policy_and_reference_vocab_chunks_unless_switched_off(tiny_model_dir, on):
     from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
@@ -299,6 +310,7 @@ def test_the_adapter_gives_policy_and_reference_vocab_chunks_unless_switched_off
     assert (deferred_head(lora.load(str(tiny_model_dir), role="reference")) is not None) is on
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("micro", "epochs", "share"), [(4, 1, True), (6, 2, False)])
 def test_a_policy_step_is_the_same_with_vocab_chunks(lm, monkeypatch, micro, epochs, share):
     from tests.helpers import grouped_batch
@@ -319,6 +331,7 @@ def test_a_policy_step_is_the_same_with_vocab_chunks(lm, monkeypatch, micro, epo
     assert torch.allclose(logprobs * batch.action_mask, expected_logprobs * batch.action_mask, atol=1e-5)
 
 
+@pytest.mark.run
 def test_the_cli_switch_reaches_the_run_and_the_runs_match(tiny_model_dir, task, tmp_path, plugins, monkeypatch):
     """`rlhf train` takes the chunked path by default and the full logits with ``--no-vocab-chunks``;
     a step's metrics agree to float rounding."""
@@ -346,6 +359,7 @@ def test_the_cli_switch_reaches_the_run_and_the_runs_match(tiny_model_dir, task,
         assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("command", ["sft", "dpo", "kto", "prm", "distill"])
 def test_fit_commands_take_the_same_steps_with_vocab_chunks(tiny_model_dir, fit_data, fit_teacher, tmp_path,
                                                             monkeypatch, command):
@@ -376,6 +390,7 @@ def test_fit_commands_take_the_same_steps_with_vocab_chunks(tiny_model_dir, fit_
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.unit
 def test_small_logits_are_taken_whole_with_or_without_a_backward(lm, monkeypatch):
     """Whole up to the budget (no tiles to recompute), and the same bits with a backward or without
     one: a policy and its frozen reference agree exactly on the same weights."""

@@ -44,6 +44,7 @@ def dry_run(tmp_path_factory):
     return root, result
 
 
+@pytest.mark.run
 def test_the_dry_run_bundles_plans_and_runs_checks_offline(dry_run):
     root, result = dry_run
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
@@ -84,6 +85,7 @@ def test_the_dry_run_bundles_plans_and_runs_checks_offline(dry_run):
     assert "===== sft_packing =====" in log and "rlhf sft" in log
 
 
+@pytest.mark.run
 def test_the_device_half_installs_the_bundle_and_stops_without_a_gpu(dry_run):
     root, _ = dry_run  # its bundle: this checkout's wheel alone, which any Python installs
     env = {**os.environ, "PYTHON": sys.executable, "RLHF_LOAD_PLUGINS": "", "OUT": str(root / "device-out"),
@@ -106,6 +108,7 @@ def test_the_device_half_installs_the_bundle_and_stops_without_a_gpu(dry_run):
     assert result.stdout.rstrip().splitlines()[-1].startswith("gpu kit: 1 fail, 1 skip")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cpu", [False, True], ids=["gpu-sizes", "dry-run-sizes"])
 def test_every_check_command_parses(plugins, tmp_path, cpu):
     import click
@@ -159,6 +162,7 @@ def fake_run(tmp_path, checks, budget_s=60.0, jobs=2):
     return {c["name"]: c for c in report["checks"]}, report
 
 
+@pytest.mark.unit
 def test_the_driver_reports_passes_timeouts_deaths_and_failures(tmp_path):
     results, report = fake_run(tmp_path, [fake("passes", alone=True), fake("hangs", timeout_s=2), fake("dies"),
                                           fake("fails")])
@@ -177,6 +181,7 @@ def test_the_driver_reports_passes_timeouts_deaths_and_failures(tmp_path):
     assert "FAIL: loss equal (1 vs 2)" in last[3] and last[-1].startswith("gpu kit: 1 pass, 2 fail, 1 timeout")
 
 
+@pytest.mark.unit
 def test_a_second_run_in_the_same_work_folder_starts_each_check_afresh(tmp_path):
     """A warm device keeps the last call's work folder: its run directories must not be found again
     (rlhf refuses an --out that already holds a run)."""
@@ -187,6 +192,7 @@ def test_a_second_run_in_the_same_work_folder_starts_each_check_afresh(tmp_path)
     assert results["passes"]["status"] == "pass" and not stale.exists()
 
 
+@pytest.mark.unit
 def test_a_failed_required_check_or_a_spent_budget_leaves_the_rest_unstarted(tmp_path):
     results, _ = fake_run(tmp_path / "a", [fake("fails", required=True), fake("passes")])
     assert results["passes"]["status"] == "skip" and "the required check fails did not pass" in results["passes"]["skipped"]
@@ -196,12 +202,14 @@ def test_a_failed_required_check_or_a_spent_budget_leaves_the_rest_unstarted(tmp
     assert results["after"]["status"] == "skip" and "budget" in results["after"]["skipped"]
 
 
+@pytest.mark.unit
 def test_the_plan_estimate_packs_checks_beside_each_other():
     checks = [fake("passes", required=True), Check("a", "", 10, 30), Check("b", "", 10, 20), Check("c", "", 10, 20)]
     assert expected_wall(checks, jobs=2) == 1 + 40  # a beside b, then c after b
     assert expected_wall(checks, jobs=4) == 1 + 30
 
 
+@pytest.mark.unit
 def test_the_bundle_stays_under_the_transfer_limit_and_keeps_one_version(tmp_path):
     with pytest.raises(SystemExit, match="over the 64.0 MiB the device call carries"):
         bundle.check_size(60 * 2**20, 5 * 2**20)

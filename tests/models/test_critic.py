@@ -43,6 +43,7 @@ def encode(tok, text="What is 12 + 7? The answer is 19."):
     return ids, torch.ones_like(ids)
 
 
+@pytest.mark.unit
 def test_critic_from_a_sequence_classification_reward_model(classifier_dir, tok):
     from transformers import LlamaForSequenceClassification
 
@@ -58,6 +59,7 @@ def test_critic_from_a_sequence_classification_reward_model(classifier_dir, tok)
     assert float(values[0, -1]) == pytest.approx(float(expected), abs=1e-5)  # V(last state) = the reward model's score
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("prefix, in_config, option", [
     ("score", False, "score"),  # OpenRLHF's default
     ("value_head", True, "score"),  # config.json's value_head_prefix wins over the option
@@ -75,6 +77,7 @@ def test_critic_from_an_openrlhf_reward_model(tmp_path, tok, prefix, in_config, 
         assert float(critic(ids, mask)[0, -1]) == pytest.approx(float(worker.forward(ids, mask)[0]), abs=1e-5)
 
 
+@pytest.mark.unit
 def test_critic_from_the_policy_gets_a_fresh_head_on_the_policy_backbone(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -90,12 +93,14 @@ def test_critic_from_the_policy_gets_a_fresh_head_on_the_policy_backbone(tiny_mo
     assert 0 < float(critic.head.weight.detach().std()) < 3.0 / (hidden + 1)  # N(0, 1/(H+1)), as OpenRLHF draws it
 
 
+@pytest.mark.unit
 def test_a_classifier_with_several_labels_is_refused(tmp_path, tok):
     path = checkpoints.save_classifier(tmp_path / "clf", tok, num_labels=3)
     with pytest.raises(ConfigError, match="classifier with 3 labels"):
         load_critic(path)
 
 
+@pytest.mark.unit
 def test_a_declared_head_of_the_wrong_shape_is_refused(tmp_path, tok):
     path = checkpoints.save_openrlhf_layout(tmp_path / "rm", tok, "value_head", in_config=True)
     config = json.loads((path / "config.json").read_text())
@@ -104,6 +109,7 @@ def test_a_declared_head_of_the_wrong_shape_is_refused(tmp_path, tok):
         load_critic(path)
 
 
+@pytest.mark.unit
 def test_saved_critic_loads_back_as_a_critic_and_as_a_reward_model(openrlhf_dir, tok, tmp_path):
     adapter = HFModelAdapter(HFModelConfig(device="cpu", value_head_prefix="critic_head"))
     critic = adapter.load(str(openrlhf_dir), role="critic")
@@ -126,6 +132,7 @@ def test_saved_critic_loads_back_as_a_critic_and_as_a_reward_model(openrlhf_dir,
         assert float(worker.forward(ids, mask)[0]) == pytest.approx(float(expected[0, -1]), abs=1e-5)
 
 
+@pytest.mark.run
 def test_lora_critic_trains_adapters_and_head_and_saves_them_merged(tiny_model_dir, tok, tmp_path):
     critic = load_critic(tiny_model_dir, lora_rank=4)
     trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
@@ -146,6 +153,7 @@ def test_lora_critic_trains_adapters_and_head_and_saves_them_merged(tiny_model_d
         assert torch.allclose(reloaded(ids, mask), critic(ids, mask), atol=1e-5)
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_ppo_run_starts_the_critic_from_a_reward_model_and_saves_it(tiny_model_dir, classifier_dir, tmp_path,
                                                                      plugins, lora_rank):

@@ -16,6 +16,8 @@ from rlhf.plugins.models import lora as lora_module
 from rlhf.plugins.models.hf import HFModelAdapter, HFModelConfig
 from rlhf.core.logprobs import token_logprobs
 
+pytestmark = pytest.mark.unit
+
 
 def adapter(**options) -> HFModelAdapter:
     return HFModelAdapter(HFModelConfig(device="cpu", **options))

@@ -76,6 +76,7 @@ def recorded_run(tiny_model_dir, task, tmp_path_factory):
     return out, loaded
 
 
+@pytest.mark.run
 def test_lora_grpo_run_changes_only_adapter_weights(recorded_run, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -91,6 +92,7 @@ def test_lora_grpo_run_changes_only_adapter_weights(recorded_run, tiny_model_dir
     assert isinstance(loaded["reference"], AdapterDisabledModel) and loaded["reference"].policy is policy
 
 
+@pytest.mark.unit
 def test_reference_logprobs_equal_the_base_models_without_a_second_copy(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -115,6 +117,7 @@ def test_reference_logprobs_equal_the_base_models_without_a_second_copy(tiny_mod
     assert not ref_logprobs_again.requires_grad  # frozen even when called with gradients on
 
 
+@pytest.mark.run
 def test_saved_adapter_loads_with_peft_and_the_merged_model_matches(recorded_run, tiny_model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -139,6 +142,7 @@ def test_saved_adapter_loads_with_peft_and_the_merged_model_matches(recorded_run
     assert not any("lora" in k for k in merged.state_dict())
 
 
+@pytest.mark.run
 def test_merge_lora_command(recorded_run, tiny_model_dir, tmp_path, plugins):
     from transformers import AutoModelForCausalLM
 
@@ -160,6 +164,7 @@ def test_merge_lora_command(recorded_run, tiny_model_dir, tmp_path, plugins):
     assert not_empty.exit_code == 2 and "is not empty" in not_empty.output
 
 
+@pytest.mark.unit
 def test_rank_alpha_dropout_and_target_modules_reach_peft(tiny_model_dir):
     _, policy = lora_policy(tiny_model_dir, lora_alpha=32, lora_dropout=0.1, target_modules=["q_proj,v_proj"])
     config = policy.peft_config["default"]
@@ -177,6 +182,7 @@ def test_rank_alpha_dropout_and_target_modules_reach_peft(tiny_model_dir):
         HFModelAdapter(HFModelConfig(device="cpu", lora_rank=8, lora_dropout=1.5))
 
 
+@pytest.mark.unit
 def test_lora_adapter_by_name_defaults_to_rank_8(plugins, tiny_model_dir):
     adapter_cls = plugins.registry("model").get("lora")
     assert adapter_cls is LoRAModelAdapter
@@ -192,7 +198,7 @@ def _final_adapter(out):
     return load_file(str(out / "final" / "adapter_model.safetensors"))
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_resume_with_lora_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
     straight = tmp_path / "straight"
     train(small_config(tiny_model_dir, task, straight, steps=4, save_every=2, kl_coef=0.01),
@@ -217,6 +223,7 @@ def test_resume_with_lora_reproduces_the_uninterrupted_run(tiny_model_dir, task,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.run
 def test_cli_train_with_lora_rank_end_to_end(tiny_model_dir, task, tmp_path):
     """`rlhf train --lora-rank 8 ...` as a user runs it, with a chat template from a file."""
     template = tmp_path / "chat.jinja"
@@ -244,6 +251,7 @@ def test_cli_train_with_lora_rank_end_to_end(tiny_model_dir, task, tmp_path):
     assert prompts and all(p.startswith("<<user>> What is ") and p.endswith("<<assistant>>") for p in prompts)
 
 
+@pytest.mark.run
 @pytest.mark.gpu
 def test_qlora_trains_adapters_on_4bit_weights(tiny_model_dir):
     bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes")

@@ -5,7 +5,6 @@ Qwen2-MoE) against transformers' own value, its gradient, the fast paths, and en
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ def padded_batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
 KINDS = ["mixtral", "qwen2_moe"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", KINDS)
 def test_added_aux_loss_is_transformers_own_value_and_its_gradient(kind):
     model = tiny_moe(kind)
@@ -60,6 +60,7 @@ def test_added_aux_loss_is_transformers_own_value_and_its_gradient(kind):
     assert all(not torch.allclose(a, b) for a, b in zip(plain, routed))
 
 
+@pytest.mark.unit
 def test_forwards_without_gradients_are_left_out_and_several_forwards_are_token_weighted():
     model = tiny_moe("mixtral")
     ids, mask = padded_batch()
@@ -82,6 +83,7 @@ def test_forwards_without_gradients_are_left_out_and_several_forwards_are_token_
     assert model(input_ids=ids, attention_mask=mask).router_logits is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_forward_gives_the_aux_loss_of_its_real_tokens(kind):
     """--packing runs the rows as one unpadded row: the loss is over exactly the tokens it ran
@@ -108,6 +110,7 @@ def test_packed_forward_gives_the_aux_loss_of_its_real_tokens(kind):
     assert math.isclose(metrics["aux_loss"], float(expected.detach()), rel_tol=1e-5)
 
 
+@pytest.mark.unit
 def test_under_peft_and_gradient_checkpointing_the_loss_and_router_gradient_are_the_plain_ones():
     """peft calls the causal LM's ``forward`` directly (no module hooks fire there): the loss is
     taken at the base model inside; activation checkpointing recomputes the router in backward."""
@@ -146,6 +149,7 @@ def test_under_peft_and_gradient_checkpointing_the_loss_and_router_gradient_are_
         assert torch.allclose(got_grad, plain_grad, rtol=1e-5, atol=1e-7), wrap.__name__
 
 
+@pytest.mark.unit
 def test_a_model_without_experts_is_a_usage_error(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -156,6 +160,7 @@ def test_a_model_without_experts_is_a_usage_error(tiny_model_dir):
     assert RouterAux.attach(model, 0.0, str(tiny_model_dir)) is None  # 0: off, any model
 
 
+@pytest.mark.unit
 def test_a_reward_model_backbone_gives_transformers_value(tmp_path):
     """``rlhf rm`` trains a backbone under a value head: the loss comes from the backbone's router
     logits through the same transformers function."""
@@ -173,14 +178,6 @@ def test_a_reward_model_backbone_gives_transformers_value(tmp_path):
 # --- end to end -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    """A tiny Mixtral saved as a model directory (its tokenizer: pass tiny_model_dir's)."""
-    out = tmp_path_factory.mktemp("tiny-mixtral")
-    tiny_moe("mixtral").save_pretrained(out)
-    return out
-
-
 def _fit(plugins, tmp_path, args, coef):
     out = tmp_path / f"c{coef}"
     result = run_cli(plugins, args + ["--aux-loss-coef", str(coef), "--steps", "1", "--lr", "1e-3",
@@ -189,6 +186,7 @@ def _fit(plugins, tmp_path, args, coef):
     return read_jsonl(out / "metrics.jsonl")[0]
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("command", ["sft", "dpo", "rm", "kto", "prm", "distill"])
 def test_fit_commands_add_the_aux_loss(command, plugins, moe_dir, tiny_model_dir, fit_data, fit_teacher, tmp_path):
     """At step 1 (the same weights, the same micro-batches) the loss with C differs from the loss
@@ -203,6 +201,7 @@ def test_fit_commands_add_the_aux_loss(command, plugins, moe_dir, tiny_model_dir
                         rel_tol=1e-4, abs_tol=1e-6)
 
 
+@pytest.mark.run
 def test_train_adds_the_aux_loss_to_the_policy_loss(plugins, moe_dir, tiny_model_dir, task, tmp_path):
     def run(coef):
         out = tmp_path / f"rl{coef}"
@@ -221,6 +220,7 @@ def test_train_adds_the_aux_loss_to_the_policy_loss(plugins, moe_dir, tiny_model
                         rel_tol=1e-4, abs_tol=1e-6)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", ["sft", "train"])
 def test_cli_refuses_the_coefficient_for_a_dense_model_and_a_negative_one(command, plugins, tiny_model_dir, fit_data,
                                                                           task, tmp_path):

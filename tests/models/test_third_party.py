@@ -23,6 +23,7 @@ def task(tmp_path):
     return tmp_path
 
 
+@pytest.mark.run
 def test_a_plugin_adapter_is_selected_by_name_and_gets_its_own_option(plugins, tiny_model_dir, task):
     from transformers import AutoModelForCausalLM
 
@@ -42,11 +43,13 @@ def test_a_plugin_adapter_is_selected_by_name_and_gets_its_own_option(plugins, t
     assert "lm_head.weight" in changed
 
 
+@pytest.mark.unit
 def test_an_unknown_adapter_name_lists_the_installed_ones(plugins):
     with pytest.raises(UnknownComponentError, match="Did you mean 'lora'.*Available: hf, lora"):
         plugins.registry("model").component("loraa")
 
 
+@pytest.mark.unit
 def test_plugins_list_shows_builtin_and_plugin_adapters(plugins):
     plugins.register(freeze_plugin)
     result = run_cli(plugins, ["plugins", "list", "--all", "--kind", "model", "--json"])
@@ -56,6 +59,7 @@ def test_plugins_list_shows_builtin_and_plugin_adapters(plugins):
     assert provided[freeze_plugin.__name__] == ["freeze_last"]
 
 
+@pytest.mark.unit
 def test_the_readme_example_is_the_code_the_tests_run():
     from pathlib import Path
 

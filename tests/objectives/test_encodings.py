@@ -23,6 +23,8 @@ from rlhf.plugins.objectives.reward_model import RewardModelObjective
 from rlhf.plugins.objectives.sft import SFTObjective
 from rlhf.runtime.fit.text import TextFormatter
 
+pytestmark = pytest.mark.unit
+
 EOS = object()  # the tokenizer's EOS token, as a segment
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 

@@ -29,6 +29,8 @@ from rlhf.runtime.fit.data import _epoch_order
 from rlhf.runtime.fit.local import fit
 from tests.helpers import objective_scores, read_jsonl, run_cli, write_jsonl
 
+pytestmark = pytest.mark.run
+
 WORDS = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]
 
 

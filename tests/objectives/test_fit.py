@@ -27,6 +27,7 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto", "prm", "distill", "fit"])
 def test_each_command_trains_and_the_step_does_not_depend_on_the_micro_batch_size(
         command, tiny_model_dir, fit_data, fit_teacher, tmp_path):
@@ -60,6 +61,7 @@ def test_each_command_trains_and_the_step_does_not_depend_on_the_micro_batch_siz
     assert any(not torch.allclose(start[n], v) for n, v in final_one.items() if n in start)  # it did train
 
 
+@pytest.mark.run
 def test_the_rm_command_writes_a_sequence_classifier_that_rlhf_train_scores_with(tiny_model_dir, fit_data, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -89,6 +91,7 @@ def test_the_rm_command_writes_a_sequence_classifier_that_rlhf_train_scores_with
     assert scored == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.run
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, fit_data, tmp_path, make_plugin):
     from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import fit
@@ -123,6 +126,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, fit_data, tmp_p
         assert torch.equal(value, weights(interrupted / "final")[name]), name
 
 
+@pytest.mark.run
 def test_eval_runs_on_schedule_and_save_best_keeps_the_best_model(tiny_model_dir, fit_data, tmp_path):
     out = tmp_path / "run"
     args = command_args("dpo", tiny_model_dir, fit_data, fit_data)
@@ -143,7 +147,7 @@ def test_eval_runs_on_schedule_and_save_best_keeps_the_best_model(tiny_model_dir
     assert (out / "best" / "model.safetensors").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_two_ranks_take_the_same_steps_as_one(tiny_model_dir, fit_data, tmp_path):
     """KTO under torchrun: the step's reference point and units are summed over both ranks."""
     finals = []
@@ -172,12 +176,14 @@ def fit_error(args: list[str]) -> str:
     return result.output
 
 
+@pytest.mark.unit
 def test_a_missing_column_names_the_file_and_the_columns_present(tiny_model_dir, fit_data, tmp_path):
     output = fit_error(["rm", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
                         "--out", str(tmp_path / "r")])
     assert "sft.jsonl: no column 'chosen' (columns: prompt, response)" in output
 
 
+@pytest.mark.unit
 def test_a_bad_row_names_its_file_and_row(tiny_model_dir, tmp_path):
     bad = write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": "b", "label": True},
                                                 {"prompt": "a", "completion": "c", "label": "maybe"}])
@@ -186,6 +192,7 @@ def test_a_bad_row_names_its_file_and_row(tiny_model_dir, tmp_path):
     assert "kto.jsonl row 2: 'label' must be true/false" in output
 
 
+@pytest.mark.run
 def test_a_pair_whose_chosen_equals_its_rejected_is_counted_and_skipped(tiny_model_dir, tmp_path, caplog):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
                                                     {"prompt": "a", "chosen": "same", "rejected": "same"},
@@ -199,12 +206,14 @@ def test_a_pair_whose_chosen_equals_its_rejected_is_counted_and_skipped(tiny_mod
     assert len(read_jsonl(tmp_path / "r" / "metrics.jsonl")) == 1  # one usable pair, one step
 
 
+@pytest.mark.unit
 def test_a_margin_column_the_data_lacks_names_the_file_and_the_columns(tiny_model_dir, fit_data, tmp_path):
     message = fit_error(["rm", "--model", str(tiny_model_dir), "--data", str(fit_data / "pairs.jsonl"),
                          "--margin-key", "margin", "--out", str(tmp_path / "run")])
     assert "pairs.jsonl" in message and "margin" in message and "chosen" in message
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("command", ["sft", "dpo", "kto", "prm", "distill", "fit"])
 def test_a_runs_own_config_yaml_reruns_it_with_its_command(command, tiny_model_dir, fit_data, fit_teacher, tmp_path):
     """``rlhf sft --config runs/sft/config.yaml`` (it used to say "unknown option(s) objective"): the
@@ -225,6 +234,7 @@ def test_a_runs_own_config_yaml_reruns_it_with_its_command(command, tiny_model_d
         assert not (tmp_path / "dpo").exists()
 
 
+@pytest.mark.run
 def test_the_prompt_format_travels_with_the_model_to_the_next_stage(tiny_model_dir, fit_data, tmp_path):
     """sft records its prompt format in final/ (and best/); dpo from that model formats prompts the
     same way unless told otherwise, and says so."""
@@ -255,18 +265,21 @@ def test_the_prompt_format_travels_with_the_model_to_the_next_stage(tiny_model_d
     assert config["input_template"] == "{}" and "was trained" not in said
 
 
+@pytest.mark.unit
 def test_an_objective_that_distills_says_it_needs_a_teacher(tiny_model_dir, fit_data, tmp_path):
     output = fit_error(["distill", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
                         "--out", str(tmp_path / "r")])
     assert "pass --teacher MODEL" in output
 
 
+@pytest.mark.unit
 def test_an_unknown_objective_suggests_the_closest(tiny_model_dir, fit_data, tmp_path):
     output = fit_error(["fit", "--objective", "dpp", "--model", str(tiny_model_dir), "--data",
                         str(fit_data / "sft.jsonl"), "--out", str(tmp_path / "r")])
     assert "dpo" in output
 
 
+@pytest.mark.run
 def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, fit_data, tmp_path, make_plugin):
     """A plugin registering its own objective (here: SFT on the responses' first token only)."""
     from rlhf.core.protocols.objective import ObjectiveBase, require
@@ -306,6 +319,7 @@ def test_a_third_party_objective_runs_through_rlhf_fit(tiny_model_dir, fit_data,
     assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 1e-3  # the objective's default_lr
 
 
+@pytest.mark.cluster
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("command", ["dpo", "rm"])
 def test_zero3_takes_the_same_steps_as_the_torch_backend(command, tiny_model_dir, fit_data, tmp_path):
@@ -330,6 +344,7 @@ def test_zero3_takes_the_same_steps_as_the_torch_backend(command, tiny_model_dir
         assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-4)
 
 
+@pytest.mark.unit
 def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_dir, fit_data, tmp_path):
     from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import build_parts
@@ -355,6 +370,7 @@ def test_with_lora_the_reference_is_the_model_with_its_adapter_off(tiny_model_di
     assert not torch.allclose(trained_logits, base_logits, atol=1e-3)
 
 
+@pytest.mark.run
 def test_resume_warns_about_a_changed_plugin_set_and_only_then(tiny_model_dir, fit_data, tmp_path, make_plugin,
                                                                caplog):
     from rlhf.runtime.config.fit_config import FitConfig
@@ -375,6 +391,7 @@ def test_resume_warns_about_a_changed_plugin_set_and_only_then(tiny_model_dir, f
     assert "resuming with a different plugin set" in caplog.text
 
 
+@pytest.mark.unit
 def test_under_sharded_weights_a_rank_short_of_micro_batches_repeats_one_uncounted():
     """Every forward is a collective under ZeRO-3: a rank with fewer eval micro-batches than another
     runs its first one again, and that pass counts for nothing."""
@@ -398,6 +415,7 @@ def test_under_sharded_weights_a_rank_short_of_micro_batches_repeats_one_uncount
     assert list(FitLoop._passes(loop, ["a", "b"])) == [(["a"], True), (["b"], True)]
 
 
+@pytest.mark.run
 def test_a_run_names_the_plugins_that_failed_to_load(tiny_model_dir, fit_data, tmp_path, make_plugin, caplog):
     from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import fit

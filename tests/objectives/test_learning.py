@@ -17,6 +17,8 @@ import pytest
 from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import read_jsonl, run_cli
 
+pytestmark = pytest.mark.run
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples" / "tiny-model"
 PIPELINE = ROOT / "examples" / "pipeline"
@@ -33,7 +35,6 @@ def first_and_last_eval(metrics: list[dict]) -> tuple[dict, dict]:
     return evals[0], evals[-1]
 
 
-@pytest.mark.slow
 def test_sft_lowers_the_held_out_loss_and_teaches_the_model_to_stop(tmp_path):
     metrics = fit(["sft", "--model", str(MODEL), "--data", str(PIPELINE / "sft.jsonl"), "--max-samples", "256",
                    "--eval-data", str(PIPELINE / "sft_eval.jsonl"),
@@ -44,7 +45,6 @@ def test_sft_lowers_the_held_out_loss_and_teaches_the_model_to_stop(tmp_path):
     assert last["eval/loss"] < 0.5 * metrics[0]["train/loss"] and last["eval/loss"] < first["eval/loss"]
 
 
-@pytest.mark.slow
 def test_a_reward_model_ranks_held_out_pairs(tmp_path):
     """Half of the rejected answers ramble (easy), half are wrong sums (the model must check the sum)."""
     metrics = fit(["rm", "--model", str(MODEL), "--data", str(PIPELINE / "pairs.jsonl"),
@@ -55,7 +55,6 @@ def test_a_reward_model_ranks_held_out_pairs(tmp_path):
     assert last["eval/accuracy"] >= 0.7 and last["eval/margin"] > 0.5
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("command, data, eval_data, extra", [
     ("dpo", "pairs.jsonl", "pairs_eval.jsonl", ["--beta", "0.1"]),
     ("kto", "kto.jsonl", "kto_eval.jsonl", ["--output-key", "completion"]),
@@ -84,7 +83,6 @@ def step_chains(count: int, seed: int) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
 def test_a_process_reward_model_labels_held_out_steps(tmp_path):
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in step_chains(256, 0)))
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in step_chains(64, 1)))
@@ -96,7 +94,6 @@ def test_a_process_reward_model_labels_held_out_steps(tmp_path):
     assert last["eval/accuracy"] >= 0.9
 
 
-@pytest.mark.slow
 def test_distillation_brings_the_student_to_the_teacher(tmp_path):
     """A random student with the quickstart model's tokenizer, distilled from that model on its task."""
     from transformers import AutoTokenizer

@@ -15,6 +15,8 @@ import torch
 from rlhf.objectives import (distillation_loss, dpo_loss, kto_loss, prm_loss, reward_model_loss, sequence_logprobs,
                              sft_loss)
 
+pytestmark = pytest.mark.unit
+
 approx = pytest.approx
 
 

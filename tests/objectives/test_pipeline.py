@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.run
+
 
 ROOT = Path(__file__).resolve().parents[2]
 P = ROOT / "examples" / "pipeline"
@@ -32,7 +34,6 @@ def numbers(line: str) -> list[float]:
     return [float(x) for x in re.findall(r"\d+\.\d+", line)]
 
 
-@pytest.mark.slow
 def test_the_pipeline_prints_the_readmes_figures_and_ppo_raises_the_reward_models_reward(tmp_path):
     """``bash examples/pipeline/run.sh`` as a reader runs it: SFT -> RM -> PPO with that reward model,
     and SFT -> DPO; its report is the README's, figure by figure (within float noise: the thread count

@@ -28,6 +28,8 @@ from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.helpers import ROOT, assert_same_gradients, run_cli, write_jsonl
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
+pytestmark = pytest.mark.run
+
 # Loop-level entries of a step's metrics (the rest is the objective's: its loss and its metrics).
 LOOP_METRICS = {"train/grad_norm", "train/lr", "train/skipped", "train/skipped_steps", "train/epoch", "train/units"}
 BATCH, MICRO = 4, 2

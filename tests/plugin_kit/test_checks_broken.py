@@ -26,6 +26,7 @@ def check(plugins, make_plugin, hook, name, obj, **flags):
     return run_cli(plugins, ["plugins", "check", name])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fn, message", ESTIMATORS, ids=[f.__name__ for f, _ in ESTIMATORS])
 def test_a_broken_estimator_fails_its_check(plugins, make_plugin, fn, message):
     result = check(plugins, make_plugin, "register_advantage_estimators", "bad_adv", fn, needs_groups=True)
@@ -34,24 +35,28 @@ def test_a_broken_estimator_fails_its_check(plugins, make_plugin, fn, message):
     assert message in result.output
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fn, message", LOSSES, ids=[f.__name__ for f, _ in LOSSES])
 def test_a_broken_policy_loss_fails_its_check(plugins, make_plugin, fn, message):
     result = check(plugins, make_plugin, "register_policy_losses", "bad_loss", fn)
     assert result.exit_code == 1 and message in result.output, result.output
 
 
+@pytest.mark.unit
 def test_a_kl_estimator_that_is_not_zero_at_the_reference_fails(plugins, make_plugin):
     result = check(plugins, make_plugin, "register_kl_estimators", "bad_kl", broken.shifted_kl)
     assert result.exit_code == 1
     assert "the KL of a policy equal to its reference should be 0, got up to 0.1" in result.output
 
 
+@pytest.mark.unit
 def test_an_aggregation_that_divides_by_the_micro_batch_fails(plugins, make_plugin):
     result = check(plugins, make_plugin, "register_loss_aggregations", "bad_agg", broken.micro_batch_token_mean)
     assert result.exit_code == 1
     assert "the micro-batch losses of a step split [3, 3] do not add up to the whole step's loss" in result.output
 
 
+@pytest.mark.unit
 def test_a_reward_of_the_wrong_length_fails(plugins, make_plugin):
     result = check(plugins, make_plugin, "register_rewards", "short", broken.short_reward)
     assert result.exit_code == 1
@@ -59,12 +64,14 @@ def test_a_reward_of_the_wrong_length_fails(plugins, make_plugin):
     assert "3" in result.output and "4" in result.output
 
 
+@pytest.mark.unit
 def test_a_nan_reward_fails(plugins, make_plugin):
     result = check(plugins, make_plugin, "register_rewards", "nan_reward", broken.nan_reward)
     assert result.exit_code == 1
     assert "scores must be finite numbers or None" in result.output or "returned the wrong thing" in result.output
 
 
+@pytest.mark.unit
 def test_an_unpicklable_reward_fails(plugins, make_plugin):
     result = check(plugins, make_plugin, "register_rewards", "closure", lambda completions: [0.0] * len(completions))
     assert result.exit_code == 1
@@ -72,12 +79,14 @@ def test_an_unpicklable_reward_fails(plugins, make_plugin):
     assert "define it at module level" in result.output
 
 
+@pytest.mark.unit
 def test_an_async_reward_is_called_and_passes(plugins, make_plugin):
     result = check(plugins, make_plugin, "register_rewards", "async_len", broken.async_reward)
     assert result.exit_code == 0, result.output
     assert "called batched, async on 4 samples" in result.output
 
 
+@pytest.mark.unit
 def test_a_preset_naming_a_missing_piece_fails(plugins, make_plugin):
     from rlhf.core.types import AlgorithmPreset
 
@@ -87,7 +96,7 @@ def test_a_preset_naming_a_missing_piece_fails(plugins, make_plugin):
     assert "names advantage estimator 'no_such_estimator', which cannot be used" in result.output
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_an_adapter_whose_export_does_not_load_fails(plugins, make_plugin):
     result = check(plugins, make_plugin, "register_models", "no_export", broken.ExportsNothing,
                    roles=("policy", "reference"))
@@ -96,7 +105,7 @@ def test_an_adapter_whose_export_does_not_load_fails(plugins, make_plugin):
     assert "which AutoModelForCausalLM/AutoTokenizer.from_pretrained cannot load" in result.output
 
 
-@pytest.mark.slow
+@pytest.mark.run
 @pytest.mark.parametrize("cls, message", [
     (broken.StepChangesNothing, "step() did not change the weights after backward(loss)"),
     (broken.ForgetsOptimizerState, "state_dict() misses optimizer or schedule state"),
@@ -107,14 +116,14 @@ def test_a_broken_backend_fails(plugins, make_plugin, cls, message):
     assert message in result.output
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_a_correct_backend_of_our_own_passes(plugins, make_plugin):
     result = check(plugins, make_plugin, "register_train_backends", "good_backend", broken.GoodBackend)
     assert result.exit_code == 0, result.output
     assert "a restored backend takes the same next step" in result.output
 
 
-@pytest.mark.slow
+@pytest.mark.run
 @pytest.mark.parametrize("cls, flags, message", [
     (broken.OneSampleShort, {}, "generate(2 prompts, n=3) should return a list of 6 Generation, got 5"),
     (broken.IgnoresStop, {}, "goes on after the stop string"),
@@ -126,7 +135,7 @@ def test_a_broken_engine_fails(plugins, make_plugin, cls, flags, message):
     assert message in result.output
 
 
-@pytest.mark.slow
+@pytest.mark.unit
 @pytest.mark.parametrize("cls, code, message", [
     (broken.GoodObjective, 0, "two micro-batches weighted by their units give the whole batch's loss"),
     (broken.SumsInsteadOfMeans, 1, "loss must be the mean over units(batch)"),
@@ -154,6 +163,7 @@ def _unnamespaced_metric(trajectories, rewards, config):
     return list(rewards), {"penalty": 1.0}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fn, message", [
     (_first_half, "the verdict of a group changed with its position in the step"),
     (_one_flag, "returned 1 flags for 4 prompt groups"),
@@ -164,6 +174,7 @@ def test_a_broken_sample_filter_fails_its_check(plugins, make_plugin, fn, messag
     assert message in result.output, result.output
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fn, message", [
     (_revives_dropped, "was dropped (reward None) and came back as 0.0; keep it None"),
     (_unnamespaced_metric, "metric 'penalty' needs a namespace"),

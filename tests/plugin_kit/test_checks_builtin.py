@@ -10,7 +10,7 @@ from rlhf.core.plugin_host.loading import build_plugin_manager
 from rlhf.plugin_kit.checks import CHECKS, check_for
 from tests.helpers import run_cli
 
-HEAVY_KINDS = {"model", "rollout_engine", "train_backend", "objective"}
+RUN_KINDS = {"model", "rollout_engine", "train_backend"}  # their checks train or generate with a tiny model
 
 
 def _builtin_names() -> list[tuple[str, bool]]:
@@ -18,20 +18,22 @@ def _builtin_names() -> list[tuple[str, bool]]:
     names: dict[str, bool] = {}
     for registry in plugins.registries().values():
         for component in registry.components():
-            names[component.name] = names.get(component.name, False) or registry.kind.name in HEAVY_KINDS
+            names[component.name] = names.get(component.name, False) or registry.kind.name in RUN_KINDS
     return sorted(names.items())
 
 
 NAMES = _builtin_names()
 
 
+@pytest.mark.unit
 def test_every_kind_has_a_contract_check():
     assert sorted(CHECKS) == sorted(KINDS), "add rlhf/plugin_kit/checks/<kind>.py and its line in CHECKS"
     for kind in KINDS:
         assert callable(check_for(kind))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if heavy else n for n, heavy in NAMES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.run if runs else pytest.mark.unit)
+                                  for n, runs in NAMES])
 def test_every_builtin_component_passes_its_check(plugins, name):
     result = run_cli(plugins, ["plugins", "check", name])
     assert result.exit_code == 0, result.output
@@ -39,6 +41,7 @@ def test_every_builtin_component_passes_its_check(plugins, name):
     assert blocks >= 1 and result.output.count("ok: the contract holds") + result.output.count("skipped: it needs a GPU") == blocks
 
 
+@pytest.mark.unit
 def test_the_import_time_is_reported_and_a_slow_plugin_warned(plugins, fake_site):
     fake_site.add("rlhf-fast", "1.0", {"fast": "fast_plugin"}, {"fast_plugin": """
         import rlhf
@@ -73,6 +76,7 @@ def test_the_import_time_is_reported_and_a_slow_plugin_warned(plugins, fake_site
     assert "over 100 ms" in slow.output and 'register the object as a "module:attr" string' in slow.output
 
 
+@pytest.mark.unit
 def test_a_plugin_that_imports_torch_is_named_as_the_cause(fake_site):
     fake_site.add("rlhf-torchy", "1.0", {"torchy": "torchy_plugin"}, {"torchy_plugin": """
         import torch

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from tests.helpers import pip_install, readme_plugin_files
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 7
 
@@ -38,7 +40,6 @@ def _help_seconds(pythonpath: str) -> float:
     return time.perf_counter() - start
 
 
-@pytest.mark.slow
 def test_installed_example_plugins_keep_rlhf_help_under_twice_its_time(tmp_path):
     site = tmp_path / "site"
     sources = _example_sources(tmp_path)

@@ -9,6 +9,8 @@ import pytest
 from rlhf.plugin_kit.scaffold import SPECS
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("kind", sorted(SPECS))
 def test_new_writes_a_package_with_entry_point_light_plugin_module_test_and_readme(plugins, tmp_path, kind):

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]], ids=["sync", "async"])
 def test_grpo_on_the_toy_task_raises_mean_reward(tmp_path, mode):
     out = tmp_path / "quickstart"

@@ -18,6 +18,7 @@ def _rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (DATA_DIR / name).read_text().splitlines()]
 
 
+@pytest.mark.unit
 def test_exact_match_compares_stripped_completion_with_label():
     exact_match = import_object(f"{ROOT / 'examples' / 'rewards.py'}:exact_match")
     completions = ["68", " 68\n", "68, so 45+23=68", "6", "", "105"]
@@ -25,11 +26,13 @@ def test_exact_match_compares_stripped_completion_with_label():
     assert exact_match(completions=completions, labels=labels, prompts=["x"] * 6) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
 
 
+@pytest.mark.unit
 def test_format_ok_accepts_digits_only():
     format_ok = import_object(f"{ROOT / 'examples' / 'rewards.py'}:format_ok")
     assert format_ok(completions=["68", " 7 ", "68, so 45+23=68", "", "6 8"]) == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
+@pytest.mark.unit
 def test_toy_data_is_addition_with_a_disjoint_held_out_split():
     train, held_out = _rows("train.jsonl"), _rows("eval.jsonl")
     assert (len(train), len(held_out)) == (2000, 500)
@@ -39,6 +42,7 @@ def test_toy_data_is_addition_with_a_disjoint_held_out_split():
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
 
 
+@pytest.mark.unit
 def test_tiny_model_loads_with_auto_classes_and_is_small():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,6 +59,7 @@ def test_tiny_model_loads_with_auto_classes_and_is_small():
     assert (MODEL_DIR / "model.safetensors").stat().st_size < 3 * 2**20
 
 
+@pytest.mark.run
 def test_tiny_model_adds_but_often_rambles_on():
     """Greedy decoding gets the sum right but does not stop after it: the reward starts low."""
     import torch

@@ -15,6 +15,8 @@ from rlhf.runtime.ray.groups import (Host, WorkerDiedError, WorkerFailedError, W
                                      failure, wait)
 from rlhf.runtime.ray.placement import plan_layout
 
+pytestmark = pytest.mark.cluster
+
 
 def config(**values):
     return TrainConfig.from_dict({"model": "m", "data": ["d.jsonl"], "reward": ["r.py"], **values})

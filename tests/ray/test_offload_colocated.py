@@ -13,7 +13,7 @@ from rlhf.runtime.config.train_config import TrainConfig
 from rlhf.runtime.rl.local import train as local_train
 from tests.helpers import final_weights, one_thread, read_jsonl
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.cluster, pytest.mark.ray]
 
 
 def make_config(model_dir, task, out, **overrides):

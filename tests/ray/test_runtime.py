@@ -26,7 +26,7 @@ from tests.helpers import one_thread, read_jsonl, write_task
 from tests.ray.runs import (TRAINING_KEYS, actor_processes, assert_same_training, final_weights, make_config,
                             ray_processes, samples)
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.cluster, pytest.mark.ray]
 
 ENV = '''\
 from rlhf.core.types import StepResult

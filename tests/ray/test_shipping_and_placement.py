@@ -14,6 +14,8 @@ from rlhf.runtime.ray.cluster import job_runtime_env
 from rlhf.runtime.ray.placement import Layout, never_fits, plan_layout
 from rlhf.runtime.ray.shipping import check_size, runtime_excludes, shipped_files
 
+pytestmark = pytest.mark.cluster
+
 MiB = 1024 * 1024
 
 

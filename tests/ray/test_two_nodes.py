@@ -22,7 +22,7 @@ from rlhf.runtime.rl.local import train as local_train
 from tests.helpers import one_thread, read_jsonl
 from tests.ray.runs import assert_same_training, final_weights, make_config, ray_processes
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.cluster, pytest.mark.ray]
 
 REPO = Path(rlhf.__file__).resolve().parents[1]
 STEPS = 2

@@ -12,7 +12,7 @@ from rlhf.core.plugin_host.loading import build_plugin_manager
 from rlhf.runtime.config.train_config import TrainConfig
 from tests.helpers import final_weights, read_jsonl
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.cluster, pytest.mark.ray]
 
 FRACTIONS = {"policy_cpus": 0.5, "ref_cpus": 0.5, "rollout_cpus": 0.5}  # the session cluster has 2 CPUs
 

@@ -8,6 +8,8 @@ from rlhf.plugins.rewards.builtin import exact_match_reward, regex_reward
 from rlhf.plugins.rewards.math_answer import answers_equal, last_boxed
 from rlhf.rewards import load_reward
 
+pytestmark = pytest.mark.unit
+
 
 def score(plugins, name, completions, labels=None, **columns):
     return load_reward(name, plugins=plugins).score(["p"] * len(completions), completions, labels, **columns)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from rlhf.rewards.calling import FunctionSource
 from rlhf.rewards.options import RewardOptions
 from rlhf.rewards.threads import CallLimit
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_call_limit_holds_across_event_loops_and_threads():

@@ -15,6 +15,8 @@ from rlhf.rewards.loading import build_set
 from rlhf.rewards.options import RewardOptions
 from rlhf.rewards import RewardConfigError, load_reward, load_rewards
 
+pytestmark = pytest.mark.unit
+
 STYLE = Path(__file__).with_name("style_functions.py")
 
 

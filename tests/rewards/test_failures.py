@@ -15,6 +15,8 @@ from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.options import RewardOptions
 from rlhf.rewards import RewardError
 
+pytestmark = pytest.mark.unit
+
 PROMPTS = ["first prompt", "second prompt", "third prompt"]
 COMPLETIONS = ["1", "0", "2"]
 

@@ -17,6 +17,8 @@ from rlhf.rewards.options import RewardOptions
 from rlhf.rewards.remote import HttpSource
 from rlhf.rewards import RewardConfigError, RewardError, load_reward
 
+pytestmark = pytest.mark.unit
+
 FAST = dict(retries=2, backoff_s=0.01, backoff_max_s=0.02, timeout_s=0.5)
 
 

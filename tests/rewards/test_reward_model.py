@@ -15,6 +15,8 @@ from rlhf.rewards import RewardConfigError, load_reward
 from tests.models import checkpoints
 from tests.models.checkpoints import llama_config, save_openrlhf_layout
 
+pytestmark = pytest.mark.unit
+
 PROMPTS = ["What is 12 + 7?", "Say hello to the world."]
 COMPLETIONS = [" The answer is 19.", " hello"]
 

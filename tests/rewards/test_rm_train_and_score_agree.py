@@ -27,6 +27,8 @@ from rlhf.core.plugin_host.loading import build_plugin_manager
 from rlhf.core.protocols.rollout import Generation
 from tests.helpers import objective_scores, read_jsonl, run_cli, write_jsonl
 
+pytestmark = pytest.mark.run
+
 WORDS = ["cat", "hello world", "the quick brown fox", "12 + 7 = 19", "dog", "say hello", "jumps over", "lazy"]
 PAIRS = [{"prompt": f"Q: {word}?", "chosen": word, "rejected": WORDS[(index + 3) % len(WORDS)]}
          for index, word in enumerate(WORDS)]

@@ -24,6 +24,8 @@ from rlhf.rewards.options import RewardOptions
 from rlhf.rewards import RewardError, load_reward, load_rewards
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

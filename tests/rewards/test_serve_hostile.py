@@ -20,6 +20,8 @@ from rlhf.rewards.limits import ServerLimits
 from rlhf.rewards.server import RewardServer
 from tests.helpers import post_raw
 
+pytestmark = pytest.mark.unit
+
 
 def get_health(url: str) -> tuple[int, dict[str, Any]]:
     try:

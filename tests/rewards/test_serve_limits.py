@@ -17,6 +17,8 @@ from rlhf.rewards.calling import FunctionSource
 from rlhf.rewards.limits import ServerLimits
 from tests.helpers import post_raw
 
+pytestmark = pytest.mark.unit
+
 
 def health(url: str, timeout: float = 5) -> int:
     with urllib.request.urlopen(url + "/health", timeout=timeout) as response:

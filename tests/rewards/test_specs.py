@@ -14,6 +14,8 @@ from rlhf.rewards.remote import HttpSource
 from rlhf.rewards.reward_model import RewardModelSource
 from rlhf.rewards import RewardConfigError, RewardError, load_reward, load_rewards
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("spec, expected", [
     ("exact_match", ("exact_match", 1.0)),

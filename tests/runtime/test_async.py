@@ -62,6 +62,7 @@ def assert_on_policy_only_at_first(metrics: list[dict]) -> None:
     assert abs(kl[0]) < 1e-6 and all(abs(value) > 1e-5 for value in kl[1:]), kl
 
 
+@pytest.mark.run
 def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp_path):
     sync = _run(tiny_model_dir, task, tmp_path / "sync")
     ahead = _run(tiny_model_dir, task, tmp_path / "async", async_rollout=True, max_staleness=0)
@@ -73,6 +74,7 @@ def test_staleness_zero_is_exactly_the_synchronous_run(tiny_model_dir, task, tmp
     assert _no_producer_left()
 
 
+@pytest.mark.run
 def test_staleness_one_samples_each_batch_from_the_previous_version(tiny_model_dir, task, tmp_path):
     ahead = _run(tiny_model_dir, task, tmp_path / "async", async_rollout=True, max_staleness=1)
     assert [m["async/staleness_max"] for m in ahead] == [0, 1, 1, 1]
@@ -90,6 +92,7 @@ def test_staleness_one_samples_each_batch_from_the_previous_version(tiny_model_d
     assert _samples(tmp_path / "again") == _samples(tmp_path / "async")
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_resume_with_batches_in_flight_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin,
                                                                         staleness):
@@ -105,6 +108,7 @@ def test_resume_with_batches_in_flight_reproduces_the_uninterrupted_run(tiny_mod
     _assert_same_run(tmp_path / "resumed", resumed, tmp_path / "straight", straight)
 
 
+@pytest.mark.run
 def test_an_error_in_generation_stops_the_run_and_the_producer(tiny_model_dir, task, tmp_path):
     calls = tmp_path / "calls"
     reward = tmp_path / "failing.py"
@@ -123,6 +127,7 @@ def reward_func(completions, **kwargs):
     assert _no_producer_left()
 
 
+@pytest.mark.run
 def test_an_error_in_training_stops_the_producer(tiny_model_dir, task, tmp_path, make_plugin):
     def explode(step):
         if step == 1:
@@ -135,6 +140,7 @@ def test_an_error_in_training_stops_the_producer(tiny_model_dir, task, tmp_path,
     assert _no_producer_left()
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("filtered", [True, False], ids=["one-batch-at-a-time", "pipelined"])
 def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task, tmp_path, filtered):
     options = dict(async_rollout=True, max_staleness=1, eval_data=[str(task / "data.jsonl")], eval_max_samples=2,
@@ -150,6 +156,7 @@ def test_async_with_eval_and_filtering_stays_deterministic(tiny_model_dir, task,
     assert_on_policy_only_at_first(trained)
 
 
+@pytest.mark.unit
 def test_async_is_refused_where_it_cannot_run(tiny_model_dir, task, tmp_path, plugins):
     result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
                                "--reward", str(task / "rewards.py"), "--async", "--runtime", "ray", "--colocate",
@@ -183,6 +190,7 @@ class SlowToolEnv:
 '''
 
 
+@pytest.mark.run
 def test_environments_of_a_batch_step_concurrently(tiny_model_dir, task, tmp_path):
     (tmp_path / "slow_env.py").write_text(SLOW_ENV)
     out = tmp_path / "run"
@@ -225,6 +233,7 @@ async def slow_reward(completions, labels, **kwargs):
 '''
 
 
+@pytest.mark.run
 def test_pipelined_runs_overlap_rewards_and_stay_deterministic_through_a_resume(tiny_model_dir, task, tmp_path,
                                                                                    make_plugin):
     def options(name):  # a reward file per run: module state (the call counter) starts afresh
@@ -241,6 +250,7 @@ def test_pipelined_runs_overlap_rewards_and_stay_deterministic_through_a_resume(
     _assert_same_run(tmp_path / "c", resumed, tmp_path / "a", first)
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("staleness, producer, trainer", [(0, 2, 2), (1, 1, 1)])
 def test_producer_and_trainer_split_the_threads_when_they_overlap(tiny_model_dir, task, tmp_path, make_plugin,
                                                                   staleness, producer, trainer):
@@ -293,6 +303,7 @@ class GatedTools:
 '''
 
 
+@pytest.mark.run
 def test_continuous_rollouts_of_several_batches_overlap_and_stay_deterministic_through_a_resume(
         tiny_model_dir, task, tmp_path, make_plugin):
     def options(name, gate=True):  # an env file per run: module state starts afresh

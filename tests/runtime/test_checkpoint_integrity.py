@@ -28,6 +28,7 @@ def _weights_file(step_dir):
                 and p.stat().st_size > 1000)
 
 
+@pytest.mark.run
 def test_every_checkpoint_and_model_folder_has_a_manifest_of_its_files(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     train(small_config(tiny_model_dir, task, out, steps=2, save_every=1), plugins=plugins)
@@ -42,6 +43,7 @@ def test_every_checkpoint_and_model_folder_has_a_manifest_of_its_files(tiny_mode
         assert checkpoint.manifest_problem(folder) is None
 
 
+@pytest.mark.unit
 def test_manifest_problem_names_the_file_and_what_changed(tmp_path):
     folder = tmp_path / "step_1"
     (folder / "policy").mkdir(parents=True)
@@ -64,6 +66,7 @@ def test_manifest_problem_names_the_file_and_what_changed(tmp_path):
     assert checkpoint.manifest_problem(folder) is None  # written before manifests: nothing to check
 
 
+@pytest.mark.run
 def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(tiny_model_dir, task, tmp_path, plugins, caplog):
     """Killed after step 3 with step_3 damaged: the resume warns once, continues from step_2 and ends
     with the uninterrupted run's weights."""
@@ -83,6 +86,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(tiny_model_d
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@pytest.mark.run
 def test_no_intact_checkpoint_is_one_line_through_the_cli(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     train(small_config(tiny_model_dir, task, out, steps=1), plugins=plugins)
@@ -95,6 +99,7 @@ def test_no_intact_checkpoint_is_one_line_through_the_cli(tiny_model_dir, task, 
     assert "Traceback" not in result.output
 
 
+@pytest.mark.run
 def test_a_damaged_checkpoint_from_before_manifests_is_one_line(tiny_model_dir, task, tmp_path, plugins):
     """No manifest to check (an older rlhf wrote it): the reader's failure names the folder."""
     out = tmp_path / "run"
@@ -107,6 +112,7 @@ def test_a_damaged_checkpoint_from_before_manifests_is_one_line(tiny_model_dir, 
               plugins=build_plugin_manager())
 
 
+@pytest.mark.run
 def test_leftovers_of_a_killed_write_are_removed_at_start(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     train(small_config(tiny_model_dir, task, out, steps=1), plugins=plugins)
@@ -130,6 +136,7 @@ def damaged_model(tiny_model_dir, tmp_path):
     return model
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", ["train", "chat", "sft"])
 def test_a_damaged_model_file_is_one_line_naming_the_model(command, damaged_model, task, tmp_path, plugins):
     out = tmp_path / "run"

@@ -28,23 +28,27 @@ def assert_one_line(result, code: int, text: str) -> None:
     assert "Traceback" not in result.output
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [train, sft])
 def test_a_model_path_that_does_not_exist(command, task, tmp_path, plugins):
     result = command(plugins, tmp_path / "no-such-model", task / "data.jsonl", tmp_path / "run")
     assert_one_line(result, 2, f"{tmp_path / 'no-such-model'}: no such model directory")
 
 
+@pytest.mark.unit
 def test_chat_with_a_model_path_that_does_not_exist(tmp_path, plugins):
     result = run_cli(plugins, ["chat", str(tmp_path / "no-such-model")])
     assert_one_line(result, 2, f"{tmp_path / 'no-such-model'}: no such model directory")
 
 
+@pytest.mark.unit
 def test_a_model_directory_without_config(task, tmp_path, plugins):
     (tmp_path / "empty").mkdir()
     result = train(plugins, tmp_path / "empty", task / "data.jsonl", tmp_path / "run")
     assert_one_line(result, 2, "it is not a Hugging Face model or tokenizer directory")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [train, sft])
 def test_a_malformed_json_line_is_named_and_shown(command, tiny_model_dir, tmp_path, plugins, caplog):
     data = tmp_path / "data.jsonl"
@@ -56,6 +60,7 @@ def test_a_malformed_json_line_is_named_and_shown(command, tiny_model_dir, tmp_p
     assert not (tmp_path / "run").exists()  # a run that never started leaves no --out behind
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [train, sft])
 @pytest.mark.parametrize("content", ["", "\n  \n"])
 def test_an_empty_data_file_is_named_and_leaves_no_out_behind(command, content, tiny_model_dir, tmp_path, plugins):
@@ -66,6 +71,7 @@ def test_an_empty_data_file_is_named_and_leaves_no_out_behind(command, content, 
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.unit
 def test_non_utf8_data_names_the_line(tiny_model_dir, tmp_path, plugins):
     data = tmp_path / "data.jsonl"
     data.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
@@ -73,6 +79,7 @@ def test_non_utf8_data_names_the_line(tiny_model_dir, tmp_path, plugins):
     assert_one_line(result, 2, f"{data} line 2: not UTF-8 text (byte 0xe9 at column 16)")
 
 
+@pytest.mark.unit
 def test_a_prompt_that_is_neither_text_nor_messages(tiny_model_dir, tmp_path, plugins):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": 7, "answer": "1"}) + "\n" for _ in range(2)))
@@ -82,6 +89,7 @@ def test_a_prompt_that_is_neither_text_nor_messages(tiny_model_dir, tmp_path, pl
     assert "holds chat messages" not in result.output
 
 
+@pytest.mark.unit
 def test_a_response_that_is_not_text_in_sft(tiny_model_dir, tmp_path, plugins):
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": "q", "response": 3}) + "\n" for _ in range(2)))
@@ -89,6 +97,7 @@ def test_a_response_that_is_not_text_in_sft(tiny_model_dir, tmp_path, plugins):
     assert result.exit_code == 2 and "a response must be a string" in result.output, result.output
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("row, what", [
     ({"prompt": [{"role": "user", "content": "q"}], "response": "a"}, "the prompt"),
     ({"prompt": "q", "response": [{"role": "assistant", "content": "a"}]}, "a response"),
@@ -100,6 +109,7 @@ def test_chat_messages_in_sft_without_the_chat_template_flag(tiny_model_dir, tmp
     assert_one_line(result, 2, f"{data} row 2: {what} holds chat messages, not a string; add --apply-chat-template")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flag, value, message", [
     ("--lr", "-1", "--lr must be positive; got -1.0"),
     ("--steps", "0", "--steps must be at least 1; got 0"),
@@ -117,6 +127,7 @@ def test_out_of_range_train_options(flag, value, message, task, tmp_path, plugin
     assert_one_line(result, 2, message)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [train, sft, "generate"])
 def test_a_chat_template_and_an_input_template_together_are_refused(command, task, tmp_path, plugins):
     both = ("--apply-chat-template", "--input-template", "Q: {} A:")
@@ -128,11 +139,13 @@ def test_a_chat_template_and_an_input_template_together_are_refused(command, tas
     assert_one_line(result, 2, "--apply-chat-template and --input-template both format the prompt; give one")
 
 
+@pytest.mark.unit
 def test_out_of_range_fit_options(task, tmp_path, plugins):
     result = sft(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", "--lr", "0")
     assert_one_line(result, 2, "--lr must be positive; got 0.0")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [train, sft])
 def test_an_unwritable_out_fails_before_models_load(command, task, tmp_path, plugins):
     (tmp_path / "a-file").write_text("")
@@ -141,6 +154,7 @@ def test_an_unwritable_out_fails_before_models_load(command, task, tmp_path, plu
     assert_one_line(result, 2, f"--out {out}: cannot write there (Not a directory)")
 
 
+@pytest.mark.unit
 def test_model_directory_errors_need_no_transformers_traceback(tmp_path):
     from rlhf.core.errors import ConfigError
     from rlhf.core.modeling import check_model_ref
@@ -155,6 +169,7 @@ def test_model_directory_errors_need_no_transformers_traceback(tmp_path):
     check_model_ref(str(tokenizer_only), weights=False)
 
 
+@pytest.mark.unit
 def test_a_hub_name_with_the_hub_out_of_reach_fails_at_once(task, tmp_path, plugins, monkeypatch):
     """It used to take the hub client's retries (about 50 s) to say it could not connect."""
     from huggingface_hub import constants
@@ -176,11 +191,13 @@ def test_a_hub_name_with_the_hub_out_of_reach_fails_at_once(task, tmp_path, plug
     assert_one_line(result, 2, "a copy is in the local cache: run with HF_HUB_OFFLINE=1 to use it")
 
 
+@pytest.mark.unit
 def test_a_usage_error_points_at_the_subcommands_help(task, tmp_path, plugins):
     result = train(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", "--lr", "-1")
     assert "cli train [OPTIONS]" in result.output and "cli train --help' for help" in result.output, result.output
 
 
+@pytest.mark.unit
 def test_the_command_list_cuts_no_line_short(plugins):
     result = run_cli(plugins, ["--help"])
     assert result.exit_code == 0
@@ -189,6 +206,7 @@ def test_the_command_list_cuts_no_line_short(plugins):
     assert commands.count("(") == commands.count(")"), commands
 
 
+@pytest.mark.run
 def test_missing_labels_are_counted_and_refused_unless_allowed(tiny_model_dir, tmp_path, plugins, caplog):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "2 + 2?"}\n{"prompt": "3 + 3?", "answer": "6"}\n'
@@ -201,7 +219,7 @@ def test_missing_labels_are_counted_and_refused_unless_allowed(tiny_model_dir, t
     assert "2 of 4 rows have no label" in caplog.text
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_module_rewards_import_from_the_current_directory(tiny_model_dir, task, tmp_path):
     """The `rlhf` script (not `python -m`) does not put the current directory on sys.path by itself."""
     import os
@@ -221,6 +239,7 @@ def test_module_rewards_import_from_the_current_directory(tiny_model_dir, task, 
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["reward/mean"] == 1.0
 
 
+@pytest.mark.unit
 def test_a_timeout_that_cannot_apply_to_a_sync_reward_is_said(caplog):
     from rlhf.rewards import load_rewards
 
@@ -232,6 +251,7 @@ def test_a_timeout_that_cannot_apply_to_a_sync_reward_is_said(caplog):
     assert "does not apply" not in caplog.text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("reward, message", [
     ("examples/rewards.py:nosuch", "'examples/rewards.py' ("),
     ("no_such_file.py", "file 'no_such_file.py' does not exist"),

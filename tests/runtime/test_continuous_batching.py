@@ -56,6 +56,7 @@ def _record_batch_sizes(monkeypatch):
     return sizes
 
 
+@pytest.mark.run
 def test_staggered_greedy_requests_get_what_one_batched_generate_gives(model_and_tokenizer, monkeypatch):
     model, tokenizer = model_and_tokenizer
     engine = _never_ends(HFEngine(model, tokenizer))
@@ -72,6 +73,7 @@ def test_staggered_greedy_requests_get_what_one_batched_generate_gives(model_and
     assert sizes[0] == 3 and sizes[-1] == 1 and 3 - 1 in sizes  # all three decode together, then leave one by one
 
 
+@pytest.mark.run
 def test_a_request_joins_the_running_batch_and_leaves_it_when_done(model_and_tokenizer, monkeypatch):
     model, tokenizer = model_and_tokenizer
     engine = _never_ends(HFEngine(model, tokenizer))
@@ -96,6 +98,7 @@ def test_a_request_joins_the_running_batch_and_leaves_it_when_done(model_and_tok
     assert late.token_ids == alone.token_ids  # prompts of other lengths in the batch change nothing
 
 
+@pytest.mark.run
 def test_what_a_seeded_request_samples_does_not_depend_on_its_neighbours(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = _never_ends(HFEngine(model, tokenizer))
@@ -113,6 +116,7 @@ def test_what_a_seeded_request_samples_does_not_depend_on_its_neighbours(model_a
     assert other_seed.token_ids != alone.token_ids
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9),
                                       dict(temperature=1.0, top_k=7, repetition_penalty=1.3)])
 def test_log_probs_are_those_of_the_distribution_sampled(model_and_tokenizer, settings):
@@ -140,6 +144,7 @@ def test_log_probs_are_those_of_the_distribution_sampled(model_and_tokenizer, se
             seen[0, token] = True
 
 
+@pytest.mark.run
 def test_stop_strings_end_a_request_as_the_generate_decoder_ends_it(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = _never_ends(HFEngine(model, tokenizer))
@@ -156,6 +161,7 @@ def test_stop_strings_end_a_request_as_the_generate_decoder_ends_it(model_and_to
     assert len(got.logprobs) == len(got.token_ids)
 
 
+@pytest.mark.run
 def test_eos_ends_a_request_with_the_eos_token_kept(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = _never_ends(HFEngine(model, tokenizer))
@@ -173,6 +179,7 @@ def test_eos_ends_a_request_with_the_eos_token_kept(model_and_tokenizer):
     assert got[0].token_ids == free[0].token_ids[:got[0].token_ids.index(free[0].token_ids[3]) + 1]
 
 
+@pytest.mark.run
 def test_generation_batch_size_caps_the_rows_decoding_at_once(model_and_tokenizer, monkeypatch):
     model, tokenizer = model_and_tokenizer
     engine = _never_ends(HFEngine(model, tokenizer, HFEngineConfig(generation_batch_size=2)))
@@ -182,6 +189,7 @@ def test_generation_batch_size_caps_the_rows_decoding_at_once(model_and_tokenize
     assert max(sizes) == 2 and len(got) == 6 and all(len(g.token_ids) == 3 for g in got)
 
 
+@pytest.mark.run
 def test_a_failing_forward_fails_every_request_in_flight(model_and_tokenizer, monkeypatch):
     model, tokenizer = model_and_tokenizer
     engine = _never_ends(HFEngine(model, tokenizer))
@@ -199,6 +207,7 @@ def test_a_failing_forward_fails_every_request_in_flight(model_and_tokenizer, mo
     assert [str(r) for r in asyncio.run(scenario())] == ["out of memory"] * 3
 
 
+@pytest.mark.unit
 def test_which_rollouts_batch_continuously(tiny_model_dir, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     params = SamplingParams(max_new_tokens=4)
@@ -217,6 +226,7 @@ def test_which_rollouts_batch_continuously(tiny_model_dir, model_and_tokenizer):
     assert not batches_continuously(HFEngine(model, tokenizer), params, declared=False)
 
 
+@pytest.mark.unit
 def test_inverse_cdf_picks_the_interval_each_uniform_falls_in():
     probs = torch.tensor([[0.25, 0.0, 0.5, 0.25], [0.0, 0.0, 0.0, 1.0]])  # (2, 4)
     cases = {0.0: [0, 3], 0.2499: [0, 3], 0.25: [2, 3], 0.7499: [2, 3], 0.75: [3, 3], 0.999999: [3, 3]}
@@ -226,6 +236,7 @@ def test_inverse_cdf_picks_the_interval_each_uniform_falls_in():
 
 # --- the rollout: trajectories move on their own ---------------------------------------------------
 
+@pytest.mark.run
 def test_a_trajectory_whose_tool_returns_generates_its_next_turn_while_another_waits(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     GatedTools.clear()
@@ -251,6 +262,7 @@ class Echo:
         return StepResult(observation=f" [tool {self.turns}]", reward=0.5, done=self.turns >= 2)
 
 
+@pytest.mark.run
 def test_continuous_rollouts_lay_out_trajectories_as_turn_batched_ones(model_and_tokenizer):
     """Greedy: the same tokens, masks, turns and finish reasons either way (sampling differs: the
     continuous rollout draws from per-request streams)."""
@@ -271,12 +283,14 @@ def test_continuous_rollouts_lay_out_trajectories_as_turn_batched_ones(model_and
         assert got.info["env_reward"] == expected.info["env_reward"]
 
 
+@pytest.mark.unit
 def test_request_seeds_differ_by_trajectory_and_turn_and_repeat_for_the_same_rollout_seed():
     seeds = {request_seed(5, trajectory, turn) for trajectory in range(50) for turn in range(4)}
     assert len(seeds) == 200 and all(0 <= s < 2 ** 63 for s in seeds)
     assert request_seed(5, 3, 1) == request_seed(5, 3, 1) != request_seed(6, 3, 1)
 
 
+@pytest.mark.run
 def test_a_failing_environment_names_itself_and_stops_the_other_trajectories(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
 
@@ -298,6 +312,7 @@ def test_a_failing_environment_names_itself_and_stops_the_other_trajectories(mod
                         params=SamplingParams(max_new_tokens=4, temperature=1.0))
 
 
+@pytest.mark.run
 def test_single_turn_rollouts_stay_one_batched_generate(model_and_tokenizer, monkeypatch):
     """A single-turn environment (however large --max-turns) and --max-turns 1 keep the turn-batched
     decoders (the lean step, the process's random stream): continuous batching only pays between turns."""

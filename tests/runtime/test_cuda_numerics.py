@@ -37,6 +37,8 @@ from rlhf.fastpaths.prefix_sharing import shared_token_logprobs
 from rlhf.fastpaths.packing import PackedModel
 from rlhf.fastpaths.prefix_sharing import share_prefixes
 
+pytestmark = pytest.mark.unit
+
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"]
 DTYPES = ["float32", "bfloat16"]
 TOLERANCE = {  # max |Δ log-prob|, mean |Δ log-prob|, max relative gradient difference

@@ -8,6 +8,8 @@ import pytest
 
 from rlhf.runtime.run.data import DataError, DataSettings, PromptFormatter, PromptLoader, load_prompts
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):

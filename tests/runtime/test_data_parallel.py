@@ -10,10 +10,11 @@ import pytest
 import torch
 from tests.helpers import torchrun
 
+pytestmark = pytest.mark.cluster
+
 HERE = Path(__file__).parent
 
 
-@pytest.mark.slow
 def test_two_ranks_update_the_policy_exactly_like_one(tiny_model_dir, tmp_path):
     script = str(HERE / "dp_fit.py")
     torchrun(1, script, str(tiny_model_dir), str(tmp_path / "one.pt"))
@@ -27,7 +28,6 @@ def test_two_ranks_update_the_policy_exactly_like_one(tiny_model_dir, tmp_path):
         assert torch.allclose(weight, two["weights"][name], atol=2e-5), name
 
 
-@pytest.mark.slow
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tiny_model_dir, tmp_path):
     """Row 5's NaN advantage reaches only rank 1 of 2. Both ranks must skip the two optimizer steps
     whose minibatch holds it (a rank stepping alone would wait forever in the gradient all-reduce)
@@ -46,7 +46,6 @@ def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tiny_model_dir, tmp
     assert any(not torch.allclose(start[n], w, atol=1e-4) for n, w in two["weights"].items())  # 2 steps were taken
 
 
-@pytest.mark.slow
 def test_rlhf_train_under_torchrun_with_two_processes(tiny_model_dir, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(8)))

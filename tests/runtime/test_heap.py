@@ -39,12 +39,14 @@ def resident_after_free(mode: str) -> float:
     return float(done.stdout.split()[-1])
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc only")
 def test_a_freed_block_is_returned_with_the_setting_and_kept_without():
     assert resident_after_free("keep") > 12  # MiB still resident after the free
     assert resident_after_free("set") < 4
 
 
+@pytest.mark.unit
 def test_a_users_own_threshold_is_kept(monkeypatch):
     from rlhf.runtime.run.heap import return_freed_blocks
 
@@ -52,6 +54,7 @@ def test_a_users_own_threshold_is_kept(monkeypatch):
     assert return_freed_blocks() is False
 
 
+@pytest.mark.run
 def test_every_run_prologue_sets_it(tiny_model_dir, task, tmp_path, plugins, monkeypatch):
     from rlhf.runtime.run import lifecycle
     from tests.helpers import run_cli

@@ -41,6 +41,7 @@ def steps(out: Path) -> dict[str, list[str]]:
     return {p.name: sorted(q.name for q in p.iterdir()) for p in sorted(root.iterdir()) if p.is_dir()}
 
 
+@pytest.mark.run
 def test_train_writes_hf_exports_that_load_and_hold_the_policy_and_critic_of_their_step(tiny_model_dir, task,
                                                                                        tmp_path, plugins):
     from transformers import AutoTokenizer, GenerationConfig
@@ -75,6 +76,7 @@ def test_train_writes_hf_exports_that_load_and_hold_the_policy_and_critic_of_the
                            final_weights(out)["lm_head.weight"])  # two steps apart: trained in between
 
 
+@pytest.mark.run
 def test_hf_only_folders_are_pruned_by_the_keep_count_and_never_resumed_from(tiny_model_dir, task, tmp_path,
                                                                              plugins, caplog):
     """--save-every 3 --save-hf-every 2 --keep-checkpoints 1 over 5 steps: HF exports at 2 and 4 in
@@ -110,6 +112,7 @@ def test_hf_only_folders_are_pruned_by_the_keep_count_and_never_resumed_from(tin
     assert list(steps(again)) == ["step_2", "step_3", "step_4", "step_5"]
 
 
+@pytest.mark.run
 def test_sft_writes_hf_exports_between_checkpoints(tiny_model_dir, tmp_path, plugins):
     rows = "".join(json.dumps({"prompt": f"{a}+1=", "response": str(a + 1)}) + "\n" for a in range(4))
     (tmp_path / "sft.jsonl").write_text(rows)
@@ -125,6 +128,7 @@ def test_sft_writes_hf_exports_between_checkpoints(tiny_model_dir, tmp_path, plu
     assert not torch.equal(step_2["lm_head.weight"], final_weights(out)["lm_head.weight"])
 
 
+@pytest.mark.run
 def test_save_hf_every_may_change_on_resume(tiny_model_dir, task, tmp_path, plugins):
     """It changes what a run writes, not what it trains (run_dir.RESUME_FREE)."""
     out = tmp_path / "run"
@@ -135,6 +139,7 @@ def test_save_hf_every_may_change_on_resume(tiny_model_dir, task, tmp_path, plug
     assert set(steps(out)["step_2"]) >= {"hf", "policy"}
 
 
+@pytest.mark.run
 def test_with_lora_hf_is_the_adapter_as_in_final_and_merge_lora_adds_the_merged_model(tiny_model_dir, tmp_path,
                                                                                      plugins):
     from transformers import AutoModelForCausalLM
@@ -158,13 +163,14 @@ def test_with_lora_hf_is_the_adapter_as_in_final_and_merge_lora_adds_the_merged_
     torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_a_negative_save_hf_every_is_a_usage_error(task, tmp_path, plugins):
     result = run_cli(plugins, train_args(tmp_path / "not-loaded", task, tmp_path / "run", "--save-hf-every", "-1"))
     assert result.exit_code == 2 and "--save-hf-every must be at least 0 (0: never); got -1" in result.output, (
         result.output)
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_hf_exports_under_torchrun_with_two_processes(tiny_model_dir, tmp_path):
     """Every rank takes part in each export (and its HF-only folder's write); the main rank writes."""
     rows = "".join(json.dumps({"prompt": f"{a}+1=", "response": str(a + 1)}) + "\n" for a in range(8))

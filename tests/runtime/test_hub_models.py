@@ -83,6 +83,7 @@ def training_rows(out: Path) -> list[dict]:
             for row in read_jsonl(out / "metrics.jsonl")]
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("flag", ["--reward", "--critic-model", "--model", "--teacher"])
 def test_a_hub_name_trains_exactly_like_the_same_model_as_a_local_directory(flag, hub, task, fit_data, tmp_path,
                                                                              plugins):
@@ -114,6 +115,7 @@ def test_a_hub_name_trains_exactly_like_the_same_model_as_a_local_directory(flag
         assert "critic/loss" in hub_rows[0]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flag", ["--reward", "--critic-model", "--teacher"])
 def test_a_name_that_is_nothing_is_one_usage_error_before_any_model_loads(flag, task, fit_data, tmp_path, plugins):
     """The policy model does not exist either: the flag's error comes first, so nothing was loaded."""
@@ -137,6 +139,7 @@ def test_a_name_that_is_nothing_is_one_usage_error_before_any_model_loads(flag, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.unit
 def test_path_like_and_file_references_are_said_as_such(task, tmp_path, plugins):
     (tmp_path / "weights.bin").write_text("")
     for ref, words in ((str(tmp_path / "nowhere"), "no such directory, and not a hub name (org/name)"),
@@ -148,6 +151,7 @@ def test_path_like_and_file_references_are_said_as_such(task, tmp_path, plugins)
             result.output)
 
 
+@pytest.mark.unit
 def test_how_a_reward_spec_is_classified(hub, task, tmp_path, monkeypatch, plugins):
     """Registered name -> function; file.py / module:attr -> function; a local directory (even one
     spelled org/name) -> that reward model; org/name naming nothing here -> the hub model."""
@@ -169,6 +173,7 @@ def test_how_a_reward_spec_is_classified(hub, task, tmp_path, monkeypatch, plugi
     assert names_reward_model(["other-org/rm@0.5"]) and not names_reward_model(["exact_match", "rewards.py"])
 
 
+@pytest.mark.unit
 def test_online_a_cached_model_needs_no_hub_and_a_missing_one_is_looked_up(hub, monkeypatch):
     """With the hub allowed: a cached name is enough; an uncached one is looked up once (here the hub,
     faked, says no such repository) and refused before anything downloads."""

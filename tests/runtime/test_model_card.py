@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlhf.runtime.run.model_card import model_card
 from tests.helpers import run_cli
 
 
+@pytest.mark.run
 def test_an_rl_runs_cards_name_the_base_method_data_metrics_and_lora(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     result = run_cli(plugins, [
@@ -32,6 +35,7 @@ def test_an_rl_runs_cards_name_the_base_method_data_metrics_and_lora(tiny_model_
     assert best.startswith("# run: the best model by `eval/reward/mean`") and "LoRA adapter (rank 2)" in best
 
 
+@pytest.mark.run
 def test_a_fit_runs_card(tiny_model_dir, fit_data, tmp_path, plugins):
     out = tmp_path / "sft"
     result = run_cli(plugins, ["sft", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
@@ -43,6 +47,7 @@ def test_a_fit_runs_card(tiny_model_dir, fit_data, tmp_path, plugins):
     assert "| steps | 1 of 1 |" in card and "LoRA" not in card
 
 
+@pytest.mark.unit
 def test_the_card_takes_the_rlhf_command_line_when_run_as_rlhf(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["/usr/bin/rlhf", "sft", "--model", "m m", "--data", "d.jsonl"])
     card = model_card({"model": "m m", "objective": "sft", "data": ["d.jsonl"]}, command="fit", step=3,
@@ -50,6 +55,7 @@ def test_the_card_takes_the_rlhf_command_line_when_run_as_rlhf(tmp_path, monkeyp
     assert "rlhf sft --model 'm m' --data d.jsonl" in card and "| `train/loss` | 0.5 |" in card
 
 
+@pytest.mark.unit
 def test_the_card_notes_an_adapter_only_from_a_readable_adapter_config(tmp_path):
     from rlhf.runtime.run.model_card import export_notes
 

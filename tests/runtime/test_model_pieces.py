@@ -30,6 +30,7 @@ def _trajectory(prompt, completion, group=0):
                       prompt_length=len(prompt), prompt="", prompt_text="", completion_text="", group=group)
 
 
+@pytest.mark.unit
 def test_collate_right_pads_and_shifts_the_action_mask():
     batch = collate([_trajectory([5, 6], [7, 8, 9]), _trajectory([5], [7])], pad_token_id=0,
                     rewards=torch.tensor([1.0, 0.0]), sample_mask=torch.tensor([1.0, 1.0]))
@@ -41,6 +42,7 @@ def test_collate_right_pads_and_shifts_the_action_mask():
     assert trimmed.input_ids.tolist() == [[5, 7]] and trimmed.action_mask.tolist() == [[1]]
 
 
+@pytest.mark.unit
 def test_token_logprobs_match_a_full_manual_computation(model_and_tokenizer):
     model, _ = model_and_tokenizer
     batch = collate([_trajectory([3, 4, 5], [6, 7]), _trajectory([3], [9, 10, 11, 12])], pad_token_id=0,
@@ -57,6 +59,7 @@ def test_token_logprobs_match_a_full_manual_computation(model_and_tokenizer):
     assert torch.allclose(entropy[mask], expected_entropy[mask], atol=1e-4)
 
 
+@pytest.mark.unit
 def test_half_precision_logits_are_turned_into_log_probs_in_float32(model_and_tokenizer):
     import copy
 
@@ -71,6 +74,7 @@ def test_half_precision_logits_are_turned_into_log_probs_in_float32(model_and_to
     assert torch.allclose(logprobs[mask], expected[mask], atol=1e-6)
 
 
+@pytest.mark.run
 def test_engine_samples_from_exactly_the_distribution_the_trainer_scores(model_and_tokenizer):
     """top-k must be off: the engine's own (processed) log-probs equal the trainer's."""
     model, tokenizer = model_and_tokenizer
@@ -84,6 +88,7 @@ def test_engine_samples_from_exactly_the_distribution_the_trainer_scores(model_a
                                             temperature=0.7)
 
 
+@pytest.mark.run
 def test_transformers_generate_path_gives_the_trainers_logprobs_too(model_and_tokenizer):
     """Stop strings take transformers' generate (not the direct decoder); its per-step scores give
     the same log-probs, one step at a time."""
@@ -99,6 +104,7 @@ def test_transformers_generate_path_gives_the_trainers_logprobs_too(model_and_to
                                             temperature=0.7)
 
 
+@pytest.mark.run
 def test_engine_lays_out_n_samples_per_prompt_contiguously(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = HFEngine(model, tokenizer)
@@ -110,6 +116,7 @@ def test_engine_lays_out_n_samples_per_prompt_contiguously(model_and_tokenizer):
     assert all(g.finish_reason in ("stop", "length") for g in together)
 
 
+@pytest.mark.unit
 def test_engine_cuts_at_eos_and_at_stop_strings(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = HFEngine(model, tokenizer)
@@ -127,6 +134,7 @@ def test_engine_cuts_at_eos_and_at_stop_strings(model_and_tokenizer):
     assert "```" in text and "more" not in text and not tokenizer.decode(stopped.token_ids[:-1]).count("```")
 
 
+@pytest.mark.unit
 def test_lr_schedule_warmup_then_constant_or_cosine():
     constant = BackendConfig(warmup_steps=2, total_steps=10)
     assert [lr_factor(s, constant) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
@@ -136,6 +144,7 @@ def test_lr_schedule_warmup_then_constant_or_cosine():
     assert lr_factor(10, cosine) == pytest.approx(0.1)
 
 
+@pytest.mark.unit
 def test_backend_skips_nonfinite_gradients_and_restores_state_exactly():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
@@ -177,6 +186,7 @@ class _Saved:
         self.value = int((directory / "value.txt").read_text())
 
 
+@pytest.mark.unit
 def test_checkpoints_are_atomic_rotated_and_carry_rng(tmp_path):
     (tmp_path / "checkpoints" / ".step_9.tmp").mkdir(parents=True)  # a crash mid-write
     torch.manual_seed(5)
@@ -192,6 +202,7 @@ def test_checkpoints_are_atomic_rotated_and_carry_rng(tmp_path):
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.unit
 def test_length_sorted_micro_batches_cover_every_row_once_and_results_keep_row_order(model_and_tokenizer):
     from rlhf.core.distributed import SINGLE
     from rlhf.runtime.step.micro_batches import micro_batches

@@ -80,6 +80,7 @@ def _worker(tokenizer, env_cls=EchoEnv, **settings):
                          RolloutSettings(env="echo", **{"max_turns": 4, "max_total_tokens": 512, **settings}))
 
 
+@pytest.mark.unit
 def test_token_layout_and_masks_keep_environment_tokens_out_of_the_loss(tokenizer):
     worker = _worker(tokenizer)
     (trajectory,) = worker.generate([_item(tokenizer)], n=1, params=SamplingParams(max_new_tokens=64))
@@ -108,6 +109,7 @@ def test_token_layout_and_masks_keep_environment_tokens_out_of_the_loss(tokenize
     assert (logprobs.grad[0][env_positions] == 0).all() and (logprobs.grad[0][~env_positions] != 0).all()
 
 
+@pytest.mark.unit
 def test_budget_and_max_turns_end_episodes(tokenizer):
     short = _worker(tokenizer, max_total_tokens=len(tokenizer("Q: 6*7?")["input_ids"]) + 6)
     (trajectory,) = short.generate([_item(tokenizer)], n=1, params=SamplingParams(max_new_tokens=64))
@@ -119,6 +121,7 @@ def test_budget_and_max_turns_end_episodes(tokenizer):
     assert trajectory.info["env_reward"] == 0.5  # the step still ran and scored the turn
 
 
+@pytest.mark.unit
 def test_turns_are_batched_across_trajectories_with_the_envs_stop_strings(tokenizer):
     worker = _worker(tokenizer)
     trajectories = worker.generate([_item(tokenizer), _item(tokenizer, "Q: 7*6?")], n=3,
@@ -127,6 +130,7 @@ def test_turns_are_batched_across_trajectories_with_the_envs_stop_strings(tokeni
     assert worker.engine.calls == [(6, 1, ("```\n",), 64), (6, 1, ("```\n",), 64)]  # one batched call per turn
 
 
+@pytest.mark.unit
 def test_env_failure_names_the_environment_and_the_row(tokenizer):
     class Broken(EchoEnv):
         def step(self, action_text):
@@ -158,6 +162,7 @@ def _config(tiny_model_dir, tmp_path, rows, **overrides):
     return TrainConfig.from_dict(values)
 
 
+@pytest.mark.run
 def test_tir_runs_code_in_the_sandbox_through_rlhf_train(tiny_model_dir, tmp_path, with_scripted_engine):
     rows = [{"prompt": "What is 6 times 7?", "answer": "42"}, {"prompt": "Compute 6*7.", "answer": "42"}]
     out = train(_config(tiny_model_dir, tmp_path, rows), plugins=with_scripted_engine)
@@ -170,6 +175,7 @@ def test_tir_runs_code_in_the_sandbox_through_rlhf_train(tiny_model_dir, tmp_pat
     assert metrics["env/turns_mean"] == 2.0 and metrics["env/env_tokens_mean"] > 0
 
 
+@pytest.mark.run
 def test_env_func_in_the_label_picks_the_environment_per_sample(tiny_model_dir, tmp_path, with_scripted_engine):
     rows = [{"prompt": "What is 6 times 7?", "answer": json.dumps({"env_func": "tir", "answer": "42"})},
             {"prompt": "Say 42.", "answer": "42"}]
@@ -200,6 +206,7 @@ class CalculatorEnv:
 '''
 
 
+@pytest.mark.run
 def test_a_user_environment_by_file_reference_trains(tiny_model_dir, tmp_path, plugins, make_plugin):
     (tmp_path / "my_env.py").write_text(CALCULATOR)
     script = ["calc: 6 * 7\n", "The answer is 42."]
@@ -216,6 +223,7 @@ def test_a_user_environment_by_file_reference_trains(tiny_model_dir, tmp_path, p
     assert all(s["reward"] == s["rewards"]["env"] for s in samples)
 
 
+@pytest.mark.run
 def test_tir_with_the_real_engine_on_the_tiny_model(tiny_model_dir, tmp_path, plugins):
     rows = [{"prompt": "What is 6 times 7?", "answer": "42"}, {"prompt": "Compute 6*7.", "answer": "42"}]
     out = train(_config(tiny_model_dir, tmp_path, rows, engine="hf", max_new_tokens=8), plugins=plugins)

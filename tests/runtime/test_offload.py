@@ -45,6 +45,7 @@ def assert_equal_snapshots(a, b):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
+@pytest.mark.unit
 def test_the_torch_backends_training_state_leaves_and_comes_back_exactly():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
@@ -71,6 +72,7 @@ def test_the_torch_backends_training_state_leaves_and_comes_back_exactly():
     assert_equal_snapshots(snapshot(backend), before)
 
 
+@pytest.mark.unit
 def test_training_with_the_state_set_aside_between_steps_is_training_without():
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
@@ -85,6 +87,7 @@ def test_training_with_the_state_set_aside_between_steps_is_training_without():
     assert_equal_snapshots(snapshot(backends[1]), snapshot(backends[0]))
 
 
+@pytest.mark.unit
 def test_a_frozen_model_leaves_and_comes_back_exactly():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
@@ -107,6 +110,7 @@ def test_a_frozen_model_leaves_and_comes_back_exactly():
         assert torch.equal(tensor, before[name]), name
 
 
+@pytest.mark.unit
 def test_shares_parameters_tells_a_view_from_a_copy():
     model = torch.nn.Linear(2, 2)
     view = torch.nn.Sequential(model)
@@ -118,7 +122,7 @@ def reward_model_dir(tmp_path_factory):
     return save_classifier(tmp_path_factory.mktemp("rm"), tokenizer())
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_a_run_with_both_offloads_is_the_run_without(tiny_model_dir, task, reward_model_dir, tmp_path, plugins,
                                                      monkeypatch):
     """Through the CLI: GRPO with a reference and a reward model beside a reward function. The state
@@ -158,6 +162,7 @@ def test_a_run_with_both_offloads_is_the_run_without(tiny_model_dir, task, rewar
         assert torch.equal(a, b), name
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, message", [
     (dict(runtime="ray"), "--offload-train-state .* needs --colocate all"),
     (dict(async_rollout=True), "--async generates while training"),

@@ -50,6 +50,7 @@ def _gradient_digest(kind: str, source: torch.Tensor, index: torch.Tensor, upstr
     return hashlib.sha256(x.grad.numpy().tobytes()).hexdigest()
 
 
+@pytest.mark.unit
 def test_gather_rows_is_indexing_with_an_ordered_backward():
     """Values and gradients as ``x[index]``; with many repeats on two threads, the same bits every
     time (where plain indexing's backward, at this size, differs from try to try)."""
@@ -76,6 +77,7 @@ def test_gather_rows_is_indexing_with_an_ordered_backward():
         gather_rows(source, index[None])
 
 
+@pytest.mark.unit
 def test_the_detector_sees_plain_indexing_with_repeats():
     source = torch.randn(4, 3, requires_grad=True)
     with UnorderedSums() as seen:
@@ -93,6 +95,7 @@ def _train(tiny_model_dir, task, out, plugins, *extra):
                              "--steps", "1", "--out", str(out), "--no-progress", "--threads", "2", *extra])
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("path", ["masked", "segment"])
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_an_rl_step_with_shared_prompts_sums_in_order(tiny_model_dir, task, tmp_path, plugins, monkeypatch,
@@ -113,6 +116,7 @@ def test_an_rl_step_with_shared_prompts_sums_in_order(tiny_model_dir, task, tmp_
     assert seen.found == []
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("command", ["sft", "rm", "dpo", "kto", "prm", "distill"])
 def test_an_offline_step_sums_in_order(command, tiny_model_dir, fit_data, fit_teacher, tmp_path, plugins):
     args = command_args(command, tiny_model_dir, fit_data, fit_teacher) + [

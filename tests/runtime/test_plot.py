@@ -11,6 +11,8 @@ from rlhf.core.errors import ConfigError
 from rlhf.runtime.run.plot import choose_metrics, series, smooth
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.unit
+
 
 def write_run(path, rows):
     path.mkdir(parents=True)

@@ -64,6 +64,7 @@ def _args(tiny_model_dir, task, out, *more):
             "--max-new-tokens", "4", "--steps", "2", "--lr", "1e-3", "--out", str(out), "--no-progress", *more]
 
 
+@pytest.mark.unit
 def test_the_help_lists_third_party_short_flags_beside_the_builtins(third_party):
     text = run_cli(third_party, ["train", "--help"]).output
     for flag in ("--short-bonus", "--reward-shaping.short-bonus", "--short-length", "--keep-parity",
@@ -72,6 +73,7 @@ def test_the_help_lists_third_party_short_flags_beside_the_builtins(third_party)
         assert flag in text, flag
 
 
+@pytest.mark.run
 def test_a_third_party_shaping_and_filter_run_from_their_short_flags(third_party, tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     result = run_cli(third_party, _args(tiny_model_dir, task, out, "--short-bonus", "0.5", "--short-length", "3",
@@ -91,6 +93,7 @@ def test_a_third_party_shaping_and_filter_run_from_their_short_flags(third_party
     assert again.components["reward_shaping"] == {"short_bonus": 0.5, "short_length": 3}
 
 
+@pytest.mark.run
 def test_without_its_flag_the_shaping_stays_off(third_party, tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     result = run_cli(third_party, _args(tiny_model_dir, task, out))
@@ -99,6 +102,7 @@ def test_without_its_flag_the_shaping_stays_off(third_party, tiny_model_dir, tas
     assert not any("short_bonus/given" in m for m in read_jsonl(out / "metrics.jsonl"))
 
 
+@pytest.mark.unit
 def test_short_flags_in_a_config_file_and_in_from_dict(third_party, tmp_path):
     config = TrainConfig.from_dict({"model": "m", "data": ["d"], "short_bonus": 0.25, "keep_parity": "even",
                                     "overlong_buffer": 2, "zero_stage": 3}, third_party)
@@ -108,6 +112,7 @@ def test_short_flags_in_a_config_file_and_in_from_dict(third_party, tmp_path):
         TrainConfig.from_dict({"model": "m", "data": ["d"], "short_bonus": 0.25}, build_plugin_manager())
 
 
+@pytest.mark.run
 def test_a_config_file_sets_a_third_party_short_flag(third_party, tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     path = tmp_path / "run.yaml"
@@ -118,6 +123,7 @@ def test_a_config_file_sets_a_third_party_short_flag(third_party, tiny_model_dir
                for s in read_jsonl(out / "samples.jsonl"))
 
 
+@pytest.mark.unit
 def test_a_bad_value_is_the_plugins_own_usage_error(third_party, tiny_model_dir, task, tmp_path):
     result = run_cli(third_party, _args(tiny_model_dir, task, tmp_path / "a", "--short-bonus", "-1"))
     assert result.exit_code == 2 and "the 'short_bonus' reward shaping: --short-bonus must be at least 0" in \
@@ -130,6 +136,7 @@ def test_a_bad_value_is_the_plugins_own_usage_error(third_party, tiny_model_dir,
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.unit
 def test_short_flags_must_name_settings_and_never_shadow_an_option(make_plugin):
     def bad(register):
         register("typo", short_bonus, config_cls=ShortBonusConfig, short_flags=("short_bonus", "bonus"))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,7 +30,6 @@ def run(tmp_path: Path, *before: str) -> str:
     return done.stdout + done.stderr
 
 
-@pytest.mark.slow
 def test_a_normal_run_prints_no_library_notices_and_verbose_shows_them(tmp_path):
     pytest.importorskip("deepspeed")
     quiet = run(tmp_path)

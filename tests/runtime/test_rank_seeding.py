@@ -14,6 +14,7 @@ from rlhf.runtime.rl.local import sampling_seed
 from tests.helpers import torchrun
 
 
+@pytest.mark.unit
 def test_every_rank_has_its_own_sampling_seed():
     seeds = [sampling_seed(42, rank) for rank in range(4)]
     assert seeds[0] == 42 and len(set(seeds)) == 4
@@ -31,7 +32,7 @@ def _samples(tiny_model_dir: Path, tmp_path: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_two_ranks_sample_differently_and_reproducibly(tiny_model_dir, tmp_path):
     first = _samples(tiny_model_dir, tmp_path, "a")
     assert len(first) == 4  # 2 ranks x 1 prompt x 2 samples, gathered in rank order

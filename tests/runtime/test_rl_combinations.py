@@ -31,6 +31,8 @@ from rlhf.core.plugin_host.loading import PluginSet
 from tests.helpers import assert_same_gradients, final_weights, read_jsonl, run_cli
 from tests.runtime.recording import RecordingBackend, recording_plugin
 
+pytestmark = pytest.mark.run
+
 # Every sample a different reward: the advantages are never all zero.
 DENSE_REWARD = "def dense(completions, **kwargs):\n    return [sum(map(ord, c)) % 97 / 97 for c in completions]\n"
 PROMPTS_PER_STEP, N_SAMPLES = 2, 2

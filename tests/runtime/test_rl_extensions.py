@@ -36,6 +36,7 @@ def _reward_file(tmp_path, source, name="reward.py"):
     return str(path)
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("source", [HALF_CONSTANT, SCORED], ids=["rewards", "scores"])
 def test_filter_trains_on_prompts_per_step_groups_that_vary(tiny_model_dir, task, tmp_path, make_plugin, source):
     seen = []
@@ -54,6 +55,7 @@ def test_filter_trains_on_prompts_per_step_groups_that_vary(tiny_model_dir, task
     assert all(m["filter/rounds"] >= 1 and 0 < m["filter/pass_rate"] <= 1 for m in metrics)
 
 
+@pytest.mark.run
 def test_filter_that_keeps_nothing_warns_and_trains_on_the_last_round(tiny_model_dir, task, tmp_path, caplog):
     out = tmp_path / "run"
     constant = _reward_file(tmp_path, "def reward_func(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
@@ -64,6 +66,7 @@ def test_filter_that_keeps_nothing_warns_and_trains_on_the_last_round(tiny_model
     assert "no prompt group passed the sample filter" in caplog.text
 
 
+@pytest.mark.run
 def test_third_party_sample_filter_by_reference(tiny_model_dir, task, tmp_path):
     filters = tmp_path / "filters.py"
     filters.write_text("def odd(groups, config):\n    return [int(g[0].columns['answer']) % 2 == 1 for g in groups]\n")
@@ -76,6 +79,7 @@ def test_third_party_sample_filter_by_reference(tiny_model_dir, task, tmp_path):
     assert all(int(s["label"]) % 2 == 1 for s in read_jsonl(out / "samples.jsonl"))
 
 
+@pytest.mark.run
 def test_eval_runs_at_the_start_every_n_steps_and_at_the_end_and_keeps_the_best(tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     config = dict(steps=5, eval_data=[str(task / "data.jsonl")], eval_every=2, eval_n_samples=2, eval_max_samples=3,
@@ -103,12 +107,14 @@ def test_eval_runs_at_the_start_every_n_steps_and_at_the_end_and_keeps_the_best(
         assert all(torch.equal(kept[k], reference[k]) for k in kept)
 
 
+@pytest.mark.unit
 def test_save_best_without_eval_data_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
     result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
                                "--reward", str(task / "rewards.py"), "--save-best", "eval/reward/mean"])
     assert result.exit_code == 2 and "--save-best needs --eval-data" in result.output
 
 
+@pytest.mark.run
 def test_a_save_best_typo_stops_before_training_and_the_corrected_rerun_runs(tiny_model_dir, task, tmp_path,
                                                                             plugins):
     """The eval before step 1 finds it (exit 2); its row (step 0) does not make the directory a run."""
@@ -130,6 +136,7 @@ def test_a_save_best_typo_stops_before_training_and_the_corrected_rerun_runs(tin
     assert (out / "best" / "best.json").exists()
 
 
+@pytest.mark.run
 def test_critic_warm_up_freezes_the_policy(tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     train(small_config(tiny_model_dir, task, out, algo="ppo", freeze_actor_steps=2, steps=2),
@@ -149,6 +156,7 @@ def test_critic_warm_up_freezes_the_policy(tiny_model_dir, task, tmp_path):
     assert [m["policy/frozen"] for m in read_jsonl(thawed / "metrics.jsonl")] == [1.0, 0.0]
 
 
+@pytest.mark.run
 def test_adaptive_kl_moves_beta_by_the_controller_rule(tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     train(small_config(tiny_model_dir, task, out, algo="ppo", steps=3, kl_coef=0.1, kl_target=1e-6, kl_horizon=40),
@@ -161,6 +169,7 @@ def test_adaptive_kl_moves_beta_by_the_controller_rule(tiny_model_dir, task, tmp
     assert betas[2] == pytest.approx(betas[1] * 1.02)
 
 
+@pytest.mark.run
 def test_length_shapings_change_the_reward_the_loss_sees(tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     train(small_config(tiny_model_dir, task, out, steps=1, max_new_tokens=4, overlong_buffer=2,
@@ -177,6 +186,7 @@ def test_length_shapings_change_the_reward_the_loss_sees(tiny_model_dir, task, t
         assert sample["reward"] == pytest.approx(expected)
 
 
+@pytest.mark.run
 def test_estimator_sees_each_sources_rewards_and_row_metadata(tiny_model_dir, task, tmp_path, make_plugin):
     """A GDPO-style estimator: each source normalised within its group on its own, then summed."""
     received = []
@@ -205,6 +215,7 @@ def test_estimator_sees_each_sources_rewards_and_row_metadata(tiny_model_dir, ta
     assert {"length", "parity"} <= set(names) and len(answers) == 6 and all(a.isdigit() for a in answers)
 
 
+@pytest.mark.run
 def test_unbiased_gradient_needs_kl_in_the_loss(tiny_model_dir, task, tmp_path):
     with pytest.raises(RlhfError, match="--kl-unbiased-gradient"):
         train(small_config(tiny_model_dir, task, tmp_path / "run", algo="ppo", kl_unbiased_gradient=True),
@@ -221,6 +232,7 @@ def test_unbiased_gradient_needs_kl_in_the_loss(tiny_model_dir, task, tmp_path):
     assert norms["k1"] != pytest.approx(norms["no_kl"], rel=1e-3)
 
 
+@pytest.mark.run
 def test_gspo_and_seq_mask_tis_train_through_the_cli(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
@@ -232,7 +244,7 @@ def test_gspo_and_seq_mask_tis_train_through_the_cli(tiny_model_dir, task, tmp_p
     assert "policy/clip_frac" in metrics and "policy/mismatch_kl" in metrics
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_filtering_and_eval_under_torchrun_with_two_processes(tiny_model_dir, task, tmp_path):
 
     reward = _reward_file(tmp_path, HALF_CONSTANT)
@@ -280,6 +292,7 @@ def _scripted_eval_run(tiny_model_dir, task, tmp_path, make_plugin, **overrides)
     return plugins, small_config(tiny_model_dir, task, tmp_path / "run", **config)
 
 
+@pytest.mark.run
 def test_a_nan_eval_is_never_best(tiny_model_dir, task, tmp_path, make_plugin):
     """Evals before step 1 (no score: NaN), after step 1 (1.0) and after step 2 (NaN): no best/ after
     the first, then step 1's policy is best and stays."""
@@ -299,6 +312,7 @@ def test_a_nan_eval_is_never_best(tiny_model_dir, task, tmp_path, make_plugin):
                                                                     "step": 1}
 
 
+@pytest.mark.run
 def test_resume_keeps_the_best_of_the_interrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
     """Evals 1, 2, 5 (best, after step 2), then killed after step 3, before its eval (the checkpoint is
     step 2's); the resumed run's evals, 0.5 and 3, are worse than 5: best/ keeps step 2's policy."""
@@ -330,6 +344,7 @@ def test_resume_keeps_the_best_of_the_interrupted_run(tiny_model_dir, task, tmp_
     assert (out / "final" / "model.safetensors").read_bytes() != best_weights  # training went on after step 2
 
 
+@pytest.mark.unit
 def test_the_controllers_kl_leaves_out_skipped_samples():
     """The adaptive β is told the mean over counted samples of each sample's token-mean KL: a sample
     whose reward was skipped (loss mask 0, action mask 1) is not one of them."""
@@ -345,6 +360,7 @@ def test_the_controllers_kl_leaves_out_skipped_samples():
     assert sequence_kl(SimpleNamespace(kl=None), {"policy/kl": 0.7}) == 0.7
 
 
+@pytest.mark.unit
 def test_eval_pass_at_n_is_the_share_of_prompts_solved_in_n_tries():
     from types import SimpleNamespace
 

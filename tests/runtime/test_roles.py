@@ -10,6 +10,8 @@ from rlhf.core.plugin_host.contracts import missing_members, protocol_members
 from rlhf.runtime.rl import rollout, workers
 from rlhf.runtime.ray import groups
 
+pytestmark = pytest.mark.unit
+
 CASES = [
     (roles.PolicyRole, workers.PolicyWorker, groups.PolicyGroup),
     (roles.CriticRole, workers.CriticWorker, groups.CriticGroup),

@@ -41,6 +41,7 @@ class Payload:
         return (open, (self.marker, "w"))
 
 
+@pytest.mark.run
 def test_a_checkpoint_that_holds_code_is_refused_not_run(tiny_model_dir, task, tmp_path, plugins):
     import torch
 
@@ -55,6 +56,7 @@ def test_a_checkpoint_that_holds_code_is_refused_not_run(tiny_model_dir, task, t
     assert not marker.exists()
 
 
+@pytest.mark.run
 def test_resume_refuses_changed_options_unless_overridden(tiny_model_dir, task, tmp_path, plugins, caplog):
     out = tmp_path / "run"
     assert run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1")).exit_code == 0
@@ -76,6 +78,7 @@ def test_resume_refuses_changed_options_unless_overridden(tiny_model_dir, task, 
     assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 1e-2
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_resume_of_a_finished_run_says_it_is_complete_and_changes_nothing(command, tiny_model_dir, task, tmp_path,
                                                                           plugins, caplog):
@@ -96,6 +99,7 @@ def test_resume_of_a_finished_run_says_it_is_complete_and_changes_nothing(comman
     assert after == before  # nothing re-exported, no config.until_step_N.yaml
 
 
+@pytest.mark.run
 def test_resume_refuses_a_changed_component_setting_unless_overridden(tiny_model_dir, task, tmp_path, plugins):
     """Component settings are options too (config.yaml's ``components``): a resume that changes one
     is refused by its dotted name."""
@@ -107,6 +111,7 @@ def test_resume_refuses_a_changed_component_setting_unless_overridden(tiny_model
     assert "--resume-override policy_loss.clip_high" in refused.output
 
 
+@pytest.mark.run
 def test_resume_override_of_an_unknown_option_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     assert run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1")).exit_code == 0
@@ -115,6 +120,7 @@ def test_resume_override_of_an_unknown_option_is_a_usage_error(tiny_model_dir, t
     assert result.exit_code == 2 and "--resume-override learning_rate: no such option" in result.output
 
 
+@pytest.mark.run
 def test_a_run_that_failed_at_start_is_not_a_run(tiny_model_dir, task, tmp_path, make_plugin):
     def fail(run):
         raise RlhfError("a plugin broke at start")
@@ -131,6 +137,7 @@ def test_a_run_that_failed_at_start_is_not_a_run(tiny_model_dir, task, tmp_path,
         train(small_config(tiny_model_dir, task, out, steps=1), plugins=build_plugin_manager())
 
 
+@pytest.mark.unit
 def test_final_is_replaced_whole_or_not_at_all(tmp_path):
     run_dir = RunDirectory(tmp_path / "run")
     run_dir.path.mkdir()
@@ -148,6 +155,7 @@ def test_final_is_replaced_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in run_dir.final.iterdir()) == ["MANIFEST.json", "config.json", "model.safetensors"]
 
 
+@pytest.mark.run
 def test_a_full_disk_names_the_file_and_the_first_error_wins(tiny_model_dir, task, tmp_path, make_plugin):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
@@ -164,6 +172,7 @@ def test_a_full_disk_names_the_file_and_the_first_error_wins(tiny_model_dir, tas
         train(small_config(tiny_model_dir, task, tmp_path / "run", steps=1), plugins=plugins)
 
 
+@pytest.mark.unit
 def test_on_run_end_errors_do_not_hide_a_completed_runs_failure_to_finish(tmp_path):
     """The other way round: a run that completed reports an on_run_end failure (nothing hides it)."""
     from rlhf.runtime.run.lifecycle import _end
@@ -194,7 +203,7 @@ def _interrupt(args: list[str], sig: int, out: Path) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_prints_the_resume_command(tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     result = _interrupt(train_args(tiny_model_dir, task, out, "--steps", "200"), signal.SIGINT, out)
@@ -214,7 +223,7 @@ def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_prints_the_resume_comm
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, logged[-1] + 2))
 
 
-@pytest.mark.slow
+@pytest.mark.run
 def test_sigterm_stops_an_sft_run_at_a_checkpoint(tiny_model_dir, tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "response": f"A{i}"}) + "\n" for i in range(8)))
@@ -229,6 +238,7 @@ def test_sigterm_stops_an_sft_run_at_a_checkpoint(tiny_model_dir, tmp_path):
     assert state["step"] == last
 
 
+@pytest.mark.run
 def test_a_reward_that_fails_on_every_sample_warns_then_stops_the_run(tiny_model_dir, task, tmp_path, plugins,
                                                                       caplog):
     (tmp_path / "broken.py").write_text("def reward_func(completions, **kwargs):\n    raise ValueError('oops')\n")
@@ -240,6 +250,7 @@ def test_a_reward_that_fails_on_every_sample_warns_then_stops_the_run(tiny_model
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 1  # the stopping step is not logged (as for NaN)
 
 
+@pytest.mark.unit
 def test_torchs_iostream_error_on_a_full_disk_is_reported_as_such(tmp_path, monkeypatch):
     import shutil
 
@@ -255,6 +266,7 @@ def test_torchs_iostream_error_on_a_full_disk_is_reported_as_such(tmp_path, monk
     assert not (tmp_path / "checkpoints" / "step_3").exists()
 
 
+@pytest.mark.unit
 def test_the_same_signal_twice_abandons_the_step_the_launchers_sigterm_does_not():
     from rlhf.runtime.run.lifecycle import StopRequest
 
@@ -269,6 +281,7 @@ def test_the_same_signal_twice_abandons_the_step_the_launchers_sigterm_does_not(
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # restored
 
 
+@pytest.mark.unit
 def test_logs_are_cut_back_to_the_checkpoint(tmp_path):
     from rlhf.runtime.run.run_dir import TRAINING, cut_logs, log_sizes
     from rlhf.runtime.run.run_files import RunFiles
@@ -290,6 +303,7 @@ def test_logs_are_cut_back_to_the_checkpoint(tmp_path):
     assert metrics.read_text() == ""
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]])
 def test_runs_leave_no_threads_behind(tiny_model_dir, task, tmp_path, plugins, mode):
     """Three runs in one process (a notebook, a sweep): the threads after the first are the threads
@@ -307,6 +321,7 @@ def test_runs_leave_no_threads_behind(tiny_model_dir, task, tmp_path, plugins, m
     assert sorted(t.name for t in threading.enumerate()) == before
 
 
+@pytest.mark.run
 def test_a_stop_during_the_last_step_still_completes_the_run(tiny_model_dir, task, tmp_path, make_plugin):
     """Ctrl-C while the last step runs: that step's checkpoint is the run's end, so final/ is written
     and the run completes (nothing is left to resume)."""

@@ -31,6 +31,7 @@ def train_args(model, task, out, *extra):
             "--out", str(out), "--no-progress", *extra]
 
 
+@pytest.mark.unit
 def test_a_second_lock_on_the_same_directory_names_the_holder(tmp_path):
     first = RunLock.for_directory(tmp_path / "run").acquire()
     try:
@@ -44,6 +45,7 @@ def test_a_second_lock_on_the_same_directory_names_the_holder(tmp_path):
         assert json.loads((tmp_path / "run" / LOCK_NAME).read_text())["pid"] == os.getpid()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_a_command_on_an_out_a_run_holds_stops_and_writes_nothing(command, tiny_model_dir, task, fit_data, tmp_path,
                                                                   plugins):
@@ -60,6 +62,7 @@ def test_a_command_on_an_out_a_run_holds_stops_and_writes_nothing(command, tiny_
         assert tree(out) == before
 
 
+@pytest.mark.run
 def test_the_run_holds_the_lock_for_its_life_and_lets_it_go(tiny_model_dir, task, tmp_path, plugins, make_plugin):
     out = tmp_path / "run"
     held = []
@@ -69,6 +72,7 @@ def test_the_run_holds_the_lock_for_its_life_and_lets_it_go(tiny_model_dir, task
     assert held == [os.getpid()] and not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.run
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tiny_model_dir, task, tmp_path, plugins, caplog):
     out = tmp_path / "run"
     out.mkdir()
@@ -84,6 +88,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tiny_model_dir
     assert "written on another host" in caplog.text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", ["generate", "score"])
 def test_generate_and_score_lock_their_output_file(command, task, tmp_path, plugins):
     target = tmp_path / "out.jsonl"
@@ -125,6 +130,7 @@ HAMMER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.unit
 def test_runs_restarting_in_a_loop_never_hold_the_lock_together(tmp_path):
     """Release removes the file while holding it; a process that opened the old file just before
     must not count its lock of a file that is gone (two holders under a restart loop)."""
@@ -139,6 +145,7 @@ def test_runs_restarting_in_a_loop_never_hold_the_lock_together(tmp_path):
     assert sorted(p.name for p in target.iterdir()) == []  # the last release removed the file
 
 
+@pytest.mark.unit
 def test_a_lock_whose_holder_was_killed_is_stale_and_taken_over(tmp_path, caplog):
     target = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -50,6 +50,7 @@ def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer("12+7=12+7=")["input_ids"], tokenizer("hi")["input_ids"]]  # different lengths: padding
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("decoder", DECODERS)
 def test_greedy_with_a_repetition_penalty_is_the_reference_argmax(model_and_tokenizer, decoder):
     model, tokenizer = model_and_tokenizer
@@ -73,6 +74,7 @@ def test_greedy_with_a_repetition_penalty_is_the_reference_argmax(model_and_toke
         assert tokens != unpenalised.token_ids or len(set(tokens)) == len(tokens)  # the penalty acted
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("decoder", DECODERS)
 def test_sampled_tokens_come_from_top_k_and_top_p_and_the_engines_logprobs_are_theirs(model_and_tokenizer, decoder):
     model, tokenizer = model_and_tokenizer
@@ -88,6 +90,7 @@ def test_sampled_tokens_come_from_top_k_and_top_p_and_the_engines_logprobs_are_t
         assert generation.logprobs == pytest.approx(expected, abs=1e-4), decoder
 
 
+@pytest.mark.run
 def test_top_k_of_one_is_greedy(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = HFEngine(model, tokenizer)
@@ -97,6 +100,7 @@ def test_top_k_of_one_is_greedy(model_and_tokenizer):
     assert [g.token_ids for g in top1] == [g.token_ids for g in greedy for _ in range(2)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", ["train", "generate", "eval"])
 @pytest.mark.parametrize("flag, value, message", [
     ("--top-k", "-1", "--top-k must be a whole number >= 0"),
@@ -112,6 +116,7 @@ def test_bad_sampling_values_are_refused_before_any_model_loads(command, flag, v
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.run
 def test_a_training_run_samples_with_them(tiny_model_dir, task, tmp_path, plugins):
     import yaml
 

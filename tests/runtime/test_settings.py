@@ -47,6 +47,7 @@ def with_scaled(plugins, make_plugin):
     return plugins
 
 
+@pytest.mark.unit
 def test_run_values_reach_only_fields_that_declare_them():
     config = build_component_config(ScaledConfig, settings={"scale": "2"}, run_values={"seed": 7, "lr": 1.0,
                                                                                        "max_new_tokens": 16},
@@ -56,6 +57,7 @@ def test_run_values_reach_only_fields_that_declare_them():
                                                              "seed", "lr"]
 
 
+@pytest.mark.unit
 def test_a_setting_the_component_lacks_or_that_the_run_owns_is_refused():
     with pytest.raises(ConfigError, match=r"the 'scaled' estimator has no option scal \(--advantage.scal\); its "
                                           r"options: gamma, lambd, std_norm, reward_clip, scale, seed, lr"):
@@ -66,6 +68,7 @@ def test_a_setting_the_component_lacks_or_that_the_run_owns_is_refused():
                                flag="--advantage")
 
 
+@pytest.mark.unit
 def test_values_are_converted_to_the_annotated_type():
     assert coerce("0.8,0.9", tuple[float, float], "x") == (0.8, 0.9)
     assert coerce(["0.8", 0.9], tuple[float, float], "x") == (0.8, 0.9)
@@ -77,6 +80,7 @@ def test_values_are_converted_to_the_annotated_type():
         coerce(1.5, int, "--x")
 
 
+@pytest.mark.unit
 def test_old_flat_names_and_dotted_keys_fill_the_components():
     config = TrainConfig.from_dict({"model": "m", "data": ["d"], "zero_stage": 3, "clip_high": 0.28,
                                     "backend.weight_decay": 0.1, "components": {"model_adapter": {"lora_rank": 4}}})
@@ -86,6 +90,7 @@ def test_old_flat_names_and_dotted_keys_fill_the_components():
         TrainConfig.from_dict({"model": "m", "data": ["d"], "zero_stage": 3, "backend.zero_stage": 2})
 
 
+@pytest.mark.unit
 def test_algo_config_finds_the_component_with_that_option(plugins):
     base = TrainConfig(model="m", data=["d"], algo="ppo")
     plan = RunPlan.make(dataclasses.replace(base, algo_config=["clip_high=0.3", "lambd=0.9"]), plugins)
@@ -98,6 +103,7 @@ def test_algo_config_finds_the_component_with_that_option(plugins):
             "policy_loss": {"clip_high": 0.2}}), plugins)
 
 
+@pytest.mark.unit
 def test_a_setting_for_a_component_without_options_is_an_error(plugins):
     config = TrainConfig(model="m", data=["d"], components={"kl_estimator": {"scale": 2}})
     with pytest.raises(ConfigError, match=r"the 'k3' kl estimator has no option scale \(--kl-estimator.scale\); its "
@@ -107,6 +113,7 @@ def test_a_setting_for_a_component_without_options_is_an_error(plugins):
     assert tir.component_config("env").timeout_s == 9.0
 
 
+@pytest.mark.unit
 def test_an_option_two_components_have_must_be_named_with_its_slot(plugins, make_plugin):
     @dataclass(kw_only=True)
     class ClippedConfig(AdvantageConfig):
@@ -122,6 +129,7 @@ def test_an_option_two_components_have_must_be_named_with_its_slot(plugins, make
     assert plan.advantage_config.clip_low == 0.3 and plan.policy_loss_config.clip_low == 0.2
 
 
+@pytest.mark.unit
 def test_environment_options_reach_the_environment(plugins):
     from rlhf.runtime.rl.rollout import EnvFactory
 
@@ -137,12 +145,14 @@ def test_environment_options_reach_the_environment(plugins):
     assert resolved["env"] == {"timeout_s": 7} and resolved["kl_estimator"] == {}
 
 
+@pytest.mark.unit
 def test_a_setting_for_another_backend_is_an_error_before_any_model_loads(plugins):
     config = TrainConfig(model="missing-model", data=["d"], components={"backend": {"zero_stage": 3}})
     with pytest.raises(ConfigError, match=r"the 'torch' train backend has no option zero_stage \(--backend.zero-stage\)"):
         RunPlan.make(config, plugins)
 
 
+@pytest.mark.run
 def test_namespaced_and_alias_flags_reach_the_component(tiny_model_dir, task, tmp_path, with_scaled):
     """A third-party estimator's config gets flags of its own; the run's --seed and --lr never reach its
     fields of the same names; its run field gets the run's --max-new-tokens."""
@@ -162,6 +172,7 @@ def test_namespaced_and_alias_flags_reach_the_component(tiny_model_dir, task, tm
     assert "lr" not in saved["backend"] and "total_steps" not in saved["backend"]  # the run's, not settings
 
 
+@pytest.mark.run
 def test_a_run_config_file_reruns_with_the_same_component_settings(tiny_model_dir, task, tmp_path, with_scaled):
     first = tmp_path / "first"
     run_cli(with_scaled, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--reward",
@@ -181,6 +192,7 @@ def test_a_run_config_file_reruns_with_the_same_component_settings(tiny_model_di
     assert json.loads((second / "plugins.json").read_text())["fingerprint"]
 
 
+@pytest.mark.run
 def test_the_legacy_flat_keys_of_an_older_config_file_still_load(tiny_model_dir, task, tmp_path, plugins):
     old = {"model": str(tiny_model_dir), "data": [str(task / "data.jsonl")], "reward": [str(task / "rewards.py")],
            "clip_high": 0.28, "lora_rank": 2, "adam_betas": "0.9,0.95", "steps": 1, "n_samples": 2,
@@ -192,6 +204,7 @@ def test_the_legacy_flat_keys_of_an_older_config_file_still_load(tiny_model_dir,
     assert saved["policy_loss"]["clip_high"] == 0.28 and saved["model_adapter"]["lora_rank"] == 2
 
 
+@pytest.mark.unit
 def test_options_that_would_do_nothing_are_warned_about(plugins, caplog, tmp_path):
     import logging
 
@@ -211,6 +224,7 @@ def test_options_that_would_do_nothing_are_warned_about(plugins, caplog, tmp_pat
     assert caplog.text == ""
 
 
+@pytest.mark.unit
 def test_the_algorithm_overrides_reach_the_plan(plugins):
     config = TrainConfig(model="m", data=["d"], algo="grpo", advantage="rloo", policy_loss="ppo", kl_estimator="k2",
                          kl_in="reward", kl_coef=0.2, loss_agg="seq_mean_token_mean", n_samples=4)
@@ -219,6 +233,7 @@ def test_the_algorithm_overrides_reach_the_plan(plugins):
                             "kl_in": "reward", "kl_coef": 0.2, "loss_agg": "seq_mean_token_mean"}
 
 
+@pytest.mark.unit
 def test_the_token_budget_per_trajectory(plugins):
     plan = RunPlan.make(TrainConfig(model="m", data=["d"], max_prompt_length=100, max_turns=3, max_new_tokens=20), plugins)
     assert plan.token_budget == 100 + 3 * 20 and plan.run_values()["max_total_tokens"] == 160
@@ -226,6 +241,7 @@ def test_the_token_budget_per_trajectory(plugins):
     assert plan.token_budget == 77
 
 
+@pytest.mark.unit
 def test_one_pass_over_the_data_by_default(plugins):
     plan = RunPlan.make(TrainConfig(model="m", data=["d"], prompts_per_step=8), plugins)
     assert [plan.total_steps(n) for n in (3, 8, 12, 24)] == [1, 1, 1, 3]
@@ -234,6 +250,7 @@ def test_one_pass_over_the_data_by_default(plugins):
     assert plan.total_steps(1000) == 5 and plan.with_prompts(1000).optimizer_steps == 5 * 2 * 2  # 64 / 32 per epoch
 
 
+@pytest.mark.unit
 def test_a_run_needs_a_reward_unless_its_environment_gives_them(plugins):
     with pytest.raises(ConfigError, match=r"--reward is required .* the 'single_turn' environment gives no rewards"):
         RunPlan.make(TrainConfig(model="m", data=["d"]), plugins).check(world_size=1)
@@ -244,6 +261,7 @@ def test_a_run_needs_a_reward_unless_its_environment_gives_them(plugins):
         RunPlan.make(TrainConfig(model="m", data=["d"], reward=["exact_match"]), plugins).check(world_size=3)
 
 
+@pytest.mark.unit
 def test_the_engine_is_asked_for_logprobs_only_when_the_loss_reads_them(plugins, make_plugin):
     base = TrainConfig(model="m", data=["d"])
     assert not RunPlan.make(base, plugins).rollout_logprobs
@@ -258,6 +276,7 @@ def test_the_engine_is_asked_for_logprobs_only_when_the_loss_reads_them(plugins,
     assert not RunPlan.make(dataclasses.replace(base, policy_loss="ignores"), plugins).rollout_logprobs
 
 
+@pytest.mark.run
 def test_reward_names_resolve_in_the_runs_own_plugin_set(tiny_model_dir, task, tmp_path, plugins, make_plugin):
     def shorter(completions):
         """1 for a short completion."""
@@ -272,6 +291,7 @@ def test_reward_names_resolve_in_the_runs_own_plugin_set(tiny_model_dir, task, t
     assert "reward/shorter" in json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("target, horizon", [(0.01, 0), (0.01, -5), (0.0, 40), (-1.0, 40)])
 def test_adaptive_kl_needs_a_positive_target_and_horizon(target, horizon):
     config = TrainConfig(model="m", data=["d"], reward=["exact_match"], kl_target=target, kl_horizon=horizon)
@@ -280,6 +300,7 @@ def test_adaptive_kl_needs_a_positive_target_and_horizon(target, horizon):
     TrainConfig(model="m", data=["d"], reward=["exact_match"], kl_target=0.01, kl_horizon=1).derived()
 
 
+@pytest.mark.unit
 def test_an_unknown_runtime_is_a_usage_error_naming_the_choices(plugins):
     result = run_cli(plugins, ["train", "--model", "m", "--data", "d.jsonl", "--reward", "r.py", "--runtime", "rey"])
     assert result.exit_code == 2, result.output

@@ -11,6 +11,7 @@ import pytest
 from rlhf.runtime.run.threads import SPIN_COUNT, choose_threads, others_load, prepare_openmp, split_threads
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("load", "expected"), [
     (0.0, 2),   # idle: torch's default, one per core
     (0.4, 2),   # a little background work rounds away
@@ -22,16 +23,19 @@ def test_threads_capped_by_the_cores_others_leave_free(load, expected):
     assert choose_threads(None, 2, cores=2, load=load) == expected
 
 
+@pytest.mark.unit
 def test_more_free_cores_never_raise_torch_default():
     assert choose_threads(None, 4, cores=16, load=0.0) == 4
     assert choose_threads(None, 8, cores=8, load=3.0) == 5
 
 
+@pytest.mark.unit
 def test_requested_threads_win_and_unknown_load_keeps_default():
     assert choose_threads(3, 2, cores=2, load=9.0) == 3
     assert choose_threads(None, 2, cores=2, load=None) == 2
 
 
+@pytest.mark.unit
 def test_spin_count_set_only_when_user_chose_nothing():
     env: dict[str, str] = {}
     prepare_openmp(env)
@@ -42,12 +46,14 @@ def test_spin_count_set_only_when_user_chose_nothing():
         assert env == chosen
 
 
+@pytest.mark.unit
 def test_others_load_is_a_nonnegative_figure_on_linux():
     load = others_load(samples=2, interval=0.0)
     if hasattr(os, "getloadavg"):
         assert load is not None and load >= 0.0
 
 
+@pytest.mark.unit
 def test_rlhf_command_sets_spin_count_before_torch_loads():
     """The command sets it before anything imports torch (OpenMP reads it when torch loads it)."""
     code = ("import os, sys\n"
@@ -60,6 +66,7 @@ def test_rlhf_command_sets_spin_count_before_torch_loads():
     assert out.stdout.strip().splitlines()[-1] == SPIN_COUNT
 
 
+@pytest.mark.unit
 def test_the_governor_follows_the_load_between_steps(monkeypatch):
     import torch
 
@@ -77,6 +84,7 @@ def test_the_governor_follows_the_load_between_steps(monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.unit
 def test_a_requested_count_turns_the_governor_off():
     import torch
 
@@ -94,6 +102,7 @@ def test_a_requested_count_turns_the_governor_off():
 # --- the default: fixed by the machine, recorded, reused ----------------------------------------
 
 
+@pytest.mark.unit
 def test_the_default_is_half_the_cores_whatever_the_load(monkeypatch):
     from rlhf.runtime.run import threads
 
@@ -119,6 +128,7 @@ def test_the_default_is_half_the_cores_whatever_the_load(monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.unit
 def test_auto_follows_the_load_and_says_so(monkeypatch):
     import torch
 
@@ -139,6 +149,7 @@ def test_auto_follows_the_load_and_says_so(monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("given", "environ", "expected"), [
     (None, {}, None), (3, {}, 3), ("3", {}, 3), ("AUTO", {}, "auto"), (None, {"RLHF_THREADS": "2"}, 2),
     (None, {"RLHF_THREADS": "auto"}, "auto"), (4, {"RLHF_THREADS": "2"}, 4)])
@@ -148,6 +159,7 @@ def test_requested_threads(given, environ, expected):
     assert requested_threads(given, environ) == expected
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("given", "environ"), [(0, {}), ("many", {}), (None, {"RLHF_THREADS": "-1"}), (True, {})])
 def test_a_bad_thread_count_is_a_config_error(given, environ):
     from rlhf.core.errors import ConfigError
@@ -166,6 +178,7 @@ def _train(tiny_model_dir, task, out, plugins, *extra):
                              *extra])
 
 
+@pytest.mark.run
 def test_the_same_command_gives_the_same_bits_whatever_the_load(tiny_model_dir, task, tmp_path, plugins,
                                                                 monkeypatch):
     """No --threads, an idle machine then a busy one: the same count, recorded, and the same weights."""
@@ -194,6 +207,7 @@ def test_the_same_command_gives_the_same_bits_whatever_the_load(tiny_model_dir, 
         torch.set_num_threads(before)
 
 
+@pytest.mark.run
 def test_a_resume_reuses_the_runs_count(tiny_model_dir, task, tmp_path, plugins, monkeypatch):
     """The run began with 2 threads; resumed where the default would be 3, it keeps 2 (and says
     nothing changed); --threads still wins."""
@@ -226,12 +240,14 @@ def test_a_resume_reuses_the_runs_count(tiny_model_dir, task, tmp_path, plugins,
         torch.set_num_threads(before)
 
 
+@pytest.mark.unit
 def test_threads_zero_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
     result = _train(tiny_model_dir, task, tmp_path / "run", plugins, "--threads", "0")
     assert result.exit_code == 2 and "at least 1, or auto" in result.output
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("total, staleness, expected", [(1, 0, (1, 1)), (4, 0, (4, 4)), (1, 2, (1, 1)),
                                                          (2, 1, (1, 1)), (3, 1, (1, 2)), (8, 2, (4, 4))])
 def test_async_splits_the_count_only_where_producer_and_trainer_overlap(total, staleness, expected):

@@ -21,6 +21,7 @@ from rlhf.runtime.rl.local import train
 from tests.helpers import final_weights, read_jsonl, run_cli, small_config
 
 
+@pytest.mark.run
 def test_cli_run_writes_a_complete_run_directory(tiny_model_dir, task, tmp_path):
     out = tmp_path / "run"
     args = ["--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--label-key", "answer",
@@ -59,6 +60,7 @@ def test_cli_run_writes_a_complete_run_directory(tiny_model_dir, task, tmp_path)
     assert any(changed), "training did not change the weights"
 
 
+@pytest.mark.run
 def test_config_file_supplies_values_and_flags_override_it(tiny_model_dir, task, tmp_path, plugins):
     config = {"model": str(tiny_model_dir), "data": str(task / "data.jsonl"), "label-key": "answer",
               "reward": [str(task / "rewards.py")], "steps": 1, "n_samples": 2, "prompts_per_step": 2,
@@ -73,12 +75,14 @@ def test_config_file_supplies_values_and_flags_override_it(tiny_model_dir, task,
     assert len(read_jsonl(out / "metrics.jsonl")) == 2
 
 
+@pytest.mark.unit
 def test_config_file_with_an_unknown_key_is_a_usage_error(tmp_path, plugins):
     (tmp_path / "run.yaml").write_text("model: x\nn_sample: 4\n")
     result = run_cli(plugins, ["train", "--config", str(tmp_path / "run.yaml")])
     assert result.exit_code == 2 and "unknown option(s) n_sample" in result.output
 
 
+@pytest.mark.run
 def test_lifecycle_hooks_fire_in_order(tiny_model_dir, task, tmp_path, plugins, make_plugin):
     events = []
     plugins.register(make_plugin(
@@ -99,6 +103,7 @@ def test_lifecycle_hooks_fire_in_order(tiny_model_dir, task, tmp_path, plugins, 
     ]
 
 
+@pytest.mark.run
 def test_no_progress_prints_no_progress(tiny_model_dir, task, tmp_path, plugins, capsys):
     train(small_config(tiny_model_dir, task, tmp_path / "quiet", steps=1), plugins=plugins)  # progress=False
     assert "step 1/1" not in capsys.readouterr().err
@@ -106,6 +111,7 @@ def test_no_progress_prints_no_progress(tiny_model_dir, task, tmp_path, plugins,
     assert "step 1/1" in capsys.readouterr().err
 
 
+@pytest.mark.run
 def test_reward_edits_in_on_rewards_reach_the_loss(tiny_model_dir, task, tmp_path, plugins, make_plugin):
     def zero_all(rewards):
         rewards.zero_()
@@ -116,6 +122,7 @@ def test_reward_edits_in_on_rewards_reach_the_loss(tiny_model_dir, task, tmp_pat
     assert metrics["reward/mean"] == 0.0 and metrics["policy/loss"] == 0.0  # GRPO advantages all 0
 
 
+@pytest.mark.run
 def test_on_rewards_sees_0_for_a_sample_whose_reward_was_skipped(tiny_model_dir, task, tmp_path, plugins,
                                                                 make_plugin):
     (tmp_path / "half.py").write_text("def reward_func(completions, **kwargs):\n"
@@ -129,6 +136,7 @@ def test_on_rewards_sees_0_for_a_sample_whose_reward_was_skipped(tiny_model_dir,
     assert None in scores and rewards == [0.0 if score is None else score for score in scores]
 
 
+@pytest.mark.run
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path, make_plugin):
     # a fixed thread count: the default follows the machine's load, and float sums depend on it; an adaptive β, so
     # the KL controller's state must come back too
@@ -164,6 +172,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, task, tmp_path,
         assert torch.equal(a, b), name
 
 
+@pytest.mark.run
 def test_ppo_trains_a_critic_and_kl_goes_into_the_reward(tiny_model_dir, task, tmp_path, plugins):
     out = tmp_path / "run"
     train(small_config(tiny_model_dir, task, out, algo="ppo", n_samples=1, prompts_per_step=4, critic_lr=1e-3),
@@ -174,6 +183,7 @@ def test_ppo_trains_a_critic_and_kl_goes_into_the_reward(tiny_model_dir, task, t
     assert (out / "checkpoints" / "step_2" / "critic" / "state.pt").is_file()
 
 
+@pytest.mark.run
 def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_model_dir, task, tmp_path, plugins, make_plugin):
     def nan_loss(inputs, config):
         return inputs.logprobs * float("nan"), {}
@@ -187,6 +197,7 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_model_dir, task, tm
     assert len(metrics) == 1 and metrics[0]["policy/skipped_steps"] == 1.0  # the first was skipped and logged
 
 
+@pytest.mark.unit
 def test_grpo_with_one_sample_per_prompt_is_a_usage_error(tiny_model_dir, task, tmp_path, plugins):
     result = run_cli(plugins, ["train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
                                "--reward", str(task / "rewards.py"), "--n-samples", "1", "--out", str(tmp_path / "r")])
@@ -194,12 +205,14 @@ def test_grpo_with_one_sample_per_prompt_is_a_usage_error(tiny_model_dir, task, 
     assert "'grpo' compares samples of the same prompt: set --n-samples to 2 or more (got 1)" in result.output
 
 
+@pytest.mark.unit
 def test_unknown_algorithm_lists_the_presets(plugins):
     result = run_cli(plugins, ["train", "--algo", "gpro", "--model", "m", "--data", "d"])
     assert result.exit_code == 2
     assert "Did you mean 'grpo'" in result.output and "dr_grpo" in result.output
 
 
+@pytest.mark.unit
 def test_existing_run_directory_is_not_overwritten(tiny_model_dir, task, tmp_path, plugins):
     (tmp_path / "run").mkdir()
     for name in ("config.yaml", "plugins.json"):  # a run's (written before run manifests existed)
@@ -209,6 +222,7 @@ def test_existing_run_directory_is_not_overwritten(tiny_model_dir, task, tmp_pat
         train(small_config(tiny_model_dir, task, tmp_path / "run"), plugins=plugins)
 
 
+@pytest.mark.run
 def test_mismatch_correction_uses_the_engines_logprobs(tiny_model_dir, task, tmp_path, plugins):
     """With the in-process engine the rollout and trainer log-probs agree, so TIS weights are 1."""
     out = tmp_path / "run"
@@ -218,6 +232,7 @@ def test_mismatch_correction_uses_the_engines_logprobs(tiny_model_dir, task, tmp
     assert abs(metrics["policy/mismatch_kl"]) < 1e-3
 
 
+@pytest.mark.run
 def test_tensorboard_gets_every_step_and_threads_sets_torchs_thread_count(tiny_model_dir, task, tmp_path, plugins,
                                                                             make_plugin):
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
@@ -239,6 +254,7 @@ def test_tensorboard_gets_every_step_and_threads_sets_torchs_thread_count(tiny_m
     assert [v for _, v in logged] == pytest.approx([v for _, v in expected])
 
 
+@pytest.mark.unit
 def test_threads_below_one_is_a_config_error(tiny_model_dir, task, tmp_path, plugins):
     from rlhf.core.errors import ConfigError
 
@@ -246,6 +262,7 @@ def test_threads_below_one_is_a_config_error(tiny_model_dir, task, tmp_path, plu
         train(small_config(tiny_model_dir, task, tmp_path / "run", threads=0), plugins=plugins)
 
 
+@pytest.mark.unit
 def test_engine_config_reaches_the_engine_and_unknown_keys_are_refused(tiny_model_dir, task, tmp_path, plugins):
     from rlhf.core.errors import ConfigError
     from rlhf.runtime.rl.local import build_workers

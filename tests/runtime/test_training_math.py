@@ -76,6 +76,7 @@ def fit_once(model, batch, training_loss, *, micro_batch_size=3, worker_cls=Poli
 KL_FORMULAS = {"k1": lambda d: d, "k2": lambda d: d.pow(2) / 2, "k3": lambda d: torch.exp(-d) - 1 + d}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("estimator", sorted(KL_FORMULAS))
 def test_kl_in_the_loss_has_the_estimators_gradient_against_a_distant_reference(model, plugins, estimator):
     batch = make_batch()
@@ -93,6 +94,7 @@ def test_kl_in_the_loss_has_the_estimators_gradient_against_a_distant_reference(
     assert metrics["policy/kl"] == pytest.approx(float(token_mean(kl, batch.loss_mask)), rel=1e-4)
 
 
+@pytest.mark.unit
 def test_gspo_trains_per_sequence_whatever_the_runs_aggregation(model, plugins, make_plugin):
     """GSPO's registration declares its own aggregation (per sequence): under ``--loss-agg
     token_mean`` the policy step's gradient is that of the mean over sequences of each sequence's
@@ -123,6 +125,7 @@ def test_gspo_trains_per_sequence_whatever_the_runs_aggregation(model, plugins, 
                              plugins=plugins).policy_training_loss(None).trained_rows(batch) is None  # ppo: the run's
 
 
+@pytest.mark.unit
 def test_the_entropy_bonus_has_the_gradient_of_minus_c_times_the_mean_entropy(model, plugins):
     batch = make_batch()
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, plugins=plugins)
@@ -141,6 +144,7 @@ AGGREGATIONS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
 def test_the_policy_gradient_is_minus_the_aggregated_advantage_weighted_score(model, plugins, aggregation):
     """On-policy (ratio 1): the PPO loss's gradient is −agg(Â ∇logprobs), with the run's aggregation."""
@@ -154,6 +158,7 @@ def test_the_policy_gradient_is_minus_the_aggregated_advantage_weighted_score(mo
     assert_same_gradients(got, gradients(model, expected))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01], ids=["skipped-row", "trained-row"])
 def test_a_dropped_sample_adds_nothing_to_the_gradient(base_model, plugins, entropy_coef):
     """Without an entropy term the dropped row is not even run (zero advantages on its loss tokens);
@@ -171,6 +176,7 @@ def test_a_dropped_sample_adds_nothing_to_the_gradient(base_model, plugins, entr
     assert_same_gradients(with_dropped, without)
 
 
+@pytest.mark.unit
 def test_the_steps_metrics_are_means_over_its_loss_tokens_however_it_is_split(base_model, plugins):
     """Micro-batch metrics are weighted by their loss tokens: with dropped samples (action tokens
     that are not loss tokens) the step's KL and entropy equal one micro-batch's over every row."""
@@ -190,6 +196,7 @@ def test_the_steps_metrics_are_means_over_its_loss_tokens_however_it_is_split(ba
     assert math.isclose(whole["policy/entropy"], float(token_mean(entropy, batch.loss_mask)), rel_tol=1e-4)
 
 
+@pytest.mark.unit
 def test_a_nonfinite_step_is_skipped_and_the_count_resets_after_a_good_one(base_model, plugins):
     algo = resolve_algorithm("grpo", n_samples=2, kl_coef=0.0, plugins=plugins)
     settings = UpdateSettings(train_batch_size=ROWS, micro_batch_size=4, max_new_tokens=MAX_NEW)
@@ -207,6 +214,7 @@ def test_a_nonfinite_step_is_skipped_and_the_count_resets_after_a_good_one(base_
     assert worker.fit(good, step=2)["policy/skipped_steps"] == 0.0 and worker.nonfinite_in_a_row == 0
 
 
+@pytest.mark.run
 def test_a_saved_worker_loads_back_exactly(base_model, tmp_path, plugins):
     from rlhf.plugins.backends.config import BackendConfig
     from rlhf.plugins.backends.torch_backend import TorchBackend
@@ -234,6 +242,7 @@ def test_a_saved_worker_loads_back_exactly(base_model, tmp_path, plugins):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.unit
 def test_minibatches_are_a_seeded_permutation_per_step_and_epoch():
     from rlhf.runtime.step.micro_batches import minibatches
 
@@ -252,6 +261,7 @@ def test_minibatches_are_a_seeded_permutation_per_step_and_epoch():
     assert order(seed=4, step=0) != first and order(seed=3, step=1) != first and first[:2] != first[2:]
 
 
+@pytest.mark.unit
 def test_the_runs_seed_shuffles_the_minibatches(tiny_model_dir, task, tmp_path):
     from rlhf.runtime.rl.local import update_settings
 
@@ -261,6 +271,7 @@ def test_the_runs_seed_shuffles_the_minibatches(tiny_model_dir, task, tmp_path):
                                                    max_new_tokens=6, share_prompt=True, seed=123)
 
 
+@pytest.mark.unit
 def test_the_reward_is_the_sources_plus_the_environments():
     from rlhf.rewards.combine import RewardResult
     from rlhf.runtime.rl.workers import RewardWorker
@@ -281,6 +292,7 @@ def test_the_reward_is_the_sources_plus_the_environments():
     assert RewardWorker(Sources()).score(trajectories).total == [1.5, None, 0.25]
 
 
+@pytest.mark.unit
 def test_a_dropped_sample_adds_nothing_to_the_critics_gradient(plugins):
     batch = make_batch()
     batch.values = torch.zeros_like(batch.action_mask)
@@ -305,6 +317,7 @@ class PositionCritic(torch.nn.Module):
         return self.w * input_ids.float()  # (B, T)
 
 
+@pytest.mark.unit
 def test_kl_goes_into_the_reward_when_it_is_placed_there(plugins):
     """PPO's per-token reward: R_t = -β·kl_t, plus r on the last action token; returns sum them up."""
     from rlhf.runtime.rl.experience import ExperienceMaker
@@ -326,6 +339,7 @@ def test_kl_goes_into_the_reward_when_it_is_placed_there(plugins):
         assert made.returns.tolist() == [pytest.approx(expected)], kl_in
 
 
+@pytest.mark.unit
 def test_critic_value_t_is_the_output_at_token_t_in_values_and_in_training(plugins):
     batch = make_batch()
     critic = PositionCritic()
@@ -343,6 +357,7 @@ def test_critic_value_t_is_the_output_at_token_t_in_values_and_in_training(plugi
     assert float(got["w"]) == pytest.approx(float(expected), rel=1e-5)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_the_critic_loss_uses_the_runs_aggregation_with_the_steps_counts(plugins, aggregation):
     batch = make_batch()
@@ -360,6 +375,7 @@ def test_the_critic_loss_uses_the_runs_aggregation_with_the_steps_counts(plugins
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
+@pytest.mark.unit
 def test_the_critic_is_clipped_around_its_old_values_with_the_runs_clip(plugins):
     batch = make_batch()
     critic = PositionCritic()
@@ -395,6 +411,7 @@ def metrics_of(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.run
 def test_micro_batch_size_1_and_4_give_the_same_gradients_and_weights(tiny_model_dir, task, tmp_path, plugins):
     plugins.register(recording_plugin())
     runs = {}
@@ -413,6 +430,7 @@ def test_micro_batch_size_1_and_4_give_the_same_gradients_and_weights(tiny_model
         assert torch.allclose(weight, weights_four[name], atol=1e-6), name
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("ppo_epochs, train_batch_size", [(2, 8), (1, 4), (2, 4)])  # 2, 2 and 4 optimizer steps
 def test_old_logprobs_are_recomputed_when_optimizer_steps_share_a_rollout(tiny_model_dir, task, tmp_path, plugins,
                                                                           ppo_epochs, train_batch_size):
@@ -423,6 +441,7 @@ def test_old_logprobs_are_recomputed_when_optimizer_steps_share_a_rollout(tiny_m
     assert abs(step["policy/approx_kl"]) > 1e-5 and step["policy/clip_frac"] > 0
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("algo, overrides", [
     ("grpo", {"algo_config": ["correction=tis"], "kl_coef": 0.01}),  # KL in the loss; engine log-probs compared
     ("ppo", {"n_samples": 1, "prompts_per_step": 4}),  # KL in the reward: old and reference log-probs
@@ -437,6 +456,7 @@ def test_logprobs_are_taken_at_the_sampling_temperature(tiny_model_dir, task, tm
             pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_training_the_policy_leaves_the_reference_as_it_was(tiny_model_dir, task, tmp_path, plugins, lora_rank):
     from rlhf.runtime.rl.local import build_workers
@@ -473,6 +493,7 @@ def grpo_recording_masks(inputs, config):
                               group_size=inputs.group_size, sample_mask=inputs.sample_mask)
 
 
+@pytest.mark.run
 def test_a_sample_without_a_reward_is_left_out_of_the_group_statistics(tiny_model_dir, task, tmp_path, plugins,
                                                                        make_plugin):
     (tmp_path / "rewards.py").write_text("def reward_func(completions, **kwargs):\n"
@@ -488,6 +509,7 @@ def test_a_sample_without_a_reward_is_left_out_of_the_group_statistics(tiny_mode
     assert metrics_of(out)[0]["reward/skipped"] == 1.0
 
 
+@pytest.mark.unit
 def test_token_budgets_are_refused_where_every_forward_is_a_collective():
     from types import SimpleNamespace
 

@@ -36,6 +36,7 @@ def fake_wandb(monkeypatch):
     return runs
 
 
+@pytest.mark.run
 def test_group_and_run_name_reach_wandb_and_every_row_is_logged(fake_wandb, tiny_model_dir, fit_data, tmp_path,
                                                                 plugins):
     out = tmp_path / "sft"
@@ -51,6 +52,7 @@ def test_group_and_run_name_reach_wandb_and_every_row_is_logged(fake_wandb, tiny
     assert run.finished
 
 
+@pytest.mark.run
 def test_the_run_name_defaults_to_the_out_folder(fake_wandb, tiny_model_dir, fit_data, tmp_path, plugins):
     result = run_cli(plugins, ["sft", "--model", str(tiny_model_dir), "--data", str(fit_data / "sft.jsonl"),
                                "--batch-size", "2", "--steps", "1", "--out", str(tmp_path / "my-run"), "--no-progress",
@@ -59,6 +61,7 @@ def test_the_run_name_defaults_to_the_out_folder(fake_wandb, tiny_model_dir, fit
     assert (fake_wandb[0].init["name"], fake_wandb[0].init["group"]) == ("my-run", None)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_without_the_package_or_the_project_it_is_a_usage_error_before_models_load(command, task, tmp_path, plugins,
                                                                                    monkeypatch):

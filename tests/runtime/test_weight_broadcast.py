@@ -44,6 +44,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.cluster
 def test_every_receiver_gets_the_senders_tensors_bit_for_bit(tmp_path):
     mp.spawn(member, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
     total = sum(t.numel() * t.element_size() for t in values(1).values())
@@ -58,6 +59,7 @@ def test_every_receiver_gets_the_senders_tensors_bit_for_bit(tmp_path):
                 assert torch.equal(got["params"][name], expected), (rank, round_, name)
 
 
+@pytest.mark.unit
 def test_buckets_are_consecutive_single_dtype_and_bounded():
     manifest = [(name, shape, str(dtype).removeprefix("torch.")) for name, (shape, dtype) in LAYOUT.items()]
     assert buckets(manifest, BUCKET_BYTES) == [
@@ -71,6 +73,7 @@ def test_buckets_are_consecutive_single_dtype_and_bounded():
     assert buckets([], BUCKET_BYTES) == []
 
 
+@pytest.mark.unit
 def test_a_receiver_whose_parameters_differ_is_told_which():
     manifest = [("w", (2, 3), "float32"), ("v", (4,), "float32"), ("u", (1,), "bfloat16")]
     check_manifest(manifest, {"w": torch.zeros(2, 3), "v": torch.zeros(4), "u": torch.zeros(1, dtype=torch.bfloat16)})
@@ -82,6 +85,7 @@ def test_a_receiver_whose_parameters_differ_is_told_which():
     assert "u: sent as bfloat16[1], here float32[1]" in message
 
 
+@pytest.mark.unit
 def test_broadcast_in_the_local_runtime_is_warned_about(plugins):
     from rlhf.runtime.config.train_config import TrainConfig
     from rlhf.runtime.config.train_plan import RunPlan

@@ -20,6 +20,8 @@ from rlhf.core.plugin_host.loading import build_plugin_manager
 from tests.runtime.recording import RecordingBackend
 from tests.helpers import assert_same_gradients, grouped_batch
 
+pytestmark = pytest.mark.unit
+
 
 def plugins():
     return build_plugin_manager(load_entrypoints=False)

@@ -11,6 +11,8 @@ import pytest
 
 from rlhf.sandbox import _sandbox_cgroup
 
+pytestmark = pytest.mark.unit
+
 
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])

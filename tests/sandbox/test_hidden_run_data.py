@@ -55,6 +55,7 @@ def project():
     shutil.rmtree(tmp_path)
 
 
+@pytest.mark.unit
 @needs_namespaces
 def test_model_code_cannot_print_a_label_from_the_data_file(project, registered):
     code = PRINT_FILE.format(path=str(project["elsewhere"]))
@@ -75,6 +76,7 @@ def test_model_code_cannot_print_a_label_from_the_data_file(project, registered)
     assert project["answer"] in opted_out.stdout and not any(x.startswith("hidden:") for x in opted_out.isolation)
 
 
+@pytest.mark.unit
 @needs_namespaces
 def test_hide_paths_hides_a_single_file_too(project):
     result = run_code(PRINT_FILE.format(path=str(project["elsewhere"])),
@@ -82,6 +84,7 @@ def test_hide_paths_hides_a_single_file_too(project):
     assert result.stdout == "''\n" and f"hidden:{project['elsewhere']}" in result.isolation
 
 
+@pytest.mark.run
 def test_a_training_run_registers_its_data_run_directory_rewards_and_project(tiny_model_dir, task, tmp_path, plugins,
                                                                            monkeypatch, registered):
     from tests.helpers import run_cli
@@ -102,6 +105,7 @@ def test_a_training_run_registers_its_data_run_directory_rewards_and_project(tin
                                       str(out.resolve()), str(project.resolve())}
 
 
+@pytest.mark.unit
 def test_system_directories_are_never_registered_as_the_project(tmp_path):
     from types import SimpleNamespace
 
@@ -114,6 +118,7 @@ def test_system_directories_are_never_registered_as_the_project(tmp_path):
 
 
 
+@pytest.mark.unit
 @needs_namespaces
 def test_hidden_paths_under_tmp_are_hidden_by_the_private_tmp(tmp_path, registered):
     """Data under /tmp (a test's, a scratch run's): nothing to mount over, the code still runs, and the

@@ -14,6 +14,8 @@ from rlhf.sandbox.remote import RemoteSandbox
 from rlhf.sandbox import run_code
 from rlhf.plugins.envs.tir import TIRConfig, TIREnv
 
+pytestmark = pytest.mark.unit
+
 web = pytest.importorskip("aiohttp.web")
 
 RESPONSES = {

@@ -15,7 +15,7 @@ from rlhf.sandbox import SANDBOX_UIDS, SandboxConfig, run_code, run_code_async
 
 from .conftest import needs_linux
 
-pytestmark = needs_linux
+pytestmark = [pytest.mark.unit, needs_linux]
 
 
 def test_ok_run_reports_outputs_and_fields():

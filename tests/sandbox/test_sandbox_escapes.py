@@ -23,7 +23,7 @@ from rlhf.sandbox import run_code
 
 from .conftest import needs_linux
 
-pytestmark = needs_linux
+pytestmark = [pytest.mark.unit, needs_linux]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the escapes need the host to run as root")
 
 

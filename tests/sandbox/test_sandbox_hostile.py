@@ -28,7 +28,7 @@ from rlhf.sandbox import OUTPUT_KILL_FACTOR, run_code
 
 from .conftest import needs_linux
 
-pytestmark = needs_linux
+pytestmark = [pytest.mark.unit, needs_linux]
 
 
 def _world_readable_python() -> str | None:

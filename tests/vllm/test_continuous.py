@@ -14,6 +14,8 @@ from tests.helpers import EnvsOf, GatedTools, prompt_item
 from tests.vllm import fakes
 from tests.vllm.fakes import make_engine
 
+pytestmark = pytest.mark.unit
+
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.95, return_logprobs=True)
 
 

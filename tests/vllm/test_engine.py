@@ -20,6 +20,8 @@ from rlhf.plugins.engines.vllm_weights import bucket_by_bytes, policy_weights
 from tests.vllm import fakes
 from tests.vllm.fakes import make_engine
 
+pytestmark = pytest.mark.unit
+
 
 PARAMS = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.95, return_logprobs=True)
 

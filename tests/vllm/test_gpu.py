@@ -14,7 +14,7 @@ import torch
 from rlhf.core.protocols.rollout import SamplingParams
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.run, pytest.mark.gpu]
 
 PROMPTS = ["What is 12 + 7?", "Say hello to the world.", "The quick brown fox", "repeat the word cat"]
 MAX_LOGPROB_ERROR, MEAN_LOGPROB_ERROR = 0.1, 0.03  # bf16 logits through two different sets of kernels

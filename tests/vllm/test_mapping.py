@@ -16,6 +16,8 @@ from rlhf.plugins.engines.vllm_engine import (VLLMEngineConfig, eos_token_ids, e
 from rlhf.runtime.config.train_plan import RunPlan
 from tests.vllm.fakes import Completion, Logprob
 
+pytestmark = pytest.mark.unit
+
 # --- sampling parameters ---------------------------------------------------------------------
 
 

@@ -12,6 +12,8 @@ from rlhf.plugins.engines.vllm_weights import bucket_by_bytes, map_state_dict, p
 from tests.helpers import tiny_moe
 from tests.vllm.fakes import MoENameLoader
 
+pytestmark = pytest.mark.unit
+
 
 def fused_experts() -> bool:
     """transformers 5 holds a layer's experts fused; transformers 4 as the checkpoint does."""

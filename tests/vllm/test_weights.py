@@ -17,6 +17,7 @@ from rlhf.plugins.engines.vllm_weights import (bucket_by_bytes, map_state_dict, 
                                                receive_weights, send_weights, vllm_weight_name)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, expected", [
     ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
     ("module.model.embed_tokens.weight", "model.embed_tokens.weight"),  # DeepSpeed / DDP
@@ -31,11 +32,13 @@ def test_checkpoint_names(name, expected):
     assert vllm_weight_name(name) == expected
 
 
+@pytest.mark.unit
 def test_adapter_tensors_must_be_merged_first():
     with pytest.raises(ConfigError, match="LoRA adapter tensor"):
         vllm_weight_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight")
 
 
+@pytest.mark.unit
 def test_state_dict_names_are_mapped_in_order():
     state = {"module.model.norm.weight": torch.ones(2), "module.lm_head.original_module.weight": torch.zeros(1),
              "module.lm_head.modules_to_save.default.weight": torch.full((1,), 3.0)}
@@ -53,6 +56,7 @@ def llama(tie: bool = False, seed: int = 0):
     return LlamaForCausalLM(config)
 
 
+@pytest.mark.unit
 def test_a_plain_model_sends_its_parameters_under_their_own_names():
     model = llama()
     sent = list(policy_weights(model))
@@ -61,6 +65,7 @@ def test_a_plain_model_sends_its_parameters_under_their_own_names():
         assert tensor.data_ptr() == param.data_ptr()  # no copy for plain parameters
 
 
+@pytest.mark.unit
 def test_tied_weights_are_sent_once():
     model = llama(tie=True)
     names = [name for name, _ in policy_weights(model)]
@@ -83,6 +88,7 @@ def lora_policy(**extra):
     return lora, base
 
 
+@pytest.mark.unit
 def test_lora_layers_are_sent_merged():
     lora, base = lora_policy()
     before = {name: p.detach().clone() for name, p in lora.named_parameters()}
@@ -102,6 +108,7 @@ def test_lora_layers_are_sent_merged():
         assert torch.equal(param, before[name]), name
 
 
+@pytest.mark.unit
 def test_lora_with_the_adapter_switched_off_sends_the_base_weights():
     lora, base = lora_policy()
     with lora.disable_adapter():
@@ -110,6 +117,7 @@ def test_lora_with_the_adapter_switched_off_sends_the_base_weights():
         torch.testing.assert_close(tensor, base[name])
 
 
+@pytest.mark.unit
 def test_modules_to_save_sends_the_trained_copy():
     lora, base = lora_policy(modules_to_save=["lm_head"])
     with torch.no_grad():
@@ -119,6 +127,7 @@ def test_modules_to_save_sends_the_trained_copy():
     assert torch.all(sent["lm_head.weight"] == 0.5)
 
 
+@pytest.mark.run
 def test_version_changes_with_in_place_writes_only():
     model = llama()
     start = policy_version(model)
@@ -140,6 +149,7 @@ def floats(*sizes):
     return [(f"t{i}", torch.zeros(n)) for i, n in enumerate(sizes)]  # float32: 4 bytes each
 
 
+@pytest.mark.unit
 def test_buckets_by_hand():
     named = floats(3, 2, 5, 1, 1)  # 12, 8, 20, 4, 4 bytes
     names = lambda buckets: [[n for n, _ in bucket] for bucket in buckets]  # noqa: E731
@@ -149,6 +159,7 @@ def test_buckets_by_hand():
     assert list(bucket_by_bytes([], 8)) == []
 
 
+@pytest.mark.unit
 def test_buckets_are_made_lazily():
     pulled = []
 
@@ -161,6 +172,7 @@ def test_buckets_are_made_lazily():
     assert [n for n, _ in first] == ["t0", "t1"] and pulled == ["t0", "t1", "t2"]  # one look-ahead
 
 
+@pytest.mark.unit
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(0, 50), max_size=30), max_bytes=st.integers(1, 120))
 def test_buckets_keep_every_tensor_once_in_order_and_bounded(sizes, max_bytes):
@@ -192,6 +204,7 @@ def _exchange(rank: int, init_file: str, out: str) -> None:
     exit_process(0)  # a worker of a process group ends without the interpreter's teardown, as rlhf's do
 
 
+@pytest.mark.cluster
 def test_weights_travel_over_a_process_group(tmp_path):
     import torch.multiprocessing as mp
 
