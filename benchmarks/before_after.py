@@ -101,7 +101,10 @@ def child(args: list[str]) -> None:
 
     import rlhf
     from rlhf.cli.main import make_cli
-    from rlhf.core.plugin_host.loading import build_plugin_manager
+    try:
+        from rlhf.core.plugin_host.loading import build_plugin_manager
+    except ImportError:  # an install from before the plugin host moved (7370b48 and older)
+        from rlhf.core.plugins import build_plugin_manager
 
     started: dict[str, float] = {}
 

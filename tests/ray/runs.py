@@ -4,6 +4,7 @@ the local one, and finding the processes a run left."""
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,10 @@ def ray_processes(marker: str) -> list[str]:
 
 
 def actor_processes() -> list[int]:
-    """Process ids of live Ray actor processes of the Ray runtime (their title is ray::WorkerHost...)."""
+    """Process ids of live Ray actor processes of the Ray runtime (their title is ray::WorkerHost...) of this
+    test session's Ray cluster (their environment has its RAY_TMPDIR): another pytest's actors on the same
+    machine are not ours to wait for."""
+    ours = f"RAY_TMPDIR={os.environ.get('RAY_TMPDIR', '')}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -66,6 +70,12 @@ def actor_processes() -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if command.startswith("ray::WorkerHost") and state != "Z":
+        if not command.startswith("ray::WorkerHost") or state == "Z":
+            continue
+        try:
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            environment = [ours]  # unreadable: count it
+        if ours in environment:
             found.append(int(entry.name))
     return found
