@@ -87,7 +87,8 @@ AREAS = {
     ], RL_TESTS),
     "RL wiring": ([
         "rlhf/runtime/rl/workers.py", "rlhf/runtime/step/micro_batches.py", "rlhf/runtime/rl/experience.py",
-        "rlhf/runtime/rl/trainer.py", "rlhf/runtime/rl/local.py", "rlhf/runtime/config/train_plan.py", "rlhf/runtime/run/evaluation.py",
+        "rlhf/runtime/rl/trainer.py", "rlhf/runtime/rl/local.py", "rlhf/runtime/config/train_plan.py",
+        "rlhf/runtime/config/plan.py", "rlhf/runtime/run/evaluation.py",
         "rlhf/runtime/rl/step_metrics.py", "rlhf/runtime/rl/async_generation.py", "rlhf/plugins/models/hf.py",
         "rlhf/runtime/rl/batches.py", "rlhf/runtime/rl/scoring.py", "rlhf/runtime/rl/ranks.py",
         "rlhf/runtime/rl/events.py", "rlhf/runtime/rl/guards.py",
@@ -260,8 +261,9 @@ CURATED = [
     # eval, best model and data order (issue 31)
     ("rlhf/runtime/fit/loop.py", "examples = self.objective.step_examples(list(self.parts.eval_examples))",
      "examples = self.objective.step_examples(list(self.parts.train_examples))", "fit: eval on the training set"),
-    ("rlhf/runtime/fit/loop.py", "return done % every == 0 or done == self.total_steps", "return done % every == 0",
-     "fit: no final eval when the step count is not a multiple of --eval-every"),
+    ("rlhf/runtime/run/evaluation.py", "return (self.at_start and done == 0) or done == self.total or (",
+     "return (self.at_start and done == 0) or (",
+     "no final eval when the step count is not a multiple of --eval-every"),
     ("rlhf/runtime/fit/loop.py", "        self.best_model.record = state.get(\"best\")",
      "        self.best_model.record = None", "fit: --resume forgets the best eval"),
     ("rlhf/runtime/fit/data.py", "order = _epoch_order(self.num_examples, self.seed, epoch)",
