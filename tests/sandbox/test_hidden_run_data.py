@@ -1,6 +1,7 @@
 """Sandboxed code cannot read the run's data: a training run registers its data, eval data, run
-directory, reward sources and project with `rlhf.sandbox.hide_by_default`; every call hides them
-(files read as empty, directories as empty) and lists them in ``result.isolation``."""
+directory, reward sources, project and datasets cache with `rlhf.sandbox.hide_by_default`; every
+call hides them (a read fails: they do not exist inside), checks from inside that they are gone,
+and lists those in ``result.isolation``."""
 
 from __future__ import annotations
 
@@ -65,13 +66,14 @@ def test_model_code_cannot_print_a_label_from_the_data_file(project, registered)
     assert hidden == tuple(sorted((str(project["elsewhere"]), str(project["root"]))))
     result = run_code(code, timeout_s=10)
     assert result.status == "ok", result
-    assert project["answer"] not in result.stdout and result.stdout == "''\n"
+    assert project["answer"] not in result.stdout and result.stdout == "refused 2\n"  # ENOENT: a read fails
     assert f"hidden:{project['elsewhere']}" in result.isolation
     assert f"hidden:{project['root']}" in result.isolation
     inside = run_code(PRINT_FILE.format(path=str(project["data"])), timeout_s=10)  # under a hidden directory
     assert project["answer"] not in inside.stdout
-    listing = run_code(f"import os\nprint(os.listdir({str(project['root'])!r}))", timeout_s=10)
-    assert listing.stdout == "[]\n"
+    listing = run_code(f"import os\ntry:\n    print(os.listdir({str(project['root'])!r}))\n"
+                       "except OSError as exc:\n    print('refused', exc.errno)", timeout_s=10)
+    assert listing.stdout == "refused 2\n"  # the hidden folder does not exist inside
     opted_out = run_code(code, config=SandboxConfig(timeout_s=10, hide_defaults=False))
     assert project["answer"] in opted_out.stdout and not any(x.startswith("hidden:") for x in opted_out.isolation)
 
@@ -81,7 +83,7 @@ def test_model_code_cannot_print_a_label_from_the_data_file(project, registered)
 def test_hide_paths_hides_a_single_file_too(project):
     result = run_code(PRINT_FILE.format(path=str(project["elsewhere"])),
                       config=SandboxConfig(timeout_s=10, hide_paths=(str(project["elsewhere"]),)))
-    assert result.stdout == "''\n" and f"hidden:{project['elsewhere']}" in result.isolation
+    assert result.stdout == "refused 2\n" and f"hidden:{project['elsewhere']}" in result.isolation
 
 
 @pytest.mark.run
@@ -129,3 +131,130 @@ def test_hidden_paths_under_tmp_are_hidden_by_the_private_tmp(tmp_path, register
     result = run_code("print(6 * 7)", timeout_s=10)
     assert result.status == "ok" and result.stdout == "42\n", result
     assert f"hidden:{data}" in result.isolation and f"hidden:{tmp_path}" in result.isolation
+
+
+# --- the probe's reproductions (issue 55): editable installs and the datasets cache, as root ----------
+
+READ_ALL = """import json
+out = {}
+for path in json.loads(PATHS):
+    try:
+        with open(path, "rb") as f:
+            out[path] = f.read().decode("latin-1")
+    except OSError as exc:
+        out[path] = exc.errno
+mounts = open("/proc/self/mountinfo").read()
+print(json.dumps({"reads": out, "mountinfo": mounts}))
+"""
+
+
+def _read_all(paths, **config):
+    result = run_code(f"PATHS = {json.dumps([str(p) for p in paths])!r}\n" + READ_ALL, timeout_s=20, **config)
+    assert result.status == "ok", result
+    return json.loads(result.stdout), result
+
+
+@pytest.fixture
+def editable(project):
+    """``project`` installed in editable mode the way hatchling, pdm, flit and setuptools' compat
+    mode do it: a venv whose site-packages holds a ``.pth`` file naming the project's folder."""
+    import subprocess
+    import sys
+
+    root = project["root"]
+    (root / "pkg").mkdir()
+    (root / "pkg" / "__init__.py").write_text("VALUE = 42\n")
+    (root / "rewards.py").write_text(f"ANSWER = {project['answer']!r}\n")
+    (root / "runs" / "exp").mkdir(parents=True)
+    (root / "runs" / "exp" / "samples.jsonl").write_text(json.dumps({"label": project["answer"]}) + "\n")
+    venv = root.parent / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site_dir = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    (Path(site_dir) / "_project.pth").write_text(f"{root}\n")
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return {**project, "python": str(python), "rewards": root / "rewards.py",
+            "samples": root / "runs" / "exp" / "samples.jsonl"}
+
+
+@pytest.mark.unit
+@needs_namespaces
+@pytest.mark.parametrize("project_hidden", [False, True], ids=["run-elsewhere", "run-in-project"])
+def test_an_editable_install_shows_its_packages_and_nothing_else(editable, registered, project_hidden):
+    secrets = [editable["data"], editable["rewards"], editable["samples"]]
+    registered([editable["data"], editable["rewards"], *([editable["root"]] if project_hidden else [])])
+    seen, result = _read_all(secrets, python=editable["python"])
+    assert editable["answer"] not in json.dumps(seen["reads"])
+    assert all(errno in (2, 13) for errno in seen["reads"].values()), seen["reads"]  # a read fails
+    for path in (editable["data"], editable["data"].parent, editable["rewards"], editable["samples"].parent):
+        assert str(path) not in seen["mountinfo"], path  # the mount table does not say where to look
+    for path in (editable["data"], editable["rewards"], *([editable["root"]] if project_hidden else [])):
+        assert f"hidden:{path}" in result.isolation
+    imported = run_code("import pkg, os\nprint(pkg.VALUE, sorted(os.listdir(os.path.dirname(pkg.__path__[0]))))",
+                        timeout_s=20, python=editable["python"])
+    assert imported.stdout == "42 ['pkg']\n", imported  # importable, and the only thing there
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_the_datasets_cache_of_a_run_is_hidden(project, registered, monkeypatch):
+    """HF_HOME outside home and /tmp (/data/hf on a cluster): `datasets` keeps an arrow copy of
+    --data under $HF_HOME/datasets; the run registers that folder, so model code cannot read it."""
+    from types import SimpleNamespace
+
+    import datasets.config
+
+    from rlhf.runtime.run.data import load_one
+    from rlhf.runtime.run.lifecycle import hide_run_data
+
+    hf_home = project["root"].parent / "hf"
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", hf_home / "datasets")
+    (hf_home / "hub").mkdir(parents=True)
+    hf_home.chmod(0o755)
+    assert load_one(str(project["data"]), "train")[0]["answer"] == project["answer"]
+    arrows = sorted((hf_home / "datasets").rglob("*.arrow"))
+    assert arrows and any(project["answer"].encode() in a.read_bytes() for a in arrows)
+    for path in (hf_home / "datasets").rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # world-readable: the sandbox uid could read it
+    before, _ = _read_all(arrows, hide_defaults=False)
+    assert project["answer"] in json.dumps(before["reads"])
+    monkeypatch.chdir("/")
+    config = SimpleNamespace(data=[str(project["data"])], eval_data=[], reward=[], env=None)
+    assert str(hf_home / "datasets") in hide_run_data(config, project["root"].parent / "run")
+    seen, result = _read_all(arrows)
+    assert project["answer"] not in json.dumps(seen["reads"]) and set(seen["reads"].values()) == {2}
+    assert str(hf_home / "datasets") not in seen["mountinfo"]
+    assert f"hidden:{hf_home / 'datasets'}" in result.isolation and f"hidden:{project['data']}" in result.isolation
+    listing = run_code(f"import os\nprint(sorted(os.listdir({str(hf_home)!r})))", timeout_s=20)
+    assert listing.stdout == "['hub']\n", listing  # the rest of HF_HOME stays as it was
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_the_mount_table_does_not_name_hidden_paths(project, registered):
+    registered([project["elsewhere"], project["root"]])
+    seen, result = _read_all([project["elsewhere"], project["data"]])
+    assert set(seen["reads"].values()) == {2}
+    assert str(project["elsewhere"]) not in seen["mountinfo"] and str(project["root"]) not in seen["mountinfo"]
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_a_path_that_stays_readable_is_not_listed_as_hidden():
+    """The Python installation is never hidden: asked to hide it, the call still imports from it,
+    and ``isolation`` does not claim it is hidden (each listed path is checked from inside). A
+    folder inside it can be hidden, and then is."""
+    import json as json_module  # a package of the installation
+
+    from rlhf.sandbox._sandbox_host import _python_layout
+
+    installation = tuple(_python_layout()["python_paths"])
+    result = run_code("import json\nprint(json.dumps(1))", timeout_s=20, hide_paths=installation)
+    assert result.status == "ok" and result.stdout == "1\n", result
+    assert not any(f"hidden:{path}" in result.isolation for path in installation)
+    package = str(Path(json_module.__file__).resolve().parent)
+    result = run_code("import json", timeout_s=20, hide_paths=(package,))
+    assert result.status == "error" and f"hidden:{package}" in result.isolation
