@@ -66,7 +66,9 @@ layer             effect (where)
 ``seccomp``       a seccomp filter: ``execve``/``execveat`` (no program ever starts, whatever
                   the path: ``subprocess``, ``_posixsubprocess``, ctypes), namespaces,
                   ``ptrace``, mounts, ``bpf``, ``io_uring``, keyrings, modules, clocks... fail
-                  with EPERM (x86_64 and aarch64)
+                  with EPERM; sockets of any family but ``AF_UNIX``, ``AF_INET`` and
+                  ``AF_INET6`` (``AF_VSOCK``, netlink, packet...) fail with EAFNOSUPPORT
+                  (x86_64 and aarch64)
 ``cgroup_memory`` a cgroup per call (root, v2 or v1): ``memory_mb`` (+64 MiB for the
                   supervisors) of resident memory for all the code's processes together; going
                   over is ``killed`` with a message naming the limit
