@@ -173,27 +173,52 @@ def editable(project):
     site_dir = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
                               capture_output=True, text=True).stdout.strip()
     (Path(site_dir) / "_project.pth").write_text(f"{root}\n")
+    import pluggy  # what importing rlhf needs, when rlhf itself runs from this venv
+
+    (Path(site_dir) / "pluggy").symlink_to(Path(pluggy.__file__).parent)
     for path in root.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
     return {**project, "python": str(python), "rewards": root / "rewards.py",
             "samples": root / "runs" / "exp" / "samples.jsonl"}
 
 
+def _in_venv(editable, hidden, code):
+    """`run_code` called by rlhf running from the venv with the editable install (its own interpreter)."""
+    import dataclasses  # noqa: F401 - used by the script
+    import subprocess
+
+    script = (f"import dataclasses, json, sys\nsys.path.insert(0, {str(REPO)!r})\nfrom rlhf import sandbox\n"
+              f"sandbox.hide_by_default({[str(h) for h in hidden]!r})\n"
+              f"r = sandbox.run_code({code!r}, timeout_s=20)\nprint(json.dumps(dataclasses.asdict(r)))\n")
+    out = subprocess.run([editable["python"], "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    return sandbox.SandboxResult(**json.loads(out.stdout.splitlines()[-1]))
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
 @pytest.mark.unit
 @needs_namespaces
+@pytest.mark.parametrize("host", ["rlhf-in-venv", "code-in-venv"])
 @pytest.mark.parametrize("project_hidden", [False, True], ids=["run-elsewhere", "run-in-project"])
-def test_an_editable_install_shows_its_packages_and_nothing_else(editable, registered, project_hidden):
+def test_an_editable_install_shows_its_packages_and_nothing_else(editable, registered, project_hidden, host):
     secrets = [editable["data"], editable["rewards"], editable["samples"]]
-    registered([editable["data"], editable["rewards"], *([editable["root"]] if project_hidden else [])])
-    seen, result = _read_all(secrets, python=editable["python"])
+    hidden = [editable["data"], editable["rewards"], *([editable["root"]] if project_hidden else [])]
+    read_all = f"PATHS = {json.dumps([str(p) for p in secrets])!r}\n" + READ_ALL
+    importing = "import pkg, os\nprint(pkg.VALUE, sorted(os.listdir(os.path.dirname(pkg.__path__[0]))))"
+    if host == "rlhf-in-venv":
+        result, imported = (_in_venv(editable, hidden, code) for code in (read_all, importing))
+    else:
+        registered(hidden)
+        result, imported = (run_code(code, timeout_s=20, python=editable["python"]) for code in (read_all, importing))
+    assert result.status == "ok", result
+    seen = json.loads(result.stdout)
     assert editable["answer"] not in json.dumps(seen["reads"])
     assert all(errno in (2, 13) for errno in seen["reads"].values()), seen["reads"]  # a read fails
     for path in (editable["data"], editable["data"].parent, editable["rewards"], editable["samples"].parent):
         assert str(path) not in seen["mountinfo"], path  # the mount table does not say where to look
-    for path in (editable["data"], editable["rewards"], *([editable["root"]] if project_hidden else [])):
+    for path in hidden:
         assert f"hidden:{path}" in result.isolation
-    imported = run_code("import pkg, os\nprint(pkg.VALUE, sorted(os.listdir(os.path.dirname(pkg.__path__[0]))))",
-                        timeout_s=20, python=editable["python"])
     assert imported.stdout == "42 ['pkg']\n", imported  # importable, and the only thing there
 
 
