@@ -184,7 +184,6 @@ def editable(project):
 
 def _in_venv(editable, hidden, code):
     """`run_code` called by rlhf running from the venv with the editable install (its own interpreter)."""
-    import dataclasses  # noqa: F401 - used by the script
     import subprocess
 
     script = (f"import dataclasses, json, sys\nsys.path.insert(0, {str(REPO)!r})\nfrom rlhf import sandbox\n"
