@@ -55,7 +55,8 @@ layer             effect (where)
                   ``/proc/self/mountinfo`` does not say where to look; exceptions: a hidden
                   folder holding the Python installation or an editable install's packages
                   stays as an empty folder with those bound back (its name is in ``sys.path``
-                  anyway), and one right under ``/`` is covered by an unreadable empty one
+                  anyway); one right under ``/`` or in a folder of over 512 entries is covered
+                  by an unreadable empty one
 ``uid``           as root: the code always runs as a fresh unprivileged uid (random per call),
                   so file permissions protect the host and RLIMIT_NPROC applies. Without mount
                   namespaces, an installation that uid cannot reach is an error

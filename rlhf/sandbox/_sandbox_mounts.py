@@ -30,6 +30,7 @@ O_PATH = getattr(os, "O_PATH", 0o10000000)
 MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
 WORKDIR_IN_NAMESPACE = "/tmp/sandbox"
+MAX_PRUNED_ENTRIES = 512  # a hidden path's folder is rebuilt (one mount per entry) up to this size
 DEVICES = ("null", "zero", "full", "random", "urandom")
 PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "kcore", "kmsg", "timer_list", "acpi", "scsi")
 ETC_SECRETS = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers",
@@ -199,11 +200,17 @@ def run_op(op, req, notes):
 
 
 def prune(parent, names):
-    """Rebuild ``parent`` as a tmpfs holding its entries but ``names``: they no longer exist."""
+    """Rebuild ``parent`` as a tmpfs holding its entries but ``names``: they no longer exist.
+    A parent of more than `MAX_PRUNED_ENTRIES` entries (a mount each) is left, and each of
+    ``names`` blanked instead (`blank`: unreadable, but named by a mount)."""
     st = os.stat(parent)
     old = os.open(parent, O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         entries = [e for e in os.listdir(parent) if e not in names]
+        if len(entries) > MAX_PRUNED_ENTRIES:
+            for name in names:
+                blank(os.path.join(parent, name))
+            return
         links = {e: os.readlink(os.path.join(parent, e)) for e in entries if os.path.islink(os.path.join(parent, e))}
         dirs = {e for e in entries if e not in links and os.path.isdir(os.path.join(parent, e))}
         options = f"size=1m,nr_inodes={len(entries) + 16},mode={st.st_mode & 0o7777:o}"
@@ -228,8 +235,8 @@ def prune(parent, names):
 
 
 def blank(path):
-    """A hidden path right under ``/`` (no parent to rebuild): an unreadable empty tmpfs over a
-    directory, an unreadable empty file over a file."""
+    """A hidden path that keeps its name (right under ``/``, or in a folder too large to rebuild):
+    an unreadable empty tmpfs over a directory, an unreadable empty file over a file."""
     if os.path.isdir(path) and not os.path.islink(path):
         mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=000")
         return

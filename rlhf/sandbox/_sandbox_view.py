@@ -16,7 +16,8 @@ Three kinds of paths:
 - **gone**: a hidden path with nothing visible below it does not exist inside. Its parent is
   replaced by a tmpfs holding the parent's other entries (bound back, symlinks re-made), so the
   hidden name appears nowhere, ``/proc/self/mountinfo`` included; directly under ``/`` (no parent
-  to rebuild) a directory is emptied to an unreadable tmpfs and a file covered by an unreadable one.
+  to rebuild) or in a parent of more than 512 entries, a directory is emptied to an unreadable
+  tmpfs and a file covered by an unreadable one (a read fails, but a mount names the path).
 
 Operations run shallowest first: a deeper one acts on what a shallower one bound back.
 """

@@ -282,3 +282,36 @@ def test_a_path_that_stays_readable_is_not_listed_as_hidden():
     package = str(Path(json_module.__file__).resolve().parent)
     result = run_code("import json", timeout_s=20, hide_paths=(package,))
     assert result.status == "error" and f"hidden:{package}" in result.isolation
+
+
+@pytest.mark.unit
+@needs_namespaces
+@pytest.mark.parametrize("where", ["a folder of 600 entries", "right under /"])
+def test_hidden_paths_whose_folder_cannot_be_rebuilt_are_unreadable(project, registered, where):
+    """No mount per entry of a huge folder, and no rebuilding /: the hidden path keeps its name
+    but cannot be read (as the sandbox uid, or as root without capabilities)."""
+    import shutil
+
+    label = json.dumps({"answer": project["answer"]}) + "\n"
+    if where == "right under /":
+        folder = Path("/") / f"rlhf-test-{uuid.uuid4().hex[:8]}"
+        folder.mkdir()
+        secret, targets = folder / "train.jsonl", [folder]
+    else:
+        folder = project["root"].parent / "big"
+        (folder / "labels").mkdir(parents=True)
+        for i in range(600):
+            (folder / f"f{i}.jsonl").write_text(label if i == 7 else "{}\n")
+        secret, targets = folder / "labels" / "train.jsonl", [folder / "f7.jsonl", folder / "labels"]
+    try:
+        secret.write_text(label)
+        for path in (folder, secret.parent):
+            path.chmod(0o755)
+        registered(targets)
+        for mode in ({}, {"drop_privileges": False}):
+            seen, result = _read_all([secret, *targets], **mode)
+            assert project["answer"] not in json.dumps(seen["reads"])
+            assert all(isinstance(v, int) for v in seen["reads"].values()), seen["reads"]
+            assert all(f"hidden:{t}" in result.isolation for t in targets), result.isolation
+    finally:
+        shutil.rmtree(folder)
