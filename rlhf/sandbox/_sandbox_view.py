@@ -27,6 +27,9 @@ import os
 TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # all the same private tmpfs inside
 METADATA_SUFFIXES = (".dist-info", ".egg-info", ".libs")
 MODULE_SUFFIXES = (".py", ".so", ".pyd")
+SYSTEM_DIRS = frozenset({"/bin", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/sbin", "/srv", "/usr", "/usr/bin",
+                         "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/local", "/usr/local/lib", "/usr/share", "/var",
+                         "/var/lib"})  # never an editable install's project folder
 
 
 def under(path, root):
@@ -78,7 +81,7 @@ def python_layout(sys):
     paths = sorted({os.path.realpath(p) for p in (*prefixes, *site_dirs, *links)})
     paths = [p for p in paths if not any(p != q and under(p, q) for q in paths)]
     sources = sorted({os.path.realpath(d) for d in pth_dirs} - {"/"})
-    sources = [s for s in sources if not any(under(s, p) for p in paths)]
+    sources = [s for s in sources if not any(under(s, p) or under(p, s) for p in paths)]
     return {"python_paths": paths, "site_dirs": site_dirs, "source_dirs": sources}
 
 
@@ -172,7 +175,10 @@ def plan(keep, sources, masked, hidden, uid):
     """
     keep = [p for p in keep if os.path.isdir(p)]
     hidden = [h for h in hidden if h != "/" and os.path.lexists(h)]
-    sources = [s for s in sources if os.path.isdir(s) and not any(under(s, k) for k in keep)]
+    # a .pth folder inside the installation is shown whole already; one holding it, or a system
+    # folder (a .pth naming /usr/lib, say), is no project: restricting it would hide libraries
+    sources = [s for s in sources if os.path.isdir(s) and s not in SYSTEM_DIRS
+               and not any(under(s, k) or under(k, s) for k in keep)]
     visible = list(keep)
     for source in sources:  # of an editable install only what Python imports, and nothing hidden inside it
         visible += [e for e in importable_entries(source)

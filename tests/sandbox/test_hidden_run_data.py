@@ -315,3 +315,25 @@ def test_hidden_paths_whose_folder_cannot_be_rebuilt_are_unreadable(project, reg
             assert all(f"hidden:{t}" in result.isolation for t in targets), result.isolation
     finally:
         shutil.rmtree(folder)
+
+
+@pytest.mark.unit
+def test_what_an_editable_install_shows(tmp_path):
+    """Packages (regular, namespace, compiled), modules, metadata and vendored libraries; not data,
+    run folders, dotfiles or folders of non-code; and a .pth naming a system folder or one holding
+    the installation is not taken for a project (restricting it would hide libraries)."""
+    from rlhf.sandbox._sandbox_view import importable_entries, plan
+
+    files = ["pkg/__init__.py", "ns/sub/mod.py", "compiled/_core.cpython-311-x86_64-linux-gnu.so", "single.py",
+             "pkg-1.0.dist-info/METADATA", "proj.egg-info/PKG-INFO", "compiled.libs/libx.so", "data/train.jsonl",
+             "runs/exp/samples.jsonl", ".git/HEAD", "notes/readme.md", "README.md", "pyproject.toml", "my-script.py"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    shown = [Path(p).name for p in importable_entries(str(tmp_path))]
+    assert shown == ["compiled", "compiled.libs", "ns", "pkg", "pkg-1.0.dist-info", "proj.egg-info", "single.py"]
+    install = tmp_path / "venv"
+    install.mkdir()
+    for source in ("/usr/lib", str(tmp_path)):  # a system folder; the folder holding the installation
+        ops, visible = plan([str(install)], [source], [], [], None)
+        assert not any(op[0] == "empty" for op in ops) and visible == [str(install)], ops
