@@ -27,9 +27,9 @@ import os
 TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # all the same private tmpfs inside
 METADATA_SUFFIXES = (".dist-info", ".egg-info", ".libs")
 MODULE_SUFFIXES = (".py", ".so", ".pyd")
-SYSTEM_DIRS = frozenset({"/bin", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/sbin", "/srv", "/usr", "/usr/bin",
-                         "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/local", "/usr/local/lib", "/usr/share", "/var",
-                         "/var/lib"})  # never an editable install's project folder
+SYSTEM_DIRS = frozenset({"/bin", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/sbin", "/srv", "/usr",
+                         "/usr/bin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/local", "/usr/local/lib",
+                         "/usr/share", "/var", "/var/lib"})  # never an editable install's project folder
 
 
 def under(path, root):
