@@ -155,13 +155,16 @@ def depth(path):
     return 0 if path == "/" else path.count("/")
 
 
-def innermost(path, marks):
-    """The deepest strict ancestor of ``path`` in ``marks`` (None: none is)."""
+def ancestors(path):
+    """The strict ancestors of ``path``, deepest first."""
     while path != "/":
         path = os.path.dirname(path)
-        if path in marks:
-            return path
-    return None
+        yield path
+
+
+def innermost(path, marks):
+    """The deepest strict ancestor of ``path`` in ``marks`` (None: none is)."""
+    return next((above for above in ancestors(path) if above in marks), None)
 
 
 def plan(keep, sources, masked, hidden, uid):
@@ -170,8 +173,9 @@ def plan(keep, sources, masked, hidden, uid):
     ``keep``: the installation (directories); ``sources``: editable-install directories;
     ``masked``: directories to empty (home directories); ``hidden``: files and directories that
     must not be readable; ``uid``: the code's uid (None: ours). Returns ``(ops, visible)`` where an
-    op is ``("tmp", path, reexpose)``, ``("empty", path, reexpose)``, ``("prune", parent, names)``
-    or ``("blank", path)``, and ``reexpose`` lists the visible paths to bind back under ``path``.
+    op is ``("tmp", "/tmp", reexpose)`` (the private, writable one), ``("tmpbind", path, reexpose)``
+    (``/var/tmp`` and the like: the same), ``("empty", path, reexpose)``, ``("prune", parent,
+    names)`` or ``("blank", path, None)``; ``reexpose`` lists the visible paths to bind back.
     """
     keep = [p for p in keep if os.path.isdir(p)]
     hidden = [h for h in hidden if h != "/" and os.path.lexists(h)]
@@ -218,13 +222,13 @@ def plan(keep, sources, masked, hidden, uid):
     ops += [("prune", parent, sorted(names)) for parent, names in prune.items()]
     ops.sort(key=lambda op: (depth(op[1]), op[0] != "tmp", op[1]))
     emptied = {path for kind, path, _ in ops if kind in ("tmp", "tmpbind", "empty")}
-    again = {}  # what to bind back under each emptied path: its visible paths with nothing visible between
+    again = {}  # what to bind back under each emptied path: the visible paths it covers
     for v in visible:
-        path = v
-        while path != "/" and (path == v or marks.get(path) != "visible"):
-            path = os.path.dirname(path)
-            if path in emptied:
-                again.setdefault(path, []).append(v)
+        for above in ancestors(v):
+            if above in emptied:
+                again.setdefault(above, []).append(v)
+                break
+            if marks.get(above) == "visible":  # shown with it
                 break
     ops = [(kind, path, sorted(again.get(path, ()))) if kind in ("tmp", "tmpbind", "empty") else (kind, path, arg)
            for kind, path, arg in ops]
