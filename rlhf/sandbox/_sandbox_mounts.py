@@ -136,6 +136,7 @@ def set_up_mounts(req, layers, notes, uid):
                 notes.append(f"could not make {point} read-only ({exc})")
         if all_readonly:
             layers.append("readonly_fs")
+        detach_mounts_under(hidden, visible, notes)
         new_dev = set_up_dev(devs, layers, notes)
         masked = False
         for op in ops:
@@ -161,6 +162,17 @@ def set_up_mounts(req, layers, notes, uid):
             os.close(fd)
     os.mkdir(WORKDIR_IN_NAMESPACE, 0o700)
     return WORKDIR_IN_NAMESPACE
+
+
+def detach_mounts_under(hidden, visible, notes):
+    """Host mounts at or below a hidden path leave this namespace (deepest first): covered, they
+    would still be named in /proc/self/mountinfo. Those on the way to, or inside, a visible path
+    stay."""
+    points = [p for p, _ in mountinfo() if any(under(p, h) for h in hidden)
+              and not any(under(v, p) or under(p, v) for v in visible)]
+    for point in sorted(points, key=lambda p: p.count("/"), reverse=True):
+        if libc().umount2(point.encode(), MNT_DETACH) != 0:
+            notes.append(f"could not detach the mount {point}")
 
 
 def run_op(op, req, notes):

@@ -337,3 +337,31 @@ def test_what_an_editable_install_shows(tmp_path):
     for source in ("/usr/lib", str(tmp_path)):  # a system folder; the folder holding the installation
         ops, visible = plan([str(install)], [source], [], [], None)
         assert not any(op[0] == "empty" for op in ops) and visible == [str(install)], ops
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_a_hidden_path_that_is_a_mount_point_is_not_named_by_the_mount_table(project, registered):
+    """A datasets cache on a file system of its own (a cluster's scratch mount): covered, its mount
+    would still be listed in /proc/self/mountinfo; it leaves the sandbox's mount namespace."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a file system on the host needs root")
+    cache = project["root"].parent / "hf" / "datasets"
+    cache.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=755", "rlhf-test", str(cache)], check=True)
+    try:
+        arrow = cache / "train.arrow"
+        arrow.write_text(project["answer"])
+        arrow.chmod(0o644)
+        before, _ = _read_all([arrow], hide_defaults=False)
+        assert str(cache) in before["mountinfo"] and project["answer"] in json.dumps(before["reads"])
+        registered([cache])
+        seen, result = _read_all([arrow])
+        assert seen["reads"] == {str(arrow): 2} and f"hidden:{cache}" in result.isolation
+        assert str(cache) not in seen["mountinfo"], seen["mountinfo"]
+        assert cache.is_mount() and arrow.read_text() == project["answer"]  # the host's mount is untouched
+    finally:
+        subprocess.run(["umount", str(cache)], check=True)
