@@ -41,14 +41,22 @@ layer             effect (where)
 ``proc_sys_ro``   ``/proc/sys``, ``/proc/sysrq-trigger`` and the other kernel knobs read-only
 ``minimal_dev``   ``/dev`` is a read-only tmpfs with only null, zero, full, random, urandom
 ``masked_etc``    ``/etc/shadow``, ``/etc/gshadow``, sudoers and ssh host keys read as empty
-``masked_dirs``   home directories of the user running rlhf, ``hide_paths`` and any directory
-                  an unprivileged uid could not cross on the way to Python replaced by empty
-                  tmpfs; the Python installation (a venv too, even under ``/tmp``) stays
-                  visible, read-only
-``hidden:PATH``   one per hidden path the view covers: ``hide_paths`` and, unless
-                  ``hide_defaults=False``, what ``hide_by_default`` registered (a training run
-                  registers its data, eval data, run directory, reward sources and the project
-                  it runs in); a hidden file reads as empty, a hidden directory as empty
+``masked_dirs``   home directories of the user running rlhf and any directory an unprivileged
+                  uid could not cross on the way to Python replaced by empty tmpfs; the Python
+                  installation (a venv too, even under ``/tmp``) stays visible, read-only; of an
+                  editable install (a ``.pth`` file naming a project folder: hatchling, pdm, flit,
+                  setuptools' compat mode) only the importable entries (packages, modules,
+                  metadata), never its data, reward files or run folders
+``hidden:PATH``   one per hidden path, checked from inside on every call before it is listed:
+                  ``hide_paths`` and, unless ``hide_defaults=False``, what ``hide_by_default``
+                  registered (a training run registers its data, eval data, run directory,
+                  reward sources, the project it runs in and the datasets cache). A hidden path
+                  does not exist inside (a read fails with ENOENT) and no mount names it, so
+                  ``/proc/self/mountinfo`` does not say where to look; exceptions: a hidden
+                  folder holding the Python installation or an editable install's packages
+                  stays as an empty folder with those bound back (its name is in ``sys.path``
+                  anyway); one right under ``/`` or in a folder of over 512 entries is covered
+                  by an unreadable empty one
 ``uid``           as root: the code always runs as a fresh unprivileged uid (random per call),
                   so file permissions protect the host and RLIMIT_NPROC applies. Without mount
                   namespaces, an installation that uid cannot reach is an error
@@ -59,7 +67,9 @@ layer             effect (where)
 ``seccomp``       a seccomp filter: ``execve``/``execveat`` (no program ever starts, whatever
                   the path: ``subprocess``, ``_posixsubprocess``, ctypes), namespaces,
                   ``ptrace``, mounts, ``bpf``, ``io_uring``, keyrings, modules, clocks... fail
-                  with EPERM (x86_64 and aarch64)
+                  with EPERM; sockets of any family but ``AF_UNIX``, ``AF_INET`` and
+                  ``AF_INET6`` (``AF_VSOCK``, netlink, packet...) fail with EAFNOSUPPORT
+                  (x86_64 and aarch64)
 ``cgroup_memory`` a cgroup per call (root, v2 or v1): ``memory_mb`` (+64 MiB for the
                   supervisors) of resident memory for all the code's processes together; going
                   over is ``killed`` with a message naming the limit
@@ -81,8 +91,9 @@ the guard; elsewhere, rlimits, clean-up through a child subreaper, and the guard
 namespaces fails after ``unshare`` (e.g. AppArmor-restricted user namespaces), the call is
 retried without them and later calls skip them. Never enforced: world-readable host files stay
 readable (masked directories excepted), unix sockets on the filesystem stay reachable where file
-permissions allow, and site-packages' ``.pth`` files are not run (``site_packages=True`` only
-puts the directories on ``sys.path``; editable installs are not importable). ``memory_mb`` is
+permissions allow, and site-packages' ``.pth`` files are not run (``site_packages=True`` puts
+the directories and the ``.pth`` files' path lines on ``sys.path``: path-based editable installs
+import, import-hook ones do not). ``memory_mb`` is
 also the per-process address-space limit, so one process over it gets a ``MemoryError``.
 """
 

@@ -26,8 +26,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _sandbox_code import LINUX, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl, report, run  # noqa: E402
-from _sandbox_mounts import enter_namespaces, python_layout, set_up_mounts, traversable, uid_mapped  # noqa: E402
+from _sandbox_mounts import enter_namespaces, set_up_mounts, traversable, uid_mapped  # noqa: E402
 from _sandbox_seccomp import supported as seccomp_supported  # noqa: E402
+from _sandbox_view import python_layout  # noqa: E402
 from _sandbox_watchdog import MemoryWatchdog  # noqa: E402
 
 del sys.path[0]

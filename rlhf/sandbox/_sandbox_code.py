@@ -113,7 +113,8 @@ def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor, s
 
             install(libc())
         os.environ.update(HOME=workdir, TMPDIR=workdir, PWD=workdir)
-        sys.path[:] = ["", *sys.path, *(req["site_dirs"] if req["site_packages"] else [])]
+        extra = [*req["site_dirs"], *req.get("source_dirs", ())] if req["site_packages"] else []
+        sys.path[:] = ["", *sys.path, *extra]  # .pth files are not run: their path lines are these source_dirs
         sys.argv[:] = ["-c"]
         sys.dont_write_bytecode = True
         sys.stdout.reconfigure(line_buffering=True)

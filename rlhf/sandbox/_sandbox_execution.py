@@ -90,7 +90,7 @@ class _Execution:
             "namespaces": cfg.namespaces, "drop_privileges": cfg.drop_privileges, "python_guard": cfg.python_guard,
             "uid": self.uid, "tmp_root": tempfile.gettempdir(), "seccomp": cfg.seccomp,
             "cgroup_layers": [],  # filled in once the supervisor is in the call's cgroups
-            "mask": sorted({os.path.realpath(p) for p in (*homes, *hidden) if p}),
+            "mask": sorted({os.path.realpath(p) for p in homes if p}),
             "hide": sorted({os.path.realpath(p) for p in hidden if p}),
             **(_python_layout() if cfg.python in (None, sys.executable) else {}),
         }

@@ -13,6 +13,8 @@ import time
 import warnings
 from typing import Any
 
+from ._sandbox_view import python_layout
+
 EXPECTED_LAYERS = ("pid_ns", "net_ns", "mount_ns", "readonly_fs", "minimal_dev", "proc_sys_ro", "seccomp",
                    "cgroup_memory", "cgroup_pids")
 _warned: set[tuple[str, ...]] = set()
@@ -41,15 +43,10 @@ def _warn_missing_layers(start: dict[str, Any], cfg: Any) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _python_layout() -> dict[str, list[str]]:
-    """This interpreter's installation (kept visible to the code) and its site-packages; the
-    supervisor computes the same itself when it runs another interpreter."""
-    import site
-
-    site_dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
-    prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *site_dirs)
-    paths = sorted({os.path.realpath(p) for p in prefixes})
-    paths = [p for p in paths if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths)]
-    return {"python_paths": paths, "site_dirs": site_dirs}
+    """This interpreter's installation (kept visible to the code), its site-packages and its
+    editable installs (``_sandbox_view.python_layout``; the supervisor computes the same itself
+    when it runs another interpreter)."""
+    return python_layout(sys)
 
 
 def _signal_message(signum: int, cpu_s: float | None, cfg: Any) -> str:

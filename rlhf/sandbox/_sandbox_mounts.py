@@ -5,10 +5,12 @@ supervisor builds what the code sees: a fresh ``/proc`` whose kernel knobs (``/p
 ``/proc/sysrq-trigger``, ...) are read-only, every host mount read-only (``/sys`` included), a
 minimal read-only ``/dev`` (null, zero, full, random, urandom, a private ``shm``), secrets in
 ``/etc`` (shadow files, sudoers) replaced by empty files, a private tmpfs ``/tmp`` holding the
-working directory, and masked directories (home directories, ``hide_paths``, and any directory
-an unprivileged uid could not cross on the way to the Python installation) replaced by empty
-tmpfs; a hidden file (``hide_paths``, the run's data) reads as empty. Each hidden path the view
-covers is reported as the layer ``hidden:PATH``. The Python installation and its site-packages
+working directory, and the plan of ``_sandbox_view.py``: masked directories (home directories
+and any directory an unprivileged uid could not cross on the way to the Python installation)
+replaced by empty tmpfs, editable installs showing only their importable entries, and hidden
+paths (``hide_paths``, the run's data) that do not exist inside, their names in no mount. Each
+hidden path is then checked from inside (`is_gone`: no read can return the host's content) and
+only then reported as the layer ``hidden:PATH``. The Python installation and its site-packages
 stay visible, read-only, wherever they live, even inside ``/tmp`` or a masked directory.
 Standard library only, cheap imports only.
 """
@@ -16,6 +18,7 @@ Standard library only, cheap imports only.
 import os
 
 from _sandbox_code import check, libc, mount
+from _sandbox_view import plan, under
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -27,7 +30,7 @@ O_PATH = getattr(os, "O_PATH", 0o10000000)
 MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
 WORKDIR_IN_NAMESPACE = "/tmp/sandbox"
-TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # all the same private tmpfs inside
+MAX_PRUNED_ENTRIES = 512  # a hidden path's folder is rebuilt (one mount per entry) up to this size
 DEVICES = ("null", "zero", "full", "random", "urandom")
 PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "kcore", "kmsg", "timer_list", "acpi", "scsi")
 ETC_SECRETS = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers",
@@ -71,10 +74,6 @@ def mountinfo():
     return out
 
 
-def under(path, root):
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def uid_mapped(uid):
     try:
         with open("/proc/self/uid_map") as f:
@@ -98,21 +97,6 @@ def traversable(path, uid):
     return True
 
 
-def closed_ancestors(path, uid):
-    """The directories on the way to ``path`` that ``uid`` cannot cross (to mask)."""
-    out = []
-    parts = path.rstrip("/").split("/")
-    for i in range(2, len(parts)):
-        d = "/".join(parts[:i])
-        try:
-            st = os.stat(d)
-        except OSError:
-            continue
-        if not (st.st_mode & 0o001 or (st.st_uid == uid and st.st_mode & 0o100)):
-            out.append(d)
-    return out
-
-
 def readonly(point):
     flags = dict(mountinfo()).get(point, 0)
     mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
@@ -124,19 +108,14 @@ def bind_fd(fd, target, recursive=True):
 
 def set_up_mounts(req, layers, notes, uid):
     """Build the code's view of the filesystem (see the module docstring); returns the workdir."""
-    keep = [p for p in req["python_paths"] if os.path.isdir(p)]
-    masked = {m for m in req["mask"] if os.path.isdir(m) and m != "/"}
-    files = sorted(m for m in req.get("hide", ()) if os.path.isfile(m) and not os.path.islink(m))
-    if uid is not None:  # directories the unprivileged uid could not cross on the way to Python
-        for p in keep:
-            masked.update(closed_ancestors(p, uid))
-    masked = sorted(m for m in masked if not any(under(m, k) for k in keep) and not any(under(m, t) for t in TMP_DIRS))
-    masked = [m for m in masked if not any(m != o and under(m, o) for o in masked)]  # outermost only
-    # a masked directory, or the private /tmp, hides them already
-    files = [f for f in files if not any(under(f, m) for m in (*masked, *TMP_DIRS))]
-    hidden = [*masked, *TMP_DIRS]
-    reexpose = [p for p in keep if any(under(p, h) for h in hidden)]
-    fds = {p: os.open(p, O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in reexpose}
+    hidden = sorted(req.get("hide", ()))
+    ops, visible = plan(req["python_paths"], req.get("source_dirs", ()), req["mask"], hidden, uid)
+    before = {}  # what each hidden path was on the host, to check it is gone from inside
+    for h in hidden:
+        try:
+            before[h] = (os.lstat(h), os.open(h, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except OSError:
+            pass
     devs = {}
     for name in DEVICES:
         try:
@@ -157,41 +136,151 @@ def set_up_mounts(req, layers, notes, uid):
                 notes.append(f"could not make {point} read-only ({exc})")
         if all_readonly:
             layers.append("readonly_fs")
-        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,nr_inodes=16384,mode=1777")
+        detach_mounts_under(hidden, visible, notes)
         new_dev = set_up_dev(devs, layers, notes)
-        for extra in TMP_DIRS[1:]:
-            if os.path.isdir(extra) and not os.path.islink(extra):
-                try:
-                    mount("/tmp", extra, None, MS_BIND)
-                except OSError as exc:
-                    notes.append(f"could not hide {extra} ({exc})")
-        for m in masked:
-            mount("tmpfs", m, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-        for p in reexpose:  # the Python installation, wherever it was hidden: read-only
-            os.makedirs(p, 0o755, exist_ok=True)
-            bind_fd(fds[p], p)
-            readonly(p)
-        for m in masked:
-            readonly(m)
+        masked = False
+        for op in ops:
+            try:
+                masked = run_op(op, req, notes) or masked
+            except OSError as exc:  # a hidden path that stays is not listed (checked below); the rest is fatal
+                if op[0] not in ("prune", "blank", "tmpbind"):
+                    raise
+                notes.append(f"could not hide {op[1]} ({exc})")
         if masked:
             layers.append("masked_dirs")
         mask_etc(layers, notes)
-        covered = [*masked, *TMP_DIRS]
-        for f in files:  # a hidden file reads as empty, like the secrets of /etc
-            try:
-                mount("/dev/null", f, None, MS_BIND)
-                readonly(f)
-                covered.append(f)
-            except OSError as exc:
-                notes.append(f"could not hide {f} ({exc})")
-        layers.extend("hidden:" + path for path in req.get("hide", ()) if any(under(path, c) for c in covered))
         if new_dev:
             readonly("/dev")
+        for h in hidden:
+            if h in before:
+                if is_gone(h, *before[h], visible):
+                    layers.append("hidden:" + h)
+                else:
+                    notes.append(f"could not hide {h}: still readable inside")
     finally:
-        for fd in (*fds.values(), *devs.values()):
+        for fd in (*devs.values(), *(fd for _, fd in before.values())):
             os.close(fd)
     os.mkdir(WORKDIR_IN_NAMESPACE, 0o700)
     return WORKDIR_IN_NAMESPACE
+
+
+def detach_mounts_under(hidden, visible, notes):
+    """Host mounts at or below a hidden path leave this namespace (deepest first): covered, they
+    would still be named in /proc/self/mountinfo. Those on the way to, or inside, a visible path
+    stay."""
+    points = [p for p, _ in mountinfo() if any(under(p, h) for h in hidden)
+              and not any(under(v, p) or under(p, v) for v in visible)]
+    for point in sorted(points, key=lambda p: p.count("/"), reverse=True):
+        if libc().umount2(point.encode(), MNT_DETACH) != 0:
+            notes.append(f"could not detach the mount {point}")
+
+
+def run_op(op, req, notes):
+    """Carry out one operation of `plan`; True when it masked a directory."""
+    kind, path, arg = op
+    if kind in ("tmp", "tmpbind", "empty"):
+        if kind != "tmp" and (not os.path.isdir(path) or os.path.islink(path)):
+            return False
+        fds = {v: os.open(v, O_PATH | os.O_CLOEXEC) for v in arg}  # before the tmpfs covers them
+        try:
+            if kind == "tmp":
+                mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+                      f"size={req['disk_mb']}m,nr_inodes=16384,mode=1777")
+            elif kind == "tmpbind":
+                mount("/tmp", path, None, MS_BIND)
+            else:
+                mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+            for v, fd in fds.items():  # what must stay visible under it: read-only
+                os.makedirs(os.path.dirname(v), 0o755, exist_ok=True)
+                if os.path.isdir(f"/proc/self/fd/{fd}"):
+                    os.makedirs(v, 0o755, exist_ok=True)
+                else:
+                    os.close(os.open(v, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+                bind_fd(fd, v)
+                readonly(v)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        if kind == "empty":
+            readonly(path)
+        return kind == "empty"
+    if kind == "prune":
+        prune(path, set(arg))
+    elif kind == "blank":
+        blank(path)
+    return False
+
+
+def prune(parent, names):
+    """Rebuild ``parent`` as a tmpfs holding its entries but ``names``: they no longer exist.
+    A parent of more than `MAX_PRUNED_ENTRIES` entries (a mount each) is left, and each of
+    ``names`` blanked instead (`blank`: unreadable, but named by a mount)."""
+    st = os.stat(parent)
+    old = os.open(parent, O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        entries = [e for e in os.listdir(parent) if e not in names]
+        if len(entries) > MAX_PRUNED_ENTRIES:
+            for name in names:
+                blank(os.path.join(parent, name))
+            return
+        links = {e: os.readlink(os.path.join(parent, e)) for e in entries if os.path.islink(os.path.join(parent, e))}
+        dirs = {e for e in entries if e not in links and os.path.isdir(os.path.join(parent, e))}
+        options = f"size=1m,nr_inodes={len(entries) + 16},mode={st.st_mode & 0o7777:o}"
+        try:
+            mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV, f"{options},uid={st.st_uid},gid={st.st_gid}")
+        except OSError:  # an owner this user namespace does not map
+            mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV, options)
+        for e in entries:
+            target = os.path.join(parent, e)
+            if e in links:
+                os.symlink(links[e], target)
+                continue
+            if e in dirs:
+                os.mkdir(target, 0o755)
+            else:
+                os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+            # through the old directory: its entries, mounts on them included, bound back
+            mount(f"/proc/self/fd/{old}/{e}", target, None, MS_BIND | MS_REC)
+        readonly(parent)
+    finally:
+        os.close(old)
+
+
+def blank(path):
+    """A hidden path that keeps its name (right under ``/``, or in a folder too large to rebuild):
+    an unreadable empty tmpfs over a directory, an unreadable empty file over a file."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=000")
+        return
+    placeholder = "/tmp/.rlhf-hidden-" + os.urandom(6).hex()
+    os.close(os.open(placeholder, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_CLOEXEC, 0o000))
+    try:
+        mount(placeholder, path, None, MS_BIND)
+        readonly(path)
+    finally:
+        os.unlink(placeholder)
+
+
+def is_gone(path, st, fd, visible):
+    """From inside: can no read of ``path`` return what the host holds there? It does not exist,
+    or it is another, unreadable file, or (a directory with something visible below it) none of
+    the host's entries but the ways to the visible paths exists."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+        return False
+    if not os.path.isdir(path):
+        return now.st_mode & 0o444 == 0
+    if now.st_mode & 0o555 == 0:
+        return True
+    ways = {v[len(path) + 1:].split("/", 1)[0] for v in visible if v != path and under(v, path)}
+    try:
+        entries = os.listdir(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return not any(os.path.lexists(os.path.join(path, e)) for e in entries if e not in ways)
 
 
 def set_up_proc(layers, notes):
@@ -249,51 +338,3 @@ def mask_etc(layers, notes):
         layers.append("masked_etc")
     except OSError as exc:
         notes.append(f"could not mask secrets in /etc ({exc})")
-
-
-def python_layout(sys):
-    """This interpreter's installation (to keep visible) and its site-packages (to import from).
-
-    Run with ``-S``, a venv's interpreter still has the base installation's ``sys.prefix``: its
-    own prefix is the directory of the ``pyvenv.cfg`` next to (or above) the executable.
-    """
-    import site
-
-    prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    site_prefixes = [sys.prefix]
-    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
-    for venv in (exe_dir, os.path.dirname(exe_dir)):
-        if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
-            prefixes.append(venv)
-            with open(os.path.join(venv, "pyvenv.cfg")) as f:
-                system = any(line.replace(" ", "").lower().startswith("include-system-site-packages=true") for line in f)
-            site_prefixes = [venv, sys.base_prefix] if system else [venv]
-            break
-    site_dirs = [d for d in site.getsitepackages(site_prefixes) if os.path.isdir(d)]
-    paths = sorted({os.path.realpath(p) for p in (*prefixes, *site_dirs, *linked_elsewhere(site_dirs))})
-    paths = [p for p in paths if not any(p != q and under(p, q) for q in paths)]
-    return {"python_paths": paths, "site_dirs": site_dirs}
-
-
-def linked_elsewhere(site_dirs):
-    """What site-packages reach outside themselves: the targets of symlinked entries (a package
-    linked from another environment) and the directories named in ``.pth`` files (editable
-    installs), so they stay visible when they live under a masked directory such as /tmp."""
-    found = []
-    for directory in site_dirs:
-        try:
-            entries = os.listdir(directory)
-        except OSError:
-            continue
-        for name in entries:
-            path = os.path.join(directory, name)
-            if os.path.islink(path) and os.path.exists(path):
-                found.append(path)
-            elif name.endswith(".pth"):
-                try:
-                    with open(path) as f:
-                        lines = [line.strip() for line in f]
-                except OSError:
-                    continue
-                found += [line for line in lines if line.startswith("/") and os.path.isdir(line)]
-    return found

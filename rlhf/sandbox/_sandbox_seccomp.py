@@ -7,18 +7,22 @@ Refused system calls fail with EPERM (``PermissionError`` in Python): ``execve``
 (no program but this interpreter ever runs), ``clone`` with a namespace flag, ``unshare``,
 ``setns``, mounts, ``ptrace``, ``process_vm_*``, ``bpf``, ``perf_event_open``,
 ``userfaultfd``, ``io_uring_*``, keyrings, modules, ``kexec``, ``reboot``, swap, clocks and host
-names. ``clone3`` answers ENOSYS, so the C library falls back to ``clone``, whose flags the
-filter can read. A call from another architecture's ABI (x32, i386 on x86_64) kills the process.
+names. ``socket``/``socketpair`` accept only ``AF_UNIX``, ``AF_INET`` and ``AF_INET6``: any other
+family (``AF_VSOCK``, which the network namespace does not cover and which reaches a VM's host,
+``AF_NETLINK``, ``AF_PACKET``, ...) fails with EAFNOSUPPORT. ``clone3`` answers ENOSYS, so the C
+library falls back to ``clone``, whose flags the filter can read. A call from another
+architecture's ABI (x32, i386 on x86_64) kills the process.
 """
 
 import os
 
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
-EPERM, ENOSYS = 1, 38
+EPERM, ENOSYS, EAFNOSUPPORT = 1, 38, 97
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10  # the only socket families the code may open
 # BPF opcodes: load word at absolute offset, jump if equal / if any bit set / if >=, return constant
 LD_ABS, JEQ, JSET, JGE, RET = 0x20, 0x15, 0x45, 0x35, 0x06
-OFFSET_NR, OFFSET_ARCH, OFFSET_ARG0_LOW = 0, 4, 16  # struct seccomp_data, little-endian
+OFFSET_NR, OFFSET_ARCH, OFFSET_ARG0_LOW = 0, 4, 16  # struct seccomp_data, little-endian (arg0 is an int)
 
 CLONE_NEW_ANY = (0x00000080 | 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000  # time, ns, cgroup, uts, ipc
                  | 0x10000000 | 0x20000000 | 0x40000000)  # user, pid, net
@@ -43,7 +47,7 @@ _ARCHES = {
         "name_to_handle_at": 303, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
         "fsmount": 432, "fspick": 433, "mount_setattr": 442, "io_uring_setup": 425, "io_uring_enter": 426,
         "io_uring_register": 427, "syslog": 103, "quotactl": 179, "vhangup": 153, "fanotify_init": 300,
-        "iopl": 172, "ioperm": 173, "clone": 56, "clone3": 435}),
+        "iopl": 172, "ioperm": 173, "clone": 56, "clone3": 435, "socket": 41, "socketpair": 53}),
     "aarch64": (0xC00000B7, None, {
         "execve": 221, "execveat": 281, "ptrace": 117, "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51,
         "unshare": 97, "setns": 268, "keyctl": 219, "add_key": 217, "request_key": 218, "bpf": 280,
@@ -54,7 +58,7 @@ _ARCHES = {
         "name_to_handle_at": 264, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
         "fsmount": 432, "fspick": 433, "mount_setattr": 442, "io_uring_setup": 425, "io_uring_enter": 426,
         "io_uring_register": 427, "syslog": 116, "quotactl": 60, "vhangup": 58, "fanotify_init": 262,
-        "clone": 220, "clone3": 435}),
+        "clone": 220, "clone3": 435, "socket": 198, "socketpair": 199}),
 }
 
 
@@ -72,6 +76,10 @@ def program():
     for name in _DENIED:
         if name in numbers:
             prog += [(JEQ, 0, 1, numbers[name]), (RET, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    for name in ("socket", "socketpair"):  # the family (arg 0) must be one of three
+        prog += [(JEQ, 0, 6, numbers[name]), (LD_ABS, 0, 0, OFFSET_ARG0_LOW),
+                 (JEQ, 3, 0, AF_UNIX), (JEQ, 2, 0, AF_INET), (JEQ, 1, 0, AF_INET6),
+                 (RET, 0, 0, SECCOMP_RET_ERRNO | EAFNOSUPPORT), (RET, 0, 0, allow)]
     prog += [(JEQ, 0, 1, numbers["clone3"]), (RET, 0, 0, SECCOMP_RET_ERRNO | ENOSYS)]
     prog += [(JEQ, 0, 3, numbers["clone"]), (LD_ABS, 0, 0, OFFSET_ARG0_LOW),
              (JSET, 0, 1, CLONE_NEW_ANY), (RET, 0, 0, SECCOMP_RET_ERRNO | EPERM)]

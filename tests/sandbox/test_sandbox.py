@@ -110,8 +110,9 @@ def test_config_is_validated():
 def test_reported_layers_are_in_force():
     """Each layer the sandbox claims is checked from inside the sandbox."""
     code = """
-import json, os, socket
-print(json.dumps({"pid": os.getpid(), "uid": os.getuid(), "ifaces": [n for _, n in socket.if_nameindex()],
+import json, os
+ifaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]]  # no netlink: seccomp
+print(json.dumps({"pid": os.getpid(), "uid": os.getuid(), "ifaces": ifaces,
                   "root_ro": bool(os.statvfs("/").f_flag & os.ST_RDONLY), "procs": [p for p in os.listdir("/proc") if p.isdigit()],
                   "tmp": os.listdir("/tmp")}))
 """

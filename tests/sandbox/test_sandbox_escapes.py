@@ -199,6 +199,40 @@ def test_no_program_can_be_executed(mode):
     assert "seccomp" in result.isolation or "exec" in ",".join(result.isolation)
 
 
+SOCKET_ATTEMPTS = """
+    import ctypes, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    for family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, 40, 16, 17, 38, 9999):  # 40 AF_VSOCK, 16 netlink,
+        try:                                                                               # 17 packet, 38 alg
+            socket.socket(family, socket.SOCK_DGRAM if family in (16, 17) else socket.SOCK_STREAM).close()
+            print(family, "socket", "opened")
+        except OSError as exc:
+            print(family, "socket", exc.errno)
+        fd = libc.socket(family, socket.SOCK_STREAM, 0)  # the C call, no Python in between
+        print(family, "libc", "opened" if fd >= 0 else ctypes.get_errno())
+    a, b = socket.socketpair(socket.AF_UNIX)
+    print("socketpair AF_UNIX opened")
+    pair = (ctypes.c_int * 2)()
+    print("socketpair", 40, libc.socketpair(40, socket.SOCK_STREAM, 0, pair), ctypes.get_errno())
+"""
+
+
+@pytest.mark.parametrize("mode", [{}, {"drop_privileges": False}])
+def test_only_unix_and_internet_sockets_can_be_opened(mode):
+    """AF_VSOCK is not covered by the network namespace (a VM guest reaches its host through it):
+    the seccomp filter refuses every socket family but AF_UNIX, AF_INET and AF_INET6."""
+    result = _run(SOCKET_ATTEMPTS, seccomp=True, **mode)
+    assert result.status == "ok", result
+    lines = dict((" ".join(line.split()[:2]), line.split()[-1]) for line in result.stdout.splitlines())
+    for family in (1, 2, 10):
+        assert lines[f"{family} socket"] == "opened" and lines[f"{family} libc"] == "opened", result.stdout
+    for family in (40, 16, 17, 38, 9999):
+        for how in ("socket", "libc"):
+            assert lines[f"{family} {how}"] in ("97", "1"), (family, how, result.stdout)  # EAFNOSUPPORT or EPERM
+    assert "socketpair AF_UNIX opened" in result.stdout
+    assert lines["socketpair 40"] in ("97", "1"), result.stdout
+
+
 @pytest.mark.parametrize("mode", [{}, {"drop_privileges": False}, {"namespaces": False, "drop_privileges": False}])
 def test_process_limit_covers_the_whole_tree(mode):
     code = """

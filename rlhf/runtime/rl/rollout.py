@@ -6,7 +6,9 @@ running: the engine generates (stopping at EOS, the budget, or the environment's
 each environment steps on its turn's text, and the observation is appended with loss mask 0.
 An episode ends when the environment says done, the model emits EOS, ``max_turns`` is reached,
 or the trajectory's token budget (prompt + every turn + observations) is spent. Only model
-tokens carry loss mask 1, so environment text never enters the policy loss.
+tokens carry loss mask 1, so environment text never enters the policy loss. Observations are
+tokenised as plain text (`plain_token_ids`): tool output that prints ``<|im_end|>`` gets the
+characters, never the control token, so it cannot forge a turn boundary in the model's context.
 
 With an engine that batches continuously (registered with ``continuous_batching``,
 `rlhf.core.protocols.rollout.batches_continuously`: the ``hf`` engine's default) a multi-turn
@@ -118,6 +120,31 @@ class _Episode:
             self.logprobs += logprobs if model and logprobs is not None else [0.0] * len(ids)
 
 
+def plain_token_ids(tokenizer: Any, text: str, control: set[int] | None = None) -> list[int]:
+    """``text`` (an environment's observation: tool output, sandboxed code's prints) as token ids
+    with every character taken as text: a special token's string in it (``<|im_end|>``,
+    ``<|im_start|>assistant``) is split into ordinary tokens (``split_special_tokens``), never
+    parsed into the control token. A tokenizer that ignores the setting and still yields one is
+    an error rather than a forged turn boundary. ``control``: `control_token_ids`, if known."""
+    ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    forged = (control_token_ids(tokenizer) if control is None else control).intersection(ids)
+    if forged:
+        raise RlhfError(f"the tokenizer ({type(tokenizer).__name__}) encoded observation text into the control "
+                        f"token(s) {sorted(forged)} although asked not to (split_special_tokens=True); use a "
+                        "tokenizer that supports it (any Hugging Face tokenizer does)")
+    return ids
+
+
+def control_token_ids(tokenizer: Any) -> set[int]:
+    """The ids of the tokenizer's special tokens (BOS/EOS/pad..., and added ones marked special,
+    such as chat turn markers), but unknown-token: plain text may encode to that."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    ids |= {i for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+            if getattr(token, "special", False)}
+    ids.discard(getattr(tokenizer, "unk_token_id", None))
+    return ids
+
+
 class RolloutWorker:
     """Turns prompts into trajectories with a rollout engine and environments (`RolloutRole`)."""
 
@@ -134,6 +161,7 @@ class RolloutWorker:
         self.make_env, self.settings = env_factory, settings
         self.set_aside = list(set_aside)
         self.told_offload = False  # the first set-aside's size is logged once
+        self._control_ids: set[int] | None = None  # the tokenizer's special tokens, never taken from observations
 
     def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
         """``n`` trajectories per prompt, contiguous, in prompt order."""
@@ -324,7 +352,9 @@ class RolloutWorker:
             self._observe(episode, result.observation)
 
     def _observe(self, episode: _Episode, text: str) -> None:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self._control_ids is None:
+            self._control_ids = control_token_ids(self.tokenizer)
+        ids = plain_token_ids(self.tokenizer, text, self._control_ids)
         room = self.settings.max_total_tokens - len(episode.tokens)
         if len(ids) >= room:  # no budget left for another model turn after this observation
             ids, episode.done, episode.finish_reason = ids[:max(room, 0)], True, "budget"

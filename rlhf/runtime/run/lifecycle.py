@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from abc import ABC, abstractmethod
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,8 +198,10 @@ _SYSTEM_DIRS = frozenset({"/", "/usr", "/opt", "/var", "/etc", "/bin", "/lib", "
 def run_data_paths(config: Any, out_dir: Path, cwd: Path | None = None) -> list[str]:
     """What sandboxed code must not read during this run: the ``data`` and ``eval_data`` files,
     the run directory, the files named by ``reward`` (``file.py[:func][@w]``) and ``env``
-    references, and the project the command runs in (``cwd``, unless it is ``/`` or a system or
-    home root). Paths that do not exist are left out, but for the run directory, made later."""
+    references, the project the command runs in (``cwd``, unless it is ``/`` or a system or
+    home root) and the datasets cache (`datasets_cache_dir`, unless under /tmp or the home
+    directory, which every call hides). Paths that do not exist are left out, but for the run
+    directory and the datasets cache, made later."""
     refs = [*(getattr(config, "data", None) or []), *(getattr(config, "eval_data", None) or [])]
     for spec in (*(getattr(config, "reward", None) or []), getattr(config, "env", None) or ""):
         refs.append(str(spec).rpartition("@")[0] or str(spec))
@@ -206,7 +210,32 @@ def run_data_paths(config: Any, out_dir: Path, cwd: Path | None = None) -> list[
     if str(cwd.resolve()) not in _SYSTEM_DIRS:
         refs.append(str(cwd))
     found = {str(Path(ref).expanduser().resolve()) for ref in refs if ref and Path(ref).expanduser().exists()}
-    return sorted(found | {str(out_dir.resolve())})  # the run directory, made later
+    made_later = {str(out_dir.resolve())}  # the run directory
+    cache = datasets_cache_dir()
+    if not any(cache == hidden or cache.startswith(hidden + "/") for hidden in _hidden_by_every_call()):
+        made_later.add(cache)  # where `datasets` keeps an arrow copy of --data
+    return sorted(found | made_later)
+
+
+_SANDBOX_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # each call's own, like the home directory
+
+
+def _hidden_by_every_call() -> list[str]:
+    return [*_SANDBOX_TMP, str(Path("~").expanduser().resolve())]
+
+
+def datasets_cache_dir() -> str:
+    """The folder where `datasets` caches what it loads (an arrow copy of every data file): its
+    ``HF_DATASETS_CACHE`` once imported, else what it will use (``HF_DATASETS_CACHE``, or
+    ``$HF_HOME/datasets``, ``HF_HOME`` defaulting to ``$XDG_CACHE_HOME/huggingface``)."""
+    loaded = sys.modules.get("datasets.config")
+    if loaded is not None:
+        return str(Path(loaded.HF_DATASETS_CACHE).expanduser().resolve())
+    cache = os.environ.get("HF_DATASETS_CACHE")
+    if not cache:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+        cache = os.path.join(os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface"), "datasets")
+    return str(Path(cache).expanduser().resolve())
 
 
 def hide_run_data(config: Any, out_dir: Path) -> tuple[str, ...]:
