@@ -4,23 +4,24 @@ After every sync to an engine that holds weights of its own (the ``vllm`` engine
 actors' copies), the receiving side proves it holds what was sent (``--verify-weight-sync``, on
 by default; docs/vllm.md and docs/architecture.md say where each runtime checks).
 
-**The checksum** (`checksum`) of a tensor is computed on its raw bits, so it is exact: the tensor's
-bytes are read as unsigned 16-bit words ``w`` (bytes for 1-byte dtypes) and
+**The checksum** (`checksum`) of a tensor is computed on its raw bits, so it is exact: each element's
+bits are read as one integer ``w`` (a 4-byte element as int32, a 2-byte one as int16, a 1-byte one
+as uint8; an 8-byte element as two int32 words) and, modulo 2**32,
 
-    s1 = Σ w,    s2 = Σ w²                        (int64, no overflow below 2**31 words)
-    s3 = Σ w · (i mod 65521 + 1)                   (``positional=True`` only; i: the word's index)
+    s1 = Σ w,    s2 = Σ w²,    s3 = Σ w · (i mod 65521 + 1)     (s3 with ``positional=True``; i: the index)
 
-Two tensors with the same bits have the same checksum, on any device, in any summation order.
-A tensor that differs in one element differs in s1; a stale or partly updated tensor would have
-to change by bit deltas whose sum and sum of squares both cancel to zero to pass. ``s1`` and
-``s2`` do not depend on where a word lies, so they add up over pieces: the checksum of a
-concatenation (vLLM's fused q/k/v, an expert's slice of a fused expert tensor) is the sum of its
-parts' (`add`), and a tensor padded with zeros (vLLM's padded vocabulary) keeps its checksum.
-The price: a permutation of a tensor's elements is not seen without ``s3``, which a receiver
-holding the sender's layout (the Ray actors) adds. The tolerance is zero: equal or not.
+Two tensors with the same bits have the same checksum, on any device, in any summation order
+(sums modulo 2**32 do not depend on it). A tensor that differs in one element differs in s1 (w
+changes by less than 2**32); a stale or partly updated tensor passes only if its bit deltas and
+the deltas of their squares both sum to 0 modulo 2**32. ``s1`` and ``s2`` do not depend on where
+an element lies, so they add up over pieces (`add`): the checksum of a concatenation (vLLM's
+fused q/k/v, an expert's slice of a fused expert tensor) is the sum of its parts', and zero
+padding (vLLM's padded vocabulary) adds nothing. The price: a permutation of a tensor's elements
+is not seen without ``s3``, which a receiver holding the sender's layout (the Ray actors) adds.
+The tolerance is zero: equal or not.
 
-Cost: a few integer operations per 16-bit word, in chunks of `CHUNK_WORDS` (so at most
-``8 x CHUNK_WORDS`` bytes of temporaries); measured in benchmarks/README.md.
+Cost: two or three int32 passes per element, in chunks of `CHUNK` elements that stay in the CPU's
+cache; measured in benchmarks/README.md ("Weight-sync verification").
 
 **The deadline** (`sync_deadline`): a sync that has not ended after ``timeout_s`` raises
 `WeightSyncTimeout` in the thread that runs it (at its next Python instruction); one that is stuck
@@ -40,9 +41,10 @@ from typing import Any
 
 from rlhf.core.errors import RlhfError
 
-CHUNK_WORDS = 1 << 24  # 16-bit words checksummed at a time (128 MiB of int64 temporaries)
+CHUNK = 65521 * 16  # elements checksummed at a time (4 MiB of int32): a multiple of the modulus
 GRACE_S = 30.0  # after the deadline, how long a sync stuck in a C call gets before the process exits
 _MODULUS = 65521  # the largest prime below 2**16: positional weights 1 .. 65521
+_MOD = 2**32
 
 Checksum = tuple[int, ...]
 
@@ -60,23 +62,38 @@ def checksum(tensor: Any, *, positional: bool = False) -> Checksum:
     import torch
 
     flat = tensor.detach().contiguous().reshape(-1)  # (N,)
-    words = flat.view(torch.int16) if flat.element_size() >= 2 else flat.view(torch.uint8)  # (W,)
-    mask = 0xFFFF if flat.element_size() >= 2 else 0xFF
+    size = flat.element_size()
+    words = flat.view({1: torch.uint8, 2: torch.int16}.get(size, torch.int32))  # (W,) one word per element, or 2
     s1 = s2 = s3 = 0
     with torch.no_grad():
-        for start in range(0, words.numel(), CHUNK_WORDS):
-            w = words[start:start + CHUNK_WORDS].to(torch.int64) & mask  # (C,) unsigned words
-            s1 += int(w.sum())
-            s2 += int((w * w).sum())
+        for start in range(0, words.numel(), CHUNK):
+            w = words[start:start + CHUNK]  # (C,)
+            w = w if w.dtype == torch.int32 else w.to(torch.int32)  # sums and products wrap modulo 2**32
+            s1 += int(w.sum(dtype=torch.int32))
+            s2 += int((w * w).sum(dtype=torch.int32))
             if positional:
-                index = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)  # (C,)
-                s3 += int((w * (index % _MODULUS + 1)).sum())
-    return (s1, s2, s3) if positional else (s1, s2)
+                s3 += int((w * _position_weights(w.device)[:w.numel()]).sum(dtype=torch.int32))
+    sums = (s1 % _MOD, s2 % _MOD, s3 % _MOD)
+    return sums if positional else sums[:2]
+
+
+_WEIGHTS: dict[Any, Any] = {}
+
+
+def _position_weights(device: Any) -> Any:
+    """``i mod 65521 + 1`` for i < CHUNK, (CHUNK,) int32 on ``device``; the same for every chunk (CHUNK is
+    a multiple of the modulus), made once per device."""
+    import torch
+
+    key = (str(device), CHUNK)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = torch.arange(CHUNK, dtype=torch.int32, device=device) % _MODULUS + 1
+    return _WEIGHTS[key]
 
 
 def add(*sums: Checksum) -> Checksum:
     """The checksum of the concatenation of tensors with these (order-free) checksums."""
-    return tuple(sum(parts) for parts in zip(*sums)) if sums else (0, 0)
+    return tuple(sum(parts) % _MOD for parts in zip(*sums)) if sums else (0, 0)
 
 
 def first_mismatch(sent: Mapping[str, Checksum], held: Mapping[str, Checksum | None]) -> str | None:

@@ -18,9 +18,11 @@ def test_the_checksum_is_exact_and_sees_one_changed_element(dtype):
     generator = torch.Generator().manual_seed(0)
     tensor = (torch.randn(37, 11, generator=generator) * 50).to(dtype)
     assert checksum(tensor) == checksum(tensor.clone()) == checksum(tensor.t().contiguous().t())
-    words = tensor.reshape(-1).view(torch.int16 if tensor.element_size() >= 2 else torch.uint8)
-    w = words.to(torch.int64) & (0xFFFF if tensor.element_size() >= 2 else 0xFF)
-    assert checksum(tensor) == (int(w.sum()), int((w * w).sum()))  # by hand: Σw, Σw²
+    size = tensor.element_size()
+    words = tensor.reshape(-1).view({1: torch.uint8, 2: torch.int16}.get(size, torch.int32)).tolist()
+    assert checksum(tensor) == (sum(words) % 2**32, sum(w * w for w in words) % 2**32)  # by hand: Σw, Σw² mod 2**32
+    positions = sum(w * (i % 65521 + 1) for i, w in enumerate(words)) % 2**32
+    assert checksum(tensor, positional=True) == (*checksum(tensor), positions)
     changed = tensor.clone()
     changed.view(-1)[123] = changed.view(-1)[123] + 1  # one element, by the smallest step the dtype has
     assert checksum(changed) != checksum(tensor)
@@ -34,12 +36,19 @@ def test_a_tiny_update_of_a_large_tensor_is_seen():
 
 
 def test_checksums_of_parts_add_up_to_the_fused_tensor_and_padding_is_free(monkeypatch):
-    monkeypatch.setattr(weight_check, "CHUNK_WORDS", 100)  # several chunks
+    monkeypatch.setattr(weight_check, "CHUNK", 100)  # several chunks
     q, k, v = (torch.randn(8, 16, dtype=torch.bfloat16) for _ in range(3))
     fused = torch.cat([q, k, v])
     assert checksum(fused) == add(checksum(q), checksum(k), checksum(v))
     padded = torch.cat([fused, torch.zeros(5, 16, dtype=torch.bfloat16)])  # vLLM's padded vocabulary
     assert checksum(padded) == checksum(fused)
+
+
+def test_the_positional_checksum_is_the_same_in_chunks(monkeypatch):
+    tensor = torch.randn(70_000)
+    whole = checksum(tensor, positional=True)
+    monkeypatch.setattr(weight_check, "CHUNK", 65521)  # positions restart their weights at each chunk
+    assert checksum(tensor, positional=True) == whole
 
 
 def test_the_positional_checksum_sees_a_permutation():
