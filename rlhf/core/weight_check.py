@@ -141,7 +141,7 @@ def sync_deadline(timeout_s: float | None, what: str) -> Iterator[None]:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), ctypes.py_object(timeout))
         if done.wait(GRACE_S):
             return
-        sys.stderr.write(f"error: {message}\n")  # stuck in a C call: nothing else can end it
+        sys.stderr.write(f"Error: {message}\n")  # stuck in a C call: nothing else can end it
         sys.stderr.flush()
         os._exit(1)
 
