@@ -86,8 +86,9 @@ def main() -> None:
         model = build()
         for dtype in (torch.float32, torch.bfloat16):
             r = measure(name, model, dtype, args.repeats)
-            print(f"| {r['model']} | {r['dtype']} | {r['params_m']:.2f}M | {r['copy_s'] * 1e3:.1f} ms | "
-                  f"{r['vllm_s'] * 1e3:.1f} ms | {r['ray_store_s'] * 1e3:.1f} ms | {r['ray_broadcast_s'] * 1e3:.1f} ms | "
+            ms = {key: f"{r[key] * 1e3:.1f} ms" for key in ("copy_s", "vllm_s", "ray_store_s", "ray_broadcast_s")}
+            print(f"| {r['model']} | {r['dtype']} | {r['params_m']:.2f}M | {ms['copy_s']} | "
+                  f"{ms['vllm_s']} | {ms['ray_store_s']} | {ms['ray_broadcast_s']} | "
                   f"{r['ns_per_param_order_free']:.2f} | {r['ns_per_param_positional']:.2f} |", flush=True)
 
 

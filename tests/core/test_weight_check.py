@@ -66,7 +66,8 @@ def test_first_mismatch_names_the_tensor():
 
 def test_the_deadline_interrupts_a_sync_waiting_in_python():
     began = time.monotonic()
-    with pytest.raises(WeightSyncTimeout, match=r"^the test sync did not finish within 0.2 s \(--weight-sync-timeout-s\)"):
+    expected = r"^the test sync did not finish within 0.2 s \(--weight-sync-timeout-s\)"
+    with pytest.raises(WeightSyncTimeout, match=expected):
         with sync_deadline(0.2, "the test sync"):
             while True:
                 time.sleep(0.01)

@@ -129,3 +129,19 @@ def test_a_hung_sync_hits_the_timeout_with_one_line(fake_vllm, policy):
     assert time.monotonic() - began < 10
     message = str(caught.value)
     assert "\n" not in message and "within 0.5 s (--weight-sync-timeout-s)" in message
+
+
+def test_weights_from_another_process_are_compared_with_the_senders_checksums(fake_vllm, policy):
+    """``load_weights_from_group``: the sender's checksums come with the end of the sync
+    (``send_weights``); what arrived must match them (a bit flipped on the way is named)."""
+    from rlhf.api import weight_checksum
+    from rlhf.plugins.engines.vllm_weights import bucket_by_bytes, policy_weights
+
+    engine = make_engine(policy)
+    named = list(policy_weights(policy[0]))
+    sender = {name: weight_checksum(tensor) for name, tensor in named}
+    engine._push(bucket_by_bytes(named, 2**20), sender=dict(sender))  # sound
+    flipped = [(name, tensor.clone()) for name, tensor in named]
+    flipped[3][1].view(-1)[0] += 1.0  # damaged on the way
+    with pytest.raises(WeightSyncError, match=rf"{flipped[3][0]} arrived with other values than the trainer sent"):
+        engine._push(bucket_by_bytes(flipped, 2**20), sender=dict(sender))

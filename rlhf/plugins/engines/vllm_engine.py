@@ -374,9 +374,14 @@ class VLLMEngine:
     def load_weights_from_group(self, group: Any, *, src: int = 0) -> None:
         """Receive weights that rank ``src`` of an initialised ``torch.distributed`` group sends with
         ``vllm_weights.send_weights`` (a trainer in another process). Unverified on a GPU."""
-        self._push(receive_weights(group=group, src=src, device=torch.device("cuda", torch.cuda.current_device())))
+        device = torch.device("cuda", torch.cuda.current_device())
+        sent: dict[str, Any] = {}  # the sender's checksums, once the last bucket has arrived
+        self._push(receive_weights(group=group, src=src, device=device, sent_checksums=sent), sender=sent)
 
-    def _push(self, buckets: Iterator[list[Named]]) -> None:
+    def _push(self, buckets: Iterator[list[Named]], sender: dict[str, Any] | None = None) -> None:
+        """Load ``buckets`` into vLLM's workers, verified (``verify_weight_sync``); ``sender``: the
+        checksums another process sent with them (filled when the last bucket has arrived), compared
+        with what arrived here."""
         started = time.perf_counter()
         self._wake_for("load_weights")
         verify, whole = self.config.verify_weight_sync, self.config.tensor_parallel_size == 1
@@ -388,12 +393,16 @@ class VLLMEngine:
                 if not whole:  # pickled to worker processes: CPU tensors travel best
                     bucket = [(name, tensor.cpu()) for name, tensor in bucket]
                 if verify:
-                    sent.update((name, None if whole else weight_checksum(tensor)) for name, tensor in bucket)
+                    arrived = sender is not None or not whole  # from another process: compared with its sums
+                    sent.update((name, weight_checksum(tensor) if arrived else None) for name, tensor in bucket)
                     records.append(self.llm.collective_rpc(_load_recorded_into_worker, args=(bucket, whole)))
                 else:
                     self.llm.collective_rpc(_load_into_worker, args=(bucket,))
                 loaded += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
             problems = self._verify(sent, records) if verify else []
+            if verify and sender:  # what arrived here against what the other process sent
+                problems += [f"{name} arrived with other values than the trainer sent"
+                             for name, value in sender.items() if tuple(sent.get(name) or ()) != tuple(value)]
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
         self.last_sync_seconds, self.last_sync_bytes = time.perf_counter() - started, loaded
         if problems:

@@ -225,30 +225,38 @@ def bucket_by_bytes(named: Iterable[Named], max_bytes: int) -> Iterator[list[Nam
 # --- across processes: an already initialised torch.distributed group ----------------------
 
 
-def send_weights(named: Iterable[Named], *, group: Any, src: int, max_bytes: int) -> int:
+def send_weights(named: Iterable[Named], *, group: Any, src: int, max_bytes: int, verify: bool = True) -> int:
     """Broadcast ``named`` from rank ``src`` of ``group`` bucket by bucket (the receivers run
-    `receive_weights`); returns the bytes sent. Tensors must be on the group's device (CUDA for NCCL)."""
+    `receive_weights`); returns the bytes sent. Tensors must be on the group's device (CUDA for NCCL).
+    ``verify``: the end message carries each sent tensor's checksum, for the receiver to compare."""
     import torch.distributed as dist
 
     sent = 0
+    checksums: dict[str, Any] = {}
     for bucket in bucket_by_bytes(named, max_bytes):
         header = [[(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]]
         dist.broadcast_object_list(header, src=src, group=group)
-        for _, tensor in bucket:
+        for name, tensor in bucket:
             dist.broadcast(tensor.contiguous(), src=src, group=group)
             sent += tensor.numel() * tensor.element_size()
-    dist.broadcast_object_list([None], src=src, group=group)  # the end
+            if verify:
+                checksums[name] = weight_checksum(tensor)
+    dist.broadcast_object_list([{"checksums": checksums} if verify else None], src=src, group=group)  # the end
     return sent
 
 
-def receive_weights(*, group: Any, src: int, device: torch.device | str) -> Iterator[list[Named]]:
-    """The buckets `send_weights` broadcasts from rank ``src``, received into tensors on ``device``."""
+def receive_weights(*, group: Any, src: int, device: torch.device | str,
+                    sent_checksums: dict[str, Any] | None = None) -> Iterator[list[Named]]:
+    """The buckets `send_weights` broadcasts from rank ``src``, received into tensors on ``device``.
+    ``sent_checksums``: filled at the end with the sender's checksums (when it sent them)."""
     import torch.distributed as dist
 
     while True:
         header: list[Any] = [None]
         dist.broadcast_object_list(header, src=src, group=group)
-        if header[0] is None:
+        if header[0] is None or isinstance(header[0], dict):  # the end
+            if sent_checksums is not None and header[0] is not None:
+                sent_checksums.update(header[0]["checksums"])
             return
         bucket = []
         for name, shape, dtype in header[0]:
