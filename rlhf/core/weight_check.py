@@ -108,6 +108,7 @@ def first_mismatch(sent: Mapping[str, Checksum], held: Mapping[str, Checksum | N
 
 
 def mismatch_error(where: str, problem: str, count: int = 1) -> WeightSyncError:
+    """The one-line error of a sync to ``where`` whose first problem is ``problem`` (of ``count`` tensors)."""
     more = f" (and {count - 1} more tensor(s))" if count > 1 else ""
     return WeightSyncError(f"weight sync to {where} failed verification: {problem}{more}; the engine would sample "
                            "from weights the policy does not have, so the run stopped (--no-verify-weight-sync "

@@ -129,6 +129,11 @@ def test_a_hung_sync_hits_the_timeout_with_one_line(fake_vllm, policy):
     assert time.monotonic() - began < 10
     message = str(caught.value)
     assert "\n" not in message and "within 0.5 s (--weight-sync-timeout-s)" in message
+    vllm_model().hang = False
+    llm = fakes.FakeLLM.instances[0]
+    calls = len(llm.calls)
+    engine.generate([[5]], n=1, params=PARAMS)  # a half-loaded model is never sampled from: synced again first
+    assert llm.calls[calls:] == ["collective_rpc", "reset_prefix_cache", "generate"]
 
 
 def test_weights_from_another_process_are_compared_with_the_senders_checksums(fake_vllm, policy):

@@ -388,6 +388,7 @@ class VLLMEngine:
         sent: dict[str, Any] = {}
         records: list[list[dict[str, Any]]] = []  # per bucket: each worker's record
         loaded = 0
+        self._weights_lost = True  # until this sync has ended and passed: a timeout leaves a half-loaded model
         with sync_deadline(self.config.weight_sync_timeout_s, "the weight sync to the vllm engine"):
             for bucket in buckets:
                 if not whole:  # pickled to worker processes: CPU tensors travel best
