@@ -63,6 +63,12 @@ _HOMES: dict[str, str] = {
     "says_no_space": "rlhf.core.errors",
     "no_space": "rlhf.core.errors",
     "size_text": "rlhf.core.errors",
+    # verified weight syncs
+    "WeightSyncError": "rlhf.core.weight_check",
+    "WeightSyncTimeout": "rlhf.core.weight_check",
+    "weight_checksum": "rlhf.core.weight_check:checksum",
+    "add_checksums": "rlhf.core.weight_check:add",
+    "sync_deadline": "rlhf.core.weight_check",
     # masked tensor math
     "as_float": "rlhf.core.masked",
     "masked": "rlhf.core.masked",
@@ -161,6 +167,9 @@ if TYPE_CHECKING:  # the same names for type checkers and editors (tests/core/te
     from rlhf.core.rewards import RewardResult
     from rlhf.core.types import (AdvantageConfig, AdvantageInputs, AlgorithmPreset, LossNorm, PolicyLossInputs,
                                  RunInfo, StepResult, Trajectory)
+    from rlhf.core.weight_check import WeightSyncError, WeightSyncTimeout, sync_deadline
+    from rlhf.core.weight_check import add as add_checksums
+    from rlhf.core.weight_check import checksum as weight_checksum
     from rlhf.fastpaths.cpu_linear import check_mode as check_cpu_linear_mode
     from rlhf.fastpaths.cpu_linear import use_onednn_linears
     from rlhf.fastpaths.lean_decode import LeanDecoder, LeanDecodeUnsupported, lean_decoder_supported

@@ -127,3 +127,79 @@ def test_broadcast_is_refused_with_async(tiny_model_dir, task, tmp_path):
     config = make_config(tiny_model_dir, task, tmp_path / "run", weight_sync="broadcast", async_rollout=True)
     with pytest.raises(ConfigError, match="--async .* --weight-sync object-store"):
         train(config, plugins=build_plugin_manager())
+
+
+DROPPED = "model.layers.1.mlp.down_proj.weight"
+
+
+def leave_stale_after_the_first_sync(actor, name, way):
+    """Inside a rollout actor: from the second sync on, ``name`` of its copy is left as it was (the
+    object store's load skips it; the broadcast lands in a stand-in tensor), as MoE experts once were."""
+    model = actor.rollout_model
+    if way == "object-store":
+        load = model.load_state_dict
+
+        def skipping(state, strict=True):
+            return load({key: value for key, value in state.items() if key != name}, strict=strict)
+
+        model.load_state_dict = skipping
+    else:
+        named = model.named_parameters
+
+        def elsewhere(*args, **kwargs):
+            return ((key, value.detach().clone() if key == name else value) for key, value in named(*args, **kwargs))
+
+        model.named_parameters = elsewhere
+
+
+def test_every_sync_is_verified_and_a_hung_one_stops_in_time(ray_cluster, tiny_model_dir, task, tmp_path):
+    """Both ways of --weight-sync verify by default: a tensor a rollout actor's copy does not take after the
+    first sync stops the run with one line naming it and the actor; a sync that hangs (a broadcast whose
+    sender never sends) stops at --weight-sync-timeout-s with one line."""
+    import dataclasses
+
+    import ray
+
+    from rlhf.runtime.ray.cluster import Cluster
+    from rlhf.runtime.ray.driver import launch
+    from rlhf.runtime.ray.groups import PolicyGroup, RolloutGroup, WorkerFailedError, WorkerTimeoutError
+    from rlhf.runtime.ray.placement import HostGroup, Layout, Resources
+
+    config = make_config(tiny_model_dir, task, tmp_path / "run")
+    assert config.verify_weight_sync and config.weight_sync_timeout_s == 600  # the defaults
+    half_cpu = Resources(0.5, 0.0)
+    layout = Layout((HostGroup(("policy",), 1, half_cpu), HostGroup(("rollout",), 1, half_cpu),
+                     HostGroup(("rollout",), 1, half_cpu)))
+    cluster = Cluster.open(config, cpus_needed=1.5, gpus_needed=0, out_dir=tmp_path / "run")
+    try:
+        hosts = launch(layout, config, 8, build_plugin_manager(), cluster)
+        policy = PolicyGroup(hosts[:1], 120, hosts)
+        groups = {"object-store": RolloutGroup(hosts[1:2], 120, hosts, policy, own_copy=True),
+                  "broadcast": RolloutGroup(hosts[2:], 120, hosts, policy, own_copy=True)}
+        groups["broadcast"].connect_broadcast("gloo")
+        for way, group in groups.items():
+            group.sync_weights()  # sound: verified and passed
+            ray.get(group.hosts[0].handle.__ray_call__.remote(leave_stale_after_the_first_sync, DROPPED, way))
+        batch = fixed_batch(0)
+        policy.fit(dataclasses.replace(batch, old_logprobs=policy.logprobs(batch)), step=0)
+        for way, group in groups.items():
+            with pytest.raises(WorkerFailedError) as caught:
+                group.sync_weights()
+            message = str(caught.value)
+            assert "\n" not in message, message
+            assert f"weight sync to rollout actor 0 failed verification: {DROPPED} holds other values" in message
+            assert "rollout rank 0" in message and "--no-verify-weight-sync" in message
+
+        class NoSender:  # a broadcast whose sender never comes: the receiver waits in gloo
+            hosts: list = []
+            version = 1
+
+        hung = RolloutGroup(hosts[2:], 120, hosts, NoSender(), own_copy=True, sync_timeout_s=2)
+        hung.broadcast = True
+        with pytest.raises(WorkerTimeoutError) as caught:
+            hung.sync_weights()
+        message = str(caught.value)
+        assert "\n" not in message
+        assert message.startswith("rollout receive_policy_weights: no answer within 2 s (--weight-sync-timeout-s)")
+    finally:
+        cluster.close()

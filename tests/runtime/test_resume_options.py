@@ -37,6 +37,8 @@ FREE = {
     "ray_address": "which Ray cluster runs the actors",
     "ray_place": "where the actors are placed, not what they compute",
     "device": "where the model runs; the same math",
+    "verify_weight_sync": "a check of each weight sync that stops a broken run; a passing run trains the same",
+    "weight_sync_timeout_s": "how long a weight sync may take before the run stops, not what it computes",
 }
 
 

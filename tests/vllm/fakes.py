@@ -15,6 +15,7 @@ import importlib.metadata
 import random
 import sys
 import types
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,23 +126,68 @@ class FakeLLMEngine:
         return bool(self.running)
 
 
-class FakeModel:
-    """vLLM's model inside the worker: ``load_weights`` keeps copies under the names it got."""
+def default_weight_loader(param, loaded):
+    """vLLM's ``default_weight_loader``: the whole tensor into the parameter."""
+    param.data.copy_(loaded)
 
-    def __init__(self) -> None:
+
+class FakeModel:
+    """vLLM's model inside the worker. Its parameters are the checkpoint's (``model.safetensors`` of the
+    directory vLLM was started from; a name it lacks is refused, as vLLM refuses it), in ``dtype``;
+    ``load_weights`` hands each tensor to its parameter's ``weight_loader`` (vLLM's default when it
+    has none), as vLLM's models do, and keeps a copy under the name it got (``loaded``).
+
+    Faults, for the verification tests (each from sync ``faults_from`` on, counting from 1):
+    ``drop``: names it skips (vLLM's MoE models once left experts stale this way); ``corrupt``: names
+    whose parameter gets one element changed after loading; ``hang``: load_weights never returns
+    (it waits in Python, so a deadline can interrupt it)."""
+
+    def __init__(self, path: str | None = None, dtype: str = "float32") -> None:
         self.loaded: dict[str, torch.Tensor] = {}
         self.batches: list[list[str]] = []
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.drop: set[str] = set()
+        self.corrupt: set[str] = set()
+        self.hang = False
+        self.faults_from = 2
+        self.syncs = 0  # syncs ended (each ends with reset_prefix_cache)
+        file = Path(path) / "model.safetensors" if path else None
+        if file is not None and file.is_file():
+            from safetensors.torch import load_file
+
+            torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else torch.float32
+            for name, tensor in load_file(str(file)).items():
+                self.params[name] = torch.nn.Parameter(torch.zeros_like(tensor, dtype=torch_dtype), requires_grad=False)
+
+    def named_parameters(self):
+        return iter(self.params.items())
 
     def load_weights(self, weights):
+        faulty = self.syncs + 1 >= self.faults_from
+        if self.hang and faulty:
+            import threading
+
+            stop = threading.Event()
+            while not stop.wait(0.01):  # Python-level waiting: an async exception interrupts it
+                pass
         weights = list(weights)
         self.batches.append([name for name, _ in weights])
         for name, tensor in weights:
             self.loaded[name] = tensor.detach().clone()
-
-
+            if faulty and name in self.drop:
+                continue
+            param = self.params.get(name)
+            if param is None:
+                if self.params:
+                    raise KeyError(f"vLLM's model has no parameter {name}")
+                param = self.params[name] = torch.nn.Parameter(torch.zeros_like(tensor), requires_grad=False)
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor)
+            if faulty and name in self.corrupt:
+                param.data.view(-1)[0] += 1.0
 class FakeWorker:
-    def __init__(self) -> None:
-        self.model = FakeModel()
+    def __init__(self, path: str | None = None, dtype: str = "float32") -> None:
+        self.model = FakeModel(path, dtype)
 
     def get_model(self) -> FakeModel:
         return self.model
@@ -162,7 +208,7 @@ class FakeLLM:
     def __init__(self, **kwargs: Any):
         self.kwargs = kwargs
         self.calls: list[Any] = []
-        self.worker = FakeWorker()
+        self.worker = FakeWorker(kwargs.get("model"), kwargs.get("dtype", "float32"))
         self.prompts: list[list[int]] = []
         self.llm_engine = FakeLLMEngine(self)
         # vLLM seeds the process's global generators when its engine core runs in-process
@@ -183,6 +229,7 @@ class FakeLLM:
     def reset_prefix_cache(self):
         """Refused (False), as vLLM refuses it, while requests hold KV-cache blocks."""
         self.calls.append("reset_prefix_cache")
+        self.worker.model.syncs += 1
         return not self.llm_engine.running
 
     def sleep(self, level=1):
@@ -203,6 +250,11 @@ def install(monkeypatch, version: str = "0.11.0") -> types.ModuleType:
     module.sampling_params = sampling_module
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling_module)
+    for package in ("vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
+    weight_utils = types.ModuleType("vllm.model_executor.model_loader.weight_utils")
+    weight_utils.default_weight_loader = default_weight_loader
+    monkeypatch.setitem(sys.modules, weight_utils.__name__, weight_utils)
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version",
                         lambda name: version if name == "vllm" else real_version(name))

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlhf.api import weight_checksum
 from rlhf.core.distributed import DistContext, exit_process
 from rlhf.core.errors import ConfigError
 from rlhf.plugins.engines.vllm_weights import (bucket_by_bytes, map_state_dict, policy_version, policy_weights,
@@ -197,8 +198,9 @@ def _exchange(rank: int, init_file: str, out: str) -> None:
             sent = send_weights(policy_weights(llama(seed=3)), group=None, src=0, max_bytes=600)
             torch.save({"sent": sent}, out + ".sender")
         else:
-            buckets = list(receive_weights(group=None, src=0, device="cpu"))
-            torch.save({"buckets": [[(n, t) for n, t in b] for b in buckets]}, out)
+            checksums = {}
+            buckets = list(receive_weights(group=None, src=0, device="cpu", sent_checksums=checksums))
+            torch.save({"buckets": [[(n, t) for n, t in b] for b in buckets], "checksums": checksums}, out)
     finally:
         DistContext(rank=rank, world_size=2).close()
     exit_process(0)  # a worker of a process group ends without the interpreter's teardown, as rlhf's do
@@ -210,7 +212,7 @@ def test_weights_travel_over_a_process_group(tmp_path):
 
     out = str(tmp_path / "received.pt")
     mp.spawn(_exchange, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
-    buckets = torch.load(out)["buckets"]
+    buckets, checksums = torch.load(out)["buckets"], torch.load(out)["checksums"]
     expected = list(policy_weights(llama(seed=3)))
     received = [item for bucket in buckets for item in bucket]
     assert [n for n, _ in received] == [n for n, _ in expected]
@@ -218,4 +220,5 @@ def test_weights_travel_over_a_process_group(tmp_path):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert len(buckets) == len(list(bucket_by_bytes(expected, 600))) > 1
     assert torch.load(out + ".sender")["sent"] == sum(t.numel() * t.element_size() for _, t in expected)
+    assert checksums == {name: weight_checksum(t) for name, t in expected}  # the sender's, for the receiver to compare
     assert os.path.exists(out)

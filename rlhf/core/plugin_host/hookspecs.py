@@ -294,7 +294,11 @@ def register_rollout_engines(register: Register) -> None:
     - Weights: an engine whose ``shares_weights`` attribute is True reads the policy's weights in
       place; otherwise the runtime calls ``load_weights()`` after each optimizer step (take the
       weights from the policy module the engine was built with; ``load_weights(state)`` loads the
-      given full weights instead).
+      given full weights instead). Such an engine should prove after each load that it holds what
+      it was given, as the ``vllm`` engine does (``rlhf.api.weight_checksum``: exact checksums;
+      raise ``WeightSyncError`` naming the tensor), unless its config's run field
+      ``verify_weight_sync`` is False, and bound the load by ``weight_sync_timeout_s``
+      (``rlhf.api.sync_deadline``).
     - ``continuous_batching=True``: the class also implements
       ``rlhf.core.protocols.rollout.ContinuousEngine`` (checked with the registration):
       ``async generate_one(prompt_ids, params) -> Generation`` joins one request to the running

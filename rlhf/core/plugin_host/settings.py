@@ -44,6 +44,8 @@ RUN_VALUES: dict[str, str] = {
     "micro_batch_size": "samples per forward/backward (--micro-batch-size)",
     "synced_generation": "whether ranks must generate in lockstep (a backend that shards weights, several ranks)",
     "save_critic": "whether the run writes the critic at the end (--save-critic)",
+    "verify_weight_sync": "whether an engine with weights of its own verifies every sync (--verify-weight-sync)",
+    "weight_sync_timeout_s": "seconds one weight sync may take (--weight-sync-timeout-s; 0: no limit)",
 }
 
 

@@ -21,6 +21,7 @@ CHECK_RUN_VALUES: dict[str, Any] = {
     "seed": 0, "dtype": "fp32", "device": "cpu", "trust_remote_code": False, "max_prompt_length": 16,
     "max_new_tokens": 8, "max_turns": 1, "max_total_tokens": 24, "temperature": 1.0, "lr": 1e-2,
     "total_steps": 4, "micro_batch_size": 2, "synced_generation": False, "save_critic": False,
+    "verify_weight_sync": True, "weight_sync_timeout_s": 600.0,
 }
 
 

@@ -60,6 +60,10 @@ class VLLMEngineConfig:
                 "weights, so no CPU copy is kept)"})
     auto_sleep: bool = field(default=False, metadata={
         "help": "Sleep after every generation and wake for the next sync or generation (needs enable_sleep_mode)"})
+    verify_weight_sync: bool = run_field("verify_weight_sync", True, "Check after every sync that vLLM holds exactly "
+                                         "what was sent (exact checksums; --verify-weight-sync)")
+    weight_sync_timeout_s: float = run_field("weight_sync_timeout_s", 600.0, "Seconds one sync may take before it "
+                                             "raises instead of hanging (--weight-sync-timeout-s; 0: no limit)")
     sync_bucket_mb: float = field(default=512.0, metadata={
         "help": "Weight sync chunk size in MiB (bounds the extra memory of merged/gathered copies)"})
     continuous: bool = field(default=True, metadata={

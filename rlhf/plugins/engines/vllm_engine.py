@@ -21,7 +21,12 @@ Install with ``pip install "rlhf-core[vllm]"`` on a machine with a CUDA GPU; sel
   rlhf/plugins/engines/vllm_weights.py), in buckets of ``sync_bucket_mb``, loaded into vLLM's
   model in this process through ``collective_rpc``; then the prefix cache is reset (cached
   keys/values belong to the old weights). ``last_sync_seconds``/``last_sync_bytes`` record the
-  last sync. Before a generation the engine also pushes the weights itself when the policy's
+  last sync. Every sync is verified (``verify_weight_sync``, ``--verify-weight-sync``, on by
+  default): vLLM's parameters must hold exactly what their loaders were given and every sent
+  tensor must have reached one (exact checksums; rlhf/plugins/engines/vllm_weights.py), else
+  `WeightSyncError` names the tensor and the run stops; a sync running past
+  ``weight_sync_timeout_s`` (``--weight-sync-timeout-s``) raises `WeightSyncTimeout`
+  (``rlhf.api.sync_deadline``). Before a generation the engine also pushes the weights itself when the policy's
   parameters changed since the last sync (torch's in-place write counters), so a resumed run or
   a caller that forgets to sync never samples from stale weights.
 * **Sleep** (``enable_sleep_mode``): `sleep` frees the GPU memory vLLM holds (level 1: weights to
@@ -59,11 +64,12 @@ from typing import Any
 
 import torch
 
-from rlhf.api import ConfigError, Generation, SamplingParams
+from rlhf.api import ConfigError, Generation, SamplingParams, WeightSyncError, sync_deadline, weight_checksum
 from rlhf.plugins.engines.config import VLLMEngineConfig
 from rlhf.plugins.engines.vllm_continuous import RequestBatch
-from rlhf.plugins.engines.vllm_weights import (Named, bucket_by_bytes, map_state_dict, policy_version,
-                                               policy_weights, receive_weights)
+from rlhf.plugins.engines.vllm_weights import (Named, bucket_by_bytes, load_recorded,
+                                               map_state_dict, policy_version, policy_weights, receive_weights,
+                                               verify_records)
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +253,21 @@ def _load_into_worker(worker: Any, weights: list[Named]) -> int:
     """Runs in vLLM's worker (``collective_rpc`` passes it first). ``get_model()`` unwraps CUDA-graph
     wrappers (workers of 0.10.2-0.33); the model's ``load_weights`` takes checkpoint names, fuses
     q/k/v and gate/up and shards for tensor parallelism."""
-    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
-    model.load_weights(weights)
+    _worker_model(worker).load_weights(weights)
     return len(weights)
+
+
+def _load_recorded_into_worker(worker: Any, weights: list[Named], whole: bool) -> dict[str, Any]:
+    """`_load_into_worker`, recording which parameter took which tensor (``vllm_weights.load_recorded``);
+    vLLM's ``default_weight_loader`` (``model_loader.weight_utils``, 0.10-0.33) is what a parameter
+    without a loader of its own gets."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    return load_recorded(_worker_model(worker), weights, default_weight_loader, params_too=whole)
+
+
+def _worker_model(worker: Any) -> Any:
+    return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
 
 
 @contextlib.contextmanager
@@ -356,21 +374,54 @@ class VLLMEngine:
     def load_weights_from_group(self, group: Any, *, src: int = 0) -> None:
         """Receive weights that rank ``src`` of an initialised ``torch.distributed`` group sends with
         ``vllm_weights.send_weights`` (a trainer in another process). Unverified on a GPU."""
-        self._push(receive_weights(group=group, src=src, device=torch.device("cuda", torch.cuda.current_device())))
+        device = torch.device("cuda", torch.cuda.current_device())
+        sent: dict[str, Any] = {}  # the sender's checksums, once the last bucket has arrived
+        self._push(receive_weights(group=group, src=src, device=device, sent_checksums=sent), sender=sent)
 
-    def _push(self, buckets: Iterator[list[Named]]) -> None:
+    def _push(self, buckets: Iterator[list[Named]], sender: dict[str, Any] | None = None) -> None:
+        """Load ``buckets`` into vLLM's workers, verified (``verify_weight_sync``); ``sender``: the
+        checksums another process sent with them (filled when the last bucket has arrived), compared
+        with what arrived here."""
         started = time.perf_counter()
         self._wake_for("load_weights")
+        verify, whole = self.config.verify_weight_sync, self.config.tensor_parallel_size == 1
+        sent: dict[str, Any] = {}
+        records: list[list[dict[str, Any]]] = []  # per bucket: each worker's record
         loaded = 0
-        for bucket in buckets:
-            if self.config.tensor_parallel_size > 1:  # pickled to worker processes: CPU tensors travel best
-                bucket = [(name, tensor.cpu()) for name, tensor in bucket]
-            self.llm.collective_rpc(_load_into_worker, args=(bucket,))
-            loaded += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        self._weights_lost = True  # until this sync has ended and passed: a timeout leaves a half-loaded model
+        with sync_deadline(self.config.weight_sync_timeout_s, "the weight sync to the vllm engine"):
+            for bucket in buckets:
+                if not whole:  # pickled to worker processes: CPU tensors travel best
+                    bucket = [(name, tensor.cpu()) for name, tensor in bucket]
+                if verify:
+                    arrived = sender is not None or not whole  # from another process: compared with its sums
+                    sent.update((name, weight_checksum(tensor) if arrived else None) for name, tensor in bucket)
+                    records.append(self.llm.collective_rpc(_load_recorded_into_worker, args=(bucket, whole)))
+                else:
+                    self.llm.collective_rpc(_load_into_worker, args=(bucket,))
+                loaded += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            problems = self._verify(sent, records) if verify else []
+            if verify and sender:  # what arrived here against what the other process sent
+                problems += [f"{name} arrived with other values than the trainer sent"
+                             for name, value in sender.items() if tuple(sent.get(name) or ()) != tuple(value)]
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
-        self._synced_version, self._weights_lost = policy_version(self.model), False
         self.last_sync_seconds, self.last_sync_bytes = time.perf_counter() - started, loaded
+        if problems:
+            self._weights_lost = True  # never sample from them: the next generation syncs again (if the run goes on)
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise WeightSyncError(f"the weight sync to the vllm engine failed verification: {problems[0]}{more}; "
+                                  "vLLM would sample from weights the policy does not have, so the run stopped "
+                                  "(--no-verify-weight-sync turns the check off)")
+        self._synced_version, self._weights_lost = policy_version(self.model), False
         log.debug("vllm engine: loaded %d bytes of weights in %.3f s", loaded, self.last_sync_seconds)
+
+    @staticmethod
+    def _verify(sent: dict[str, Any], records: list[list[dict[str, Any]]]) -> list[str]:
+        """Each worker's problems (`vllm_weights.verify_records`) after a sync."""
+        problems: list[str] = []
+        for worker_records in (zip(*records) if records else [()]):
+            problems += verify_records(sent, list(worker_records))
+        return list(dict.fromkeys(problems))
 
     # --- sleep mode ------------------------------------------------------------------------
 

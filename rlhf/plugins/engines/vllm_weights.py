@@ -25,6 +25,16 @@ than one bucket of merged or gathered copies. `send_weights`/`receive_weights` m
 buckets over an already initialised ``torch.distributed`` group, for an engine in another
 process than the trainer (not exercised on a GPU yet).
 
+**Verification** (``verify_weight_sync``, on by default; `load_recorded`, `held_checksums`): while
+vLLM's ``load_weights`` runs in its worker, every parameter's ``weight_loader`` is wrapped so that
+each call records which vLLM parameter took which sent tensor, and the exact checksum
+(``rlhf.api.weight_checksum``) of what it was given, cast to the parameter's dtype. Checksums are
+order-free sums, so after the sync each vLLM parameter (a fused ``qkv_proj``, an MoE layer's
+``experts.w13_weight``, a vocabulary padded with zeros) must hold exactly the sum of its parts'
+checksums, and every sent tensor must have reached a loader. Both are exact (tolerance 0). With
+tensor parallelism each worker holds a shard, so only the second part (every tensor reached a
+loader) and the transport (what arrived equals what was sent) are checked.
+
 Deviations: quantized policies (QLoRA's 4-bit base) are not mapped; DoRA adapters are refused;
 LoRA adapters on fused expert tensors are not merged.
 """
@@ -38,7 +48,7 @@ from typing import Any
 
 import torch
 
-from rlhf.api import ConfigError, innermost
+from rlhf.api import ConfigError, add_checksums, innermost, weight_checksum
 
 Named = tuple[str, torch.Tensor]
 
@@ -215,30 +225,38 @@ def bucket_by_bytes(named: Iterable[Named], max_bytes: int) -> Iterator[list[Nam
 # --- across processes: an already initialised torch.distributed group ----------------------
 
 
-def send_weights(named: Iterable[Named], *, group: Any, src: int, max_bytes: int) -> int:
+def send_weights(named: Iterable[Named], *, group: Any, src: int, max_bytes: int, verify: bool = True) -> int:
     """Broadcast ``named`` from rank ``src`` of ``group`` bucket by bucket (the receivers run
-    `receive_weights`); returns the bytes sent. Tensors must be on the group's device (CUDA for NCCL)."""
+    `receive_weights`); returns the bytes sent. Tensors must be on the group's device (CUDA for NCCL).
+    ``verify``: the end message carries each sent tensor's checksum, for the receiver to compare."""
     import torch.distributed as dist
 
     sent = 0
+    checksums: dict[str, Any] = {}
     for bucket in bucket_by_bytes(named, max_bytes):
         header = [[(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]]
         dist.broadcast_object_list(header, src=src, group=group)
-        for _, tensor in bucket:
+        for name, tensor in bucket:
             dist.broadcast(tensor.contiguous(), src=src, group=group)
             sent += tensor.numel() * tensor.element_size()
-    dist.broadcast_object_list([None], src=src, group=group)  # the end
+            if verify:
+                checksums[name] = weight_checksum(tensor)
+    dist.broadcast_object_list([{"checksums": checksums} if verify else None], src=src, group=group)  # the end
     return sent
 
 
-def receive_weights(*, group: Any, src: int, device: torch.device | str) -> Iterator[list[Named]]:
-    """The buckets `send_weights` broadcasts from rank ``src``, received into tensors on ``device``."""
+def receive_weights(*, group: Any, src: int, device: torch.device | str,
+                    sent_checksums: dict[str, Any] | None = None) -> Iterator[list[Named]]:
+    """The buckets `send_weights` broadcasts from rank ``src``, received into tensors on ``device``.
+    ``sent_checksums``: filled at the end with the sender's checksums (when it sent them)."""
     import torch.distributed as dist
 
     while True:
         header: list[Any] = [None]
         dist.broadcast_object_list(header, src=src, group=group)
-        if header[0] is None:
+        if header[0] is None or isinstance(header[0], dict):  # the end
+            if sent_checksums is not None and header[0] is not None:
+                sent_checksums.update(header[0]["checksums"])
             return
         bucket = []
         for name, shape, dtype in header[0]:
@@ -246,3 +264,107 @@ def receive_weights(*, group: Any, src: int, device: torch.device | str) -> Iter
             dist.broadcast(tensor, src=src, group=group)
             bucket.append((name, tensor))
         yield bucket
+
+
+# --- verification, inside vLLM's worker (tests/vllm/fakes.py stands in for vLLM there) ---------------
+
+
+def load_recorded(model: Any, weights: list[Named], default_loader: Callable[..., Any], *,
+                  params_too: bool = True) -> dict[str, Any]:
+    """``model.load_weights(weights)`` with every parameter's ``weight_loader`` recording its calls.
+
+    Returns ``{"into": {vLLM parameter: [sent names]}, "sums": {vLLM parameter: checksum of what its
+    loaders were given, in its dtype}, "held": {vLLM parameter: its checksum after loading},
+    "reached": [sent names that reached a loader], "arrived": {sent name: checksum}}`` (``params_too``
+    False, for a worker that holds a shard: ``arrived`` instead of ``sums`` and ``held``). A call is
+    attributed to the sent tensor whose memory it was given (a view of it included), else to the
+    tensor ``load_weights`` read last. ``default_loader``: what vLLM calls for a parameter without one.
+    """
+    by_memory = {(t.data_ptr(), tuple(t.shape)): name for name, t in weights}
+    by_pointer = {t.data_ptr(): name for name, t in weights}
+    current: list[str | None] = [None]
+    into: dict[str, list[str]] = {}
+    sums: dict[str, Any] = {}
+    patched: list[tuple[Any, str, Any, bool]] = []
+
+    def recording(param_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def weight_loader(param: Any, loaded: Any, *args: Any, **kwargs: Any) -> Any:
+            sent = by_memory.get((loaded.data_ptr(), tuple(loaded.shape))) or by_pointer.get(loaded.data_ptr()) \
+                or current[0]
+            into.setdefault(param_name, []).append(sent)
+            if params_too:
+                part = weight_checksum(loaded.to(param.dtype))
+                sums[param_name] = add_checksums(sums[param_name], part) if param_name in sums else part
+            return original(param, loaded, *args, **kwargs)
+        return weight_loader
+
+    def read() -> Iterator[Named]:
+        for name, tensor in weights:
+            current[0] = name
+            yield name, tensor
+
+    try:
+        for name, param in model.named_parameters():
+            attribute = "weight_loader"
+            had = attribute in vars(param)
+            original = getattr(param, attribute, None)
+            try:
+                setattr(param, attribute, recording(name, original or default_loader))
+            except AttributeError:  # vLLM's parameter classes expose the loader as a read-only property
+                attribute, had, original = "_weight_loader", True, param._weight_loader
+                param._weight_loader = recording(name, original)
+            patched.append((param, attribute, original, had))
+        model.load_weights(read())
+    finally:
+        for param, attribute, original, had in patched:
+            if had:
+                setattr(param, attribute, original)
+            else:
+                delattr(param, attribute)
+    reached = sorted({name for names in into.values() for name in names if name is not None})
+    arrived = {name: weight_checksum(tensor) for name, tensor in weights} if not params_too else {}
+    held = held_checksums(model, into) if params_too else {}
+    return {"into": into, "sums": sums, "held": held, "reached": reached, "arrived": arrived, "whole": params_too}
+
+
+def held_checksums(model: Any, names: Iterable[str]) -> dict[str, Any]:
+    """The checksums of the vLLM parameters ``names`` as the model holds them now."""
+    wanted = set(names)
+    return {name: weight_checksum(param) for name, param in model.named_parameters() if name in wanted}
+
+
+def verify_records(sent: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+    """What went wrong in one sync, one phrase per problem (empty: the engine holds what was sent).
+
+    ``sent``: sent name -> checksum (computed by the engine before it sent; None where unused);
+    ``records``: what `load_recorded` returned for each bucket, in order, from one worker. A
+    parameter is compared as the last bucket that wrote it left it (no later bucket touched it, so
+    every part of it had arrived), with the sum of what every bucket loaded into it. A worker that
+    holds a shard compares what arrived with what was sent instead."""
+    problems = []
+    held: dict[str, Any] | None = {} if all(record["whole"] for record in records) else None
+    for record in records if held is not None else ():
+        held.update(record["held"])
+    reached = {name for record in records for name in record["reached"]}
+    for name in sent:
+        if name not in reached:
+            problems.append(f"{name} was sent but vLLM's load_weights never loaded it into a parameter")
+    if held is None:
+        arrived = {name: value for record in records for name, value in record["arrived"].items()}
+        for name, value in sent.items():
+            if name in arrived and tuple(arrived[name]) != tuple(value):
+                problems.append(f"{name} arrived with other values than were sent")
+        return problems
+    into: dict[str, list[str]] = {}
+    expected: dict[str, Any] = {}
+    for record in records:
+        for param, names in record["into"].items():
+            into.setdefault(param, []).extend(names)
+            part = record["sums"][param]
+            expected[param] = add_checksums(expected[param], part) if param in expected else part
+    for param, value in expected.items():
+        if tuple(held.get(param, ())) != tuple(value):
+            names = ", ".join(dict.fromkeys(n for n in into[param] if n is not None))
+            problems.append(f"{names} (held in vLLM's {param}) holds other values than were loaded into it")
+    return problems
+

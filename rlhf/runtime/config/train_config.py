@@ -123,6 +123,11 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
 
     # --- rollout ----------------------------------------------------------------------------
     engine: str = _opt("hf", "Rollout engine plugin (its options: --engine.NAME)", "rollout", component="rollout_engine")
+    verify_weight_sync: bool = _opt(True, "After every weight sync to an engine with weights of its own (vllm, Ray "
+                                    "rollout actors), check exact checksums of what it holds against what was sent "
+                                    "and stop at a mismatch (docs/vllm.md)", "rollout")
+    weight_sync_timeout_s: float = _opt(600.0, "Seconds one weight sync may take before the run stops with an error "
+                                        "instead of hanging (0: no limit)", "rollout")
     prompts_per_step: int = _opt(8, "Prompts sampled per training step", "rollout")
     n_samples: int = _opt(8, "Completions per prompt (n, the group size)", "rollout")
     max_new_tokens: int = _opt(256, "Generation budget per completion, in tokens", "rollout")

@@ -99,6 +99,7 @@ class RunPlan(Plan):
             "max_new_tokens": config.max_new_tokens, "max_turns": config.max_turns,
             "max_total_tokens": self.token_budget, "temperature": config.temperature, "lr": config.lr,
             "total_steps": self.optimizer_steps, "save_critic": config.save_critic,
+            "verify_weight_sync": config.verify_weight_sync, "weight_sync_timeout_s": config.weight_sync_timeout_s,
         }
         unknown = set(changes) - set(values)
         assert not unknown, f"not run values: {sorted(unknown)}"

@@ -152,13 +152,31 @@ class WorkerHost:
             return {name: p.detach().cpu().clone() for name, p in policy.model.named_parameters() if p.requires_grad}
 
     def load_policy_weights(self, weights: dict[str, Any]) -> int:
-        """Load the policy's parameters into the rollout's copy; returns the bytes loaded."""
+        """Load the policy's parameters into the rollout's copy; returns the bytes loaded. With
+        --verify-weight-sync, every tensor of the copy must then hold exactly what arrived from the object
+        store (policy rank 0's copy, `policy_weights`): positional checksums (rlhf/core/weight_check.py)."""
         if self.rollout_model is None:
             return 0  # the engine reads the policy's own weights
         result = self.rollout_model.load_state_dict(weights, strict=False)
         assert not result.unexpected_keys, f"the rollout model has no parameters {result.unexpected_keys[:5]}"
+        if self.plan.config.verify_weight_sync:
+            from rlhf.core.weight_check import checksum
+
+            self._verify_copy({name: checksum(t, positional=True) for name, t in weights.items()})
         self.workers["rollout"].sync_weights()  # an engine with weights of its own (vllm) takes them now
         return sum(t.numel() * t.element_size() for t in weights.values())
+
+    def _verify_copy(self, expected: dict[str, Any]) -> None:
+        """Raise `WeightSyncError` naming the first tensor the rollout's copy holds otherwise than sent
+        (``expected``: name -> positional checksum of what the policy sent)."""
+        from rlhf.core.weight_check import checksum, first_mismatch, mismatch_error
+
+        held_tensors = dict(self.rollout_model.named_parameters(remove_duplicate=False))
+        held = {name: checksum(held_tensors[name], positional=True) for name in expected if name in held_tensors}
+        problem = first_mismatch(expected, held)
+        if problem is not None:
+            count = sum(tuple(held.get(n, ())) != tuple(v) for n, v in expected.items())
+            raise mismatch_error(f"rollout actor {self.rank}", problem, count)
 
     # --- --weight-sync broadcast: a process group of policy rank 0 and the rollout actors ------
 
@@ -177,12 +195,18 @@ class WorkerHost:
         with policy.backend.full_weights():
             if not self.dist.is_main:
                 return 0
-            return self.weight_sync.send((name, p) for name, p in policy.model.named_parameters() if p.requires_grad)
+            return self.weight_sync.send(((name, p) for name, p in policy.model.named_parameters() if p.requires_grad),
+                                         verify=self.plan.config.verify_weight_sync)
 
     def receive_policy_weights(self) -> int:
-        """Receive policy rank 0's broadcast straight into the rollout's copy; then an engine with weights of
-        its own (vllm) takes them through its load_weights. Returns the bytes received."""
-        received = self.weight_sync.receive(dict(self.rollout_model.named_parameters(remove_duplicate=False)))
+        """Receive policy rank 0's broadcast straight into the rollout's copy, verified against the sender's
+        checksums (--verify-weight-sync); then an engine with weights of its own (vllm) takes them through its
+        load_weights. Returns the bytes received."""
+        verify = self.plan.config.verify_weight_sync
+        received = self.weight_sync.receive(dict(self.rollout_model.named_parameters(remove_duplicate=False)),
+                                            verify=verify)
+        if verify:  # what the sender sent against what the model holds now
+            self._verify_copy(self.weight_sync.sent_checksums)
         self.workers["rollout"].sync_weights()
         return received
 

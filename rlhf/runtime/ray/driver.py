@@ -200,7 +200,8 @@ def make_workers(plan: RunPlan, plugins: PluginSet, hosts: list[Host], tokenizer
     reference = ReferenceGroup(holding("reference"), timeout, hosts) if holding("reference") else None
     critic = CriticGroup(holding("critic"), timeout, hosts) if holding("critic") else None
     rollout_hosts = holding("rollout")
-    rollout = RolloutGroup(rollout_hosts, timeout, hosts, policy, own_copy="policy" not in rollout_hosts[0].roles)
+    rollout = RolloutGroup(rollout_hosts, timeout, hosts, policy, own_copy="policy" not in rollout_hosts[0].roles,
+                           sync_timeout_s=config.weight_sync_timeout_s)
     # No reward actor: the environment gives every reward, scored here like in the local runtime.
     reward = RewardGroup(holding("reward"), timeout, hosts) if holding("reward") else RewardWorker(None)
 

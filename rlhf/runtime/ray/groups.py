@@ -57,10 +57,11 @@ class Host:
         return f"{self.group} rank {self.rank} [{where}]"
 
 
-def wait(calls: list[tuple[Host, Any]], what: str, timeout_s: float, everyone: list[Host] = ()) -> list[Any]:
+def wait(calls: list[tuple[Host, Any]], what: str, timeout_s: float, everyone: list[Host] = (),
+         flag: str = "--ray-timeout-s") -> list[Any]:
     """Results of remote calls in order; the first failure (any rank) raises at once. ``everyone``
     (all the run's hosts) lets a death be blamed on the actor that died, not on the one whose
-    call needed its output."""
+    call needed its output. ``flag``: the option that sets ``timeout_s``, named in the error."""
     import ray
 
     pending = {ref: index for index, (_, ref) in enumerate(calls)}
@@ -71,8 +72,8 @@ def wait(calls: list[tuple[Host, Any]], what: str, timeout_s: float, everyone: l
         if not ready:
             late = [str(calls[i][0]) for i in sorted(pending.values())]
             raise WorkerTimeoutError(
-                f"{what}: no answer within {timeout_s:g} s (--ray-timeout-s) from {', '.join(late)}; the run "
-                "stopped. Raise --ray-timeout-s if the work is just slow")
+                f"{what}: no answer within {timeout_s:g} s ({flag}) from {', '.join(late)}; the run "
+                f"stopped. Raise {flag} if the work is just slow")
         for ref in ready:
             index = pending.pop(ref)
             try:
@@ -118,6 +119,12 @@ class RoleGroup:
 
     def _wait(self, calls: list[tuple[Host, Any]], what: str) -> list[Any]:
         return wait(calls, what, self.timeout_s, self.everyone)
+
+    def _wait_sync(self, calls: list[tuple[Host, Any]], what: str, sync_timeout_s: float | None) -> list[Any]:
+        """`_wait` for a weight sync: its deadline is --weight-sync-timeout-s (None or 0: --ray-timeout-s)."""
+        if not sync_timeout_s:
+            return self._wait(calls, what)
+        return wait(calls, what, sync_timeout_s, self.everyone, flag="--weight-sync-timeout-s")
 
     @property
     def size(self) -> int:
@@ -222,15 +229,17 @@ class RolloutGroup(RoleGroup):
     after each step), and before a generation whenever the policy changed since the last sync (a
     resumed run: the policy loaded a checkpoint): through the object store, or, once
     `connect_broadcast` made policy rank 0 and the rollout actors a process group
-    (``--weight-sync broadcast``), broadcast over it (rlhf/runtime/ray/weight_broadcast.py).
+    (``--weight-sync broadcast``), broadcast over it (rlhf/runtime/ray/weight_broadcast.py). Each
+    actor verifies what it then holds (``--verify-weight-sync``, in the actor: rlhf/runtime/ray/actors.py)
+    and a sync that takes longer than ``sync_timeout_s`` (``--weight-sync-timeout-s``) stops the run.
     """
 
     stateful = True  # each actor's sampling RNG
 
     def __init__(self, hosts: list[Host], timeout_s: float, everyone: list[Host], policy: PolicyGroup, *,
-                 own_copy: bool):
+                 own_copy: bool, sync_timeout_s: float | None = None):
         super().__init__("rollout", hosts, timeout_s, everyone)
-        self.policy, self.own_copy = policy, own_copy
+        self.policy, self.own_copy, self.sync_timeout_s = policy, own_copy, sync_timeout_s
         self.follow_policy = True  # sync to the newest policy before generating (--async manages versions itself)
         self.synced_version = 0
         self.last_sync = {"seconds": 0.0, "bytes": 0}
@@ -270,12 +279,13 @@ class RolloutGroup(RoleGroup):
         if self.broadcast:  # every policy rank takes part (sharded weights are gathered collectively)
             sends = [(host, host.handle.send_policy_weights.remote()) for host in self.policy.hosts]
             loads = [(host, host.handle.receive_policy_weights.remote()) for host in self.hosts]
-            loaded = self._wait(loads + sends, "rollout receive_policy_weights")[: len(loads)]
+            loaded = self._wait_sync(loads + sends, "rollout receive_policy_weights", self.sync_timeout_s)[: len(loads)]
         else:
             answers = self.policy.weights_refs()
             weights = answers[0][1]  # passed by reference: each rollout actor reads it from the object store
             loads = [(host, host.handle.load_policy_weights.remote(weights)) for host in self.hosts]
-            loaded = self._wait(loads + answers[1:], "rollout load_policy_weights")[: len(loads)]
+            loaded = self._wait_sync(loads + answers[1:], "rollout load_policy_weights",
+                                     self.sync_timeout_s)[: len(loads)]
         self.synced_version = self.policy.version
         first = self.last_sync["bytes"] == 0
         self.last_sync = {"seconds": time.perf_counter() - began, "bytes": int(loaded[0])}
@@ -286,8 +296,8 @@ class RolloutGroup(RoleGroup):
     def load_weights(self, weights: Any) -> None:
         """Load these policy weights (an object-store reference from `PolicyGroup.snapshot`) into every
         rollout actor's copy."""
-        self._wait([(host, host.handle.load_policy_weights.remote(weights)) for host in self.hosts],
-                   "rollout load_policy_weights")
+        self._wait_sync([(host, host.handle.load_policy_weights.remote(weights)) for host in self.hosts],
+                        "rollout load_policy_weights", self.sync_timeout_s)
 
     def behaviour_logprobs(self, batch: Any) -> Any:
         """(B, A) log-probs of a batch under the actors' copy (rollout actor 0 computes them)."""

@@ -16,7 +16,11 @@ What travels:
   cut the same buckets from the manifest, so no bucket needs a header. A bucket of one tensor
   lands straight in the receiver's parameter when its storage can take it (same device,
   contiguous); otherwise the receiver copies each slice of the buffer into its parameter. A
-  sync holds at most one bucket of extra memory on either side.
+  sync holds at most one bucket of extra memory on either side;
+* with ``verify`` (``--verify-weight-sync``, on by default) the sender ends each sync with the
+  exact checksums (rlhf/core/weight_check.py, positional) of the tensors it sent; each receiver
+  compares them with those of its model's parameters as they are after the sync
+  (rlhf/runtime/ray/actors.py): a tensor that differs stops the run (`WeightSyncError`, naming it).
 
 Nothing here imports torch at module import.
 """
@@ -30,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.core.errors import RlhfError
+from rlhf.core.weight_check import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +43,7 @@ BUCKET_BYTES = 256 * 2**20  # the most one broadcast message carries (a larger t
 Entry = tuple[str, tuple[int, ...], str]  # name, shape, dtype (torch's name without "torch.")
 
 
-class WeightSyncError(RlhfError):
-    """The receiver's parameters do not match what the sender sends."""
+__all__ = ["BUCKET_BYTES", "Bucket", "WeightBroadcast", "WeightSyncError", "buckets", "check_manifest"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class WeightBroadcast:
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
         self.bucket_bytes = bucket_bytes
         self.manifest: list[Entry] | None = None
+        self.sent_checksums: dict[str, tuple[int, ...]] | None = None  # the last sync's, with verify
         self._buckets: list[Bucket] = []
 
     @classmethod
@@ -126,9 +130,10 @@ class WeightBroadcast:
 
     # --- the sender ------------------------------------------------------------------------
 
-    def send(self, named: Iterable[tuple[str, Any]]) -> int:
+    def send(self, named: Iterable[tuple[str, Any]], *, verify: bool = False) -> int:
         """Broadcast ``(name, tensor)`` pairs (rank 0); the first call announces their manifest, later
-        calls must send the same names, shapes and dtypes in the same order. Returns the bytes sent."""
+        calls must send the same names, shapes and dtypes in the same order. Returns the bytes sent.
+        ``verify``: then the checksums of what was sent (every receiver must pass ``verify`` too)."""
         import torch
 
         assert self.rank == 0, "only rank 0 of a weight-broadcast group sends"
@@ -149,14 +154,20 @@ class WeightBroadcast:
                 flat = torch.cat([t.reshape(-1).to(self.device) for t in parts])  # (numel,)
             self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
+        if verify:
+            from rlhf.core.weight_check import checksum
+
+            self._broadcast_object({name: checksum(t, positional=True) for name, t in tensors})
         return sent
 
     # --- a receiver ------------------------------------------------------------------------
 
-    def receive(self, params: Mapping[str, Any]) -> int:
+    def receive(self, params: Mapping[str, Any], *, verify: bool = False) -> int:
         """Receive one sync into ``params`` (name -> tensor, written in place); returns the bytes received.
 
-        The first call receives and checks the manifest (`check_manifest`)."""
+        The first call receives and checks the manifest (`check_manifest`). ``verify`` (as the sender's):
+        then also the sender's checksums, kept in ``sent_checksums`` for the caller to compare with what
+        its model holds (`rlhf.core.weight_check.first_mismatch`)."""
         import torch
 
         assert self.rank != 0, "rank 0 of a weight-broadcast group sends"
@@ -181,6 +192,8 @@ class WeightBroadcast:
                         target.copy_(flat[offset:offset + count].view(shape))  # (shape) one parameter
                         offset += count
                 received += bucket.numel * torch.empty((), dtype=getattr(torch, bucket.dtype)).element_size()
+        if verify:
+            self.sent_checksums = self._broadcast_object(None)
         return received
 
     # --- transport -------------------------------------------------------------------------

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_every", "keep_checkpoints",
                          "save_hf_every", "threads",
                          "tensorboard", "wandb_project", "wandb_group", "wandb_run_name", "log_samples",
-                         "ray_address", "ray_place", "device"})
+                         "ray_address", "ray_place", "device",
+                         "verify_weight_sync", "weight_sync_timeout_s"})
 # What a training run writes at the top of its directory, and what one from before run manifests owns.
 TRAINING = Layout(kind="training", marks=(r"config\.yaml", r"plugins\.json"),
                   legacy=(r"config\.yaml", r"config\.until_step_\d+\.yaml", r"plugins\.json", r"metrics\.jsonl",
