@@ -279,7 +279,11 @@ class ConfigBase:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+            from rlhf.core.errors import close_matches
+
+            hint = close_matches(unknown[0], sorted(known), n=1)
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}"
+                              + (f"; did you mean {hint[0]}?" if hint else ""))
         for name, (_, group_cls) in cls.NESTED.items():
             if isinstance(values.get(name), dict):
                 values[name] = group_cls(**values[name])
