@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
+from rlhf.core.text_bounds import keep_end
 
 log = logging.getLogger(__name__)
 
@@ -236,12 +237,18 @@ class PromptFormatter:
         prompt = row.get(s.input_key)
         if prompt is None or prompt == "" or prompt == []:
             raise DataError(f"{origin}: empty or missing {s.input_key!r}")
+        cut = False  # the text was cut before tokenising (`rlhf.core.text_bounds`): never tokenised whole
         if s.apply_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
                 raise DataError(f"{origin}: {s.input_key!r} must be a string or a list of {{role, content}} messages")
+            messages, cut = self._cut_messages(messages)
+            if cut:  # what the model sees, not the megabytes before it
+                prompt = messages[0]["content"] if isinstance(prompt, str) else messages
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text, cut_again = keep_end(text, self.tokenizer, s.max_prompt_length)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            cut = cut or cut_again
         else:
             if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
                 raise DataError(f"{origin}: {s.input_key!r} holds chat messages; add --apply-chat-template")
@@ -249,9 +256,12 @@ class PromptFormatter:
                 raise DataError(f"{origin}: {s.input_key!r} must be a string (or a list of {{role, content}} "
                                 f"messages, with --apply-chat-template); got {type(prompt).__name__} "
                                 f"{_shorten(repr(prompt), 60)}")
+            prompt, cut = keep_end(prompt, self.tokenizer, s.max_prompt_length)
             text = s.input_template.replace("{}", prompt) if s.input_template else prompt
+            text, cut_again = keep_end(text, self.tokenizer, s.max_prompt_length)  # a template of megabytes
             ids = self.tokenizer(text)["input_ids"]
-        truncated = len(ids) > s.max_prompt_length
+            cut = cut or cut_again
+        truncated = cut or len(ids) > s.max_prompt_length
         if truncated:
             ids = ids[-s.max_prompt_length:]
             self.truncated_count += 1
@@ -263,6 +273,18 @@ class PromptFormatter:
         label = row[s.label_key] if s.label_key else None
         return PromptItem(prompt=prompt, prompt_text=text, prompt_ids=list(ids), label=label, columns=columns,
                           origin=origin, truncated=truncated)
+
+    def _cut_messages(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+        """Each message's text cut to its end beyond what the prompt budget could keep (`keep_end`)."""
+        out, cut = [], False
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str):
+                content, was_cut = keep_end(content, self.tokenizer, self.settings.max_prompt_length)
+                if was_cut:
+                    message, cut = {**message, "content": content}, True
+            out.append(message)
+        return out, cut
 
 
 @dataclass
