@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,8 @@ def load_one(path: str, split: str):
                 check_utf8(local)
                 if _blank(local):
                     raise DataError(f"{path}: the file is empty")
+            if local.suffix in (".jsonl", ".json"):
+                check_json_shape(local)  # before pyarrow's reader, which a row nested deep enough crashes
             try:
                 with _quiet_logger(f"datasets.packaged_modules.{builder}.{builder}"):  # its own log line of the error
                     return datasets.load_dataset(builder, data_files=str(local), split="train")
@@ -153,6 +156,45 @@ def check_json_lines(path: Path) -> None:
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {number}: each line must be a JSON object {{...}}, got "
                                 f"{type(row).__name__}: {_shorten(line.strip())}")
+
+
+MAX_DEPTH = 1000  # levels of [ and { one JSON value may nest (pyarrow's JSON reader crashes at ~20,000)
+MAX_ROW_BYTES = 512 << 20  # bytes of one .jsonl line (one row)
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # strings (skipped whole) and brackets
+
+
+def check_json_shape(path: Path) -> None:
+    """Refuse a .jsonl line (row) longer than `MAX_ROW_BYTES`, or a JSON value nested more than
+    `MAX_DEPTH` deep anywhere in a .jsonl or .json file, with a `DataError` naming the file and line,
+    before the file reaches `datasets` (pyarrow's JSON reader dies of a segmentation fault on a row
+    nested 20,000 deep, in a column the run does not even use). Read once, a line at a time (of a
+    .json file the depth is carried from line to line); a .jsonl line holding fewer brackets than
+    `MAX_DEPTH` cannot nest deeper and is not scanned further."""
+    whole = path.suffix == ".json"
+    depth = 0
+    with open(path, "rb") as handle:
+        number = 0
+        while line := handle.readline(MAX_ROW_BYTES + 1):
+            number += 1
+            if whole:
+                if b"[" not in line and b"{" not in line and b"]" not in line and b"}" not in line:
+                    continue
+            else:
+                if len(line) > MAX_ROW_BYTES:
+                    raise DataError(f"{path} line {number}: a row of more than {MAX_ROW_BYTES >> 20} MiB; split it "
+                                    "or drop it")
+                depth = 0
+                if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+                    continue
+            for token in _JSON_TOKENS.finditer(line):
+                mark = token.group()
+                if mark in (b"[", b"{"):
+                    depth += 1
+                    if depth > MAX_DEPTH:
+                        raise DataError(f"{path} line {number}: a value nested more than {MAX_DEPTH:,} levels deep "
+                                        "(of [ and {); such a row cannot be read safely: flatten it or drop it")
+                elif mark in (b"]", b"}"):
+                    depth -= 1
 
 
 def _shorten(text: str, limit: int = 120) -> str:
