@@ -39,6 +39,12 @@ plausible = st.fixed_dictionaries({}, optional={  # values of the right kind (or
     "max_prompt_length": st.integers(-1, 64), "reward_on_error": st.sampled_from(["raise", "skip", "zero", "bogus"]),
     "entropy_coef": st.floats(0, 0.1), "save_every": st.integers(0, 2), "top_p": st.floats(0.1, 1.0)})
 configs = plausible | st.dictionaries(keys, values, max_size=3)
+HOSTILE_YAML = [  # nested aliases (a "billion laughs"), a python tag, nesting thousands deep, no mapping, no YAML
+    "a: &a [1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b]\n"
+    "d: &d [*c, *c, *c, *c, *c, *c, *c, *c]\ne: &e [*d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e]\n",
+    "lr: !!python/object/apply:os.system ['true']\n", "lr: " + "[" * 5000 + "]" * 5000 + "\n", "- 1\n- 2\n",
+    "lr: [unclosed\n", "\x00\x01", ""]
+config_texts = configs.map(yaml.safe_dump) | st.sampled_from(HOSTILE_YAML)
 
 
 def nested(depth: int) -> str:
@@ -72,10 +78,10 @@ def half_written(out: Path) -> list[str]:
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
-@given(config=configs, data=datasets)
+@given(config=config_texts, data=datasets)
 def test_drawn_configs_and_rows_end_in_one_line_or_a_run(tiny_model_dir, task, plugins, config, data):
     root = Path(tempfile.mkdtemp(prefix="fuzz-"))
-    (root / "c.yaml").write_text(yaml.safe_dump(config))
+    (root / "c.yaml").write_text(config)
     (root / "d.jsonl").write_text("\n".join(data) + "\n")
     out = root / "run"
     result = run_cli(plugins, ["train", "--config", str(root / "c.yaml"), "--model", str(tiny_model_dir),

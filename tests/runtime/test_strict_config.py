@@ -190,3 +190,19 @@ def test_resume_refuses_a_data_file_changed_under_the_same_path(tiny_model_dir, 
     assert "resumed from checkpoints/step_1" in caplog.text and f"{data} changed" in caplog.text
     newest = json.loads((tmp_path / "run" / "checkpoints" / "step_2" / "MANIFEST.json").read_text())["run"]
     assert newest["data"][str(data)]["sha256"] != recorded["data"][str(data)]["sha256"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text", ["lr: " + "[" * 5000 + "]" * 5000, "lr: " + "{a: " * 3000 + "1" + "}" * 3000,
+                                  "lr:\n" + "".join("  " * (i + 1) + "a:\n" for i in range(3000)) + "  " * 3001 + "1"])
+def test_a_config_nested_thousands_deep_is_one_line(tiny_model_dir, task, tmp_path, plugins, text):
+    """PyYAML composes recursively: such a file was a RecursionError traceback, exit 1."""
+    (tmp_path / "c.yaml").write_text(text + "\n")
+    result = run_cli(plugins, train_args(tiny_model_dir, task, tmp_path / "run", "--config", str(tmp_path / "c.yaml")))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output[-500:]
+    (line,) = error_lines(result.output)
+    assert "values nested more than 100 levels deep" in line
+    result = run_cli(plugins, train_args(tiny_model_dir, task, tmp_path / "run", "--algo-config",
+                                         "clip_high=" + "[" * 5000 + "]" * 5000))
+    (line,) = error_lines(result.output)
+    assert result.exit_code == 2 and "nested more than 100 levels" in line and len(line) < 300, line[:300]

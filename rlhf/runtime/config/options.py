@@ -346,5 +346,6 @@ def parse_key_values(items: list[str], flag: str = "--algo-config") -> dict[str,
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
-        values[key.strip().replace("-", "_")] = load_yaml(raw, f"{flag} {item}")
+        shown = item if len(item) <= 80 else item[:77] + "..."
+        values[key.strip().replace("-", "_")] = load_yaml(raw, f"{flag} {shown}")
     return values
