@@ -206,3 +206,16 @@ def test_a_config_nested_thousands_deep_is_one_line(tiny_model_dir, task, tmp_pa
                                          "clip_high=" + "[" * 5000 + "]" * 5000))
     (line,) = error_lines(result.output)
     assert result.exit_code == 2 and "nested more than 100 levels" in line and len(line) < 300, line[:300]
+
+
+@pytest.mark.unit
+def test_an_unknown_dpo_config_key_stops_iterate_before_any_round_samples(tiny_model_dir, task, tmp_path, plugins):
+    """It used to be found by round 1's DPO run, after round 1's generation."""
+    out = tmp_path / "idpo"
+    result = run_cli(plugins, ["iterate", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+                               "--reward", str(task / "rewards.py"), "--n", "2", "--max-new-tokens", "3", "--rounds",
+                               "1", "--out", str(out), "--no-progress", "--dpo-config", "lable_smoothing=0.1"])
+    assert result.exit_code == 2, result.output
+    (line,) = error_lines(result.output)
+    assert "has no option lable_smoothing" in line and line.endswith("did you mean label_smoothing?")
+    assert not out.exists()
