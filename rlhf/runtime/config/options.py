@@ -170,7 +170,8 @@ class OutputOptions:
                              "critic to step_N/hf_critic (0: never); pruned with the checkpoints", "output")
     resume: bool = opt(False, "Continue from the latest complete checkpoint in --out, with the run's options",
                        "output")
-    resume_override: list[str] = many("With --resume: an option to change from the checkpoint on, e.g. lr or steps "
+    resume_override: list[str] = many("With --resume: an option to change from the checkpoint on, e.g. lr or steps, "
+                                      "or plugins (other plugin versions) or data (data files changed since) "
                                       "(repeatable; other changed options that alter training are refused)", "output")
     tensorboard: bool = opt(False, "Also log metrics to TensorBoard (in <out>/tensorboard)", "output")
     wandb_project: str | None = opt(None, "Also log to this Weights & Biases project (pip install "
