@@ -1,8 +1,9 @@
 """Inputs that cannot hurt (docs/runs.md): hypothesis draws ``--config`` files and ``.jsonl`` rows
 (wrong types, unknown keys, rows nested past any sane depth, lines that are no JSON) and runs
 ``rlhf train`` on them; whatever it draws, the command ends with exit 0, 1 or 2, a failure says so
-in one line without a traceback, and ``--out`` holds nothing half-written (no temporary file, no
-lock, a ``final/`` only whole)."""
+in one line without a traceback, ``--out`` holds nothing half-written (no temporary file, no
+lock, a ``final/`` only whole), and the process's peak memory stays within `PEAK_GROWTH_MB` of
+where it was (a "billion laughs" config once took 0.9 GB)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,16 @@ lines = good_rows | good_rows | rows | st.sampled_from(["", "not json", "[1, 2]"
 datasets = st.lists(lines, min_size=1, max_size=4)
 
 
+PEAK_GROWTH_MB = 1500  # what the drawn runs together may add to this process's peak memory
+_start_peak: list[int] = []
+
+
+def peak_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def half_written(out: Path) -> list[str]:
     """What a command left in ``out`` that no finished write leaves."""
     if not out.exists():
@@ -80,6 +91,8 @@ def half_written(out: Path) -> list[str]:
                                  HealthCheck.data_too_large])
 @given(config=config_texts, data=datasets)
 def test_drawn_configs_and_rows_end_in_one_line_or_a_run(tiny_model_dir, task, plugins, config, data):
+    if not _start_peak:
+        _start_peak.append(peak_mb())
     root = Path(tempfile.mkdtemp(prefix="fuzz-"))
     (root / "c.yaml").write_text(config)
     (root / "d.jsonl").write_text("\n".join(data) + "\n")
@@ -98,6 +111,7 @@ def test_drawn_configs_and_rows_end_in_one_line_or_a_run(tiny_model_dir, task, p
     else:
         assert (out / "final" / "MANIFEST.json").is_file()
     assert half_written(out) == [], result.output
+    assert peak_mb() - _start_peak[0] < PEAK_GROWTH_MB, f"peak memory grew {peak_mb() - _start_peak[0]:.0f} MB"
 
 
 def test_a_row_nested_20000_deep_is_one_line_and_leaves_no_lock(tiny_model_dir, task, plugins, tmp_path):
