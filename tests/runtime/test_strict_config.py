@@ -219,3 +219,20 @@ def test_an_unknown_dpo_config_key_stops_iterate_before_any_round_samples(tiny_m
     (line,) = error_lines(result.output)
     assert "has no option lable_smoothing" in line and line.endswith("did you mean label_smoothing?")
     assert not out.exists()
+
+
+@pytest.mark.run
+def test_a_checkpoint_without_an_identity_still_resumes_through_the_cli(tiny_model_dir, task, tmp_path, plugins,
+                                                                        caplog):
+    out = tmp_path / "run"
+    assert run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "1", "--save-every", "1")).exit_code == 0
+    manifest = out / "checkpoints" / "step_1" / "MANIFEST.json"
+    written = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({"files": written["files"]}))  # as an rlhf from before identities wrote it
+    with caplog.at_level(logging.WARNING):
+        result = run_cli(plugins, train_args(tiny_model_dir, task, out, "--steps", "2", "--save-every", "1",
+                                             "--resume", "--resume-override", "steps"))
+    assert result.exit_code == 0, result.output
+    assert caplog.text.count("was written before checkpoints recorded") == 1
+    assert "resumed from checkpoints/step_1" in caplog.text
+    assert "run" in json.loads((out / "checkpoints" / "step_2" / "MANIFEST.json").read_text())
