@@ -83,8 +83,12 @@ def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any]
         names = {flag.dest for flag in flags}
         unknown = sorted(set(mapping) - names)
         if unknown:
+            from rlhf.core.errors import close_matches
+
             shown = [u.replace(SLOT_SEPARATOR, ".") for u in unknown]
-            raise click.BadParameter(f"{value}: unknown option(s) {', '.join(shown)}", ctx, param)
+            hint = close_matches(shown[0], sorted(n.replace(SLOT_SEPARATOR, ".") for n in names), n=1)
+            raise click.BadParameter(f"{value}: unknown option(s) {', '.join(shown)}"
+                                     + (f"; did you mean {hint[0]}?" if hint else ""), ctx, param)
         for flag in flags:
             if flag.dest not in mapping:
                 continue

@@ -4,7 +4,8 @@ PyYAML's safe loader (plain data only: a ``!!python/object`` tag is refused, not
 most `MAX_ALIASES` aliases (``*name``) in one document and at most `MAX_NODES` values once every
 alias is written out: a file of nested aliases, a "billion laughs", expands to gigabytes once
 anything walks it, and is refused as it is read instead (a config file has no need for more than
-a few aliases); so is a value that contains itself. Every error is one `ConfigError` line naming
+a few aliases); so is a value that contains itself, and values nested more than `MAX_DEPTH`
+levels deep (PyYAML composes recursively: a few thousand levels were a RecursionError). Every error is one `ConfigError` line naming
 the place.
 """
 
@@ -16,6 +17,7 @@ from rlhf.core.errors import ConfigError
 
 MAX_ALIASES = 64
 MAX_NODES = 100_000
+MAX_DEPTH = 100  # levels of nesting (a deeper file made the loader recurse out of Python's stack)
 
 
 def load_yaml(text: str, where: str) -> Any:
@@ -25,7 +27,19 @@ def load_yaml(text: str, where: str) -> Any:
     class BoundedLoader(yaml.SafeLoader):
         aliases = 0
 
+        depth = 0
+
         def compose_node(self, parent: Any, index: Any) -> Any:
+            self.depth += 1
+            try:
+                if self.depth > MAX_DEPTH:
+                    raise yaml.MarkedYAMLError(problem=f"values nested more than {MAX_DEPTH} levels deep",
+                                               problem_mark=self.peek_event().start_mark)
+                return self._compose_counted(parent, index)
+            finally:
+                self.depth -= 1
+
+        def _compose_counted(self, parent: Any, index: Any) -> Any:
             if self.check_event(yaml.AliasEvent):
                 self.aliases += 1
                 if self.aliases > MAX_ALIASES:
@@ -48,6 +62,8 @@ def load_yaml(text: str, where: str) -> Any:
         return yaml.load(text, Loader=BoundedLoader)  # noqa: S506 - a SafeLoader, bounded
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: {describe(exc)}") from None
+    except RecursionError:  # the scanner's own nesting, before a node is composed
+        raise ConfigError(f"{where}: values nested too deep to read (more than {MAX_DEPTH} levels)") from None
 
 
 def describe(exc: Exception) -> str:

@@ -60,6 +60,7 @@ def iterate(config: IterateConfig, *, plugins: Any = None) -> Path:
         raise RlhfError("rlhf iterate runs in one process: start it without torchrun (rlhf generate and rlhf dpo "
                         "each run data-parallel under torchrun on their own)")
     plugins = plugins or build_plugin_manager()
+    check_dpo_options(config, plugins)
     out = Path(config.out)
     if not (out / LOCK_NAME).exists():
         check_not_foreign(out, ITERATION)  # before anything is written there
@@ -163,11 +164,44 @@ def _objective(config: IterateConfig, plugins: Any) -> Any:
     return objective
 
 
+def check_dpo_options(config: IterateConfig, plugins: Any) -> None:
+    """The rounds' fit options (``--dpo-config`` included) checked as round 1's fit run would check
+    them, before any round samples: a typo would otherwise stop the run only after round 1's generation."""
+    from rlhf.runtime.config.fit_config import FitConfig
+    from rlhf.runtime.config.fit_plan import FitPlan
+
+    objective = _objective(config, plugins)
+    first = Path(config.out) / "round_1"
+    values, _ = _dpo_values(config, objective, config.model, first / "pairs.jsonl", first / objective.name, plugins)
+    try:
+        FitPlan.make(FitConfig.from_dict(values, plugins), plugins)
+    except RlhfError as exc:  # name iterate's flag, not the DPO run's, in the advice
+        exc.args = (re.sub(r"(?<![\w-])--batch-size\b", "--dpo-batch-size", str(exc)),) + exc.args[1:]
+        raise
+
+
 def _dpo(config: IterateConfig, objective: Any, start: str, pairs: Path, run_dir: Path, plugins: Any) -> Path:
     """The ``objective``'s fit run (``rlhf dpo`` by default) on ``pairs`` from ``start`` (policy and
     reference) into ``run_dir``; ``--beta`` sets its preference strength."""
     from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.fit.local import fit
+
+    values, merge = _dpo_values(config, objective, start, pairs, run_dir, plugins)
+    final = run_dir / "final"
+    values["resume"] = run_dir.exists() and any(run_dir.iterdir())
+    if not final.is_dir():  # written whole or not at all (runtime.run.checkpoint.write_directory)
+        try:
+            fit(FitConfig.from_dict(values, plugins), plugins=plugins)
+        except RlhfError as exc:  # name iterate's flag, not the DPO run's, in the advice
+            exc.args = (re.sub(r"(?<![\w-])--batch-size\b", "--dpo-batch-size", str(exc)),) + exc.args[1:]
+            raise
+    return final / "merged" if merge is not None and (final / "merged").is_dir() else final
+
+
+def _dpo_values(config: IterateConfig, objective: Any, start: str, pairs: Path, run_dir: Path,
+                plugins: Any) -> tuple[dict[str, Any], str | None]:
+    """The fit options of a round's run (see `_dpo`), and the model adapter's merge setting (None: none)."""
+    from rlhf.runtime.config.fit_config import FitConfig
     from rlhf.runtime.config.options import parse_key_values
 
     values: dict[str, Any] = {
@@ -194,15 +228,7 @@ def _dpo(config: IterateConfig, objective: Any, start: str, pairs: Path, run_dir
         # the next round starts from a full model, not from an adapter on an adapter (an adapter
         # that trains every weight saves the model itself, merged or not)
         adapter_settings[merge] = True
-    final = run_dir / "final"
-    values["resume"] = run_dir.exists() and any(run_dir.iterdir())
-    if not final.is_dir():  # written whole or not at all (runtime.run.checkpoint.write_directory)
-        try:
-            fit(FitConfig.from_dict(values, plugins), plugins=plugins)
-        except RlhfError as exc:  # name iterate's flag, not the DPO run's, in the advice
-            exc.args = (re.sub(r"(?<![\w-])--batch-size\b", "--dpo-batch-size", str(exc)),) + exc.args[1:]
-            raise
-    return final / "merged" if merge is not None and (final / "merged").is_dir() else final
+    return values, merge
 
 
 def _last_metrics(run_dir: Path) -> dict[str, float]:

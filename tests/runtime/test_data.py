@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlhf.runtime.run.data import DataError, DataSettings, PromptFormatter, PromptLoader, load_prompts
+from rlhf.runtime.run.data import DataError, DataSettings, PromptFormatter, PromptLoader, check_json_shape, load_prompts
 
 pytestmark = pytest.mark.unit
 
@@ -159,3 +159,22 @@ def test_the_runs_data_options_reach_the_loader(tmp_path, tokenizer):
                           "test": datasets.Dataset.from_list([{"prompt": "from test"}])}).save_to_disk(str(tmp_path / "d"))
     (item,) = build_loader(TrainConfig(model="m", data=[str(tmp_path / "d")], data_split="test"), tokenizer).next_batch(1)
     assert item.prompt == "from test"
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_row_nested_past_the_limit_is_named_by_line_before_pyarrow_reads_it(tmp_path, suffix):
+    ok = '{"prompt": "a", "x": "[[[[ in a string do not count ' + "[" * 2000 + '"}'
+    deep = '{"prompt": "b", "x": ' + nested(1000) + "}"  # the row's object is a level too: 1,001
+    path = tmp_path / f"d{suffix}"
+    path.write_text("\n".join([ok, '{"prompt": "c", "x": ' + nested(999) + "}"]) + "\n")
+    if suffix == ".json":
+        path.write_text("[\n" + ok + ",\n" + '{"prompt": "c", "x": ' + nested(998) + "}\n]\n")
+    check_json_shape(path)  # a string's brackets, and 1,000 levels (the .json's list is one of them), pass
+    path.write_text((f"[\n{ok},\n{deep}\n]\n" if suffix == ".json" else f"{ok}\n{deep}\n"))
+    line = 3 if suffix == ".json" else 2
+    with pytest.raises(DataError, match=rf"d{suffix} line {line}: a value nested more than 1,000 levels deep"):
+        check_json_shape(path)

@@ -94,8 +94,8 @@ def build_component_config(config_cls: type | None, *, settings: Mapping[str, An
         if name in run_fields:
             raise ConfigError(f"{who} receives {name} from the run ({RUN_VALUES[run_fields[name]]}), so "
                               f"{flag}.{_dashed(name)} cannot be set; set the run's value instead")
-        options = ", ".join(settable) or "none"
-        raise ConfigError(f"{who} has no option {name} ({flag}.{_dashed(name)}); its options: {options}")
+        raise ConfigError(f"{who} has no option {name} ({flag}.{_dashed(name)}); its options: "
+                          f"{', '.join(settable) or 'none'}{did_you_mean(name, settable)}")
     if config_cls is None:
         return None
     hints = typing.get_type_hints(config_cls)
@@ -110,6 +110,14 @@ def build_component_config(config_cls: type | None, *, settings: Mapping[str, An
         raise
     except Exception as exc:  # the config class's own validation (__post_init__)
         raise ConfigError(f"{who}: {exc}") from exc
+
+
+def did_you_mean(name: str, candidates: Any) -> str:
+    """``; did you mean NAME?`` with the candidate ``name`` is closest to (the end of a message), or nothing."""
+    from rlhf.core.errors import close_matches
+
+    hint = close_matches(name, sorted(candidates), n=1)
+    return f"; did you mean {hint[0]}?" if hint else ""
 
 
 def _dashed(name: str) -> str:

@@ -170,7 +170,8 @@ class OutputOptions:
                              "critic to step_N/hf_critic (0: never); pruned with the checkpoints", "output")
     resume: bool = opt(False, "Continue from the latest complete checkpoint in --out, with the run's options",
                        "output")
-    resume_override: list[str] = many("With --resume: an option to change from the checkpoint on, e.g. lr or steps "
+    resume_override: list[str] = many("With --resume: an option to change from the checkpoint on, e.g. lr or steps, "
+                                      "or plugins (other plugin versions) or data (data files changed since) "
                                       "(repeatable; other changed options that alter training are refused)", "output")
     tensorboard: bool = opt(False, "Also log metrics to TensorBoard (in <out>/tensorboard)", "output")
     wandb_project: str | None = opt(None, "Also log to this Weights & Biases project (pip install "
@@ -279,7 +280,11 @@ class ConfigBase:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+            from rlhf.core.errors import close_matches
+
+            hint = close_matches(unknown[0], sorted(known), n=1)
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}"
+                              + (f"; did you mean {hint[0]}?" if hint else ""))
         for name, (_, group_cls) in cls.NESTED.items():
             if isinstance(values.get(name), dict):
                 values[name] = group_cls(**values[name])
@@ -342,5 +347,6 @@ def parse_key_values(items: list[str], flag: str = "--algo-config") -> dict[str,
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
-        values[key.strip().replace("-", "_")] = load_yaml(raw, f"{flag} {item}")
+        shown = item if len(item) <= 80 else item[:77] + "..."
+        values[key.strip().replace("-", "_")] = load_yaml(raw, f"{flag} {shown}")
     return values

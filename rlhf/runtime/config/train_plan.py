@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugin_host.references import is_reference, resolve
 from rlhf.core.plugin_host.registry import declared_registration
-from rlhf.core.plugin_host.settings import build_component_config, resolve_flag, setting_fields
+from rlhf.core.plugin_host.settings import build_component_config, did_you_mean, resolve_flag, setting_fields
 from rlhf.core.types import AdvantageConfig
 from rlhf.runtime.config.options import Slot, data_parallel_ranks
 from rlhf.runtime.config.plan import Plan, SlotChoice, choose, plain, shared_run_values
@@ -62,6 +62,7 @@ class RunPlan(Plan):
                    settings=_settings(config, choices))
         for slot in SLOTS:  # a bad or unknown setting stops the run before any model loads
             plan.component_config(slot)
+        plan.check_env_settings(plugins)
         plan.reward_shapings(plugins)
         plan.check_model_refs(plugins)
         from rlhf.runtime.step.router_aux import check_routes
@@ -133,6 +134,20 @@ class RunPlan(Plan):
             out["env"] = dict(self.settings.get("env", {}))
         out["reward_shaping"] = {k: plain(v) for k, v in self.settings.get("reward_shaping", {}).items()}
         return out
+
+    def check_env_settings(self, plugins: PluginSet) -> None:
+        """When the run's environment has no config class, its ``--env.*`` settings are for environments
+        the data picks per sample: each must be an option of a registered environment (else it would
+        be dropped without a word)."""
+        if self.choices["env"].config_cls is not None:
+            return
+        given = self.settings.get("env", {})
+        known = _registered_settings(plugins.registry("env"))
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ConfigError(f"no environment has an option {unknown[0]} (--env.{unknown[0].replace('_', '-')}); the "
+                              f"{self.config.env!r} environment has no options, and those of the environments a label "
+                              f"may pick are: {', '.join(sorted(known)) or 'none'}{did_you_mean(unknown[0], known)}")
 
     def env_settings(self, name: str, config_cls: type | None) -> dict[str, Any]:
         """The ``--env.*`` settings for environment ``name``: all of them for the run's ``--env``; for
@@ -290,7 +305,8 @@ class RunPlan(Plan):
         unknown = sorted(set(given) - declared - _registered_settings(registry))
         if unknown:
             raise ConfigError(f"no reward shaping has an option {unknown[0]} (--reward-shaping."
-                              f"{unknown[0].replace('_', '-')}); `rlhf plugins list` shows the reward shapings")
+                              f"{unknown[0].replace('_', '-')}); `rlhf plugins list` shows the reward shapings"
+                              f"{did_you_mean(unknown[0], declared | _registered_settings(registry))}")
         return out
 
     def env_capability(self, flag: str) -> Any:
@@ -342,7 +358,7 @@ def _settings(config: TrainConfig, choices: dict[str, SlotChoice]) -> dict[str, 
             options = sorted({f.name for slot in ALGO_CONFIG_SLOTS for f in setting_fields(choices[slot].config_cls)})
             raise ConfigError(f"--algo-config {key}: none of the run's policy loss, advantage estimator, KL estimator, "
                               f"loss aggregation or model adapter has an option {key}; their options: "
-                              f"{', '.join(options)}")
+                              f"{', '.join(options)}{did_you_mean(key, options)}")
         if len(owners) > 1:
             raise ConfigError(f"--algo-config {key}: several components have an option {key}; use "
                               + " or ".join(f"{SLOTS[s].flag}.{key.replace('_', '-')}" for s in owners))

@@ -13,6 +13,8 @@
 * `join` puts prompt and response ids together within ``--max-len``, EOS last (OpenRLHF's
   convention): an overlong response loses its end, a prompt that leaves fewer than two tokens for
   the response is skipped.
+* No text is tokenised whole beyond what ``--max-len`` could keep (`rlhf.core.text_bounds`): a
+  longer prompt is skipped at once, a longer response cut to its start first.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.protocols.objective import BadRow, SkipExample
+from rlhf.core.text_bounds import char_bound, keep_start
 
 
 class TextFormatter:
@@ -85,11 +88,14 @@ class TextFormatter:
     # --- token ids --------------------------------------------------------------------------
 
     def prompt_ids(self, text: str) -> list[int]:
+        if len(text) > char_bound(self.tokenizer, self.max_len):  # more tokens than --max-len: not tokenised whole
+            raise SkipExample(f"the prompt leaves no room for a response within --max-len {self.max_len}")
         if self.uses_chat_template:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(self.tokenizer(text)["input_ids"])
 
     def ids(self, text: str) -> list[int]:
+        text, _ = keep_start(text, self.tokenizer, self.max_len)  # `join` keeps at most --max-len tokens of it
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def join(self, prompt_ids: list[int], response_ids: list[int], *, eos: bool = True) -> tuple[list[int], int]:

@@ -148,9 +148,10 @@ def replace_atomically(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_directory(final: Path, write: Callable[[Path], None], dist: DistContext = SINGLE) -> Path:
+def write_directory(final: Path, write: Callable[[Path], None], dist: DistContext = SINGLE,
+                    run: dict[str, Any] | None = None) -> Path:
     """``write(tmp)`` on every rank into a hidden ``.<name>.tmp`` beside ``final``, then (main
-    rank) its `write_manifest` and `replace_atomically`: a kill at any moment leaves the old
+    rank) its `write_manifest` (with the run's identity ``run``, for a checkpoint) and `replace_atomically`: a kill at any moment leaves the old
     ``final`` or the new one. A write that fails removes the temporary folder; a full disk is one
     `NoSpaceError` naming the file and the space the folder needs (`_write_error`)."""
     tmp = final.with_name(f".{final.name}.tmp")
@@ -162,7 +163,7 @@ def write_directory(final: Path, write: Callable[[Path], None], dist: DistContex
         write(tmp)
         dist.barrier()
         if dist.is_main:
-            write_manifest(tmp)
+            write_manifest(tmp, run)
             replace_atomically(tmp, final)
     except Exception as exc:
         error = _write_error(final, tmp, exc) if dist.is_main else None
@@ -239,11 +240,24 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(folder: Path) -> None:
-    """``folder/MANIFEST.json``: every file under ``folder`` (relative path, bytes, SHA-256)."""
+def write_manifest(folder: Path, run: dict[str, Any] | None = None) -> None:
+    """``folder/MANIFEST.json``: every file under ``folder`` (relative path, bytes, SHA-256), and for a
+    checkpoint the identity of the run that wrote it (``run``, rlhf/runtime/config/identity.py)."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
     entries = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+    (folder / MANIFEST).write_text(json.dumps({"files": entries, **({"run": run} if run is not None else {})},
+                                              indent=1))
+
+
+def recorded_identity(folder: Path) -> tuple[bool, dict[str, Any] | None]:
+    """``(readable, identity)`` of the checkpoint ``folder``: whether its manifest could be read, and
+    the run identity it records (None: written before identities were, or unreadable)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False, None
+    run = manifest.get("run") if isinstance(manifest, dict) else None
+    return isinstance(manifest, dict), run if isinstance(run, dict) else None
 
 
 def manifest_problem(folder: Path, *, quick: bool = False) -> str | None:
@@ -356,9 +370,10 @@ def clean_leftovers(folder: Path, owns: Callable[[str], bool]) -> list[Path]:
 
 
 def save_checkpoint(out_dir: Path, step: int, *, workers: dict[str, Any], trainer_state: dict[str, Any],
-                    keep: int, dist: DistContext = SINGLE, hf: Callable[[Path], None] | None = None) -> Path:
+                    keep: int, dist: DistContext = SINGLE, hf: Callable[[Path], None] | None = None,
+                    run: dict[str, Any] | None = None) -> Path:
     """Write ``step_<step>`` atomically (on every rank), with ``hf(folder)`` writing its HF exports
-    into it when given, then `prune` to the ``keep`` newest."""
+    into it when given and the run's identity ``run`` in its manifest, then `prune` to the ``keep`` newest."""
     def write(tmp: Path) -> None:
         for name, worker in workers.items():
             worker.save(tmp / name)
@@ -368,7 +383,7 @@ def save_checkpoint(out_dir: Path, step: int, *, workers: dict[str, Any], traine
         if hf is not None:
             hf(tmp)
 
-    final = write_directory(out_dir / "checkpoints" / f"step_{step}", write, dist)
+    final = write_directory(out_dir / "checkpoints" / f"step_{step}", write, dist, run)
     if dist.is_main:
         prune(out_dir, keep)
     dist.barrier()

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
+from rlhf.core.text_bounds import keep_end
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ def load_one(path: str, split: str):
                 check_utf8(local)
                 if _blank(local):
                     raise DataError(f"{path}: the file is empty")
+            if local.suffix in (".jsonl", ".json"):
+                check_json_shape(local)  # before pyarrow's reader, which a row nested deep enough crashes
             try:
                 with _quiet_logger(f"datasets.packaged_modules.{builder}.{builder}"):  # its own log line of the error
                     return datasets.load_dataset(builder, data_files=str(local), split="train")
@@ -154,6 +158,45 @@ def check_json_lines(path: Path) -> None:
                                 f"{type(row).__name__}: {_shorten(line.strip())}")
 
 
+MAX_DEPTH = 1000  # levels of [ and { one JSON value may nest (pyarrow's JSON reader crashes at ~20,000)
+MAX_ROW_BYTES = 512 << 20  # bytes of one .jsonl line (one row)
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # strings (skipped whole) and brackets
+
+
+def check_json_shape(path: Path) -> None:
+    """Refuse a .jsonl line (row) longer than `MAX_ROW_BYTES`, or a JSON value nested more than
+    `MAX_DEPTH` deep anywhere in a .jsonl or .json file, with a `DataError` naming the file and line,
+    before the file reaches `datasets` (pyarrow's JSON reader dies of a segmentation fault on a row
+    nested 20,000 deep, in a column the run does not even use). Read once, a line at a time (of a
+    .json file the depth is carried from line to line); a .jsonl line holding fewer brackets than
+    `MAX_DEPTH` cannot nest deeper and is not scanned further."""
+    whole = path.suffix == ".json"
+    depth = 0
+    with open(path, "rb") as handle:
+        number = 0
+        while line := handle.readline(MAX_ROW_BYTES + 1):
+            number += 1
+            if whole:
+                if b"[" not in line and b"{" not in line and b"]" not in line and b"}" not in line:
+                    continue
+            else:
+                if len(line) > MAX_ROW_BYTES:
+                    raise DataError(f"{path} line {number}: a row of more than {MAX_ROW_BYTES >> 20} MiB; split it "
+                                    "or drop it")
+                depth = 0
+                if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+                    continue
+            for token in _JSON_TOKENS.finditer(line):
+                mark = token.group()
+                if mark in (b"[", b"{"):
+                    depth += 1
+                    if depth > MAX_DEPTH:
+                        raise DataError(f"{path} line {number}: a value nested more than {MAX_DEPTH:,} levels deep "
+                                        "(of [ and {); such a row cannot be read safely: flatten it or drop it")
+                elif mark in (b"]", b"}"):
+                    depth -= 1
+
+
 def _shorten(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -236,12 +279,18 @@ class PromptFormatter:
         prompt = row.get(s.input_key)
         if prompt is None or prompt == "" or prompt == []:
             raise DataError(f"{origin}: empty or missing {s.input_key!r}")
+        cut = False  # the text was cut before tokenising (`rlhf.core.text_bounds`): never tokenised whole
         if s.apply_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
                 raise DataError(f"{origin}: {s.input_key!r} must be a string or a list of {{role, content}} messages")
+            messages, cut = self._cut_messages(messages)
+            if cut:  # what the model sees, not the megabytes before it
+                prompt = messages[0]["content"] if isinstance(prompt, str) else messages
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text, cut_again = keep_end(text, self.tokenizer, s.max_prompt_length)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            cut = cut or cut_again
         else:
             if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
                 raise DataError(f"{origin}: {s.input_key!r} holds chat messages; add --apply-chat-template")
@@ -249,9 +298,12 @@ class PromptFormatter:
                 raise DataError(f"{origin}: {s.input_key!r} must be a string (or a list of {{role, content}} "
                                 f"messages, with --apply-chat-template); got {type(prompt).__name__} "
                                 f"{_shorten(repr(prompt), 60)}")
+            prompt, cut = keep_end(prompt, self.tokenizer, s.max_prompt_length)
             text = s.input_template.replace("{}", prompt) if s.input_template else prompt
+            text, cut_again = keep_end(text, self.tokenizer, s.max_prompt_length)  # a template of megabytes
             ids = self.tokenizer(text)["input_ids"]
-        truncated = len(ids) > s.max_prompt_length
+            cut = cut or cut_again
+        truncated = cut or len(ids) > s.max_prompt_length
         if truncated:
             ids = ids[-s.max_prompt_length:]
             self.truncated_count += 1
@@ -263,6 +315,18 @@ class PromptFormatter:
         label = row[s.label_key] if s.label_key else None
         return PromptItem(prompt=prompt, prompt_text=text, prompt_ids=list(ids), label=label, columns=columns,
                           origin=origin, truncated=truncated)
+
+    def _cut_messages(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+        """Each message's text cut to its end beyond what the prompt budget could keep (`keep_end`)."""
+        out, cut = [], False
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str):
+                content, was_cut = keep_end(content, self.tokenizer, self.settings.max_prompt_length)
+                if was_cut:
+                    message, cut = {**message, "content": content}, True
+            out.append(message)
+        return out, cut
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from rlhf.core.distributed import DistContext
 from rlhf.core.errors import RlhfError, RunInterrupted
-from rlhf.core.plugin_host.fingerprint import fingerprint_differences
+from rlhf.core.plugin_host.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.plugin_host.loading import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime.run import checkpoint
@@ -172,7 +172,8 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
             run_dir.check_not_foreign()  # before anything is written there, the lock file included
         lock = RunLock.for_directory(plan.out_dir).acquire()
         try:
-            run_dir.check_start(plan.run_config(), resume=config.resume, overrides=config.resume_override)
+            run_dir.check_start(plan.run_config(), resume=config.resume, overrides=config.resume_override,
+                                plugins=plugin_fingerprint(plugins)["plugins"])
         except BaseException:
             lock.release()
             raise

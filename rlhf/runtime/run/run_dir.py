@@ -35,6 +35,8 @@ from typing import Any
 
 from rlhf.core.distributed import SINGLE, DistContext
 from rlhf.core.errors import NO_SPACE_ERRNOS, ConfigError, RlhfError, no_space, size_text
+from rlhf.runtime.config.identity import (OVERRIDE_DATA, OVERRIDE_PLUGINS, describe_cursor, flatten,
+                                          identity_changes, run_identity, with_cursor)
 from rlhf.runtime.run import checkpoint
 from rlhf.runtime.run.model_card import export_notes
 from rlhf.runtime.run.run_files import RUN_MANIFEST, Layout, RunFiles, check_not_foreign, entries
@@ -63,6 +65,7 @@ class RunDirectory:
     def __init__(self, path: Path, dist: DistContext = SINGLE):
         self.path, self.dist = Path(path), dist
         self._files: RunFiles | None = None  # the run manifest, once `prepare` opened it (main rank)
+        self.identity: dict[str, Any] | None = None  # what each checkpoint records of the run (`prepare`, main rank)
 
     @property
     def final(self) -> Path:
@@ -89,9 +92,11 @@ class RunDirectory:
         if not resume and self.holds_run():
             raise RlhfError(f"{self.path} already holds a run: pass --resume to continue it, or choose another --out")
 
-    def check_start(self, config: dict[str, Any], *, resume: bool, overrides: list[str]) -> None:
+    def check_start(self, config: dict[str, Any], *, resume: bool, overrides: list[str],
+                    plugins: dict[str, str] | None = None) -> None:
         """`check_free`, the directory writable, and on ``--resume`` the options compared with the
-        run's: changes outside `RESUME_FREE` need ``--resume-override``, the rest are reported."""
+        run's: changes outside `RESUME_FREE` need ``--resume-override``, the rest are reported; then the
+        identity the newest checkpoint recorded (`check_identity`: options, ``plugins`` versions, data files)."""
         self.check_free(resume=resume)
         self._writable()
         saved = self.path / "config.yaml"
@@ -102,10 +107,15 @@ class RunDirectory:
         before = _flatten(yaml.safe_load(saved.read_text()) or {})
         now = _flatten(config)
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in RESUME_FREE)
-        unknown = sorted(set(overrides) - set(before) - set(now))
+        unknown = sorted(set(overrides) - set(before) - set(now) - {OVERRIDE_PLUGINS, OVERRIDE_DATA})
         if unknown:
+            from rlhf.core.errors import close_matches
+
+            names = sorted((set(before) | set(now) | {OVERRIDE_PLUGINS, OVERRIDE_DATA}) - RESUME_FREE)
+            hint = close_matches(unknown[0], names, n=1)
             raise ConfigError(f"--resume-override {', '.join(unknown)}: no such option (names are config keys like lr, "
-                              "steps or backend.zero_stage)")
+                              "steps or backend.zero_stage, or plugins, or data)"
+                              + (f"; did you mean {hint[0]}?" if hint else ""))
         refused = [k for k in changed if k not in overrides]
         if refused:
             lines = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in refused)
@@ -117,6 +127,36 @@ class RunDirectory:
             log.warning("--resume: %s changed from %r to %r", key, before.get(key), now.get(key))
         for key in changed:
             log.warning("--resume: %s changed from %r to %r (--resume-override)", key, before.get(key), now.get(key))
+        if plugins is not None:
+            self.check_identity(run_identity(config, plugins, RESUME_FREE), overrides, reported=set(changed))
+
+    def check_identity(self, now: dict[str, Any], overrides: list[str], reported: set[str] = frozenset()) -> None:
+        """Compare the run identity ``now`` with the one the newest checkpoint with a readable manifest
+        recorded: what changed (an option, a plugin's version, a data file's content) is refused in one
+        line unless ``overrides`` names it (an option's key, ``plugins``, ``data``), and what it names is
+        reported (but the options in ``reported``); a checkpoint from before identities were recorded
+        is resumed with one warning."""
+        for folder in reversed(checkpoint.list_checkpoints(self.path)):
+            readable, recorded = checkpoint.recorded_identity(folder)
+            if readable:
+                break
+        else:
+            return
+        where = folder.relative_to(self.path)
+        if recorded is None:
+            log.warning("--resume: %s was written before checkpoints recorded the run's configuration, plugins and "
+                        "data; they are not checked against it", where)
+            return
+        changes = identity_changes(recorded, now)
+        refused = {name: what for name, what in changes.items() if name not in overrides}
+        if refused:
+            what = "; ".join(line for lines in refused.values() for line in lines)
+            raise ConfigError(f"--resume: {where} was written with other {_kinds(refused)} ({what}; the data cursor "
+                              f"stood at {describe_cursor(recorded.get('cursor'))}). Resume with what the run "
+                              f"trained on, or pass --resume-override {' '.join(refused)} to continue with this")
+        for name, lines in changes.items():
+            for line in lines if name not in reported else ():  # an option config.yaml's comparison named already
+                log.warning("--resume: %s (--resume-override %s)", line, name)
 
     def _writable(self) -> None:
         """Write a probe file there; folders made for it are removed again (a run that stops before its
@@ -137,10 +177,12 @@ class RunDirectory:
 
     def prepare(self, *, config: dict[str, Any], plugins: dict[str, Any], resume: bool) -> None:
         """Create the directory and write config.yaml and plugins.json (main rank; every rank waits).
-        On ``--resume`` a config.yaml that differs is kept as ``config.until_step_N.yaml``."""
+        On ``--resume`` a config.yaml that differs is kept as ``config.until_step_N.yaml``. The run's
+        identity (``plugins["fingerprint"]``: the plugin versions) is what each checkpoint records."""
         if self.dist.is_main:
             import yaml
 
+            self.identity = run_identity(config, plugins.get("fingerprint", {}).get("plugins", {}), RESUME_FREE)
             self.check_free(resume=resume)
             self._files = RunFiles.open(self.path, TRAINING)
             self._files.claim(*HOST_NAMES)
@@ -191,8 +233,9 @@ class RunDirectory:
                         hf: Callable[[Path], None] | None = None) -> Path:
         """``checkpoints/step_<step>``: each role's state, every rank's RNG and the trainer's ``state``
         (and the HF exports ``hf(folder)`` writes, with ``--save-hf-every``)."""
+        run = with_cursor(self.identity, {"step": step, **state}) if self.identity is not None else None
         return checkpoint.save_checkpoint(self.path, step, workers=roles, trainer_state=state, keep=keep,
-                                          dist=self.dist, hf=hf)
+                                          dist=self.dist, hf=hf, run=run)
 
     def save_hf_only(self, step: int, hf: Callable[[Path], None], *, keep: int) -> Path:
         """``checkpoints/step_<step>`` with the HF exports only (``--save-hf-every`` on a step due no checkpoint)."""
@@ -297,9 +340,12 @@ def _has_step_rows(path: Path) -> bool:
     return False
 
 
-def _flatten(config: dict[str, Any]) -> dict[str, Any]:
-    """``{"lr": .., "components": {"backend": {"zero_stage": 3}}}`` -> ``{"lr": .., "backend.zero_stage": 3}``."""
-    flat = {k: v for k, v in config.items() if k != "components"}
-    for slot, settings in (config.get("components") or {}).items():
-        flat.update({f"{slot}.{name}": value for name, value in (settings or {}).items()})
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in flat.items()}
+_flatten = flatten  # config.yaml's mapping as flat keys (``backend.zero_stage``)
+
+
+def _kinds(changes: dict[str, list[str]]) -> str:
+    """``options``, ``plugins``, ``data`` or a list of them, for what ``changes`` holds."""
+    kinds = [kind for kind, present in (("options", any(k not in (OVERRIDE_PLUGINS, OVERRIDE_DATA) for k in changes)),
+                                        ("plugin versions", OVERRIDE_PLUGINS in changes),
+                                        ("data", OVERRIDE_DATA in changes)) if present]
+    return " and ".join(kinds)
