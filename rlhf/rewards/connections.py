@@ -3,21 +3,24 @@ and request heads counted against the ``max_buffered_mb`` budget.
 
 Every connection aiohttp accepts goes through a `Connection` (an asyncio protocol in front of
 aiohttp's own). Bytes that arrive while no request body is being received are the start of a
-request head: they are taken from the same `BodyBudget` as bodies until the head is complete; a
-complete head is then counted by its size (request line and header lines) until its request has
-been answered. A head that would go over the budget first sheds the oldest unfinished heads of
-other connections; if that is not enough its own connection answers 503 and is closed. A head must
-be complete ``head_timeout_s`` after its first byte, and a connection with nothing to do (no bytes
-since it opened or since its last answer) is closed after ``read_timeout_s``.
+request head: they are taken from the same `BodyBudget` as bodies, twice over (aiohttp keeps each
+header line's bytes and its decoded text), until the head is complete; a complete head is then
+counted the same way by its size until its request has been answered. A head over ``max_head_kb``
+answers 431. A head (or a body) that would go over the budget first sheds the oldest unfinished
+heads of other connections; if that is not enough its connection answers 503 (a head's connection is
+closed). A head must be complete ``head_timeout_s`` after its first byte (or ``read_timeout_s``
+when shorter), and a connection with nothing to do (no bytes since it opened, or since its last
+answer) is closed after ``read_timeout_s``.
 
-A connection past ``max_connections`` sheds, oldest first, a connection with nothing to do, then
-one still sending its head; connections receiving a body or waiting for their scores are never
-shed. When none can be shed the new connection answers 503 and is closed.
+A connection past ``max_connections`` sheds the connection idle the longest after an answer (kept
+alive), else the one that has waited longest for its head (begun or not); connections receiving a
+body or waiting for their scores are never shed. When none can be shed the new connection answers
+503 and is closed.
 
 What is not counted: per connection at most one read from the socket (256 KiB) past the end of a
-head, aiohttp's own read buffer of a body not yet read (flow-controlled at 64-128 KiB), and
-Python's fixed cost of a connection (about 10 KiB). So the server's memory stays within the
-budget plus a fixed allowance per connection.
+body or head, aiohttp's read buffer of a body not yet read (flow-controlled at 64-128 KiB), and
+Python's fixed cost of a connection (about 10 KiB). So the server's memory stays within a small
+multiple of the budget plus a fixed allowance per connection (`benchmarks/reward_server_attacks.py`).
 """
 
 from __future__ import annotations
@@ -177,6 +180,8 @@ class ConnectionPool:
         self.connections: dict[int, Connection] = {}  # by id, in the order they opened
         self.by_transport: dict[int, Connection] = {}
         self.shed_count = {"idle": 0, "slow head": 0, "refused": 0, "head timeout": 0, "idle timeout": 0}
+        self._keep: Connection | None = None  # whose head is being counted
+        budget.reclaim = self.reclaim
         self._loop = asyncio.get_running_loop()
         self._sweeper = self._loop.create_task(self._sweep())
 
@@ -219,30 +224,38 @@ class ConnectionPool:
         return False
 
     def take_for_head(self, connection: Connection, n: int) -> bool:
-        """Take ``n`` bytes for ``connection``'s head, shedding older unfinished heads to make room."""
-        if self.budget.take(n):
-            return True
-        started = connection.head_started
-        older = sorted((c for c in self.connections.values()
-                        if c is not connection and c.sheddable and c.head_bytes and c.head_started <= started),
-                       key=lambda c: c.head_started)
-        for victim in older:
+        """Take ``n`` bytes for ``connection``'s head (the budget sheds older unfinished heads to make room)."""
+        self._keep = connection
+        try:
+            return self.budget.take(n)
+        finally:
+            self._keep = None
+
+    def reclaim(self, n: int) -> None:
+        """Close connections still sending their heads, oldest first, until ``n`` bytes are free (or none is left)."""
+        keep = self._keep
+        started = keep.head_started if keep is not None else None
+        victims = sorted((c for c in self.connections.values() if c is not keep and c.sheddable and c.head_bytes
+                          and (started is None or c.head_started <= started)), key=lambda c: c.head_started)
+        freed = 0
+        for victim in victims:
+            if freed >= n:
+                break
+            freed += victim.head_bytes
             victim.shed()
             victim.release()  # now: the loop reports the closed socket later
             self.shed_count["slow head"] += 1
-            if self.budget.take(n):
-                return True
-        return False
 
     async def _sweep(self) -> None:
         limits = self.limits
+        head_timeout = min(limits.head_timeout_s, limits.read_timeout_s)
         while True:
             await asyncio.sleep(SWEEP_S)
             now = self.now()
             for connection in list(self.connections.values()):
                 if connection.closed:
                     continue
-                if connection.head_started is not None and now - connection.head_started > limits.head_timeout_s:
+                if connection.head_started is not None and now - connection.head_started > head_timeout:
                     if connection.sheddable:
                         self.shed_count["head timeout"] += 1
                         connection.shed()
@@ -252,3 +265,4 @@ class ConnectionPool:
 
     def close(self) -> None:
         self._sweeper.cancel()
+        self.budget.reclaim = None

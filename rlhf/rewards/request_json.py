@@ -95,7 +95,7 @@ def batch_from_request(data: Any) -> RewardBatch:
 
 
 IN_PROCESS_MAX_BYTES = 256 * 1024  # larger bodies are parsed in the worker process
-SLICE_SAMPLES = 512  # samples per pickled slice the worker returns
+SLICE_SAMPLES = 256  # samples per pickled slice the worker returns
 
 
 def parse_batch(raw: bytes, limits: ServerLimits) -> RewardBatch:
