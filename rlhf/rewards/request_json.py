@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
 import re
 from typing import TYPE_CHECKING, Any
@@ -124,6 +125,22 @@ def batch_from_slices(slices: list[bytes]) -> RewardBatch:
     return RewardBatch(prompts=prompts, completions=completions, labels=labels, prompt_texts=list(prompts))
 
 
+def follow_parent(parent: int) -> None:
+    """In the worker: leave Ctrl-C to the server, and exit once the server is gone (killed, it cannot say so)."""
+    import signal
+    import threading
+    import time
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="rlhf-follow-parent").start()
+
+
 class BodyParser:
     """Parses request bodies: small ones in a thread, large ones in one worker process started on first use."""
 
@@ -151,7 +168,8 @@ class BodyParser:
             from concurrent.futures import ProcessPoolExecutor
 
             # spawn: the server runs threads, and the worker needs nothing of its memory
-            self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=follow_parent, initargs=(os.getpid(),))
         return self._executor
 
     def close(self) -> None:
