@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from rlhf.rewards.uploads import BodyBudget
 
 SWEEP_S = 0.25  # how often timeouts are checked
+FRESH_S = 1.0  # a connection this new that has sent nothing is shed last
 HEAD_COST = 2  # bytes of memory per byte of head: aiohttp keeps each header's bytes and its decoded text
 
 
@@ -82,11 +83,14 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        messages = getattr(self.inner, "_messages", None)  # aiohttp's parsed requests (a deque, since 3.0)
+        if messages is None:
+            self.inner.data_received(data)  # an aiohttp that hides them: heads go uncounted
+            return
         receiving_body = self.payload is not None and not self.payload.is_eof()
-        messages = getattr(self.inner, "_messages", None)
-        before = len(messages) if messages is not None else 0
+        before = len(messages)
         self.inner.data_received(data)
-        if messages is None or len(messages) <= before:
+        if len(messages) <= before:
             if not receiving_body:
                 self.payload = None
                 self.take_head(len(data))
@@ -210,7 +214,8 @@ class ConnectionPool:
 
     def _shed_one(self, keep: Connection) -> bool:
         """Close the connection that has waited longest with nothing to do (kept alive after an answer), else
-        the one that has waited longest for its head (sent in part, or not begun on a new connection)."""
+        the one that has waited longest for its head (sent in part, or not begun on a connection older than
+        ``FRESH_S``), else the oldest new one."""
         sheddable = [c for c in self.connections.values() if c is not keep and c.sheddable]
         idle = [c for c in sheddable if c.idle_since is not None and c.head_started is None]
         if idle:
@@ -218,7 +223,13 @@ class ConnectionPool:
             self.shed_count["idle"] += 1
             return True
         if sheddable:
-            min(sheddable, key=lambda c: c.waiting_since).shed()
+            now = self.now()
+
+            def order(c: Connection) -> tuple[bool, float]:  # a new connection that has not spoken yet comes last:
+                just_opened = c.head_started is None and now - c.opened < FRESH_S  # its request may be on its way
+                return just_opened, c.waiting_since
+
+            min(sheddable, key=order).shed()
             self.shed_count["slow head"] += 1
             return True
         return False

@@ -133,8 +133,9 @@ def test_a_complete_head_is_counted_until_its_request_is_answered(server):
     wait_for(lambda: srv._bodies.held == 0)
 
 
-def test_past_max_connections_the_oldest_idle_then_slow_connection_is_shed(server):
+def test_past_max_connections_the_connection_waiting_longest_for_its_head_is_shed(server):
     srv = server(max_connections=4)
+    pool = srv._connections
     first = connect(srv)  # opened first, sends nothing
     time.sleep(0.05)
     slow = [connect(srv) for _ in range(3)]
@@ -142,14 +143,40 @@ def test_past_max_connections_the_oldest_idle_then_slow_connection_is_shed(serve
         sock.sendall(HEAD_START)  # a head begun, never finished
     time.sleep(0.2)
     try:
-        status, body = post_raw(srv.url, b'{"query": ["ab"]}')
-        assert status == 200
-        assert closed_by_server(first, 2) == b""  # waited longest for its head: shed
-        assert all(closed_by_server(sock, 0.2) is None for sock in slow)
-        assert srv._connections.shed_count["slow head"] >= 1
+        assert post_raw(srv.url, b'{"query": ["ab"]}')[0] == 200
+        # a connection opened under a second ago that has sent nothing may be a client about to speak: kept
+        assert closed_by_server(slow[0], 2) == b"" and closed_by_server(first, 0.2) is None
+        wait_for(lambda: len(pool.connections) == 3)
+        time.sleep(1.0)
+        slow.append(connect(srv))
+        slow[-1].sendall(HEAD_START)
+        wait_for(lambda: len(pool.connections) == 4)
+        assert post_raw(srv.url, b'{"query": ["ab"]}')[0] == 200
+        assert closed_by_server(first, 2) == b""  # now it has waited longest for a head
+        assert all(closed_by_server(sock, 0.2) is None for sock in slow[1:])
+        assert pool.shed_count["slow head"] == 2
     finally:
         for sock in [first, *slow]:
             sock.close()
+
+
+def test_past_max_connections_an_idle_kept_alive_connection_is_shed_first(server):
+    srv = server(max_connections=2)
+    slow = connect(srv)
+    slow.sendall(HEAD_START)
+    time.sleep(0.1)
+    kept = connect(srv)  # answered, then kept alive and idle
+    body = b'{"query": ["ab"]}'
+    kept.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+    time.sleep(0.1)
+    try:
+        assert post_raw(srv.url, body)[0] == 200
+        assert closed_by_server(kept, 2) == b"" and closed_by_server(slow, 0.2) is None
+        assert srv._connections.shed_count["idle"] == 1
+    finally:
+        slow.close()
+        kept.close()
 
 
 def test_when_no_connection_can_be_shed_a_new_one_answers_503(server):
