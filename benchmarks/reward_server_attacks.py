@@ -51,6 +51,12 @@ def tree_rss_mib(pid: int) -> float:
     return total
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the server process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_server(checkout: Path, workdir: Path, nofile: int | None = None, extra: list[str] = ()):
     (workdir / "toy_reward.py").write_text(TOY_REWARD)
 
@@ -134,10 +140,14 @@ def timed_post(url: str, body: bytes, timeout: float) -> float | str:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             response.read()
     except urllib.error.HTTPError as exc:
+        ANSWERS.setdefault(exc.code, exc.read()[:300])
         return str(exc.code)
     except OSError as exc:
         return type(exc).__name__
     return time.monotonic() - started
+
+
+ANSWERS: dict[int, bytes] = {}  # the first answer of each error status
 
 
 def heavy_bodies(url: str, pid: int, seconds: float) -> None:
@@ -244,6 +254,8 @@ async def slowloris(address: tuple[str, int], url: str, count: int, seconds: flo
     print(f"slowloris: {count} connections, server ulimit -n 1024, {seconds:.0f} s: {sum(errors.values())} of "
           f"{total} normal requests failed {errors or ''}; answered {ms(normal)}; slow connections cut {cut} times",
           flush=True)
+    for status, answer in ANSWERS.items():
+        print(f"  first {status} answer: {answer!r}")
 
 
 def main() -> None:
@@ -258,6 +270,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in only:
             process, url, address = start_server(args.checkout, Path(tmp), nofile=1024 if name == "slowloris" else None)
+            cpu, started = cpu_s(process.pid), time.monotonic()
             try:
                 if name == "heads":
                     asyncio.run(big_heads(address, process.pid, 600))
@@ -265,6 +278,8 @@ def main() -> None:
                     heavy_bodies(url, process.pid, args.seconds)
                 else:
                     asyncio.run(slowloris(address, url, 1100, args.seconds))
+                print(f"  server CPU {cpu_s(process.pid) - cpu:.1f} s in {time.monotonic() - started:.0f} s, load "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
             finally:
                 process.terminate()
                 try:
