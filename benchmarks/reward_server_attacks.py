@@ -107,7 +107,6 @@ async def big_heads(address: tuple[str, int], pid: int, count: int) -> None:
 
     await asyncio.gather(*(one() for _ in range(count)))
     await asyncio.sleep(2)
-    closed = sum(1 for w in writers if w.transport.is_closing() or w.transport.get_extra_info("socket") is None)
     print(f"heads: {count} connections x {len(head) / 2**20:.2f} MiB of head in {time.monotonic() - started:.1f} s "
           f"({refused} not sent in full): server RSS {tree_rss_mib(pid):.0f} MiB, peak (VmHWM) "
           f"{memory_mib(pid, 'VmHWM'):.0f} MiB", flush=True)

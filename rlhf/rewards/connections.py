@@ -259,7 +259,7 @@ class ConnectionPool:
 
     async def _sweep(self) -> None:
         limits = self.limits
-        head_timeout = min(limits.head_timeout_s, limits.read_timeout_s)
+        head_timeout, idle_timeout = min(limits.head_timeout_s, limits.read_timeout_s), limits.read_timeout_s
         while True:
             await asyncio.sleep(SWEEP_S)
             now = self.now()
@@ -270,7 +270,7 @@ class ConnectionPool:
                     if connection.sheddable:
                         self.shed_count["head timeout"] += 1
                         connection.shed()
-                elif connection.sheddable and now - (connection.idle_since or connection.opened) > limits.read_timeout_s:
+                elif connection.sheddable and now - (connection.idle_since or connection.opened) > idle_timeout:
                     self.shed_count["idle timeout"] += 1
                     connection.shed()
 

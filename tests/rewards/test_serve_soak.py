@@ -188,7 +188,8 @@ def test_memory_stays_bounded_and_health_answers_under_hostile_load(tmp_path):
     finally:
         server.terminate()
         server.communicate(timeout=30)
-    print(f"\nserver CPU {cpu:.1f} s in {LOAD_S:g} s, load {os.getloadavg()[0]:.1f}; RSS idle {idle:.0f} MiB, peak {peak:.0f} MiB (budget {BUFFERED_MB} MiB); parse worker peak "
+    print(f"\nserver CPU {cpu:.1f} s in {LOAD_S:g} s, load {os.getloadavg()[0]:.1f}; RSS idle {idle:.0f} MiB, "
+          f"peak {peak:.0f} MiB (budget {BUFFERED_MB} MiB); parse worker peak "
           f"{worker_peak:.0f} MiB; /health n {len(clients.health)} p99 {p99(clients.health) * 1000:.1f} ms max "
           f"{max(clients.health) * 1000:.1f} ms; normal n {len(clients.normal)} p99 {p99(clients.normal) * 1000:.1f} "
           f"ms; heavy answers {clients.heavy}; heads cut {clients.cut}; failures {clients.failures[:5]}")
