@@ -10,6 +10,8 @@ how many normal requests time out.
 
     python benchmarks/reward_server_attacks.py                      # all three, this checkout
     python benchmarks/reward_server_attacks.py --checkout /other/checkout --only heads
+    python benchmarks/reward_server_attacks.py --only heads --serve-args "--max-head-kb 1024"  # heads bounded
+                                                                          # by --max-buffered-mb alone
 """
 
 from __future__ import annotations
@@ -262,13 +264,15 @@ def main() -> None:
     parser.add_argument("--checkout", type=Path, default=ROOT, help="the rlhf checkout whose server runs")
     parser.add_argument("--only", choices=("heads", "bodies", "slowloris"), action="append")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the bodies and slowloris loads")
+    parser.add_argument("--serve-args", default="", help="more `rlhf reward serve` options, e.g. '--max-head-kb 1024'")
     args = parser.parse_args()
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     print(f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, checkout {args.checkout}", flush=True)
     only = args.only or ["heads", "bodies", "slowloris"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in only:
-            process, url, address = start_server(args.checkout, Path(tmp), nofile=1024 if name == "slowloris" else None)
+            process, url, address = start_server(args.checkout, Path(tmp), nofile=1024 if name == "slowloris" else None,
+                                                 extra=args.serve_args.split())
             cpu, started = cpu_s(process.pid), time.monotonic()
             try:
                 if name == "heads":

@@ -165,6 +165,7 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(refusal(message, status))
             self.transport.close()
+        self.inner.connection_lost(None)  # drop what aiohttp parsed (see `shed`); the answer still goes out
 
     def shed(self) -> None:
         self.closed = True
@@ -173,6 +174,9 @@ class Connection(asyncio.Protocol):
                 self.transport.close()  # idle: what it was answered still goes out
             else:
                 self.transport.abort()  # nothing asked yet, nothing will be answered: no lingering
+                # and aiohttp drops its parser, with the unfinished head, now rather than on the loop's next turn
+                # (it does the same again, as a no-op, when the loop reports the closed socket)
+                self.inner.connection_lost(None)
 
 
 class ConnectionPool:
