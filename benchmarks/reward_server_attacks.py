@@ -271,8 +271,8 @@ def main() -> None:
     only = args.only or ["heads", "bodies", "slowloris"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in only:
-            process, url, address = start_server(args.checkout, Path(tmp), nofile=1024 if name == "slowloris" else None,
-                                                 extra=args.serve_args.split())
+            nofile = 1024 if name == "slowloris" else None
+            process, url, address = start_server(args.checkout, Path(tmp), nofile, args.serve_args.split())
             cpu, started = cpu_s(process.pid), time.monotonic()
             try:
                 if name == "heads":
