@@ -243,3 +243,20 @@ def test_the_parse_worker_exits_when_the_server_is_killed(tmp_path):
         assert time.monotonic() < deadline, "the parse worker outlived its server"
         time.sleep(0.1)
     process.communicate(timeout=30)  # the worker no longer holds the server's stdout open
+
+
+@pytest.mark.timeout(120)
+def test_max_connections_is_lowered_to_fit_the_open_file_limit(tmp_path):
+    import resource
+
+    (tmp_path / "toy.py").write_text("def reward_func(queries):\n    return [1.0] * len(queries)\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlhf", "reward", "serve", str(tmp_path / "toy.py"), "--port", "0"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+    try:
+        assert " on http://" in process.stdout.readline()
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    assert "at most 192 connections (--max-connections 512)" in stderr and "ulimit -n" in stderr, stderr
