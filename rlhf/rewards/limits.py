@@ -1,7 +1,8 @@
 """`ServerLimits`: what one request to ``rlhf reward serve``, and all of them together, may cost the server.
 
-Each field is a ``rlhf reward serve`` option; the server, the body reader (`rlhf.rewards.uploads`)
-and the JSON parser (`rlhf.rewards.request_json`) enforce them.
+Each field is a ``rlhf reward serve`` option; the server, its connections
+(`rlhf.rewards.connections`), the body reader (`rlhf.rewards.uploads`) and the JSON parser
+(`rlhf.rewards.request_json`) enforce them.
 """
 
 from __future__ import annotations
