@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from rlhf.rewards import connections
 from rlhf.rewards.calling import FunctionSource
 from rlhf.rewards.limits import ServerLimits
 from rlhf.rewards.request_json import (IN_PROCESS_MAX_BYTES, BadRequest, batch_from_slices, parse_batch,
@@ -133,7 +134,8 @@ def test_a_complete_head_is_counted_until_its_request_is_answered(server):
     wait_for(lambda: srv._bodies.held == 0)
 
 
-def test_past_max_connections_the_connection_waiting_longest_for_its_head_is_shed(server):
+def test_past_max_connections_the_connection_waiting_longest_for_its_head_is_shed(server, monkeypatch):
+    monkeypatch.setattr(connections, "FRESH_S", 30.0)  # however slow this machine, `first` stays new at first
     srv = server(max_connections=4)
     pool = srv._connections
     first = connect(srv)  # opened first, sends nothing
@@ -147,7 +149,7 @@ def test_past_max_connections_the_connection_waiting_longest_for_its_head_is_she
         # a connection opened under a second ago that has sent nothing may be a client about to speak: kept
         assert closed_by_server(slow[0], 2) == b"" and closed_by_server(first, 0.2) is None
         wait_for(lambda: len(pool.connections) == 3)
-        time.sleep(1.0)
+        monkeypatch.setattr(connections, "FRESH_S", 0.0)  # as if a second had passed
         slow.append(connect(srv))
         slow[-1].sendall(HEAD_START)
         wait_for(lambda: len(pool.connections) == 4)
@@ -210,7 +212,7 @@ def test_a_head_sent_slowly_is_closed_after_the_head_timeout(server):
         elapsed = time.monotonic() - started
     finally:
         sock.close()
-    assert 0.4 < elapsed < 2.5, elapsed
+    assert 0.4 < elapsed < 5, elapsed  # far under --read-timeout-s
 
 
 def test_the_open_file_limit_lowers_the_connection_cap():
