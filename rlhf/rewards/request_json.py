@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from rlhf.rewards.source import RewardBatch
@@ -148,15 +149,17 @@ class BodyParser:
     def __init__(self, limits: ServerLimits):
         self.limits = limits
         self._executor: Any = None
+        self._no_worker = False
 
     async def parse(self, raw: bytes) -> RewardBatch:
         loop = asyncio.get_running_loop()
-        if len(raw) <= IN_PROCESS_MAX_BYTES:
+        worker = self._worker() if len(raw) > IN_PROCESS_MAX_BYTES else None
+        if worker is None:
             return await loop.run_in_executor(None, parse_batch, raw, self.limits)
         from concurrent.futures.process import BrokenProcessPool
 
         try:
-            slices = await asyncio.wrap_future(self._worker().submit(parse_batch_in_slices, raw, self.limits))
+            slices = await asyncio.wrap_future(worker.submit(parse_batch_in_slices, raw, self.limits))
         except BrokenProcessPool:
             self.close()
             raise WorkerFailed("the process parsing request bodies died (out of memory?); retry later") from None
@@ -164,13 +167,18 @@ class BodyParser:
         return await loop.run_in_executor(None, batch_from_slices, slices)
 
     def _worker(self) -> Any:
-        if self._executor is None:
+        """The worker process's executor; None where processes cannot be started (then bodies parse in a thread)."""
+        if self._executor is None and not self._no_worker:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            # spawn: the server runs threads, and the worker needs nothing of its memory
-            self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=follow_parent, initargs=(os.getpid(),))
+            try:  # spawn: the server runs threads, and the worker needs nothing of its memory
+                self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                     initializer=follow_parent, initargs=(os.getpid(),))
+            except (ImportError, NotImplementedError, OSError) as exc:  # no semaphores (some sandboxes)
+                self._no_worker = True
+                warnings.warn(f"rlhf reward serve: cannot start a process to parse large bodies ({exc}); "
+                              "parsing them in a thread, where they stall /health while they parse", stacklevel=2)
         return self._executor
 
     def close(self) -> None:

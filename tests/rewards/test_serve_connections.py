@@ -249,3 +249,17 @@ def test_a_large_body_is_scored_through_the_worker_process(server):
     bad = b'{"query": ["x"], "labels": [' + b"[" * 100 + b"]" * 100 + b'], "pad": "' + b" " * 300_000 + b'"}'
     status, body = post_raw(srv.url, bad, timeout=60)
     assert status == 400 and "nested deeper than 64" in body["error"]
+
+
+def test_where_no_process_can_start_large_bodies_parse_in_a_thread(server, monkeypatch):
+    import concurrent.futures
+
+    def no_processes(*args, **kwargs):
+        raise OSError("no semaphores here")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", no_processes)
+    srv = server()
+    raw = json.dumps({"query": ["x" * 200] * 2000}).encode()
+    with pytest.warns(UserWarning, match="cannot start a process to parse large bodies"):
+        assert post_raw(srv.url, raw, timeout=60) == (200, {"rewards": [200.0] * 2000, "scores": [200.0] * 2000})
+    assert srv._parser._no_worker and srv._parser._executor is None
