@@ -42,6 +42,13 @@ def _is_loopback(host: str) -> bool:
               help="Deepest JSON nesting of a request (400 above)")
 @click.option("--read-timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds to receive a whole request; slower ones get 408 or are disconnected")
+@click.option("--head-timeout-s", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds to receive a whole request head from its first byte; slower connections are closed")
+@click.option("--max-head-kb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True,
+              help="Largest request head (request line and headers; 431 above)")
+@click.option("--max-connections", type=click.IntRange(1), default=512, show_default=True,
+              help="Open connections; one more closes the oldest idle or slow one, else answers 503 (lowered to "
+                   "fit the open-file limit)")
 @click.option("--max-concurrency", type=click.IntRange(1), default=16, show_default=True,
               help="Requests being scored at once (bodies being received do not count); one more answers 503")
 @click.option("--max-uploads", type=click.IntRange(1), default=64, show_default=True,
@@ -49,8 +56,8 @@ def _is_loopback(host: str) -> bool:
 @click.option("--min-upload-kib-s", type=click.FloatRange(min=0, min_open=True), default=16.0, show_default=True,
               help="Slowest average rate of a request body after its first second; slower ones get 408")
 @click.option("--max-buffered-mb", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Request bodies held in memory at once, all requests together; a body that would go over "
-                   "answers 503  [default: 4 x --max-body-mb]")
+              help="Request heads and bodies held in memory at once, all requests together; one that would go "
+                   "over answers 503  [default: 4 x --max-body-mb]")
 @click.option("--sync-threads", type=click.IntRange(1), default=16, show_default=True,
               help="Threads for --sync-in-thread calls; once all are stuck in calls past --timeout, requests get 503")
 @click.option("--stalled-after-s", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -69,6 +76,7 @@ def _is_loopback(host: str) -> bool:
 @click.pass_obj
 def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | None, allow_no_token: bool,
                   max_body_mb: float, max_samples: int, max_depth: int, read_timeout_s: float,
+                  head_timeout_s: float, max_head_kb: float, max_connections: int,
                   max_concurrency: int, max_uploads: int, min_upload_kib_s: float, max_buffered_mb: float | None,
                   sync_threads: int, stalled_after_s: float | None, on_error: str, timeout_s: float,
                   sync_in_thread: bool,
@@ -91,7 +99,8 @@ def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | 
 
     try:
         limits = ServerLimits(max_body_mb=max_body_mb, max_samples=max_samples, max_depth=max_depth,
-                              read_timeout_s=read_timeout_s, max_concurrency=max_concurrency, max_uploads=max_uploads,
+                              read_timeout_s=read_timeout_s, head_timeout_s=head_timeout_s, max_head_kb=max_head_kb,
+                              max_connections=max_connections, max_concurrency=max_concurrency, max_uploads=max_uploads,
                               min_upload_kib_s=min_upload_kib_s, max_buffered_mb=max_buffered_mb,
                               sync_threads=sync_threads, stalled_after_s=stalled_after_s or timeout_s)
     except ValueError as exc:
@@ -113,6 +122,9 @@ def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | 
         url = server.start()
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+    if server.max_connections < max_connections:
+        click.echo(f"Warning: at most {server.max_connections} connections (--max-connections {max_connections}): "
+                   "the open-file limit (ulimit -n) allows no more.", err=True)
     auth = "bearer token required" if token else "no token"
     click.echo(f"Serving reward {source.name!r} ({source.where}) on {url} (POST any path, GET /health; {auth}). "
                "Ctrl-C stops.", nl=True)

@@ -4,12 +4,23 @@ A body may hold at most ``ServerLimits.max_json_values`` JSON values (strings, n
 arrays, wherever they are, unknown keys included), counted before the document is parsed: a parsed
 value costs tens of bytes however short its text (``{}`` is 3 bytes of text, 64 of dict), so this
 count, not the body's size, bounds what parsing allocates. Nesting is bounded by ``max_depth``.
+
+`BodyParser` parses a body larger than ``IN_PROCESS_MAX_BYTES`` in a worker process: ``json.loads``
+and the regular expression that counts values each hold the GIL for as long as they run (0.15 s and
+0.25 s for 24 MB of short strings, longer on a busy machine), which would stall the server's event
+loop and ``/health`` however many threads it had. The worker returns the batch
+pickled in slices of ``SLICE_SAMPLES`` samples, so that the server rebuilds it in steps of a few
+milliseconds each, letting the event loop run between them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import pickle
 import re
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from rlhf.rewards.source import RewardBatch
@@ -84,3 +95,97 @@ def batch_from_request(data: Any) -> RewardBatch:
     completions = [q[len(p):] if p and q.startswith(p) else q for q, p in zip(queries, prompts)]
     return RewardBatch(prompts=list(prompts), completions=completions, labels=labels or [None] * n,
                        prompt_texts=list(prompts))
+
+
+IN_PROCESS_MAX_BYTES = 256 * 1024  # larger bodies are parsed in the worker process
+SLICE_SAMPLES = 256  # samples per pickled slice the worker returns
+
+
+def parse_batch(raw: bytes, limits: ServerLimits) -> RewardBatch:
+    """The batch a request body asks to score (`BadRequest` when it is not a valid one)."""
+    return batch_from_request(parse_body(raw, limits))
+
+
+def parse_batch_in_slices(raw: bytes, limits: ServerLimits) -> list[bytes]:
+    """`parse_batch` in the worker process: the batch's prompts, completions and labels, pickled in slices."""
+    batch = parse_batch(raw, limits)
+    del raw
+    return [pickle.dumps((batch.prompts[i:i + SLICE_SAMPLES], batch.completions[i:i + SLICE_SAMPLES],
+                          batch.labels[i:i + SLICE_SAMPLES]), protocol=pickle.HIGHEST_PROTOCOL)
+            for i in range(0, len(batch), SLICE_SAMPLES)]
+
+
+def batch_from_slices(slices: list[bytes]) -> RewardBatch:
+    prompts: list[Any] = []
+    completions: list[str] = []
+    labels: list[Any] = []
+    while slices:
+        some_prompts, some_completions, some_labels = pickle.loads(slices.pop(0))  # one short GIL hold each
+        prompts += some_prompts
+        completions += some_completions
+        labels += some_labels
+    return RewardBatch(prompts=prompts, completions=completions, labels=labels, prompt_texts=list(prompts))
+
+
+def follow_parent(parent: int) -> None:
+    """In the worker: leave Ctrl-C to the server, and exit once the server is gone (killed, it cannot say so)."""
+    import signal
+    import threading
+    import time
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="rlhf-follow-parent").start()
+
+
+class BodyParser:
+    """Parses request bodies: small ones in a thread, large ones in one worker process started on first use."""
+
+    def __init__(self, limits: ServerLimits):
+        self.limits = limits
+        self._executor: Any = None
+        self._no_worker = False
+
+    async def parse(self, raw: bytes) -> RewardBatch:
+        loop = asyncio.get_running_loop()
+        worker = self._worker() if len(raw) > IN_PROCESS_MAX_BYTES else None
+        if worker is None:
+            return await loop.run_in_executor(None, parse_batch, raw, self.limits)
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            slices = await asyncio.wrap_future(worker.submit(parse_batch_in_slices, raw, self.limits))
+        except BrokenProcessPool:
+            self.close()
+            raise WorkerFailed("the process parsing request bodies died (out of memory?); retry later") from None
+        del raw
+        return await loop.run_in_executor(None, batch_from_slices, slices)
+
+    def _worker(self) -> Any:
+        """The worker process's executor; None where processes cannot be started (then bodies parse in a thread)."""
+        if self._executor is None and not self._no_worker:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            try:  # spawn: the server runs threads, and the worker needs nothing of its memory
+                self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                     initializer=follow_parent, initargs=(os.getpid(),))
+            except (ImportError, NotImplementedError, OSError) as exc:  # no semaphores (some sandboxes)
+                self._no_worker = True
+                warnings.warn(f"rlhf reward serve: cannot start a process to parse large bodies ({exc}); "
+                              "parsing them in a thread, where they stall /health while they parse", stacklevel=2)
+        return self._executor
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+class WorkerFailed(Exception):
+    """The worker process died while parsing a body (the server answers 503 and starts another)."""

@@ -5,19 +5,24 @@ clients post to ``/get_reward``) with ``{"query": [...], "prompts"?: [...], "lab
 ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``. The completion of each sample is its
 query minus its prompt when the query starts with it, else the whole query.
 
-Limits (`ServerLimits`, each a ``rlhf reward serve`` option). Receiving a body
-(`rlhf.rewards.uploads`) takes no scoring slot: at most ``max_uploads`` bodies are received at once
-(one more: 503 with ``Retry-After``); each must arrive within ``read_timeout_s`` and, after its first
-second, at ``min_upload_kib_s`` or faster (408 otherwise, so tricklers are cut off in seconds); a
-connection that sends no complete request head within ``read_timeout_s`` is closed. A body over
-``max_body_mb`` answers 413 (from Content-Length before reading, or as it grows); the bodies held
-at once (received, parsed or being scored) stay within ``max_buffered_mb`` (default 4 x
-``max_body_mb``; a body that would go over it: 503). Bodies are parsed off the event loop one at a
-time, after counting their JSON values (`rlhf.rewards.request_json`: at most 64 per sample of
-``max_samples``, keys the protocol ignores included), so memory per request stays a small multiple
-of its size; more than ``max_samples`` samples or JSON nested deeper than ``max_depth`` answer 400.
-Then at most ``max_concurrency`` requests are scored at once; one more answers 503 at once. So
-stalled, slow or huge uploads never block ``/health`` or other clients.
+Limits (`ServerLimits`, each a ``rlhf reward serve`` option). Connections
+(`rlhf.rewards.connections`): at most ``max_connections`` are open (lowered to fit the open-file
+limit); one more sheds the oldest idle connection, else the oldest one still sending its head, else
+answers 503. A request head must be complete ``head_timeout_s`` after its first byte; a connection
+with nothing to do is closed after ``read_timeout_s``. Receiving a body (`rlhf.rewards.uploads`)
+takes no scoring slot: at most ``max_uploads`` bodies are received at once (one more: 503 with
+``Retry-After``); each must arrive within ``read_timeout_s`` and, after its first second, at
+``min_upload_kib_s`` or faster (408 otherwise, so tricklers are cut off in seconds). A body over
+``max_body_mb`` answers 413 (from Content-Length before reading, or as it grows); the request heads
+and bodies held at once (being received, parsed or scored) stay within ``max_buffered_mb`` (default
+4 x ``max_body_mb``; a body that would go over it: 503; a head: older unfinished heads are shed,
+else 503). Bodies are parsed one at a time, after counting their JSON values
+(`rlhf.rewards.request_json`: at most 64 per sample of ``max_samples``, keys the protocol ignores
+included), so memory per request stays a small multiple of its size; more than ``max_samples``
+samples or JSON nested deeper than ``max_depth`` answer 400. Bodies over 256 KiB are parsed in a
+worker process, since ``json`` holds the GIL while it parses and would stall the event loop. Then
+at most ``max_concurrency`` requests are scored at once; one more answers 503 at once. So stalled,
+slow or huge uploads and heads never block ``/health`` or other clients.
 
 ``/health`` says ``"busy"`` (with ``batch_running_s``) while a batch is scored, and answers 503
 ``"stalled"`` once a batch has run past ``stalled_after_s`` or every ``--sync-in-thread`` thread is
@@ -45,12 +50,13 @@ import queue
 import socket
 import threading
 import time
-import weakref
 from typing import Any
 
+from rlhf.rewards.connections import ConnectionPool
 from rlhf.rewards.failures import RewardError, apply_policy
 from rlhf.rewards.limits import ServerLimits
-from rlhf.rewards.request_json import BadRequest, batch_from_request, parse_body
+from rlhf.rewards.request_json import (IN_PROCESS_MAX_BYTES, BadRequest, BodyParser, WorkerFailed,
+                                       batch_from_request, parse_body)
 from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
 from rlhf.rewards.threads import ThreadSlots
 from rlhf.rewards.uploads import BodyBudget, HeldBody, UploadRefused, receive_body
@@ -68,10 +74,12 @@ class RewardServer:
         self._in_flight = 0  # requests being scored
         self._uploads = 0  # request bodies being received
         self._bodies = BodyBudget(self.limits.max_buffered_bytes)
-        self._parsing: asyncio.Lock | None = None  # one body parsed at a time (parsing holds the GIL anyway)
+        self._parsing: dict[bool, asyncio.Lock] = {}  # one large and one small body parsed at a time
+        self._parser = BodyParser(self.limits)
+        self._connections: ConnectionPool | None = None
+        self.max_connections = self.limits.max_connections  # lower once started if the open-file limit is
         self._threads = ThreadSlots(self.limits.sync_threads)
         self._batches_started: dict[int, float] = {}  # running batches: their monotonic start
-        self._served: weakref.WeakSet[Any] = weakref.WeakSet()  # transports that sent a whole request head
         self._jobs: queue.Queue[tuple[RewardBatch, concurrent.futures.Future] | None] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
@@ -86,12 +94,22 @@ class RewardServer:
         from aiohttp import web
 
         @web.middleware
-        async def mark_served(request: Any, handler: Any) -> Any:
-            if request.transport is not None:
-                self._served.add(request.transport)
-            return await handler(request)
+        async def track(request: Any, handler: Any) -> Any:
+            pool = self._connections
+            connection = pool.of(request.transport) if pool is not None else None
+            if connection is None:
+                return await handler(request)
+            connection.request_started()
+            try:
+                response = await handler(request)
+                if isinstance(response, web.Response):  # sent before the connection counts as idle again
+                    await response.prepare(request)
+                    await response.write_eof()
+                return response
+            finally:
+                connection.request_finished()
 
-        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[mark_served])
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[track])
         app.router.add_get("/health", self._health)
         app.router.add_post("/{tail:.*}", self._score)
         return app
@@ -157,16 +175,17 @@ class RewardServer:
             finally:
                 self._uploads -= 1
             try:
-                if self._parsing is None:
-                    self._parsing = asyncio.Lock()
-                async with self._parsing:
-                    data = await asyncio.get_running_loop().run_in_executor(None, parse_body, raw, limits)
+                big = len(raw) > IN_PROCESS_MAX_BYTES  # small bodies never wait behind a big one
+                if big not in self._parsing:
+                    self._parsing[big] = asyncio.Lock()
+                async with self._parsing[big]:
+                    batch = await self._parser.parse(raw)
                 del raw
                 held.drop_bytes()
-                batch = batch_from_request(data)
-                del data
             except (ValueError, BadRequest) as exc:
                 return refuse(400, f"bad request: {exc}")
+            except WorkerFailed as exc:
+                return refuse(503, str(exc), **{"Retry-After": "1"})
             if self._in_flight >= limits.max_concurrency:
                 return refuse(503, f"server busy: {self._in_flight} requests being scored (--max-concurrency "
                               f"{limits.max_concurrency}); retry later", **{"Retry-After": "1"})
@@ -213,13 +232,14 @@ class RewardServer:
         from aiohttp import web
 
         ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self.max_connections = connection_cap(self.limits.max_connections)
 
         async def serve() -> None:
-            timeout = self.limits.read_timeout_s
-            runner = web.AppRunner(self.make_app(), access_log=None, keepalive_timeout=timeout,
+            runner = web.AppRunner(self.make_app(), access_log=None, keepalive_timeout=self.limits.read_timeout_s,
                                    lingering_time=1.0)  # after a 408/413, do not wait 10 s for the rest
             await runner.setup()
-            self._close_stalled_connections(runner, timeout)
+            self._connections = ConnectionPool(self.limits, self._bodies, self.max_connections)
+            runner._server = _Factory(runner.server, self._connections.wrap(runner.server))
             try:
                 family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
                 sock = socket.socket(family, socket.SOCK_STREAM)
@@ -234,6 +254,8 @@ class RewardServer:
                     ready.set_exception(exc)
                 raise
             finally:
+                self._connections.close()
+                self._parser.close()
                 await runner.cleanup()
 
         def target() -> None:
@@ -248,24 +270,6 @@ class RewardServer:
         threading.Thread(target=target, daemon=True, name="rlhf-reward-server").start()
         self.port = ready.result(timeout=60)
         return self.url
-
-    def _close_stalled_connections(self, runner: Any, timeout: float) -> None:
-        """Close a connection that has not sent a whole request head ``timeout`` s after connecting
-        (slow or stalled uploads; aiohttp itself waits for headers forever)."""
-        server = runner.server
-        loop = asyncio.get_running_loop()
-
-        def expire(protocol: Any) -> None:
-            transport = protocol.transport
-            if transport is not None and not transport.is_closing() and transport not in self._served:
-                transport.close()
-
-        def factory() -> Any:
-            protocol = server()
-            loop.call_later(timeout, expire, protocol)
-            return protocol
-
-        runner._server = _Factory(server, factory)  # what the sites hand to loop.create_server
 
     def run(self) -> None:
         """Score inline batches in this thread until `stop` (or Ctrl-C)."""
@@ -291,6 +295,23 @@ class RewardServer:
     def stop(self) -> None:
         self._stopped.set()
         self._jobs.put(None)
+
+
+def connection_cap(wanted: int, spare: int = 64) -> int:
+    """``wanted`` connections, or fewer when the open-file limit (raised to its hard maximum) is lower."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return wanted
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted + spare:
+        target = wanted + spare if hard == resource.RLIM_INFINITY else min(hard, wanted + spare)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return wanted if soft == resource.RLIM_INFINITY else max(1, min(wanted, soft - spare))
 
 
 class _Factory:

@@ -3,12 +3,15 @@
 A body must arrive within ``read_timeout_s`` and, after its first second, at an average of at least
 ``min_upload_kib_s`` (a client trickling a byte a second is cut off in about a second, whatever
 Content-Length it announced). The bytes of all bodies held at once (being received, parsed or
-scored) stay within ``max_buffered_mb``: a body that would go over it answers 503 at once.
+scored) and of request heads (`rlhf.rewards.connections`) stay within ``max_buffered_mb``: a body
+that would go over it first closes connections that are still sending their heads, oldest first,
+and if that is not enough answers 503 at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,8 +34,11 @@ class BodyBudget:
     def __init__(self, limit: int):
         self.limit = limit
         self.held = 0
+        self.reclaim: Callable[[int], None] | None = None  # frees room by closing slow connections (their heads)
 
     def take(self, n: int) -> bool:
+        if self.held + n > self.limit and self.reclaim is not None:
+            self.reclaim(self.held + n - self.limit)
         if self.held + n > self.limit:
             return False
         self.held += n

@@ -124,7 +124,7 @@ def test_serve_help(plugins):
     assert result.exit_code == 0 and "OpenRLHF" in result.output and "--token-env" in result.output
     for option in ("--allow-no-token", "--max-body-mb", "--max-samples", "--max-depth", "--read-timeout-s",
                    "--max-concurrency", "--max-uploads", "--min-upload-kib-s", "--max-buffered-mb", "--sync-threads",
-                   "--stalled-after-s"):
+                   "--stalled-after-s", "--max-connections", "--head-timeout-s", "--max-head-kb"):
         assert option in result.output
 
 
@@ -216,3 +216,47 @@ def _post_expecting_error(url: str, body: Any, retry_503: bool = False) -> tuple
             return status, answer
         time.sleep(0.05)  # the server has yet to notice a closed upload
     return status, answer
+
+
+@pytest.mark.timeout(120)
+def test_the_parse_worker_exits_when_the_server_is_killed(tmp_path):
+    (tmp_path / "toy.py").write_text("def reward_func(queries):\n    return [1.0] * len(queries)\n")
+    process, url = _start_cli([str(tmp_path / "toy.py"), "--port", "0"], dict(os.environ))
+    try:
+        body = {"query": ["x" * 1000] * 400}  # over 256 KiB: parsed in the worker process
+        assert post(url + "/get_reward", body) == (200, {"rewards": [1.0] * 400, "scores": [1.0] * 400})
+        tasks = Path(f"/proc/{process.pid}/task").glob("*/children")
+        children = [int(pid) for task in tasks for pid in task.read_text().split()]  # with multiprocessing's
+        assert len(children) in (1, 2)  # resource tracker
+    finally:
+        process.kill()
+        process.wait(30)
+
+    def alive(pid: int) -> bool:
+        try:
+            return bool(Path(f"/proc/{pid}/cmdline").read_bytes())  # empty once a zombie
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "the parse worker outlived its server"
+        time.sleep(0.1)
+    process.communicate(timeout=30)  # the worker no longer holds the server's stdout open
+
+
+@pytest.mark.timeout(120)
+def test_max_connections_is_lowered_to_fit_the_open_file_limit(tmp_path):
+    import resource
+
+    (tmp_path / "toy.py").write_text("def reward_func(queries):\n    return [1.0] * len(queries)\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlhf", "reward", "serve", str(tmp_path / "toy.py"), "--port", "0"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+    try:
+        assert " on http://" in process.stdout.readline()
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    assert "at most 192 connections (--max-connections 512)" in stderr and "ulimit -n" in stderr, stderr
