@@ -59,3 +59,23 @@ def test_one_call_gives_the_rewards_as_they_came():
     trajectories, result = sampled(rollout, reward, [0, 3], 1, params=None)
     assert rollout.calls == [[0, 3]] and result.per_source == {"a": [0.0, 3.0], "b": [None, 1.0]}
     assert trajectories[0].reward is None  # not assigned unless asked
+
+
+def test_every_step_when_every_is_one():
+    assert [done for done in range(5) if EvalSchedule(every=1, total=4, at_start=True).due(done)] == [0, 1, 2, 3, 4]
+
+
+def test_the_eval_metrics_by_hand():
+    """Two prompts of two samples, one sample unscored: pass@1 is the mean of the prompts' mean scores,
+    pass@2 the mean of their best, lengths and truncation over every sample."""
+    trajectories = [SimpleNamespace(num_policy_tokens=n, finish_reason=f)
+                    for n, f in ((2, "stop"), (4, "length"), (6, "stop"), (8, "budget"))]
+    result = RewardResult(total=[1.0, 0.0, None, 0.5], per_source={"a": [1.0, 0.0, None, 0.5]}, metrics={})
+    metrics = metrics_of(trajectories, result, n_samples=2)
+    assert metrics["eval/prompts"] == 2.0
+    assert metrics["eval/reward/mean"] == pytest.approx(1.5 / 3)
+    assert metrics["eval/reward/a"] == pytest.approx(1.5 / 3)
+    assert metrics["eval/pass@1"] == pytest.approx((0.5 + 0.5) / 2)
+    assert metrics["eval/pass@2"] == pytest.approx((1.0 + 0.5) / 2)
+    assert metrics["eval/response/length_mean"] == pytest.approx(20 / 4)
+    assert metrics["eval/response/truncated_rate"] == pytest.approx(2 / 4)

@@ -46,3 +46,22 @@ def test_the_rl_rows_are_the_cutters_groups():
             width = micro.input_ids.shape[1]
             assert torch.equal(micro.input_ids, batch.input_ids[rows][:, :width])
             assert int(batch.attention_mask[rows][:, width:].sum()) == 0  # only padding cut off
+
+
+def test_shared_micro_batches_keep_each_prompts_rows_together():
+    """Rows of one prompt go to one micro-batch (their prompt's forward is shared), groups ordered by
+    their longest row: prompt 0's rows (10 and 20 tokens) straddle prompt 1's (14 and 15), so cutting
+    by row length alone would split both prompts and share nothing."""
+    from rlhf.runtime.step.micro_batches import shared_micro_batches
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    answers = [(0, 2), (1, 6), (0, 12), (1, 7)]  # (prompt, answer length)
+    trajectories = [Trajectory(token_ids=prompt + [3] * n, loss_mask=[0] * len(prompt) + [1] * n,
+                               prompt_length=len(prompt), prompt="p", prompt_text="p", completion_text="c", group=g)
+                    for g, n in answers]
+    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(4), sample_mask=torch.ones(4))
+    batch.group_index = torch.tensor([g for g, _ in answers])
+    planned = shared_micro_batches(batch, 2)
+    assert planned is not None
+    assert [micro.rows.tolist() for micro in planned] == [[1, 3], [0, 2]]
+    assert all(len(micro.groups) == 1 and sorted(micro.groups[0]) == [0, 1] for micro in planned)

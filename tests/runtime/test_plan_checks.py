@@ -102,3 +102,13 @@ def test_a_backend_whose_instance_disagrees_with_its_registration_stops_the_run(
     with pytest.raises(PluginError, match=r"'quiet_sharding' train backend's shards_weights is True but its "
                                           r"registration declares False"):
         build_backend(plan, torch.nn.Linear(2, 2), 1e-3)
+
+
+def test_components_are_told_the_tokenizer_the_run_loads():
+    """Without --tokenizer the run loads the model's own; components get the same name (a reward model
+    or an environment that tokenises must agree with the policy)."""
+    from rlhf.runtime.config.plan import shared_run_values
+
+    plain = shared_run_values(TrainConfig(model="some/model"))
+    assert plain["tokenizer"] == "some/model" and plain["model"] == "some/model"
+    assert shared_run_values(TrainConfig(model="some/model", tokenizer="other/tok"))["tokenizer"] == "other/tok"
