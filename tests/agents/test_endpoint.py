@@ -62,6 +62,7 @@ def serve(tokenizer):
     def start(engine, run=RUN):
         endpoint = AgentEndpoint(engine, tokenizer, parse, run, model_name="policy", continuous=True)
         started.append(endpoint)
+        start.server = endpoint
         return endpoint.open(0, 1234)
 
     yield start
@@ -231,3 +232,50 @@ def test_recorded_logprobs_are_the_trainers_at_temperature_one(tiny_model_dir, t
     at = mask[0].nonzero().squeeze(-1)
     recorded = torch.tensor(sequence.logprobs[1:])[at]
     assert torch.allclose(trainer[0, at], recorded, atol=1e-5), (trainer[0, at] - recorded).abs().max()
+
+
+class StuckEngine:
+    """Never finishes a request (an agent abandoned at its timeout may leave one in flight)."""
+
+    shares_weights = True
+
+    def __init__(self, tokenizer):
+        import threading
+
+        self.eos_ids = {tokenizer.eos_token_id}
+        self.started, self.cancelled = threading.Event(), threading.Event()
+
+    async def generate_one(self, prompt_ids, params):
+        import asyncio
+
+        self.started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+def test_closing_a_trajectory_ends_its_generation_in_flight(tokenizer, serve):
+    import threading
+
+    engine = StuckEngine(tokenizer)
+    trajectory, endpoint, record = serve(engine)
+    answers = []
+
+    def request():
+        try:
+            answers.append(post(f"{endpoint.base_url}/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]},
+                                endpoint.api_key))
+        except Exception as exc:  # noqa: BLE001 - the connection may simply close
+            answers.append(exc)
+
+    caller = threading.Thread(target=request, daemon=True)
+    caller.start()
+    assert engine.started.wait(30)
+    serve.server.close(trajectory)  # returns only once nothing of the trajectory is generating
+    assert engine.cancelled.is_set() and record.sequences == []
+    caller.join(30)
+    status, _ = post(f"{endpoint.base_url}/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]},
+                     endpoint.api_key)
+    assert status == 404  # the trajectory's path serves nothing any more

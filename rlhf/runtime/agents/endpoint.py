@@ -45,6 +45,7 @@ class _Open:
     rollout_seed: int
     ordinal: int = 0
     errors: list[str] = field(default_factory=list)  # requests answered 4xx/5xx
+    generating: set = field(default_factory=set)  # its requests' generation tasks in flight
 
 
 def request_seed(rollout_seed: int, trajectory: int, ordinal: int) -> int:
@@ -126,9 +127,27 @@ class AgentEndpoint:
                                     model=self.model_name), record
 
     def close(self, trajectory: str) -> list[str]:
-        """Stop serving a trajectory; returns the errors its requests were answered with."""
+        """Stop serving a trajectory and end what it still has generating (an agent abandoned at its
+        timeout may have a request in flight: none may sample while the policy trains); returns the
+        errors its requests were answered with."""
         found = self.open_trajectories.pop(trajectory, None)
-        return found.errors if found is not None else []
+        if found is None:
+            return []
+        if found.generating and self.loop is not None:
+            asyncio.run_coroutine_threadsafe(self._end(found), self.loop).result()
+        return found.errors
+
+    async def _end(self, opened: _Open) -> None:
+        tasks = list(opened.generating)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not self.continuous:  # a generate already running in its thread cannot be stopped: wait for it
+            await asyncio.get_running_loop().run_in_executor(None, self._wait_for_generate)
+
+    def _wait_for_generate(self) -> None:
+        with self._one_at_a_time:
+            pass
 
     # --- handlers ----------------------------------------------------------------------------
 
@@ -196,8 +215,7 @@ class AgentEndpoint:
         except Exception as exc:  # a template that cannot render these messages
             raise BadRequest(f"the policy's chat template cannot render these messages: {type(exc).__name__}: "
                              f"{exc}", code="template_error") from None
-        extra_stop = (self.template.marker,) if self.template.marker and self.template.marker not in \
-            self.template.eos_texts() else ()
+        extra_stop = (self.template.marker,) if self.template.marker and not self.template.marker_is_eos else ()
         generation = await self._generate(opened, prompt, body, stops + extra_stop)
         ids = generation.token_ids
         text = self._visible_text(ids, generation.stop_string if generation.stop_string in stops else None)
@@ -250,8 +268,15 @@ class AgentEndpoint:
                                     seed=request_seed(opened.rollout_seed, opened.index, ordinal))
             ids = list(prompt.ids)
             if self.continuous:
-                return await self.engine.generate_one(ids, params)
-            return await asyncio.get_running_loop().run_in_executor(None, self._generate_alone, ids, params)
+                work = self.engine.generate_one(ids, params)
+            else:
+                work = asyncio.get_running_loop().run_in_executor(None, self._generate_alone, ids, params)
+            task = asyncio.ensure_future(work)
+            opened.generating.add(task)
+            try:
+                return await task
+            finally:
+                opened.generating.discard(task)
         except BaseException:
             opened.record.abandon(prompt)
             raise

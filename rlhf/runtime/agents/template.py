@@ -20,6 +20,9 @@ class ChatTemplate:
         self.eos_ids = set(eos_ids or ()) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.end_of_turn = self._end_of_turn()  # "<|im_end|>\n": what the template writes after an assistant's text
         self.marker = self.end_of_turn.strip()  # "<|im_end|>": counted to find a turn's end ("" when none)
+        # the marker is an EOS token of the model (Qwen's <|im_end|>), so EOS ends a turn without a stop string
+        self.marker_is_eos = bool(self.marker) and any(
+            tokenizer.decode([i], skip_special_tokens=False) == self.marker for i in self.eos_ids)
 
     def _end_of_turn(self) -> str:
         text = self.text([{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}], None,

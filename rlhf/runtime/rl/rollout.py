@@ -18,6 +18,9 @@ process's stream per rollout, the trajectory's index and the turn: what a trajec
 does not depend on when the others' tool calls return (up to the float rounding of a forward
 over a different batch). The rollout then says so (`rlhf.runtime.rl.draw_order`): with ``--async``
 another batch's rollout may start beside it.
+
+With ``--agent`` no environment is made: each trajectory is one call of the user's agent, which talks
+to the engine through an OpenAI-compatible endpoint of its own (`rlhf.runtime.agents`, docs/agents.md).
 """
 
 from __future__ import annotations
