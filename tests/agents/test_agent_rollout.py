@@ -133,3 +133,22 @@ def test_agent_options_that_cannot_work_yet_are_refused(plugins, tiny_model_dir,
         "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--agent", f"{AGENTS}:solve",
         "--async", "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "--agent with --async is not supported yet" in result.output
+
+
+def test_the_same_rollout_seed_samples_the_same_trajectories(engine_and_tokenizer):
+    first, _ = roll(engine_and_tokenizer, "solve", ["1+2=", "3+4="], n=2)
+    again, _ = roll(engine_and_tokenizer, "solve", ["1+2=", "3+4="], n=2)
+    assert [t.token_ids for t in first] == [t.token_ids for t in again]
+    assert len({tuple(t.token_ids) for t in first}) > 1  # each trajectory's requests have seeds of their own
+
+
+def test_eval_runs_the_agent_on_held_out_rows(plugins, tiny_model_dir, task, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(plugins, [
+        "train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+        "--eval-data", str(task / "data.jsonl"), "--eval-max-samples", "2", "--eval-every", "1",
+        "--input-key", "prompt", "--agent", f"{AGENTS}:solve_async", "--n-samples", "2", "--prompts-per-step", "2",
+        "--max-new-tokens", "4", "--steps", "1", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    evals = [row for row in read_jsonl(out / "metrics.jsonl") if any(k.startswith("eval/") for k in row)]
+    assert evals and evals[-1]["eval/prompts"] == 2.0
