@@ -152,3 +152,15 @@ def test_eval_runs_the_agent_on_held_out_rows(plugins, tiny_model_dir, task, tmp
     assert result.exit_code == 0, result.output
     evals = [row for row in read_jsonl(out / "metrics.jsonl") if any(k.startswith("eval/") for k in row)]
     assert evals and evals[-1]["eval/prompts"] == 2.0
+
+
+def test_sixty_four_agents_at_once_each_recorded_on_its_own(engine_and_tokenizer):
+    prompts = [f"{a}+{b}=" for a in range(4) for b in range(4)]
+    trajectories, endpoint = roll(engine_and_tokenizer, "solve_async", prompts, n=4)
+    assert len(trajectories) == 64 and [t.group for t in trajectories] == [g for g in range(16) for _ in range(4)]
+    assert all(t.outcome == "ok" and t.info["agent_requests"] == 1 and t.info["agent_segments"] == 1
+               for t in trajectories)
+    tokenizer = engine_and_tokenizer[1]
+    for t, prompt in zip(trajectories, [p for p in prompts for _ in range(4)]):
+        assert prompt in tokenizer.decode(t.token_ids[:t.prompt_length])  # each endpoint recorded its own agent
+        assert 1 <= sum(t.loss_mask) <= 4
