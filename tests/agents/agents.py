@@ -43,3 +43,24 @@ def fails_sometimes(sample, endpoint):
 
 async def hangs(sample, endpoint):
     await asyncio.sleep(60)
+
+
+_calls = __import__("threading").Lock()
+
+
+def signals_once(sample, endpoint):
+    """One turn, no reward of its own (the run's --reward scores it); the call numbered $SIGNAL_ON_CALL
+    (counted in $CALLS_FILE) sends SIGINT to its own process first, as a Ctrl-C during agent calls."""
+    import os
+    import signal
+    from pathlib import Path
+
+    with _calls:
+        counter = Path(os.environ["CALLS_FILE"])
+        calls = int(counter.read_text()) + 1 if counter.exists() else 1
+        counter.write_text(str(calls))
+    if calls == int(os.environ.get("SIGNAL_ON_CALL", "0")):
+        os.kill(os.getpid(), signal.SIGINT)
+    endpoint.openai().chat.completions.create(model=endpoint.model, max_tokens=4,
+                                              messages=[{"role": "user", "content": sample["prompt"]}])
+    return None

@@ -164,3 +164,33 @@ def test_sixty_four_agents_at_once_each_recorded_on_its_own(engine_and_tokenizer
     for t, prompt in zip(trajectories, [p for p in prompts for _ in range(4)]):
         assert prompt in tokenizer.decode(t.token_ids[:t.prompt_length])  # each endpoint recorded its own agent
         assert 1 <= sum(t.loss_mask) <= 4
+
+
+def test_ctrl_c_during_agent_calls_checkpoints_and_resume_ends_as_an_uninterrupted_run(
+        plugins, tiny_model_dir, task, tmp_path, monkeypatch):
+    import torch
+
+    from rlhf.runtime.rl.local import train
+    from rlhf.core.errors import RunInterrupted
+    from tests.helpers import final_weights, small_config
+
+    def config(out, **changes):
+        return small_config(tiny_model_dir, task, out, agent=f"{AGENTS}:signals_once", steps=3, **changes)
+
+    monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))
+    whole = train(config(tmp_path / "whole"), plugins=plugins)
+    (tmp_path / "calls").unlink()
+    monkeypatch.setenv("SIGNAL_ON_CALL", "5")  # the first agent call of step 2 (4 calls per step)
+    out = tmp_path / "stopped"
+    with pytest.raises(RunInterrupted, match=r"after step 2/3"):
+        train(config(out), plugins=plugins)
+    monkeypatch.setenv("SIGNAL_ON_CALL", "0")
+    train(config(out, resume=True), plugins=plugins)
+
+    def comparable(rows):
+        return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/")) and "per_s" not in k}
+                for row in rows]
+
+    assert comparable(read_jsonl(out / "metrics.jsonl")) == comparable(read_jsonl(whole / "metrics.jsonl"))
+    got, expected = final_weights(out), final_weights(whole)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
