@@ -17,6 +17,8 @@ registers a ``config_cls`` that subclasses it and takes it as a third argument,
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +47,28 @@ class Endpoint:
     model: str  # the model name to send
 
     def openai(self, **kwargs: Any) -> Any:
-        """An ``openai.OpenAI`` client configured for this endpoint (needs the ``openai`` package)."""
-        return _openai_module().OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        """An ``openai.OpenAI`` client configured for this endpoint (needs the ``openai`` package). The
+        clients share one HTTP connection pool per process (building one costs ~20 ms of CPU, and a
+        batch makes one client per trajectory); pass ``http_client=`` for your own."""
+        openai = _openai_module()
+        if "http_client" not in kwargs:
+            kwargs["http_client"] = _shared_http("sync", openai.DefaultHttpxClient)
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def async_openai(self, **kwargs: Any) -> Any:
-        """An ``openai.AsyncOpenAI`` client configured for this endpoint (needs the ``openai`` package)."""
-        return _openai_module().AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        """An ``openai.AsyncOpenAI`` client configured for this endpoint (needs the ``openai`` package),
+        sharing one connection pool per event loop (pass ``http_client=`` for your own)."""
+        import asyncio
+
+        openai = _openai_module()
+        if "http_client" not in kwargs:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                kwargs["http_client"] = _shared_http(loop, openai.DefaultAsyncHttpxClient)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,28 @@ def as_agent_result(value: Any) -> AgentResult:
     if result.reward is not None and not math.isfinite(float(result.reward)):
         raise ValueError(f"the agent returned a reward that is not a finite number: {result.reward}")
     return result
+
+
+_HTTP_CLIENTS: weakref.WeakKeyDictionary | None = None  # event loop -> its async pool
+_SYNC_HTTP: list[Any] = []  # the process's sync pool, once made
+_HTTP_LOCK = threading.Lock()
+
+
+def _shared_http(key: Any, make: Any) -> Any:
+    """One HTTP client per process (``key`` "sync") or per event loop: an async client's connections
+    belong to the loop that opened them."""
+    global _HTTP_CLIENTS
+    with _HTTP_LOCK:
+        if key == "sync":
+            if not _SYNC_HTTP:
+                _SYNC_HTTP.append(make())
+            return _SYNC_HTTP[0]
+        if _HTTP_CLIENTS is None:
+            _HTTP_CLIENTS = weakref.WeakKeyDictionary()
+        client = _HTTP_CLIENTS.get(key)
+        if client is None:
+            client = _HTTP_CLIENTS[key] = make()
+        return client
 
 
 def _openai_module() -> Any:
