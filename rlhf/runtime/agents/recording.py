@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlhf.runtime.agents.template import ChatTemplate, message_key
 
