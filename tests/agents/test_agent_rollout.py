@@ -124,6 +124,10 @@ def test_rlhf_train_with_an_agent_by_reference(plugins, tiny_model_dir, task, tm
         assert math.isfinite(row["policy/grad_norm"])
     samples = read_jsonl(out / "samples.jsonl")
     assert len(samples) == 8 and all(s["reward"] in (0.0, 1.0, 2.0) for s in samples)
+    for sample in samples:  # where each token came from, as [origin, count] runs
+        origins = dict.fromkeys(o for o, _ in sample["token_origins"])
+        assert {"template", "user", "model"} <= set(origins)
+        assert sum(c for o, c in sample["token_origins"] if o == "model") == sample["completion_tokens"]
     config = (out / "config.yaml").read_text()
     assert "agents.py:solve" in config and "timeout_s: 120" in config
 

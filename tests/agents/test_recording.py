@@ -159,3 +159,32 @@ def test_token_prompts_extend_by_token_prefix(base_tokenizer):
     first_sequence, new = record.trained_sequences()
     assert first_sequence.tokens == [5, 6, 7, 8, 9, 10, 11] and first_sequence.mask == [0, 0, 0, 1, 1, 0, 1]
     assert new.tokens == [5, 6, 99, 12] and new.mask == [0, 0, 0, 1]
+
+
+def test_every_token_says_where_it_came_from(base_tokenizer):
+    agent = Agent(base_tokenizer, REWRITING)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 2?"}]
+    reply, _ = agent.ask(messages, CALL, TOOLS)
+    messages += [reply, {"role": "tool", "content": "3"}]
+    agent.ask(messages, "It is 3.", TOOLS)
+    (sequence,) = agent.record.sequences
+    assert len(sequence.origins) == len(sequence.tokens)
+    assert [o == "model" for o in sequence.origins] == [bool(m) for m in sequence.mask]
+
+    def text_of(origin):
+        return agent.tokenizer.decode([t for t, o in zip(sequence.tokens, sequence.origins) if o == origin])
+
+    assert text_of("system") == "Be brief." and text_of("user") == "What is 1 + 2?" and text_of("tool") == "3"
+    assert "<|im_start|>assistant" in text_of("template") and "Tools:" in text_of("template")
+
+
+def test_a_branch_marks_the_model_tokens_it_shares(base_tokenizer):
+    agent = Agent(base_tokenizer, FAITHFUL)
+    messages = [{"role": "user", "content": "Hi"}]
+    reply, _ = agent.ask(messages, "Hello")
+    agent.ask(messages + [reply, {"role": "user", "content": "A"}], "One")
+    agent.ask(messages + [reply, {"role": "user", "content": "B"}], "Two")
+    first, branch = agent.record.sequences
+    shared = len(agent.sent[0]) + len(agent.sampled[0])
+    assert branch.origins[:shared] == ["shared" if o == "model" else o for o in first.origins[:shared]]
+    assert "shared" in branch.origins and branch.origins.count("model") == len(agent.sampled[2])

@@ -42,15 +42,20 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # per token: "model" (sampled here), "template", the role of the message it renders, or "prompt"
+    # (a /v1/completions prompt); "model" tokens a branch shares with its first sequence become "shared"
+    origins: list[str] = field(default_factory=list)
     # after each completion: (tokens held, message keys held; None for a /v1/completions request)
     checkpoints: list[tuple[int, tuple | None]] = field(default_factory=list)
     busy: bool = False  # a request extending it is being generated
     finish_reason: str = "stop"
 
-    def extend(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None) -> None:
+    def extend(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None,
+               origins: list[str] | None = None) -> None:
         self.tokens += ids
         self.mask += [1 if model else 0] * len(ids)
         self.logprobs += list(logprobs) if model and logprobs is not None else [0.0] * len(ids)
+        self.origins += ["model"] * len(ids) if model else list(origins or ["template"] * len(ids))
 
     @property
     def model_tokens(self) -> int:
@@ -89,24 +94,26 @@ class TrajectoryRecord:
         with self.lock:
             found = self._match(keys)
             if found is None:
-                return self._fresh(self.template.text(messages, tools, generation_prompt=True), keys)
+                return self._fresh(self.template.text(messages, tools, generation_prompt=True), messages, keys)
             sequence, at, held = found
             self.follow_ups += 1
             target = self._claim(sequence, at)
             recorded = target.tokens
             text_full = self.template.text(messages, tools, generation_prompt=True)
-            ids_full = self.template.ids(text_full)
+            ids_full, origins = self.template.labelled_ids(text_full, messages)
             if ids_full[:len(recorded)] == recorded:
-                target.extend(ids_full[len(recorded):], model=False)
+                target.extend(ids_full[len(recorded):], model=False, origins=origins[len(recorded):])
                 return Prompt(target, keys)
             spliced = self._splice(recorded, messages[:len(held)], tools, text_full)
             if spliced is None:  # the template's turns could not be placed: a new sequence, counted
                 self.drift += 1
                 self._release(target, sequence)
-                return self._fresh(text_full, keys)
+                return self._fresh(text_full, messages, keys)
             glue, suffix, drifted = spliced
             self.drift += drifted
-            target.extend(self.template.ids(glue) + self.template.ids(suffix), model=False)
+            target.extend(self.template.ids(glue), model=False)
+            suffix_ids, suffix_origins = self.template.labelled_ids(suffix, messages[len(held):])
+            target.extend(suffix_ids, model=False, origins=suffix_origins)
             return Prompt(target, keys)
 
     def token_prompt(self, ids: list[int]) -> Prompt:
@@ -120,13 +127,13 @@ class TrajectoryRecord:
                         best = (sequence, tokens)
             if best is None:
                 sequence = Sequence()
-                sequence.extend(list(ids), model=False)
+                sequence.extend(list(ids), model=False, origins=["prompt"] * len(ids))
                 sequence.busy = True
                 self.sequences.append(sequence)
                 return Prompt(sequence, None)
             self.follow_ups += 1
             target = self._claim(best[0], best[1])
-            target.extend(list(ids[best[1]:]), model=False)
+            target.extend(list(ids[best[1]:]), model=False, origins=["prompt"] * (len(ids) - best[1]))
             return Prompt(target, None)
 
     def _match(self, keys: tuple) -> tuple[Sequence, int, tuple] | None:
@@ -146,7 +153,8 @@ class TrajectoryRecord:
             sequence.busy = True
             return sequence
         branch = Sequence(busy=True)
-        branch.extend(sequence.tokens[:at], model=False)
+        branch.extend(sequence.tokens[:at], model=False,
+                      origins=["shared" if o == "model" else o for o in sequence.origins[:at]])
         self.sequences.append(branch)
         return branch
 
@@ -156,9 +164,10 @@ class TrajectoryRecord:
         else:
             self.sequences.remove(target)
 
-    def _fresh(self, text: str, keys: tuple) -> Prompt:
+    def _fresh(self, text: str, messages: list[dict], keys: tuple) -> Prompt:
         sequence = Sequence(busy=True)
-        sequence.extend(self.template.ids(text), model=False)
+        ids, origins = self.template.labelled_ids(text, messages)
+        sequence.extend(ids, model=False, origins=origins)
         self.sequences.append(sequence)
         return Prompt(sequence, keys)
 
@@ -220,7 +229,7 @@ class TrajectoryRecord:
                     self.sequences.remove(sequence)
                 return
             keep = sequence.checkpoints[-1][0]  # back to the last completion: its prompt tokens go
-            del sequence.tokens[keep:], sequence.mask[keep:], sequence.logprobs[keep:]
+            del sequence.tokens[keep:], sequence.mask[keep:], sequence.logprobs[keep:], sequence.origins[keep:]
 
     # --- what the rollout takes -----------------------------------------------------------------
 

@@ -61,7 +61,8 @@ class AgentRollout:
         if main is None:  # nothing sampled: the prompt and an EOS, nothing to train
             eos = self.tokenizer.eos_token_id
             main = Sequence()
-            main.extend(list(item.prompt_ids) + ([eos] if eos is not None else []), model=False)
+            main.extend(list(item.prompt_ids) + ([eos] if eos is not None else []), model=False,
+                        origins=["prompt"] * (len(item.prompt_ids) + (eos is not None)))
         mask = list(main.mask) if ok else [0] * len(main.tokens)
         prompt_length = next((i for i, m in enumerate(main.mask) if m), len(main.tokens) - 1)
         result = called.result
@@ -70,6 +71,7 @@ class AgentRollout:
             "env_reward": float(result.reward) if result is not None and result.reward is not None else 0.0,
             "agent_requests": record.requests, "agent_follow_ups": record.follow_ups, "agent_drift": record.drift,
             "agent_segments": len(sequences), "agent_untrained_segments": max(0, len(sequences) - 1),
+            "agent_token_origins": runs(main.origins),
             **({"agent_parse_failures": list(record.parse_failures)} if record.parse_failures else {}),
             **({"agent_request_errors": errors} if errors else {}),
             **({"agent_info": dict(result.info)} if result is not None and result.info else {}),
@@ -82,3 +84,14 @@ class AgentRollout:
             rollout_logprobs=(list(main.logprobs) if ok else [0.0] * len(main.tokens)) if logprobs else None,
             finish_reason="length" if main.finish_reason == "length" else "stop",
             num_turns=len(main.checkpoints), info=info, outcome=called.outcome, error=called.error)
+
+
+def runs(labels: list[str]) -> list[list]:
+    """Labels as ``[label, count]`` runs: ``["template", 4], ["user", 7], ["template", 3], ["model", 9]``."""
+    out: list[list] = []
+    for label in labels:
+        if out and out[-1][0] == label:
+            out[-1][1] += 1
+        else:
+            out.append([label, 1])
+    return out

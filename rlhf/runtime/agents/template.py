@@ -37,6 +37,23 @@ class ChatTemplate:
     def ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def labelled_ids(self, text: str, messages: list[dict]) -> tuple[list[int], list[str]]:
+        """``text``'s token ids and where each came from: the role of the message whose text it
+        renders (``user``, ``tool``, ``system``, ``assistant`` for an assistant turn the model did not
+        sample in this sequence), else ``template``. The messages' texts are looked for in order."""
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans, at = [], 0
+        for message in messages:
+            content = content_text(message.get("content"))
+            found = text.find(content, at) if content else -1
+            if found >= 0:
+                spans.append((found, found + len(content), message.get("role", "user")))
+                at = found + len(content)
+        origins = []
+        for start, end in encoded["offset_mapping"]:
+            origins.append(next((role for a, b, role in spans if start < b and end > a), "template"))
+        return list(encoded["input_ids"]), origins
+
     def decode(self, ids: list[int], *, special: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not special)
 
