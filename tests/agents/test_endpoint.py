@@ -279,3 +279,19 @@ def test_closing_a_trajectory_ends_its_generation_in_flight(tokenizer, serve):
     status, _ = post(f"{endpoint.base_url}/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]},
                      endpoint.api_key)
     assert status == 404  # the trajectory's path serves nothing any more
+
+
+def test_a_conversation_the_template_cannot_render_is_a_400_and_changes_nothing(tokenizer, serve):
+    engine = ScriptedEngine(tokenizer, ["Hello<|im_end|>", "Bye<|im_end|>"])
+    _, endpoint, record = serve(engine)
+    messages = [{"role": "user", "content": "Hi"}]
+    status, first = post(f"{endpoint.base_url}/chat/completions", {"messages": messages}, endpoint.api_key)
+    reply = first["choices"][0]["message"]
+    broken = messages + [{"role": "assistant", "content": "x", "tool_calls": [{"id": "c"}]},
+                         {"role": "user", "content": "More"}]
+    status, answer = post(f"{endpoint.base_url}/chat/completions", {"messages": broken}, endpoint.api_key)
+    assert status == 400 and answer["error"]["code"] == "template_error"
+    status, _ = post(f"{endpoint.base_url}/chat/completions",
+                     {"messages": messages + [reply, {"role": "user", "content": "More"}]}, endpoint.api_key)
+    (sequence,) = record.sequences  # the valid follow-up still extends the first request's sequence
+    assert status == 200 and sum(sequence.mask) == sum(map(len, engine.sampled))

@@ -91,30 +91,41 @@ class TrajectoryRecord:
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None) -> Prompt:
         """The sequence a chat request continues, with its rendered prompt appended (loss mask 0)."""
         keys = tuple(message_key(m) for m in messages)
+        text_full = self.template.text(messages, tools, generation_prompt=True)  # a template error changes nothing
+        ids_full, origins = self.template.labelled_ids(text_full, messages)
         with self.lock:
             found = self._match(keys)
             if found is None:
-                return self._fresh(self.template.text(messages, tools, generation_prompt=True), messages, keys)
-            sequence, at, held = found
-            self.follow_ups += 1
-            target = self._claim(sequence, at)
-            recorded = target.tokens
-            text_full = self.template.text(messages, tools, generation_prompt=True)
-            ids_full, origins = self.template.labelled_ids(text_full, messages)
-            if ids_full[:len(recorded)] == recorded:
-                target.extend(ids_full[len(recorded):], model=False, origins=origins[len(recorded):])
-                return Prompt(target, keys)
-            spliced = self._splice(recorded, messages[:len(held)], tools, text_full)
-            if spliced is None:  # the template's turns could not be placed: a new sequence, counted
-                self.drift += 1
-                self._release(target, sequence)
                 return self._fresh(text_full, messages, keys)
-            glue, suffix, drifted = spliced
-            self.drift += drifted
-            target.extend(self.template.ids(glue), model=False)
-            suffix_ids, suffix_origins = self.template.labelled_ids(suffix, messages[len(held):])
-            target.extend(suffix_ids, model=False, origins=suffix_origins)
+            sequence, at, held = found
+            target = self._claim(sequence, at)
+            try:
+                return self._continue(target, sequence, messages, tools, keys, held, text_full, ids_full, origins)
+            except BaseException:
+                self._release(target, sequence)
+                raise
+
+    def _continue(self, target: Sequence, sequence: Sequence, messages: list[dict], tools: list[dict] | None,
+                  keys: tuple, held: tuple, text_full: str, ids_full: list[int], origins: list[str]) -> Prompt:
+        """``target`` (``sequence`` or its branch) continued with a request's rendering: exact, spliced, or
+        (when the splice cannot be placed) a new sequence."""
+        self.follow_ups += 1
+        recorded = target.tokens
+        if ids_full[:len(recorded)] == recorded:
+            target.extend(ids_full[len(recorded):], model=False, origins=origins[len(recorded):])
             return Prompt(target, keys)
+        spliced = self._splice(recorded, messages[:len(held)], tools, text_full)
+        if spliced is None:  # the template's turns could not be placed: a new sequence, counted
+            self.drift += 1
+            self._release(target, sequence)
+            return self._fresh(text_full, messages, keys)
+        glue, suffix, drifted = spliced
+        glue_ids = self.template.ids(glue)
+        suffix_ids, suffix_origins = self.template.labelled_ids(suffix, messages[len(held):])
+        self.drift += drifted
+        target.extend(glue_ids, model=False)
+        target.extend(suffix_ids, model=False, origins=suffix_origins)
+        return Prompt(target, keys)
 
     def token_prompt(self, ids: list[int]) -> Prompt:
         """The sequence a ``/v1/completions`` request (token ids) continues."""
