@@ -45,6 +45,11 @@ _HOMES: dict[str, str] = {
     "BadRow": "rlhf.core.protocols.objective",
     "SkipExample": "rlhf.core.protocols.objective",
     "Environment": "rlhf.core.protocols.environment",
+    "Endpoint": "rlhf.core.protocols.agent",
+    "AgentResult": "rlhf.core.protocols.agent",
+    "AgentConfig": "rlhf.core.protocols.agent",
+    "ParsedTurn": "rlhf.core.protocols.tool_parser",
+    "tool_call": "rlhf.core.protocols.tool_parser",
     # data types
     "Trajectory": "rlhf.core.types",
     "StepResult": "rlhf.core.types",
@@ -160,10 +165,12 @@ if TYPE_CHECKING:  # the same names for type checkers and editors (tests/core/te
     from rlhf.core.plugin_host.settings import run_field
     from rlhf.core.protocols.adapter import ModelAdapter, ModelAdapterBase
     from rlhf.core.protocols.backend import TrainBackend, TrainBackendBase
+    from rlhf.core.protocols.agent import AgentConfig, AgentResult, Endpoint
     from rlhf.core.protocols.environment import Environment
     from rlhf.core.protocols.objective import (BadRow, FitModels, Objective, ObjectiveBase, SkipExample, TextFormat,
                                                require)
     from rlhf.core.protocols.rollout import ContinuousEngine, Generation, RolloutEngine, SamplingParams
+    from rlhf.core.protocols.tool_parser import ParsedTurn, tool_call
     from rlhf.core.rewards import RewardResult
     from rlhf.core.types import (AdvantageConfig, AdvantageInputs, AlgorithmPreset, LossNorm, PolicyLossInputs,
                                  RunInfo, StepResult, Trajectory)

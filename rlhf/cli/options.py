@@ -196,6 +196,11 @@ def component_flags(plugins: Any, slots: Mapping[str, Any], aliases: Mapping[str
             hints = typing.get_type_hints(config_cls)
             for f in setting_fields(config_cls):
                 by_field.setdefault(f.name, []).append((component.name, f, hints[f.name]))
+        default = default_config.get(slot.field)
+        if default is not None:  # the settings every component of the slot has, even with none registered
+            hints = typing.get_type_hints(default)
+            for f in setting_fields(default):
+                by_field.setdefault(f.name, [(f"every {slot.kind.replace('_', ' ')}", f, hints[f.name])])
         for name, owners in by_field.items():
             flags.append(_setting_flag(slot, name, owners, aliases.get(name) == slot.field))
     return flags

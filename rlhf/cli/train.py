@@ -27,12 +27,13 @@ _GROUP_TITLES = {"model": "Model", "data": "Data", "algorithm": "Algorithm", "ro
 
 
 def train_flags(plugins: Any) -> list[Flag]:
+    from rlhf.core.protocols.agent import AgentConfig
     from rlhf.core.types import AdvantageConfig
     from rlhf.runtime.config.train_config import NESTED, SETTING_SLOTS, TrainConfig
 
     return (config_flags(TrainConfig, nested=NESTED, titles=_GROUP_TITLES, skip=("components",))
             + component_flags(plugins, SETTING_SLOTS, TrainConfig.short_flags(plugins),
-                              default_config={"advantage": AdvantageConfig}))
+                              default_config={"advantage": AdvantageConfig, "agent": AgentConfig}))
 
 
 def build_train_command(plugins: Any) -> click.Command:

@@ -8,6 +8,8 @@ imports (torch, transformers, ...) belong inside the objects registered as ``"mo
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import os
 import subprocess
@@ -62,12 +64,13 @@ class ImportTime:
 
 
 def targets(name: str, plugins: PluginSet) -> list[tuple[Target, PluginRecord | None]]:
-    """Every component called ``name`` (one per kind), or the ``module:attr`` object ``name`` as an env."""
+    """Every component called ``name`` (one per kind), or the ``module:attr`` object ``name``: a class
+    as an env, a function as an agent (the kinds a run takes by reference without a plugin)."""
     if is_reference(name):
         obj = resolve(name).obj
-        kind = plugins.registry("env").kind
+        kind = plugins.registry("env" if inspect.isclass(obj) else "agent").kind
         config_cls, capabilities = declared_registration(kind, obj, name)
-        return [(Target("env", name, obj, config_cls, capabilities, plugins), None)]
+        return [(Target(kind.name, name, obj, config_cls, capabilities, plugins), None)]
     key, found = normalize_name(name), []
     for registry in plugins.registries().values():
         if any(key in (c.name, *c.aliases) for c in registry.components()):

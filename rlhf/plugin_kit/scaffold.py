@@ -77,6 +77,16 @@ SPECS: dict[str, KindTemplate] = {
     "sample_filter": KindTemplate(
         "sample_filter", "keep_group", "a sample filter (keep prompt groups whose scores vary)",
         f"{TRAIN} {REWARD} --sample-filter {{name}} --out {{out}}"),
+    "agent": KindTemplate(
+        "agent", "solve", "an agent (answers, checks its answer, is scored against the label)",
+        "rlhf train --algo grpo --model ./examples/tiny-model --data examples/data/train.jsonl --input-key prompt "
+        "--label-key answer --n-samples 2 --prompts-per-step 2 --max-new-tokens 8 --steps 1 --agent {name} "
+        "--out {out}"),
+    "tool_parser": KindTemplate(
+        "parser", "parse", "a tool-call parser ([TOOL_CALLS] followed by a JSON list)",
+        "rlhf train --algo grpo --model ./examples/tiny-model --data examples/data/train.jsonl --input-key prompt "
+        "--label-key answer --n-samples 2 --prompts-per-step 2 --max-new-tokens 8 --steps 1 "
+        "--agent examples/agents/ask.py:solve --tool-parser {name} --out {out}"),
     "reward_shaping": KindTemplate(
         "shaping", "shape", "a reward shaping (a small penalty per generated token)",
         f"{TRAIN} {REWARD} --reward-shaping {{name}} --out {{out}}",

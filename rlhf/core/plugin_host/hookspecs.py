@@ -251,6 +251,37 @@ def register_envs(register: Register) -> None:
 
 
 @hookspec
+def register_agents(register: Register) -> None:
+    """Register agents (``--agent NAME``; ``--agent file.py:fn`` or ``module:fn`` needs no plugin).
+
+    - ``register(name, solve, *, config_cls=None)``. An agent is a function, sync or ``async``:
+      ``solve(sample, endpoint) -> float | AgentResult | None`` (``rlhf.core.protocols.agent``), or
+      ``solve(sample, endpoint, config)`` with a ``config_cls`` (its fields are ``--agent.<field>``).
+    - ``sample``: the dataset row, every column (the ``--input-key`` column as given: a string or chat
+      messages). ``endpoint`` (``rlhf.api.Endpoint``): ``base_url``, an OpenAI-compatible ``.../v1``
+      URL that belongs to this one trajectory, ``api_key``, ``model``, and ``openai()`` /
+      ``async_openai()`` for configured clients of the ``openai`` package.
+    - Each of the n samples of a prompt is one call, bounded by ``--agent.timeout-s``. Its return is
+      the trajectory's reward (``None``: the ``--reward`` sources score it). A call that raises or times
+      out is a failed trajectory (``outcome`` ``agent_error`` / ``timeout``), never a reward of 0.
+    - Everything the agent sends through the endpoint is recorded token for token
+      (docs/agents.md): the model's own tokens are never re-tokenised.
+    """
+
+
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers (``--tool-parser NAME``) for the agent endpoint.
+
+    - ``register(name, parse)``; ``parse(text) -> rlhf.api.ParsedTurn`` (``content``, ``tool_calls`` in
+      OpenAI's shape, ``error``): ``text`` is the completion decoded with its special tokens.
+    - A completion it cannot read is answered with the raw text as content and a recorded parse
+      failure (``ParsedTurn(content=text, error=...)``): a parser never raises on model output.
+    - The whole contract: ``rlhf.core.protocols.tool_parser``.
+    """
+
+
+@hookspec
 def register_models(register: Register) -> None:
     """Register model adapters (``--model-adapter NAME``).
 

@@ -120,6 +120,8 @@ KINDS: dict[str, Kind] = {
         Kind("sample_filter", "register_sample_filters", "--sample-filter"),
         Kind("reward_shaping", "register_reward_shapings", "--reward-shaping", {"enabled_by": None},
              setting_capabilities=("enabled_by",)),
+        Kind("agent", "register_agents", "--agent"),
+        Kind("tool_parser", "register_tool_parsers", "--tool-parser"),
         Kind("objective", "register_objectives", "--objective",
              {"needs_reference": False, "needs_teacher": False, "head": "lm", "default_lr": 1e-5, "command": False,
               "example": None, "preference_strength": None},

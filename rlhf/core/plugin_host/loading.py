@@ -38,6 +38,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlhf.plugins.models.plugin",
     "rlhf.plugins.rewards.plugin",
     "rlhf.plugins.envs.plugin",
+    "rlhf.plugins.tool_parsers.plugin",
     "rlhf.plugins.engines.plugin",
     "rlhf.plugins.backends.plugin",
     "rlhf.plugins.loggers.plugin",

@@ -30,6 +30,8 @@ CHECKS: dict[str, str] = {
     "objective": "objective",
     "sample_filter": "sample_filter",
     "reward_shaping": "reward_shaping",
+    "agent": "agents.agent",
+    "tool_parser": "agents.tool_parser",
 }
 
 

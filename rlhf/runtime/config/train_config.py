@@ -37,7 +37,8 @@ NESTED = {"reward_options": ("reward", RewardOptions)}
 SLOTS: dict[str, Slot] = {**MODEL_SLOTS, **{slot.field: slot for slot in (
     Slot("advantage", "advantage_estimator"), Slot("policy_loss", "policy_loss"),
     Slot("kl_estimator", "kl_estimator"), Slot("loss_agg", "loss_aggregation"), Slot("engine", "rollout_engine"),
-    Slot("env", "env"), Slot("sample_filter", "sample_filter"),
+    Slot("env", "env"), Slot("sample_filter", "sample_filter"), Slot("agent", "agent"),
+    Slot("tool_parser", "tool_parser"),
 )}}
 
 # The namespaces of component settings: every slot, and the reward shapings of the run, which share
@@ -139,6 +140,12 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
                                      "off; log-probs: docs/algorithms.md)", "rollout")
     env: str = _opt("single_turn", "Environment for each trajectory: a registered name or module:Class "
                     "(a label with an env_func key picks one per sample)", "rollout", component="env")
+    agent: str | None = _opt(None, "Train an agent that speaks the OpenAI API: a registered name, file.py:fn or "
+                             "module:fn, called once per trajectory with the dataset row and an endpoint of its own "
+                             "(docs/agents.md; its options: --agent.NAME, e.g. --agent.timeout-s)", "rollout",
+                             component="agent")
+    tool_parser: str = _opt("hermes", "How the agent endpoint reads tool calls out of a completion (a registered "
+                            "tool parser or module:fn)", "rollout", component="tool_parser")
     env_config: list[str] = _many("KEY=VALUE for an option of the environment, like --env.KEY (repeatable)",
                                   "rollout")
     engine_config: list[str] = _many("KEY=VALUE for an option of the rollout engine, like --engine.KEY, e.g. "

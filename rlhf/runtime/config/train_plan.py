@@ -169,7 +169,9 @@ class RunPlan(Plan):
     def check_ranks(self, world_size: int) -> None:
         """The checks both runtimes make before starting anything (``world_size``: data-parallel ranks)."""
         config, derived = self.config, self.derived
-        if not config.reward and not self.env_capability("gives_rewards"):
+        if config.agent:
+            self._check_agent(world_size)
+        elif not config.reward and not self.env_capability("gives_rewards"):
             raise ConfigError(f"--reward is required (a reward function, URL or reward model): the {config.env!r} "
                               "environment gives no rewards; see `rlhf train --help`")
         if not config.label_key and self.env_capability("needs_labels"):
@@ -197,6 +199,16 @@ class RunPlan(Plan):
                               f"{self.whole_weights_advice()}, or run one process")
         if config.runtime == "ray":
             self._check_ray()
+
+    def _check_agent(self, world_size: int) -> None:
+        """What ``--agent`` does not support yet, refused before anything is built."""
+        config = self.config
+        for what, unsupported in (("--async", config.async_rollout), ("--runtime ray", config.runtime == "ray"),
+                                  ("several processes (torchrun)", world_size > 1),
+                                  (f"--env {config.env}", config.env != "single_turn")):
+            if unsupported:
+                raise ConfigError(f"--agent with {what} is not supported yet: the agent talks to the endpoint "
+                                  "in front of this process's engine; drop one of them")
 
     def _check_ray(self) -> None:
         config = self.config
@@ -334,15 +346,30 @@ def _choices(config: TrainConfig, algorithm: ResolvedAlgorithm, plugins: PluginS
                          ("kl_estimator", algorithm.kl_estimator), ("loss_agg", algorithm.loss_agg)):
         config_cls = loaded.config_cls or (AdvantageConfig if slot == "advantage" else None)
         choices[slot] = SlotChoice(loaded.name, config_cls, dict(loaded.capabilities), obj=loaded.obj)
-    for slot in ("model_adapter", "engine", "backend", "env", "sample_filter"):
+    for slot in ("model_adapter", "engine", "backend", "env", "sample_filter", "agent", "tool_parser"):
         name = getattr(config, slot)
         if slot == "sample_filter":
             name = name or (DEFAULT_SAMPLE_FILTER if config.filter_groups else None)
-            if name is None:  # no filtering: an empty choice, with no config class
-                choices[slot] = SlotChoice("", None)
-                continue
+        if name is None:  # no filtering, no agent: an empty choice, with no config class
+            choices[slot] = SlotChoice("", None)
+            continue
         choices[slot] = choose(name, SLOTS[slot].kind, plugins)
+    if config.agent:
+        choices["agent"] = _agent_choice(choices["agent"])
     return choices
+
+
+def _agent_choice(choice: SlotChoice) -> SlotChoice:
+    """Every agent's settings include `AgentConfig`'s (``--agent.timeout-s``): an agent without a config
+    class gets it, one with its own must subclass it."""
+    from rlhf.core.protocols.agent import AgentConfig
+
+    if choice.config_cls is None:
+        return dataclasses.replace(choice, config_cls=AgentConfig)
+    if not (isinstance(choice.config_cls, type) and issubclass(choice.config_cls, AgentConfig)):
+        raise ConfigError(f"agent {choice.name!r}: its config_cls {choice.config_cls.__name__} must subclass "
+                          "rlhf.api.AgentConfig (which gives every agent --agent.timeout-s)")
+    return choice
 
 
 def _settings(config: TrainConfig, choices: dict[str, SlotChoice]) -> dict[str, dict[str, Any]]:

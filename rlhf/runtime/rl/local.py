@@ -124,10 +124,33 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
     envs = EnvFactory(plugins.registry("env"), plan.env_settings, plan.run_values())
     envs.capabilities(config.env)  # the run's environment resolved (and its settings checked) once, before step 1
     set_aside = [worker.backend for worker in trained if worker is not None] if config.offload_train_state else []
+    continuous = plan.choices["engine"].capabilities["continuous_batching"]
     return RolloutWorker(engine, tokenizer, envs, RolloutSettings(env=config.env, max_turns=config.max_turns,
                                                                   max_total_tokens=plan.token_budget),
-                         set_aside=set_aside,
-                         continuous_batching=plan.choices["engine"].capabilities["continuous_batching"])
+                         set_aside=set_aside, continuous_batching=continuous,
+                         agents=build_agents(plan, engine, tokenizer, continuous) if config.agent else None)
+
+
+def build_agents(plan: RunPlan, engine: Any, tokenizer: Any, continuous: bool) -> Any:
+    """``--agent``: the endpoint in front of ``engine`` and the rollout that calls the agent
+    (`rlhf.runtime.agents`); the endpoint starts with the first rollout."""
+    from rlhf.runtime.agents.calling import AgentCaller
+    from rlhf.runtime.agents.endpoint import AgentEndpoint
+    from rlhf.runtime.agents.requests import RunSampling
+    from rlhf.runtime.agents.rollout import AgentRollout, AgentSettings
+
+    config = plan.config
+    run = RunSampling(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                      repetition_penalty=config.repetition_penalty, max_new_tokens=config.max_new_tokens,
+                      max_total_tokens=plan.token_budget)
+    params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                            top_p=config.top_p, top_k=config.top_k, repetition_penalty=config.repetition_penalty)
+    endpoint = AgentEndpoint(engine, tokenizer, plan.choices["tool_parser"].load(), run, model_name=config.model,
+                             continuous=batches_continuously(engine, params, declared=continuous))
+    agent = plan.choices["agent"]
+    caller = AgentCaller(agent.load(), plan.component_config("agent"), agent.name)
+    return AgentRollout(endpoint, caller, tokenizer, AgentSettings(name=agent.name, input_key=config.input_key,
+                                                                   has_reward_sources=bool(config.reward)))
 
 
 def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker:
@@ -251,6 +274,9 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
         workers, plan = build_workers(plan, plugins, dist)
         return Trainer(plan, plugins, workers).run()
     finally:
+        close = getattr(getattr(workers, "rollout", None), "close", None)
+        if close is not None:
+            close()  # the agent endpoint, if the rollout started one
         del workers  # the models and their backends (which hold process groups) go before the group does
         dist.close()
         if lock is not None:

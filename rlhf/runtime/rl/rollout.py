@@ -20,6 +20,9 @@ process's stream per rollout, the trajectory's index and the turn: what a trajec
 does not depend on when the others' tool calls return (up to the float rounding of a forward
 over a different batch). The rollout then says so (`rlhf.runtime.rl.draw_order`): with ``--async``
 another batch's rollout may start beside it.
+
+With ``--agent`` no environment is made: each trajectory is one call of the user's agent, which talks
+to the engine through an OpenAI-compatible endpoint of its own (`rlhf.runtime.agents`, docs/agents.md).
 """
 
 from __future__ import annotations
@@ -151,17 +154,19 @@ class RolloutWorker:
     stateful = False  # its random numbers are this process's, which every checkpoint saves
 
     def __init__(self, engine: Any, tokenizer: Any, env_factory: Any, settings: RolloutSettings, *,
-                 set_aside: Sequence[Any] = (), continuous_batching: bool = False):
+                 set_aside: Sequence[Any] = (), continuous_batching: bool = False, agents: Any = None):
         """``set_aside``: training backends (``offloads_state``) whose training state leaves the device
         while this worker generates (``--offload-train-state``); their parameters too when the engine
         has weights of its own. ``continuous_batching``: the engine's registration declares it
-        (`rlhf.core.protocols.rollout.ContinuousEngine`)."""
+        (`rlhf.core.protocols.rollout.ContinuousEngine`). ``agents``: with ``--agent``, the
+        `rlhf.runtime.agents.rollout.AgentRollout` that makes every trajectory instead of environments."""
         self.engine, self.tokenizer = engine, tokenizer
         self.continuous_batching = continuous_batching
         self.make_env, self.settings = env_factory, settings
         self.set_aside = list(set_aside)
         self.told_offload = False  # the first set-aside's size is logged once
         self._control_ids: set[int] | None = None  # the tokenizer's special tokens, never taken from observations
+        self.agents = agents
 
     def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
         """``n`` trajectories per prompt, contiguous, in prompt order."""
@@ -206,6 +211,8 @@ class RolloutWorker:
     # --- the episode loop ---------------------------------------------------------------------
 
     async def _rollout(self, prompts: list[Any], n: int, params: SamplingParams) -> list[Trajectory]:
+        if self.agents is not None:
+            return await self._agent_rollout(prompts, n, params)
         episodes = [self._start(item, group, params) for group, item in enumerate(prompts) for _ in range(n)]
         # A blocking environment call runs on the loop's default executor, whose few threads (cores + 4)
         # would queue a batch's slow tool calls: a thread per trajectory, up to a cap, instead.
@@ -230,6 +237,20 @@ class RolloutWorker:
         finally:
             await asyncio.gather(*(e.env.close() for e in episodes), return_exceptions=True)
         return [self._trajectory(e) for e in episodes]
+
+    async def _agent_rollout(self, prompts: list[Any], n: int, params: SamplingParams) -> list[Trajectory]:
+        """``--agent``: one agent call per trajectory, its requests served by the agent endpoint with
+        this rollout's seed (`rlhf.runtime.agents.rollout`)."""
+        import torch
+
+        rollout_seed = int(torch.randint(0, 2 ** 62, (1,)).item())  # the one draw of the process's stream
+        random_draws_done()
+        return await self.agents.run(prompts, n, rollout_seed, logprobs=params.return_logprobs)
+
+    def close(self) -> None:
+        """Stop the agent endpoint, if this worker started one."""
+        if self.agents is not None:
+            self.agents.endpoint.stop()
 
     def _multi_turn(self, episodes: list[_Episode]) -> bool:
         """Whether some episode may take several turns (a single-turn environment's never does)."""

@@ -51,6 +51,8 @@ def step_metrics(trajectories: list[Trajectory], batch: ExperienceBatch, reward_
         metrics["kl/mean"] = train["policy/kl"]
     if any(t.num_turns > 1 or t.info.get("multi_turn") for t in trajectories):
         metrics.update(_env_metrics(trajectories))
+    if any("agent" in t.info for t in trajectories):
+        metrics.update(agent_metrics(trajectories))
     metrics.update(train)
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     metrics["throughput/tokens_per_s"] = float(lengths.sum()) / max(timings["step"], 1e-9)
@@ -66,6 +68,24 @@ def _env_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
         "env/budget_rate": sum(t.finish_reason == "budget" for t in trajectories) / count,
         "env/env_tokens_mean": sum(len(t.token_ids) - t.prompt_length - t.num_policy_tokens
                                    for t in trajectories) / count,
+    }
+
+
+def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """``--agent`` (docs/agents.md): ``drift_rate``, the share of follow-up requests the chat template
+    rendered otherwise than the recorded tokens (spliced, or a new segment); ``segments_mean``,
+    sequences per trajectory; ``failure_rate``, calls that raised or timed out; the share of
+    completions whose tool calls could not be parsed; requests per call."""
+    count = len(trajectories)
+    follow_ups = sum(t.info.get("agent_follow_ups", 0) for t in trajectories)
+    requests = sum(t.info.get("agent_requests", 0) for t in trajectories)
+    return {
+        "agent/drift_rate": sum(t.info.get("agent_drift", 0) for t in trajectories) / max(follow_ups, 1),
+        "agent/segments_mean": sum(t.info.get("agent_segments", 0) for t in trajectories) / count,
+        "agent/failure_rate": sum(t.outcome in ("agent_error", "timeout") for t in trajectories) / count,
+        "agent/parse_failure_rate": sum(len(t.info.get("agent_parse_failures", ())) for t in trajectories)
+        / max(requests, 1),
+        "agent/requests_mean": requests / count,
     }
 
 

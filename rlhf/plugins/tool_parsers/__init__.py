@@ -1,0 +1,1 @@
+"""Built-in tool-call parsers (``--tool-parser``)."""

@@ -1,0 +1,326 @@
+"""The agent endpoint: an OpenAI-compatible HTTP server in front of the rollout engine (docs/agents.md).
+
+It listens on 127.0.0.1 (a random port) with a random key per run, on an event loop thread of its
+own in the process that holds the engine; requests go to the engine's ``generate_one`` (continuous
+batching: every agent's request joins one decode batch) or, for an engine without it, one
+``generate`` at a time. Each trajectory gets its own path, ``/t/<id>/v1``, so every request maps to
+the `TrajectoryRecord` that records it token for token (`rlhf.runtime.agents.recording`).
+
+    POST /t/<id>/v1/chat/completions   messages (system, user, assistant, tool), tools, tool_choice
+                                       auto/none, max_tokens / max_completion_tokens, stop, logprobs /
+                                       top_logprobs (the sampled token's only), stream
+    POST /t/<id>/v1/completions        prompt as text or token ids (the response adds token ids)
+    GET  /t/<id>/v1/models
+
+The run's sampling settings always apply (`rlhf.runtime.agents.requests.check_sampling`); each
+request samples from a random stream seeded by the rollout's seed, the trajectory's index and the
+request's ordinal in that trajectory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rlhf.core.protocols.agent import Endpoint
+from rlhf.core.protocols.rollout import SamplingParams
+from rlhf.runtime.agents.recording import Prompt, TrajectoryRecord
+from rlhf.runtime.agents.requests import (BadRequest, RunSampling, budget, check_messages, check_sampling,
+                                          check_tools, prompt_of, stop_strings)
+from rlhf.runtime.agents.template import ChatTemplate
+
+
+@dataclass(eq=False)
+class _Open:
+    """One trajectory the endpoint serves."""
+
+    record: TrajectoryRecord
+    index: int
+    rollout_seed: int
+    ordinal: int = 0
+    errors: list[str] = field(default_factory=list)  # requests answered 4xx/5xx
+    generating: set = field(default_factory=set)  # its requests' generation tasks in flight
+
+
+def request_seed(rollout_seed: int, trajectory: int, ordinal: int) -> int:
+    """The seed of one request: a hash of the rollout's seed, the trajectory's index and its ordinal."""
+    digest = hashlib.blake2b(f"agent/{rollout_seed}/{trajectory}/{ordinal}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class AgentEndpoint:
+    """The server; `open` gives one trajectory its `Endpoint` and `TrajectoryRecord`."""
+
+    def __init__(self, engine: Any, tokenizer: Any, parser: Any, run: RunSampling, *, model_name: str,
+                 continuous: bool):
+        self.engine, self.parser, self.run, self.model_name = engine, parser, run, model_name
+        self.template = ChatTemplate(tokenizer, getattr(engine, "eos_ids", None))
+        self.continuous = continuous
+        self.key = "rlhf-" + secrets.token_urlsafe(24)
+        self.open_trajectories: dict[str, _Open] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.port: int | None = None
+        self._runner: Any = None
+        self._one_at_a_time = threading.Lock()
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.thread is not None:
+            return
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(self._listen())
+            except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+                failure.append(exc)
+                started.set()
+                return
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, name="rlhf-agent-endpoint", daemon=True)
+        self.thread.start()
+        started.wait()
+        if failure:
+            raise failure[0]
+
+    async def _listen(self) -> None:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/t/{trajectory}/v1/chat/completions", self._chat)
+        app.router.add_post("/t/{trajectory}/v1/completions", self._completions)
+        app.router.add_get("/t/{trajectory}/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        if self.thread is None or self.loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.thread = self.loop = None
+
+    def open(self, index: int, rollout_seed: int) -> tuple[str, Endpoint, TrajectoryRecord]:
+        """A new trajectory: its id, its endpoint (its own ``/t/<id>/v1`` URL) and its record."""
+        self.start()
+        trajectory = secrets.token_hex(8)
+        record = TrajectoryRecord(self.template)
+        self.open_trajectories[trajectory] = _Open(record, index, rollout_seed)
+        return trajectory, Endpoint(base_url=f"http://127.0.0.1:{self.port}/t/{trajectory}/v1", api_key=self.key,
+                                    model=self.model_name), record
+
+    def close(self, trajectory: str) -> list[str]:
+        """Stop serving a trajectory and end what it still has generating (an agent abandoned at its
+        timeout may have a request in flight: none may sample while the policy trains); returns the
+        errors its requests were answered with."""
+        found = self.open_trajectories.pop(trajectory, None)
+        if found is None:
+            return []
+        if found.generating and self.loop is not None:
+            asyncio.run_coroutine_threadsafe(self._end(found), self.loop).result()
+        return found.errors
+
+    async def _end(self, opened: _Open) -> None:
+        tasks = list(opened.generating)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not self.continuous:  # a generate already running in its thread cannot be stopped: wait for it
+            await asyncio.get_running_loop().run_in_executor(None, self._wait_for_generate)
+
+    def _wait_for_generate(self) -> None:
+        with self._one_at_a_time:
+            pass
+
+    # --- handlers ----------------------------------------------------------------------------
+
+    async def _models(self, request: Any) -> Any:
+        return await self._answer(request, self._model_list)
+
+    async def _chat(self, request: Any) -> Any:
+        return await self._answer(request, self._chat_completion, wants_body=True)
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._answer(request, self._text_completion, wants_body=True)
+
+    async def _answer(self, request: Any, handle: Any, *, wants_body: bool = False) -> Any:
+        from aiohttp import web
+
+        opened = None
+        try:
+            if request.headers.get("Authorization", "") != f"Bearer {self.key}":
+                raise BadRequest("wrong or missing API key: use the endpoint's api_key", status=401,
+                                 code="invalid_api_key", kind="authentication_error")
+            opened = self.open_trajectories.get(request.match_info["trajectory"])
+            if opened is None:
+                raise BadRequest("no trajectory is served at this path (it ended, or the URL is not an "
+                                 "endpoint.base_url)", status=404, code="not_found")
+            body = None
+            if wants_body:
+                try:
+                    body = json.loads(await request.read())
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise BadRequest(f"the request body is not JSON: {exc}") from None
+                if not isinstance(body, dict):
+                    raise BadRequest("the request body must be a JSON object")
+                if body.get("model") not in (None, self.model_name):
+                    raise BadRequest(f"unknown model {body.get('model')!r}; this endpoint serves "
+                                     f"{self.model_name!r}", code="model_not_found")
+            result = await handle(opened, body)
+            if isinstance(result, web.StreamResponse):
+                return result
+            if callable(result):  # a streamed answer
+                return await result(request)
+            return web.json_response(result)
+        except BadRequest as exc:
+            if opened is not None:
+                opened.errors.append(f"{exc.status}: {exc.message}")
+            return web.json_response(exc.body(), status=exc.status)
+        except Exception as exc:  # noqa: BLE001 - the engine failed: the agent gets a 500, the run its error
+            message = f"{type(exc).__name__}: {exc}"
+            if opened is not None:
+                opened.errors.append(f"500: {message}")
+            return web.json_response({"error": {"message": message, "type": "server_error", "code": "engine_error",
+                                                "param": None}}, status=500)
+
+    async def _model_list(self, opened: _Open, body: None) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "rlhf"}]}
+
+    async def _chat_completion(self, opened: _Open, body: dict[str, Any]) -> Any:
+        check_sampling(body, self.run)
+        messages = check_messages(body)
+        tools, parse_tools = check_tools(body)
+        stops = stop_strings(body)
+        stream = bool(body.get("stream"))
+        try:
+            prompt = opened.record.chat_prompt(messages, tools)
+        except Exception as exc:  # a template that cannot render these messages
+            raise BadRequest(f"the policy's chat template cannot render these messages: {type(exc).__name__}: "
+                             f"{exc}", code="template_error") from None
+        extra_stop = (self.template.marker,) if self.template.marker and not self.template.marker_is_eos else ()
+        generation = await self._generate(opened, prompt, body, stops + extra_stop)
+        ids = generation.token_ids
+        text = self._visible_text(ids, generation.stop_string if generation.stop_string in stops else None)
+        parsed = self.parser(text) if parse_tools else None
+        if parsed is not None and parsed.error:
+            opened.record.parse_failures.append(parsed.error)
+        content = text if parsed is None else parsed.content
+        calls = [] if parsed is None else list(parsed.tool_calls)
+        reply = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        finish = "tool_calls" if calls else ("length" if generation.finish_reason == "length" else "stop")
+        opened.record.record(prompt, ids, generation.logprobs, reply, finish)
+        logprobs = self._chat_logprobs(ids, generation.logprobs, body) if body.get("logprobs") else None
+        usage = {"prompt_tokens": len(prompt.ids) - len(ids), "completion_tokens": len(ids),
+                 "total_tokens": len(prompt.ids)}
+        ident, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+        if stream:
+            return lambda request: self._stream(request, ident, created, reply, finish, logprobs, usage)
+        return {"id": ident, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": logprobs}],
+                "usage": usage}
+
+    async def _text_completion(self, opened: _Open, body: dict[str, Any]) -> Any:
+        check_sampling(body, self.run)
+        if body.get("stream"):
+            raise BadRequest("stream: /v1/completions answers in one piece; use /v1/chat/completions to stream")
+        ids_in = prompt_of(body, self.template.ids)
+        stops = stop_strings(body)
+        prompt = opened.record.token_prompt(ids_in)
+        generation = await self._generate(opened, prompt, body, stops)
+        ids = generation.token_ids
+        text = self._visible_text(ids, generation.stop_string)
+        finish = "length" if generation.finish_reason == "length" else "stop"
+        opened.record.record(prompt, ids, generation.logprobs, None, finish)
+        choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": list(ids),
+                  "prompt_token_ids": list(ids_in),
+                  "logprobs": {"tokens": [self.template.decode([i]) for i in ids],
+                               "token_logprobs": list(generation.logprobs or [])} if body.get("logprobs") else None}
+        return {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [choice],
+                "usage": {"prompt_tokens": len(ids_in), "completion_tokens": len(ids),
+                          "total_tokens": len(ids_in) + len(ids)}}
+
+    async def _generate(self, opened: _Open, prompt: Prompt, body: dict[str, Any], stops: tuple[str, ...]) -> Any:
+        try:
+            limit = budget(body, len(prompt.ids), self.run)
+            ordinal, opened.ordinal = opened.ordinal, opened.ordinal + 1
+            params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
+                                    top_k=self.run.top_k, repetition_penalty=self.run.repetition_penalty,
+                                    stop=stops, return_logprobs=True,
+                                    seed=request_seed(opened.rollout_seed, opened.index, ordinal))
+            ids = list(prompt.ids)
+            if self.continuous:
+                work = self.engine.generate_one(ids, params)
+            else:
+                work = asyncio.get_running_loop().run_in_executor(None, self._generate_alone, ids, params)
+            task = asyncio.ensure_future(work)
+            opened.generating.add(task)
+            try:
+                return await task
+            finally:
+                opened.generating.discard(task)
+        except BaseException:
+            opened.record.abandon(prompt)
+            raise
+
+    def _generate_alone(self, ids: list[int], params: SamplingParams) -> Any:
+        with self._one_at_a_time:
+            return self.engine.generate([ids], n=1, params=replace(params, seed=None))[0]
+
+    def _visible_text(self, ids: list[int], stop: str | None) -> str:
+        """The completion as the client sees it: special tokens out, the end-of-turn and a stop string cut."""
+        text = self.template.decode(ids, special=False)
+        for cut in (stop, self.template.marker):
+            if cut and text.endswith(cut):
+                text = text[:-len(cut)]
+        return text
+
+    def _chat_logprobs(self, ids: list[int], logprobs: list[float] | None, body: dict[str, Any]) -> dict[str, Any]:
+        top = body.get("top_logprobs") or 0
+        content = []
+        for token, logprob in zip(ids, logprobs or [0.0] * len(ids)):
+            text = self.template.decode([token])
+            entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            content.append({**entry, "top_logprobs": [dict(entry)] if top else []})
+        return {"content": content}
+
+    async def _stream(self, request: Any, ident: str, created: int, reply: dict, finish: str,
+                      logprobs: dict | None, usage: dict) -> Any:
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(delta: dict, finish_reason: str | None, extra: dict | None = None) -> None:
+            chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                  **(extra or {})}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        await send({"role": "assistant", "content": ""}, None)
+        if reply.get("content"):
+            await send({"content": reply["content"]}, None, {"logprobs": logprobs} if logprobs else None)
+        if reply.get("tool_calls"):
+            await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply["tool_calls"])]}, None)
+        await send({}, finish)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
