@@ -22,7 +22,7 @@ from rlhf.cli.options import Flag, component_flags, config_flags
 
 SHORT_HELP = "Train a policy with reinforcement learning."
 _GROUP_TITLES = {"model": "Model", "data": "Data", "algorithm": "Algorithm", "rollout": "Rollout",
-                 "reward": "Rewards", "filter": "Sample filter", "train": "Optimisation", "eval": "Eval",
+                 "failures": "Failures", "reward": "Rewards", "filter": "Sample filter", "train": "Optimisation", "eval": "Eval",
                  "runtime": "Runtime", "ray": "Ray", "output": "Output"}
 
 

@@ -64,6 +64,8 @@ class Trajectory:
     # reward before shaping (None when the sample was dropped).
     score: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    outcome: str = "ok"  # how it ended: ok, truncated or a failure (rlhf.core.outcomes)
+    error: str | None = None  # a failure's first line
 
     @property
     def completion_ids(self) -> list[int]:

@@ -125,7 +125,8 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
     envs.capabilities(config.env)  # the run's environment resolved (and its settings checked) once, before step 1
     set_aside = [worker.backend for worker in trained if worker is not None] if config.offload_train_state else []
     return RolloutWorker(engine, tokenizer, envs, RolloutSettings(env=config.env, max_turns=config.max_turns,
-                                                                  max_total_tokens=plan.token_budget),
+                                                                  max_total_tokens=plan.token_budget,
+                                                                  env_timeout_s=config.env_timeout_s),
                          set_aside=set_aside,
                          continuous_batching=plan.choices["engine"].capabilities["continuous_batching"])
 
