@@ -191,7 +191,7 @@ class RolloutWorker:
         episodes = [self._start(item, group, params) for group, item in enumerate(prompts) for _ in range(n)]
         # A blocking environment call runs on the loop's default executor, whose few threads (cores + 4)
         # would queue a batch's slow tool calls: a thread per trajectory, up to a cap, instead.
-        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
+        asyncio.get_running_loop().set_default_executor(_EnvThreads(
             max_workers=max(1, min(len(episodes), MAX_ENV_THREADS)), thread_name_prefix="rlhf-env"))
         try:
             if self._multi_turn(episodes) and batches_continuously(self.engine, params,
@@ -272,6 +272,7 @@ class RolloutWorker:
             except (EnvContractError, ConfigError):
                 raise
             except asyncio.TimeoutError as exc:  # past --env-timeout-s, or the environment's own time limit
+                _EnvThreads.abandon()
                 why = error_line(exc) if str(exc) or limit is None else f"took longer than --env-timeout-s {limit:g}"
                 episode.failure = (TOOL_TIMEOUT, f"environment {episode.env.name!r} timed out on "
                                                  f"{episode.item.origin}: {why}")
@@ -364,6 +365,21 @@ class RolloutWorker:
                   "env_reward": episode.env_reward, "env_time_s": episode.env_time,
                   **({"env_steps": episode.step_infos} if episode.step_infos else {})},
         )
+
+
+class _EnvThreads(concurrent.futures.ThreadPoolExecutor):
+    """A rollout's threads for blocking environment calls. When a call ran past ``--env-timeout-s``,
+    the rollout ends without waiting for its thread (which finishes, or not, on its own)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=wait and not getattr(self, "abandoned", False), cancel_futures=cancel_futures)
+
+    @staticmethod
+    def abandon() -> None:
+        """A call of the running loop's rollout was abandoned: its executor will not wait for it."""
+        executor = getattr(asyncio.get_running_loop(), "_default_executor", None)
+        if isinstance(executor, _EnvThreads):
+            executor.abandoned = True
 
 
 def request_seed(rollout_seed: int, trajectory: int, turn: int) -> int:
