@@ -48,8 +48,8 @@ def apply_policy(values: list[float | None], failures: dict[int, RewardFailure],
     if on_error == "raise":
         raise RewardError(
             first.describe() + f"\n({len(failures)} sample(s) failed in this batch. Fix the reward, or pass "
-            "--reward-on-error fail to end such samples with the outcome reward_error, handled by --on-failure.)",
-            first)
+            "--reward-on-error fail to end such samples with the outcome reward_error, which --on-failure handles; "
+            "--reward-on-error zero|skip scores them 0 or fails them under --on-failure mask.)", first)
     if first.source not in reported:
         reported.add(first.source)
         logger.warning("%s\n(on_error=%s: failures of this source are counted in reward/failures/%s and "
