@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from rlhf.rewards.failures import RewardConfigError
 
-OnError = Literal["raise", "zero", "fail", "skip"]
-ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "zero", "fail", "skip")
+OnError = Literal["raise", "zero", "skip", "fail"]
+ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "zero", "skip", "fail")
 DEFAULT_TOKEN_ENV = "RLHF_REWARD_TOKEN"
 
 
