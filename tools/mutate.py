@@ -56,8 +56,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/
             "tests/runtime/test_model_card.py", "tests/datagen/test_labels.py",
             "tests/runtime/test_ordered_backward.py", "tests/runtime/test_threads.py",
             "tests/runtime/test_checkpoint_integrity.py", "tests/fastpaths/test_vocab_chunks.py",
-            "tests/runtime/test_heap.py", "tests/core/test_outcomes.py", "tests/runtime/test_failure_policies.py",
-            "tests/runtime/test_outcomes_runs.py"]
+            "tests/runtime/test_heap.py", "tests/core/test_outcomes.py",
+            "tests/runtime/test_failure_policies.py", "tests/runtime/test_outcomes_runs.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py",
                  "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]

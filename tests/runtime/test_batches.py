@@ -161,7 +161,8 @@ def test_only_the_main_rank_fires_events_and_warns(caplog):
 
 
 def scoring(shapings=(), sample_filter=None, n_samples=2, reward=None) -> Scoring:
-    plan = SimpleNamespace(config=SimpleNamespace(n_samples=n_samples, reward_options=SimpleNamespace(on_error="raise")),
+    config = SimpleNamespace(n_samples=n_samples, reward_options=SimpleNamespace(on_error="raise"))
+    plan = SimpleNamespace(config=config,
                            choices={"sample_filter": SimpleNamespace(name="my_filter" if sample_filter else "")},
                            sample_filter=lambda: (sample_filter, "filter config") if sample_filter else None,
                            reward_shapings=lambda plugins: list(shapings))

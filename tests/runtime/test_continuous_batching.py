@@ -308,8 +308,8 @@ def test_a_failing_environment_names_itself_and_the_other_trajectories_go_on(mod
     worker = RolloutWorker(_never_ends(HFEngine(model, tokenizer)), tokenizer, EnvsOf(Broken),
                            RolloutSettings(env="tools", max_turns=3, max_total_tokens=64),
                            continuous_batching=True)
-    trajectories = worker.generate([prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")],
-                                   n=2, params=SamplingParams(max_new_tokens=4, temperature=1.0))
+    items = [prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")]
+    trajectories = worker.generate(items, n=2, params=SamplingParams(max_new_tokens=4, temperature=1.0))
     assert [t.outcome for t in trajectories[2:]] == ["env_error", "env_error"]  # the failing ones end there
     for trajectory in trajectories[2:]:
         assert re.fullmatch(r"environment 'tools' failed on row slow: ValueError: tool crashed", trajectory.error)

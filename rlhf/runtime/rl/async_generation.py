@@ -275,7 +275,8 @@ class AsyncGeneration:
                 batch = replace(batch, old_logprobs=saved["old_logprobs"])
             self.ready[row["step"]] = Prepared(step=row["step"], version=row["version"], trajectories=trajectories,
                                                batch=batch, reward_metrics=row["reward_metrics"],
-                                               seconds=row["seconds"], outcome_metrics=row.get("outcome_metrics", {}))
+                                               seconds=row["seconds"],
+                                               outcome_metrics=row.get("outcome_metrics", {}))
         self.next_step = max(self.ready, default=-1) + 1
 
     # --- the producer -----------------------------------------------------------------------------
