@@ -99,6 +99,7 @@ def test_retry_seeds_depend_on_every_part_of_the_samples_identity():
     seeds = {retry_seed(seed, step, round_, index, attempt) for seed in (1, 2) for step in range(3)
              for round_ in (1, 2) for index in range(4) for attempt in (1, 2)}
     assert len(seeds) == 2 * 3 * 2 * 4 * 2 and all(0 <= s < 2 ** 63 for s in seeds)
+    assert max(seeds) >= 2 ** 62  # the whole 63 bits used (96 seeds all below 2^62: a chance of 2^-96)
     assert retry_seed(1, 2, 1, 3, 1) == retry_seed(1, 2, 1, 3, 1)
 
 
@@ -189,6 +190,8 @@ def test_outcome_metrics_are_rates_over_the_steps_samples():
     assert metrics["outcome/tool_timeout_rate"] == 0.25 and metrics["outcome/stale_rate"] == 0.0
     assert metrics["outcome/retries"] == 3.0 and metrics["outcome/dropped_groups"] == 1.0
     assert len(metrics) == 9 + 2
+    assert outcome_metrics([batch[1]])["outcome/tool_timeout_rate"] == 1.0  # one sample: a rate of 1
+    assert outcome_metrics([])["outcome/ok_rate"] == 0.0  # an empty list: rates of 0, not a division by 0
     batch[2].outcome = "exploded"
     with pytest.raises(ValueError, match=r"unknown trajectory outcome\(s\) \['exploded'\]"):
         outcome_metrics(batch)
