@@ -54,11 +54,16 @@ class Scores:
         self.reward_fails, self.on_error, self.calls = set(reward_fails), on_error, 0
 
     def score(self, trajectories):
+        return self.judge(trajectories, self.call_rewards(trajectories))
+
+    def call_rewards(self, trajectories):
         self.calls += 1
         bad = {i: "reward 'src' failed (exception): ValueError: no" for i, t in enumerate(trajectories)
                if t.completion_text in self.reward_fails}
-        result = RewardResult(total=[None if i in bad else 1.0 for i in range(len(trajectories))],
-                              per_source={}, metrics={}, errors=bad)
+        return RewardResult(total=[None if i in bad else 1.0 for i in range(len(trajectories))],
+                            per_source={}, metrics={}, errors=bad)
+
+    def judge(self, trajectories, result):
         result.assign(trajectories)
         mark_reward_failures(trajectories, result, self.on_error)
         return Scored(trajectories=trajectories, keep=[True] * (len(trajectories) // 2), metrics={})
@@ -157,6 +162,19 @@ def test_async_runs_do_not_retry_and_drop_the_group_instead():
     rollout = FlakyRollout({"p1": 1})
     prepared = batch_steps(async_rollout=True).prepare(0, rollout)
     assert len(rollout.calls) == 1 and names(prepared.trajectories) == [("p0s0", 0), ("p0s1", 0)]
+
+
+def test_the_pipelined_async_stages_drop_or_mask_failed_groups_as_prepare_does():
+    for policy, names_left in (("retry", [("p0s0", 0), ("p0s1", 0)]), ("drop-group", [("p0s0", 0), ("p0s1", 0)]),
+                               ("mask", [("p0s0", 0), ("p0s1", 0), ("p1s0", 1), ("p1s1", 1)])):
+        steps = batch_steps(policy, async_rollout=True, scores=Scores(reward_fails={"p1s0"}))
+        rolled = steps.end_rollout(steps.roll_out(0, FlakyRollout({})))
+        prepared = steps.finish(rolled, steps.call_rewards(rolled))
+        assert names(prepared.trajectories) == names_left, policy
+        assert prepared.outcome_metrics["outcome/reward_error_rate"] == 0.25
+        assert prepared.outcome_metrics["outcome/dropped_groups"] == (0.0 if policy == "mask" else 1.0)
+        if policy == "mask":
+            assert torch.equal(prepared.batch.sample_mask, torch.tensor([1.0, 1.0, 0.0, 1.0]))
 
 
 def test_reward_on_error_skip_is_fail_under_mask():
