@@ -18,7 +18,7 @@ from rlhf.runtime.rl.batches import BatchSteps
 from rlhf.runtime.rl.events import Events
 from rlhf.runtime.rl.failures import mark_reward_failures, outcome_metrics, policy_of, retry_seed
 from rlhf.runtime.rl.scoring import Scored
-from tests.runtime.test_batches import Loader, names, trajectory
+from tests.runtime.test_batches import Loader, names, scoring, trajectory
 
 pytestmark = pytest.mark.unit
 
@@ -142,6 +142,26 @@ def test_mask_keeps_the_group_with_the_failed_sample_masked_and_its_reward_zero(
     metrics = prepared.outcome_metrics
     assert metrics["outcome/env_error_rate"] == metrics["outcome/reward_error_rate"] == 0.25
     assert metrics["outcome/dropped_groups"] == 0.0 and metrics["outcome/retries"] == 0.0
+
+
+def test_scoring_gives_a_failed_sample_no_reward_and_no_score_for_shapings_and_filters():
+    seen = []
+
+    def shaping(trajectories, totals, config):
+        seen.append(list(totals))
+        return totals, {}
+
+    def sample_filter(groups, config):
+        seen.append([[t.score for t in g] for g in groups])
+        return [True] * len(groups)
+
+    batch = [trajectory(c) for c in "abcd"]
+    fail_trajectory(batch[1], "env_error", "broke")
+    judged = scoring([("s", shaping, None)], sample_filter).judge(
+        batch, RewardResult(total=[1.0, 2.0, None, 4.0], per_source={}, metrics={}, errors={2: "reward failed"}))
+    assert seen == [[1.0, None, None, 4.0], [[1.0, None], [None, 4.0]]]
+    assert [t.reward for t in judged.trajectories] == [1.0, None, None, 4.0]
+    assert [t.outcome for t in judged.trajectories] == ["ok", "env_error", "ok", "ok"]  # --reward-on-error raise
 
 
 def test_a_reward_failure_is_retried_and_the_batch_scored_again():

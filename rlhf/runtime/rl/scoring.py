@@ -15,6 +15,7 @@ from typing import Any
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugin_host.loading import PluginSet
 from rlhf.core.protocols.roles import RewardRole
+from rlhf.core.outcomes import TRAINED
 from rlhf.core.rewards import RewardResult
 from rlhf.core.types import Trajectory, groups_of
 from rlhf.runtime.config.train_plan import RunPlan
@@ -51,9 +52,13 @@ class Scoring:
     def judge(self, trajectories: list[Trajectory], result: RewardResult) -> Scored:
         """The reward sources' result written into the trajectories, shaped, and the sample
         filter's verdict per prompt group. A sample a reward source failed on ends with the outcome
-        ``reward_error`` under ``--reward-on-error fail`` or ``skip``."""
+        ``reward_error`` under ``--reward-on-error fail`` or ``skip``; a failed sample (any failed
+        outcome) has no reward and no score from here on: shapings and the filter see None."""
         result.assign(trajectories)
         mark_reward_failures(trajectories, result, self.on_error)
+        for trajectory in trajectories:
+            if trajectory.outcome not in TRAINED:
+                trajectory.reward = trajectory.score = None
         metrics = dict(result.metrics)
         totals: list[Any] = [t.reward for t in trajectories]
         for name, shaping, shaping_config in self.shapings:
