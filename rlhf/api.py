@@ -60,6 +60,13 @@ _HOMES: dict[str, str] = {
     "LossNorm": "rlhf.core.types",
     "AlgorithmPreset": "rlhf.core.types",
     "RewardResult": "rlhf.core.rewards",
+    # how a trajectory ended (docs/outcomes.md)
+    "OUTCOMES": "rlhf.core.outcomes",
+    "TRAINED": "rlhf.core.outcomes",
+    "FAILURES": "rlhf.core.outcomes",
+    "fail_trajectory": "rlhf.core.outcomes",
+    "error_line": "rlhf.core.outcomes",
+    "outcome_of_finish": "rlhf.core.outcomes",
     # settings
     "run_field": "rlhf.core.plugin_host.settings",
     # errors
@@ -171,6 +178,7 @@ if TYPE_CHECKING:  # the same names for type checkers and editors (tests/core/te
                                                require)
     from rlhf.core.protocols.rollout import ContinuousEngine, Generation, RolloutEngine, SamplingParams
     from rlhf.core.protocols.tool_parser import ParsedTurn, tool_call
+    from rlhf.core.outcomes import FAILURES, OUTCOMES, TRAINED, error_line, fail_trajectory, outcome_of_finish
     from rlhf.core.rewards import RewardResult
     from rlhf.core.types import (AdvantageConfig, AdvantageInputs, AlgorithmPreset, LossNorm, PolicyLossInputs,
                                  RunInfo, StepResult, Trajectory)

@@ -56,7 +56,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/
             "tests/runtime/test_model_card.py", "tests/datagen/test_labels.py",
             "tests/runtime/test_ordered_backward.py", "tests/runtime/test_threads.py",
             "tests/runtime/test_checkpoint_integrity.py", "tests/fastpaths/test_vocab_chunks.py",
-            "tests/runtime/test_heap.py"]
+            "tests/runtime/test_heap.py", "tests/core/test_outcomes.py",
+            "tests/runtime/test_failure_policies.py", "tests/runtime/test_outcomes_runs.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py",
                  "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]
@@ -91,7 +92,8 @@ AREAS = {
         "rlhf/runtime/config/plan.py", "rlhf/runtime/run/evaluation.py",
         "rlhf/runtime/rl/step_metrics.py", "rlhf/runtime/rl/async_generation.py", "rlhf/plugins/models/hf.py",
         "rlhf/runtime/rl/batches.py", "rlhf/runtime/rl/scoring.py", "rlhf/runtime/rl/ranks.py",
-        "rlhf/runtime/rl/events.py", "rlhf/runtime/rl/guards.py",
+        "rlhf/runtime/rl/events.py", "rlhf/runtime/rl/guards.py", "rlhf/runtime/rl/failures.py",
+        "rlhf/core/outcomes.py",
     ], RL_TESTS),
     "fit loop": ([
         "rlhf/runtime/fit/loop.py", "rlhf/runtime/fit/data.py", "rlhf/runtime/fit/text.py", "rlhf/runtime/fit/local.py",
@@ -121,7 +123,8 @@ AREAS = {
         "tests/runtime/test_async.py", "tests/fastpaths/test_ring_in_process.py"]),
     "rollouts": ([
         "rlhf/runtime/rl/rollout.py", "rlhf/plugins/engines/hf_continuous.py", "rlhf/runtime/rl/draw_order.py",
-    ], ["tests/runtime/test_continuous_batching.py", "tests/runtime/test_multiturn.py", "tests/runtime/test_async.py"]),
+    ], ["tests/runtime/test_continuous_batching.py", "tests/runtime/test_multiturn.py", "tests/runtime/test_async.py",
+        "tests/runtime/test_outcomes_runs.py"]),
     "plugin mechanism": ([
         "rlhf/core/plugin_host/registry.py", "rlhf/core/plugin_host/settings.py", "rlhf/runtime/config/options.py", "rlhf/runtime/config/train_config.py",
     ], ["tests/core", "tests/runtime/test_plugin_flags.py", "tests/runtime/test_settings.py",

@@ -22,8 +22,8 @@ from rlhf.cli.options import Flag, component_flags, config_flags
 
 SHORT_HELP = "Train a policy with reinforcement learning."
 _GROUP_TITLES = {"model": "Model", "data": "Data", "algorithm": "Algorithm", "rollout": "Rollout",
-                 "reward": "Rewards", "filter": "Sample filter", "train": "Optimisation", "eval": "Eval",
-                 "runtime": "Runtime", "ray": "Ray", "output": "Output"}
+                 "failures": "Failures", "reward": "Rewards", "filter": "Sample filter", "train": "Optimisation",
+                 "eval": "Eval", "runtime": "Runtime", "ray": "Ray", "output": "Output"}
 
 
 def train_flags(plugins: Any) -> list[Flag]:

@@ -22,7 +22,7 @@ class ExperienceBatch:
     attention_mask: torch.Tensor  # (B, T) 1 on real tokens
     action_mask: torch.Tensor  # (B, A) float, 1 where the policy generated token t+1
     rewards: torch.Tensor  # (B,) float32 combined rewards (0 where sample_mask is 0)
-    sample_mask: torch.Tensor  # (B,) float, 0 drops a sample (its reward failed under --reward-on-error skip)
+    sample_mask: torch.Tensor  # (B,) float, 0 drops a sample (failed under --on-failure mask, or unscored)
     group_index: torch.Tensor  # (B,) prompt index in the rollout batch
     rollout_logprobs: torch.Tensor | None = None  # (B, A) as the rollout engine reported them (0 off-action)
     old_logprobs: torch.Tensor | None = None  # (B, A)

@@ -46,6 +46,9 @@ class RewardResult:
     # Per sample, when a source gave `scores`: the weighted sum of each source's score (its reward
     # where it gave none). Empty: the scores are the totals.
     combined_scores: list[float | None] = field(default_factory=list)
+    # Sample index -> the first line of its first failure, for every sample a source failed on
+    # (whatever the policy did with it; under ``fail`` and ``skip`` its total is None).
+    errors: dict[int, str] = field(default_factory=dict)
 
     def assign(self, trajectories: Sequence[Trajectory]) -> None:
         """Write ``reward``, ``rewards`` (per source) and ``score`` into the trajectories."""

@@ -112,7 +112,7 @@ class AdvantageInputs:
     kl_coef: float = 0.0  # β: the reward gets -β·kl_t on every action token
     values: torch.Tensor | None = None  # (B, A) critic values, when the estimator needs a critic
     group_size: int = 1  # n samples per prompt
-    # (B,) bool, True = valid. A False sample (e.g. its reward failed under --reward-on-error skip)
+    # (B,) bool, True = valid. A False sample (failed under --on-failure mask, or unscored)
     # is left out of group statistics and whitening and gets advantage and return 0. None: all valid.
     sample_mask: torch.Tensor | None = None
     # Each reward source's rewards by name, (B,) float, NaN where the source gave none (before the

@@ -3,7 +3,7 @@
 For sample i with weights w_s: ``total_i = sum_s w_s * r_s,i`` over the sources that scored it
 (a source returning ``None`` for a sample abstains, as in TRL; a source of weight 0 is only logged).
 ``total_i`` is ``None`` (drop the sample from the loss) when no source scored it or when a source
-failed on it under ``skip``.
+failed on it under ``fail`` or ``skip``.
 
 Metrics per call: ``reward/<name>`` (mean over the samples the source scored, after the policy),
 ``reward/failures/<name>`` (failed samples), ``reward/<name>/<key>`` (means of OpenRLHF
@@ -118,10 +118,13 @@ class RewardSet:
         metrics: dict[str, float] = {}
         dropped: set[int] = set()
         first: RewardFailure | None = None
+        errors: dict[int, str] = {}
         for source in self.sources:
             name, output = source.name, outputs[source.name]
             if output.failures and first is None:
                 first = output.failures[min(output.failures)]
+            for index, failure in sorted(output.failures.items()):
+                errors.setdefault(index, f"reward {failure.source!r} failed ({failure.reason}): {failure.message}")
             values, drop = apply_policy(output.values, output.failures, self.on_error, self._reported)
             dropped |= drop
             per_source[name] = values
@@ -151,4 +154,4 @@ class RewardSet:
                 parts = [w * v for w, v in values if v is not None]  # a source may abstain (None)
                 combined.append(None if total[i] is None or not parts else sum(parts))
         return RewardResult(total=total, per_source=per_source, metrics=metrics, scores=scores, first_error=first,
-                            combined_scores=combined)
+                            combined_scores=combined, errors=dict(sorted(errors.items())))

@@ -1,9 +1,12 @@
-"""What a failed sample is, and the failure policy ``--reward-on-error raise|zero|skip``.
+"""What a failed sample is, and the failure policy ``--reward-on-error raise|zero|fail|skip``.
 
 A failure is data until the policy looks at it: sources record one per sample (exception, timeout,
 wrong length, non-finite or non-numeric value) and keep going, so one bad sample never loses the
-others' scores. ``raise`` turns the first failure into a `RewardError`; ``zero`` and ``skip``
-log the first failure of each source once, with its traceback, and count the rest.
+others' scores. ``raise`` turns the first failure into a `RewardError`; the others log the first
+failure of each source once, with its traceback, and count the rest. ``zero`` scores a failure 0;
+``fail`` and ``skip`` leave it without a reward (None), and the RL runtime gives the sample the
+outcome ``reward_error`` (`rlhf.core.outcomes`), which ``--on-failure`` handles (``skip``: as
+``mask``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def excerpt(text: object, limit: int = 120) -> str:
 
 def apply_policy(values: list[float | None], failures: dict[int, RewardFailure], on_error: str,
                  reported: set[str]) -> tuple[list[float | None], set[int]]:
-    """Replace failed samples by the policy; return the values and the indices to drop (``skip``).
+    """Replace failed samples by the policy; return the values and the indices to drop (``fail``, ``skip``).
 
     ``reported`` holds the names of sources whose first failure was already logged.
     """
@@ -45,7 +48,8 @@ def apply_policy(values: list[float | None], failures: dict[int, RewardFailure],
     if on_error == "raise":
         raise RewardError(
             first.describe() + f"\n({len(failures)} sample(s) failed in this batch. Fix the reward, or pass "
-            "--reward-on-error zero|skip to score failures 0 or drop them from the loss.)", first)
+            "--reward-on-error fail to end such samples with the outcome reward_error, which --on-failure handles; "
+            "--reward-on-error zero|skip scores them 0 or fails them under --on-failure mask.)", first)
     if first.source not in reported:
         reported.add(first.source)
         logger.warning("%s\n(on_error=%s: failures of this source are counted in reward/failures/%s and "
@@ -53,4 +57,4 @@ def apply_policy(values: list[float | None], failures: dict[int, RewardFailure],
     out = list(values)
     for index in failures:
         out[index] = 0.0 if on_error == "zero" else None
-    return out, set(failures) if on_error == "skip" else set()
+    return out, set(failures) if on_error in ("fail", "skip") else set()

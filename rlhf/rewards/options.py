@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from rlhf.rewards.failures import RewardConfigError
 
-OnError = Literal["raise", "zero", "skip"]
-ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "zero", "skip")
+OnError = Literal["raise", "zero", "skip", "fail"]
+ON_ERROR_CHOICES: tuple[str, ...] = ("raise", "zero", "skip", "fail")
 DEFAULT_TOKEN_ENV = "RLHF_REWARD_TOKEN"
 
 
@@ -19,7 +19,9 @@ class RewardOptions:
 
     on_error: OnError = field(default="raise", metadata={"help": (
         "What a failed sample (exception, timeout, wrong length, non-finite value) gets: 'raise' stops the run "
-        "naming the function and the sample, 'zero' scores it 0, 'skip' drops the sample from the loss")})
+        "naming the function and the sample; 'fail' ends it with the outcome reward_error, which --on-failure "
+        "handles; 'skip' is 'fail' with --on-failure mask (the sample leaves the loss and its group's baseline); "
+        "'zero' scores it 0 and trains on it (biases its group's baseline: only when you mean it)")})
     timeout_s: float = field(default=180.0, metadata={"help": (
         "Seconds before one HTTP request, or one call of an async or threaded reward function, is abandoned")})
     retries: int = field(default=3, metadata={"help": "HTTP retries after the first attempt (exponential backoff)"})

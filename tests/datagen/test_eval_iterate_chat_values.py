@@ -84,6 +84,10 @@ def test_eval_reports_each_metric_as_computed_by_hand(plugins, files, tiny_model
         "eval/pass@4": mean([max(scored[p]) for p in SCRIPT]),
         "eval/response/length_mean": mean(lengths),
         "eval/response/truncated_rate": len(LENGTH_ENDED) / 4,
+        # how the samples ended (docs/outcomes.md): the length-ended ones truncated, the others ok, none failed
+        "eval/outcome/ok_rate": 1 - len(LENGTH_ENDED) / 4, "eval/outcome/truncated_rate": len(LENGTH_ENDED) / 4,
+        **{f"eval/outcome/{name}_rate": 0.0 for name in ("env_error", "reward_error", "tool_timeout", "agent_error",
+                                                         "timeout", "stale", "drift")},
     }
     assert metrics.keys() == expected.keys()
     for name, number in expected.items():

@@ -161,7 +161,8 @@ def test_only_the_main_rank_fires_events_and_warns(caplog):
 
 
 def scoring(shapings=(), sample_filter=None, n_samples=2, reward=None) -> Scoring:
-    plan = SimpleNamespace(config=SimpleNamespace(n_samples=n_samples),
+    config = SimpleNamespace(n_samples=n_samples, reward_options=SimpleNamespace(on_error="raise"))
+    plan = SimpleNamespace(config=config,
                            choices={"sample_filter": SimpleNamespace(name="my_filter" if sample_filter else "")},
                            sample_filter=lambda: (sample_filter, "filter config") if sample_filter else None,
                            reward_shapings=lambda plugins: list(shapings))
@@ -266,7 +267,8 @@ class KeepEvenPrompts:
 
 def batch_steps(*, filters=True, rounds=3, prompts=3, multiple=1, fired=None):
     config = SimpleNamespace(n_samples=2, prompts_per_step=prompts, max_filter_rounds=rounds, max_new_tokens=4,
-                             temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+                             temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, seed=0, on_failure="retry",
+                             max_retries=2, async_rollout=False, reward_options=SimpleNamespace(on_error="raise"))
     plan = SimpleNamespace(config=config, filters_groups=filters, rollout_logprobs=False)
     fired = [] if fired is None else fired
     plugins = SimpleNamespace(emit=lambda event, **kwargs: fired.append((event, kwargs)))

@@ -6,6 +6,7 @@ its seed, not on its neighbours."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -291,7 +292,7 @@ def test_request_seeds_differ_by_trajectory_and_turn_and_repeat_for_the_same_rol
 
 
 @pytest.mark.run
-def test_a_failing_environment_names_itself_and_stops_the_other_trajectories(model_and_tokenizer):
+def test_a_failing_environment_names_itself_and_the_other_trajectories_go_on(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
 
     class Broken(Echo):
@@ -307,9 +308,13 @@ def test_a_failing_environment_names_itself_and_stops_the_other_trajectories(mod
     worker = RolloutWorker(_never_ends(HFEngine(model, tokenizer)), tokenizer, EnvsOf(Broken),
                            RolloutSettings(env="tools", max_turns=3, max_total_tokens=64),
                            continuous_batching=True)
-    with pytest.raises(Exception, match=r"environment 'tools' failed on row slow: ValueError: tool crashed"):
-        worker.generate([prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")], n=2,
-                        params=SamplingParams(max_new_tokens=4, temperature=1.0))
+    items = [prompt_item(tokenizer, "Q: 6*7?", "fast"), prompt_item(tokenizer, "Q: 7*6?", "slow")]
+    trajectories = worker.generate(items, n=2, params=SamplingParams(max_new_tokens=4, temperature=1.0))
+    assert [t.outcome for t in trajectories[2:]] == ["env_error", "env_error"]  # the failing ones end there
+    for trajectory in trajectories[2:]:
+        assert re.fullmatch(r"environment 'tools' failed on row slow: ValueError: tool crashed", trajectory.error)
+        assert trajectory.num_turns == 1
+    assert all(t.outcome in ("ok", "truncated") and t.error is None for t in trajectories[:2])
 
 
 @pytest.mark.run

@@ -28,7 +28,7 @@ class Rollout:
     def generate(self, prompts, n, params):
         self.calls.append(list(prompts))
         return [SimpleNamespace(prompt=p, sample=i, num_policy_tokens=2, finish_reason="stop", reward=None,
-                                rewards={}, score=None) for p in prompts for i in range(n)]
+                                rewards={}, score=None, outcome="ok") for p in prompts for i in range(n)]
 
 
 class Reward:

@@ -4,6 +4,7 @@ TIR runs code through `rlhf train`, env_func routes per sample, a user's env wor
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -182,12 +183,16 @@ def test_turns_are_batched_across_trajectories_with_the_envs_stop_strings(tokeni
 
 @pytest.mark.unit
 def test_env_failure_names_the_environment_and_the_row(tokenizer):
+    """An environment that raises ends its trajectory with the outcome env_error, its error naming the
+    environment and the row (docs/outcomes.md)."""
     class Broken(EchoEnv):
         def step(self, action_text):
             raise ValueError("tool crashed")
 
-    with pytest.raises(Exception, match=r"environment 'echo' failed on test row 1: ValueError: tool crashed"):
-        _worker(tokenizer, env_cls=Broken).generate([_item(tokenizer)], n=1, params=SamplingParams(max_new_tokens=8))
+    (trajectory,) = _worker(tokenizer, env_cls=Broken).generate([_item(tokenizer)], n=1,
+                                                                params=SamplingParams(max_new_tokens=8))
+    assert trajectory.outcome == "env_error"
+    assert re.fullmatch(r"environment 'echo' failed on test row 1: ValueError: tool crashed", trajectory.error)
 
 
 # --- through `rlhf train` ------------------------------------------------------------------------

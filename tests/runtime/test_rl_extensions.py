@@ -368,7 +368,7 @@ def test_eval_pass_at_n_is_the_share_of_prompts_solved_in_n_tries():
     from rlhf.runtime.run.evaluation import metrics_of
 
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # 3 prompts x 2 samples: solved once, never, twice
-    trajectories = [SimpleNamespace(num_policy_tokens=4, finish_reason="stop") for _ in rewards]
+    trajectories = [SimpleNamespace(num_policy_tokens=4, finish_reason="stop", outcome="ok") for _ in rewards]
     reward = SimpleNamespace(score=lambda t: RewardResult(total=rewards, per_source={}, metrics={}))
     metrics = metrics_of(trajectories, reward.score(trajectories), n_samples=2)
     assert metrics["eval/pass@2"] == pytest.approx(2 / 3)

@@ -319,8 +319,8 @@ class Crashing:
     def step(self, action):
         from rlhf.core.types import StepResult
 
-        if self.label == "crash":
-            raise ValueError("tool crashed")
+        if self.label == "crash":  # a contract violation stops the rollout (a raise would be an env_error outcome)
+            return "tool crashed"
         return StepResult(observation=" ok.", reward=0.0, done=False)
 
 
@@ -340,7 +340,7 @@ def test_a_failing_environment_aborts_the_other_trajectories_requests(fake_vllm,
     worker = RolloutWorker(engine, tokenizer, EnvsOf(Crashing), RolloutSettings(env="tools", max_turns=3,
                                                                               max_total_tokens=64),
                            continuous_batching=True)
-    with pytest.raises(Exception, match="tool crashed"):
+    with pytest.raises(Exception, match="tools.step must return rlhf.core.types.StepResult, got str"):
         worker.generate([prompt_item(tokenizer, "Q: 6*7?", "crash"), long_prompt], n=1,
                         params=SamplingParams(max_new_tokens=4, temperature=1.0))
     [long_request] = [rid for rid, ids in llm.llm_engine.prompts.items() if ids == long_prompt.prompt_ids]

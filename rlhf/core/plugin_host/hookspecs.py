@@ -75,9 +75,12 @@ Register = Callable[..., None]
 def register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators (``--advantage NAME``).
 
-    - ``register(name, estimator, *, needs_critic=False, needs_groups=False, config_cls=None)``;
-      ``needs_critic``: the run must build a critic and pass values; ``needs_groups``: the
-      estimator compares the n samples of a prompt, and the runtime refuses to start with n < 2.
+    - ``register(name, estimator, *, needs_critic=False, needs_groups=False, supports_masking=False,
+      config_cls=None)``; ``needs_critic``: the run must build a critic and pass values;
+      ``needs_groups``: the estimator compares the n samples of a prompt, and the runtime refuses
+      to start with n < 2; ``supports_masking``: it leaves samples whose ``sample_mask`` is False
+      out of every statistic (its baselines taken over the others) and gives them advantage 0, so
+      ``--on-failure mask`` may keep failed samples in their groups (refused otherwise).
     - ``estimator(inputs, config) -> (advantages, returns)``, both ``(B, A)`` and zero where
       ``action_mask`` is 0; called once per rollout batch, under ``torch.no_grad()``
       (``rlhf.algorithms.compute_advantages`` calls it by name).

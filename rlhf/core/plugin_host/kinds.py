@@ -99,7 +99,7 @@ KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
         Kind("advantage_estimator", "register_advantage_estimators", "--advantage",
-             {"needs_critic": False, "needs_groups": False}),
+             {"needs_critic": False, "needs_groups": False, "supports_masking": False}),
         Kind("policy_loss", "register_policy_losses", "--policy-loss",
              {"needs_rollout_logprobs": False, "aggregation": None, "advantage_weighted": False}),
         Kind("kl_estimator", "register_kl_estimators", "--kl-estimator"),

@@ -4,8 +4,10 @@ The rollout batch holds the n samples of a prompt as contiguous rows, ``[p0s0 ..
 ...]``, so a ``(B,)`` tensor viewed as ``(G, n)`` has one prompt per row. The std is the unbiased
 (N - 1) one, as torch's and OpenRLHF's.
 
-Samples marked invalid (``sample_mask`` False) are left out: means, stds and leave-one-out means
-are taken over the valid samples of a group only. A group with fewer than two valid samples has
+Samples marked invalid (``sample_mask`` False: failed samples under ``--on-failure mask``,
+docs/outcomes.md) are left out: means, stds and leave-one-out means are taken over the k valid
+samples of a group only, the unbiased versions (mean over k, std with k - 1, leave-one-out over
+the other k - 1). A group with fewer than two valid samples has
 no comparison to offer, so its samples get a shaped reward of 0 (std 0, leave-one-out baseline
 equal to the sample itself). Invalid samples get 0 too.
 

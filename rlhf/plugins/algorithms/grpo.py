@@ -9,6 +9,11 @@
 Both clip the shaped reward to [-10, 10], add -β·kl_t per token when KL is in the reward, sum
 returns-to-go with γ = 1, and do not whiten over the batch (``returns.py``).
 
+Failed samples (``--on-failure mask``, docs/outcomes.md; ``sample_mask`` False) are left out: over
+the k successful samples S of the group, GRPO gives Â_i = (r_i - mean_S r) / (std_S r + 1e-9) with
+the unbiased std sqrt(Σ_S (r_j - mean_S r)² / (k - 1)), Dr. GRPO Â_i = r_i - mean_S r; a failed
+sample gets 0, and so does every sample of a group with k < 2 (nothing to compare with).
+
 Deviations from the papers (as OpenRLHF):
 1. The std is the unbiased (N - 1) group std, plus 1e-9 (the paper does not say which).
 2. Dr. GRPO's other change, a constant loss normaliser, is not part of the estimator: it is the

@@ -44,7 +44,7 @@ def register_advantage_estimators(register):
     for name, (ref, description, needs_critic, needs_groups, aliases) in ESTIMATORS.items():
         register(name, f"{_HERE}.{ref}", description=description, config_cls=AdvantageConfig,
                  short_flags=("gamma", "lambd", "std_norm", "reward_clip"), aliases=aliases,
-                 needs_critic=needs_critic, needs_groups=needs_groups)
+                 needs_critic=needs_critic, needs_groups=needs_groups, supports_masking=True)
 
 
 @hookimpl

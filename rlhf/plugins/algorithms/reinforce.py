@@ -11,6 +11,11 @@ Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Langua
 Whitening is token-weighted: μ = Σ Â m / Σ m, σ² = Σ (Â - μ)² m / Σ m,
 Â ← (Â - μ) / sqrt(max(σ², 1e-8)); ``std_norm=False`` subtracts μ only (``returns.py``).
 
+Failed samples (``--on-failure mask``, docs/outcomes.md; ``sample_mask`` False) are left out:
+REINFORCE++-baseline's mean is over the k successful samples S of the group, r̃_i = r_i - mean_S r,
+and the whitening's μ and σ are over the successful samples' tokens only; a failed sample gets 0
+(REINFORCE++ has no group: its whitening alone leaves failed samples out).
+
 Deviations from the paper: none beyond OpenRLHF's (reward clipped to [-10, 10] first).
 
 Shape legend: ``B`` sequences, ``A`` action positions, ``G`` prompts, ``n`` samples per prompt.

@@ -7,6 +7,10 @@ a baseline for free"): Â_i = r_i - (Σ_j r_j - r_i) / (n - 1), the same value o
 Then, as every built-in estimator (``returns.py``): clip to [-10, 10], -β·kl_t per token when KL
 is in the reward, returns-to-go with γ = 1.
 
+Failed samples (``--on-failure mask``, docs/outcomes.md; ``sample_mask`` False) are left out: over
+the k successful samples S of the group, Â_i = r_i - Σ_{j∈S, j≠i} r_j / (k - 1), still unbiased
+(the baseline never includes r_i); a failed sample gets 0, and so does a group with k < 2.
+
 Deviations from the paper (as OpenRLHF at HEAD): the KL penalty is per token rather than one
 sequence-level term, and there is no batch whitening (OpenRLHF whitened RLOO before 2025-06).
 

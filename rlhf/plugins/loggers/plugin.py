@@ -111,7 +111,8 @@ def on_rewards(run, step, trajectories, rewards):
             "step": step + 1, "group": trajectory.group, "prompt": trajectory.prompt_text,
             "completion": trajectory.completion_text, "label": trajectory.label, "reward": float(rewards[index]),
             "rewards": trajectory.rewards, "finish_reason": trajectory.finish_reason,
-            "completion_tokens": trajectory.num_policy_tokens,
+            "completion_tokens": trajectory.num_policy_tokens, "outcome": trajectory.outcome,
+            "error": trajectory.error,
             # --agent: where each token came from, as [origin, count] runs (docs/agents.md)
             **({"token_origins": trajectory.info["agent_token_origins"]}
                if "agent_token_origins" in trajectory.info else {}),

@@ -64,11 +64,24 @@ class RunPlan(Plan):
             plan.component_config(slot)
         plan.check_env_settings(plugins)
         plan.reward_shapings(plugins)
+        plan.check_masking()
         plan.check_model_refs(plugins)
         from rlhf.runtime.step.router_aux import check_routes
 
         check_routes(config.aux_loss_coef, config.model, trust_remote_code=config.trust_remote_code)
         return plan
+
+    def check_masking(self) -> None:
+        """``--on-failure mask`` (and ``--reward-on-error skip``, which means it) leaves failed samples in
+        their groups, masked: only an estimator registered with ``supports_masking`` takes its
+        baselines over the others (docs/outcomes.md)."""
+        config, estimator = self.config, self.algorithm.advantage
+        how = ("--reward-on-error skip" if config.reward_options.on_error == "skip"
+               else "--on-failure mask" if config.on_failure == "mask" else None)
+        if how is not None and not estimator.capabilities.get("supports_masking"):
+            raise ConfigError(f"{how} keeps failed samples in their groups, masked, and the advantage estimator "
+                              f"{estimator.name!r} does not declare supports_masking (its baselines would count "
+                              "them); use --on-failure retry or drop-group, or an estimator that supports masking")
 
     def check_model_refs(self, plugins: PluginSet) -> None:
         """``--critic-model`` (when the algorithm trains a critic) and each ``--reward`` taken as a hub

@@ -253,7 +253,7 @@ class AsyncGeneration:
         with self.cond:
             batches = [self.ready[step] for step in sorted(self.ready)]
         rows = [{"step": p.step, "version": p.version, "reward_metrics": p.reward_metrics, "seconds": p.seconds,
-                 "trajectories": [asdict(t) for t in p.trajectories]} for p in batches]
+                 "outcome_metrics": p.outcome_metrics, "trajectories": [asdict(t) for t in p.trajectories]} for p in batches]
         (directory / "inflight.json").write_text(json.dumps(rows))
         torch.save({str(p.step): {"rewards": p.batch.rewards, "sample_mask": p.batch.sample_mask,
                                   **({"old_logprobs": p.batch.old_logprobs} if p.batch.old_logprobs is not None
@@ -275,7 +275,8 @@ class AsyncGeneration:
                 batch = replace(batch, old_logprobs=saved["old_logprobs"])
             self.ready[row["step"]] = Prepared(step=row["step"], version=row["version"], trajectories=trajectories,
                                                batch=batch, reward_metrics=row["reward_metrics"],
-                                               seconds=row["seconds"])
+                                               seconds=row["seconds"],
+                                               outcome_metrics=row.get("outcome_metrics", {}))
         self.next_step = max(self.ready, default=-1) + 1
 
     # --- the producer -----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Making the batches an RL run trains on (docs/architecture.md): prompts -> rollout ->
 ``on_rollout_end`` -> scoring (rewards, shaping, the sample filter's verdict; more prompts while
-the filter keeps too few groups) -> ``on_rewards`` -> tensors.
+the filter keeps too few groups) -> the failure policy (failed samples retried, their groups
+dropped or masked: `rlhf.runtime.rl.failures`) -> ``on_rewards`` -> tensors.
 
 The trainer sees `Batches`: ``next(step)`` gives each step's `Prepared` batch, and the run's
 lifecycle passes through it (start, the weights after an update, checkpoints, eval, the end).
@@ -24,12 +25,16 @@ from typing import Any, Protocol
 import torch
 
 from rlhf.core.batch import ExperienceBatch, collate
+from rlhf.core.errors import RlhfError
+from rlhf.core.outcomes import TRAINED
 from rlhf.core.protocols.roles import RolloutRole
 from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.core.rewards import RewardResult
 from rlhf.core.types import Trajectory, groups_of, number_groups
 from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.rl.events import Events
+from rlhf.runtime.rl.failures import (MASK, RETRY, Retries, failed, first_error, group_failed, outcome_metrics,
+                                      policy_of, retry_seed)
 from rlhf.runtime.rl.scoring import Scored, Scoring
 from rlhf.runtime.rl.step_metrics import Timer, merge_round_metrics
 from rlhf.runtime.run.data import PromptLoader
@@ -47,6 +52,7 @@ class Prepared:
     seconds: dict[str, float] = field(default_factory=dict)  # time per phase of its making
     idle_s: float = 0.0  # time the producer waited for the weights of `version` (--async)
     metrics: dict[str, float] = field(default_factory=dict)  # of its making, for the step's (--async: staleness)
+    outcome_metrics: dict[str, float] = field(default_factory=dict)  # outcome/*: how its trajectories ended
 
 
 @dataclass(kw_only=True)
@@ -101,6 +107,11 @@ class BatchSteps:
         self.filters_groups = plan.filters_groups
         self.max_rounds = config.max_filter_rounds if plan.filters_groups else 1
         self.prompt_multiple = prompt_multiple  # a generate call's prompts come in multiples of this
+        self.policy = policy_of(config)  # --on-failure
+        self.masks = self.policy == MASK  # failed samples stay, masked; else their groups leave the batch
+        # --async: no retries (their seeded streams would interleave with the other lanes' draws)
+        self.max_retries = config.max_retries if self.policy == RETRY and not config.async_rollout else 0
+        self.retries = Retries(seed=config.seed, max_retries=self.max_retries, prompt_multiple=prompt_multiple)
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                        top_p=config.top_p, top_k=config.top_k,
                                        repetition_penalty=config.repetition_penalty,
@@ -110,41 +121,76 @@ class BatchSteps:
         """The batch of a step, whole: prompt groups sampled, scored, shaped and filtered
         (`_collect`), the ``on_rewards`` event, then tensors."""
         timer = Timer()
-        trajectories, reward_metrics = self._collect(step, rollout, timer)
-        return self._collated(step, trajectories, reward_metrics, timer)
+        trajectories, reward_metrics, outcomes = self._collect(step, rollout, timer)
+        return self._collated(step, trajectories, reward_metrics, timer, outcomes)
 
-    def _collect(self, step: int, rollout: RolloutRole, timer: Timer) -> tuple[list[Trajectory], dict[str, float]]:
+    def _collect(self, step: int, rollout: RolloutRole, timer: Timer
+                 ) -> tuple[list[Trajectory], dict[str, float], dict[str, float]]:
         """Sample and score ``--prompts-per-step`` prompt groups; with a sample filter, drop the
         groups it rejects and sample new prompts until enough are kept (``--max-filter-rounds``)."""
         kept: list[list[Trajectory]] = []
-        rounds = dropped = sampled = 0
+        rounds = dropped = sampled = retries = 0
         metrics: list[tuple[dict[str, float], int]] = []
         last: list[list[Trajectory]] = []
+        seen: list[Trajectory] = []  # every round's trajectories, after retries
         while len(kept) < self.wanted and rounds < self.max_rounds:
             rounds += 1
             need = self.wanted - len(kept)
             need += -need % self.prompt_multiple
             with timer("rollout"):
-                trajectories = self._roll(need, rollout)
+                items = self.loader.next_batch(need)
+                trajectories = rollout.generate(items, n=self.n_samples, params=self.sampling)
             with timer("reward"):
                 self.events.emit("on_rollout_end", step=step, trajectories=trajectories)
                 scored = self.scoring.score(trajectories)
+            scored, again = self._retried(step, rounds, items, scored, rollout, timer)
+            retries += again
+            seen += scored.trajectories
             groups = groups_of(scored.trajectories, self.n_samples)
             sampled += len(groups)
             dropped += scored.keep.count(False)
             metrics.append((scored.metrics, len(scored.trajectories)))
-            kept += [g for g, k in zip(groups, scored.keep) if k]
-            last = groups
-        return self._kept(step, kept, last, rounds=rounds, sampled=sampled, dropped=dropped, metrics=metrics)
+            trained = [self.masks or not group_failed(g) for g in groups]
+            kept += [g for g, k, t in zip(groups, scored.keep, trained) if k and t]
+            last = [g for g, t in zip(groups, trained) if t]
+        return self._kept(step, kept, last, rounds=rounds, sampled=sampled, dropped=dropped, metrics=metrics,
+                          seen=seen, retries=retries)
+
+    def _retried(self, step: int, round_: int, items: list[Any], scored: Scored, rollout: RolloutRole,
+                 timer: Timer) -> tuple[Scored, int]:
+        """``--on-failure retry``: the failed samples generated again (`Retries.again`, each with its
+        own seed) and the batch scored again, until none fails or ``--max-retries`` attempts were
+        made; and how many samples were generated again."""
+        count = 0
+        for attempt in range(1, self.max_retries + 1):
+            bad = failed(scored.trajectories)
+            if not bad:
+                break
+            trajectories = list(scored.trajectories)
+            with timer("rollout"):
+                for index in bad:
+                    again = self.retries.again(rollout, items[index // self.n_samples], self.sampling,
+                                               seed=retry_seed(self.retries.seed, step, round_, index, attempt))
+                    again.group = trajectories[index].group
+                    trajectories[index] = again
+            count += len(bad)
+            with timer("reward"):
+                self.events.emit("on_rollout_end", step=step, trajectories=[trajectories[i] for i in bad])
+                scored = self.scoring.score(trajectories)
+        return scored, count
 
     def _roll(self, need: int, rollout: RolloutRole) -> list[Trajectory]:
         """``need`` prompts' groups sampled, in prompt order."""
         return rollout.generate(self.loader.next_batch(need), n=self.n_samples, params=self.sampling)
 
     def _kept(self, step: int, kept: list[list[Trajectory]], last: list[list[Trajectory]], *, rounds: int,
-              sampled: int, dropped: int, metrics: list[tuple[dict[str, float], int]]
-              ) -> tuple[list[Trajectory], dict[str, float]]:
-        """The groups a step trains on, renumbered, and the rounds' reward (and filter) metrics."""
+              sampled: int, dropped: int, metrics: list[tuple[dict[str, float], int]], seen: list[Trajectory],
+              retries: int = 0) -> tuple[list[Trajectory], dict[str, float], dict[str, float]]:
+        """The groups a step trains on, renumbered, the rounds' reward (and filter) metrics and the
+        outcome metrics (`outcome_metrics`).
+        ``last``: the last round's groups that may train (no failure, or ``mask``); ``seen``: every
+        trajectory sampled for the step (after retries), for the outcome metrics."""
+        failed_groups = 0 if self.masks else sum(group_failed(g) for g in groups_of(seen, self.n_samples))
         if self.filters_groups:
             if not kept:
                 self.events.warn("step %d: no prompt group passed the sample filter in %d rounds; training on the "
@@ -153,26 +199,31 @@ class BatchSteps:
             elif len(kept) < self.wanted:
                 self.events.warn("step %d: %d of %d prompt groups passed the sample filter in %d rounds (--max-"
                                  "filter-rounds); training on those", step + 1, len(kept), self.wanted, rounds)
+        if not kept:
+            raise RlhfError(f"step {step + 1}: every prompt group failed (--on-failure {self.policy}); the first "
+                            f"failure: {first_error(seen)}")
         kept = kept[:self.wanted]
         merged = merge_round_metrics(metrics)
         if self.filters_groups:
             merged.update({"filter/rounds": float(rounds), "filter/dropped_groups": float(dropped),
                            "filter/kept_groups": float(len(kept)), "filter/sampled_groups": float(sampled),
                            "filter/pass_rate": (sampled - dropped) / max(sampled, 1)})
-        return number_groups(kept), merged
+        return number_groups(kept), merged, outcome_metrics(seen, retries=retries, dropped_groups=failed_groups)
 
     def _collated(self, step: int, trajectories: list[Trajectory], reward_metrics: dict[str, float],
-                  timer: Timer) -> Prepared:
+                  timer: Timer, outcomes: dict[str, float]) -> Prepared:
         """The scored batch of a step as tensors, after the ``on_rewards`` event."""
         with timer("experience"):
-            rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajectories],
+            # a failed sample (mask) and one without a reward leave the loss and the baselines
+            counts = [t.reward is not None and t.outcome in TRAINED for t in trajectories]
+            rewards = torch.tensor([t.reward if c else 0.0 for t, c in zip(trajectories, counts)],
                                    dtype=torch.float32)  # (B,)
-            sample_mask = torch.tensor([t.reward is not None for t in trajectories], dtype=torch.float32)  # (B,)
+            sample_mask = torch.tensor(counts, dtype=torch.float32)  # (B,)
             self.events.emit("on_rewards", step=step, trajectories=trajectories, rewards=rewards)
             batch = collate(trajectories, pad_token_id=self.pad_token_id, rewards=rewards * sample_mask,
                             sample_mask=sample_mask)
         return Prepared(step=step, version=step, trajectories=trajectories, batch=batch, reward_metrics=reward_metrics,
-                        seconds=dict(timer.seconds))
+                        seconds=dict(timer.seconds), outcome_metrics=outcomes)
 
     # The same batch in stages that run on three threads (--async without a sample filter, where
     # no batch's rewards decide whether to sample more): together they give what `prepare` gives.
@@ -207,10 +258,13 @@ class BatchSteps:
         with timer("reward"):
             scored: Scored = self.scoring.judge(rolled.trajectories, result)
         groups = groups_of(scored.trajectories, self.n_samples)
-        trajectories, merged = self._kept(rolled.step, groups, groups, rounds=1, sampled=len(groups),
+        trained = [self.masks or not group_failed(g) for g in groups]
+        trajectories, merged, outcomes = self._kept(rolled.step, [g for g, t in zip(groups, trained) if t],
+                                          [g for g, t in zip(groups, trained) if t], rounds=1, sampled=len(groups),
                                           dropped=scored.keep.count(False),
-                                          metrics=[(scored.metrics, len(scored.trajectories))])
-        return self._collated(rolled.step, trajectories, merged, timer)
+                                          metrics=[(scored.metrics, len(scored.trajectories))],
+                                          seen=scored.trajectories)
+        return self._collated(rolled.step, trajectories, merged, timer, outcomes)
 
 
 class SyncBatches:

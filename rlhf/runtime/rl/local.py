@@ -126,7 +126,8 @@ def build_rollout(plan: RunPlan, plugins: PluginSet, model: torch.nn.Module, tok
     set_aside = [worker.backend for worker in trained if worker is not None] if config.offload_train_state else []
     continuous = plan.choices["engine"].capabilities["continuous_batching"]
     return RolloutWorker(engine, tokenizer, envs, RolloutSettings(env=config.env, max_turns=config.max_turns,
-                                                                  max_total_tokens=plan.token_budget),
+                                                                  max_total_tokens=plan.token_budget,
+                                                                  env_timeout_s=config.env_timeout_s),
                          set_aside=set_aside, continuous_batching=continuous,
                          agents=build_agents(plan, engine, tokenizer, continuous) if config.agent else None)
 

@@ -10,6 +10,13 @@ tokens carry loss mask 1, so environment text never enters the policy loss. Obse
 tokenised as plain text (`plain_token_ids`): tool output that prints ``<|im_end|>`` gets the
 characters, never the control token, so it cannot forge a turn boundary in the model's context.
 
+Every trajectory ends with an outcome (`rlhf.core.outcomes`): ``ok``, ``truncated`` when a limit
+ended it, ``env_error`` when its environment's ``reset`` or ``step`` raised, ``tool_timeout`` when
+one of those calls ran past ``env_timeout_s`` (``--env-timeout-s``; a blocking call's worker thread
+is abandoned, an inline one, ``blocking = False``, cannot be interrupted). A failed episode stops
+there; the others go on. An environment that breaks its contract (`EnvContractError`) or cannot
+be set up (`ConfigError`) is a bug, not a failure: it stops the run.
+
 With an engine that batches continuously (registered with ``continuous_batching``,
 `rlhf.core.protocols.rollout.batches_continuously`: the ``hf`` engine's default) a multi-turn
 rollout runs every trajectory on its own instead: reset, then turn after turn, each turn a
@@ -39,8 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.protocols.environment import AsyncEnv, EnvDeclarations, create_env, route_env
-from rlhf.core.errors import RlhfError
+from rlhf.core.protocols.environment import AsyncEnv, EnvContractError, EnvDeclarations, create_env, route_env
+from rlhf.core.errors import ConfigError, RlhfError
+from rlhf.core.outcomes import ENV_ERROR, TOOL_TIMEOUT, error_line, outcome_of_finish
 from rlhf.core.plugin_host.references import resolve
 from rlhf.core.plugin_host.registry import declared_registration
 from rlhf.core.plugin_host.settings import build_component_config
@@ -59,6 +67,7 @@ class RolloutSettings:
     env: str = "single_turn"  # default environment (registered name or module:Class)
     max_turns: int = 1
     max_total_tokens: int = 2048  # prompt + all turns + observations, per trajectory
+    env_timeout_s: float | None = None  # seconds one reset or step may take (None: no limit); then tool_timeout
 
 
 class EnvFactory:
@@ -115,6 +124,7 @@ class _Episode:
     env_reward: float = 0.0
     env_time: float = 0.0
     step_infos: list[dict] = field(default_factory=list)
+    failure: tuple[str, str] | None = None  # (outcome, error line) when an environment call failed
 
     def append(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None) -> None:
         self.tokens += ids
@@ -216,7 +226,7 @@ class RolloutWorker:
         episodes = [self._start(item, group, params) for group, item in enumerate(prompts) for _ in range(n)]
         # A blocking environment call runs on the loop's default executor, whose few threads (cores + 4)
         # would queue a batch's slow tool calls: a thread per trajectory, up to a cap, instead.
-        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
+        asyncio.get_running_loop().set_default_executor(_EnvThreads(
             max_workers=max(1, min(len(episodes), MAX_ENV_THREADS)), thread_name_prefix="rlhf-env"))
         try:
             if self._multi_turn(episodes) and batches_continuously(self.engine, params,
@@ -302,21 +312,31 @@ class RolloutWorker:
     async def _timed(self, episodes: list[_Episode], calls: list[Any], then: Any) -> None:
         """Await one environment call per episode concurrently, charging each its own time."""
 
+        limit = self.settings.env_timeout_s
+
         async def timed(episode: _Episode, call: Any) -> Any:
             started = time.perf_counter()
             try:
-                return await call
-            except RlhfError:
+                return await (asyncio.wait_for(call, limit) if limit is not None else call)
+            except (EnvContractError, ConfigError):
                 raise
+            except asyncio.TimeoutError as exc:  # past --env-timeout-s, or the environment's own time limit
+                _EnvThreads.abandon()
+                why = error_line(exc) if str(exc) or limit is None else f"took longer than --env-timeout-s {limit:g}"
+                episode.failure = (TOOL_TIMEOUT, f"environment {episode.env.name!r} timed out on "
+                                                 f"{episode.item.origin}: {why}")
             except Exception as exc:
-                raise RlhfError(f"environment {episode.env.name!r} failed on {episode.item.origin}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+                episode.failure = (ENV_ERROR, f"environment {episode.env.name!r} failed on {episode.item.origin}: "
+                                              f"{error_line(exc)}")
             finally:
                 episode.env_time += time.perf_counter() - started
+            episode.done = True  # a failed episode ends here
+            return None
 
         results = await asyncio.gather(*(timed(e, c) for e, c in zip(episodes, calls)))
         for episode, result in zip(episodes, results):
-            then(episode, result)
+            if episode.failure is None:
+                then(episode, result)
 
     def _after_reset(self, episode: _Episode, observation: str | None) -> None:
         if observation:
@@ -390,10 +410,27 @@ class RolloutWorker:
             completion_text=self.tokenizer.decode(episode.tokens[prompt_len:], skip_special_tokens=True),
             group=episode.group, label=item.label, columns=dict(item.columns), rollout_logprobs=episode.logprobs,
             finish_reason=episode.finish_reason, num_turns=episode.turns,
+            outcome=episode.failure[0] if episode.failure else outcome_of_finish(episode.finish_reason),
+            error=episode.failure[1] if episode.failure else None,
             info={"env": episode.env.name, "multi_turn": self.make_env.capabilities(episode.env.name)["multi_turn"],
                   "env_reward": episode.env_reward, "env_time_s": episode.env_time,
                   **({"env_steps": episode.step_infos} if episode.step_infos else {})},
         )
+
+
+class _EnvThreads(concurrent.futures.ThreadPoolExecutor):
+    """A rollout's threads for blocking environment calls. When a call ran past ``--env-timeout-s``,
+    the rollout ends without waiting for its thread (which finishes, or not, on its own)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=wait and not getattr(self, "abandoned", False), cancel_futures=cancel_futures)
+
+    @staticmethod
+    def abandon() -> None:
+        """A call of the running loop's rollout was abandoned: its executor will not wait for it."""
+        executor = getattr(asyncio.get_running_loop(), "_default_executor", None)
+        if isinstance(executor, _EnvThreads):
+            executor.abandoned = True
 
 
 def request_seed(rollout_seed: int, trajectory: int, turn: int) -> int:

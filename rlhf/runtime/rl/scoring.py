@@ -15,16 +15,19 @@ from typing import Any
 from rlhf.core.errors import RlhfError
 from rlhf.core.plugin_host.loading import PluginSet
 from rlhf.core.protocols.roles import RewardRole
+from rlhf.core.outcomes import TRAINED
 from rlhf.core.rewards import RewardResult
 from rlhf.core.types import Trajectory, groups_of
 from rlhf.runtime.config.train_plan import RunPlan
+from rlhf.runtime.rl.failures import mark_reward_failures
 
 
 @dataclass(kw_only=True)
 class Scored:
     """A scored batch: its trajectories (``reward`` shaped, None: dropped from the loss; ``rewards``
-    and ``score`` per source), the sample filter's ``keep`` per prompt group (all True without a
-    filter) and the reward and shaping metrics."""
+    and ``score`` per source; ``outcome`` ``reward_error`` where a source failed under ``fail`` or
+    ``skip``), the sample filter's ``keep`` per prompt group (all True without a filter) and the
+    reward and shaping metrics."""
 
     trajectories: list[Trajectory]
     keep: list[bool]
@@ -34,6 +37,7 @@ class Scored:
 class Scoring:
     def __init__(self, plan: RunPlan, plugins: PluginSet, reward: RewardRole):
         self.reward, self.n_samples = reward, plan.config.n_samples
+        self.on_error = plan.config.reward_options.on_error
         self.sample_filter = plan.sample_filter()  # (filter, its config), or None
         self.filter_name = plan.choices["sample_filter"].name
         self.shapings = plan.reward_shapings(plugins)  # (name, shaping, its config), in order
@@ -47,8 +51,14 @@ class Scoring:
 
     def judge(self, trajectories: list[Trajectory], result: RewardResult) -> Scored:
         """The reward sources' result written into the trajectories, shaped, and the sample
-        filter's verdict per prompt group."""
+        filter's verdict per prompt group. A sample a reward source failed on ends with the outcome
+        ``reward_error`` under ``--reward-on-error fail`` or ``skip``; a failed sample (any failed
+        outcome) has no reward and no score from here on: shapings and the filter see None."""
         result.assign(trajectories)
+        mark_reward_failures(trajectories, result, self.on_error)
+        for trajectory in trajectories:
+            if trajectory.outcome not in TRAINED:
+                trajectory.reward = trajectory.score = None
         metrics = dict(result.metrics)
         totals: list[Any] = [t.reward for t in trajectories]
         for name, shaping, shaping_config in self.shapings:

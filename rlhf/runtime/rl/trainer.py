@@ -162,6 +162,7 @@ class Trainer(SteppedLoop):
         metrics = step_metrics(trajectories, batch, prepared.reward_metrics, train, timer.done())
         metrics["kl/beta"] = self.kl.value
         metrics.update(prepared.metrics)  # --async: staleness, waits
+        metrics.update(prepared.outcome_metrics)  # outcome/<outcome>_rate, outcome/retries
         self.kl.update(sequence_kl(batch, metrics), batch.size)
         return metrics
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf.core.outcomes import OUTCOMES, REWARD_ERROR, TRAINED
 from rlhf.core.rewards import RewardResult
 from rlhf.core.protocols.roles import RewardRole, RolloutRole
 from rlhf.core.protocols.rollout import SamplingParams
@@ -96,6 +97,7 @@ def sampled(rollout: RolloutRole, reward: RewardRole, prompts: list[Any], n_samp
     trajectories: list[Trajectory] = []
     total: list[float | None] = []
     per_source: dict[str, list[float | None]] = {}
+    errors: dict[int, str] = {}
     result = RewardResult(total=[], per_source={}, metrics={})
     for begin in range(0, len(prompts), size):
         batch = rollout.generate(prompts[begin:begin + size], n=n_samples, params=params)
@@ -107,11 +109,12 @@ def sampled(rollout: RolloutRole, reward: RewardRole, prompts: list[Any], n_samp
         done = len(trajectories)
         trajectories += batch
         total += result.total
+        errors.update({done + index: error for index, error in result.errors.items()})
         for name, scores in result.per_source.items():
             per_source.setdefault(name, [None] * done).extend(scores)
         for scores in per_source.values():
             scores.extend([None] * (len(trajectories) - len(scores)))
-    return trajectories, RewardResult(total=total, per_source=per_source, metrics={})
+    return trajectories, RewardResult(total=total, per_source=per_source, metrics={}, errors=errors)
 
 
 def objective_eval(objective: Any, models: Any, passes: list[tuple[dict[str, Any], bool]],
@@ -180,17 +183,22 @@ class TrainingEvals:
 
 def metrics_of(trajectories: list[Trajectory], result: RewardResult, n_samples: int) -> dict[str, float]:
     """The ``eval/*`` metrics of scored trajectories (``n_samples`` contiguous rows per prompt); ``rlhf
-    eval`` reports the same."""
+    eval`` reports the same. A failed trajectory (`rlhf.core.outcomes`; ``reward_error`` where a
+    source failed and left it without a reward) counts in ``eval/outcome/<outcome>_rate`` only,
+    never in a reward figure."""
     metrics: dict[str, float] = {"eval/prompts": float(len(trajectories) // n_samples)}
-    scored = [r for r in result.total if r is not None]
+    outcomes = [REWARD_ERROR if t.outcome in TRAINED and i in result.errors and result.total[i] is None
+                else t.outcome for i, t in enumerate(trajectories)]
+    totals = [r if o in TRAINED else None for r, o in zip(result.total, outcomes)]
+    scored = [r for r in totals if r is not None]
     metrics["eval/reward/mean"] = sum(scored) / len(scored) if scored else float("nan")
     for name, values in result.per_source.items():
-        used = [v for v in values if v is not None]
+        used = [v for v, o in zip(values, outcomes) if v is not None and o in TRAINED]
         if used:
             metrics[f"eval/reward/{name}"] = sum(used) / len(used)
     best, mean = [], []
-    for begin in range(0, len(result.total), n_samples):
-        group = [r for r in result.total[begin:begin + n_samples] if r is not None]
+    for begin in range(0, len(totals), n_samples):
+        group = [r for r in totals[begin:begin + n_samples] if r is not None]
         if group:
             best.append(max(group))
             mean.append(sum(group) / len(group))
@@ -202,4 +210,6 @@ def metrics_of(trajectories: list[Trajectory], result: RewardResult, n_samples: 
     metrics["eval/response/length_mean"] = sum(t.num_policy_tokens for t in trajectories) / count
     metrics["eval/response/truncated_rate"] = sum(t.finish_reason in ("length", "budget")
                                                   for t in trajectories) / count
+    for name in OUTCOMES:
+        metrics[f"eval/outcome/{name}_rate"] = outcomes.count(name) / count
     return metrics
