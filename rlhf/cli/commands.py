@@ -55,7 +55,7 @@ def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any]
         if value is None:
             return None
         from rlhf.core.errors import ConfigError
-        from rlhf.core.safe_yaml import load_yaml
+        from rlhf.core.inputs.safe_yaml import load_yaml
         from rlhf.runtime.config.options import gather_components
 
         try:

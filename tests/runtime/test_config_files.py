@@ -1,4 +1,4 @@
-"""``--config`` files and option values given as YAML are read safely (rlhf/core/safe_yaml.py): nested
+"""``--config`` files and option values given as YAML are read safely (rlhf/core/inputs/safe_yaml.py): nested
 aliases (a "billion laughs") and python tags are refused as the file is read, every value is checked
 against its option's type (rlhf/cli/options.py: config_value_problem), and a ``--reward`` file that is
 a symlink loop is named: one line each, exit 2, never a traceback."""
@@ -12,7 +12,7 @@ import pytest
 
 from rlhf.cli.options import Flag, config_value_problem
 from rlhf.core.errors import ConfigError
-from rlhf.core.safe_yaml import MAX_ALIASES, load_yaml
+from rlhf.core.inputs.safe_yaml import MAX_ALIASES, load_yaml
 from rlhf.runtime.config.options import parse_key_values
 from tests.helpers import run_cli
 

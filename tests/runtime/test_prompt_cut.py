@@ -1,4 +1,4 @@
-"""Prompts are cut before they are tokenised (rlhf/core/text_bounds.py): a prompt of megabytes
+"""Prompts are cut before they are tokenised (rlhf/core/inputs/text_bounds.py): a prompt of megabytes
 costs the tokenizer no more than the budget could keep, and gives the same tokens a whole
 tokenisation cut to the budget gives."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.core.text_bounds import MARGIN_TOKENS, char_bound, longest_token_chars
+from rlhf.core.inputs.text_bounds import MARGIN_TOKENS, char_bound, longest_token_chars
 from rlhf.runtime.run.data import DataSettings, PromptFormatter, load_prompts
 
 

@@ -176,7 +176,7 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
         return tuple(converted) if (origin or hint) is tuple else converted
     if origin is dict or hint is dict:
         if isinstance(value, str):
-            from rlhf.core.safe_yaml import load_yaml
+            from rlhf.core.inputs.safe_yaml import load_yaml
 
             value = load_yaml(value, where) or {}
         if not isinstance(value, Mapping):

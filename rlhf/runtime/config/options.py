@@ -340,7 +340,7 @@ def unflatten(values: dict[str, Any], nested: dict[str, tuple[str, type]]) -> di
 
 def parse_key_values(items: list[str], flag: str = "--algo-config") -> dict[str, Any]:
     """``["clip=0.3", "mode=tis"]`` -> ``{"clip": 0.3, "mode": "tis"}`` (values parsed as YAML scalars)."""
-    from rlhf.core.safe_yaml import load_yaml
+    from rlhf.core.inputs.safe_yaml import load_yaml
 
     values = {}
     for item in items:

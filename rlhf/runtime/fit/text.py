@@ -13,7 +13,7 @@
 * `join` puts prompt and response ids together within ``--max-len``, EOS last (OpenRLHF's
   convention): an overlong response loses its end, a prompt that leaves fewer than two tokens for
   the response is skipped.
-* No text is tokenised whole beyond what ``--max-len`` could keep (`rlhf.core.text_bounds`): a
+* No text is tokenised whole beyond what ``--max-len`` could keep (`rlhf.core.inputs.text_bounds`): a
   longer prompt is skipped at once, a longer response cut to its start first.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.protocols.objective import BadRow, SkipExample
-from rlhf.core.text_bounds import char_bound, keep_start
+from rlhf.core.inputs.text_bounds import char_bound, keep_start
 
 
 class TextFormatter:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.text_bounds import keep_end
+from rlhf.core.inputs.text_bounds import keep_end
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class PromptFormatter:
         prompt = row.get(s.input_key)
         if prompt is None or prompt == "" or prompt == []:
             raise DataError(f"{origin}: empty or missing {s.input_key!r}")
-        cut = False  # the text was cut before tokenising (`rlhf.core.text_bounds`): never tokenised whole
+        cut = False  # the text was cut before tokenising (`rlhf.core.inputs.text_bounds`): never tokenised whole
         if s.apply_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
