@@ -96,7 +96,9 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
     for flag in reversed(flags):
         command = flag.option()(command)
     command = config_file_option(flags, FitConfig, fixed={"objective": objective.name} if objective else None)(command)
-    cls = type("FitCommand", (VariadicCommand,), {"variadic": frozenset(
+    from rlhf.cli.openrlhf_names import OpenRLHFNames
+
+    cls = type("FitCommand", (OpenRLHFNames, VariadicCommand), {"variadic": frozenset(
         n for flag in flags if flag.multiple and SLOT_SEPARATOR in flag.dest and _is_list(flag.hint)
         for n in flag.names)})
     short_help = FIT_HELP if objective is None else objective.description

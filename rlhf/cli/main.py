@@ -78,7 +78,7 @@ def show_usage_error(exc: click.UsageError) -> None:
     """``Error: ...`` and, where the message names no way out, one hint line (the command's ``--help``)."""
     click.echo(f"Error: {exc.format_message()}", err=True)
     ctx = exc.ctx
-    if ctx is not None and isinstance(exc, click.NoSuchOption) and not exc.possibilities:
+    if ctx is not None and isinstance(exc, click.NoSuchOption) and "did you mean" not in exc.format_message().lower():
         click.echo(f"(`{ctx.command_path} --help` lists the options)", err=True)
 
 

@@ -82,7 +82,10 @@ def build_train_command(plugins: Any) -> click.Command:
     for flag in reversed(flags):
         command = flag.option()(command)
     command = config_file_option(flags, TrainConfig)(command)
-    return click.command("train", short_help=SHORT_HELP, context_settings={"max_content_width": 120})(command)
+    from rlhf.cli.openrlhf_names import OpenRLHFNames
+
+    return click.command("train", cls=OpenRLHFNames, short_help=SHORT_HELP,
+                         context_settings={"max_content_width": 120})(command)
 
 
 def train_command(plugins: Any) -> click.Command:
