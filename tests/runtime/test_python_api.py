@@ -86,3 +86,22 @@ def test_importing_the_api_names_imports_nothing_heavy():
             "print(json.dumps([m for m in ('torch', 'transformers', 'datasets') if m in sys.modules]))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(result.stdout) == []
+
+
+def test_ctrl_c_stops_a_call_cleanly_and_resume_continues_it(tmp_path):
+    """A notebook's interrupt is a SIGINT to the kernel's main thread: the run ends its step, saves it
+    and raises RunInterrupted (a KeyboardInterrupt); the same call with resume=True finishes the run."""
+    from rlhf.core.errors import RunInterrupted
+
+    (tmp_path / "interrupting.py").write_text(
+        "import os, signal\nfrom pathlib import Path\nFLAG = Path(__file__).with_name('sent')\n"
+        "def reward_func(completions, **kw):\n"
+        "    if not FLAG.exists():\n        FLAG.write_text('1')\n        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return [0.0 for _ in completions]\n")
+    options = dict(SMALL_RL, algo="grpo", model=MODEL, data=PROMPTS, steps=3, out=tmp_path / "run",
+                   reward=str(tmp_path / "interrupting.py"), save_every=1)
+    with pytest.raises(RunInterrupted, match="interrupted .* after step 1/3"):
+        rlhf.train(**options)
+    assert (tmp_path / "run" / "checkpoints" / "step_1").is_dir()
+    result = rlhf.train(**options, resume=True)
+    assert result.step == 3 and result.final is not None
