@@ -76,6 +76,9 @@ class RootGroup(click.Group):
 
 def show_usage_error(exc: click.UsageError) -> None:
     """``Error: ...`` and, where the message names no way out, one hint line (the command's ``--help``)."""
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):  # `rlhf` alone: the help, as click shows it
+        exc.show()
+        return
     click.echo(f"Error: {exc.format_message()}", err=True)
     ctx = exc.ctx
     if ctx is not None and isinstance(exc, click.NoSuchOption) and "did you mean" not in exc.format_message().lower():

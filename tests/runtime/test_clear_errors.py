@@ -200,6 +200,10 @@ def test_a_usage_error_is_one_line_and_an_unknown_flag_points_at_the_subcommands
     assert result.exit_code == 2, result.output
     assert result.output.splitlines() == ["Error: No such option '--no-such-flag'.",
                                           "(`cli train --help` lists the options)"], result.output
+    result = run_cli(plugins, [])  # no command at all: the help, as before
+    assert result.exit_code == 2 and result.output.startswith("Usage: cli [OPTIONS] COMMAND"), result.output
+    result = run_cli(plugins, ["train", "--help"])  # --help still shows the usage
+    assert result.exit_code == 0 and result.output.startswith("Usage: cli train [OPTIONS]"), result.output
 
 
 @pytest.mark.unit
