@@ -1,5 +1,6 @@
 """Progress display: a rich bar on a terminal and in a Jupyter notebook (a live widget there, for the
-Python API), one plain line per step otherwise (CI logs)."""
+Python API, where ipywidgets is installed), one plain line per step otherwise (CI logs, and a
+notebook without ipywidgets, where the lines render as the cell's output)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ def in_notebook() -> bool:
     return type(shell).__name__ == "ZMQInteractiveShell"
 
 
+def _widgets_installed() -> bool:
+    """rich draws a live bar in Jupyter through ipywidgets (without it, it only warns)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("ipywidgets") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 class Progress:
     def __init__(self, total: int, start: int, enabled: bool = True, stream: Any = None,
                  fields: tuple[tuple[str, str, str], ...] = RL_FIELDS):
@@ -31,7 +42,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.started = time.monotonic()
         self._bar = None
-        notebook = in_notebook()
+        notebook = in_notebook() and _widgets_installed()
         if enabled and (notebook or getattr(self.stream, "isatty", lambda: False)()):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
                 TimeRemainingColumn
