@@ -55,6 +55,8 @@ def test_the_offline_commands_take_their_own_openrlhf_names(plugins):
     assert (sft["save_every"], sft["eval_every"], sft["objective__input_key"]) == (0, 0, "question")  # OpenRLHF's -1: rlhf's 0
     rm = parsed(plugins, "rm", ["--input_key", "context"])
     assert rm["objective__prompt_key"] == "context"  # rm and dpo: the prompt's own column
+    prm = parsed(plugins, "prm", ["--pretrain", "m", "--reward_tokens", "+", "-", "--placeholder_token", "@"])
+    assert (prm["objective__reward_tokens"], prm["objective__placeholder_token"]) == (("+", "-"), "@")  # a list flag
 
 
 def test_each_alias_is_told_once_and_spellings_on_one_line(plugins):
