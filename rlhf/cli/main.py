@@ -58,11 +58,14 @@ class RootGroup(click.Group):
         except click.Abort:
             click.echo("Aborted!", err=True)
             sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)  # click.exceptions.Exit's code (--help, --version)
+        # what is left is click.exceptions.Exit's code (--help, --version): a command's own return value
+        # (the Python API's result) does not reach here (`invoke` keeps it from the command line)
+        sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            super().invoke(ctx)
+            return None  # a command's result is for the Python API (rlhf.cli.python_api), not an exit code
         except RlhfError as exc:
             if debug_enabled(ctx):
                 raise
