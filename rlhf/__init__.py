@@ -8,9 +8,32 @@ plugin API, for everything else (docs/plugins.md)::
     @rlhf.hookimpl
     def register_rewards(register):
         register("says_hello", says_hello)
+
+The commands are functions too, taking the command's options as keyword arguments (docs/python-api.md)::
+
+    from rlhf import train
+    result = train(algo="grpo", model="./examples/tiny-model", data="examples/data/train.jsonl",
+                   label_key="answer", reward="examples/rewards.py:exact_match", steps=50, out="runs/nb")
+
+They are imported when first used, so ``import rlhf`` stays light.
 """
 
-from rlhf.core.plugin_host.hookspecs import hookimpl
+from typing import Any
 
-__version__ = "0.1.0"
-__all__ = ["hookimpl", "__version__"]
+from rlhf.core.plugin_host.hookspecs import hookimpl
+from rlhf.version import __version__
+
+_COMMANDS = ("train", "sft", "rm", "dpo", "kto", "prm", "distill", "generate", "evaluate")
+__all__ = ["hookimpl", "__version__", *_COMMANDS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMMANDS:
+        from rlhf.cli import python_api
+
+        return getattr(python_api, name)
+    raise AttributeError(f"module 'rlhf' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_COMMANDS))

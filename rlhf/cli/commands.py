@@ -1,6 +1,7 @@
 """What every training command shares: built on first use (`LazyCommand`), ``--config run.yaml``
-(`config_file_option`), parsed options turned into a config's values (`config_values`), and
-quiet library progress bars.
+(`config_file_option`), parsed options turned into a config's values (`config_values`), the checks
+that need no torch (`preflight`), quiet library progress bars, and what it prints when it ends
+(`report`: nothing when the Python API called it, `rlhf.cli.python_api`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,41 @@ from typing import Any
 import click
 
 from rlhf.cli.options import SLOT_SEPARATOR, Flag, config_value_problem, nullable_fields, split_settings
+
+
+# ctx.meta keys set by the Python API (rlhf.cli.python_api): it called the command (so the command
+# returns its result and prints no summary), and the options its caller gave (which a --config file
+# does not override, as flags on a command line are not).
+API_CALL = "rlhf.api_call"
+API_GIVEN = "rlhf.api_given"
+
+
+def report(text: str) -> None:
+    """A command's closing line (``run finished: ...``), left out when the Python API called it."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or not ctx.meta.get(API_CALL):
+        click.echo(text)
+
+
+def preflight(config: Any) -> None:
+    """The checks that need no torch, no model and no data: the config's own (ranges, conflicts;
+    ``derived`` or ``check``, run again when the run is planned) and data files that are not there
+    (a missing model is said after the ``--out`` checks, which need the run directory). Run before the
+    command imports the runtime, so a wrong ``--lr`` is said in a moment."""
+    from rlhf.core.errors import ConfigError
+
+    check = getattr(config, "derived", None) or getattr(config, "check", None)
+    if check is not None:
+        check()
+    for flag in ("data", "eval_data"):
+        refs = getattr(config, flag, None)
+        for ref in [refs] if isinstance(refs, str) else (refs or ()):
+            path = Path(str(ref)).expanduser()
+            if path.suffix in DATA_FILE_SUFFIXES and not path.exists():
+                raise ConfigError(f"--{flag.replace('_', '-')} {ref}: data file {str(ref)!r} does not exist")
+
+
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # a name with one of these is a file (runtime/run/data.py)
 
 
 class LazyCommand(click.Command):
@@ -99,7 +135,7 @@ def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any]
                                          f"{shown if len(shown) <= 60 else shown[:57] + '...'}", ctx, param)
             if flag.multiple and isinstance(mapping.get(flag.dest), (str, int, float)):
                 mapping[flag.dest] = [mapping[flag.dest]]
-        ctx.default_map = {**(ctx.default_map or {}), **mapping}
+        ctx.default_map = {**(ctx.default_map or {}), **mapping, **ctx.meta.get(API_GIVEN, {})}
         return value
 
     return click.option("--config", "config_file", type=click.Path(dir_okay=False), callback=load, is_eager=True,
@@ -109,13 +145,13 @@ def config_file_option(flags: list[Flag], config_cls: Any, fixed: dict[str, Any]
 def config_values(kwargs: dict[str, Any], config_cls: type) -> dict[str, Any]:
     """Parsed options -> the values of ``config_cls.from_dict``: component settings gathered into
     ``components``, unset options left out (except those that may be None)."""
-    from rlhf.core.plugin_host.references import Resolved
+    from rlhf.cli.params import Named
 
     kwargs = dict(kwargs)
     kwargs.pop("config_file", None)
     components = split_settings(kwargs)
     values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
-    values = {k: (v.ref if isinstance(v, Resolved) else v) for k, v in values.items()}  # components: keep names
+    values = {k: (v.ref if isinstance(v, Named) else v) for k, v in values.items()}  # components: keep names
     values = {k: v for k, v in values.items() if v is not None or k in nullable_fields(config_cls)}
     return {**values, "components": components}
 

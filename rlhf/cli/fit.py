@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 
-from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format,
-                               quiet_library_progress_bars)
+from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format, preflight,
+                               quiet_library_progress_bars, report)
 from rlhf.cli.options import SLOT_SEPARATOR, Flag, component_flags, config_flags, setting_flags
 
 FIT_HELP = "Train a model offline with any objective plugin (rlhf plugins list --kind objective)."
@@ -65,10 +65,9 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
     flags = fit_flags(plugins, objective)
     name = "fit" if objective is None else objective.name
 
-    def command(**kwargs: Any) -> None:
+    def command(**kwargs: Any) -> Any:
         from rlhf.cli.state import CliState
         from rlhf.runtime.config.fit_config import FitConfig
-        from rlhf.runtime.fit.local import fit
 
         values = config_values(kwargs, FitConfig)
         if objective is not None:
@@ -82,9 +81,14 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
             raise click.UsageError("--data is required (a dataset file, folder or hub name)")
         state = click.get_current_context().find_object(CliState)
         config = FitConfig.from_dict(values, state.plugins)
+        preflight(config)  # before torch loads: a wrong --lr is said at once
         quiet_library_progress_bars()
+        from rlhf.runtime.fit.local import fit
+        from rlhf.cli.run_result import RunResult
+
         out = fit(config, plugins=state.plugins)
-        click.echo(f"run finished: {out}")
+        report(f"run finished: {out}")
+        return RunResult.of(out)
 
     command.__doc__ = _help(objective)
     from rlhf.runtime.config.fit_config import FitConfig
@@ -92,7 +96,9 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
     for flag in reversed(flags):
         command = flag.option()(command)
     command = config_file_option(flags, FitConfig, fixed={"objective": objective.name} if objective else None)(command)
-    cls = type("FitCommand", (VariadicCommand,), {"variadic": frozenset(
+    from rlhf.cli.openrlhf_names import OpenRLHFNames
+
+    cls = type("FitCommand", (OpenRLHFNames, VariadicCommand), {"variadic": frozenset(
         n for flag in flags if flag.multiple and SLOT_SEPARATOR in flag.dest and _is_list(flag.hint)
         for n in flag.names)})
     short_help = FIT_HELP if objective is None else objective.description

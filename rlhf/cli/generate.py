@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format,
-                               quiet_library_progress_bars)
+from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format, preflight,
+                               quiet_library_progress_bars, report)
 from rlhf.cli.options import Flag, component_flags, config_flags
 
 HELP = {
@@ -42,12 +42,13 @@ def _flags(plugins: Any, config_cls: type) -> list[Flag]:
 def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> click.Command:
     flags = _flags(plugins, config_cls)
 
-    def command(**kwargs: Any) -> None:
+    def command(**kwargs: Any) -> Any:
         values = config_values(kwargs, config_cls)
         model_prompt_format(values, values.get("model") or values.get("tokenizer"))
         config = config_cls.from_dict(values, plugins)
+        preflight(config)  # before torch loads
         quiet_library_progress_bars()
-        run(config, plugins)
+        return run(config, plugins)
 
     command.__doc__ = doc
     for flag in reversed(flags):
@@ -56,39 +57,44 @@ def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> cli
     return click.command(name, short_help=HELP[name], context_settings={"max_content_width": 120})(command)
 
 
-def _generate(config: Any, plugins: Any) -> None:
+def _generate(config: Any, plugins: Any) -> Any:
     from rlhf.datagen.generate import generate
 
-    report = generate(config, plugins=plugins)
-    if report is not None:  # the main rank
-        click.echo(f"wrote {report.summary()}")
+    done = generate(config, plugins=plugins)
+    if done is not None:  # the main rank
+        report(f"wrote {done.summary()}")
+    return done
 
 
-def _score(config: Any, plugins: Any) -> None:
+def _score(config: Any, plugins: Any) -> Any:
     from rlhf.datagen.score import score
 
-    report = score(config, plugins=plugins)
-    if report is not None:
-        click.echo(f"wrote {report.summary()}")
+    done = score(config, plugins=plugins)
+    if done is not None:
+        report(f"wrote {done.summary()}")
+    return done
 
 
-def _eval(config: Any, plugins: Any) -> None:
+def _eval(config: Any, plugins: Any) -> Any:
     import json
 
     from rlhf.datagen.evaluate import evaluate, write_rows
 
-    report = evaluate(config, plugins=plugins)
+    done = evaluate(config, plugins=plugins)
     if config.out:
-        write_rows(report.rows, config.out)
-    click.echo(json.dumps(report.metrics) if config.json else report.table())
+        write_rows(done.rows, config.out)
+    report(json.dumps(done.metrics) if config.json else done.table())
     if config.out and not config.json:
-        click.echo(f"wrote {len(report.rows)} samples to {config.out}")
+        report(f"wrote {len(done.rows)} samples to {config.out}")
+    return done
 
 
-def _iterate(config: Any, plugins: Any) -> None:
+def _iterate(config: Any, plugins: Any) -> Any:
     from rlhf.datagen.iterate import iterate
 
-    click.echo(f"run finished: {iterate(config, plugins=plugins)}")
+    out = iterate(config, plugins=plugins)
+    report(f"run finished: {out}")
+    return out
 
 
 GENERATE_DOC = """Sample --n completions per prompt with a rollout engine, score them with --reward, write JSONL.

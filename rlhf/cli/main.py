@@ -1,18 +1,20 @@
 """The ``rlhf`` command: a click group whose subcommands live one group per module.
 
 Plugins add commands through ``register_commands(cli)``. Errors caused by the user or by a
-plugin are printed as one ``Error:`` line (exit 1); ``--verbose`` or ``RLHF_DEBUG=1`` shows
-the traceback.
+plugin are printed as one ``Error:`` line (exit 1; 2 for the command line or the configuration),
+without click's ``Usage:`` / ``Try`` banner (``--help`` shows the usage), plus at most one hint
+line; ``--verbose`` or ``RLHF_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import click
 
-from rlhf import __version__
+from rlhf.version import __version__
 from rlhf.core.errors import ConfigError, RlhfError, RunInterrupted
 from rlhf.cli.state import CliState, debug_enabled
 from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
@@ -41,9 +43,29 @@ def quiet_library_notices() -> None:
 
 
 class RootGroup(click.Group):
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            show_usage_error(exc)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        # what is left is click.exceptions.Exit's code (--help, --version): a command's own return value
+        # (the Python API's result) does not reach here (`invoke` keeps it from the command line)
+        sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            super().invoke(ctx)
+            return None  # a command's result is for the Python API (rlhf.cli.python_api), not an exit code
         except RlhfError as exc:
             if debug_enabled(ctx):
                 raise
@@ -53,6 +75,17 @@ class RootGroup(click.Group):
             if isinstance(exc, RunInterrupted):
                 error.exit_code = 130  # as a shell reports a Ctrl-C
             raise error from None
+
+
+def show_usage_error(exc: click.UsageError) -> None:
+    """``Error: ...`` and, where the message names no way out, one hint line (the command's ``--help``)."""
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):  # `rlhf` alone: the help, as click shows it
+        exc.show()
+        return
+    click.echo(f"Error: {exc.format_message()}", err=True)
+    ctx = exc.ctx
+    if ctx is not None and isinstance(exc, click.NoSuchOption) and "did you mean" not in exc.format_message().lower():
+        click.echo(f"(`{ctx.command_path} --help` lists the options)", err=True)
 
 
 def _subcommand_context(ctx: click.Context) -> click.Context:

@@ -16,8 +16,8 @@ from typing import Any
 
 import click
 
-from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format,
-                               quiet_library_progress_bars)
+from rlhf.cli.commands import (LazyCommand, config_file_option, config_values, model_prompt_format, preflight,
+                               quiet_library_progress_bars, report)
 from rlhf.cli.options import Flag, component_flags, config_flags
 
 SHORT_HELP = "Train a policy with reinforcement learning."
@@ -39,7 +39,7 @@ def train_flags(plugins: Any) -> list[Flag]:
 def build_train_command(plugins: Any) -> click.Command:
     flags = train_flags(plugins)
 
-    def command(**kwargs: Any) -> None:
+    def command(**kwargs: Any) -> Any:
         """Train a policy with reinforcement learning (this process, torchrun ranks, or Ray actors).
 
         \b
@@ -65,20 +65,27 @@ def build_train_command(plugins: Any) -> click.Command:
         config = TrainConfig.from_dict(values, state.plugins)
         if config.ray_address and config.runtime != "ray":  # docs/architecture.md: an address means the Ray runtime
             config = dataclasses.replace(config, runtime="ray")
+        preflight(config)  # before torch loads: a wrong --lr is said at once
         quiet_library_progress_bars()
         if config.runtime == "ray":
             from rlhf.runtime.ray import train
         else:
             from rlhf.runtime.rl.local import train
+        from rlhf.cli.run_result import RunResult
+
         out = train(config, plugins=state.plugins)
-        click.echo(f"run finished: {out}")
+        report(f"run finished: {out}")
+        return RunResult.of(out)
 
     from rlhf.runtime.config.train_config import TrainConfig
 
     for flag in reversed(flags):
         command = flag.option()(command)
     command = config_file_option(flags, TrainConfig)(command)
-    return click.command("train", short_help=SHORT_HELP, context_settings={"max_content_width": 120})(command)
+    from rlhf.cli.openrlhf_names import OpenRLHFNames
+
+    return click.command("train", cls=OpenRLHFNames, short_help=SHORT_HELP,
+                         context_settings={"max_content_width": 120})(command)
 
 
 def train_command(plugins: Any) -> click.Command:

@@ -36,3 +36,35 @@ def test_importing_rlhf_imports_nothing_heavy():
     code = f"import json, sys, rlhf, rlhf.core.types, rlhf.core.plugin_host.hookspecs; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(result.stdout) == []
+
+
+CHEAP_ERROR_PROBE = f"""
+import json, sys
+from click.testing import CliRunner
+from rlhf.cli.main import make_cli
+from rlhf.core.plugin_host.loading import build_plugin_manager
+
+common = ["--model", "examples/tiny-model", "--data", "examples/data/train.jsonl", "--out", "/nonexistent/run"]
+cases = [["train", "--lr", "-1", "--reward", "examples/rewards.py:exact_match", *common],
+         ["train", "--steps", "0", "--reward", "exact_match", *common],
+         ["train", "--model", "examples/tiny-model", "--data", "no-such-file.jsonl", "--reward", "exact_match"],
+         ["sft", "--lr", "-1", *common], ["dpo", "--batch-size", "0", *common],
+         ["generate", "--temperature", "-1", *common]]
+out = []
+for args in cases:
+    result = CliRunner().invoke(make_cli(build_plugin_manager()), args)
+    out.append([result.exit_code, result.output, [m for m in {HEAVY!r} if m in sys.modules]])
+print(json.dumps(out))
+"""
+
+
+def test_cheap_usage_errors_are_one_line_before_torch_loads():
+    """issue 53: ranges, conflicts and missing files are said before torch, transformers and datasets
+    import, as one ``Error:`` line without click's Usage/Try banner."""
+    result = subprocess.run([sys.executable, "-c", CHEAP_ERROR_PROBE], capture_output=True, text=True, check=True,
+                            cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    for code, output, heavy in json.loads(result.stdout.strip().splitlines()[-1]):
+        assert code == 2, output
+        assert output.startswith("Error: ") and len(output.splitlines()) == 1, output
+        assert "Usage:" not in output and "Try " not in output, output
+        assert heavy == [], (output, heavy)

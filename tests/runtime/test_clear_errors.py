@@ -192,9 +192,18 @@ def test_a_hub_name_with_the_hub_out_of_reach_fails_at_once(task, tmp_path, plug
 
 
 @pytest.mark.unit
-def test_a_usage_error_points_at_the_subcommands_help(task, tmp_path, plugins):
+def test_a_usage_error_is_one_line_and_an_unknown_flag_points_at_the_subcommands_help(task, tmp_path, plugins):
+    # issue 53: `Error: ...` plus at most one hint line, without click's Usage:/Try banner
     result = train(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", "--lr", "-1")
-    assert "cli train [OPTIONS]" in result.output and "cli train --help' for help" in result.output, result.output
+    assert result.exit_code == 2 and result.output == "Error: --lr must be positive; got -1.0\n", result.output
+    result = train(plugins, tmp_path / "not-loaded", task / "data.jsonl", tmp_path / "run", "--no-such-flag", "1")
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == ["Error: No such option '--no-such-flag'.",
+                                          "(`cli train --help` lists the options)"], result.output
+    result = run_cli(plugins, [])  # no command at all: the help, as before
+    assert result.exit_code == 2 and result.output.startswith("Usage: cli [OPTIONS] COMMAND"), result.output
+    result = run_cli(plugins, ["train", "--help"])  # --help still shows the usage
+    assert result.exit_code == 0 and result.output.startswith("Usage: cli train [OPTIONS]"), result.output
 
 
 @pytest.mark.unit

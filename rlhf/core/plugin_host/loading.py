@@ -278,7 +278,7 @@ def build_plugin_manager(*, load_entrypoints: bool = True, builtins: Iterable[st
     """Build a fresh `PluginSet`: built-ins first, then (optionally) installed entry points."""
     import importlib
 
-    import rlhf
+    from rlhf.version import __version__
 
     environ = os.environ if environ is None else environ
     disabled = _names_from_env(environ, "RLHF_DISABLE_PLUGINS") or set()
@@ -289,7 +289,7 @@ def build_plugin_manager(*, load_entrypoints: bool = True, builtins: Iterable[st
     plugins = PluginSet(pm)
 
     for module_name in DEFAULT_PLUGINS if builtins is None else builtins:
-        record = PluginRecord(name=module_name, distribution=DISTRIBUTION, version=rlhf.__version__,
+        record = PluginRecord(name=module_name, distribution=DISTRIBUTION, version=__version__,
                               source="builtin", pm_name=module_name)
         plugins.records.append(record)
         if _matches(disabled, module_name):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlhf import __version__
+from rlhf.version import __version__
 
 # The metrics a card shows when the run logged them (then every eval/* metric), in this order.
 KEY_METRICS = ("reward/mean", "kl/mean", "response/length_mean", "policy/loss", "critic/loss", "train/loss",

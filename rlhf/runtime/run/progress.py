@@ -1,4 +1,6 @@
-"""Progress display: a rich bar on a terminal, one plain line per step otherwise (CI logs)."""
+"""Progress display: a rich bar on a terminal and in a Jupyter notebook (a live widget there, for the
+Python API, where ipywidgets is installed), one plain line per step otherwise (CI logs, and a
+notebook without ipywidgets, where the lines render as the cell's output)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,23 @@ def _fmt(metrics: dict[str, float], key: str, spec: str) -> str:
 RL_FIELDS = (("reward", "reward/mean", ".3f"), ("kl", "kl/mean", ".4f"), ("tok/s", "throughput/tokens_per_s", ".0f"))
 
 
+def in_notebook() -> bool:
+    """This process is a Jupyter kernel (IPython's ZMQ shell), where a bar renders as a widget."""
+    ipython = sys.modules.get("IPython")
+    shell = getattr(ipython, "get_ipython", lambda: None)() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def _widgets_installed() -> bool:
+    """rich draws a live bar in Jupyter through ipywidgets (without it, it only warns)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("ipywidgets") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 class Progress:
     def __init__(self, total: int, start: int, enabled: bool = True, stream: Any = None,
                  fields: tuple[tuple[str, str, str], ...] = RL_FIELDS):
@@ -23,7 +42,8 @@ class Progress:
         self.stream = stream or sys.stderr
         self.started = time.monotonic()
         self._bar = None
-        if enabled and getattr(self.stream, "isatty", lambda: False)():
+        notebook = in_notebook() and _widgets_installed()
+        if enabled and (notebook or getattr(self.stream, "isatty", lambda: False)()):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
                 TimeRemainingColumn
 
@@ -31,7 +51,8 @@ class Progress:
 
             self._bar = RichProgress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                                      TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
-                                     console=Console(file=self.stream), transient=False)
+                                     console=Console(force_jupyter=True) if notebook else Console(file=self.stream),
+                                     transient=False)
             self._task = self._bar.add_task("train", total=total, completed=start, stats="")
             self._bar.start()
 
