@@ -66,6 +66,9 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     outcome: str = "ok"  # how it ended: ok, truncated or a failure (rlhf.core.outcomes)
     error: str | None = None  # a failure's first line
+    # More sequences of this same trajectory (an agent that edited its history: docs/agents.md), each
+    # trained as a row of its own with this trajectory's reward and advantage (rlhf.runtime.rl.segments)
+    segments: list[Trajectory] = field(default_factory=list)
 
     @property
     def completion_ids(self) -> list[int]:

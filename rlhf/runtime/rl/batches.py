@@ -16,6 +16,7 @@ out and agree on the scores (rlhf/runtime/rl/ranks.py), and events that only the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -106,14 +107,15 @@ class BatchSteps:
                                        repetition_penalty=config.repetition_penalty,
                                        return_logprobs=plan.rollout_logprobs)
 
-    def prepare(self, step: int, rollout: RolloutRole) -> Prepared:
-        """The batch of a step, whole: prompt groups sampled, scored, shaped and filtered
-        (`_collect`), the ``on_rewards`` event, then tensors."""
+    def prepare(self, step: int, rollout: RolloutRole, version: int | None = None) -> Prepared:
+        """The batch of a step, whole: prompt groups sampled (by the policy's ``version``, default
+        ``step``), scored, shaped and filtered (`_collect`), the ``on_rewards`` event, then tensors."""
         timer = Timer()
-        trajectories, reward_metrics = self._collect(step, rollout, timer)
+        trajectories, reward_metrics = self._collect(step, rollout, timer, step if version is None else version)
         return self._collated(step, trajectories, reward_metrics, timer)
 
-    def _collect(self, step: int, rollout: RolloutRole, timer: Timer) -> tuple[list[Trajectory], dict[str, float]]:
+    def _collect(self, step: int, rollout: RolloutRole, timer: Timer,
+                 version: int) -> tuple[list[Trajectory], dict[str, float]]:
         """Sample and score ``--prompts-per-step`` prompt groups; with a sample filter, drop the
         groups it rejects and sample new prompts until enough are kept (``--max-filter-rounds``)."""
         kept: list[list[Trajectory]] = []
@@ -125,7 +127,7 @@ class BatchSteps:
             need = self.wanted - len(kept)
             need += -need % self.prompt_multiple
             with timer("rollout"):
-                trajectories = self._roll(need, rollout)
+                trajectories = self._roll(need, rollout, version)
             with timer("reward"):
                 self.events.emit("on_rollout_end", step=step, trajectories=trajectories)
                 scored = self.scoring.score(trajectories)
@@ -137,9 +139,10 @@ class BatchSteps:
             last = groups
         return self._kept(step, kept, last, rounds=rounds, sampled=sampled, dropped=dropped, metrics=metrics)
 
-    def _roll(self, need: int, rollout: RolloutRole) -> list[Trajectory]:
-        """``need`` prompts' groups sampled, in prompt order."""
-        return rollout.generate(self.loader.next_batch(need), n=self.n_samples, params=self.sampling)
+    def _roll(self, need: int, rollout: RolloutRole, version: int) -> list[Trajectory]:
+        """``need`` prompts' groups sampled, in prompt order, by the policy's ``version``."""
+        params = dataclasses.replace(self.sampling, policy_version=version)
+        return rollout.generate(self.loader.next_batch(need), n=self.n_samples, params=params)
 
     def _kept(self, step: int, kept: list[list[Trajectory]], last: list[list[Trajectory]], *, rounds: int,
               sampled: int, dropped: int, metrics: list[tuple[dict[str, float], int]]
@@ -177,11 +180,12 @@ class BatchSteps:
     # The same batch in stages that run on three threads (--async without a sample filter, where
     # no batch's rewards decide whether to sample more): together they give what `prepare` gives.
 
-    def roll_out(self, step: int, rollout: RolloutRole) -> Rolled:
-        """Stage 1 (a generation thread; its random draws in step order): sample the step's prompt groups."""
+    def roll_out(self, step: int, rollout: RolloutRole, version: int | None = None) -> Rolled:
+        """Stage 1 (a generation thread; its random draws in step order): sample the step's prompt
+        groups, by the policy's ``version`` (default: ``step``)."""
         timer = Timer()
         with timer("rollout"):
-            trajectories = self._roll(self.wanted, rollout)
+            trajectories = self._roll(self.wanted, rollout, step if version is None else version)
         return Rolled(step=step, trajectories=trajectories, seconds=dict(timer.seconds))
 
     def end_rollout(self, rolled: Rolled) -> Rolled:
