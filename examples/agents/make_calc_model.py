@@ -90,7 +90,8 @@ def check_template(tokenizer) -> None:
     """The warm-up's pieces are what the chat template renders (so RL sees what the warm-up taught)."""
     messages = [{"role": "user", "content": "23*47"},
                 {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c0", "type": "function", "function": {"name": "calc", "arguments": {"expression": "23*47"}}}]},
+                    {"id": "c0", "type": "function",
+                     "function": {"name": "calc", "arguments": {"expression": "23*47"}}}]},
                 {"role": "tool", "tool_call_id": "c0", "content": "1081"},
                 {"role": "assistant", "content": "1081"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)

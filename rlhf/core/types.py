@@ -67,7 +67,7 @@ class Trajectory:
     outcome: str = "ok"  # how it ended: ok, truncated or a failure (rlhf.core.outcomes)
     error: str | None = None  # a failure's first line
     # More sequences of this same trajectory (an agent that edited its history: docs/agents.md), each
-    # trained as a row of its own with this trajectory's reward and advantage (rlhf.runtime.rl.segments)
+    # trained as a row of its own with this trajectory's reward and advantage (rlhf.runtime.step.segments)
     segments: list[Trajectory] = field(default_factory=list)
 
     @property
@@ -90,6 +90,8 @@ def number_groups(groups: list[list[Trajectory]]) -> list[Trajectory]:
     for index, group in enumerate(groups):
         for trajectory in group:
             trajectory.group = index
+            for segment in trajectory.segments:
+                segment.group = index
             trajectories.append(trajectory)
     return trajectories
 

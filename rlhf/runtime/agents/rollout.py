@@ -5,7 +5,7 @@ A trajectory is the recorded sequences that hold model tokens (a chain of reques
 other is one sequence; `rlhf.runtime.agents.recording`): the last one is the trajectory's own row,
 so a prompt group keeps its n rows for the advantage; when the agent branched (edited or
 summarised its history) the earlier ones are its ``segments``, each trained as a row of its own with
-the trajectory's reward and advantage (`rlhf.runtime.rl.segments`).
+the trajectory's reward and advantage (`rlhf.runtime.step.segments`).
 
 A call that raises, times out, returns NaN, or returns no reward when the run has no ``--reward``
 is a failed trajectory: ``outcome`` ``agent_error`` or ``timeout``, ``error`` its first line, and a
