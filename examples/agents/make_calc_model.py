@@ -20,7 +20,13 @@ README's command) raises the mean reward by well over 0.3 within 100 steps.
 The tokenizer has no merges (bytes + special tokens), so every digit is one token, plus four added
 tokens for the tool call's fixed text. Its EOS is ``<|im_end|>``, the template's end of turn.
 
-Writes (deterministic for a given --seed, offline, seconds on 2 CPU cores):
+Measured (seed 0): the warmed model calls the tool on 13% of held-out problems sampled at T = 1
+(a right call 9%) and copies the tool's result 78% of the time (greedy); the RL command's mean reward
+goes from about 0.1 to about 0.8 within 60 steps (seeds 0 and 1: first ten steps 0.10 and 0.14,
+steps 50-60 0.75 and 0.74; about 40 s of CPU time for 60 steps).
+
+Writes (deterministic for a given --seed: the shipped files are this script's output; offline, 2-3
+minutes of CPU time on 2 cores, 230 steps of 32 conversations):
   examples/agents/calc-model/       LlamaConfig checkpoint + tokenizer
   examples/agents/data/train.jsonl  {"prompt": "23*47", "answer": "1081"} rows for RL
   examples/agents/data/eval.jsonl   held-out products
