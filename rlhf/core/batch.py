@@ -31,6 +31,9 @@ class ExperienceBatch:
     kl: torch.Tensor | None = None  # (B, A) KL estimate of the policy to the reference, masked
     advantages: torch.Tensor | None = None  # (B, A)
     returns: torch.Tensor | None = None  # (B, A)
+    # (B,) long: the trajectory each row belongs to (its own row's index); rows past the trajectories'
+    # are the segments of a branched agent trajectory (rlhf.runtime.step.segments). None: a row each.
+    trajectory_index: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

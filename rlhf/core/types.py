@@ -66,6 +66,9 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     outcome: str = "ok"  # how it ended: ok, truncated or a failure (rlhf.core.outcomes)
     error: str | None = None  # a failure's first line
+    # More sequences of this same trajectory (an agent that edited its history: docs/agents.md), each
+    # trained as a row of its own with this trajectory's reward and advantage (rlhf.runtime.step.segments)
+    segments: list[Trajectory] = field(default_factory=list)
 
     @property
     def completion_ids(self) -> list[int]:
@@ -87,6 +90,8 @@ def number_groups(groups: list[list[Trajectory]]) -> list[Trajectory]:
     for index, group in enumerate(groups):
         for trajectory in group:
             trajectory.group = index
+            for segment in trajectory.segments:
+                segment.group = index
             trajectories.append(trajectory)
     return trajectories
 

@@ -64,3 +64,14 @@ def signals_once(sample, endpoint):
     endpoint.openai().chat.completions.create(model=endpoint.model, max_tokens=4,
                                               messages=[{"role": "user", "content": sample["prompt"]}])
     return None
+
+
+def branches(sample, endpoint):
+    """Two requests; the second replaces the first reply with a summary (an edited history): two
+    sequences, the trajectory's own and one segment."""
+    client = endpoint.openai()
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=4)
+    edited = [*messages, {"role": "assistant", "content": "(summary)"}, {"role": "user", "content": "Again"}]
+    second = client.chat.completions.create(model=endpoint.model, messages=edited, max_tokens=4)
+    return float(len(second.choices[0].message.content or "") % 3)

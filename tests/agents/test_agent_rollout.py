@@ -39,7 +39,7 @@ def engine_and_tokenizer(tiny_model_dir):
 
 
 def roll(engine_and_tokenizer, agent: str, prompts: list[str], *, timeout_s: float = 60.0, n: int = 1,
-         has_reward_sources: bool = False):
+         has_reward_sources: bool = False, policy_version: int | None = None):
     engine, tokenizer = engine_and_tokenizer
     run = RunSampling(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=6,
                       max_total_tokens=200)
@@ -49,7 +49,8 @@ def roll(engine_and_tokenizer, agent: str, prompts: list[str], *, timeout_s: flo
                                                                      has_reward_sources=has_reward_sources))
     items = [prompt_item(tokenizer, text, label=None) for text in prompts]
     try:
-        return asyncio.run(rollout.run(items, n, rollout_seed=7, logprobs=True)), endpoint
+        return asyncio.run(rollout.run(items, n, rollout_seed=7, logprobs=True,
+                                       policy_version=policy_version)), endpoint
     finally:
         endpoint.stop()
 
@@ -198,3 +199,44 @@ def test_ctrl_c_during_agent_calls_checkpoints_and_resume_ends_as_an_uninterrupt
     assert comparable(read_jsonl(out / "metrics.jsonl")) == comparable(read_jsonl(whole / "metrics.jsonl"))
     got, expected = final_weights(out), final_weights(whole)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def per_token(token_runs: list[list]) -> list:
+    return [value for value, count in token_runs for _ in range(count)]
+
+
+def test_a_branched_trajectory_trains_every_sequence_with_the_policy_version_of_each_token(engine_and_tokenizer):
+    trajectories, _ = roll(engine_and_tokenizer, "branches", ["1+2=", "3+4="], n=2, policy_version=4)
+    for t in trajectories:
+        assert t.outcome == "ok" and t.info["agent_segments"] == 2 and len(t.segments) == 1
+        (segment,) = t.segments
+        assert segment.group == t.group and "(summary)" in t.prompt_text and "(summary)" not in segment.prompt_text
+        for row in (t, segment):
+            assert sum(row.loss_mask) >= 1 and len(row.rollout_logprobs) == len(row.token_ids)
+            origins, versions = per_token(row.info["agent_token_origins"]), per_token(row.info["agent_policy_versions"])
+            assert len(origins) == len(versions) == len(row.token_ids)
+            assert [v == 4 for v in versions] == [o == "model" for o in origins] == [m == 1 for m in row.loss_mask]
+            assert set(versions) == {None, 4}
+
+
+def test_rlhf_train_trains_the_segments_and_writes_each_tokens_policy_version(plugins, tiny_model_dir, task,
+                                                                              tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(plugins, [
+        "train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
+        "--input-key", "prompt", "--agent", f"{AGENTS}:branches", "--n-samples", "2", "--prompts-per-step", "2",
+        "--max-new-tokens", "4", "--steps", "2", "--out", str(out), "--seed", "3", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [row["agent/segments_mean"] for row in metrics] == [2.0, 2.0]
+    assert [row["agent/segment_rows"] for row in metrics] == [4.0, 4.0]  # a row each, trained beside the 4
+    assert all(math.isfinite(row["policy/grad_norm"]) for row in metrics)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 8
+    for sample in samples:
+        (segment,) = sample["segments"]
+        for row in (sample, segment):
+            versions = per_token(row["policy_versions"])
+            model = [o == "model" for o in per_token(row["token_origins"])]
+            assert [v is not None for v in versions] == model and sum(model) == row["completion_tokens"] >= 1
+            assert {v for v in versions if v is not None} == {sample["step"] - 1}  # the weights after step - 1 steps

@@ -28,6 +28,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (multi-turn environments); EOS always stops
     return_logprobs: bool = False  # report the log-prob of each sampled token
     seed: int | None = None  # a random stream of the request's own (None: the engine's stream)
+    # the version of the weights that sample (the steps they have taken; None: not told), which the
+    # agent endpoint records with every sampled token (docs/agents.md); engines ignore it
+    policy_version: int | None = None
 
 
 @dataclass(kw_only=True)

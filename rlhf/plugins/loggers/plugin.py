@@ -113,10 +113,19 @@ def on_rewards(run, step, trajectories, rewards):
             "rewards": trajectory.rewards, "finish_reason": trajectory.finish_reason,
             "completion_tokens": trajectory.num_policy_tokens, "outcome": trajectory.outcome,
             "error": trajectory.error,
-            # --agent: where each token came from, as [origin, count] runs (docs/agents.md)
-            **({"token_origins": trajectory.info["agent_token_origins"]}
-               if "agent_token_origins" in trajectory.info else {}),
+            # --agent (docs/agents.md): where each token came from and the policy version that sampled
+            # it, as [value, count] runs; the trajectory's other sequences (segments) alike
+            **_agent_tokens(trajectory),
+            **({"segments": [{"completion": segment.completion_text,
+                              "completion_tokens": segment.num_policy_tokens, **_agent_tokens(segment)}
+                             for segment in trajectory.segments]} if trajectory.segments else {}),
         })
+
+
+def _agent_tokens(trajectory):
+    info = trajectory.info
+    return {key: info[name] for key, name in (("token_origins", "agent_token_origins"),
+                                              ("policy_versions", "agent_policy_versions")) if name in info}
 
 
 @hookimpl

@@ -117,11 +117,13 @@ class AgentEndpoint:
         self.thread.join(timeout=30)
         self.thread = self.loop = None
 
-    def open(self, index: int, rollout_seed: int) -> tuple[str, Endpoint, TrajectoryRecord]:
-        """A new trajectory: its id, its endpoint (its own ``/t/<id>/v1`` URL) and its record."""
+    def open(self, index: int, rollout_seed: int, policy_version: int | None = None
+             ) -> tuple[str, Endpoint, TrajectoryRecord]:
+        """A new trajectory: its id, its endpoint (its own ``/t/<id>/v1`` URL) and its record, which
+        stamps every sampled token with ``policy_version`` (the steps the serving weights have taken)."""
         self.start()
         trajectory = secrets.token_hex(8)
-        record = TrajectoryRecord(self.template)
+        record = TrajectoryRecord(self.template, policy_version)
         self.open_trajectories[trajectory] = _Open(record, index, rollout_seed)
         return trajectory, Endpoint(base_url=f"http://127.0.0.1:{self.port}/t/{trajectory}/v1", api_key=self.key,
                                     model=self.model_name), record

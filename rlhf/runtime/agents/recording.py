@@ -45,14 +45,18 @@ class Sequence:
     # per token: "model" (sampled here), "template", the role of the message it renders, or "prompt"
     # (a /v1/completions prompt); "model" tokens a branch shares with its first sequence become "shared"
     origins: list[str] = field(default_factory=list)
+    # per token: the policy version that sampled it (the steps its weights had taken), None where no
+    # policy sampled it (template, messages, prompt)
+    versions: list[int | None] = field(default_factory=list)
     # after each completion: (tokens held, message keys held; None for a /v1/completions request)
     checkpoints: list[tuple[int, tuple | None]] = field(default_factory=list)
     busy: bool = False  # a request extending it is being generated
     finish_reason: str = "stop"
 
     def extend(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None,
-               origins: list[str] | None = None) -> None:
+               origins: list[str] | None = None, version: int | None = None) -> None:
         self.tokens += ids
+        self.versions += [version if model else None] * len(ids)
         self.mask += [1 if model else 0] * len(ids)
         self.logprobs += list(logprobs) if model and logprobs is not None else [0.0] * len(ids)
         self.origins += ["model"] * len(ids) if model else list(origins or ["template"] * len(ids))
@@ -77,8 +81,9 @@ class Prompt:
 class TrajectoryRecord:
     """Every request of one trajectory (thread-safe: requests of one trajectory may overlap)."""
 
-    def __init__(self, template: ChatTemplate):
+    def __init__(self, template: ChatTemplate, policy_version: int | None = None):
         self.template = template
+        self.policy_version = policy_version  # of the weights serving its requests, stamped on each model token
         self.sequences: list[Sequence] = []
         self.requests = 0  # completions recorded
         self.follow_ups = 0  # requests that continued a recorded sequence
@@ -166,6 +171,7 @@ class TrajectoryRecord:
         branch = Sequence(busy=True)
         branch.extend(sequence.tokens[:at], model=False,
                       origins=["shared" if o == "model" else o for o in sequence.origins[:at]])
+        branch.versions[:] = sequence.versions[:at]  # shared tokens keep the version that sampled them
         self.sequences.append(branch)
         return branch
 
@@ -222,7 +228,8 @@ class TrajectoryRecord:
         the assistant message as the agent will send it back (None for /v1/completions)."""
         with self.lock:
             sequence = prompt.sequence
-            sequence.extend(list(ids), model=True, logprobs=logprobs if logprobs is not None else [0.0] * len(ids))
+            sequence.extend(list(ids), model=True, logprobs=logprobs if logprobs is not None else [0.0] * len(ids),
+                            version=self.policy_version)
             keys = None if prompt.keys is None or reply is None else prompt.keys + (message_key(reply),)
             sequence.checkpoints.append((len(sequence.tokens), keys))
             sequence.finish_reason = finish_reason
@@ -241,6 +248,7 @@ class TrajectoryRecord:
                 return
             keep = sequence.checkpoints[-1][0]  # back to the last completion: its prompt tokens go
             del sequence.tokens[keep:], sequence.mask[keep:], sequence.logprobs[keep:], sequence.origins[keep:]
+            del sequence.versions[keep:]
 
     # --- what the rollout takes -----------------------------------------------------------------
 

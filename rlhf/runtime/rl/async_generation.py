@@ -300,7 +300,7 @@ class AsyncGeneration:
                     self._done(prepared)
                     continue
                 with self.generating:
-                    rolled = self.steps.end_rollout(self.steps.roll_out(step, self.copy.rollout))
+                    rolled = self.steps.end_rollout(self.steps.roll_out(step, self.copy.rollout, version))
                     behaviour = self.copy.logprobs(rolled.batch) if self.staleness > 0 else None
                 self._score(rolled, version, idle, behaviour)
                 with self.cond:
@@ -340,7 +340,7 @@ class AsyncGeneration:
 
                 try:
                     with ordered_draws(hand_on):
-                        rolled = self.steps.roll_out(step, lane.copy.rollout)
+                        rolled = self.steps.roll_out(step, lane.copy.rollout, version)
                 finally:
                     hand_on()
                 self._await_turn("end", step)
@@ -437,7 +437,7 @@ class AsyncGeneration:
         return waited
 
     def _make(self, step: int, version: int) -> Prepared:
-        prepared = self.steps.prepare(step, self.copy.rollout)
+        prepared = self.steps.prepare(step, self.copy.rollout, version)
         prepared.version = version
         if self.staleness > 0:
             prepared.batch = replace(prepared.batch, old_logprobs=self.copy.logprobs(prepared.batch))

@@ -17,6 +17,7 @@ out and agree on the scores (rlhf/runtime/rl/ranks.py), and events that only the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -117,14 +118,14 @@ class BatchSteps:
                                        repetition_penalty=config.repetition_penalty,
                                        return_logprobs=plan.rollout_logprobs)
 
-    def prepare(self, step: int, rollout: RolloutRole) -> Prepared:
-        """The batch of a step, whole: prompt groups sampled, scored, shaped and filtered
-        (`_collect`), the ``on_rewards`` event, then tensors."""
+    def prepare(self, step: int, rollout: RolloutRole, version: int | None = None) -> Prepared:
+        """The batch of a step, whole: prompt groups sampled (by the policy's ``version``, default
+        ``step``), scored, shaped and filtered (`_collect`), the ``on_rewards`` event, then tensors."""
         timer = Timer()
-        trajectories, reward_metrics, outcomes = self._collect(step, rollout, timer)
+        trajectories, reward_metrics, outcomes = self._collect(step, rollout, timer, step if version is None else version)
         return self._collated(step, trajectories, reward_metrics, timer, outcomes)
 
-    def _collect(self, step: int, rollout: RolloutRole, timer: Timer
+    def _collect(self, step: int, rollout: RolloutRole, timer: Timer, version: int
                  ) -> tuple[list[Trajectory], dict[str, float], dict[str, float]]:
         """Sample and score ``--prompts-per-step`` prompt groups; with a sample filter, drop the
         groups it rejects and sample new prompts until enough are kept (``--max-filter-rounds``)."""
@@ -139,11 +140,11 @@ class BatchSteps:
             need += -need % self.prompt_multiple
             with timer("rollout"):
                 items = self.loader.next_batch(need)
-                trajectories = rollout.generate(items, n=self.n_samples, params=self.sampling)
+                trajectories = rollout.generate(items, n=self.n_samples, params=self._sampling(version))
             with timer("reward"):
                 self.events.emit("on_rollout_end", step=step, trajectories=trajectories)
                 scored = self.scoring.score(trajectories)
-            scored, again = self._retried(step, rounds, items, scored, rollout, timer)
+            scored, again = self._retried(step, rounds, items, scored, rollout, timer, version)
             retries += again
             seen += scored.trajectories
             groups = groups_of(scored.trajectories, self.n_samples)
@@ -157,7 +158,7 @@ class BatchSteps:
                           seen=seen, retries=retries)
 
     def _retried(self, step: int, round_: int, items: list[Any], scored: Scored, rollout: RolloutRole,
-                 timer: Timer) -> tuple[Scored, int]:
+                 timer: Timer, version: int) -> tuple[Scored, int]:
         """``--on-failure retry``: the failed samples generated again (`Retries.again`, each with its
         own seed) and the batch scored again, until none fails or ``--max-retries`` attempts were
         made; and how many samples were generated again."""
@@ -169,7 +170,7 @@ class BatchSteps:
             trajectories = list(scored.trajectories)
             with timer("rollout"):
                 for index in bad:
-                    again = self.retries.again(rollout, items[index // self.n_samples], self.sampling,
+                    again = self.retries.again(rollout, items[index // self.n_samples], self._sampling(version),
                                                seed=retry_seed(self.retries.seed, step, round_, index, attempt))
                     again.group = trajectories[index].group
                     trajectories[index] = again
@@ -179,9 +180,13 @@ class BatchSteps:
                 scored = self.scoring.score(trajectories)
         return scored, count
 
-    def _roll(self, need: int, rollout: RolloutRole) -> list[Trajectory]:
-        """``need`` prompts' groups sampled, in prompt order."""
-        return rollout.generate(self.loader.next_batch(need), n=self.n_samples, params=self.sampling)
+    def _sampling(self, version: int) -> SamplingParams:
+        """The run's sampling settings, stamped with the policy ``version`` that samples."""
+        return dataclasses.replace(self.sampling, policy_version=version)
+
+    def _roll(self, need: int, rollout: RolloutRole, version: int) -> list[Trajectory]:
+        """``need`` prompts' groups sampled, in prompt order, by the policy's ``version``."""
+        return rollout.generate(self.loader.next_batch(need), n=self.n_samples, params=self._sampling(version))
 
     def _kept(self, step: int, kept: list[list[Trajectory]], last: list[list[Trajectory]], *, rounds: int,
               sampled: int, dropped: int, metrics: list[tuple[dict[str, float], int]], seen: list[Trajectory],
@@ -228,11 +233,12 @@ class BatchSteps:
     # The same batch in stages that run on three threads (--async without a sample filter, where
     # no batch's rewards decide whether to sample more): together they give what `prepare` gives.
 
-    def roll_out(self, step: int, rollout: RolloutRole) -> Rolled:
-        """Stage 1 (a generation thread; its random draws in step order): sample the step's prompt groups."""
+    def roll_out(self, step: int, rollout: RolloutRole, version: int | None = None) -> Rolled:
+        """Stage 1 (a generation thread; its random draws in step order): sample the step's prompt
+        groups, by the policy's ``version`` (default: ``step``)."""
         timer = Timer()
         with timer("rollout"):
-            trajectories = self._roll(self.wanted, rollout)
+            trajectories = self._roll(self.wanted, rollout, step if version is None else version)
         return Rolled(step=step, trajectories=trajectories, seconds=dict(timer.seconds))
 
     def end_rollout(self, rolled: Rolled) -> Rolled:

@@ -255,7 +255,8 @@ class RolloutWorker:
 
         rollout_seed = int(torch.randint(0, 2 ** 62, (1,)).item())  # the one draw of the process's stream
         random_draws_done()
-        return await self.agents.run(prompts, n, rollout_seed, logprobs=params.return_logprobs)
+        return await self.agents.run(prompts, n, rollout_seed, logprobs=params.return_logprobs,
+                                     policy_version=params.policy_version)
 
     def close(self) -> None:
         """Stop the agent endpoint, if this worker started one."""

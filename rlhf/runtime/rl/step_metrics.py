@@ -34,8 +34,9 @@ class Timer:
 
 def step_metrics(trajectories: list[Trajectory], batch: ExperienceBatch, reward_metrics: dict[str, float],
                  train: dict[str, float], timings: dict[str, float]) -> dict[str, float]:
-    mask = batch.sample_mask.bool()
-    scored = batch.rewards[mask]
+    own = len(trajectories)  # the trajectories' own rows; segment rows follow (rlhf.runtime.step.segments)
+    mask = batch.sample_mask[:own].bool()
+    scored = batch.rewards[:own][mask]
     lengths = torch.tensor([t.num_policy_tokens for t in trajectories], dtype=torch.float32)
     metrics: dict[str, float] = dict(reward_metrics)  # per source; the totals below are what the loss used
     metrics.update({
@@ -53,6 +54,7 @@ def step_metrics(trajectories: list[Trajectory], batch: ExperienceBatch, reward_
         metrics.update(_env_metrics(trajectories))
     if any("agent" in t.info for t in trajectories):
         metrics.update(agent_metrics(trajectories))
+        metrics["agent/segment_rows"] = float(batch.size - own)  # the segments' rows the step trained on
     metrics.update(train)
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     metrics["throughput/tokens_per_s"] = float(lengths.sum()) / max(timings["step"], 1e-9)

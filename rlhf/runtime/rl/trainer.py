@@ -39,6 +39,7 @@ from rlhf.runtime.run.evaluation import Evaluator, TrainingEvals
 from rlhf.runtime.run.lifecycle import SteppedLoop, run_loop
 from rlhf.runtime.run.progress import RL_FIELDS
 from rlhf.runtime.run.run_dir import RunDirectory
+from rlhf.runtime.step.segments import with_segments
 
 
 @dataclass(kw_only=True)
@@ -149,6 +150,9 @@ class Trainer(SteppedLoop):
             batch = self.experience.make(batch, w.policy, w.reference, w.critic, kl_coef=self.kl.value,
                                          source_rewards=source_rewards(trajectories),
                                          metadata=[row_metadata(t) for t in trajectories])
+            batch = with_segments(batch, trajectories, pad_token_id=w.pad_token_id, policy=w.policy,
+                                  reference=w.reference, critic=w.critic,
+                                  kl_estimator=self.plan.algorithm.kl_estimator)  # --agent branches
         with timer("train"):
             frozen = step < self.config.freeze_actor_steps  # critic warm-up: the policy waits
             train = {"policy/frozen": 1.0} if frozen else {**w.policy.fit(batch, step=step, kl_coef=self.kl.value),

@@ -34,13 +34,21 @@ class UpdateSettings:
 
 
 def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> list[ExperienceBatch]:
-    """Shuffled minibatches for every epoch, with a per-(seed, step, epoch) order (resumable)."""
+    """Shuffled minibatches for every epoch, with a per-(seed, step, epoch) order (resumable).
+    ``train_batch_size`` counts trajectories: a trajectory's segment rows (``trajectory_index``,
+    `rlhf.runtime.step.segments`) go into its minibatch, after the trajectories' own rows."""
     out = []
+    owners = batch.trajectory_index  # (B,) or None: a row per trajectory
+    count = batch.size if owners is None else int(owners.max()) + 1
     for epoch in range(settings.ppo_epochs):
         generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step * 1_009 + epoch)
-        order = torch.randperm(batch.size, generator=generator)
-        for begin in range(0, batch.size, settings.train_batch_size):
-            out.append(batch.select(order[begin:begin + settings.train_batch_size]))
+        order = torch.randperm(count, generator=generator)
+        for begin in range(0, count, settings.train_batch_size):
+            rows = order[begin:begin + settings.train_batch_size]  # the trajectories' own rows
+            if owners is not None:
+                segments = torch.arange(count, batch.size)  # (E,)
+                rows = torch.cat([rows, segments[torch.isin(owners[count:], rows)]])
+            out.append(batch.select(rows))
     return out
 
 
