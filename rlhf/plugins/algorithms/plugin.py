@@ -7,7 +7,7 @@ description, so importing this module (``rlhf --help``, ``rlhf plugins list``) i
 Where each piece lives, in this package: the advantage estimators in ``grpo.py`` (grpo, dr_grpo),
 ``rloo.py``, ``reinforce.py`` (reinforce_pp, reinforce_pp_baseline) and ``gae.py``, with what they
 share in ``returns.py`` (reward placement, returns, GAE, whitening) and ``groups.py``; every term of
-the policy loss in ``policy_losses.py`` (the ppo and gspo losses and their settings, the mismatch
+the policy loss in ``policy_losses.py`` (the ppo, gspo, cispo and sapo losses and their settings, the mismatch
 corrections, the KL estimators, the loss aggregations); the presets in ``presets.py``. The
 formula that combines the loss terms, and the critic's value loss, are the host's:
 ``rlhf/algorithms/training_loss.py``.
@@ -56,7 +56,8 @@ def register_kl_estimators(register):
 
 
 def corrects_mismatch(config) -> bool:
-    """The ppo loss reads the rollout engine's log-probs when a mismatch correction is set."""
+    """A loss with mismatch corrections (ppo, gspo, cispo, sapo) reads the rollout engine's log-probs
+    when one is set."""
     return config is not None and config.correction is not None
 
 
@@ -70,6 +71,15 @@ def register_policy_losses(register):
     register("gspo", f"{_HERE}.policy_losses:gspo_policy_loss",
              description="GSPO: sequence-level ratio exp(mean log-ratio), clipped, per-sequence mean",
              config_cls=f"{_HERE}.policy_losses:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
+             needs_rollout_logprobs=corrects_mismatch,
+             aggregation="seq_mean_token_mean", advantage_weighted=True)
+    register("cispo", f"{_HERE}.policy_losses:cispo_policy_loss",
+             description="CISPO: policy gradient weighted by the clipped, gradient-stopped ratio (MiniMax-M1)",
+             config_cls=f"{_HERE}.policy_losses:CISPOLossConfig", short_flags=("clip_low", "clip_high"),
+             needs_rollout_logprobs=corrects_mismatch, advantage_weighted=True)
+    register("sapo", f"{_HERE}.policy_losses:sapo_policy_loss",
+             description="SAPO: soft sigmoid gate of the ratio (temperatures τ_pos, τ_neg), per-sequence mean",
+             config_cls=f"{_HERE}.policy_losses:SAPOLossConfig", short_flags=("tau_pos", "tau_neg"),
              needs_rollout_logprobs=corrects_mismatch,
              aggregation="seq_mean_token_mean", advantage_weighted=True)
 

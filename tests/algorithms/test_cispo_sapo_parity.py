@@ -1,0 +1,197 @@
+"""``cispo`` and ``sapo`` equal the anchors' formulas (verl's and TRL's, `anchor_reference`) on random
+float64 inputs: several shapes, masks with gaps, extreme ratios (log-ratios beyond the ±20 clamp),
+with and without a mismatch correction; per-token losses, aggregated losses and gradients within
+1e-6. verl and TRL do not install here (verl needs a GPU stack), so their formulas are transcribed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.algorithms import policy_loss
+from rlhf.core.types import PolicyLossInputs
+from rlhf.plugins.algorithms.policy_losses import (
+    CISPOLossConfig, SAPOLossConfig, cispo_policy_loss, sapo_policy_loss)
+from tests.algorithms import anchor_reference as ref
+
+pytestmark = pytest.mark.unit
+
+SHAPES = [(1, 1), (3, 7), (8, 33), (16, 5)]
+TOL = 1e-6
+
+
+def random_batch(shape, seed, *, extreme: bool, empty_row: bool = False):
+    """float64 (B, A) inputs: log-probs, a log-ratio of N(0, 0.3) (extreme: some tokens ±(5..30)),
+    advantages with exact zeros, a mask with gaps (every row keeps a token unless ``empty_row``)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, width = shape
+    old = -torch.rand(shape, generator=generator, dtype=torch.float64) * 4
+    log_ratio = torch.randn(shape, generator=generator, dtype=torch.float64) * 0.3
+    if extreme:
+        far = torch.rand(shape, generator=generator, dtype=torch.float64) < 0.3
+        size = 5 + torch.rand(shape, generator=generator, dtype=torch.float64) * 25
+        sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0).to(torch.float64)
+        log_ratio = torch.where(far, sign * size, log_ratio)
+    advantages = torch.randn(shape, generator=generator, dtype=torch.float64)
+    advantages = torch.where(torch.rand(shape, generator=generator) < 0.1, torch.zeros_like(advantages), advantages)
+    mask = (torch.rand(shape, generator=generator) < 0.7).to(torch.float64)  # gaps anywhere
+    mask[:, 0] = 1.0
+    if empty_row and batch > 1:
+        mask[1] = 0.0
+    rollout = old + torch.randn(shape, generator=generator, dtype=torch.float64) * 0.4
+    return old + log_ratio, old, advantages, mask, rollout
+
+
+def ours(loss_fn, config, logprobs, old, advantages, mask, rollout=None):
+    """Our per-token loss and the gradient of Σ ℓ m with respect to logprobs."""
+    current = logprobs.clone().requires_grad_(True)
+    loss, _ = loss_fn(PolicyLossInputs(logprobs=current, old_logprobs=old, advantages=advantages, loss_mask=mask,
+                                       rollout_logprobs=rollout), config)
+    (loss * mask).sum().backward()
+    return loss.detach(), current.grad
+
+
+def close(got, expected):
+    assert got.dtype == torch.float64
+    assert (got - expected).abs().max().item() <= TOL, (got - expected).abs().max().item()
+
+
+def tis_weights(old, rollout, low=0.5, high=5.0):
+    """The ``tis`` weight as verl receives it (``rollout_is_weights``): clamp(exp(old - rollout), lo, hi)."""
+    return torch.exp(old - rollout).clamp(low, high)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("extreme", [False, True])
+@pytest.mark.parametrize("clip_low, clip_high", [(1.0, 0.2), (0.2, 0.28), (10.0, 4.0)])
+def test_cispo_equals_verl_per_token(shape, extreme, clip_low, clip_high):
+    logprobs, old, advantages, mask, _ = random_batch(shape, seed=sum(shape), extreme=extreme)
+    loss, grad = ours(cispo_policy_loss, CISPOLossConfig(clip_low=clip_low, clip_high=clip_high),
+                      logprobs, old, advantages, mask)
+    expected_loss, expected_grad = ref.verl_cispo(logprobs, old, advantages, mask, clip_low=clip_low,
+                                                  clip_high=clip_high)
+    close(loss, expected_loss)
+    close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("epsilon_max", [1.28, 5.0])
+def test_cispo_with_no_lower_bound_equals_trl(shape, epsilon_max):
+    """TRL bounds the weight above only, at ε_max: ours with ε_low = 1, ε_high = ε_max - 1. Its ratio is
+    not clamped, which changes nothing: the weight is clipped either way and carries no gradient."""
+    logprobs, old, advantages, mask, _ = random_batch(shape, seed=7 + shape[1], extreme=True)
+    loss, grad = ours(cispo_policy_loss, CISPOLossConfig(clip_low=1.0, clip_high=epsilon_max - 1),
+                      logprobs, old, advantages, mask)
+    expected_loss, expected_grad = ref.trl_cispo(logprobs, old, advantages, mask, epsilon_high=epsilon_max)
+    close(loss, expected_loss)
+    close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("extreme", [False, True])
+@pytest.mark.parametrize("tau_pos, tau_neg", [(1.0, 1.05), (0.5, 4.0)])
+def test_sapo_equals_verl_and_trl_per_token(shape, extreme, tau_pos, tau_neg):
+    logprobs, old, advantages, mask, _ = random_batch(shape, seed=3 * sum(shape), extreme=extreme)
+    loss, grad = ours(sapo_policy_loss, SAPOLossConfig(tau_pos=tau_pos, tau_neg=tau_neg),
+                      logprobs, old, advantages, mask)
+    for anchor in (ref.verl_sapo, ref.trl_sapo):  # TRL's unclamped ratio differs by < 1e-8 beyond ±20
+        expected_loss, expected_grad = anchor(logprobs, old, advantages, mask, tau_pos=tau_pos, tau_neg=tau_neg)
+        close(loss, expected_loss)
+        close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["cispo", "sapo"])
+def test_a_tis_correction_multiplies_the_loss_as_verls_rollout_weights(shape, name):
+    logprobs, old, advantages, mask, rollout = random_batch(shape, seed=11 + shape[0], extreme=True)
+    weights = tis_weights(old, rollout)
+    if name == "cispo":
+        config = CISPOLossConfig(correction="tis")
+        got = ours(cispo_policy_loss, config, logprobs, old, advantages, mask, rollout)
+        expected = ref.verl_cispo(logprobs, old, advantages, mask, clip_low=1.0, clip_high=0.2, weights=weights)
+    else:
+        config = SAPOLossConfig(correction="tis")
+        got = ours(sapo_policy_loss, config, logprobs, old, advantages, mask, rollout)
+        expected = ref.verl_sapo(logprobs, old, advantages, mask, tau_pos=1.0, tau_neg=1.05, weights=weights)
+    close(got[0], expected[0])
+    close(got[1], expected[1])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("empty_row", [False, True])
+def test_the_aggregated_losses_and_gradients_equal_verls(shape, empty_row):
+    """Through the functional API (the formula training runs): cispo with ``token_mean`` as verl's
+    ``token-mean``; sapo with its own per-sequence mean whatever ``aggregation`` says, as verl's
+    ``seq-mean-token-mean`` (verl divides by Σ m + 1e-8, we by max(Σ m, 1): 1e-8 relative)."""
+    logprobs, old, advantages, mask, _ = random_batch(shape, seed=5 + sum(shape), extreme=True, empty_row=empty_row)
+    for name, reference, aggregate in (
+            ("cispo", lambda: ref.verl_cispo(logprobs, old, advantages, mask, clip_low=1.0, clip_high=0.2),
+             ref.verl_token_mean),
+            ("sapo", lambda: ref.verl_sapo(logprobs, old, advantages, mask, tau_pos=1.0, tau_neg=1.05),
+             ref.verl_seq_mean_token_mean)):
+        current = logprobs.clone().requires_grad_(True)
+        loss, _ = policy_loss(name, logprobs=current, old_logprobs=old, advantages=advantages, loss_mask=mask,
+                              aggregation="token_mean")
+        loss.backward()
+        expected, expected_grad = aggregate(*reference(), mask)
+        assert abs(loss.item() - expected.item()) <= TOL, (name, loss.item(), expected.item())
+        close(current.grad, expected_grad)
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (8, 33)])
+def test_sapo_per_sequence_mean_equals_trls_when_every_row_has_tokens(shape):
+    logprobs, old, advantages, mask, _ = random_batch(shape, seed=13, extreme=False)
+    current = logprobs.clone().requires_grad_(True)
+    loss, _ = policy_loss("sapo", logprobs=current, old_logprobs=old, advantages=advantages, loss_mask=mask)
+    loss.backward()
+    expected, expected_grad = ref.trl_sequence_mean(
+        *ref.trl_sapo(logprobs, old, advantages, mask, tau_pos=1.0, tau_neg=1.05), mask)
+    assert abs(loss.item() - expected.item()) <= TOL
+    close(current.grad, expected_grad)
+
+
+def test_on_policy_both_give_the_plain_policy_gradient():
+    """At ratio 1 CISPO's weight is 1 and SAPO's gate weight 4σ(0)(1 - σ(0)) = 1: ∇ℓ = -Â."""
+    logprobs, _, advantages, mask, _ = random_batch((4, 6), seed=1, extreme=False)
+    for loss_fn, config in ((cispo_policy_loss, CISPOLossConfig()), (sapo_policy_loss, SAPOLossConfig())):
+        _, grad = ours(loss_fn, config, logprobs, logprobs, advantages, mask)
+        close(grad, -advantages * mask)
+
+
+def test_metrics():
+    logprobs = torch.tensor([[0.0, -1.0, -2.0]], dtype=torch.float64)
+    old = torch.tensor([[0.0, -1.5, -1.0]], dtype=torch.float64)  # ratios 1, e^0.5, e^-1
+    advantages = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=mask)
+    _, metrics = cispo_policy_loss(inputs, CISPOLossConfig(clip_low=0.2, clip_high=0.2))
+    assert metrics["policy/clip_frac"].item() == pytest.approx(2 / 3)  # e^0.5 > 1.2, e^-1 < 0.8
+    assert metrics["policy/approx_kl"].item() == pytest.approx((0 - 0.5 + 1) / 3)
+    _, metrics = sapo_policy_loss(inputs, SAPOLossConfig())
+    assert "policy/clip_frac" not in metrics
+    ratio = torch.exp(logprobs - old)
+    tau = torch.tensor([[1.0, 1.0, 1.05]], dtype=torch.float64)
+    sigma = torch.sigmoid(tau * (ratio - 1))
+    assert metrics["policy/gate_weight"].item() == pytest.approx((4 * sigma * (1 - sigma) * ratio).mean().item())
+
+
+@pytest.mark.parametrize("config_cls, settings, message", [
+    (CISPOLossConfig, {"clip_high": -0.1}, "cispo clip ranges"),
+    (CISPOLossConfig, {"correction": "nope"}, "unknown mismatch correction"),
+    (SAPOLossConfig, {"tau_neg": 0.0}, "sapo temperatures must be positive"),
+    (SAPOLossConfig, {"correction_bounds": (2.0, 1.0)}, "correction_bounds"),
+])
+def test_bad_settings_are_user_errors(config_cls, settings, message):
+    from rlhf.core.errors import RlhfError
+
+    with pytest.raises(RlhfError, match=message):
+        config_cls(**settings)
+
+
+def test_a_correction_without_rollout_logprobs_is_refused():
+    from rlhf.core.errors import RlhfError
+
+    logprobs, old, advantages, mask, _ = random_batch((2, 3), seed=2, extreme=False)
+    with pytest.raises(RlhfError, match="needs the rollout engine's log-probs"):
+        policy_loss("cispo", logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=mask,
+                    correction="icepop")
