@@ -64,7 +64,8 @@ def test_builtin_names_and_capabilities(plugins):
     assert registries["algorithm"].names() == sorted(PRESET_TABLE)
     for name, (needs_critic, needs_groups) in ESTIMATOR_FLAGS.items():
         component = registries["advantage_estimator"].component(name)
-        assert component.capabilities == {"needs_critic": needs_critic, "needs_groups": needs_groups}, name
+        assert component.capabilities == {"needs_critic": needs_critic, "needs_groups": needs_groups,
+                                          "implements": name}, name
         assert component.is_lazy and component.description and component.load_config_cls() is AdvantageConfig
     for registry in registries.values():
         for component in registry.components():
