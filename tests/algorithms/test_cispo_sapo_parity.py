@@ -195,3 +195,21 @@ def test_a_correction_without_rollout_logprobs_is_refused():
     with pytest.raises(RlhfError, match="needs the rollout engine's log-probs"):
         policy_loss("cispo", logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=mask,
                     correction="icepop")
+
+
+def test_the_presets_flags_reach_their_configs_and_a_correction_asks_for_rollout_logprobs(plugins):
+    """``--algo cispo --clip-high 4 --policy-loss.correction tis`` and ``--algo sapo --tau-neg 2`` as a run
+    plans them: the settings reach the loss's own config, the engine is asked for its log-probs."""
+    from rlhf.runtime.config.train_config import TrainConfig
+    from rlhf.runtime.config.train_plan import RunPlan
+
+    config = TrainConfig.from_dict({"model": "m", "data": ["d"], "algo": "cispo", "clip_high": 4.0,
+                                    "policy_loss.correction": "tis"}, plugins)
+    plan = RunPlan.make(config, plugins)
+    assert plan.algorithm.names()["policy_loss"] == "cispo" and plan.algorithm.kl_in == "none"
+    assert isinstance(plan.policy_loss_config, CISPOLossConfig) and plan.policy_loss_config.clip_high == 4.0
+    assert plan.policy_loss_config.correction == "tis" and plan.rollout_logprobs
+    plan = RunPlan.make(TrainConfig.from_dict({"model": "m", "data": ["d"], "algo": "sapo", "tau_neg": 2.0}, plugins),
+                        plugins)
+    assert isinstance(plan.policy_loss_config, SAPOLossConfig) and plan.policy_loss_config.tau_neg == 2.0
+    assert not plan.rollout_logprobs and plan.algorithm.policy_loss_agg.name == "seq_mean_token_mean"
