@@ -213,3 +213,21 @@ def test_the_presets_flags_reach_their_configs_and_a_correction_asks_for_rollout
                         plugins)
     assert isinstance(plan.policy_loss_config, SAPOLossConfig) and plan.policy_loss_config.tau_neg == 2.0
     assert not plan.rollout_logprobs and plan.algorithm.policy_loss_agg.name == "seq_mean_token_mean"
+
+
+def test_the_defaults_are_the_papers_and_anchors(plugins):
+    """CISPO: no lower bound (MiniMax-M1), ε_high 0.2 (verl's example); SAPO: τ 1.0 / 1.05 (the paper, verl,
+    TRL); the correction bounds as ppo's; every setting documented in ``rlhf plugins show``."""
+    from dataclasses import asdict
+
+    from tests.helpers import run_cli
+
+    assert asdict(CISPOLossConfig()) == {"clip_low": 1.0, "clip_high": 0.2, "correction": None,
+                                         "correction_bounds": (0.5, 5.0)}
+    assert asdict(SAPOLossConfig()) == {"tau_pos": 1.0, "tau_neg": 1.05, "correction": None,
+                                        "correction_bounds": (0.5, 5.0)}
+    for name, flags in (("cispo", ["--clip-low", "--clip-high"]), ("sapo", ["--tau-pos", "--tau-neg"])):
+        shown = run_cli(plugins, ["plugins", "show", name])
+        assert shown.exit_code == 0 and f"policy_loss {name}" in shown.output, shown.output
+        assert all(flag in shown.output for flag in flags), shown.output
+        assert "rollout/trainer mismatch correction" in shown.output and "[lo, hi] for the correction" in shown.output
