@@ -188,6 +188,16 @@ def test_bad_settings_are_user_errors(config_cls, settings, message):
         config_cls(**settings)
 
 
+def test_zero_clip_ranges_are_allowed_a_fixed_weight_of_one():
+    """ε_low = ε_high = 0 pins CISPO's weight at 1: plain REINFORCE with token-level normalisation."""
+    logprobs, old, advantages, mask, _ = random_batch((3, 4), seed=4, extreme=True)
+    _, grad = ours(cispo_policy_loss, CISPOLossConfig(clip_low=0.0, clip_high=0.0), logprobs, old, advantages, mask)
+    close(grad, -advantages * mask)
+    with pytest.raises(Exception, match="cispo clip ranges"):
+        CISPOLossConfig(clip_low=-0.01)
+    SAPOLossConfig(tau_pos=1e-3, tau_neg=1e-3)
+
+
 def test_a_correction_without_rollout_logprobs_is_refused():
     from rlhf.core.errors import RlhfError
 
