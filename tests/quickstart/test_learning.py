@@ -76,3 +76,23 @@ def test_cispo_and_sapo_raise_mean_reward_like_grpo(tmp_path, algo, metric, mode
     assert_learns(metrics, floor=floor, margin=0.2 if mode else 0.25)
     assert all(metric in m for m in metrics), sorted(metrics[0])
     assert not any("policy/kl" in m for m in metrics)
+
+
+@pytest.mark.parametrize("algo", ["cispo", "sapo"])
+def test_cispo_and_sapo_take_a_mismatch_correction_under_async(tmp_path, algo):
+    """With ``--policy-loss.correction tis`` the engine's log-probs reach the loss (its weight metrics are
+    logged), one step stale under --async."""
+    out = tmp_path / algo
+    command = [
+        sys.executable, "-m", "rlhf", "train", "--algo", algo, "--policy-loss.correction", "tis", "--async",
+        "--max-staleness", "1", "--model", str(ROOT / "examples" / "tiny-model"),
+        "--data", str(ROOT / "examples" / "data" / "train.jsonl"), "--input-key", "prompt", "--label-key", "answer",
+        "--reward", f"{ROOT / 'examples' / 'rewards.py'}:exact_match", "--n-samples", "4", "--prompts-per-step", "4",
+        "--max-new-tokens", "8", "--steps", "3", "--seed", "0", "--no-progress", "--out", str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3
+    for m in metrics:
+        assert 0.5 <= m["policy/correction_weight_mean"] <= 5.0 and abs(m["policy/mismatch_kl"]) < 1e-3, m
