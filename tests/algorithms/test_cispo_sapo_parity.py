@@ -159,18 +159,18 @@ def test_on_policy_both_give_the_plain_policy_gradient():
 
 
 def test_metrics():
-    logprobs = torch.tensor([[0.0, -1.0, -2.0]], dtype=torch.float64)
-    old = torch.tensor([[0.0, -1.5, -1.0]], dtype=torch.float64)  # ratios 1, e^0.5, e^-1
-    advantages = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64)
-    mask = torch.ones(1, 3, dtype=torch.float64)
+    logprobs = torch.tensor([[0.0, -1.0, -2.0, -0.5]], dtype=torch.float64)
+    old = torch.tensor([[0.0, -1.5, -1.0, -1.5]], dtype=torch.float64)  # ratios 1, e^0.5, e^-1, e
+    advantages = torch.tensor([[1.0, 1.0, -1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
     inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=mask)
     _, metrics = cispo_policy_loss(inputs, CISPOLossConfig(clip_low=0.2, clip_high=0.2))
-    assert metrics["policy/clip_frac"].item() == pytest.approx(2 / 3)  # e^0.5 > 1.2, e^-1 < 0.8
-    assert metrics["policy/approx_kl"].item() == pytest.approx((0 - 0.5 + 1) / 3)
+    assert metrics["policy/clip_frac"].item() == pytest.approx(3 / 4)  # e^0.5, e > 1.2, e^-1 < 0.8
+    assert metrics["policy/approx_kl"].item() == pytest.approx((0 - 0.5 + 1 - 1) / 4)
     _, metrics = sapo_policy_loss(inputs, SAPOLossConfig())
     assert "policy/clip_frac" not in metrics
     ratio = torch.exp(logprobs - old)
-    tau = torch.tensor([[1.0, 1.0, 1.05]], dtype=torch.float64)
+    tau = torch.tensor([[1.0, 1.0, 1.05, 1.05]], dtype=torch.float64)  # τ_neg where Â <= 0
     sigma = torch.sigmoid(tau * (ratio - 1))
     assert metrics["policy/gate_weight"].item() == pytest.approx((4 * sigma * (1 - sigma) * ratio).mean().item())
 
@@ -179,6 +179,7 @@ def test_metrics():
     (CISPOLossConfig, {"clip_high": -0.1}, "cispo clip ranges"),
     (CISPOLossConfig, {"correction": "nope"}, "unknown mismatch correction"),
     (SAPOLossConfig, {"tau_neg": 0.0}, "sapo temperatures must be positive"),
+    (SAPOLossConfig, {"tau_pos": 0.0}, "sapo temperatures must be positive"),
     (SAPOLossConfig, {"correction_bounds": (2.0, 1.0)}, "correction_bounds"),
 ])
 def test_bad_settings_are_user_errors(config_cls, settings, message):
