@@ -242,3 +242,6 @@ def test_the_defaults_are_the_papers_and_anchors(plugins):
         assert shown.exit_code == 0 and f"policy_loss {name}" in shown.output, shown.output
         assert all(flag in shown.output for flag in flags), shown.output
         assert "rollout/trainer mismatch correction" in shown.output and "[lo, hi] for the correction" in shown.output
+    helps = ("ε_low: the IS weight", "ε_high: the IS weight", "τ_pos > 0: the gate", "τ_neg > 0: the gate")
+    shown = run_cli(plugins, ["plugins", "show", "cispo"]).output + run_cli(plugins, ["plugins", "show", "sapo"]).output
+    assert all(help in shown for help in helps), shown
