@@ -56,7 +56,7 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/
             "tests/runtime/test_model_card.py", "tests/datagen/test_labels.py",
             "tests/runtime/test_ordered_backward.py", "tests/runtime/test_threads.py",
             "tests/runtime/test_checkpoint_integrity.py", "tests/fastpaths/test_vocab_chunks.py",
-            "tests/runtime/test_heap.py"]
+            "tests/runtime/test_heap.py", "tests/plugin_kit/test_conformance.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py",
                  "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]
@@ -78,7 +78,8 @@ LEARNING_TESTS = ["tests/objectives/test_learning.py", "tests/objectives/test_pi
 AREAS = {
     "RL math": ([
         "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/training_loss.py",
-        "rlhf/algorithms/presets.py", "rlhf/algorithms/kl_control.py", "rlhf/core/masked.py", "rlhf/core/batch.py",
+        "rlhf/algorithms/presets.py", "rlhf/algorithms/kl_control.py", "rlhf/algorithms/conformance.py",
+        "rlhf/core/masked.py", "rlhf/core/batch.py",
         "rlhf/plugins/algorithms/policy_losses.py", "rlhf/plugins/algorithms/gae.py",
         "rlhf/plugins/algorithms/groups.py", "rlhf/plugins/algorithms/grpo.py",
         "rlhf/plugins/algorithms/reinforce.py", "rlhf/plugins/algorithms/returns.py",
