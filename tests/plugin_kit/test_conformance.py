@@ -91,6 +91,7 @@ def test_a_correct_third_party_ppo_with_tis_passes(plugins, make_plugin):
 def test_a_correct_gspo_and_k3_pass(plugins, make_plugin):
     result = check(plugins, make_plugin, "my_gspo", my_gspo, config_cls=ClipConfig, implements="gspo")
     assert result.exit_code == 0 and largest(result.output, "gspo") < 1e-9, result.output
+    assert "no case ran" not in result.output and "reference fixtures 'gspo': 1 case(s)" in result.output
     result = check(plugins, make_plugin, "my_kl", my_k3, implements="k3")
     assert result.exit_code == 0 and largest(result.output, "k3") < 1e-12, result.output
 
@@ -143,13 +144,27 @@ def test_without_implements_no_fixture_runs(plugins, make_plugin):
 
 
 def test_the_fixtures_export_as_json(plugins, tmp_path):
-    result = run_cli(plugins, ["plugins", "check", "--fixtures", str(tmp_path / "fixtures")])
+    result = run_cli(plugins, ["plugins", "check", "--fixtures", str(tmp_path / "out" / "fixtures")])
     assert result.exit_code == 0, result.output
-    files = sorted(p.name for p in (tmp_path / "fixtures").iterdir())
+    files = sorted(p.name for p in (tmp_path / "out" / "fixtures").iterdir())
     assert files == ["advantage_estimator.json", "kl_estimator.json", "loss_aggregation.json", "policy_loss.json"]
-    policy = json.loads((tmp_path / "fixtures" / "policy_loss.json").read_text())
+    policy = json.loads((tmp_path / "out" / "fixtures" / "policy_loss.json").read_text())
     assert set(policy["sets"]) == {"ppo", "gspo", "cispo", "sapo", "tis", "icepop", "seq_mask_tis"}
     case = policy["sets"]["cispo"]["cases"][0]
     assert set(case["inputs"]) >= {"logprobs", "old_logprobs", "advantages", "loss_mask", "grad_output"}
     assert set(case["expected"]) == {"loss", "grad_logprobs"} and policy["tolerance"] == 1e-5
     assert run_cli(plugins, ["plugins", "check"]).exit_code == 2  # neither a name nor --fixtures
+
+
+def test_a_token_mean_that_claims_to_be_the_per_sequence_mean_fails(plugins, make_plugin):
+    """It keeps the aggregation contract (it adds up over micro-batches) but is not the method it claims;
+    the output is a scalar: no index in the message."""
+    def token_mean(loss, loss_mask, norm):
+        return (loss * loss_mask).sum() / norm.num_tokens
+
+    plugins.register(make_plugin("third_party_agg", register_loss_aggregations=lambda register: register(
+        "my_seq_mean", token_mean, implements="seq_mean_token_mean")))
+    result = run_cli(plugins, ["plugins", "check", "my_seq_mean"])
+    assert result.exit_code == 1, result.output
+    assert re.search(r"reference fixtures of 'seq_mean_token_mean': largest difference \S+ at case '[^']+', "
+                     r"(value|grad_loss\[\d+, \d+\]) \(tolerance", result.output), result.output
