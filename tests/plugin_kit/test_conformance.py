@@ -94,6 +94,7 @@ def test_a_correct_gspo_and_k3_pass(plugins, make_plugin):
     assert "no case ran" not in result.output and "reference fixtures 'gspo': 1 case(s)" in result.output
     result = check(plugins, make_plugin, "my_kl", my_k3, implements="k3")
     assert result.exit_code == 0 and largest(result.output, "k3") < 1e-12, result.output
+    assert "reference fixtures 'k3': 2 case(s)" in result.output and "no case ran" not in result.output
 
 
 def test_a_sequence_ratio_summed_instead_of_multiplied_fails_with_the_largest_difference(plugins, make_plugin):
