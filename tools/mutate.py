@@ -57,7 +57,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/
             "tests/runtime/test_ordered_backward.py", "tests/runtime/test_threads.py",
             "tests/runtime/test_checkpoint_integrity.py", "tests/fastpaths/test_vocab_chunks.py",
             "tests/runtime/test_heap.py", "tests/core/test_outcomes.py",
-            "tests/runtime/test_failure_policies.py", "tests/runtime/test_outcomes_runs.py"]
+            "tests/runtime/test_failure_policies.py", "tests/runtime/test_outcomes_runs.py",
+            "tests/plugin_kit/test_conformance.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py",
                  "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]
@@ -79,7 +80,8 @@ LEARNING_TESTS = ["tests/objectives/test_learning.py", "tests/objectives/test_pi
 AREAS = {
     "RL math": ([
         "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/training_loss.py",
-        "rlhf/algorithms/presets.py", "rlhf/algorithms/kl_control.py", "rlhf/core/masked.py", "rlhf/core/batch.py",
+        "rlhf/algorithms/presets.py", "rlhf/algorithms/kl_control.py", "rlhf/algorithms/conformance.py",
+        "rlhf/core/masked.py", "rlhf/core/batch.py",
         "rlhf/plugins/algorithms/policy_losses.py", "rlhf/plugins/algorithms/gae.py",
         "rlhf/plugins/algorithms/groups.py", "rlhf/plugins/algorithms/grpo.py",
         "rlhf/plugins/algorithms/reinforce.py", "rlhf/plugins/algorithms/returns.py",

@@ -247,22 +247,41 @@ def new_command(state: Any, kind: str, name: str, directory: str) -> None:
 
 
 @plugins_group.command("check")
-@click.argument("name")
+@click.argument("name", required=False)
+@click.option("--fixtures", "fixtures_dir", type=click.Path(file_okay=False),
+              help="Write the reference fixtures (advantage estimators, policy losses, KL estimators, "
+                   "aggregations) as JSON into this directory, for other frameworks to check against")
+@click.option("--tolerance", type=float, default=None,
+              help="Largest allowed difference to the reference fixtures (relative above 1; default 1e-5)")
 @click.pass_obj
-def check_command(state: Any, name: str) -> None:
+def check_command(state: Any, name: str | None, fixtures_dir: str | None, tolerance: float | None) -> None:
     """Run a component's contract on CPU with synthetic inputs; exit 1 when it breaks it.
 
     Every kind has a contract: estimators, losses and aggregations get synthetic tensors (shapes,
     masks, NaN, micro-batch invariance), rewards a batch of samples, environments a scripted
-    episode, adapters, engines, backends and objectives a tiny random model. Also reports how long
-    the plugin takes to import (warning above 100 ms). NAME is a component name or, for an
+    episode, adapters, engines, backends and objectives a tiny random model. An estimator, loss,
+    KL estimator or aggregation registered with ``implements="grpo"`` (``"ppo"``, ``("cispo",
+    "tis")``, ``"k3"``, ``"token_mean"``, ...) is also run on that method's reference fixtures: the
+    largest difference is printed, and one beyond the tolerance fails. Also reports how long the
+    plugin takes to import (warning above 100 ms). NAME is a component name or, for an
     environment, ``module:Class``.
     """
     from rlhf.plugin_kit.check import NoSuchComponent, run_checks
     from rlhf.plugin_kit.checks import ContractError
 
+    if fixtures_dir is not None:
+        from rlhf.algorithms.conformance import export_fixtures
+
+        for path in export_fixtures(fixtures_dir):
+            click.echo(f"wrote {path}")
+    if name is None:
+        if fixtures_dir is None:
+            raise click.UsageError("give a component NAME to check, or --fixtures DIR to export the reference fixtures")
+        return
+    if tolerance is not None and not tolerance > 0:
+        raise click.BadParameter(f"must be positive, got {tolerance}", param_hint="--tolerance")
     try:
-        for heading, lines in run_checks(name, state.plugins):
+        for heading, lines in run_checks(name, state.plugins, tolerance=tolerance):
             click.echo(f"{heading}:")
             for line in lines:
                 click.echo(f"  {line}")

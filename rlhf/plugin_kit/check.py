@@ -98,10 +98,12 @@ def import_time(record: PluginRecord) -> ImportTime | None:
     return ImportTime(module, data["ms"], data["heavy"])
 
 
-def run_checks(name: str, plugins: PluginSet) -> Iterator[tuple[str, list[str]]]:
-    """``(heading, lines)`` per component called ``name``; raises `ContractError` on a broken contract."""
+def run_checks(name: str, plugins: PluginSet, *, tolerance: float | None = None) -> Iterator[tuple[str, list[str]]]:
+    """``(heading, lines)`` per component called ``name``; raises `ContractError` on a broken contract.
+    ``tolerance``: of the reference fixtures (None: theirs)."""
     timed: set[int] = set()
     for target, record in targets(name, plugins):
+        target.tolerance = tolerance
         heading = f"{target.kind} {target.name}" + (f" (from {record.label})" if record else "")
         lines: list[str] = []
         if record is not None and id(record) not in timed:

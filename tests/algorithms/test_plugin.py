@@ -40,7 +40,7 @@ ESTIMATOR_FLAGS = {  # name: (needs_critic, needs_groups)
     "dr_grpo": (False, True),
 }
 
-# docs/algorithms.md's preset table: estimator, KL placement, KL estimator, β, aggregation.
+# docs/algorithms.md's preset table: estimator, KL placement, KL estimator, β, aggregation (, policy loss: ppo).
 PRESET_TABLE = {
     "ppo": ("gae", "reward", "k1", 0.01, "token_mean"),
     "reinforce_pp": ("reinforce_pp", "reward", "k1", 0.01, "token_mean"),
@@ -48,21 +48,24 @@ PRESET_TABLE = {
     "rloo": ("rloo", "reward", "k1", 0.01, "token_mean"),
     "grpo": ("grpo", "loss", "k3", 0.001, "token_mean"),
     "dr_grpo": ("dr_grpo", "loss", "k3", 0.001, "seq_mean_token_sum_norm"),
+    "cispo": ("grpo", "none", "k3", 0.0, "token_mean", "cispo"),
+    "sapo": ("grpo", "none", "k3", 0.0, "seq_mean_token_mean", "sapo"),
 }
+LOSS_CONFIGS = {"ppo": "PPOLossConfig", "cispo": "CISPOLossConfig", "sapo": "SAPOLossConfig"}
 
 
 def test_builtin_names_and_capabilities(plugins):
     registries = plugins.registries()
     assert registries["advantage_estimator"].names() == sorted(ESTIMATOR_FLAGS)
     assert registries["kl_estimator"].names() == ["k1", "k2", "k3"]
-    assert registries["policy_loss"].names() == ["gspo", "ppo"]
+    assert registries["policy_loss"].names() == ["cispo", "gspo", "ppo", "sapo"]
     assert registries["loss_aggregation"].names() == sorted(
         ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
     assert registries["algorithm"].names() == sorted(PRESET_TABLE)
     for name, (needs_critic, needs_groups) in ESTIMATOR_FLAGS.items():
         component = registries["advantage_estimator"].component(name)
         assert component.capabilities == {"needs_critic": needs_critic, "needs_groups": needs_groups,
-                                          "supports_masking": True}, name  # every built-in masks (outcomes)
+                                          "supports_masking": True, "implements": name}, name  # every built-in masks (outcomes)
         assert component.is_lazy and component.description and component.load_config_cls() is AdvantageConfig
     for registry in registries.values():
         for component in registry.components():
@@ -72,19 +75,20 @@ def test_builtin_names_and_capabilities(plugins):
 
 @pytest.mark.parametrize("algo", sorted(PRESET_TABLE))
 def test_presets_follow_the_design_table(plugins, algo):
-    estimator, kl_in, kl_estimator, kl_coef, loss_agg = PRESET_TABLE[algo]
+    estimator, kl_in, kl_estimator, kl_coef, loss_agg, *loss = PRESET_TABLE[algo]
+    loss = loss[0] if loss else "ppo"
     resolved = resolve_algorithm(algo, n_samples=4, plugins=plugins)
-    assert resolved.names() == {"algo": algo, "advantage": estimator, "policy_loss": "ppo",
+    assert resolved.names() == {"algo": algo, "advantage": estimator, "policy_loss": loss,
                                 "kl_estimator": kl_estimator, "kl_in": kl_in, "kl_coef": kl_coef, "loss_agg": loss_agg}
     assert resolved.needs_critic == (algo == "ppo")
     assert resolved.needs_groups == ESTIMATOR_FLAGS[estimator][1]
-    assert resolved.needs_reference
+    assert resolved.needs_reference == (kl_in != "none")
     assert isinstance(resolved.advantage, LoadedComponent) and callable(resolved.advantage.obj)
     registries = plugins.registries()
     assert resolved.advantage_fn is registries["advantage_estimator"].get(estimator)
     assert resolved.advantage_config_cls is AdvantageConfig
-    assert resolved.policy_loss_fn is registries["policy_loss"].get("ppo")
-    assert resolved.policy_loss_config_cls.__name__ == "PPOLossConfig"
+    assert resolved.policy_loss_fn is registries["policy_loss"].get(loss)
+    assert resolved.policy_loss_config_cls.__name__ == LOSS_CONFIGS[loss]
     assert resolved.kl_estimator_fn is registries["kl_estimator"].get(kl_estimator)
     assert resolved.aggregate_fn is registries["loss_aggregation"].get(loss_agg)
 

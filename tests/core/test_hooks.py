@@ -38,7 +38,8 @@ def test_hook_register_advantage_estimators(bare_plugins, make_plugin):
 
     component = _register_one(bare_plugins, make_plugin, "register_advantage_estimators", estimator, needs_groups=True)
     assert component.load() is estimator
-    assert component.capabilities == {"needs_critic": False, "needs_groups": True, "supports_masking": False}
+    assert component.capabilities == {"needs_critic": False, "needs_groups": True, "supports_masking": False,
+                                      "implements": None}
 
 
 def test_hook_register_policy_losses(bare_plugins, make_plugin):

@@ -51,7 +51,7 @@ def test_capability_flags_have_defaults_and_can_be_set(make_plugin, bare_plugins
     bare_plugins.register(make_plugin(register_advantage_estimators=register))
     registry = bare_plugins.registry("advantage_estimator")
     assert registry.component("plain").capabilities == {"needs_critic": False, "needs_groups": False,
-                                                         "supports_masking": False}
+                                                         "supports_masking": False, "implements": None}
     assert registry.component("critic_based").capabilities["needs_critic"] is True
 
 

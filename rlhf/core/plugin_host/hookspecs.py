@@ -76,11 +76,13 @@ def register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators (``--advantage NAME``).
 
     - ``register(name, estimator, *, needs_critic=False, needs_groups=False, supports_masking=False,
-      config_cls=None)``; ``needs_critic``: the run must build a critic and pass values;
+      config_cls=None, implements=None)``; ``needs_critic``: the run must build a critic and pass values;
       ``needs_groups``: the estimator compares the n samples of a prompt, and the runtime refuses
       to start with n < 2; ``supports_masking``: it leaves samples whose ``sample_mask`` is False
       out of every statistic (its baselines taken over the others) and gives them advantage 0, so
-      ``--on-failure mask`` may keep failed samples in their groups (refused otherwise).
+      ``--on-failure mask`` may keep failed samples in their groups (refused otherwise);
+      ``implements``: the method(s) whose reference fixtures ``rlhf plugins check`` runs it on
+      (``"grpo"``, ``"gae"``, ...; docs/algorithms.md, "Conformance").
     - ``estimator(inputs, config) -> (advantages, returns)``, both ``(B, A)`` and zero where
       ``action_mask`` is 0; called once per rollout batch, under ``torch.no_grad()``
       (``rlhf.algorithms.compute_advantages`` calls it by name).
@@ -101,7 +103,10 @@ def register_policy_losses(register: Register) -> None:
     """Register per-token policy losses (``--policy-loss NAME``).
 
     - ``register(name, loss, *, config_cls=None, needs_rollout_logprobs=False, aggregation=None,
-      advantage_weighted=False)``.
+      advantage_weighted=False, implements=None)``.
+    - ``implements``: the method(s) whose reference fixtures ``rlhf plugins check`` runs the loss
+      on, a name or a tuple: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"sapo"``, and the mismatch
+      corrections it offers, ``("cispo", "tis")`` (docs/algorithms.md, "Conformance").
     - ``needs_rollout_logprobs``: the loss reads ``inputs.rollout_logprobs`` (the engine is then
       asked for them); a bool, or a function of the loss's config object (``ppo`` needs them only
       with a mismatch ``correction``).
@@ -110,7 +115,7 @@ def register_policy_losses(register: Register) -> None:
     - ``advantage_weighted``: every token's loss is its advantage times a finite factor, so a row
       whose advantages are all 0 adds exactly 0 to the loss and its gradient; with an aggregation
       that ``sums_rows`` and no KL or entropy term, training then skips such rows' forwards
-      (``ppo`` and ``gspo`` declare it).
+      (``ppo``, ``gspo``, ``cispo`` and ``sapo`` declare it).
     - ``loss(inputs, config) -> (per_token_loss, metrics)``: ``inputs`` an
       ``rlhf.core.types.PolicyLossInputs`` (``logprobs (B, A)`` with grad, ``old_logprobs``,
       ``advantages``, ``loss_mask`` float 0/1 (the action tokens of the samples that count), all
@@ -128,7 +133,8 @@ def register_policy_losses(register: Register) -> None:
 def register_kl_estimators(register: Register) -> None:
     """Register KL estimators (``--kl-estimator NAME``).
 
-    ``register(name, estimator)``.
+    ``register(name, estimator, *, implements=None)``; ``implements``: the method whose reference
+    fixtures ``rlhf plugins check`` runs it on (``"k1"``, ``"k2"``, ``"k3"``).
 
     ``estimator(logprobs, ref_logprobs) -> kl``: all three ``(B, A)`` float. The host
     (``rlhf.algorithms.training_loss.clamped_kl``) clamps the result to [-10, 10] and masks it; the
@@ -140,9 +146,11 @@ def register_kl_estimators(register: Register) -> None:
 def register_loss_aggregations(register: Register) -> None:
     """Register loss aggregations (``--loss-agg NAME``).
 
-    ``register(name, aggregate, *, sums_rows=False)``. ``sums_rows``: the result is a sum of
-    per-row terms over the step's counts, so a row whose per-token losses are 0 adds 0 (every
-    built-in aggregation; it lets training skip zero-advantage rows, see ``register_policy_losses``).
+    ``register(name, aggregate, *, sums_rows=False, implements=None)``. ``sums_rows``: the result is
+    a sum of per-row terms over the step's counts, so a row whose per-token losses are 0 adds 0
+    (every built-in aggregation; it lets training skip zero-advantage rows, see
+    ``register_policy_losses``). ``implements``: the aggregation whose reference fixtures ``rlhf
+    plugins check`` runs it on (``"token_mean"``, ...).
 
     ``aggregate(loss, loss_mask, norm) -> scalar tensor``: ``loss`` and ``loss_mask``
     (float 0/1) are one micro-batch ``(B, A)``; ``norm`` is an ``rlhf.core.types.LossNorm``

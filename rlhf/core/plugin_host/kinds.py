@@ -99,11 +99,11 @@ KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
         Kind("advantage_estimator", "register_advantage_estimators", "--advantage",
-             {"needs_critic": False, "needs_groups": False, "supports_masking": False}),
+             {"needs_critic": False, "needs_groups": False, "supports_masking": False, "implements": None}),
         Kind("policy_loss", "register_policy_losses", "--policy-loss",
-             {"needs_rollout_logprobs": False, "aggregation": None, "advantage_weighted": False}),
-        Kind("kl_estimator", "register_kl_estimators", "--kl-estimator"),
-        Kind("loss_aggregation", "register_loss_aggregations", "--loss-agg", {"sums_rows": False}),
+             {"needs_rollout_logprobs": False, "aggregation": None, "advantage_weighted": False, "implements": None}),
+        Kind("kl_estimator", "register_kl_estimators", "--kl-estimator", {"implements": None}),
+        Kind("loss_aggregation", "register_loss_aggregations", "--loss-agg", {"sums_rows": False, "implements": None}),
         Kind("algorithm", "register_algorithms", "--algo", check=_preset),
         Kind("reward", "register_rewards", "--reward", {"batched": None, "is_async": None}),
         Kind("env", "register_envs", "--env", {"multi_turn": True, "gives_rewards": True, "needs_labels": False},

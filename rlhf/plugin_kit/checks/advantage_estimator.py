@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.plugin_kit.checks.target import (
-    Target, expect_close, expect_tensor, expect_zero_where_masked)
+    Target, expect_conformance, expect_close, expect_tensor, expect_zero_where_masked)
 
 GROUPS, N, A = 3, 4, 6
 B = GROUPS * N
@@ -86,4 +86,4 @@ def check(target: Target) -> list[str]:
     expect_close(target, "the reward of a sample left out by sample_mask changed the other samples' advantages; "
                  "leave it out of group statistics and whitening", adv_changed, adv_masked)
     lines.append("sample_mask: a left-out sample gets zeros and its reward does not reach the others")
-    return lines
+    return lines + expect_conformance(target)

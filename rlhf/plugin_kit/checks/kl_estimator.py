@@ -4,7 +4,7 @@ micro-batch split changes nothing)."""
 
 from __future__ import annotations
 
-from rlhf.plugin_kit.checks.target import ContractError, Target, expect_close, expect_tensor
+from rlhf.plugin_kit.checks.target import ContractError, Target, expect_conformance, expect_close, expect_tensor
 
 B, A = 4, 5
 
@@ -40,4 +40,4 @@ def check(target: Target) -> list[str]:
     expect_close(target, "splitting the rows into two micro-batches changed the KL; compute it token by token",
                  halves.detach(), kl.detach())
     lines.append("micro-batch invariance: two halves give the same KL")
-    return lines
+    return lines + expect_conformance(target)

@@ -4,7 +4,7 @@ over the micro-batches of a step equals the whole step's loss, however the step 
 
 from __future__ import annotations
 
-from rlhf.plugin_kit.checks.target import Target, expect_close
+from rlhf.plugin_kit.checks.target import Target, expect_close, expect_conformance
 
 B, A = 6, 5
 
@@ -54,4 +54,4 @@ def check(target: Target) -> list[str]:
                      "step's loss; divide by the step counts in `norm`, not by this micro-batch's",
                      torch.stack(parts).sum(), whole.detach())
     lines.append("micro-batch invariance: splits [3, 3], [1, 2, 3], [5, 1] add up to the whole step")
-    return lines
+    return lines + expect_conformance(target)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.plugin_kit.checks.target import (
-    Target, expect_close, expect_tensor, expect_zero_where_masked, finite_number)
+    Target, expect_conformance, expect_close, expect_tensor, expect_zero_where_masked, finite_number)
 
 B, A = 6, 5
 
@@ -68,4 +68,4 @@ def check(target: Target) -> list[str]:
     expect_close(target, "splitting the batch into two micro-batches changed the per-token losses; a row's loss "
                  "must depend only on that row", torch.cat(halves).detach(), loss.detach())
     lines.append("micro-batch invariance: two halves give the same per-token losses as the whole batch")
-    return lines
+    return lines + expect_conformance(target)

@@ -39,6 +39,7 @@ class Target:
     config_cls: Any = None
     capabilities: dict[str, Any] = field(default_factory=dict)
     plugins: PluginSet | None = None
+    tolerance: float | None = None  # of the reference fixtures (`expect_conformance`); None: the fixtures' own
     _workdir: Path | None = field(default=None, repr=False)
 
     @property
@@ -141,3 +142,33 @@ def guarded(target: Target, what: str, fn: Any) -> Any:
         raise
     except Exception as exc:
         raise target.fail(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def expect_conformance(target: Target) -> list[str]:
+    """The reference fixtures of each method the component's registration ``implements``
+    (`rlhf.algorithms.conformance`): one line per set with its largest difference; a `ContractError`
+    naming the case and output when a difference is beyond the tolerance. No lines without ``implements``."""
+    from rlhf.algorithms.conformance import TOLERANCE, ConformanceError, conform, implemented
+    from rlhf.core.plugin_host.settings import setting_fields
+
+    names = implemented(target.capabilities)
+    if not names:
+        return []
+    tolerance = TOLERANCE if target.tolerance is None else target.tolerance
+    settable = None if target.config_cls is None else {f.name for f in setting_fields(target.config_cls)}
+    try:
+        results = conform(target.kind, target.obj, names, make_config=lambda settings: target.config(settings),
+                          settable=settable, tolerance=tolerance)
+    except ConformanceError as exc:
+        raise target.fail(f"reference fixtures: {exc}") from exc
+    lines = []
+    for result in results:
+        lines += [result.describe()] + [f"  {note}" for note in result.notes]
+        if result.failed:
+            raise target.fail(f"does not match the reference fixtures of {result.name!r}: largest difference "
+                              f"{result.largest:.3g} at {result.where} (tolerance {tolerance:g}, relative above 1); "
+                              f"first beyond it: {result.failed}")
+        if not result.cases:
+            raise target.fail(f"implements {result.name!r} but ran none of its reference fixtures: "
+                              f"{'; '.join(result.notes)}")
+    return lines

@@ -7,7 +7,7 @@ description, so importing this module (``rlhf --help``, ``rlhf plugins list``) i
 Where each piece lives, in this package: the advantage estimators in ``grpo.py`` (grpo, dr_grpo),
 ``rloo.py``, ``reinforce.py`` (reinforce_pp, reinforce_pp_baseline) and ``gae.py``, with what they
 share in ``returns.py`` (reward placement, returns, GAE, whitening) and ``groups.py``; every term of
-the policy loss in ``policy_losses.py`` (the ppo and gspo losses and their settings, the mismatch
+the policy loss in ``policy_losses.py`` (the ppo, gspo, cispo and sapo losses and their settings, the mismatch
 corrections, the KL estimators, the loss aggregations); the presets in ``presets.py``. The
 formula that combines the loss terms, and the critic's value loss, are the host's:
 ``rlhf/algorithms/training_loss.py``.
@@ -16,6 +16,7 @@ formula that combines the loss terms, and the critic's value loss, are the host'
 from __future__ import annotations
 
 from rlhf.api import AdvantageConfig, hookimpl
+from rlhf.plugins.algorithms.policy_losses import CORRECTIONS
 from rlhf.plugins.algorithms.presets import PRESETS
 
 _HERE = "rlhf.plugins.algorithms"
@@ -44,19 +45,26 @@ def register_advantage_estimators(register):
     for name, (ref, description, needs_critic, needs_groups, aliases) in ESTIMATORS.items():
         register(name, f"{_HERE}.{ref}", description=description, config_cls=AdvantageConfig,
                  short_flags=("gamma", "lambd", "std_norm", "reward_clip"), aliases=aliases,
-                 needs_critic=needs_critic, needs_groups=needs_groups, supports_masking=True)
+                 needs_critic=needs_critic, needs_groups=needs_groups, supports_masking=True,
+                 implements=name)
 
 
 @hookimpl
 def register_kl_estimators(register):
     register("k1", f"{_HERE}.policy_losses:k1",
-             description="k1 = δ = logprobs - ref_logprobs (unbiased, may be negative)")
-    register("k2", f"{_HERE}.policy_losses:k2", description="k2 = δ²/2 (non-negative)")
-    register("k3", f"{_HERE}.policy_losses:k3", description="k3 = exp(-δ) - 1 + δ (unbiased, non-negative)")
+             description="k1 = δ = logprobs - ref_logprobs (unbiased, may be negative)", implements="k1")
+    register("k2", f"{_HERE}.policy_losses:k2", description="k2 = δ²/2 (non-negative)", implements="k2")
+    register("k3", f"{_HERE}.policy_losses:k3", description="k3 = exp(-δ) - 1 + δ (unbiased, non-negative)",
+             implements="k3")
+
+
+# ``implements=``: the reference fixtures `rlhf plugins check` runs each component on (docs/algorithms.md,
+# "Conformance"); the built-ins are checked against them like any third party.
 
 
 def corrects_mismatch(config) -> bool:
-    """The ppo loss reads the rollout engine's log-probs when a mismatch correction is set."""
+    """A loss with mismatch corrections (ppo, gspo, cispo, sapo) reads the rollout engine's log-probs
+    when one is set."""
     return config is not None and config.correction is not None
 
 
@@ -66,24 +74,37 @@ def register_policy_losses(register):
              description="PPO clipped surrogate (asymmetric clip, dual clip, TIS/ICEPOP correction)",
              config_cls=f"{_HERE}.policy_losses:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
              needs_rollout_logprobs=corrects_mismatch,
-             advantage_weighted=True)
+             advantage_weighted=True, implements=("ppo", *CORRECTIONS))
     register("gspo", f"{_HERE}.policy_losses:gspo_policy_loss",
              description="GSPO: sequence-level ratio exp(mean log-ratio), clipped, per-sequence mean",
              config_cls=f"{_HERE}.policy_losses:PPOLossConfig", short_flags=("clip_low", "clip_high", "dual_clip"),
              needs_rollout_logprobs=corrects_mismatch,
-             aggregation="seq_mean_token_mean", advantage_weighted=True)
+             aggregation="seq_mean_token_mean", advantage_weighted=True, implements=("gspo", *CORRECTIONS))
+    register("cispo", f"{_HERE}.policy_losses:cispo_policy_loss",
+             description="CISPO: policy gradient weighted by the clipped, gradient-stopped ratio (MiniMax-M1)",
+             config_cls=f"{_HERE}.policy_losses:CISPOLossConfig", short_flags=("clip_low", "clip_high"),
+             needs_rollout_logprobs=corrects_mismatch, advantage_weighted=True,
+             implements=("cispo", *CORRECTIONS))
+    register("sapo", f"{_HERE}.policy_losses:sapo_policy_loss",
+             description="SAPO: soft sigmoid gate of the ratio (temperatures τ_pos, τ_neg), per-sequence mean",
+             config_cls=f"{_HERE}.policy_losses:SAPOLossConfig", short_flags=("tau_pos", "tau_neg"),
+             needs_rollout_logprobs=corrects_mismatch,
+             aggregation="seq_mean_token_mean", advantage_weighted=True, implements=("sapo", *CORRECTIONS))
 
 
 @hookimpl
 def register_loss_aggregations(register):
     register("token_mean", f"{_HERE}.policy_losses:token_mean",
-             description="Σ ℓ m / tokens of the whole optimizer step", sums_rows=True)
+             description="Σ ℓ m / tokens of the whole optimizer step", sums_rows=True, implements="token_mean")
     register("seq_mean_token_mean", f"{_HERE}.policy_losses:seq_mean_token_mean",
-             description="mean over sequences of each sequence's token mean", sums_rows=True)
+             description="mean over sequences of each sequence's token mean", sums_rows=True,
+             implements="seq_mean_token_mean")
     register("seq_mean_token_sum", f"{_HERE}.policy_losses:seq_mean_token_sum",
-             description="mean over sequences of each sequence's token sum", sums_rows=True)
+             description="mean over sequences of each sequence's token sum", sums_rows=True,
+             implements="seq_mean_token_sum")
     register("seq_mean_token_sum_norm", f"{_HERE}.policy_losses:seq_mean_token_sum_norm",
-             description="mean over sequences of token sum / max new tokens (Dr. GRPO)", sums_rows=True)
+             description="mean over sequences of token sum / max new tokens (Dr. GRPO)", sums_rows=True,
+             implements="seq_mean_token_sum_norm")
 
 
 @hookimpl

@@ -3,15 +3,18 @@
 
     L = agg(ℓ) + β·agg(clamp(kl(logprobs, ref_logprobs), ±10)) − c·agg(H)
 
-1. `PPOLossConfig`: the settings of the ``ppo`` and ``gspo`` policy losses (``--policy-loss.<name>``,
-   ``--clip-low`` / ``--clip-high`` / ``--dual-clip`` for short).
+1. The settings (``--policy-loss.<name>``): `PPOLossConfig` of the ``ppo`` and ``gspo`` losses
+   (``--clip-low`` / ``--clip-high`` / ``--dual-clip`` for short), `CISPOLossConfig` of ``cispo``
+   (``--clip-low`` / ``--clip-high``), `SAPOLossConfig` of ``sapo`` (``--tau-pos`` / ``--tau-neg``).
 2. The policy losses ℓ (``--policy-loss``): ``ppo`` (one ratio per token) and ``gspo`` (one ratio
-   per sequence). Each computes its ratio ρ and hands it to `clipped_surrogate`, the clip they
-   share (asymmetric ranges, dual clip); `policy_metrics` gives both the same metrics. Another
-   loss is a function ``(PolicyLossInputs, config) -> (ℓ (B, A), metrics)`` here and one
-   ``register(...)`` line in ``plugin.py``.
+   per sequence), which hand their ratio ρ to `clipped_surrogate`, the clip they share
+   (asymmetric ranges, dual clip); ``cispo`` (the policy gradient weighted by the clipped,
+   gradient-stopped ratio) and ``sapo`` (a soft sigmoid gate of the ratio instead of the clip).
+   `policy_metrics` gives them the same metrics. Another loss is a function
+   ``(PolicyLossInputs, config) -> (ℓ (B, A), metrics)`` here and one ``register(...)`` line in
+   ``plugin.py``.
 3. `correction_weights`: the rollout/trainer mismatch corrections ``tis``, ``icepop``,
-   ``seq_mask_tis`` (``ppo`` weighs its ℓ with them).
+   ``seq_mask_tis`` (``ppo``, ``cispo`` and ``sapo`` weigh their ℓ with them, `corrected`).
 4. The KL estimators kl (``--kl-estimator``): ``k1``, ``k2``, ``k3``. The host clamps every
    estimate to [-10, 10] and masks it; ``--kl-unbiased-gradient`` keeps an estimator's value and
    gives it the importance-weighted gradient of the reverse KL. Both apply to any estimator, a
@@ -39,14 +42,39 @@ if TYPE_CHECKING:
 
     from rlhf.api import LossNorm, PolicyLossInputs
 
-__all__ = ["CORRECTIONS", "LOG_RATIO_CLAMP", "PPOLossConfig", "clipped_surrogate", "correction_weights",
-           "gspo_policy_loss", "k1", "k2", "k3", "log_ratio", "policy_metrics", "ppo_policy_loss",
-           "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_mean"]
+__all__ = ["CISPOLossConfig", "CORRECTIONS", "LOG_RATIO_CLAMP", "PPOLossConfig", "SAPOLossConfig",
+           "cispo_policy_loss", "clipped_surrogate", "corrected", "correction_weights", "gspo_policy_loss", "k1", "k2", "k3", "log_ratio", "policy_metrics", "ppo_policy_loss",
+           "sapo_policy_loss", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_mean"]
 
 
 # --- 1. settings ----------------------------------------------------------------------------------
 
 CORRECTIONS = ("tis", "icepop", "seq_mask_tis")  # rollout/trainer mismatch corrections (section 3)
+
+
+def _correction_field() -> Any:
+    return field(default=None, metadata={
+        "help": "rollout/trainer mismatch correction: 'tis' (clamped weight), 'icepop' (weight 0 "
+                "outside the bounds) or 'seq_mask_tis' (drop a sequence whose geometric-mean weight leaves "
+                "the bounds); needs the rollout engine's log-probs; None: off"})
+
+
+def _correction_bounds_field() -> Any:
+    return field(default=(0.5, 5.0), metadata={
+        "help": "[lo, hi] for the correction weight exp(old_logprobs - rollout_logprobs)"})
+
+
+def _check_correction(config: Any) -> None:
+    """Normalise and check a config's ``correction`` and ``correction_bounds`` (every loss that
+    applies the mismatch corrections has both)."""
+    if isinstance(config.correction, str):
+        config.correction = config.correction.replace("-", "_")  # OpenRLHF spells it seq-mask-tis
+    if config.correction is not None and config.correction not in CORRECTIONS:
+        raise RlhfError(f"unknown mismatch correction {config.correction!r}; choose one of "
+                        f"{', '.join(CORRECTIONS)} (or None)")
+    low, high = config.correction_bounds
+    if not 0 <= low <= high:
+        raise RlhfError(f"correction_bounds must satisfy 0 <= lo <= hi, got {config.correction_bounds}")
 
 
 @dataclass(kw_only=True)
@@ -58,12 +86,8 @@ class PPOLossConfig:
         "help": "ε_high: the ratio is clipped above at 1 + ε_high (larger than ε_low: DAPO's clip-higher)"})
     dual_clip: float | None = field(default=None, metadata={
         "help": "c > 1: for negative advantages the loss is at most -c·Â (dual-clip PPO); None: off"})
-    correction: str | None = field(default=None, metadata={
-        "help": "rollout/trainer mismatch correction: 'tis' (clamped weight), 'icepop' (weight 0 "
-                "outside the bounds) or 'seq_mask_tis' (drop a sequence whose geometric-mean weight leaves "
-                "the bounds); needs the rollout engine's log-probs; None: off"})
-    correction_bounds: tuple[float, float] = field(default=(0.5, 5.0), metadata={
-        "help": "[lo, hi] for the correction weight exp(old_logprobs - rollout_logprobs)"})
+    correction: str | None = _correction_field()
+    correction_bounds: tuple[float, float] = _correction_bounds_field()
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
@@ -71,14 +95,43 @@ class PPOLossConfig:
                             f"got clip_low={self.clip_low}, clip_high={self.clip_high}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise RlhfError(f"dual_clip must be greater than 1 (or None to turn it off), got {self.dual_clip}")
-        if isinstance(self.correction, str):
-            self.correction = self.correction.replace("-", "_")  # OpenRLHF spells it seq-mask-tis
-        if self.correction is not None and self.correction not in CORRECTIONS:
-            raise RlhfError(f"unknown mismatch correction {self.correction!r}; choose one of "
-                            f"{', '.join(CORRECTIONS)} (or None)")
-        low, high = self.correction_bounds
-        if not 0 <= low <= high:
-            raise RlhfError(f"correction_bounds must satisfy 0 <= lo <= hi, got {self.correction_bounds}")
+        _check_correction(self)
+
+
+@dataclass(kw_only=True)
+class CISPOLossConfig:
+    """Settings of the ``cispo`` policy loss: the bounds of its importance-sampling weight."""
+
+    clip_low: float = field(default=1.0, metadata={
+        "help": "ε_low: the IS weight is clipped below at 1 - ε_low; 1 or more: no lower bound (MiniMax-M1)"})
+    clip_high: float = field(default=0.2, metadata={
+        "help": "ε_high: the IS weight is clipped above at 1 + ε_high (verl's CISPO example: 0.2)"})
+    correction: str | None = _correction_field()
+    correction_bounds: tuple[float, float] = _correction_bounds_field()
+
+    def __post_init__(self) -> None:
+        if not self.clip_low >= 0 or not self.clip_high >= 0:
+            raise RlhfError(f"cispo clip ranges need clip_low >= 0 and clip_high >= 0, "
+                            f"got clip_low={self.clip_low}, clip_high={self.clip_high}")
+        _check_correction(self)
+
+
+@dataclass(kw_only=True)
+class SAPOLossConfig:
+    """Settings of the ``sapo`` policy loss: the temperatures of its soft gate."""
+
+    tau_pos: float = field(default=1.0, metadata={
+        "help": "τ_pos > 0: the gate's temperature on tokens with a positive advantage (larger: a sharper gate)"})
+    tau_neg: float = field(default=1.05, metadata={
+        "help": "τ_neg > 0: the gate's temperature on tokens with an advantage <= 0 (the paper: a little "
+                "above τ_pos, negative updates are damped faster)"})
+    correction: str | None = _correction_field()
+    correction_bounds: tuple[float, float] = _correction_bounds_field()
+
+    def __post_init__(self) -> None:
+        if not self.tau_pos > 0 or not self.tau_neg > 0:
+            raise RlhfError(f"sapo temperatures must be positive, got tau_pos={self.tau_pos}, tau_neg={self.tau_neg}")
+        _check_correction(self)
 
 
 # --- 2. policy losses ℓ -----------------------------------------------------------------------------
@@ -112,16 +165,16 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor,
     return torch.where(advantages < 0, torch.max(objective, floor), objective), clipped, dual_clipped
 
 
-def policy_metrics(inputs: PolicyLossInputs, log_ratio: torch.Tensor, clipped: torch.Tensor,
+def policy_metrics(inputs: PolicyLossInputs, log_ratio: torch.Tensor, clipped: torch.Tensor | None,
                    dual_clipped: torch.Tensor | None,
                    correction: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The metrics of a ratio-clipping loss (detached scalars, means over the loss mask):
+    """The metrics of a policy loss (detached scalars, means over the loss mask):
 
     ``policy/dual_clip_frac`` (with dual clip), ``policy/mismatch_kl`` = mean(rollout_logprobs -
     old_logprobs) (with rollout log-probs), the ``correction`` metrics, ``policy/clip_frac``
-    (share of tokens where the clipped term is the smaller one) and ``policy/approx_kl`` =
-    mean(old_logprobs - logprobs), the k1 estimate of KL(old ‖ new). log_ratio = logprobs -
-    old_logprobs, clipped (B, A) in the ratio's dtype, dual_clipped (B, A) bool.
+    (share of tokens where the clip acted; not for a loss without a clip, clipped None) and
+    ``policy/approx_kl`` = mean(old_logprobs - logprobs), the k1 estimate of KL(old ‖ new).
+    log_ratio = logprobs - old_logprobs, clipped (B, A) in the ratio's dtype, dual_clipped (B, A) bool.
     """
     from rlhf.api import masked_mean
 
@@ -133,12 +186,13 @@ def policy_metrics(inputs: PolicyLossInputs, log_ratio: torch.Tensor, clipped: t
         metrics["policy/mismatch_kl"] = masked_mean(inputs.rollout_logprobs - inputs.old_logprobs,
                                                     loss_mask).detach()
     metrics.update(correction or {})
-    metrics["policy/clip_frac"] = masked_mean(clipped, loss_mask).detach()
+    if clipped is not None:
+        metrics["policy/clip_frac"] = masked_mean(clipped, loss_mask).detach()
     metrics["policy/approx_kl"] = masked_mean(-log_ratio.detach(), loss_mask)
     return metrics
 
 
-def _rollout_logprobs(inputs: PolicyLossInputs, config: PPOLossConfig) -> torch.Tensor:
+def _rollout_logprobs(inputs: PolicyLossInputs, config: Any) -> torch.Tensor:
     """The rollout engine's log-probs a mismatch correction needs (an error when there are none)."""
     if inputs.rollout_logprobs is None:
         raise RlhfError(
@@ -146,6 +200,27 @@ def _rollout_logprobs(inputs: PolicyLossInputs, config: PPOLossConfig) -> torch.
             "none were given: use an engine that returns them, or turn the correction off"
         )
     return inputs.rollout_logprobs
+
+
+def corrected(loss: torch.Tensor, inputs: PolicyLossInputs,
+              config: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """ℓ weighed by the mismatch correction of ``config`` (``config.correction``, ``.correction_bounds``):
+    ℓ_t ← w_t ℓ_t with w detached (`correction_weights`); unchanged when the correction is off.
+
+    loss (B, A). Returns ``(ℓ (B, A), metrics)``: ``policy/correction_weight_mean`` and
+    ``policy/correction_clip_frac`` with a correction, None without.
+    """
+    from rlhf.api import masked_mean
+
+    if config.correction is None:
+        return loss, None
+    loss_mask = inputs.loss_mask
+    weights, outside = correction_weights(inputs.old_logprobs, _rollout_logprobs(inputs, config),
+                                          kind=config.correction, bounds=config.correction_bounds,
+                                          loss_mask=loss_mask)  # (B, A) each
+    metrics = {"policy/correction_weight_mean": masked_mean(weights, loss_mask).detach(),
+               "policy/correction_clip_frac": masked_mean(outside.to(weights.dtype), loss_mask).detach()}
+    return weights.to(loss.dtype) * loss, metrics  # (B, A)
 
 
 def ppo_policy_loss(inputs: PolicyLossInputs,
@@ -160,23 +235,14 @@ def ppo_policy_loss(inputs: PolicyLossInputs,
     Returns ``(ℓ (B, A), 0 off the loss mask; metrics)`` (`policy_metrics`, plus
     ``policy/correction_weight_mean`` and ``policy/correction_clip_frac`` with a correction).
     """
-    from rlhf.api import masked, masked_mean
+    from rlhf.api import masked
 
     config = config or PPOLossConfig()
-    loss_mask = inputs.loss_mask
     log_ratio = inputs.logprobs - inputs.old_logprobs  # (B, A)
     ratio = log_ratio.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP).exp()  # (B, A)
     objective, clipped, dual_clipped = clipped_surrogate(ratio, inputs.advantages, config)  # (B, A) each
-    loss = -objective  # (B, A)
-    correction = None
-    if config.correction is not None:
-        weights, outside = correction_weights(inputs.old_logprobs, _rollout_logprobs(inputs, config),
-                                              kind=config.correction, bounds=config.correction_bounds,
-                                              loss_mask=loss_mask)  # (B, A) each
-        loss = weights.to(loss.dtype) * loss  # (B, A)
-        correction = {"policy/correction_weight_mean": masked_mean(weights, loss_mask).detach(),
-                      "policy/correction_clip_frac": masked_mean(outside.to(weights.dtype), loss_mask).detach()}
-    return masked(loss, loss_mask), policy_metrics(inputs, log_ratio, clipped, dual_clipped, correction)
+    loss, correction = corrected(-objective, inputs, config)  # (B, A)
+    return masked(loss, inputs.loss_mask), policy_metrics(inputs, log_ratio, clipped, dual_clipped, correction)
 
 
 def gspo_policy_loss(inputs: PolicyLossInputs,
@@ -211,6 +277,81 @@ def gspo_policy_loss(inputs: PolicyLossInputs,
     ratio = sequence_ratio[:, None] * loss_mask  # (B, A), 0 off the mask
     objective, clipped, dual_clipped = clipped_surrogate(ratio, inputs.advantages, config)  # (B, A) each
     return masked(-objective, loss_mask), policy_metrics(inputs, log_ratio, clipped, dual_clipped)
+
+
+def cispo_policy_loss(inputs: PolicyLossInputs,
+                      config: CISPOLossConfig | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention", arXiv:2506.13585), as verl's ``compute_policy_loss_cispo``: the REINFORCE
+    gradient of every token, weighted by its importance ratio clipped and gradient-stopped:
+
+        ρ_t = exp(clamp(logprobs_t - old_logprobs_t, -20, 20))
+        ℓ_t = -sg(clip(ρ_t, 1 - ε_low, 1 + ε_high)) · Â_t · logprobs_t,   ∇ℓ_t = -sg(·) Â_t ∇logprobs_t
+        with a mismatch correction:  ℓ_t ← w_t ℓ_t          (`corrected`, w detached)
+
+    Unlike ppo's clip, the clip here bounds the weight and never drops a token's gradient: the rare
+    tokens a ppo clip zeroes after the first update ("However", "Wait") keep theirs. The paper
+    normalises by the tokens of the whole batch (``token_mean``, the ``cispo`` preset's).
+    Deviations: the paper sets no lower bound ("ε_low large"): the default ε_low = 1 makes the
+    bound 0, the same thing. TRL's ``loss_type="cispo"`` clamps only above, at ε_max (its
+    ``epsilon_high``, a ratio, not 1 + ε), and does not clamp the log-ratio: set ε_low = 1 and
+    ε_high = ε_max - 1 for its values (they differ only where |log ρ| > 20). ℓ's value is the
+    anchors' -w·Â·logprobs: a surrogate whose gradient is the method, not an objective value.
+
+    inputs.logprobs (B, A) with grad; old_logprobs, advantages, loss_mask, rollout_logprobs (B, A).
+    Returns ``(ℓ (B, A), 0 off the loss mask; metrics)`` (`policy_metrics`: clip_frac is the share
+    of tokens whose weight was clipped).
+    """
+    from rlhf.api import masked
+
+    config = config or CISPOLossConfig()
+    log_ratio = inputs.logprobs - inputs.old_logprobs  # (B, A)
+    ratio = log_ratio.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP).exp()  # (B, A)
+    weight = ratio.clamp(min=1 - config.clip_low, max=1 + config.clip_high).detach()  # (B, A) sg(clip(ρ))
+    clipped = (weight != ratio.detach()).to(ratio.dtype)  # (B, A)
+    loss, correction = corrected(-weight * inputs.advantages * inputs.logprobs, inputs, config)  # (B, A)
+    return masked(loss, inputs.loss_mask), policy_metrics(inputs, log_ratio, clipped, None, correction)
+
+
+def sapo_policy_loss(inputs: PolicyLossInputs,
+                     config: SAPOLossConfig | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347), as verl's
+    ``compute_policy_loss_sapo`` and TRL's ``loss_type="sapo"``: a smooth, temperature-controlled
+    gate of the token ratio instead of ppo's hard clip:
+
+        ρ_t = exp(clamp(logprobs_t - old_logprobs_t, -20, 20))
+        τ_t = τ_pos if Â_t > 0 else τ_neg
+        f(ρ, τ) = σ(τ (ρ - 1)) · 4 / τ
+        ℓ_t = -f(ρ_t, τ_t) · Â_t,      ∇ℓ_t = -4 σ_t (1 - σ_t) ρ_t · Â_t ∇logprobs_t
+        with a mismatch correction:  ℓ_t ← w_t ℓ_t          (`corrected`, w detached)
+
+    On-policy (ρ = 1) the gradient weight 4σ(1-σ)ρ is 1, the policy gradient; it decays smoothly as
+    ρ leaves 1, faster for larger τ, so far-off-policy tokens fade out instead of being cut. τ_neg >
+    τ_pos (1.05 and 1.0 in the paper) damps negative updates faster, which the paper finds stabler.
+    The registration declares ``aggregation="seq_mean_token_mean"`` (the paper's per-sequence mean,
+    which verl hard-codes for SAPO and TRL uses): whatever ``--loss-agg`` says for the KL and
+    entropy terms. Deviation: TRL does not clamp the log-ratio (the values differ only where
+    |log ρ| > 20, where the gate's gradient is below 1e-8 anyway).
+
+    inputs.logprobs (B, A) with grad; old_logprobs, advantages, loss_mask, rollout_logprobs (B, A).
+    Returns ``(ℓ (B, A), 0 off the loss mask; metrics)``: `policy_metrics` (no clip_frac) and
+    ``policy/gate_weight``, the mean gradient weight 4σ(1-σ)ρ (1 on-policy).
+    """
+    import torch
+
+    from rlhf.api import masked, masked_mean
+
+    config = config or SAPOLossConfig()
+    log_ratio = inputs.logprobs - inputs.old_logprobs  # (B, A)
+    ratio = log_ratio.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP).exp()  # (B, A)
+    tau = torch.where(inputs.advantages > 0, torch.full_like(ratio, config.tau_pos),
+                      torch.full_like(ratio, config.tau_neg))  # (B, A) τ_t
+    gate = torch.sigmoid(tau * (ratio - 1))  # (B, A) σ
+    loss, correction = corrected(-gate * (4 / tau) * inputs.advantages, inputs, config)  # (B, A)
+    metrics = policy_metrics(inputs, log_ratio, None, None, correction)
+    gate = gate.detach()
+    metrics["policy/gate_weight"] = masked_mean(4 * gate * (1 - gate) * ratio.detach(), inputs.loss_mask)
+    return masked(loss, inputs.loss_mask), metrics
 
 
 # --- 3. mismatch corrections ------------------------------------------------------------------------
