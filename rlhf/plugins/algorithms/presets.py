@@ -34,4 +34,9 @@ PRESETS: dict[str, AlgorithmPreset] = {
         advantage="dr_grpo", kl_estimator="k3", kl_in="loss", kl_coef=0.001, loss_agg="seq_mean_token_sum_norm",
         description="Dr. GRPO: group-mean baseline, constant length normaliser, k3 KL loss (β 0.001)",
     ),
+    "opd": AlgorithmPreset(
+        advantage="grpo", kl_estimator="k1", kl_in="none", kl_coef=0.0, loss_agg="token_mean", needs_teacher=True,
+        description="On-policy distillation: −(student − teacher log-prob) of each sampled token as its advantage "
+                    "(--teacher), plus GRPO's when rewards are given; no KL term",
+    ),
 }

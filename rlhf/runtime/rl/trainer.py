@@ -50,6 +50,7 @@ class Workers:
     reward: RewardRole  # the eval's
     scoring: Scoring  # a batch's: the reward sources, shaping, the sample filter (or their main-rank wrapper)
     reference: ReferenceRole | None = None
+    teacher: ReferenceRole | None = None  # --teacher: the frozen teacher's log-probs (on-policy distillation)
     critic: CriticRole | None = None
     loader: PromptLoader
     pad_token_id: int
@@ -75,7 +76,8 @@ class Trainer(SteppedLoop):
         self.total_steps = plan.total_steps(len(workers.loader))
         self.experience = ExperienceMaker(
             plan.algorithm, plan.advantage_config, n_samples=self.config.n_samples,
-            recompute_old=plan.algorithm.needs_old_logprobs(plan.derived.optimizer_steps_per_step))
+            recompute_old=plan.algorithm.needs_old_logprobs(plan.derived.optimizer_steps_per_step),
+            teacher_coef=self.config.teacher_coef if self.config.teacher_coef is not None else 1.0)
         self.fingerprint = plugin_fingerprint(plugins)
         self.start_step = 0
         algorithm = plan.algorithm
@@ -148,7 +150,7 @@ class Trainer(SteppedLoop):
         with timer("experience"):
             batch = self.experience.make(batch, w.policy, w.reference, w.critic, kl_coef=self.kl.value,
                                          source_rewards=source_rewards(trajectories),
-                                         metadata=[row_metadata(t) for t in trajectories])
+                                         metadata=[row_metadata(t) for t in trajectories], teacher=w.teacher)
         with timer("train"):
             frozen = step < self.config.freeze_actor_steps  # critic warm-up: the policy waits
             train = {"policy/frozen": 1.0} if frozen else {**w.policy.fit(batch, step=step, kl_coef=self.kl.value),
