@@ -48,6 +48,7 @@ PRESET_TABLE = {
     "rloo": ("rloo", "reward", "k1", 0.01, "token_mean"),
     "grpo": ("grpo", "loss", "k3", 0.001, "token_mean"),
     "dr_grpo": ("dr_grpo", "loss", "k3", 0.001, "seq_mean_token_sum_norm"),
+    "opd": ("grpo", "none", "k1", 0.0, "token_mean"),  # on-policy distillation: the teacher instead of a KL term
 }
 
 
@@ -77,7 +78,8 @@ def test_presets_follow_the_design_table(plugins, algo):
                                 "kl_estimator": kl_estimator, "kl_in": kl_in, "kl_coef": kl_coef, "loss_agg": loss_agg}
     assert resolved.needs_critic == (algo == "ppo")
     assert resolved.needs_groups == ESTIMATOR_FLAGS[estimator][1]
-    assert resolved.needs_reference
+    assert resolved.needs_reference == (kl_in != "none")
+    assert resolved.needs_teacher == (algo == "opd")
     assert isinstance(resolved.advantage, LoadedComponent) and callable(resolved.advantage.obj)
     registries = plugins.registries()
     assert resolved.advantage_fn is registries["advantage_estimator"].get(estimator)
