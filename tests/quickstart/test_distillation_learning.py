@@ -2,8 +2,7 @@
 answers) into the quickstart's tiny base model (which rambles after the answer) with no reward at
 all. On held-out prompts the student's reverse KL to the teacher (exact, over the whole vocabulary,
 along the student's own samples) drops by more than half, and its greedy exact-match accuracy
-rises. Also: distillation runs with LoRA (a teacher that is the policy's own base: the first step's
-reverse KL is exactly 0) and with --async.
+rises (the LoRA and --async runs: tests/runtime/test_teacher_runs.py).
 
 Shape legend: ``B`` sequences, ``N`` new tokens, ``V`` vocabulary.
 """
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, read_jsonl, small_config
+from tests.helpers import ROOT, read_jsonl
 
 pytestmark = pytest.mark.run
 
@@ -82,26 +81,3 @@ def test_opd_distils_the_sft_model_into_the_base(sft_teacher, tmp_path):
     assert kl_before > 0.2, kl_before  # the base rambles where the teacher stops
     assert kl_after < kl_before / 2, (kl_before, kl_after)
     assert accuracy_after > accuracy_before + 0.5, (accuracy_before, accuracy_after)
-
-
-def test_opd_with_lora_and_the_base_as_teacher_starts_at_zero(tiny_model_dir, task, tmp_path, plugins):
-    """LoRA's adapter starts at zero: the student is its own base, the teacher (the same directory:
-    the policy with its adapter switched off), so the first step's reverse KL is exactly 0; the
-    rows then add nothing, and the run still trains and ends."""
-    from rlhf.runtime.rl.local import train
-
-    config = small_config(tiny_model_dir, task, tmp_path / "out", algo="opd", teacher=str(tiny_model_dir),
-                          reward=[], steps=2, components={"model_adapter": {"lora_rank": 4}})
-    metrics = read_jsonl(train(config, plugins=plugins) / "metrics.jsonl")
-    assert metrics[0]["teacher/reverse_kl"] == 0.0
-    assert (tmp_path / "out" / "final").is_dir()
-
-
-def test_opd_with_async_uses_the_behaviour_policy(tiny_model_dir, fit_teacher, task, tmp_path, plugins):
-    from rlhf.runtime.rl.local import train
-
-    config = small_config(tiny_model_dir, task, tmp_path / "out", algo="opd", teacher=str(fit_teacher),
-                          teacher_coef=0.5, steps=3, async_rollout=True, max_staleness=1)
-    metrics = read_jsonl(train(config, plugins=plugins) / "metrics.jsonl")
-    assert len(metrics) == 3
-    assert all(m["teacher/reverse_kl"] != 0.0 and math.isfinite(m["teacher/reverse_kl"]) for m in metrics)
