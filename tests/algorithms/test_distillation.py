@@ -77,6 +77,39 @@ def test_per_token_advantages_equal_the_hand_computation(tiny_model_dir, fit_tea
         expected = expected + task_advantages
     assert expected.abs().sum() > 0.1  # the two random models disagree: the check has something to check
     assert torch.allclose(made.advantages, expected, atol=1e-5)
+    assert torch.equal(made.returns, compute_advantages("grpo", rewards=batch.rewards, action_mask=batch.action_mask,
+                                                        group_size=2)[1])  # the teacher's term is no return
+
+
+def test_the_trainer_passes_the_teacher_coefficient_default_one(tiny_model_dir, fit_teacher, task, tmp_path,
+                                                                 plugins):
+    from rlhf.runtime.config.train_plan import RunPlan
+    from rlhf.runtime.rl.local import build_workers
+    from rlhf.runtime.rl.trainer import Trainer
+
+    for given, expected in ((None, 1.0), (0.25, 0.25)):
+        config = small_config(tiny_model_dir, task, tmp_path / str(given), algo="opd", teacher=str(fit_teacher),
+                              teacher_coef=given)
+        workers, plan = build_workers(RunPlan.make(config, plugins), plugins)
+        assert Trainer(plan, plugins, workers).experience.teacher_coef == expected
+
+
+def test_the_step_reports_the_mean_reverse_kl_of_its_loss_tokens():
+    from rlhf.runtime.rl.step_metrics import step_metrics
+
+    batch = make_batch()
+    batch.sample_mask = torch.tensor([1.0, 1, 1, 1, 1, 1, 0, 0])  # (B,) the last two rows' rewards failed
+    generator = torch.Generator().manual_seed(3)
+    batch.old_logprobs = -torch.rand(batch.action_mask.shape, generator=generator)  # (B, A)
+    batch.teacher_logprobs = -2 * torch.rand(batch.action_mask.shape, generator=generator)  # (B, A)
+    trajectories = [type("T", (), {"num_policy_tokens": 3, "finish_reason": "stop", "num_turns": 1, "info": {}})()
+                    for _ in range(batch.size)]
+    metrics = step_metrics(trajectories, batch, {}, {}, {"step": 1.0})
+    mask = batch.action_mask * batch.sample_mask[:, None]  # (B, A)
+    expected = float(((batch.old_logprobs - batch.teacher_logprobs) * mask).sum() / mask.sum())
+    assert metrics["teacher/reverse_kl"] == pytest.approx(expected, rel=1e-6)
+    batch.teacher_logprobs = None
+    assert "teacher/reverse_kl" not in step_metrics(trajectories, batch, {}, {}, {"step": 1.0})
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_weights_load(tiny_model_dir, task, tmp_path, plugins,

@@ -34,3 +34,19 @@ def test_opd_with_async_uses_the_behaviour_policy(tiny_model_dir, fit_teacher, t
     metrics = read_jsonl(train(config, plugins=plugins) / "metrics.jsonl")
     assert len(metrics) == 3
     assert all(m["teacher/reverse_kl"] != 0.0 and math.isfinite(m["teacher/reverse_kl"]) for m in metrics)
+
+
+def test_the_teacher_is_offloaded_unless_it_is_the_policys_own_base(tiny_model_dir, fit_teacher, task, tmp_path,
+                                                                     plugins):
+    """--offload-ref-reward moves the teacher off the device between uses, as the reference; a LoRA
+    teacher that is the policy's base (the policy with its adapter off) stays, as the policy needs it."""
+    from rlhf.runtime.config.train_plan import RunPlan
+    from rlhf.runtime.rl.local import build_workers
+
+    for teacher, lora, offloaded in ((fit_teacher, 0, True), (tiny_model_dir, 4, False), (fit_teacher, 0, False)):
+        config = small_config(tiny_model_dir, task, tmp_path / "out", algo="opd", teacher=str(teacher),
+                              temperature=0.7, offload_ref_reward=offloaded or lora > 0,
+                              components={"model_adapter": {"lora_rank": lora}} if lora else {})
+        workers, _ = build_workers(RunPlan.make(config, plugins), plugins)
+        assert (workers.teacher.away is not None) == offloaded, (teacher, lora)
+        assert workers.teacher.temperature == config.temperature
