@@ -108,6 +108,8 @@ def test_the_step_reports_the_mean_reverse_kl_of_its_loss_tokens():
     mask = batch.action_mask * batch.sample_mask[:, None]  # (B, A)
     expected = float(((batch.old_logprobs - batch.teacher_logprobs) * mask).sum() / mask.sum())
     assert metrics["teacher/reverse_kl"] == pytest.approx(expected, rel=1e-6)
+    batch.sample_mask = torch.zeros(batch.size)  # (B,) every reward failed: no loss token, a 0 and not a NaN
+    assert step_metrics(trajectories, batch, {}, {}, {"step": 1.0})["teacher/reverse_kl"] == 0.0
     batch.teacher_logprobs = None
     assert "teacher/reverse_kl" not in step_metrics(trajectories, batch, {}, {}, {"step": 1.0})
 
