@@ -46,9 +46,9 @@ def test_the_teacher_is_offloaded_unless_it_is_the_policys_own_base(tiny_model_d
     for teacher, lora, offloaded in ((fit_teacher, 0, True), (tiny_model_dir, 4, False), (fit_teacher, 0, False)):
         config = small_config(tiny_model_dir, task, tmp_path / "out", algo="opd", teacher=str(teacher),
                               temperature=0.7, offload_ref_reward=offloaded or lora > 0, packing=True,
-                              share_prompt=lora > 0,
+                              share_prompt=lora > 0, max_tokens_per_micro_batch=64,
                               components={"model_adapter": {"lora_rank": lora}} if lora else {})
         workers, _ = build_workers(RunPlan.make(config, plugins), plugins)
         assert (workers.teacher.away is not None) == offloaded, (teacher, lora)
         assert workers.teacher.temperature == config.temperature  # and micro-batched as the reference is:
-        assert (workers.teacher.packing, workers.teacher.share_prompt) == (True, lora > 0)
+        assert (workers.teacher.packing, workers.teacher.share_prompt, workers.teacher.max_tokens) == (True, lora > 0, 64)
