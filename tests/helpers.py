@@ -321,6 +321,22 @@ def fit_teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     return build(tmp_path_factory.mktemp("teacher"), seed=7)
 
 
+@pytest.fixture(scope="session")
+def sft_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pipeline's SFT model (examples/pipeline/run.sh's first step, shortened): examples/tiny-model
+    after 13 SFT steps on bare answers ("68", no restatement), so it ends after the number where the
+    base model rambles on. Built once per session (tests must not write into it)."""
+    out = tmp_path_factory.mktemp("sft-teacher") / "sft"
+    pipeline = ROOT / "examples" / "pipeline"
+    command = [sys.executable, "-m", "rlhf", "sft", "--model", str(ROOT / "examples" / "tiny-model"),
+               "--data", str(pipeline / "sft.jsonl"), "--max-samples", "200", "--batch-size", "32",
+               "--micro-batch-size", "16", "--epochs", "2", "--lr", "1e-4", "--seed", "0", "--no-progress",
+               "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "RLHF_LOAD_PLUGINS": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out / "final"
+
+
 def command_args(command: str, model: Path, data: Path, teacher: Path) -> list[str]:
     """The arguments of each offline command on ``fit_data``'s files."""
     return {

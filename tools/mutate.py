@@ -58,7 +58,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/
             "tests/runtime/test_checkpoint_integrity.py", "tests/fastpaths/test_vocab_chunks.py",
             "tests/runtime/test_heap.py", "tests/core/test_outcomes.py",
             "tests/runtime/test_failure_policies.py", "tests/runtime/test_outcomes_runs.py",
-            "tests/plugin_kit/test_conformance.py"]
+            "tests/plugin_kit/test_conformance.py",
+            "tests/runtime/test_teacher_runs.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py",
                  "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]
@@ -74,13 +75,15 @@ DATAGEN_TESTS = ["tests/datagen", "tests/runtime/test_run_lock.py"]
 
 # Tests of the areas below that no mutant runs: they train for a minute or more to show that a task is learnt,
 # where the value and end-to-end tests of the same areas see a wrong formula or wiring in seconds.
-LEARNING_TESTS = ["tests/objectives/test_learning.py", "tests/objectives/test_pipeline.py"]
+LEARNING_TESTS = ["tests/objectives/test_learning.py", "tests/objectives/test_pipeline.py",
+                  "tests/quickstart/test_distillation_learning.py"]
 
 # area: (files mutated, fast tests run on each of its mutants). Kill rates are reported per area.
 AREAS = {
     "RL math": ([
         "rlhf/algorithms/advantages.py", "rlhf/algorithms/losses.py", "rlhf/algorithms/training_loss.py",
         "rlhf/algorithms/presets.py", "rlhf/algorithms/kl_control.py", "rlhf/algorithms/conformance.py",
+        "rlhf/algorithms/distillation.py",
         "rlhf/core/masked.py", "rlhf/core/batch.py",
         "rlhf/plugins/algorithms/policy_losses.py", "rlhf/plugins/algorithms/gae.py",
         "rlhf/plugins/algorithms/groups.py", "rlhf/plugins/algorithms/grpo.py",
@@ -281,13 +284,29 @@ CURATED = [
      "self.best_model.record, self.last = state.get(\"best\"), state.get(\"last_eval\") or {}",
      "self.best_model.record, self.last = None, state.get(\"last_eval\") or {}", "RL: --resume forgets the best eval"),
     # RL options in combination (issue 31)
-    ("rlhf/runtime/rl/experience.py", "        if old is None and self.recompute_old:\n",
-     "        if self.recompute_old:\n", "async: old log-probs recomputed with the trained policy, not the behaviour's"),
+    ("rlhf/runtime/rl/experience.py", "        if old is None and (self.recompute_old or teacher is not None):\n",
+     "        if self.recompute_old or teacher is not None:\n",
+     "async: old log-probs recomputed with the trained policy, not the behaviour's"),
     ("rlhf/runtime/rl/async_generation.py", "        if self.staleness > 0:\n            prepared.batch = replace(",
      "        if self.staleness > 1:\n            prepared.batch = replace(",
      "async: the producer's behaviour log-probs dropped at staleness 1"),
     ("rlhf/runtime/rl/trainer.py", "        self.kl.update(sequence_kl(batch, metrics), batch.size)\n", "",
      "adaptive KL: β never updated"),
+    # on-policy distillation (--teacher, issue 51)
+    ("rlhf/runtime/rl/trainer.py", "metadata=[row_metadata(t) for t in trajectories], teacher=w.teacher)",
+     "metadata=[row_metadata(t) for t in trajectories], teacher=None)", "opd: the teacher never consulted"),
+    ("rlhf/runtime/rl/experience.py", "teacher_advantages(old, tea, batch.loss_mask, coef=self.teacher_coef)",
+     "teacher_advantages(old, tea, batch.loss_mask, coef=1.0)", "opd: --teacher-coef ignored"),
+    ("rlhf/runtime/rl/experience.py", "teacher_advantages(old, tea, batch.loss_mask,",
+     "teacher_advantages(tea, old, batch.loss_mask,", "opd: student and teacher log-probs swapped"),
+    ("rlhf/algorithms/distillation.py", "return -coef * reverse_kl(", "return coef * reverse_kl(",
+     "opd: the reverse KL rewarded, not penalised"),
+    ("rlhf/runtime/rl/local.py", "    check_teacher_tokenizer(plan, adapter, tokenizer)\n", "",
+     "opd: the teacher's tokenizer never compared"),
+    ("rlhf/runtime/rl/local.py", "model = adapter.load(config.teacher, role=\"reference\")",
+     "model = adapter.load(config.model, role=\"reference\")", "opd: the student's base loaded as the teacher"),
+    ("rlhf/runtime/rl/trainer.py", "teacher_coef=self.config.teacher_coef if self.config.teacher_coef is not None",
+     "teacher_coef=1.0 if self.config.teacher_coef is not None", "opd: --teacher-coef not passed to the experience"),
 ]
 
 SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,

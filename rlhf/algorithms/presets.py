@@ -42,6 +42,7 @@ class ResolvedAlgorithm:
     needs_critic: bool  # build a critic and pass values to compute_advantages
     needs_groups: bool  # the estimator compares the n samples of a prompt
     needs_reference: bool  # a reference model is needed (KL is used and β > 0)
+    needs_teacher: bool = False  # the preset distils a teacher: --teacher is required (rlhf.algorithms.distillation)
 
     @property
     def kl_in_loss(self) -> bool:
@@ -152,5 +153,5 @@ def resolve_algorithm(algo: ComponentRef = "grpo", *, advantage: ComponentRef | 
         policy_loss_agg=loss_aggregation,
         kl_in=kl_in, kl_coef=float(kl_coef), n_samples=n_samples,
         needs_critic=bool(estimator.capabilities.get("needs_critic")), needs_groups=needs_groups,
-        needs_reference=kl_in != "none" and kl_coef > 0,
+        needs_reference=kl_in != "none" and kl_coef > 0, needs_teacher=bool(preset.needs_teacher),
     )

@@ -27,6 +27,7 @@ class ExperienceBatch:
     rollout_logprobs: torch.Tensor | None = None  # (B, A) as the rollout engine reported them (0 off-action)
     old_logprobs: torch.Tensor | None = None  # (B, A)
     ref_logprobs: torch.Tensor | None = None  # (B, A)
+    teacher_logprobs: torch.Tensor | None = None  # (B, A) the --teacher's, for on-policy distillation
     values: torch.Tensor | None = None  # (B, A)
     kl: torch.Tensor | None = None  # (B, A) KL estimate of the policy to the reference, masked
     advantages: torch.Tensor | None = None  # (B, A)

@@ -183,3 +183,4 @@ class AlgorithmPreset:
     kl_coef: float = 0.01  # --kl-coef: β
     loss_agg: str = "token_mean"  # --loss-agg
     description: str = ""
+    needs_teacher: bool = False  # the run distils a teacher (--teacher is required): on-policy distillation

@@ -138,6 +138,10 @@ def test_agent_options_that_cannot_work_yet_are_refused(plugins, tiny_model_dir,
         "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--agent", f"{AGENTS}:solve",
         "--async", "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "--agent with --async is not supported yet" in result.output
+    result = run_cli(plugins, [
+        "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--agent", f"{AGENTS}:solve",
+        "--algo", "opd", "--teacher", str(tiny_model_dir), "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "--agent with --teacher is not supported yet" in result.output, result.output
 
 
 def test_the_same_rollout_seed_samples_the_same_trajectories(engine_and_tokenizer):

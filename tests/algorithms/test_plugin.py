@@ -50,6 +50,7 @@ PRESET_TABLE = {
     "dr_grpo": ("dr_grpo", "loss", "k3", 0.001, "seq_mean_token_sum_norm"),
     "cispo": ("grpo", "none", "k3", 0.0, "token_mean", "cispo"),
     "sapo": ("grpo", "none", "k3", 0.0, "seq_mean_token_mean", "sapo"),
+    "opd": ("grpo", "none", "k1", 0.0, "token_mean"),  # on-policy distillation: the teacher instead of a KL term
 }
 LOSS_CONFIGS = {"ppo": "PPOLossConfig", "cispo": "CISPOLossConfig", "sapo": "SAPOLossConfig"}
 
@@ -83,6 +84,7 @@ def test_presets_follow_the_design_table(plugins, algo):
     assert resolved.needs_critic == (algo == "ppo")
     assert resolved.needs_groups == ESTIMATOR_FLAGS[estimator][1]
     assert resolved.needs_reference == (kl_in != "none")
+    assert resolved.needs_teacher == (algo == "opd")
     assert isinstance(resolved.advantage, LoadedComponent) and callable(resolved.advantage.obj)
     registries = plugins.registries()
     assert resolved.advantage_fn is registries["advantage_estimator"].get(estimator)

@@ -22,10 +22,10 @@ def config(**values):
     return TrainConfig.from_dict({"model": "m", "data": ["d.jsonl"], "reward": ["r.py"], **values})
 
 
-def layout(values=None, *, reference=True, critic=False, reward=True):
+def layout(values=None, *, reference=True, critic=False, reward=True, teacher=False):
     return [(g.name, g.size, g.resources.cpus, g.resources.gpus)
             for g in plan_layout(config(**(values or {})), needs_reference=reference, needs_critic=critic,
-                                 has_reward=reward).groups]
+                                 has_reward=reward, needs_teacher=teacher).groups]
 
 
 def test_each_role_gets_its_own_group_and_python_rewards_go_to_rollout_worker_0():
@@ -61,6 +61,21 @@ def test_both_pairs_colocate_together_as_openrlhfs_eight_gpu_layout():
     # Without a critic (GRPO), critic_reward still gives the rewards an actor of their own, as alone.
     assert layout({"colocate": ["policy_ref", "critic_reward"]}) == [
         ("policy+reference", 1, 1.0, 0.0), ("rollout", 1, 1.0, 0.0), ("reward", 1, 1.0, 0.0)]
+
+
+def test_a_teacher_lives_where_the_reference_would():
+    """--teacher (on-policy distillation): with the reference, or alone in the reference's place and
+    with its flags; colocated with the policy under policy_ref and all."""
+    assert layout({"ref_actors": 2, "ref_gpus": 0.5}, teacher=True) == [
+        ("policy", 1, 1.0, 0.0), ("reference+teacher", 2, 1.0, 0.5), ("rollout+reward", 1, 1.0, 0.0)]
+    assert layout({"ref_cpus": 0.25}, reference=False, teacher=True, reward=False) == [
+        ("policy", 1, 1.0, 0.0), ("teacher", 1, 0.25, 0.0), ("rollout", 1, 1.0, 0.0)]
+    assert layout({"colocate": "policy_ref", "policy_actors": 2}, reference=False, teacher=True) == [
+        ("policy+teacher", 2, 1.0, 0.0), ("rollout+reward", 1, 1.0, 0.0)]
+    assert layout({"colocate": "all"}, teacher=True, reward=False) == [("policy+reference+teacher+rollout", 1, 1.0, 0.0)]
+    groups = plan_layout(config(ref_actors=2), needs_reference=False, needs_critic=False, has_reward=False,
+                         needs_teacher=True).groups
+    assert groups[1].roles_of(1) == ("teacher",) and groups[1].needs_process_group  # data-parallel like the reference
 
 
 @pytest.mark.parametrize("colocate, expected", [

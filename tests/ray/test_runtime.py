@@ -87,6 +87,21 @@ def test_the_ray_runtime_reproduces_the_local_run(ray_cluster, tiny_model_dir, t
         assert torch.allclose(a, b, atol=1e-6), name
 
 
+def test_on_policy_distillation_on_ray_reproduces_the_local_run(ray_cluster, tiny_model_dir, fit_teacher, task,
+                                                                tmp_path):
+    """--algo opd --teacher: the teacher in an actor of its own (the reference's place), then colocated
+    with the policy: the same samples, teacher log-probs and losses as the local runtime."""
+    opd = dict(algo="opd", teacher=str(fit_teacher), teacher_coef=0.5)
+    with one_thread():
+        local_train(make_config(tiny_model_dir, task, tmp_path / "local", **opd), plugins=build_plugin_manager())
+    keys = TRAINING_KEYS[:-1] + ("teacher/reverse_kl",)  # no KL term
+    for colocate in ("none", "policy_ref"):
+        ray_out = tmp_path / f"ray-{colocate}"
+        ray_train(make_config(tiny_model_dir, task, ray_out, runtime="ray", colocate=[colocate], **opd))
+        assert_no_actors_left()
+        assert_same_training(ray_out, tmp_path / "local", keys=keys)
+
+
 def test_a_ppo_run_with_a_critic_actor_reproduces_the_local_run(ray_cluster, tiny_model_dir, task, tmp_path):
     """PPO: the critic's value head is initialised in its own actor, and the rollout actor builds no
     critic; both still draw what the local process draws (issue 19: step-1 rewards differed)."""

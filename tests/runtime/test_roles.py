@@ -16,6 +16,7 @@ CASES = [
     (roles.PolicyRole, workers.PolicyWorker, groups.PolicyGroup),
     (roles.CriticRole, workers.CriticWorker, groups.CriticGroup),
     (roles.ReferenceRole, workers.ReferenceWorker, groups.ReferenceGroup),
+    (roles.ReferenceRole, workers.ReferenceWorker, groups.TeacherGroup),  # --teacher: a reference of its own
     (roles.RolloutRole, rollout.RolloutWorker, groups.RolloutGroup),
     (roles.RewardRole, workers.RewardWorker, groups.RewardGroup),
 ]

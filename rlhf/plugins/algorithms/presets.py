@@ -47,4 +47,9 @@ PRESETS: dict[str, AlgorithmPreset] = {
         loss_agg="seq_mean_token_mean",
         description="SAPO: GRPO advantages, soft gate of the ratio (τ 1.0 / 1.05), no KL, per-sequence mean",
     ),
+    "opd": AlgorithmPreset(
+        advantage="grpo", kl_estimator="k1", kl_in="none", kl_coef=0.0, loss_agg="token_mean", needs_teacher=True,
+        description="On-policy distillation: −(student − teacher log-prob) of each sampled token as its advantage "
+                    "(--teacher), plus GRPO's when rewards are given; no KL term",
+    ),
 }

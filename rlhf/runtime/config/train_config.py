@@ -86,6 +86,9 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
     critic_model: str | None = _opt(None, "Critic initialisation: a reward model (its score head becomes the value "
                                     "head) or any model, a local directory or a hub name (default: the policy "
                                     "model)", "model")
+    teacher: str | None = _opt(None, "Teacher model for on-policy distillation (a local HF directory or a hub name "
+                               "with the policy's tokenizer): each sampled token's advantage gains −λ·(log π − log "
+                               "π_teacher) (--algo opd needs one; any RL run may add one)", "model")
     save_critic: bool = _opt(False, "Write the trained critic to <out>/critic at the end (algorithms with a critic)",
                              "model")
 
@@ -119,6 +122,8 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
                                       "algorithm")
     kl_target: float | None = _opt(None, "Adaptive KL (Ziegler et al.): steer β so the measured KL approaches this "
                                    "target (default: β stays --kl-coef)", "algorithm")
+    teacher_coef: float | None = _opt(None, "λ, the weight of the teacher's per-token advantage −λ·(log π − log "
+                                      "π_teacher) beside the task rewards' (default 1; needs --teacher)", "algorithm")
     kl_horizon: int = _opt(10000, "Adaptive KL: samples over which β may change by the clipped error ±20%",
                            "algorithm")
 
@@ -315,6 +320,11 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         best_metric(self.save_best)
         colocation(self.colocate)
         self.check_aux_loss_coef()
+        if self.teacher_coef is not None and not self.teacher:
+            raise ConfigError("--teacher-coef weighs a teacher's advantages, and no --teacher is given: add "
+                              "--teacher MODEL or drop --teacher-coef")
+        if self.teacher_coef is not None and not self.teacher_coef > 0:
+            raise ConfigError(f"--teacher-coef must be positive; got {self.teacher_coef}")
         if self.kl_target is not None and not (self.kl_target > 0 and self.kl_horizon > 0):
             raise ConfigError(f"--kl-target and --kl-horizon must be positive; got {self.kl_target} and "
                               f"{self.kl_horizon}")

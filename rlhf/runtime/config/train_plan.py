@@ -92,6 +92,11 @@ class RunPlan(Plan):
 
         if self.config.critic_model and self.algorithm.needs_critic:
             check_model_option(self.config.critic_model, "--critic-model")
+        if self.algorithm.needs_teacher and not self.config.teacher:
+            raise ConfigError(f"--algo {self.algorithm.algo} distils a teacher: pass --teacher MODEL (a local HF "
+                              "directory or a hub name with the policy's tokenizer)")
+        if self.config.teacher:
+            check_model_option(self.config.teacher, "--teacher")
         check_hub_reward_models(self.config.reward, plugins.registry("reward"))
 
     def with_prompts(self, num_prompts: int) -> RunPlan:
@@ -184,9 +189,9 @@ class RunPlan(Plan):
         config, derived = self.config, self.derived
         if config.agent:
             self._check_agent(world_size)
-        elif not config.reward and not self.env_capability("gives_rewards"):
-            raise ConfigError(f"--reward is required (a reward function, URL or reward model): the {config.env!r} "
-                              "environment gives no rewards; see `rlhf train --help`")
+        elif not config.reward and not config.teacher and not self.env_capability("gives_rewards"):
+            raise ConfigError(f"--reward is required (a reward function, URL or reward model) or a --teacher: the "
+                              f"{config.env!r} environment gives no rewards; see `rlhf train --help`")
         if not config.label_key and self.env_capability("needs_labels"):
             raise ConfigError(f"the {config.env!r} environment checks answers against labels and the data gives "
                               "none: pass --label-key COLUMN, the data's answer column")
@@ -218,7 +223,10 @@ class RunPlan(Plan):
         config = self.config
         for what, unsupported in (("--async", config.async_rollout), ("--runtime ray", config.runtime == "ray"),
                                   ("several processes (torchrun)", world_size > 1),
-                                  (f"--env {config.env}", config.env != "single_turn")):
+                                  (f"--env {config.env}", config.env != "single_turn"),
+                                  # an agent's segments take their trajectory's first-token advantage, where
+                                  # distillation's is per token
+                                  ("--teacher", bool(config.teacher))):
             if unsupported:
                 raise ConfigError(f"--agent with {what} is not supported yet: the agent talks to the endpoint "
                                   "in front of this process's engine; drop one of them")

@@ -102,7 +102,7 @@ class WorkerHost:
         hide_run_data(config, plan.out_dir)  # environments run model code in this process too
         return_freed_blocks()  # as the prologue does in the driver's process (rlhf.runtime.run.heap)
         self.adapter = self.tokenizer = None
-        if any(role in roles for role in ("policy", "reference", "critic", "rollout")):
+        if any(role in roles for role in ("policy", "reference", "teacher", "critic", "rollout")):
             self.adapter = local.build_adapter(plan)
         if "rollout" in roles or ("policy" in roles and dist.is_main):  # generation, or the final export
             self.tokenizer = self.adapter.load_tokenizer(config.tokenizer or config.model)
@@ -111,6 +111,9 @@ class WorkerHost:
         if "reference" in roles:
             policy_model = self.workers["policy"].model if "policy" in roles else None
             self.workers["reference"] = local.build_reference(plan, self.adapter, dist, policy=policy_model)
+        if "teacher" in roles:
+            policy_model = self.workers["policy"].model if "policy" in roles else None
+            self.workers["teacher"] = local.build_teacher(plan, self.adapter, dist, policy=policy_model)
         if "critic" in roles:
             self.workers["critic"] = local.build_critic(plan, self.adapter, dist)
         if "rollout" in roles:

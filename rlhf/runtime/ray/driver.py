@@ -23,14 +23,14 @@ from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
 from rlhf.runtime.run import checkpoint
 from rlhf.runtime.config.train_config import TrainConfig, ray_env_pairs
 from rlhf.runtime.rl.async_generation import AsyncParts
-from rlhf.runtime.rl.local import build_eval_prompts, build_loader
+from rlhf.runtime.rl.local import build_eval_prompts, build_loader, check_teacher_tokenizer
 from rlhf.runtime.rl.scoring import Scoring
 from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.run.lifecycle import seed_everything, start_run
 from rlhf.runtime.rl.workers import RewardWorker
 from rlhf.runtime.ray.cluster import Cluster, import_ray
 from rlhf.runtime.ray.groups import (CriticGroup, Host, PolicyGroup, ReferenceGroup, RewardGroup, RolloutGroup,
-                                     WorkerFailedError, wait)
+                                     TeacherGroup, WorkerFailedError, wait)
 from rlhf.runtime.ray.placement import Layout, create_placement_groups, plan_layout
 from rlhf.runtime.rl.trainer import Trainer, Workers
 
@@ -56,7 +56,8 @@ def train(config: TrainConfig, *, plugins: PluginSet | None = None) -> Path:
         seed_everything(config.seed)
         plan, tokenizer, loader = _driver_side(plan)
         layout = plan_layout(config, needs_reference=plan.algorithm.needs_reference,
-                             needs_critic=plan.algorithm.needs_critic, has_reward=bool(config.reward))
+                             needs_critic=plan.algorithm.needs_critic, has_reward=bool(config.reward),
+                             needs_teacher=bool(config.teacher))
         began = time.perf_counter()
         cluster = Cluster.open(config, cpus_needed=layout.cpus, gpus_needed=layout.gpus, out_dir=plan.derived.out_dir)
         try:
@@ -98,6 +99,7 @@ def _driver_side(plan: RunPlan) -> tuple[RunPlan, Any, Any]:
     adapter = plan.choices["model_adapter"].load()(adapter_config)
     config = plan.config
     tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
+    check_teacher_tokenizer(plan, adapter, tokenizer)  # before any actor loads a model
     loader = build_loader(config, tokenizer)
     return plan.with_prompts(len(loader)), tokenizer, loader
 
@@ -198,6 +200,7 @@ def make_workers(plan: RunPlan, plugins: PluginSet, hosts: list[Host], tokenizer
 
     policy = PolicyGroup(holding("policy"), timeout, hosts)
     reference = ReferenceGroup(holding("reference"), timeout, hosts) if holding("reference") else None
+    teacher = TeacherGroup(holding("teacher"), timeout, hosts) if holding("teacher") else None
     critic = CriticGroup(holding("critic"), timeout, hosts) if holding("critic") else None
     rollout_hosts = holding("rollout")
     rollout = RolloutGroup(rollout_hosts, timeout, hosts, policy, own_copy="policy" not in rollout_hosts[0].roles,
@@ -219,7 +222,7 @@ def make_workers(plan: RunPlan, plugins: PluginSet, hosts: list[Host], tokenizer
     if rollout.own_copy:  # --async: the rollout actors' copies generate ahead, weights pushed by version
         async_parts = AsyncParts(snapshot=policy.snapshot, make_copy=lambda: RayPolicyCopy(rollout, config.seed))
     return Workers(policy=policy, rollout=rollout, reward=reward, scoring=Scoring(plan, plugins, reward),
-                   reference=reference, critic=critic, loader=loader, pad_token_id=tokenizer.pad_token_id,
+                   reference=reference, teacher=teacher, critic=critic, loader=loader, pad_token_id=tokenizer.pad_token_id,
                    export=export, dist=SINGLE, eval_prompts=build_eval_prompts(config, tokenizer),
                    async_parts=async_parts)
 

@@ -209,6 +209,16 @@ class ReferenceGroup(RoleGroup):
         return self._on_all("logprobs", batch)
 
 
+class TeacherGroup(RoleGroup):
+    """--teacher's actors (on-policy distillation): log-probs like the reference's (`ReferenceRole`)."""
+
+    def __init__(self, hosts: list[Host], timeout_s: float, everyone: list[Host]):
+        super().__init__("teacher", hosts, timeout_s, everyone)
+
+    def logprobs(self, batch: Any) -> Any:
+        return self._on_all("logprobs", batch)
+
+
 class RewardGroup(RoleGroup):
     """The reward sources, in one process: they score the whole batch as the local runtime does."""
 

@@ -18,6 +18,10 @@ policy's base weights and costs one CUDA context, not two):
 ``all``                            policy+reference+critic+rollout ×P (reward on rank 0)
 =================================  =============================================================
 
+A ``--teacher`` (on-policy distillation) is a role like the reference and lives where the reference
+would (``reference`` above stands for reference+teacher, or the teacher alone when the run has no
+reference), with the reference's flags (``--ref-actors``, ``--ref-cpus``, ``--ref-gpus``).
+
 Reward sources are scored by one process, on the whole batch (so per-source metrics and the
 failure policy behave as in the local runtime): by a reward actor of its own when a reward model
 is among them, when ``--reward-gpus`` is set or with ``--colocate critic_reward``; otherwise by
@@ -48,10 +52,12 @@ from rlhf.runtime.config.train_config import colocation
 log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 10.0  # while the cluster has not placed the run yet, say so this often
 
-ROLES = ("policy", "reference", "critic", "rollout", "reward")  # also the order a host builds them in
-DP_ROLES = ("policy", "reference", "critic")  # roles whose ranks form a torch.distributed group
+ROLES = ("policy", "reference", "teacher", "critic", "rollout", "reward")  # also the order a host builds them in
+DP_ROLES = ("policy", "reference", "teacher", "critic")  # roles whose ranks form a torch.distributed group
 PLACE_AMOUNT = 0.001  # of a --ray-place resource, per actor
-_FLAG_PREFIX = {"policy": "policy", "reference": "ref", "critic": "critic", "rollout": "rollout", "reward": "reward"}
+# the teacher (--teacher) lives with the reference, in its actors and with its resources
+_FLAG_PREFIX = {"policy": "policy", "reference": "ref", "teacher": "ref", "critic": "critic", "rollout": "rollout",
+                "reward": "reward"}
 
 
 @dataclass(frozen=True)
@@ -141,8 +147,10 @@ def names_reward_model(specs: list[str]) -> bool:
     return False
 
 
-def plan_layout(config: Any, *, needs_reference: bool, needs_critic: bool, has_reward: bool) -> Layout:
-    """The host groups of a run (validates the counts and resources against ``--colocate``)."""
+def plan_layout(config: Any, *, needs_reference: bool, needs_critic: bool, has_reward: bool,
+                needs_teacher: bool = False) -> Layout:
+    """The host groups of a run (validates the counts and resources against ``--colocate``); the
+    teacher (``needs_teacher``) shares the reference's host group."""
     colocated = colocation(config.colocate)
     everything = colocated == ("all",)
     policy_ref, critic_reward = "policy_ref" in colocated, "critic_reward" in colocated
@@ -178,18 +186,18 @@ def plan_layout(config: Any, *, needs_reference: bool, needs_critic: bool, has_r
         return HostGroup(roles=roles, size=size, resources=resources, rank0_roles=rank0)
 
     reward_role = ("reward",) if has_reward else ()
+    frozen = (("reference",) if needs_reference else ()) + (("teacher",) if needs_teacher else ())
     if everything:
-        roles = ("policy",) + (("reference",) if needs_reference else ()) + (("critic",) if needs_critic else ()) \
-            + ("rollout",)
+        roles = ("policy",) + frozen + (("critic",) if needs_critic else ()) + ("rollout",)
         return Layout((group(roles, policy, reward_role),))
 
     groups = []
-    if policy_ref and needs_reference:
-        groups.append(group(("policy", "reference"), policy))
+    if policy_ref and frozen:
+        groups.append(group(("policy",) + frozen, policy))
     else:
         groups.append(group(("policy",), policy))
-        if needs_reference:
-            groups.append(group(("reference",), config.ref_actors or 1))
+        if frozen:
+            groups.append(group(frozen, config.ref_actors or 1))
     critic_size = config.critic_actors or 1
     with_critic = critic_reward and needs_critic
     if needs_critic:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlhf.core.distributed import SINGLE, DistContext, init_from_environment
-from rlhf.core.errors import PluginError
+from rlhf.core.errors import ConfigError, PluginError
 from rlhf.core.offload import shares_parameters
 from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
 from rlhf.core.protocols.rollout import SamplingParams, batches_continuously
@@ -96,6 +96,55 @@ def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE, *,
     reference: the adapter switched off), which the policy needs."""
     config = plan.config
     model = adapter.load(config.model, role="reference")
+    offload = config.offload_ref_reward and not (policy is not None and shares_parameters(model, policy))
+    return ReferenceWorker(model, config.micro_batch_size, config.temperature, dist,
+                           max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, packing=config.packing,
+                           share_prompt=config.share_prompt, offload=offload)
+
+
+def check_teacher_tokenizer(plan: RunPlan, adapter: Any, tokenizer: Any) -> None:
+    """``--teacher`` must tokenize as the policy does (the teacher scores the student's token ids):
+    the same vocabulary (every token string to the same id) and the same special tokens. Checked
+    on the tokenizers alone, before any weights load; a usage error naming the first difference."""
+    config = plan.config
+    if not config.teacher:
+        return
+    teacher = adapter.load_tokenizer(config.teacher)
+    problem = tokenizer_difference(tokenizer, teacher)
+    if problem:
+        raise ConfigError(f"--teacher {config.teacher} does not share the policy's tokenizer ({problem}): on-policy "
+                          "distillation scores the student's token ids with the teacher, so pick a teacher of the "
+                          "same tokenizer family")
+
+
+def tokenizer_difference(student: Any, teacher: Any) -> str | None:
+    """What first differs between two tokenizers' vocabularies and special tokens (None: nothing)."""
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        moved = sorted(t for t in mine.keys() & theirs.keys() if mine[t] != theirs[t])
+        only = sorted(mine.keys() ^ theirs.keys())
+        if moved:
+            return f"token {moved[0]!r} is id {mine[moved[0]]} for the policy, {theirs[moved[0]]} for the teacher"
+        return (f"vocabulary of {len(mine)} tokens against {len(theirs)}"
+                + (f", {only[0]!r} in one only" if only else ""))
+    for name in ("bos_token", "eos_token", "unk_token"):
+        if getattr(student, name, None) != getattr(teacher, name, None):
+            return f"{name} {getattr(student, name, None)!r} against {getattr(teacher, name, None)!r}"
+    specials = (sorted(map(str, student.all_special_tokens)), sorted(map(str, teacher.all_special_tokens)))
+    if specials[0] != specials[1]:
+        return f"special tokens {specials[0]} against {specials[1]}"
+    return None
+
+
+def build_teacher(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE, *,
+                  policy: torch.nn.Module | None = None) -> ReferenceWorker:
+    """``--teacher``: a frozen model scoring the batch's tokens as the reference does (the same
+    worker class: micro-batched, packed, vocabulary chunks, at the sampling temperature). Loaded as a
+    reference model of its own directory: under LoRA a full frozen copy, unless it is the policy's
+    own base (then the policy with its adapter switched off, never offloaded: ``policy`` as in
+    `build_reference`)."""
+    config = plan.config
+    model = adapter.load(config.teacher, role="reference")
     offload = config.offload_ref_reward and not (policy is not None and shares_parameters(model, policy))
     return ReferenceWorker(model, config.micro_batch_size, config.temperature, dist,
                            max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, packing=config.packing,
@@ -234,11 +283,13 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     reward = build_reward(config, plugins)
     adapter = build_adapter(plan)
     tokenizer = adapter.load_tokenizer(config.tokenizer or config.model)
+    check_teacher_tokenizer(plan, adapter, tokenizer)
     loader = build_loader(config, tokenizer)
     plan = plan.with_prompts(len(loader))
 
     policy = build_policy(plan, adapter, dist)
     reference = build_reference(plan, adapter, dist, policy=policy.model) if plan.algorithm.needs_reference else None
+    teacher = build_teacher(plan, adapter, dist, policy=policy.model) if config.teacher else None
     critic = build_critic(plan, adapter, dist) if plan.algorithm.needs_critic else None
     rollout = build_rollout(plan, plugins, policy.model, tokenizer,
                             synced_generation=policy.backend.shards_weights and dist.active, trained=(policy, critic))
@@ -247,7 +298,8 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     seed_everything(sampling_seed(config.seed, dist.rank))
     scoring = Scoring(plan, plugins, reward) if dist.is_main else None  # the others take the main rank's verdict
     workers = Workers(
-        policy=policy, rollout=rollout, reward=reward, scoring=scoring, reference=reference, critic=critic,
+        policy=policy, rollout=rollout, reward=reward, scoring=scoring, reference=reference, teacher=teacher,
+        critic=critic,
         loader=loader, pad_token_id=tokenizer.pad_token_id, dist=dist,
         eval_prompts=build_eval_prompts(config, tokenizer),
         async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},

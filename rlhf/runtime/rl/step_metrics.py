@@ -50,6 +50,10 @@ def step_metrics(trajectories: list[Trajectory], batch: ExperienceBatch, reward_
         metrics["kl/mean"] = float(batch.kl.sum() / batch.action_mask.sum().clamp(min=1))
     elif "policy/kl" in train:
         metrics["kl/mean"] = train["policy/kl"]
+    if batch.teacher_logprobs is not None and batch.old_logprobs is not None:  # on-policy distillation
+        mask = batch.loss_mask
+        gap = (batch.old_logprobs - batch.teacher_logprobs) * mask  # (B, A)
+        metrics["teacher/reverse_kl"] = float(gap.sum() / mask.sum().clamp(min=1))  # per token, student's samples
     if any(t.num_turns > 1 or t.info.get("multi_turn") for t in trajectories):
         metrics.update(_env_metrics(trajectories))
     if any("agent" in t.info for t in trajectories):

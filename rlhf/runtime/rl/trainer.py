@@ -51,6 +51,7 @@ class Workers:
     reward: RewardRole  # the eval's
     scoring: Scoring  # a batch's: the reward sources, shaping, the sample filter (or their main-rank wrapper)
     reference: ReferenceRole | None = None
+    teacher: ReferenceRole | None = None  # --teacher: the frozen teacher's log-probs (on-policy distillation)
     critic: CriticRole | None = None
     loader: PromptLoader
     pad_token_id: int
@@ -76,7 +77,8 @@ class Trainer(SteppedLoop):
         self.total_steps = plan.total_steps(len(workers.loader))
         self.experience = ExperienceMaker(
             plan.algorithm, plan.advantage_config, n_samples=self.config.n_samples,
-            recompute_old=plan.algorithm.needs_old_logprobs(plan.derived.optimizer_steps_per_step))
+            recompute_old=plan.algorithm.needs_old_logprobs(plan.derived.optimizer_steps_per_step),
+            teacher_coef=self.config.teacher_coef if self.config.teacher_coef is not None else 1.0)
         self.fingerprint = plugin_fingerprint(plugins)
         self.start_step = 0
         algorithm = plan.algorithm
@@ -149,7 +151,7 @@ class Trainer(SteppedLoop):
         with timer("experience"):
             batch = self.experience.make(batch, w.policy, w.reference, w.critic, kl_coef=self.kl.value,
                                          source_rewards=source_rewards(trajectories),
-                                         metadata=[row_metadata(t) for t in trajectories])
+                                         metadata=[row_metadata(t) for t in trajectories], teacher=w.teacher)
             batch = with_segments(batch, trajectories, pad_token_id=w.pad_token_id, policy=w.policy,
                                   reference=w.reference, critic=w.critic,
                                   kl_estimator=self.plan.algorithm.kl_estimator)  # --agent branches
