@@ -103,12 +103,24 @@ class DataOptions:
 
     @property
     def mixing_probs(self) -> list[float] | None:
+        """``--data-probs``: one probability per ``--data``, >= 0, adding up to 1 (within 1e-6; then
+        rescaled to exactly 1, as the sampler wants)."""
         if not self.data_probs:
             return None
         try:
-            return [float(p) for p in self.data_probs.split(",")]
+            probs = [float(p) for p in str(self.data_probs).split(",")]
         except ValueError:
             raise ConfigError(f"--data-probs expects numbers separated by commas, got {self.data_probs!r}") from None
+        if len(probs) != len(self.data):
+            raise ConfigError(f"--data-probs has {len(probs)} values for {len(self.data)} --data; give one per --data")
+        if not all(math.isfinite(p) and p >= 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+            raise ConfigError(f"--data-probs must be numbers >= 0 that add up to 1; got {self.data_probs} "
+                              f"(sum {sum(probs):g})")
+        return [p / sum(probs) for p in probs]
+
+    def check_data_probs(self) -> None:
+        """``--data-probs`` refused before any data loads (`mixing_probs`)."""
+        self.mixing_probs  # noqa: B018
 
 
 @dataclass(kw_only=True)

@@ -257,6 +257,7 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         self.check_loggers()
         self.check_saving()
         self.check_eval_every()
+        self.check_data_probs()
         for name, value in (("--prompts-per-step", self.prompts_per_step), ("--n-samples", self.n_samples),
                             ("--micro-batch-size", self.micro_batch_size)):
             if value < 1:

@@ -39,6 +39,7 @@ from rlhf.runtime.config.identity import (OVERRIDE_DATA, OVERRIDE_PLUGINS, descr
                                           identity_changes, run_identity, with_cursor)
 from rlhf.runtime.run import checkpoint
 from rlhf.runtime.run.model_card import export_notes
+from rlhf.runtime.run.export import inner_models
 from rlhf.runtime.run.run_files import RUN_MANIFEST, Layout, RunFiles, check_not_foreign, entries
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,8 @@ class RunDirectory:
         """Refuse an ``--out`` of other files, and a new run over an existing one (before anything is built)."""
         self.check_not_foreign()
         if not resume and self.holds_run():
-            raise RlhfError(f"{self.path} already holds a run: pass --resume to continue it, or choose another --out")
+            raise ConfigError(f"{self.path} already holds a run: pass --resume to continue it, or choose another "
+                              "--out")
 
     def check_start(self, config: dict[str, Any], *, resume: bool, overrides: list[str],
                     plugins: dict[str, str] | None = None) -> None:
@@ -224,8 +226,8 @@ class RunDirectory:
             if self.dist.is_main:
                 for name, data in (record or {}).items():
                     (tmp / name).write_text(json.dumps(data, indent=2))
-                if card is not None:
-                    (tmp / "README.md").write_text(card + export_notes(tmp))
+                for model in (tmp, *inner_models(tmp)) if card is not None else ():  # inner: e.g. a merged copy
+                    (model / "README.md").write_text(card + export_notes(model))
 
         return checkpoint.write_directory(directory, write, self.dist)
 
@@ -349,3 +351,4 @@ def _kinds(changes: dict[str, list[str]]) -> str:
                                         ("plugin versions", OVERRIDE_PLUGINS in changes),
                                         ("data", OVERRIDE_DATA in changes)) if present]
     return " and ".join(kinds)
+
