@@ -53,17 +53,18 @@ CORRECTIONS = ("tis", "icepop", "seq_mask_tis")  # rollout/trainer mismatch corr
 class PPOLossConfig:
     """Settings of the ``ppo`` and ``gspo`` policy losses."""
 
-    clip_low: float = field(default=0.2, metadata={"help": "ε_low: the ratio is clipped below at 1 - ε_low"})
+    clip_low: float = field(default=0.2, metadata={"help": "ε_low: the ratio is clipped below at 1 - ε_low",
+                                                   "range": "[0, 1)"})
     clip_high: float = field(default=0.2, metadata={
-        "help": "ε_high: the ratio is clipped above at 1 + ε_high (larger than ε_low: DAPO's clip-higher)"})
+        "range": "[0, inf)", "help": "ε_high: the ratio is clipped above at 1 + ε_high (larger than ε_low: DAPO's clip-higher)"})
     dual_clip: float | None = field(default=None, metadata={
-        "help": "c > 1: for negative advantages the loss is at most -c·Â (dual-clip PPO); None: off"})
+        "range": "(1, inf)", "help": "c > 1: for negative advantages the loss is at most -c·Â (dual-clip PPO); None: off"})
     correction: str | None = field(default=None, metadata={
         "help": "rollout/trainer mismatch correction: 'tis' (clamped weight), 'icepop' (weight 0 "
                 "outside the bounds) or 'seq_mask_tis' (drop a sequence whose geometric-mean weight leaves "
                 "the bounds); needs the rollout engine's log-probs; None: off"})
     correction_bounds: tuple[float, float] = field(default=(0.5, 5.0), metadata={
-        "help": "[lo, hi] for the correction weight exp(old_logprobs - rollout_logprobs)"})
+        "range": "[0, inf)", "help": "[lo, hi] for the correction weight exp(old_logprobs - rollout_logprobs)"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
