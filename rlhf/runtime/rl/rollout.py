@@ -391,6 +391,7 @@ class RolloutWorker:
             group=episode.group, label=item.label, columns=dict(item.columns), rollout_logprobs=episode.logprobs,
             finish_reason=episode.finish_reason, num_turns=episode.turns,
             info={"env": episode.env.name, "multi_turn": self.make_env.capabilities(episode.env.name)["multi_turn"],
+                  "env_gives_rewards": bool(self.make_env.capabilities(episode.env.name)["gives_rewards"]),
                   "env_reward": episode.env_reward, "env_time_s": episode.env_time,
                   **({"env_steps": episode.step_infos} if episode.step_infos else {})},
         )

@@ -45,6 +45,7 @@ from rlhf.runtime.run.run_files import RUN_MANIFEST, Layout, RunFiles, check_not
 log = logging.getLogger(__name__)
 
 # Options a resumed run may change freely (how it reports, saves and runs; not what it trains).
+INVOCATION_ONLY = ("resume", "resume_override")  # options config.yaml does not record (`RunDir.prepare`)
 RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_every", "keep_checkpoints",
                          "save_hf_every", "threads",
                          "tensorboard", "wandb_project", "wandb_group", "wandb_run_name", "log_samples",
@@ -180,7 +181,11 @@ class RunDirectory:
     def prepare(self, *, config: dict[str, Any], plugins: dict[str, Any], resume: bool) -> None:
         """Create the directory and write config.yaml and plugins.json (main rank; every rank waits).
         On ``--resume`` a config.yaml that differs is kept as ``config.until_step_N.yaml``. The run's
-        identity (``plugins["fingerprint"]``: the plugin versions) is what each checkpoint records."""
+        identity (``plugins["fingerprint"]``: the plugin versions) is what each checkpoint records.
+        ``resume`` and ``resume_override`` say how this process started, not what the run is: they are
+        left out, so config.yaml is reusable as a fresh run's ``--config`` and a plain resume leaves
+        it as it was."""
+        config = {k: v for k, v in config.items() if k not in INVOCATION_ONLY}
         if self.dist.is_main:
             import yaml
 
