@@ -144,3 +144,14 @@ def test_plain_chat_turns_end_with_eos_as_each_training_sequence_did(tiny_model_
     templated = Conversation(tokenizer, ChatSettings(input_template="Q: {}\nA: "))
     templated.turns = [("hi", "yo\n")]
     assert templated.text("2+2") == "Q: hi\nA: yo\nQ: 2+2\nA: "
+
+
+def test_a_step_counts_as_abstained_only_when_no_source_scored_any_sample():
+    from rlhf.runtime.rl.guards import abstained
+
+    assert abstained({"reward/failures/a": 0.0, "reward/skipped": 8.0, "reward/failures": 0.0}) == ["a"]
+    assert abstained({"reward/failures/a": 0.0, "reward/failures/b": 0.0, "reward/b": 0.5}) == []  # b scored
+    # two sampling rounds (dynamic filtering), half the samples of each unscored: the counts add up to a
+    # whole batch, but samples were scored
+    assert abstained({"reward/failures/a": 0.0, "reward/skipped": 8.0, "reward/a": 1.0}) == []
+    assert abstained({"reward/mean": 1.0}) == []  # the environment gives every reward: no source to blame

@@ -27,8 +27,8 @@ class StepGuards:
         failed = sorted(k.removeprefix("reward/failures/") for k, v in metrics.items()
                         if k.startswith("reward/failures/") and v >= self.batch_size)
         what, fix = "failed on", "fix the reward (run with --reward-on-error raise to see its error)"
-        if not failed and metrics.get("reward/skipped", 0) >= self.batch_size:  # no sample scored: all None
-            failed, what = abstained(metrics), "returned None (abstained) on"
+        if not failed and (silent := abstained(metrics)):  # no source scored a sample: all None
+            failed, what = silent, "returned None (abstained) on"
             fix = "make the reward return a number for the samples it should score"
         self.failed_reward_steps = self.failed_reward_steps + 1 if failed else 0
         if not failed:
@@ -49,7 +49,9 @@ class StepGuards:
                                   check="the rewards")
 
 
+
 def abstained(metrics: dict[str, float]) -> list[str]:
-    """The reward sources that scored no sample of a step (no ``reward/<name>`` mean logged)."""
+    """The reward sources, when none of them scored a sample of the step (no ``reward/<name>`` mean
+    logged for any; every round of a filtered step counted); else none."""
     names = sorted(k.removeprefix("reward/failures/") for k in metrics if k.startswith("reward/failures/"))
-    return [name for name in names if f"reward/{name}" not in metrics] or ["every source"]
+    return names if names and not any(f"reward/{name}" in metrics for name in names) else []
