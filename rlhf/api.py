@@ -113,6 +113,7 @@ _HOMES: dict[str, str] = {
     "accepts_logits_to_keep": "rlhf.core.modeling",
     "cache_argument": "rlhf.core.modeling",
     "check_model_ref": "rlhf.core.modeling",
+    "resolve_device": "rlhf.core.modeling",
     "reading_weights": "rlhf.core.modeling",
     "read_weight": "rlhf.core.checkpoints",
     "scalar_head_layout": "rlhf.core.checkpoints",
@@ -166,7 +167,7 @@ if TYPE_CHECKING:  # the same names for type checkers and editors (tests/core/te
     from rlhf.core.logprobs import DeferredHead, deferred_head, hidden_states_out, token_logprobs, without_last_token
     from rlhf.core.masked import as_float, masked, masked_mean, masked_sum
     from rlhf.core.modeling import (accepts_logits_to_keep, base_model, cache_argument, check_model_ref, innermost,
-                                    reading_weights)
+                                    reading_weights, resolve_device)
     from rlhf.core.offload import TensorOffload, TrainStateOffload
     from rlhf.core.plugin_host.hookspecs import hookimpl
     from rlhf.core.plugin_host.settings import run_field

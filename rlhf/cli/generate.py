@@ -135,12 +135,13 @@ EVAL_DOC = """Evaluate a model: sample --n-samples completions per prompt, score
 
     \b
     rlhf eval --model runs/quickstart/final --data examples/data/eval.jsonl --label-key answer \\
-        --reward examples/rewards.py:exact_match --n-samples 4 --temperature 0
+        --reward examples/rewards.py:exact_match --n-samples 4 --temperature 0.7
 
     The metrics of rlhf train's eval (--eval-data), by the same names: eval/reward/mean,
     eval/reward/<source>, eval/pass@1, eval/pass@N, eval/response/length_mean,
     eval/response/truncated_rate. A table by default, one JSON object with --json; --out FILE also
-    writes one row per sample. --temperature 0 is greedy. One process.
+    writes one row per sample. --temperature 0 is greedy (pass@N, N identical samples, is then not
+    reported). One process.
     """
 
 

@@ -7,6 +7,8 @@
   only the last positions to the vocabulary), cached per class.
 * `check_model_ref`: a model reference written as a path names a model directory (one line
   instead of the hub's traceback).
+* `resolve_device`: ``--device`` as a torch device (``auto``: cuda when available), refused in
+  one line when it names no device type or a GPU this torch cannot use.
 * `cache_argument`: the name a model class's forward takes its KV cache by (``cache`` from
   transformers 5.2x, which deprecates ``past_key_values``; ``past_key_values`` before).
 """
@@ -118,3 +120,25 @@ def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
         return True
     except OSError:
         return False
+
+
+def resolve_device(device: str | None, *, flag: str = "--device") -> Any:
+    """``auto`` (or None): cuda when available, else cpu; ``cpu``, ``cuda``, ``cuda:N``, ... checked:
+    a name torch does not know, or a CUDA device this torch has not (a CPU-only build, no GPU, an
+    index past the last GPU) is a `ConfigError` naming ``flag``."""
+    import torch
+
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"{flag} {device}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+            raise ConfigError(f"{flag} {device}: {why}; use --device cpu (or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(f"{flag} {device}: there are {torch.cuda.device_count()} GPU(s) (cuda:0 to "
+                              f"cuda:{torch.cuda.device_count() - 1})")
+    return resolved

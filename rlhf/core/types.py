@@ -133,14 +133,14 @@ class AdvantageConfig:
     """Settings every advantage estimator receives (an estimator's own config class subclasses it)."""
 
     gamma: float = field(default=1.0, metadata={
-        "help": "discount γ per token in [0, 1]; the group estimators (rloo, reinforce_pp_baseline, grpo, "
+        "range": "[0, 1]", "help": "discount γ per token in [0, 1]; the group estimators (rloo, reinforce_pp_baseline, grpo, "
                 "dr_grpo) always use 1 and warn once when given another value"})
-    lambd: float = field(default=1.0, metadata={"help": "GAE λ in [0, 1] (gae only)"})
+    lambd: float = field(default=1.0, metadata={"help": "GAE λ in [0, 1] (gae only)", "range": "[0, 1]"})
     std_norm: bool = field(default=True, metadata={
         "help": "batch whitening divides by the token-weighted std (estimators that whiten: gae, "
                 "reinforce_pp, reinforce_pp_baseline); False: subtract the mean only"})
     reward_clip: float | None = field(default=10.0, metadata={
-        "help": "clip the shaped sequence reward to [-c, c] before it is placed on the last action "
+        "range": "(0, inf)", "help": "clip the shaped sequence reward to [-c, c] before it is placed on the last action "
                 "token; None: no clipping"})
 
     def __post_init__(self) -> None:

@@ -2,7 +2,8 @@
 
 Each turn is formatted with the tokenizer's chat template over the whole history (an optional
 ``--system`` message first), or, with ``--input-template`` or ``--no-apply-chat-template``, as the
-concatenation of every past turn's filled template (or plain text) and answer. The default is the
+concatenation of every past turn's filled template and answer (plain text: each past turn ended
+by EOS, as a plain-prompt model saw every prompt and answer in training). The default is the
 format the model was trained with (its ``prompt_format.json``), else the chat template when the
 tokenizer has one. Answers are sampled with temperature / top-p and streamed to
 the terminal as they are generated. A LoRA adapter directory (``adapter_config.json``) loads its
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.errors import ConfigError
-from rlhf.core.modeling import check_model_ref, reading_weights
+from rlhf.core.modeling import check_model_ref, reading_weights, resolve_device
 
 PROMPT = "> "
 
@@ -42,6 +43,15 @@ class ChatSettings:
     device: str = "auto"
     trust_remote_code: bool = False
 
+    def __post_init__(self) -> None:
+        """The sampling settings' ranges, as ``rlhf generate`` checks them, before any model loads."""
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be at least 1; got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ConfigError(f"--temperature must be at least 0 (0: greedy); got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1] (1: off); got {self.top_p}")
+
 
 def load_model(ref: str, settings: ChatSettings) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for inference: a full model directory or hub name, or a LoRA adapter
@@ -49,8 +59,7 @@ def load_model(ref: str, settings: ChatSettings) -> tuple[Any, Any]:
     import torch
     import transformers
 
-    device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if settings.device == "auto" else settings.device))
+    device = resolve_device(settings.device)
     names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
     dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if settings.dtype == "auto" \
         else getattr(torch, names.get(settings.dtype, settings.dtype))
@@ -117,8 +126,20 @@ class Conversation:
             messages.append({"role": "user", "content": message})
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         template = self.settings.input_template or "{}"
-        past = "".join(template.replace("{}", user) + assistant for user, assistant in turns)
+        end = "" if self.settings.input_template is not None else self.turn_end()
+        past = "".join(template.replace("{}", user) + assistant + end for user, assistant in turns)
         return (system + "\n" if system else "") + past + template.replace("{}", message)
+
+    def turn_end(self) -> str:
+        """What ends a past turn in plain text: a model trained on plain prompts saw each prompt and
+        answer as one sequence, ended by EOS (and the next one begun by BOS where the tokenizer adds
+        it), so its turns are kept apart the same way; without an EOS token, a newline."""
+        eos, bos = getattr(self.tokenizer, "eos_token", None), getattr(self.tokenizer, "bos_token", None)
+        if not eos:
+            return "\n"
+        bos_id = getattr(self.tokenizer, "bos_token_id", None)
+        adds_bos = bos is not None and bos_id is not None and self.tokenizer("a")["input_ids"][:1] == [bos_id]
+        return eos + (bos if adds_bos else "")
 
     def ids(self, message: str, budget: int) -> list[int]:
         """The input ids for ``message`` after the history, the oldest turns dropped to fit ``budget``

@@ -71,7 +71,12 @@ def evaluate(config: EvalConfig, *, plugins: Any = None) -> EvalReport:
                             top_k=config.top_k, repetition_penalty=config.repetition_penalty)
     trajectories, result = sampled(rollout, reward, prompts, config.n, params, batch_size=config.batch_size,
                                    assign=True)
-    metrics = metrics_of(trajectories, result, config.n)
+    greedy = config.temperature == 0
+    metrics = metrics_of(trajectories, result, config.n, greedy=greedy)
+    if greedy and config.n > 1:
+        log.warning("--temperature 0 is greedy: the %d samples of a prompt are one answer, so pass@%d would only "
+                    "repeat pass@1 and is not reported; sample with --temperature > 0 for pass@%d", config.n, config.n,
+                    config.n)
     if formatter.truncated_count:
         log.warning("%d prompt(s) were longer than --max-prompt-length %d and lost their start",
                     formatter.truncated_count, config.max_prompt_length)

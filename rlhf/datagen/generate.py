@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.errors import RlhfError
+from rlhf.core.errors import ConfigError, RlhfError
 from rlhf.datagen.components import data_settings, load_reward_set, sampling_components
 from rlhf.datagen.config import GenerateConfig
 from rlhf.datagen.rows import Sample, Selection, make_rows
@@ -177,11 +177,11 @@ def open_output(path: str, settings: dict[str, Any], overwrite: bool, dist: Any)
         except RlhfError as exc:
             error = exc
     state = dist.broadcast((str(error) if error else None, jsonl.done_items if jsonl else 0,
-                            jsonl.finished if jsonl else False))
+                            jsonl.finished if jsonl else False, isinstance(error, ConfigError)))
     if error is not None:
         raise error
     if state[0] is not None:
-        raise RlhfError(state[0])
+        raise (ConfigError if state[3] else RlhfError)(state[0])
     return Output(jsonl, state[1], state[2], Path(path))
 
 

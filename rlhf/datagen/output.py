@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlhf.core.errors import NO_SPACE_ERRNOS, RlhfError, no_space, size_text
+from rlhf.core.errors import NO_SPACE_ERRNOS, ConfigError, RlhfError, no_space, size_text
 
 
 class ResumableJsonl:
@@ -31,6 +31,9 @@ class ResumableJsonl:
         self.settings = json.loads(json.dumps(settings, default=str))
         self.done_items, self.rows, self.finished = 0, 0, False
         self.counters: Counter = Counter()
+        if self.path.is_dir():
+            raise ConfigError(f"--out {self.path} is a directory; this command writes a .jsonl file: give a file "
+                              f"name, e.g. --out {self.path / 'rows.jsonl'}")
         if overwrite:
             self.log_path.unlink(missing_ok=True)
             self.path.unlink(missing_ok=True)
@@ -41,7 +44,7 @@ class ResumableJsonl:
 
     def _start(self) -> None:
         if self.path.exists() and self.path.stat().st_size > 0:
-            raise RlhfError(f"{self.path} exists and was not written by this command (no {self.log_path.name}); "
+            raise ConfigError(f"{self.path} exists and was not written by this command (no {self.log_path.name}); "
                             "choose another --out, or pass --overwrite to replace it")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_bytes(b"")
@@ -62,7 +65,7 @@ class ResumableJsonl:
         changed = sorted(k for k in set(saved) | set(self.settings) if saved.get(k) != self.settings.get(k))
         if changed:
             was = ", ".join(f"{k}={saved.get(k)!r}" for k in changed)
-            raise RlhfError(f"{self.path} was started with other settings ({was}); rerun with those, choose "
+            raise ConfigError(f"{self.path} was started with other settings ({was}); rerun with those, choose "
                             "another --out, or pass --overwrite to start again")
         size = self.path.stat().st_size if self.path.exists() else 0
         fitting = [r for r in records if r["bytes"] <= size]

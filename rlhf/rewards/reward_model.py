@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.core.checkpoints import MissingWeightsError, read_weight, top_level_weights
-from rlhf.core.modeling import reading_weights
+from rlhf.core.modeling import reading_weights, resolve_device
 from rlhf.rewards.failures import RewardConfigError
 from rlhf.rewards.options import RewardOptions
 from rlhf.rewards.source import RewardBatch, RewardSource, SourceOutput
@@ -72,7 +72,7 @@ class RewardModelWorker:
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
         opts = self.options
-        self.device = torch.device(opts.rm_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(opts.rm_device, flag="--reward-rm-device")
         dtype_name = opts.rm_dtype
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"

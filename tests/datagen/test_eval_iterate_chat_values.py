@@ -79,7 +79,6 @@ def test_eval_reports_each_metric_as_computed_by_hand(plugins, files, tiny_model
         "eval/reward/mean": mean([t for p in SCRIPT for t in scored[p]]),
         "eval/reward/score": mean([s for p in SCRIPT for s in score[p] if s is not None]),
         "eval/reward/bonus": 0.5,
-        "eval/reward/env": 0.0,  # the single-turn environment rewards nothing
         "eval/pass@1": mean([mean(scored[p]) for p in SCRIPT]),
         "eval/pass@4": mean([max(scored[p]) for p in SCRIPT]),
         "eval/response/length_mean": mean(lengths),
@@ -89,7 +88,7 @@ def test_eval_reports_each_metric_as_computed_by_hand(plugins, files, tiny_model
         **{f"eval/outcome/{name}_rate": 0.0 for name in ("env_error", "reward_error", "tool_timeout", "agent_error",
                                                          "timeout", "stale", "drift")},
     }
-    assert metrics.keys() == expected.keys()
+    assert metrics.keys() == expected.keys()  # no eval/reward/env: the single-turn environment gives no rewards
     for name, number in expected.items():
         assert metrics[name] == pytest.approx(number, abs=1e-9), name
     assert [call["prompts"] for call in ScriptedEngine.calls] == [  # batches of --batch-size prompts, each sample
@@ -101,7 +100,7 @@ def test_eval_reports_each_metric_as_computed_by_hand(plugins, files, tiny_model
         prompt = list(SCRIPT)[i // 4]
         assert row["prompt"] == prompt and row["label"] == f"a{i // 4}" and row["completion"] == made[i]
         assert row["reward"] == total[prompt][i % 4]
-        assert row["rewards"] == {"score": score[prompt][i % 4], "bonus": bonus[prompt][i % 4], "env": 0.0}
+        assert row["rewards"] == {"score": score[prompt][i % 4], "bonus": bonus[prompt][i % 4]}
         assert row["finish_reason"] == ("length" if i % 4 in LENGTH_ENDED else "stop")
 
 

@@ -174,12 +174,12 @@ def test_a_rerun_of_a_finished_file_changes_nothing_and_other_settings_are_refus
     assert "already complete" in ok(plugins, job("done.jsonl", reward=False)).output
     assert (tmp_path / "done.jsonl").read_bytes() == before
     result = run_cli(plugins, job("done.jsonl", "--n", "2", reward=False))
-    assert result.exit_code == 1 and "was started with other settings (n=4)" in result.output
+    assert result.exit_code == 2 and "was started with other settings (n=4)" in result.output
     ok(plugins, job("done.jsonl", "--n", "2", "--overwrite", reward=False))
     assert all(len(row["completions"]) == 2 for row in read(tmp_path / "done.jsonl"))
     (tmp_path / "mine.jsonl").write_text('{"keep": 1}\n')
     result = run_cli(plugins, job("mine.jsonl", reward=False))
-    assert result.exit_code == 1 and "was not written by this command" in result.output
+    assert result.exit_code == 2 and "was not written by this command" in result.output
 
 
 @pytest.mark.run

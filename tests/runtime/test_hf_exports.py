@@ -164,10 +164,11 @@ def test_with_lora_hf_is_the_adapter_as_in_final_and_merge_lora_adds_the_merged_
 
 
 @pytest.mark.unit
-def test_a_negative_save_hf_every_is_a_usage_error(task, tmp_path, plugins):
-    result = run_cli(plugins, train_args(tmp_path / "not-loaded", task, tmp_path / "run", "--save-hf-every", "-1"))
-    assert result.exit_code == 2 and "--save-hf-every must be at least 0 (0: never); got -1" in result.output, (
-        result.output)
+def test_a_save_hf_every_below_minus_one_is_a_usage_error(task, tmp_path, plugins):
+    """-1 is OpenRLHF's "never", as 0 is (tests/runtime/test_new_user_runs.py); below it is refused."""
+    result = run_cli(plugins, train_args(tmp_path / "not-loaded", task, tmp_path / "run", "--save-hf-every", "-2"))
+    assert result.exit_code == 2 and "--save-hf-every must be a number of steps, or 0 or -1 (never); got -2" in (
+        result.output), result.output
 
 
 @pytest.mark.cluster

@@ -225,7 +225,7 @@ def test_tir_runs_code_in_the_sandbox_through_rlhf_train(tiny_model_dir, tmp_pat
     assert len(samples) == 8
     for sample in samples:
         assert "```output\n42\n```" in sample["completion"]  # the sandbox ran print(6 * 7)
-        assert sample["reward"] == 1.0 and sample["rewards"]["env"] == 0.0
+        assert sample["reward"] == 1.0 and "env" not in sample["rewards"]  # tir gives no rewards: no phantom env 0
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert metrics["env/turns_mean"] == 2.0 and metrics["env/env_tokens_mean"] > 0
 

@@ -100,10 +100,16 @@ def started(request, tmp_path):
 def test_config_yaml_records_every_option_of_the_command(started):
     run, config, config_cls = started
     recorded = yaml.safe_load((run.path / "config.yaml").read_text())
-    fields = {f.name for f in dataclasses.fields(config_cls)} - {"components"}
+    from rlhf.runtime.run.run_dir import INVOCATION_ONLY
+
+    # --resume and --resume-override say how a process started, not what the run is: config.yaml stays
+    # reusable as a fresh run's --config (issue 53)
+    assert not set(INVOCATION_ONLY) & set(recorded)
+    fields = {f.name for f in dataclasses.fields(config_cls)} - {"components"} - set(INVOCATION_ONLY)
     assert fields <= set(recorded), f"left out of config.yaml: {sorted(fields - set(recorded))}"
     assert recorded["components"] and all(isinstance(s, dict) for s in recorded["components"].values())
-    assert _flatten(recorded) == _flatten(config)  # what the resume compares is what was recorded
+    run_options = {k: v for k, v in config.items() if k not in INVOCATION_ONLY}
+    assert _flatten(recorded) == _flatten(run_options)  # what the resume compares is what was recorded
 
 
 def test_every_option_that_changes_the_run_is_refused_unless_overridden(started):

@@ -12,6 +12,11 @@ A component registered with ``config_cls`` (a ``@dataclass(kw_only=True)``) has 
 
 Values from the command line, YAML files and ``KEY=VALUE`` strings are converted to the field's
 annotated type by `coerce` (``"0.9,0.95"`` to ``tuple[float, float]``, ``"true"`` to ``bool``, ...).
+
+A numeric setting declares the values it takes where it is declared, ``metadata={"range": "[0, 1)"}``
+(interval notation, ``inf`` for no bound; each number of a tuple setting), and a value outside it is
+a `ConfigError` naming the flag before the component is built (``--lora-rank -4`` never reaches
+the model). A number is never NaN.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from rlhf.core.errors import ConfigError
 
 RUN = "run"  # field metadata key naming the run value a field receives
+RANGE = "range"  # field metadata key: the interval a numeric setting's values lie in, e.g. "[0, 1)"
 
 # The values a run offers to the components it builds, by name (``metadata={"run": NAME}``).
 RUN_VALUES: dict[str, str] = {
@@ -79,11 +85,11 @@ def check_config_cls(config_cls: Any) -> str | None:
 
 
 def build_component_config(config_cls: type | None, *, settings: Mapping[str, Any], run_values: Mapping[str, Any],
-                           who: str, flag: str) -> Any:
+                           who: str, flag: str, short_flags: tuple[str, ...] = ()) -> Any:
     """An instance of ``config_cls`` from the user's ``settings`` and the run's ``run_values``.
 
     ``who`` names the component in messages (``"the 'torch' backend"``), ``flag`` its namespace
-    (``"--backend"``). A setting the class lacks, or one that is a run field, is a `ConfigError`
+    (``"--backend"``; a setting in ``short_flags`` is named by its plain flag). A setting the class lacks, or one that is a run field, is a `ConfigError`
     listing what can be set. Returns None when the component has no config class (and no setting).
     """
     settable = {f.name: f for f in setting_fields(config_cls)}
@@ -100,6 +106,9 @@ def build_component_config(config_cls: type | None, *, settings: Mapping[str, An
         return None
     hints = typing.get_type_hints(config_cls)
     values = {name: coerce(value, hints[name], f"{flag}.{_dashed(name)}") for name, value in settings.items()}
+    for name, value in values.items():
+        shown = f"--{_dashed(name)}" if name in short_flags else f"{flag}.{_dashed(name)}"
+        check_range(value, settable[name].metadata.get(RANGE), f"{who}: {shown}")
     for f in dataclasses.fields(config_cls):
         name = run_value_of(f)
         if name is not None and name in run_values:
@@ -110,6 +119,40 @@ def build_component_config(config_cls: type | None, *, settings: Mapping[str, An
         raise
     except Exception as exc:  # the config class's own validation (__post_init__)
         raise ConfigError(f"{who}: {exc}") from exc
+
+
+def parse_range(spec: str) -> tuple[float, bool, float, bool]:
+    """``"[0, 1)"`` -> ``(0.0, True, 1.0, False)``: low, low included, high, high included."""
+    text = spec.strip()
+    if len(text) < 5 or text[0] not in "[(" or text[-1] not in "])" or "," not in text:
+        raise ValueError(f"a range is written like [0, 1) or (0, inf); got {spec!r}")
+    low, high = (float(part) for part in text[1:-1].split(","))
+    return low, text[0] == "[", high, text[-1] == "]"
+
+
+def in_range(number: float, spec: str) -> bool:
+    low, low_in, high, high_in = parse_range(spec)
+    return (low < number or (low_in and number == low)) and (number < high or (high_in and number == high))
+
+
+def check_range(value: Any, spec: str | None, where: str) -> None:
+    """Refuse a number (or a number of a tuple or list) that is NaN or outside ``spec`` ("[0, 1)"; None: any)."""
+    for number in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            continue
+        if number != number:
+            raise ConfigError(f"{where} must be a number; got {number}")
+        if spec is not None and not in_range(number, spec):
+            got = list(value) if isinstance(value, (tuple, list)) else value
+            raise ConfigError(f"{where} must be {describe_range(spec)}; got {got}")
+
+
+def describe_range(spec: str) -> str:
+    """``"[1, inf)"`` -> ``"at least 1"``, ``"(0, inf)"`` -> ``"greater than 0"``, else ``"in [0, 1)"``."""
+    low, low_in, high, _ = parse_range(spec)
+    if high == float("inf") and low != float("-inf"):
+        return f"{'at least' if low_in else 'greater than'} {low:g}"
+    return f"in {spec}"
 
 
 def did_you_mean(name: str, candidates: Any) -> str:

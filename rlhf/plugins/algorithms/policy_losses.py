@@ -61,7 +61,7 @@ def _correction_field() -> Any:
 
 def _correction_bounds_field() -> Any:
     return field(default=(0.5, 5.0), metadata={
-        "help": "[lo, hi] for the correction weight exp(old_logprobs - rollout_logprobs)"})
+        "range": "[0, inf)", "help": "[lo, hi] for the correction weight exp(old_logprobs - rollout_logprobs)"})
 
 
 def _check_correction(config: Any) -> None:
@@ -81,11 +81,12 @@ def _check_correction(config: Any) -> None:
 class PPOLossConfig:
     """Settings of the ``ppo`` and ``gspo`` policy losses."""
 
-    clip_low: float = field(default=0.2, metadata={"help": "ε_low: the ratio is clipped below at 1 - ε_low"})
+    clip_low: float = field(default=0.2, metadata={"help": "ε_low: the ratio is clipped below at 1 - ε_low",
+                                                   "range": "[0, 1)"})
     clip_high: float = field(default=0.2, metadata={
-        "help": "ε_high: the ratio is clipped above at 1 + ε_high (larger than ε_low: DAPO's clip-higher)"})
+        "range": "[0, inf)", "help": "ε_high: the ratio is clipped above at 1 + ε_high (larger than ε_low: DAPO's clip-higher)"})
     dual_clip: float | None = field(default=None, metadata={
-        "help": "c > 1: for negative advantages the loss is at most -c·Â (dual-clip PPO); None: off"})
+        "range": "(1, inf)", "help": "c > 1: for negative advantages the loss is at most -c·Â (dual-clip PPO); None: off"})
     correction: str | None = _correction_field()
     correction_bounds: tuple[float, float] = _correction_bounds_field()
 

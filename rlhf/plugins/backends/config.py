@@ -19,17 +19,22 @@ LR_SCHEDULERS = ("constant", "cosine")
 class BackendConfig:
     lr: float = run_field("lr", 1e-6, "Peak learning rate")
     total_steps: int = run_field("total_steps", 1, "Optimizer steps in the run (for the schedule)")
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    adam_betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={"help": "AdamW betas, e.g. 0.9,0.95"})
-    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm (0: off)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "range": "[0, inf)"})
+    adam_betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={"help": "AdamW betas, e.g. 0.9,0.95",
+                                                                                   "range": "[0, 1)"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon", "range": "(0, inf)"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm (0: off)",
+                                                         "range": "[0, inf)"})
     lr_scheduler: str = field(default="constant", metadata={
         "help": "LR schedule after warmup: constant, or cosine (decays to min_lr_ratio x lr)"})
     warmup_ratio: float = field(default=0.0, metadata={
+        "range": "[0, 1]",
         "help": "Fraction of the run's optimizer steps spent warming the LR up linearly"})
     warmup_steps: int | None = field(default=None, metadata={
+        "range": "[0, inf)",
         "help": "Optimizer steps of linear warmup (overrides warmup_ratio)"})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine floor as a fraction of lr"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine floor as a fraction of lr",
+                                                          "range": "[0, 1]"})
 
     def __post_init__(self) -> None:
         if self.lr_scheduler not in LR_SCHEDULERS:
@@ -54,6 +59,7 @@ class DeepSpeedConfig(BackendConfig):
     micro_batch_size: int = run_field("micro_batch_size", 1, "Samples per forward/backward on one rank "
                                       "(DeepSpeed's train_micro_batch_size_per_gpu)")
     zero_stage: int = field(default=2, metadata={
+        "range": "[0, 3]",
         "help": "ZeRO stage: 0 none, 1 optimizer states sharded over ranks, 2 + gradients, 3 + parameters"})
     offload_optimizer: bool = field(default=False, metadata={
         "help": "Optimizer states and fp32 master weights in CPU memory, stepped by DeepSpeedCPUAdam (stages 1-3)"})

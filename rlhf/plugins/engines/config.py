@@ -16,7 +16,7 @@ DECODERS = ("auto", "lean", "direct", "generate")
 @dataclass(kw_only=True)
 class HFEngineConfig:
     generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Prompts per generate call (None: all at once)"})
+        default=None, metadata={"help": "Prompts per generate call (None: all at once)", "range": "[1, inf)"})
     decoder: str = field(default="auto", metadata={
         "help": "auto (lean, else direct, when the model and the request allow it), lean (direct with the lean "
                 "step of Llama-architecture models), direct (a loop over the model's forward), or generate "
@@ -38,12 +38,12 @@ class VLLMEngineConfig:
     trust_remote_code: bool = run_field("trust_remote_code", False, "Allow model code from the checkpoint")
     seed: int = run_field("seed", 42, "vLLM's random seed")
     tensor_parallel_size: int = field(default=1, metadata={
-        "help": "GPUs vLLM shards the model over (> 1 is unverified: weights then travel pickled)"})
+        "range": "[1, inf)", "help": "GPUs vLLM shards the model over (> 1 is unverified: weights then travel pickled)"})
     gpu_memory_utilization: float = field(default=0.5, metadata={
-        "help": "Fraction of the GPU's memory vLLM takes for weights and KV cache; the training process "
+        "range": "(0, 1]", "help": "Fraction of the GPU's memory vLLM takes for weights and KV cache; the training process "
                 "must fit in the rest"})
     max_model_len: int | None = field(default=None, metadata={
-        "help": "Longest prompt + completion in tokens (default: the run's token budget, --max-total-tokens "
+        "range": "[1, inf)", "help": "Longest prompt + completion in tokens (default: the run's token budget, --max-total-tokens "
                 "or --max-prompt-length + --max-turns x --max-new-tokens)"})
     max_total_tokens: int | None = run_field("max_total_tokens", None, "The run's token budget per trajectory")
     max_prompt_length: int = run_field("max_prompt_length", 1024, "The run's --max-prompt-length")
@@ -56,7 +56,7 @@ class VLLMEngineConfig:
     enable_sleep_mode: bool = field(default=False, metadata={
         "help": "Build vLLM with sleep mode, so sleep()/wake_up() can free its GPU memory between generations"})
     sleep_level: int = field(default=1, metadata={
-        "help": "1: weights to CPU memory and KV cache dropped; 2: both dropped (the next sync reloads the "
+        "range": "[1, 2]", "help": "1: weights to CPU memory and KV cache dropped; 2: both dropped (the next sync reloads the "
                 "weights, so no CPU copy is kept)"})
     auto_sleep: bool = field(default=False, metadata={
         "help": "Sleep after every generation and wake for the next sync or generation (needs enable_sleep_mode)"})
@@ -65,7 +65,7 @@ class VLLMEngineConfig:
     weight_sync_timeout_s: float = run_field("weight_sync_timeout_s", 600.0, "Seconds one sync may take before it "
                                              "raises instead of hanging (--weight-sync-timeout-s; 0: no limit)")
     sync_bucket_mb: float = field(default=512.0, metadata={
-        "help": "Weight sync chunk size in MiB (bounds the extra memory of merged/gathered copies)"})
+        "range": "(0, inf)", "help": "Weight sync chunk size in MiB (bounds the extra memory of merged/gathered copies)"})
     continuous: bool = field(default=True, metadata={
         "help": "Multi-turn rollouts: each turn is a request of its own in vLLM's running batch, so a turn starts "
                 "as soon as its tool call returns (false: one batched generate per turn). Unverified on a GPU"})

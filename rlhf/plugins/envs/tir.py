@@ -53,11 +53,16 @@ class TIRConfigError(RlhfError):
 class TIRConfig:
     """Settings of the ``tir`` environment (one instance shared by every trajectory of a run)."""
 
-    timeout_s: float = field(default=5.0, metadata={"help": "wall-clock limit per code block, seconds"})
-    memory_mb: int = field(default=1024, metadata={"help": "address-space limit per code block, MiB"})
-    max_output_chars: int = field(default=1024, metadata={"help": "characters of output shown to the model"})
-    max_tool_calls: int = field(default=4, metadata={"help": "code blocks run per episode"})
-    max_continuations: int = field(default=4, metadata={"help": "turns that stopped on a non-python fence"})
+    timeout_s: float = field(default=5.0, metadata={"help": "wall-clock limit per code block, seconds",
+                                                         "range": "(0, inf)"})
+    memory_mb: int = field(default=1024, metadata={"help": "address-space limit per code block, MiB",
+                                                          "range": "[1, inf)"})
+    max_output_chars: int = field(default=1024, metadata={"help": "characters of output shown to the model",
+                                                                 "range": "[1, inf)"})
+    max_tool_calls: int = field(default=4, metadata={"help": "code blocks run per episode",
+                                                             "range": "[1, inf)"})
+    max_continuations: int = field(default=4, metadata={"help": "turns that stopped on a non-python fence",
+                                                                "range": "[0, inf)"})
     persist_state: bool = field(default=False, metadata={"help": "replay earlier successful cells before each one"})
     show_traceback: bool = field(default=True, metadata={"help": "full traceback (else only its last line)"})
     sandbox_url: str | None = field(default=None, metadata={"help": "SandboxFusion-style server instead of local"})

@@ -23,6 +23,7 @@ from rlhf.api import ConfigError, Trajectory
 @dataclass(kw_only=True)
 class DynamicFilterConfig:
     filter_range: tuple[float, float] | None = field(default=None, metadata={
+        "range": "(-inf, inf)",
         "help": "LO HI: keep a group only when its mean score lies strictly between LO and HI (OpenRLHF's "
                 "dynamic filtering range)", "nargs": 2})
 

@@ -26,9 +26,13 @@ def merge_lora_command(adapter_dir: Path, base: str | None, out_dir: Path, dtype
 
     The result loads with AutoModelForCausalLM.from_pretrained and vLLM, without peft.
     """
+    from transformers.utils import logging as hf_logging
+
     from rlhf.api import ConfigError
     from rlhf.plugins.models.loading import DTYPES
     from rlhf.plugins.models.lora import merge_lora
+
+    hf_logging.disable_progress_bar()  # loading and writing bars: a one-line command says one line
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out {out_dir} is not empty; choose a new directory")

@@ -29,9 +29,10 @@ class HFModelConfig:
     chat_template: str | None = field(default=None, metadata={"help": "Jinja file replacing the chat template"})
     value_head_prefix: str = field(default="score", metadata={
         "help": "Name of the critic's value head (read from reward-model checkpoints, used when saving)"})
-    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r (0: train every weight)"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA α: the update B·A is scaled by α / r"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input"})
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r (0: train every weight)", "range": "[0, inf)"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA α: the update B·A is scaled by α / r",
+                                                  "range": "(0, inf)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input", "range": "[0, 1)"})
     target_modules: list[str] = field(default_factory=list, metadata={
         "help": "Module names given adapters (default: every linear layer but the output head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: frozen weights in 4-bit NF4 (GPU)"})

@@ -13,17 +13,11 @@ from typing import Any
 
 import torch
 
-from rlhf.api import ConfigError, check_model_ref, reading_weights
+from rlhf.api import ConfigError, check_model_ref, reading_weights, resolve_device
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -186,7 +186,8 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, *, base: str | None
     """Write ``base`` with the adapter in ``adapter_dir`` merged in, as a plain HF model, to ``out_dir``.
 
     ``base`` defaults to the adapter's ``base_model_name_or_path``. The tokenizer comes from the
-    adapter directory when it holds one (the run saves it there), else from the base.
+    adapter directory when it holds one (the run saves it there), else from the base; the run's
+    prompt format and model card come along (`carry_run_files`).
     """
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -212,7 +213,22 @@ def merge_lora(adapter_dir: str | Path, out_dir: str | Path, *, base: str | None
     has_tokenizer = any((adapter_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     AutoTokenizer.from_pretrained(adapter_dir if has_tokenizer else base,
                                   trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+    carry_run_files(adapter_dir, out_dir, base)
     return out_dir
+
+
+def carry_run_files(adapter_dir: Path, out_dir: Path, base: str) -> None:
+    """What a run wrote beside the adapter goes with the merged model: the prompt format it was trained
+    with (``prompt_format.json``: without it, commands would format prompts another way and the model
+    answer badly) and its model card (README.md), whose note on loading an adapter no longer applies."""
+    if (adapter_dir / "prompt_format.json").is_file():
+        (out_dir / "prompt_format.json").write_bytes((adapter_dir / "prompt_format.json").read_bytes())
+    card = adapter_dir / "README.md"
+    if card.is_file() and not (out_dir / "README.md").is_file():
+        kept = [line for line in card.read_text().splitlines() if not line.startswith("This directory is a ")]
+        kept.append(f"\nThe LoRA adapter `{adapter_dir}` merged into `{base}` (`rlhf merge-lora`): a plain Hugging "
+                    "Face model, loaded without peft.")
+        (out_dir / "README.md").write_text("\n".join(kept).rstrip() + "\n")
 
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from rlhf.api import ConfigError
 
 
-def _opt(default, help: str):
-    return field(default=default, metadata={"help": help})
+def _opt(default, help: str, range: str | None = None):
+    return field(default=default, metadata={"help": help, **({"range": range} if range else {})})
 
 
 @dataclass(kw_only=True)
@@ -57,10 +57,13 @@ class RewardModelConfig(PairConfig):
 
 @dataclass(kw_only=True)
 class DPOConfig(PairConfig):
-    beta: float = _opt(0.1, "β: strength of the implicit KL to the reference (IPO: its 1/(2β) target margin)")
-    label_smoothing: float = _opt(0.0, "ε of conservative DPO (cDPO): the share of pairs assumed mislabelled")
+    beta: float = _opt(0.1, "β: strength of the implicit KL to the reference (IPO: its 1/(2β) target margin)",
+                       "(0, inf)")
+    label_smoothing: float = _opt(0.0, "ε of conservative DPO (cDPO): the share of pairs assumed mislabelled",
+                                  "[0, 0.5)")
     ipo: bool = _opt(False, "IPO: the squared loss (h - 1/(2β))² instead of -log σ(βh)")
-    nll_coef: float = _opt(0.0, "Weight of an NLL term on the chosen responses (per-token mean), added to the loss")
+    nll_coef: float = _opt(0.0, "Weight of an NLL term on the chosen responses (per-token mean), added to the loss",
+                           "[0, inf)")
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -76,9 +79,9 @@ class KTOConfig:
     prompt_key: str = _opt("prompt", "Column with the prompt (a string or chat messages)")
     output_key: str = _opt("completion", "Column with the completion (a string or messages)")
     label_key: str = _opt("label", "Column with the label: true/1 desirable, false/0 undesirable")
-    beta: float = _opt(0.1, "β: strength of the implicit KL to the reference")
-    desirable_weight: float = _opt(1.0, "Weight of the desirable samples' losses")
-    undesirable_weight: float = _opt(1.0, "Weight of the undesirable samples' losses")
+    beta: float = _opt(0.1, "β: strength of the implicit KL to the reference", "(0, inf)")
+    desirable_weight: float = _opt(1.0, "Weight of the desirable samples' losses", "[0, inf)")
+    undesirable_weight: float = _opt(1.0, "Weight of the undesirable samples' losses", "[0, inf)")
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -101,7 +104,7 @@ class DistillConfig:
     input_key: str = _opt("prompt", "Column with the prompt (a string or chat messages)")
     output_key: str | None = _opt("response", "Column with the response (a string or messages); '' or none: the "
                                   "last message of the --input-key conversation")
-    kd_coef: float = _opt(0.4, "Weight of the distillation term: loss = (1 - kd) x SFT + kd x KD")
+    kd_coef: float = _opt(0.4, "Weight of the distillation term: loss = (1 - kd) x SFT + kd x KD", "[0, 1]")
 
     def __post_init__(self) -> None:
         if not 0 <= self.kd_coef <= 1:

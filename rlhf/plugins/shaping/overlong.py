@@ -23,9 +23,11 @@ from rlhf.api import ConfigError, Trajectory, run_field
 @dataclass(kw_only=True)
 class OverlongConfig:
     overlong_buffer: int | None = field(default=None, metadata={
+        "range": "[1, inf)",
         "help": "Overlong penalty (DAPO): a completion longer than --max-new-tokens minus this many tokens loses "
                 "factor·excess/buffer (policy tokens only)"})
     overlong_penalty_factor: float = field(default=1.0, metadata={
+        "range": "[0, inf)",
         "help": "The overlong penalty at its largest (a completion at the limit)"})
     max_new_tokens: int = run_field("max_new_tokens", 256, "the generation budget per completion")
 

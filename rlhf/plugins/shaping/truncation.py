@@ -21,6 +21,7 @@ TRUNCATED = ("length", "budget")  # finish reasons of a completion cut by a limi
 @dataclass(kw_only=True)
 class TruncationConfig:
     truncated_reward: float | None = field(default=None, metadata={
+        "range": "(-inf, 1]",
         "help": "A completion cut by the length limit: X in [0, 1] scales its reward, X < 0 replaces it "
                 "(OpenRLHF's stop-properly penalty)"})
 

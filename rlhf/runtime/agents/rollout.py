@@ -71,6 +71,7 @@ class AgentRollout:
         info = {
             "agent": self.settings.name, "env": f"agent:{self.settings.name}",
             "env_reward": float(result.reward) if result is not None and result.reward is not None else 0.0,
+            "env_gives_rewards": result is not None and result.reward is not None,
             "agent_requests": record.requests, "agent_follow_ups": record.follow_ups, "agent_drift": record.drift,
             "agent_segments": len(sequences),
             **({"agent_parse_failures": list(record.parse_failures)} if record.parse_failures else {}),

@@ -52,6 +52,8 @@ class FitConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, OutputO
         self.check_prompt_format()
         self.check_loggers()
         self.check_saving()
+        self.check_eval_every()
+        self.check_data_probs()
         self.check_ring()
         for name, value in (("--batch-size", self.batch_size), ("--micro-batch-size", self.micro_batch_size),
                             ("--epochs", self.epochs)):

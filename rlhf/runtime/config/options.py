@@ -103,12 +103,24 @@ class DataOptions:
 
     @property
     def mixing_probs(self) -> list[float] | None:
+        """``--data-probs``: one probability per ``--data``, >= 0, adding up to 1 (within 1e-6; then
+        rescaled to exactly 1, as the sampler wants)."""
         if not self.data_probs:
             return None
         try:
-            return [float(p) for p in self.data_probs.split(",")]
+            probs = [float(p) for p in str(self.data_probs).split(",")]
         except ValueError:
             raise ConfigError(f"--data-probs expects numbers separated by commas, got {self.data_probs!r}") from None
+        if len(probs) != len(self.data):
+            raise ConfigError(f"--data-probs has {len(probs)} values for {len(self.data)} --data; give one per --data")
+        if not all(math.isfinite(p) and p >= 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+            raise ConfigError(f"--data-probs must be numbers >= 0 that add up to 1; got {self.data_probs} "
+                              f"(sum {sum(probs):g})")
+        return [p / sum(probs) for p in probs]
+
+    def check_data_probs(self) -> None:
+        """``--data-probs`` refused before any data loads (`mixing_probs`)."""
+        self.mixing_probs  # noqa: B018
 
 
 @dataclass(kw_only=True)
@@ -162,12 +174,12 @@ class RuntimeOptions:
 @dataclass(kw_only=True)
 class OutputOptions:
     out: str | None = opt(None, "Run directory (default: runs/<date>-<time>)", "output")
-    save_every: int = opt(0, "Checkpoint every N steps (0: only at the end)", "output")
+    save_every: int = opt(0, "Checkpoint every N steps (0 or -1, OpenRLHF's never: only at the end)", "output")
     keep_checkpoints: int = opt(2, "Checkpoints kept (oldest removed first); also the number of --save-hf-every "
                                 "exports kept", "output")
     save_hf_every: int = opt(0, "Every N steps also write the trained model as final/ is written (Hugging Face "
                              "format, with its tokenizer) to checkpoints/step_N/hf, and with --save-critic the "
-                             "critic to step_N/hf_critic (0: never); pruned with the checkpoints", "output")
+                             "critic to step_N/hf_critic (0 or -1: never); pruned with the checkpoints", "output")
     resume: bool = opt(False, "Continue from the latest complete checkpoint in --out, with the run's options",
                        "output")
     resume_override: list[str] = many("With --resume: an option to change from the checkpoint on, e.g. lr or steps, "
@@ -186,8 +198,11 @@ class OutputOptions:
         return Path(self.out) if self.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
     def check_saving(self) -> None:
-        if self.save_hf_every < 0:
-            raise ConfigError(f"--save-hf-every must be at least 0 (0: never); got {self.save_hf_every}")
+        """``-1`` is OpenRLHF's "never" (``--save_steps -1``): here the same as 0."""
+        for name, value, meaning in (("--save-every", self.save_every, "only at the end"),
+                                     ("--save-hf-every", self.save_hf_every, "never")):
+            if value < -1:
+                raise ConfigError(f"{name} must be a number of steps, or 0 or -1 ({meaning}); got {value}")
 
     def check_loggers(self) -> None:
         """The packages the chosen loggers need, before any model loads."""
@@ -207,7 +222,13 @@ class EvalOptions:
     eval_data: list[str] = many("Held-out dataset to evaluate on, read with the same data options as --data "
                                 "(repeatable)", "eval")
     eval_every: int = opt(0, "Evaluate every N steps (0: rlhf train at the start and the end only; the fit commands "
-                          "at the end of each epoch)", "eval")
+                          "at the end of each epoch; -1, OpenRLHF's never: never in between, only at the end, and "
+                          "rlhf train at the start)", "eval")
+
+    def check_eval_every(self) -> None:
+        if self.eval_every < -1:
+            raise ConfigError(f"--eval-every must be a number of steps, 0 (the default schedule) or -1 (never in "
+                              f"between); got {self.eval_every}")
     save_best: str | None = opt(None, "Keep the model that scored best on this eval metric in <out>/best, e.g. "
                                 "eval/loss, eval/accuracy or eval/reward/mean (metrics named *loss are minimised, "
                                 "others maximised; append :min or :max to say)", "eval")

@@ -90,7 +90,8 @@ class Plan:
                                       settings=self.slot_settings(slot) if settings is None else settings,
                                       run_values=self.run_values(**run_values),
                                       who=f"the {choice.name!r} {slot_info.kind.replace('_', ' ')}",
-                                      flag=slot_info.flag)
+                                      flag=slot_info.flag,
+                                      short_flags=choice.component.short_flags if choice.component else ())
 
     def resolved_settings(self) -> dict[str, dict[str, Any]]:
         """Every setting of every chosen component as the run uses it (for config.yaml)."""

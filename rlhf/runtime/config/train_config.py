@@ -271,8 +271,12 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
             raise ConfigError("--data is required (a prompt dataset)")
         self.check_loggers()
         self.check_saving()
-        if self.prompts_per_step < 1 or self.n_samples < 1 or self.micro_batch_size < 1:
-            raise ConfigError("--prompts-per-step, --n-samples and --micro-batch-size must be at least 1")
+        self.check_eval_every()
+        self.check_data_probs()
+        for name, value in (("--prompts-per-step", self.prompts_per_step), ("--n-samples", self.n_samples),
+                            ("--micro-batch-size", self.micro_batch_size)):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1; got {value}")
         self.check_ring()
         if self.ring_attn_size > 1 and self.async_rollout:
             raise ConfigError("--ring-attn-size does not work with --async yet; drop one of them")
@@ -303,7 +307,7 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
         if rollout % train_batch:
             raise ConfigError(f"--train-batch-size {train_batch} must divide the rollout batch "
                             f"(--prompts-per-step x --n-samples = {rollout})")
-        for name, value, least in (("--eval-n-samples", self.eval_n_samples, 1), ("--eval-every", self.eval_every, 0),
+        for name, value, least in (("--eval-n-samples", self.eval_n_samples, 1),
                                    ("--max-staleness", self.max_staleness, 0),
                                    ("--max-filter-rounds", self.max_filter_rounds, 1),
                                    ("--freeze-actor-steps", self.freeze_actor_steps, 0),

@@ -240,7 +240,7 @@ class FitLoop(SteppedLoop):
     # --- eval schedule, best model, outputs ------------------------------------------------------
 
     def _eval_due(self, done: int) -> bool:
-        """After every ``--eval-every`` steps (default: each epoch) and the last."""
+        """After every ``--eval-every`` steps (0: each epoch; -1: none in between) and the last."""
         every = self.config.eval_every or self.order.steps_per_epoch
         return bool(self.parts.eval_examples) and EvalSchedule(every, self.total_steps).due(done)
 

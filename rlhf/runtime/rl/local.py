@@ -220,7 +220,7 @@ def build_reward(config: TrainConfig, plugins: PluginSet) -> RewardWorker:
 def data_settings(config: TrainConfig) -> DataSettings:
     return DataSettings(paths=config.data, input_key=config.input_key, label_key=config.label_key,
                         allow_missing_labels=config.allow_missing_labels,
-                        probs=[float(p) for p in config.data_probs.split(",")] if config.data_probs else None,
+                        probs=config.mixing_probs,
                         split=config.data_split, apply_chat_template=config.apply_chat_template,
                         input_template=config.input_template, max_prompt_length=config.max_prompt_length,
                         max_samples=config.max_samples, seed=config.seed)

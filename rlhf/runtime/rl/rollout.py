@@ -414,6 +414,7 @@ class RolloutWorker:
             outcome=episode.failure[0] if episode.failure else outcome_of_finish(episode.finish_reason),
             error=episode.failure[1] if episode.failure else None,
             info={"env": episode.env.name, "multi_turn": self.make_env.capabilities(episode.env.name)["multi_turn"],
+                  "env_gives_rewards": bool(self.make_env.capabilities(episode.env.name)["gives_rewards"]),
                   "env_reward": episode.env_reward, "env_time_s": episode.env_time,
                   **({"env_steps": episode.step_infos} if episode.step_infos else {})},
         )

@@ -285,7 +285,8 @@ class ReferenceWorker:
 
 class RewardWorker:
     """Scores trajectories (`RewardRole`): the run's reward sources, plus each trajectory's
-    environment reward (the sum of its step rewards)."""
+    environment reward (the sum of its step rewards), reported as the source ``env`` where an
+    environment gives rewards (its ``gives_rewards`` capability, or an agent's reward) or gave one."""
 
     def __init__(self, reward_set: RewardSet | None):
         self.reward_set = reward_set  # None: the environment gives every reward
@@ -297,6 +298,6 @@ class RewardWorker:
         else:
             result = self.reward_set.score_trajectories(trajectories)
             result.total = [t + e if t is not None else None for t, e in zip(result.total, env_rewards)]
-        if any("env" in t.info for t in trajectories):
-            result.per_source["env"] = env_rewards
+        if any(t.info.get("env_gives_rewards") or e for t, e in zip(trajectories, env_rewards)):
+            result.per_source["env"] = env_rewards  # an environment that gives none shows no phantom env reward 0
         return result

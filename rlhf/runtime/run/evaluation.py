@@ -13,7 +13,8 @@ the fit loop (``rlhf sft``/``dpo``/... ``--eval-data``) and ``rlhf eval``.
 Metrics (``n`` = ``--eval-n-samples``): ``eval/reward/mean`` (mean total reward over scored
 samples, before any reward shaping), ``eval/reward/<source>`` (each source's mean),
 ``eval/pass@n`` when n > 1 (mean over prompts of the best sample's reward: the share of prompts
-solved at least once in n tries for 0/1 rewards, OpenRLHF's ``pass{n}``), ``eval/pass@1`` (mean
+solved at least once in n tries for 0/1 rewards, OpenRLHF's ``pass{n}``; not at temperature 0,
+where the n samples are one greedy answer n times and pass@n would only repeat pass@1), ``eval/pass@1`` (mean
 over prompts of the mean reward), ``eval/response/length_mean`` (policy tokens) and
 ``eval/response/truncated_rate``. Eval runs before the first step, every ``--eval-every`` steps
 and after the last; sampling draws from the rollout's random stream, at the same points on a
@@ -70,7 +71,7 @@ class Evaluator:
 
     def run(self) -> dict[str, float]:
         trajectories, result = sampled(self.rollout, self.reward, self.prompts, self.n_samples, self.params)
-        return metrics_of(trajectories, result, self.n_samples)
+        return metrics_of(trajectories, result, self.n_samples, greedy=self.params.temperature == 0)
 
 
 @dataclass(frozen=True)
@@ -181,11 +182,12 @@ class TrainingEvals:
             self.stream_state["rng"] = [torch.tensor(s, dtype=torch.uint8) for s in state["eval_rng"]]
 
 
-def metrics_of(trajectories: list[Trajectory], result: RewardResult, n_samples: int) -> dict[str, float]:
+def metrics_of(trajectories: list[Trajectory], result: RewardResult, n_samples: int, *,
+               greedy: bool = False) -> dict[str, float]:
     """The ``eval/*`` metrics of scored trajectories (``n_samples`` contiguous rows per prompt); ``rlhf
     eval`` reports the same. A failed trajectory (`rlhf.core.outcomes`; ``reward_error`` where a
     source failed and left it without a reward) counts in ``eval/outcome/<outcome>_rate`` only,
-    never in a reward figure."""
+    never in a reward figure. ``greedy`` (temperature 0): no ``eval/pass@n``, the samples being one."""
     metrics: dict[str, float] = {"eval/prompts": float(len(trajectories) // n_samples)}
     outcomes = [REWARD_ERROR if t.outcome in TRAINED and i in result.errors and result.total[i] is None
                 else t.outcome for i, t in enumerate(trajectories)]
@@ -204,7 +206,7 @@ def metrics_of(trajectories: list[Trajectory], result: RewardResult, n_samples: 
             mean.append(sum(group) / len(group))
     if mean:
         metrics["eval/pass@1"] = sum(mean) / len(mean)
-        if n_samples > 1:
+        if n_samples > 1 and not greedy:
             metrics[f"eval/pass@{n_samples}"] = sum(best) / len(best)
     count = max(len(trajectories), 1)
     metrics["eval/response/length_mean"] = sum(t.num_policy_tokens for t in trajectories) / count

@@ -318,7 +318,7 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
                 bar.update(step, last)
                 stopping = any(dist.all_gather(stop.requested is not None)) if dist.active else bool(stop.requested)
                 hf = loop.export_hf if save_hf_every > 0 and done % save_hf_every == 0 else None
-                if done == loop.total_steps or (save_every and done % save_every == 0) or stopping:
+                if done == loop.total_steps or (save_every > 0 and done % save_every == 0) or stopping:
                     loop.before_checkpoint(done)
                     saved = {**loop.trainer_state(), "log_sizes": log_sizes(run_dir.path) if dist.is_main else {}}
                     path = run_dir.save_checkpoint(done, loop.checkpoint_roles(), saved, keep=keep_checkpoints, hf=hf)

@@ -39,11 +39,13 @@ from rlhf.runtime.config.identity import (OVERRIDE_DATA, OVERRIDE_PLUGINS, descr
                                           identity_changes, run_identity, with_cursor)
 from rlhf.runtime.run import checkpoint
 from rlhf.runtime.run.model_card import export_notes
+from rlhf.runtime.run.export import inner_models
 from rlhf.runtime.run.run_files import RUN_MANIFEST, Layout, RunFiles, check_not_foreign, entries
 
 log = logging.getLogger(__name__)
 
 # Options a resumed run may change freely (how it reports, saves and runs; not what it trains).
+INVOCATION_ONLY = ("resume", "resume_override")  # options config.yaml does not record (`RunDir.prepare`)
 RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_every", "keep_checkpoints",
                          "save_hf_every", "threads",
                          "tensorboard", "wandb_project", "wandb_group", "wandb_run_name", "log_samples",
@@ -90,7 +92,8 @@ class RunDirectory:
         """Refuse an ``--out`` of other files, and a new run over an existing one (before anything is built)."""
         self.check_not_foreign()
         if not resume and self.holds_run():
-            raise RlhfError(f"{self.path} already holds a run: pass --resume to continue it, or choose another --out")
+            raise ConfigError(f"{self.path} already holds a run: pass --resume to continue it, or choose another "
+                              "--out")
 
     def check_start(self, config: dict[str, Any], *, resume: bool, overrides: list[str],
                     plugins: dict[str, str] | None = None) -> None:
@@ -178,7 +181,11 @@ class RunDirectory:
     def prepare(self, *, config: dict[str, Any], plugins: dict[str, Any], resume: bool) -> None:
         """Create the directory and write config.yaml and plugins.json (main rank; every rank waits).
         On ``--resume`` a config.yaml that differs is kept as ``config.until_step_N.yaml``. The run's
-        identity (``plugins["fingerprint"]``: the plugin versions) is what each checkpoint records."""
+        identity (``plugins["fingerprint"]``: the plugin versions) is what each checkpoint records.
+        ``resume`` and ``resume_override`` say how this process started, not what the run is: they are
+        left out, so config.yaml is reusable as a fresh run's ``--config`` and a plain resume leaves
+        it as it was."""
+        config = {k: v for k, v in config.items() if k not in INVOCATION_ONLY}
         if self.dist.is_main:
             import yaml
 
@@ -224,8 +231,8 @@ class RunDirectory:
             if self.dist.is_main:
                 for name, data in (record or {}).items():
                     (tmp / name).write_text(json.dumps(data, indent=2))
-                if card is not None:
-                    (tmp / "README.md").write_text(card + export_notes(tmp))
+                for model in (tmp, *inner_models(tmp)) if card is not None else ():  # inner: e.g. a merged copy
+                    (model / "README.md").write_text(card + export_notes(model))
 
         return checkpoint.write_directory(directory, write, self.dist)
 
@@ -349,3 +356,4 @@ def _kinds(changes: dict[str, list[str]]) -> str:
                                         ("plugin versions", OVERRIDE_PLUGINS in changes),
                                         ("data", OVERRIDE_DATA in changes)) if present]
     return " and ".join(kinds)
+

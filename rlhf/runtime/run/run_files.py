@@ -81,7 +81,9 @@ def classify(path: Path, layout: Layout) -> Kind:
 
 
 def check_not_foreign(path: Path, layout: Layout, option: str = "--out") -> None:
-    """Refuse (`ConfigError`, exit 2) a folder that is not empty and holds no run of this kind."""
+    """Refuse (`ConfigError`, exit 2) a file, and a folder that is not empty and holds no run of this kind."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ConfigError(f"{option} {path} is a file; a run writes into a folder: choose another {option}")
     if classify(path, layout) != "foreign":
         return
     names = entries(path)
