@@ -380,7 +380,7 @@ def test_a_reward_that_fails_on_every_sample_warns_then_stops_the_run(caplog):
     guards = StepGuards(plan, {}, Events(SimpleNamespace(emit=None), DistContext()))
     with caplog.at_level(logging.WARNING):
         guards.check_rewards(0, {"reward/failures/judge": 4.0, "reward/failures/other": 3.0})
-        guards.check_rewards(1, {"reward/failures/judge": 3.0})  # a step where it scored once: the count restarts
+        guards.check_rewards(1, {"reward/failures/judge": 3.0, "reward/judge": 1.0})  # it scored once: the count restarts
         guards.check_rewards(2, {"reward/failures/judge": 4.0})
         with pytest.raises(RlhfError, match="the reward judge failed on every sample for 2 steps in a row"):
             guards.check_rewards(3, {"reward/failures/judge": 5.0})

@@ -68,7 +68,7 @@ def test_every_step_when_every_is_one():
 def test_the_eval_metrics_by_hand():
     """Two prompts of two samples, one sample unscored: pass@1 is the mean of the prompts' mean scores,
     pass@2 the mean of their best, lengths and truncation over every sample."""
-    trajectories = [SimpleNamespace(num_policy_tokens=n, finish_reason=f)
+    trajectories = [SimpleNamespace(num_policy_tokens=n, finish_reason=f, outcome="ok")
                     for n, f in ((2, "stop"), (4, "length"), (6, "stop"), (8, "budget"))]
     result = RewardResult(total=[1.0, 0.0, None, 0.5], per_source={"a": [1.0, 0.0, None, 0.5]}, metrics={})
     metrics = metrics_of(trajectories, result, n_samples=2)

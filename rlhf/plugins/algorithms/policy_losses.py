@@ -103,9 +103,9 @@ class PPOLossConfig:
 class CISPOLossConfig:
     """Settings of the ``cispo`` policy loss: the bounds of its importance-sampling weight."""
 
-    clip_low: float = field(default=1.0, metadata={
+    clip_low: float = field(default=1.0, metadata={"range": "[0, inf)",
         "help": "ε_low: the IS weight is clipped below at 1 - ε_low; 1 or more: no lower bound (MiniMax-M1)"})
-    clip_high: float = field(default=0.2, metadata={
+    clip_high: float = field(default=0.2, metadata={"range": "[0, inf)",
         "help": "ε_high: the IS weight is clipped above at 1 + ε_high (verl's CISPO example: 0.2)"})
     correction: str | None = _correction_field()
     correction_bounds: tuple[float, float] = _correction_bounds_field()
@@ -121,9 +121,9 @@ class CISPOLossConfig:
 class SAPOLossConfig:
     """Settings of the ``sapo`` policy loss: the temperatures of its soft gate."""
 
-    tau_pos: float = field(default=1.0, metadata={
+    tau_pos: float = field(default=1.0, metadata={"range": "(0, inf)",
         "help": "τ_pos > 0: the gate's temperature on tokens with a positive advantage (larger: a sharper gate)"})
-    tau_neg: float = field(default=1.05, metadata={
+    tau_neg: float = field(default=1.05, metadata={"range": "(0, inf)",
         "help": "τ_neg > 0: the gate's temperature on tokens with an advantage <= 0 (the paper: a little "
                 "above τ_pos, negative updates are damped faster)"})
     correction: str | None = _correction_field()
