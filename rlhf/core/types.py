@@ -66,6 +66,9 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     outcome: str = "ok"  # how it ended: ok, truncated or a failure (rlhf.core.outcomes)
     error: str | None = None  # a failure's first line
+    # per token: the policy version that sampled it, -1 on prompt and environment tokens
+    # (``--partial-rollouts``; None: every policy token comes from the batch's version)
+    token_versions: list[int] | None = None
 
     @property
     def completion_ids(self) -> list[int]:

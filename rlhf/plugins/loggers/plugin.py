@@ -116,6 +116,9 @@ def on_rewards(run, step, trajectories, rewards):
             # --agent: where each token came from, as [origin, count] runs (docs/agents.md)
             **({"token_origins": trajectory.info["agent_token_origins"]}
                if "agent_token_origins" in trajectory.info else {}),
+            # --partial-rollouts: the policy version that sampled each completion token, as [version, count]
+            # runs (-1: environment tokens; docs/async.md)
+            **({"token_versions": trajectory.info["token_versions"]} if "token_versions" in trajectory.info else {}),
         })
 
 

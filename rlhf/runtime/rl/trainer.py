@@ -122,6 +122,9 @@ class Trainer(SteppedLoop):
     def before_checkpoint(self, done: int) -> None:
         self.batches.quiesce(done)  # --async: the batches in flight, made, go into the checkpoint
 
+    def can_checkpoint(self, done: int) -> bool:
+        return self.batches.can_checkpoint(done)  # --partial-rollouts: only at the scheduled checkpoints
+
     def after_checkpoint(self, done: int) -> None:
         self.batches.publish(done)  # --async: the weights of version `done`, for the batches that need them
 
