@@ -114,3 +114,14 @@ def test_the_ratio_and_the_mismatch_correction_read_each_token_own_behaviour_log
     ratio = math.exp(0.1)
     weight = {None: 1.0, "tis": math.exp(0.1), "icepop": math.exp(0.1)}[correction]
     assert mixed[0, 1].item() == pytest.approx(-ratio * weight, rel=1e-5)
+
+
+def test_partial_rollouts_need_async(tmp_path):
+    from rlhf.core.errors import ConfigError
+    from rlhf.runtime.config.train_config import TrainConfig
+
+    with pytest.raises(ConfigError, match="--partial-rollouts changes how --async generates"):
+        TrainConfig.from_dict(dict(model="m", data=["d.jsonl"], partial_rollouts=True, out=str(tmp_path))).derived()
+    with pytest.raises(ConfigError, match="--partial-chunk-tokens must be at least 1; got 0"):
+        TrainConfig.from_dict(dict(model="m", data=["d.jsonl"], async_rollout=True, partial_rollouts=True,
+                                   partial_chunk_tokens=0, out=str(tmp_path))).derived()

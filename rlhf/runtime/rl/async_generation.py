@@ -34,6 +34,12 @@ step, loads that step's version, waits for its turn at the random stream (step o
 turn on as soon as its rollout has drawn its seed, and ends its rollout (hooks, tensors) in step
 order; so up to K batches' rollouts overlap, and what each computes is what one lane would.
 
+Partial rollouts (``--partial-rollouts``, `rlhf.runtime.rl.offpolicy`): a trajectory moves to newer
+versions as it grows, on a logical clock of its own tokens (`VersionSchedule`); the lanes always
+run then (a lane waits for a version inside its rollout, having handed on its turn), the versions
+after a batch's first come from a pool of copies shared by the lanes, each token's behaviour
+log-prob comes from its own version's copy, and `next` checks every token's staleness.
+
 Weights reach the producer by version: after each step (and its checkpoint) the trainer publishes
 a copy of the policy's state; the producer loads the version it needs. Sampling draws the
 process's random stream, which only the producer uses while it runs (eval swaps in a stream of
