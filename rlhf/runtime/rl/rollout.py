@@ -242,6 +242,9 @@ class RolloutWorker:
                     self.engine, params, declared=self.continuous_batching):
                 await self._each_on_its_own(episodes, params)
                 return [self._trajectory(e) for e in episodes]
+            if self.partial is not None:
+                raise RlhfError("--partial-rollouts: the engine declined continuous batching for these sampling "
+                                "options (its continuous_for): drop --partial-rollouts")
             await self._timed(episodes, [e.env.reset(e.item.prompt, e.label, e.item.columns) for e in episodes],
                               self._after_reset)
             for turn in range(self.settings.max_turns):
