@@ -4,6 +4,7 @@ loss's ratio and mismatch correction reading each token's own behaviour log-prob
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -22,6 +23,12 @@ def test_each_token_version_by_hand():
     # batch 6: from version 4, then 5 (= 6 - 1, the cap) from token 3 on
     assert [schedule.version(6, n) for n in range(9)] == [4, 4, 4, 5, 5, 5, 5, 5, 5]
     assert schedule.next_switch(6, 0) == 3 and schedule.next_switch(6, 2) == 3 and schedule.next_switch(6, 3) is None
+    # K = 3, C = 2, no checkpoints in the way: batch 9 from 6, 7 from token 2, 8 (the cap) from token 4
+    longer = VersionSchedule(max_staleness=3, chunk_tokens=2, save_every=0, total_steps=20)
+    assert [longer.version(9, n) for n in range(6)] == [6, 6, 7, 7, 8, 8]
+    assert [longer.next_switch(9, n) for n in range(5)] == [2, 2, 4, 4, None]
+    with pytest.raises(dataclasses.FrozenInstanceError):  # one clock for the run: nothing changes it in place
+        longer.first = 3
     # batches 4 and 5 are in flight at the checkpoint after step 4: versions up to 3 only
     assert [schedule.version(5, n) for n in range(6)] == [3, 3, 3, 3, 3, 3]
     assert schedule.next_switch(5, 0) is None
@@ -44,6 +51,10 @@ def test_the_clock_never_breaks_the_bound(k):
         for step in range(12):
             versions = [schedule.version(step, n) for n in range(40)]
             assert versions == sorted(versions)  # a trajectory only moves forward
+            for n in range(40):  # next_switch: the first later token of another version
+                switch = schedule.next_switch(step, n)
+                later = [m for m in range(n + 1, 40) if versions[m] != versions[n]]
+                assert switch == (later[0] if later else None) or (switch is not None and switch >= 40), (step, n)
             assert all(step - k <= v <= max(step - 1, 0) for v in versions)
             for c in range(1, 13):  # every scheduled checkpoint's in-flight batches need only weights it has
                 if (save_every and c % save_every == 0) or c == 12:
