@@ -69,6 +69,9 @@ class Trajectory:
     # More sequences of this same trajectory (an agent that edited its history: docs/agents.md), each
     # trained as a row of its own with this trajectory's reward and advantage (rlhf.runtime.step.segments)
     segments: list[Trajectory] = field(default_factory=list)
+    # per token: the policy version that sampled it, -1 on prompt and environment tokens
+    # (``--partial-rollouts``; None: every policy token comes from the batch's version)
+    token_versions: list[int] | None = None
 
     @property
     def completion_ids(self) -> list[int]:

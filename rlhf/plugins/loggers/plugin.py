@@ -119,6 +119,9 @@ def on_rewards(run, step, trajectories, rewards):
             **({"segments": [{"completion": segment.completion_text,
                               "completion_tokens": segment.num_policy_tokens, **_agent_tokens(segment)}
                              for segment in trajectory.segments]} if trajectory.segments else {}),
+            # --partial-rollouts: the policy version that sampled each completion token, as [version, count]
+            # runs (-1: environment tokens; docs/async.md)
+            **({"token_versions": trajectory.info["token_versions"]} if "token_versions" in trajectory.info else {}),
         })
 
 

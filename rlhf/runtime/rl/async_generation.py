@@ -34,6 +34,12 @@ step, loads that step's version, waits for its turn at the random stream (step o
 turn on as soon as its rollout has drawn its seed, and ends its rollout (hooks, tensors) in step
 order; so up to K batches' rollouts overlap, and what each computes is what one lane would.
 
+Partial rollouts (``--partial-rollouts``, `rlhf.runtime.rl.offpolicy`): a trajectory moves to newer
+versions as it grows, on a logical clock of its own tokens (`VersionSchedule`); the lanes always
+run then (a lane waits for a version inside its rollout, having handed on its turn), the versions
+after a batch's first come from a pool of copies shared by the lanes, each token's behaviour
+log-prob comes from its own version's copy, and `next` checks every token's staleness.
+
 Weights reach the producer by version: after each step (and its checkpoint) the trainer publishes
 a copy of the policy's state; the producer loads the version it needs. Sampling draws the
 process's random stream, which only the producer uses while it runs (eval swaps in a stream of
@@ -71,6 +77,8 @@ from rlhf.core.types import Trajectory
 from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.rl.batches import BatchSteps, Prepared, Rolled
 from rlhf.runtime.rl.draw_order import ordered_draws
+from rlhf.runtime.rl.offpolicy.partial import PartialRollout, VersionPool, behaviour_logprobs, version_grid
+from rlhf.runtime.rl.offpolicy.schedule import StalenessError, VersionSchedule, check_staleness, runs
 from rlhf.runtime.run.threads import split_threads
 
 STOP_TIMEOUT_S = 30.0  # how long `close` waits for a batch being generated to finish
@@ -104,6 +112,9 @@ class AsyncParts:
     # the copies' rollouts batch continuously (multi-turn, `rlhf.runtime.rl.draw_order`): the batches
     # of several steps may be rolled out at once, on a copy each (generation lanes)
     rollouts_overlap: bool = False
+    # the copies' engines sample from the copy's module in place and batch continuously, single-turn
+    # rollouts too (what --partial-rollouts needs: rlhf.runtime.rl.offpolicy.partial)
+    partial_capable: bool = False
 
 
 class Stopped(Exception):
@@ -120,10 +131,14 @@ class AsyncGeneration:
     """
 
     def __init__(self, *, steps: BatchSteps, rollout: RolloutRole, parts: AsyncParts, max_staleness: int,
-                 total_steps: int, pipelined: bool = False, threads: tuple[int, int] | None = None, lanes: int = 1):
+                 total_steps: int, pipelined: bool = False, threads: tuple[int, int] | None = None, lanes: int = 1,
+                 schedule: VersionSchedule | None = None):
         self.steps, self.rollout, self.parts, self.pipelined = steps, rollout, parts, pipelined
         # generation lanes: batches rolled out at once, each on a policy copy of its own (pipelined only)
         self.lanes = max(1, min(lanes, max_staleness)) if pipelined else 1
+        # --partial-rollouts: each token's version on a logical clock (rlhf.runtime.rl.offpolicy); None: off
+        self.schedule = schedule
+        self.pool: VersionPool | None = None
         self.staleness, self.total, self.pad_token_id = max_staleness, total_steps, steps.pad_token_id
         self.threads = threads  # torch threads (producer, trainer); None: leave them as they are
         self.cond = threading.Condition()
@@ -147,6 +162,9 @@ class AsyncGeneration:
         self.next_step = max(self.next_step, start_step)
         self.first_version = start_step  # a resumed run has no older weights
         self.publish(start_step)
+        if self.schedule is not None:
+            self.schedule = replace(self.schedule, first=start_step)
+            self.pool = VersionPool(self.parts.make_copy, self._snapshot_of)
         self.lane_list = [_Lane(self.parts.make_copy(), start_step) for _ in range(self.lanes)]
         for lane in self.lane_list:
             lane.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
@@ -156,7 +174,8 @@ class AsyncGeneration:
         if self.threads is not None:
             self.trainer_threads = torch.get_num_threads()
             torch.set_num_threads(self.threads[1])  # this (the trainer's) thread's share
-        run = self._run if self.lanes == 1 else self._run_lane
+        # partial rollouts wait for versions inside a rollout: only the lanes' loop lets eval in meanwhile
+        run = self._run if self.lanes == 1 and self.schedule is None else self._run_lane
         self.threads_of_lanes = [threading.Thread(target=run, args=(lane,), name=f"rlhf-async-generation-{index}",
                                                   daemon=True) for index, lane in enumerate(self.lane_list)]
         for thread in self.threads_of_lanes:
@@ -180,7 +199,16 @@ class AsyncGeneration:
         prepared.metrics = {"async/staleness_mean": staleness, "async/staleness_max": staleness,
                             "async/wait_s": waited, "async/idle_s": prepared.idle_s,
                             "async/version": float(prepared.version)}
+        if self.schedule is not None:  # the per-token bound, asserted on the batch about to train
+            prepared.metrics.update(check_staleness(step, policy_versions(prepared.trajectories, prepared.version),
+                                                    self.staleness))
         return prepared
+
+    def can_checkpoint(self, done: int) -> bool:
+        """Whether a checkpoint after ``done`` steps can be exact: with partial rollouts only at the
+        scheduled ones (a batch in flight may wait for versions after any other step)."""
+        return self.schedule is None or (done == self.total
+                                         or bool(self.schedule.save_every and done % self.schedule.save_every == 0))
 
     def sync_weights(self) -> None:
         """Nothing: the producer takes the weights by version (`publish`, after each step)."""
@@ -273,6 +301,12 @@ class AsyncGeneration:
                             sample_mask=saved["sample_mask"])
             if "old_logprobs" in saved:
                 batch = replace(batch, old_logprobs=saved["old_logprobs"])
+            if self.schedule is not None:  # the bound holds across a resume: a smaller K refuses the batch
+                try:
+                    check_staleness(row["step"], policy_versions(trajectories, row["version"]), self.staleness)
+                except StalenessError as exc:
+                    raise StalenessError(f"{exc}; it is in flight in the checkpoint: resume with the "
+                                         "--max-staleness the run was started with") from None
             self.ready[row["step"]] = Prepared(step=row["step"], version=row["version"], trajectories=trajectories,
                                                batch=batch, reward_metrics=row["reward_metrics"],
                                                seconds=row["seconds"],
@@ -329,6 +363,7 @@ class AsyncGeneration:
                 version = max(self.first_version, step - self.staleness)
                 idle = self._wait_for(version, lane)
                 self._await_turn("draw", step)
+                self._partial_for(lane, step)
                 self.generating.acquire()
                 handed_on = []
 
@@ -348,12 +383,44 @@ class AsyncGeneration:
                     rolled = self.steps.end_rollout(rolled)
                 finally:
                     self._pass_turn("end", step)
-                behaviour = lane.copy.logprobs(rolled.batch) if self.staleness > 0 else None
+                behaviour = self._behaviour(rolled, lane, version)
                 self._score(rolled, version, idle, behaviour)
         except Stopped:
             return
         except BaseException as exc:
             self._fail(exc)
+
+    # --- partial rollouts (rlhf.runtime.rl.offpolicy) ------------------------------------------------
+
+    def _partial_for(self, lane: _Lane, step: int) -> None:
+        """Give the lane's rollout batch ``step``'s versions (partial rollouts only)."""
+        if self.schedule is None:
+            return
+        lane.copy.rollout.partial = PartialRollout(step=step, schedule=self.schedule,
+                                                   own_engine=lane.copy.rollout.engine, pool=self.pool,
+                                                   published=lambda: self.published, check_stop=self._check_stop)
+
+    def _check_stop(self) -> None:
+        if self.stopping:
+            raise Stopped
+
+    def _snapshot_of(self, version: int) -> Any:
+        with self.cond:
+            return self.snapshots[version]
+
+    def _behaviour(self, rolled: Rolled, lane: _Lane, version: int) -> torch.Tensor | None:
+        """(B, A) the behaviour log-probs: each token's under the version that sampled it (K > 0 only)."""
+        if self.schedule is not None:
+            for trajectory in rolled.trajectories:  # samples.jsonl: per completion token, [version, count] runs
+                if trajectory.token_versions is not None:
+                    trajectory.info["token_versions"] = runs(trajectory.token_versions[trajectory.prompt_length:])
+        if self.staleness == 0:
+            return None
+        if self.schedule is None:
+            return lane.copy.logprobs(rolled.batch)
+        batch = rolled.batch
+        grid = version_grid(rolled.trajectories, batch.input_ids.shape[1], version)  # (B, A)
+        return behaviour_logprobs(batch, grid, lambda v: (lane.copy if v == version else self.pool.get(v)).logprobs(batch))
 
     def _await_turn(self, kind: str, step: int) -> None:
         with self.cond:
@@ -430,6 +497,8 @@ class AsyncGeneration:
             # just before this one's
             for old in [v for v in self.snapshots if v < version - (self.lanes - 1)]:
                 del self.snapshots[old]
+        if self.pool is not None:
+            self.pool.retire(version - (self.lanes - 1))
         waited = time.perf_counter() - began
         if state is not None:
             lane.copy.load(state)
@@ -477,6 +546,15 @@ class _InFlight:
             self.scored.set()
 
 
+def policy_versions(trajectories: list[Trajectory], version: int) -> list[list[int]]:
+    """Per trajectory, the version of each policy token (``version`` where the trajectory records none)."""
+    out = []
+    for trajectory in trajectories:
+        versions = trajectory.token_versions or [version] * len(trajectory.token_ids)
+        out.append([v for v, m in zip(versions, trajectory.loss_mask) if m])
+    return out
+
+
 def async_batches(plan: RunPlan, steps: BatchSteps, rollout: RolloutRole, parts: AsyncParts | None,
                   total_steps: int) -> AsyncGeneration:
     """``--async``'s batch maker for a run; ``parts``: what the runtime gives (None: no --async there)."""
@@ -484,9 +562,17 @@ def async_batches(plan: RunPlan, steps: BatchSteps, rollout: RolloutRole, parts:
         raise RlhfError("--async is not available with this runtime yet: use the local runtime")
     staleness = plan.config.max_staleness
     # continuously batched rollouts leave the random stream early: up to K batches roll out at once
-    lanes = staleness if parts.rollouts_overlap else 1
+    partial = plan.config.partial_rollouts
+    if partial and not parts.partial_capable:
+        raise RlhfError("--partial-rollouts needs an engine that samples from the policy module in place and batches "
+                        "continuously (the hf engine with --engine.continuous, the default), in the local runtime")
+    if partial and plan.filters_groups:
+        raise RlhfError("--partial-rollouts does not go with a sample filter (--filter-groups and the like): drop one")
+    lanes = staleness if parts.rollouts_overlap or partial else 1
+    schedule = VersionSchedule(max_staleness=staleness, chunk_tokens=plan.config.partial_chunk_tokens,
+                               save_every=plan.config.save_every, total_steps=total_steps) if partial else None
     # A sample filter decides from a batch's rewards whether to sample more prompts for the same
     # step, so that step's scoring cannot run beside the next step's generation.
     return AsyncGeneration(steps=steps, rollout=rollout, parts=parts, max_staleness=staleness, total_steps=total_steps,
                            pipelined=not plan.filters_groups, threads=split_threads(torch.get_num_threads(), staleness),
-                           lanes=lanes)
+                           lanes=lanes, schedule=schedule)

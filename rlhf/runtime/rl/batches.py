@@ -84,6 +84,9 @@ class Batches(Protocol):
     def publish(self, done: int) -> None:
         """Step ``done`` is finished, its checkpoint written."""
 
+    def can_checkpoint(self, done: int) -> bool:
+        """Whether a checkpoint after ``done`` steps, one not scheduled (a stop), can be written exactly."""
+
     def eval_stream(self, state: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
         """Around an eval: where its sampling draws its random numbers (``state["rng"]``, kept)."""
 
@@ -293,6 +296,9 @@ class SyncBatches:
 
     def publish(self, done: int) -> None:
         pass
+
+    def can_checkpoint(self, done: int) -> bool:
+        return True
 
     @contextlib.contextmanager
     def eval_stream(self, state: dict[str, Any]) -> Iterator[None]:

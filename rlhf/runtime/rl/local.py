@@ -309,6 +309,9 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
                          rollouts_overlap=config.max_turns > 1 and plan.env_capability("multi_turn")
                          and rollout.engine.shares_weights
                          and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens),
+                                                  declared=rollout.continuous_batching),
+                         partial_capable=rollout.engine.shares_weights and rollout.agents is None
+                         and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens),
                                                   declared=rollout.continuous_batching)),
         export=lambda out_dir, critic_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist,
                                                         critic_dir),

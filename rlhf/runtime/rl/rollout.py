@@ -125,10 +125,16 @@ class _Episode:
     env_time: float = 0.0
     step_infos: list[dict] = field(default_factory=list)
     failure: tuple[str, str] | None = None  # (outcome, error line) when an environment call failed
+    versions: list[int] | None = None  # --partial-rollouts: per token, the version that sampled it (-1: not the policy)
 
-    def append(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None) -> None:
+    pending_versions: list[int] = field(default_factory=list)  # the versions of the turn being recorded
+
+    def append(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None,
+               versions: list[int] | None = None) -> None:
         self.tokens += ids
         self.mask += [1 if model else 0] * len(ids)
+        if self.versions is not None:
+            self.versions += versions if model and versions is not None else [-1] * len(ids)
         if self.logprobs is not None:
             self.logprobs += logprobs if model and logprobs is not None else [0.0] * len(ids)
 
@@ -177,6 +183,9 @@ class RolloutWorker:
         self.told_offload = False  # the first set-aside's size is logged once
         self._control_ids: set[int] | None = None  # the tokenizer's special tokens, never taken from observations
         self.agents = agents
+        # --partial-rollouts: the batch's versions (`rlhf.runtime.rl.offpolicy.partial.PartialRollout`), set
+        # by the producer for each batch it rolls out; None: every token from this worker's engine
+        self.partial: Any = None
 
     def generate(self, prompts: list[Any], *, n: int, params: SamplingParams) -> list[Trajectory]:
         """``n`` trajectories per prompt, contiguous, in prompt order."""
@@ -229,10 +238,13 @@ class RolloutWorker:
         asyncio.get_running_loop().set_default_executor(_EnvThreads(
             max_workers=max(1, min(len(episodes), MAX_ENV_THREADS)), thread_name_prefix="rlhf-env"))
         try:
-            if self._multi_turn(episodes) and batches_continuously(self.engine, params,
-                                                                   declared=self.continuous_batching):
+            if (self._multi_turn(episodes) or self.partial is not None) and batches_continuously(
+                    self.engine, params, declared=self.continuous_batching):
                 await self._each_on_its_own(episodes, params)
                 return [self._trajectory(e) for e in episodes]
+            if self.partial is not None:
+                raise RlhfError("--partial-rollouts: the engine declined continuous batching for these sampling "
+                                "options (its continuous_for): drop --partial-rollouts")
             await self._timed(episodes, [e.env.reset(e.item.prompt, e.label, e.item.columns) for e in episodes],
                               self._after_reset)
             for turn in range(self.settings.max_turns):
@@ -292,9 +304,40 @@ class RolloutWorker:
                 return
             turn_params = dataclasses.replace(params, max_new_tokens=self._turn_budget(episode, params),
                                               stop=episode.stop, seed=request_seed(rollout_seed, index, turn))
-            generation = await self.engine.generate_one(list(episode.tokens), turn_params)
+            if self.partial is not None:
+                generation = await self._partial_turn(episode, turn_params)
+            else:
+                generation = await self.engine.generate_one(list(episode.tokens), turn_params)
             self._record_turn(episode, generation, last_turn=turn == self.settings.max_turns - 1)
             await self._timed([episode], [episode.env.step(self._action_text(generation))], self._after_step)
+
+    async def _partial_turn(self, episode: _Episode, params: SamplingParams) -> Generation:
+        """One turn over the policy versions its tokens are due from (`rlhf.runtime.rl.offpolicy.partial`):
+        a request per version, each re-reading the trajectory so far; the turn's versions go to
+        ``episode.pending_versions`` for `_record_turn`."""
+        from rlhf.runtime.rl.offpolicy.partial import chunk_seed
+
+        partial, budget = self.partial, params.max_new_tokens
+        start = sum(episode.mask)  # the trajectory's policy tokens so far: the clock
+        tokens: list[int] = []
+        logprobs: list[float] | None = [] if params.return_logprobs else None
+        versions: list[int] = []
+        while True:
+            n = start + len(tokens)
+            version, switch = partial.version(n), partial.next_switch(n)
+            take = budget - len(tokens) if switch is None else min(budget - len(tokens), switch - n)
+            engine = await partial.engine(version)
+            seed = params.seed if not tokens else chunk_seed(params.seed, n)
+            part = await engine.generate_one(list(episode.tokens) + tokens,
+                                             dataclasses.replace(params, max_new_tokens=take, seed=seed))
+            tokens += part.token_ids
+            versions += [version] * len(part.token_ids)
+            if logprobs is not None:
+                logprobs += part.logprobs or [0.0] * len(part.token_ids)
+            if part.finish_reason != "length" or len(part.token_ids) < take or len(tokens) >= budget:
+                episode.pending_versions = versions
+                return Generation(token_ids=tokens, finish_reason=part.finish_reason, logprobs=logprobs,
+                                  stop_string=part.stop_string, extra=part.extra)
 
     def _start(self, item: Any, group: int, params: SamplingParams) -> _Episode:
         name, label = route_env(item.label, self.settings.env)
@@ -306,7 +349,8 @@ class RolloutWorker:
             raise RlhfError(f"{item.origin}: could not create environment {name!r}: {type(exc).__name__}: {exc}") from exc
         prompt_ids = list(item.prompt_ids)
         episode = _Episode(item=item, group=group, env=env, label=label, tokens=prompt_ids, mask=[0] * len(prompt_ids),
-                           logprobs=[0.0] * len(prompt_ids) if params.return_logprobs else None)
+                           logprobs=[0.0] * len(prompt_ids) if params.return_logprobs else None,
+                           versions=[-1] * len(prompt_ids) if self.partial is not None else None)
         episode.stop = tuple(env.stop or ())
         return episode
 
@@ -364,7 +408,8 @@ class RolloutWorker:
         return max(1, min(params.max_new_tokens, self.settings.max_total_tokens - len(episode.tokens)))
 
     def _record_turn(self, episode: _Episode, generation: Generation, *, last_turn: bool) -> None:
-        episode.append(generation.token_ids, model=True, logprobs=generation.logprobs)
+        episode.append(generation.token_ids, model=True, logprobs=generation.logprobs,
+                       versions=episode.pending_versions)
         episode.turns += 1
         episode.finish_reason = generation.finish_reason
         ended_by_eos = generation.finish_reason == "stop" and generation.stop_string is None
@@ -410,6 +455,7 @@ class RolloutWorker:
             prompt_text=item.prompt_text,
             completion_text=self.tokenizer.decode(episode.tokens[prompt_len:], skip_special_tokens=True),
             group=episode.group, label=item.label, columns=dict(item.columns), rollout_logprobs=episode.logprobs,
+            token_versions=episode.versions,
             finish_reason=episode.finish_reason, num_turns=episode.turns,
             outcome=episode.failure[0] if episode.failure else outcome_of_finish(episode.finish_reason),
             error=episode.failure[1] if episode.failure else None,

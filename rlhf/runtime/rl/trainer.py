@@ -90,6 +90,8 @@ class Trainer(SteppedLoop):
                            events=self.events, prompt_multiple=workers.prompt_multiple)
         self.batches: Batches = (async_batches(plan, steps, workers.rollout, workers.async_parts, self.total_steps)
                                  if self.config.async_rollout else SyncBatches(steps, workers.rollout))
+        # the lifecycle's: whether a stop between scheduled checkpoints may write one (not with --partial-rollouts)
+        self.can_checkpoint = self.batches.can_checkpoint
         self.evals = TrainingEvals(
             Evaluator.of_run(self.config, workers.eval_prompts, workers.rollout, workers.reward),
             total_steps=self.total_steps, save_best=self.config.save_best, emit=self.events.emit,

@@ -93,6 +93,11 @@ class SteppedLoop(ABC):
     def before_checkpoint(self, done: int) -> None:
         """A checkpoint of step ``done`` is about to be written."""
 
+    def can_checkpoint(self, done: int) -> bool:
+        """Whether a checkpoint after ``done`` steps that a stop asks for (not a scheduled one) can be
+        written; when not, the stop leaves the latest checkpoint as it is."""
+        return True
+
     def after_checkpoint(self, done: int) -> None:
         """Step ``done`` is finished, its checkpoint (if one was due) written."""
 
@@ -318,7 +323,8 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
                 bar.update(step, last)
                 stopping = any(dist.all_gather(stop.requested is not None)) if dist.active else bool(stop.requested)
                 hf = loop.export_hf if save_hf_every > 0 and done % save_hf_every == 0 else None
-                if done == loop.total_steps or (save_every > 0 and done % save_every == 0) or stopping:
+                due = done == loop.total_steps or (save_every > 0 and done % save_every == 0)
+                if due or (stopping and loop.can_checkpoint(done)):
                     loop.before_checkpoint(done)
                     saved = {**loop.trainer_state(), "log_sizes": log_sizes(run_dir.path) if dist.is_main else {}}
                     path = run_dir.save_checkpoint(done, loop.checkpoint_roles(), saved, keep=keep_checkpoints, hf=hf)
