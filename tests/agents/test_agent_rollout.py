@@ -244,3 +244,29 @@ def test_rlhf_train_trains_the_segments_and_writes_each_tokens_policy_version(pl
             model = [o == "model" for o in per_token(row["token_origins"])]
             assert [v is not None for v in versions] == model and sum(model) == row["completion_tokens"] >= 1
             assert {v for v in versions if v is not None} == {sample["step"] - 1}  # the weights after step - 1 steps
+
+
+@pytest.mark.parametrize("policy", ["retry", "mask"])
+def test_a_failing_agent_call_goes_through_the_failure_policy(plugins, tiny_model_dir, tmp_path, policy):
+    """``fails_sometimes`` raises on a prompt whose first number is even, every time: under ``retry``
+    its samples are drawn again (``--max-retries`` times each), then its group leaves the batch;
+    under ``mask`` they stay, recorded with their outcome and error, out of the baseline."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "2+1="}\n{"prompt": "3+1="}\n')
+    out = tmp_path / "run"
+    result = run_cli(plugins, [
+        "train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", str(data), "--input-key", "prompt",
+        "--agent", f"{AGENTS}:fails_sometimes", "--n-samples", "2", "--prompts-per-step", "2",
+        "--max-new-tokens", "3", "--steps", "1", "--on-failure", policy, "--max-retries", "2", "--out", str(out),
+        "--seed", "3", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert metrics["outcome/agent_error_rate"] > 0
+    samples = read_jsonl(out / "samples.jsonl")
+    if policy == "retry":
+        assert metrics["outcome/retries"] == 4 and metrics["outcome/dropped_groups"] == 1
+        assert ["3+1=" in s["prompt"] for s in samples] == [True, True]
+    else:
+        failed = [s for s in samples if s["outcome"] == "agent_error"]
+        assert len(failed) == 2 and len(samples) == 4
+        assert all(s["error"].startswith("ValueError: the tool crashed on 2") for s in failed)
