@@ -22,6 +22,13 @@ def config(**values):
     return TrainConfig.from_dict({"model": "m", "data": ["d.jsonl"], "reward": ["r.py"], **values})
 
 
+def _task_files(folder: Path) -> tuple[str, str]:
+    """A data file and a reward file that exist: the command line checks both before the runtime starts."""
+    (folder / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    (folder / "r.py").write_text("def reward(completion, label, **_):\n    return 0.0\n")
+    return str(folder / "d.jsonl"), str(folder / "r.py")
+
+
 def layout(values=None, *, reference=True, critic=False, reward=True, teacher=False):
     return [(g.name, g.size, g.resources.cpus, g.resources.gpus)
             for g in plan_layout(config(**(values or {})), needs_reference=reference, needs_critic=critic,
@@ -109,7 +116,8 @@ def test_colocate_is_repeatable_on_the_command_line_and_refuses_bad_combinations
 
     seen = []
     monkeypatch.setattr(ray_runtime, "train", lambda config, plugins: seen.append(config) or tmp_path)
-    base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "r.py", "--runtime", "ray"]
+    data, reward = _task_files(tmp_path)
+    base = ["train", "--model", "m", "--data", data, "--reward", reward, "--runtime", "ray"]
     both = ["--colocate", "policy_ref", "--colocate", "critic_reward"]
     for extra, expected in ((both, ("policy_ref", "critic_reward")), (["--colocate", "all"], ("all",)), ([], ())):
         result = run_cli(plugins, base + extra)
@@ -218,7 +226,8 @@ def test_rlhf_train_shows_the_ray_flags_and_an_address_selects_the_ray_runtime(p
         in help_text
     seen = []
     monkeypatch.setattr(ray_runtime, "train", lambda config, plugins: seen.append(config) or tmp_path)
-    result = run_cli(plugins, ["train", "--model", "m", "--data", "d.jsonl", "--reward", "r.py", "--ray-address",
+    data, reward = _task_files(tmp_path)
+    result = run_cli(plugins, ["train", "--model", "m", "--data", data, "--reward", reward, "--ray-address",
                                "10.0.0.1:6379", "--policy-actors", "2", "--rollout-cpus", "0.5"])
     assert result.exit_code == 0, result.output
     assert [(c.runtime, c.ray_address, c.policy_actors, c.rollout_cpus) for c in seen] == [

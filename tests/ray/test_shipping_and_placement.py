@@ -154,7 +154,7 @@ def test_ray_place_pins_a_host_group_to_the_nodes_with_a_resource():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"ray_place": ["policy"]}, "--ray-place expects ROLE=RESOURCE with ROLE one of policy, reference, critic, "
+    ({"ray_place": ["policy"]}, "--ray-place expects ROLE=RESOURCE with ROLE one of policy, reference, teacher, critic, "
                                 "rollout, reward, got 'policy'"),
     ({"ray_place": ["actor=trainer"]}, "got 'actor=trainer'"),
     ({"ray_place": ["policy="]}, "got 'policy='"),
