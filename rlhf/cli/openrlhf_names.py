@@ -13,7 +13,6 @@ aliases first, then from the native names.
 from __future__ import annotations
 
 import difflib
-from typing import Any
 
 import click
 
