@@ -7,25 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import run_cli
+from tests.runtime.test_clear_errors import assert_one_line, sft, train
 
 pytestmark = pytest.mark.unit
-
-
-def train(plugins, model, data, out, *extra):
-    return run_cli(plugins, ["train", "--model", str(model), "--data", str(data), "--label-key", "answer",
-                             "--reward", "examples/rewards.py:exact_match", "--n-samples", "2", "--prompts-per-step",
-                             "2", "--max-new-tokens", "2", "--steps", "1", "--out", str(out), "--no-progress", *extra])
-
-
-def sft(plugins, model, data, out, *extra):
-    return run_cli(plugins, ["sft", "--model", str(model), "--data", str(data), "--out", str(out), "--no-progress",
-                             "--batch-size", "2", "--micro-batch-size", "2", *extra])
-
-
-def assert_one_line(result, code: int, text: str) -> None:
-    assert result.exit_code == code, result.output
-    assert text in result.output, result.output
-    assert "Traceback" not in result.output
 
 
 def cpu_only() -> bool:

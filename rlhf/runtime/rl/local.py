@@ -94,12 +94,7 @@ def build_reference(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE, *,
     """``policy``: the policy module of this process, if any. With ``--offload-ref-reward`` the
     reference leaves the device between uses, unless it is a view of the policy's own weights (LoRA's
     reference: the adapter switched off), which the policy needs."""
-    config = plan.config
-    model = adapter.load(config.model, role="reference")
-    offload = config.offload_ref_reward and not (policy is not None and shares_parameters(model, policy))
-    return ReferenceWorker(model, config.micro_batch_size, config.temperature, dist,
-                           max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, packing=config.packing,
-                           share_prompt=config.share_prompt, offload=offload)
+    return _frozen_scorer(plan, adapter, plan.config.model, dist, policy)
 
 
 def check_teacher_tokenizer(plan: RunPlan, adapter: Any, tokenizer: Any) -> None:
@@ -143,8 +138,15 @@ def build_teacher(plan: RunPlan, adapter: Any, dist: DistContext = SINGLE, *,
     reference model of its own directory: under LoRA a full frozen copy, unless it is the policy's
     own base (then the policy with its adapter switched off, never offloaded: ``policy`` as in
     `build_reference`)."""
+    return _frozen_scorer(plan, adapter, plan.config.teacher, dist, policy)
+
+
+def _frozen_scorer(plan: RunPlan, adapter: Any, directory: str, dist: DistContext,
+                   policy: torch.nn.Module | None) -> ReferenceWorker:
+    """The model at ``directory`` loaded as a reference, scoring tokens at the sampling temperature;
+    offloaded with ``--offload-ref-reward`` unless it shares the policy's weights."""
     config = plan.config
-    model = adapter.load(config.teacher, role="reference")
+    model = adapter.load(directory, role="reference")
     offload = config.offload_ref_reward and not (policy is not None and shares_parameters(model, policy))
     return ReferenceWorker(model, config.micro_batch_size, config.temperature, dist,
                            max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, packing=config.packing,
