@@ -177,3 +177,33 @@ def test_a_teacher_stands_in_for_a_reward(tiny_model_dir, fit_teacher, task, tmp
         RunPlan.make(config, plugins).check(world_size=1)
     config = small_config(tiny_model_dir, task, tmp_path / "out", reward=[], algo="opd", teacher=str(fit_teacher))
     RunPlan.make(config, plugins).check(world_size=1)
+
+
+def test_the_behaviour_policys_logprobs_are_the_students_when_given(tiny_model_dir, fit_teacher, task, tmp_path,
+                                                                      plugins):
+    """Under --async the batch arrives with the behaviour policy's log-probs: the teacher's term uses
+    them as the student's, and the current policy is not asked again."""
+    from types import SimpleNamespace
+
+    from rlhf.runtime.config.train_plan import RunPlan
+    from rlhf.runtime.rl.experience import ExperienceMaker
+
+    config = small_config(tiny_model_dir, task, tmp_path / "out", algo="opd", teacher=str(fit_teacher),
+                          teacher_coef=0.5)
+    plan = RunPlan.make(config, plugins)
+    batch = make_batch()
+    batch.rewards = torch.zeros_like(batch.rewards)  # (B,) pure distillation: no task advantage
+    batch.advantages = batch.returns = None
+    mask = batch.action_mask.float()  # (B, A)
+    behaviour = -torch.rand(mask.shape, generator=torch.Generator().manual_seed(0))  # (B, A)
+    teacher_lp = -torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))  # (B, A)
+    batch.old_logprobs = behaviour * mask
+
+    def not_again(_):
+        raise AssertionError("the policy was asked for log-probs the batch already holds")
+
+    maker = ExperienceMaker(plan.algorithm, plan.advantage_config, n_samples=2, recompute_old=False,
+                            teacher_coef=0.5)
+    made = maker.make(batch, SimpleNamespace(logprobs=not_again),
+                      teacher=SimpleNamespace(logprobs=lambda _: teacher_lp * mask))
+    assert torch.allclose(made.advantages, -0.5 * (behaviour - teacher_lp) * mask, atol=1e-6)
