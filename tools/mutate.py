@@ -308,8 +308,9 @@ CURATED = [
      "opd: the reverse KL rewarded, not penalised"),
     ("rlhf/runtime/rl/local.py", "    check_teacher_tokenizer(plan, adapter, tokenizer)\n", "",
      "opd: the teacher's tokenizer never compared"),
-    ("rlhf/runtime/rl/local.py", "model = adapter.load(config.teacher, role=\"reference\")",
-     "model = adapter.load(config.model, role=\"reference\")", "opd: the student's base loaded as the teacher"),
+    ("rlhf/runtime/rl/local.py", "return _frozen_scorer(plan, adapter, plan.config.teacher, dist, policy)",
+     "return _frozen_scorer(plan, adapter, plan.config.model, dist, policy)",
+     "opd: the student's base loaded as the teacher"),
     ("rlhf/runtime/rl/trainer.py", "teacher_coef=self.config.teacher_coef if self.config.teacher_coef is not None",
      "teacher_coef=1.0 if self.config.teacher_coef is not None", "opd: --teacher-coef not passed to the experience"),
 ]
