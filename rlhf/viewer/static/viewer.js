@@ -246,8 +246,8 @@
       { key: "turns", label: "turns", value: (s) => s.turns, num: true },
       { key: "finish", label: "finish", value: (s) => s.finish_reason },
       { key: "outcome", label: "outcome", value: (s) => s.outcome },
-      { key: "prompt", label: "prompt", value: (s) => s.prompt, text: true },
       { key: "completion", label: "completion", value: (s) => s.completion, text: true },
+      { key: "prompt", label: "prompt", value: (s) => s.prompt, text: true },
     ];
   }
 
@@ -337,7 +337,9 @@
     for (const row of $("samples").tBodies[0].rows) row.classList.toggle("selected", Number(row.dataset.index) === index);
     if (scroll) {
       const row = $("samples").querySelector(`tr[data-index="${index}"]`);
-      if (row) row.scrollIntoView({ block: "nearest" });
+      const wrap = $("samples").parentElement, head = $("samples").tHead.offsetHeight;
+      if (row && row.offsetTop - head < wrap.scrollTop) wrap.scrollTop = row.offsetTop - head;  // vertically only
+      else if (row && row.offsetTop + row.offsetHeight > wrap.scrollTop + wrap.clientHeight) wrap.scrollTop = row.offsetTop + row.offsetHeight - wrap.clientHeight;
     }
     renderDetail();
   }
@@ -450,7 +452,7 @@
 
   function facts(sample, index) {
     const items = [["reward", fmt(sample.reward, 4)]];
-    for (const [name, value] of Object.entries(sample.rewards || {})) items.push([`  ${name}`, fmt(value, 4)]);
+    for (const [name, value] of Object.entries(sample.rewards || {})) items.push([`↳ ${name}`, fmt(value, 4)]);
     items.push(["advantage", fmt(advantage(index), 4)], ["length", fmt(sample.completion_tokens)], ["turns", fmt(sample.turns)],
                ["finish", fmt(sample.finish_reason)], ["outcome", fmt(sample.outcome)]);
     if (sample.label !== undefined && sample.label !== null) items.push(["label", typeof sample.label === "string" ? sample.label : JSON.stringify(sample.label)]);
