@@ -104,6 +104,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
     from rlhf.cli.plugins import plugins_group
     from rlhf.cli.reward import reward_group
     from rlhf.cli.train import train_command
+    from rlhf.cli.view import view_command
 
     @click.group(cls=RootGroup, context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, "-V", "--version", prog_name="rlhf")
@@ -120,6 +121,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
         rlhf eval                  a model's eval/* metrics on prompts, as rlhf train reports them
         rlhf iterate / chat        iterative DPO; talk to a model
         rlhf plot RUN ...          a run's curves (reward, KL, length, loss, eval) as a PNG
+        rlhf view RUN ...          a local page: curves, samples, tokens; follows a live run
         rlhf plugins list          what is installed, from which package
         rlhf plugins show NAME     one plugin or component in detail
         """
@@ -129,6 +131,7 @@ def make_cli(plugins: PluginSet) -> click.Group:
 
     cli.add_command(plugins_group)
     cli.add_command(plot_command)
+    cli.add_command(view_command)
     cli.add_command(reward_group)
     cli.add_command(train_command(plugins))
     for command in datagen_commands(plugins):

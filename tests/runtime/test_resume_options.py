@@ -34,6 +34,7 @@ FREE = {
     "wandb_group": "a logger's destination",
     "wandb_run_name": "a logger's destination",
     "log_samples": "how many samples are logged",
+    "log_tokens": "how many samples' tokens are logged (tokens.jsonl)",
     "ray_address": "which Ray cluster runs the actors",
     "ray_place": "where the actors are placed, not what they compute",
     "device": "where the model runs; the same math",

@@ -111,7 +111,7 @@ def on_rewards(run, step, trajectories, rewards):
             "step": step + 1, "group": trajectory.group, "prompt": trajectory.prompt_text,
             "completion": trajectory.completion_text, "label": trajectory.label, "reward": float(rewards[index]),
             "rewards": trajectory.rewards, "finish_reason": trajectory.finish_reason,
-            "completion_tokens": trajectory.num_policy_tokens, "outcome": trajectory.outcome,
+            "completion_tokens": trajectory.num_policy_tokens, "turns": trajectory.num_turns, "outcome": trajectory.outcome,
             "error": trajectory.error,
             # --agent (docs/agents.md): where each token came from and the policy version that sampled
             # it, as [value, count] runs; the trajectory's other sequences (segments) alike

@@ -268,6 +268,9 @@ class TrainConfig(ModelOptions, DataOptions, OptimOptions, RuntimeOptions, Outpu
 
     # --- output -----------------------------------------------------------------------------
     log_samples: int | None = _opt(None, "Samples per step written to samples.jsonl (default: all)", "output")
+    log_tokens: int = _opt(4, "Samples per step (the first ones of samples.jsonl) whose tokens tokens.jsonl records "
+                           "for rlhf view: ids, text, log-probs, advantage, KL, mask, origin, version (0: none)",
+                           "output")
 
     def derived(self) -> Derived:
         """Values computed from the fields (validated here, once)."""

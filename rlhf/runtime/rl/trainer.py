@@ -34,6 +34,7 @@ from rlhf.runtime.rl.experience import ExperienceMaker, row_metadata, source_rew
 from rlhf.runtime.rl.guards import StepGuards
 from rlhf.runtime.rl.scoring import Scoring
 from rlhf.runtime.rl.step_metrics import Timer, sequence_kl, step_metrics
+from rlhf.runtime.rl.token_log import TokenLog
 from rlhf.runtime.run.data import PromptLoader
 from rlhf.runtime.run.evaluation import Evaluator, TrainingEvals
 from rlhf.runtime.run.lifecycle import SteppedLoop, run_loop
@@ -85,6 +86,9 @@ class Trainer(SteppedLoop):
         self.kl = KLController(algorithm.kl_coef, self.config.kl_target if algorithm.needs_reference else None,
                                self.config.kl_horizon)
         self.events = Events(plugins, self.dist)
+        # tokens.jsonl for `rlhf view` (the tokenizer is the prompt loader's, in every runtime)
+        tokenizer = getattr(getattr(workers.loader, "formatter", None), "tokenizer", None)
+        self.tokens = TokenLog(self.config.log_tokens, tokenizer, enabled=self.dist.is_main and tokenizer is not None)
         self.guards = StepGuards(plan, workers.trained, self.events)
         steps = BatchSteps(plan, scoring=workers.scoring, loader=workers.loader, pad_token_id=workers.pad_token_id,
                            events=self.events, prompt_multiple=workers.prompt_multiple)
@@ -132,6 +136,7 @@ class Trainer(SteppedLoop):
 
     def end(self) -> None:
         self.batches.close()
+        self.tokens.close()
 
     def method(self) -> str:
         names = self.plan.algorithm.names()
@@ -157,6 +162,7 @@ class Trainer(SteppedLoop):
             batch = with_segments(batch, trajectories, pad_token_id=w.pad_token_id, policy=w.policy,
                                   reference=w.reference, critic=w.critic,
                                   kl_estimator=self.plan.algorithm.kl_estimator)  # --agent branches
+            self.tokens.write(run, step, trajectories, batch)  # --log-tokens: rlhf view's token view
         with timer("train"):
             frozen = step < self.config.freeze_actor_steps  # critic warm-up: the policy waits
             train = {"policy/frozen": 1.0} if frozen else {**w.policy.fit(batch, step=step, kl_coef=self.kl.value),

@@ -49,6 +49,7 @@ INVOCATION_ONLY = ("resume", "resume_override")  # options config.yaml does not 
 RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_every", "keep_checkpoints",
                          "save_hf_every", "threads",
                          "tensorboard", "wandb_project", "wandb_group", "wandb_run_name", "log_samples",
+                         "log_tokens",
                          "ray_address", "ray_place", "device",
                          "verify_weight_sync", "weight_sync_timeout_s"})
 # What a training run writes at the top of its directory, and what one from before run manifests owns.
@@ -59,7 +60,8 @@ TRAINING = Layout(kind="training", marks=(r"config\.yaml", r"plugins\.json"),
 # The names the host writes, recorded as the run's when it starts (logs are recorded as they are opened).
 HOST_NAMES = ("config.yaml", "plugins.json", "checkpoints", "final", "best", "critic")
 # What a run writes before its first step completes: a run that failed at start holds no run yet.
-_START_FILES = frozenset({"config.yaml", "plugins.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints",
+_START_FILES = frozenset({"config.yaml", "plugins.json", "metrics.jsonl", "samples.jsonl", "tokens.jsonl", "tensorboard",
+                          "checkpoints",
                           RUN_MANIFEST})
 
 

@@ -1,0 +1,133 @@
+"""``tokens.jsonl``: what each completion token of a few samples per step was, for ``rlhf view`` (docs/runs.md).
+
+For the first ``--log-tokens N`` trajectories of a step (the first rows of that step in
+samples.jsonl; ``sample`` is the row's place among them), one JSON line, written by the trainer
+once the step's experience is made, all of a step's lines in one write (a failed write is cut
+off the file again, as the loggers do). Per completion token (from the prompt's end on, tool
+and environment turns included), columns of equal length:
+
+    ids, pieces        the token id and its text (the tokenizer's decode of that one id)
+    mask               1 where the policy sampled it and it trains, 0 for tool / environment text
+    logprobs           the policy's log-prob before the update (when the step computed one)
+    rollout_logprobs   what the rollout engine reported (0 off the mask)
+    advantages, kl     the advantage and the KL to the reference the update used (KL: when used)
+    origins, versions  [value, count] runs: where each token came from (--agent: template, tool,
+                       user, model, ...; else model or env) and the policy version that sampled it
+                       (--partial-rollouts and --agent; -1 off the mask)
+
+A missing column was not computed by that run. Floats keep 4 decimals (about 50 bytes a token).
+The file is one of the run's logs (``run.claim(..., log=True)``): ``--resume`` cuts it back to
+its length at the checkpoint, like metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlhf.core.errors import RlhfError, no_space, says_no_space, size_text
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlhf.core.batch import ExperienceBatch
+    from rlhf.core.types import RunInfo, Trajectory
+
+TOKENS_LOG = "tokens.jsonl"
+
+
+def runs(values: list[Any]) -> list[list[Any]]:
+    """``values`` as ``[value, count]`` runs: ``[3, 3, 4]`` -> ``[[3, 2], [4, 1]]``."""
+    out: list[list[Any]] = []
+    for value in values:
+        if out and out[-1][0] == value:
+            out[-1][1] += 1
+        else:
+            out.append([value, 1])
+    return out
+
+
+def expand(pairs: list[list[Any]]) -> list[Any]:
+    """The inverse of `runs`."""
+    return [value for value, count in pairs for _ in range(int(count))]
+
+
+def _number(value: float) -> float | None:
+    return round(value, 4) if math.isfinite(value) else None
+
+
+def _column(tensor: torch.Tensor | None, row: int, start: int, stop: int) -> list[float | None] | None:
+    """Action positions ``start:stop`` of ``row`` as rounded floats; None where the step has no such tensor."""
+    if tensor is None:
+        return None
+    return [_number(v) for v in tensor[row, start:stop].detach().float().cpu().tolist()]
+
+
+def token_record(trajectory: Trajectory, batch: ExperienceBatch, row: int, *, step: int, sample: int,
+                 decode: Any) -> dict[str, Any]:
+    """The line of one trajectory (row ``row`` of ``batch``); ``step`` counts completed steps (as samples.jsonl)."""
+    start = trajectory.prompt_length
+    ids = list(trajectory.token_ids[start:])
+    mask = list(trajectory.loss_mask[start:])
+    # token j is predicted at action position j - 1 (the batch's columns are one shorter than its tokens)
+    first, last = start - 1, start - 1 + len(ids)
+    record: dict[str, Any] = {"step": step, "sample": sample, "group": trajectory.group, "ids": ids,
+                              "pieces": decode(ids), "mask": mask}
+    for name, tensor in (("logprobs", batch.old_logprobs), ("rollout_logprobs", batch.rollout_logprobs),
+                         ("advantages", batch.advantages), ("kl", batch.kl)):
+        column = _column(tensor, row, first, last)
+        if column is not None:
+            record[name] = column + [None] * (len(ids) - len(column))  # a batch trimmed short of this row
+    origins = trajectory.info.get("agent_token_origins")
+    record["origins"] = (runs(expand(origins)[start:]) if origins
+                         else runs(["model" if m else "env" for m in mask]))
+    versions = trajectory.token_versions
+    if versions is None and trajectory.info.get("agent_policy_versions"):
+        versions = expand(trajectory.info["agent_policy_versions"])
+    if versions is not None:
+        record["versions"] = runs(list(versions[start:]))
+    return record
+
+
+class TokenLog:
+    """Appends each step's records to ``<out>/tokens.jsonl`` (main rank; ``limit`` 0 writes nothing)."""
+
+    def __init__(self, limit: int, tokenizer: Any, enabled: bool = True):
+        self.limit, self.tokenizer, self.enabled = limit, tokenizer, enabled and limit > 0
+        self._handle: Any = None
+        self._path: Path | None = None
+
+    def decode(self, ids: list[int]) -> list[str]:
+        return list(self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False))
+
+    def write(self, run: RunInfo, step: int, trajectories: list[Trajectory], batch: ExperienceBatch) -> None:
+        """The records of step ``step`` (0-based) in one write."""
+        if not self.enabled or not trajectories:
+            return
+        lines = [json.dumps(token_record(t, batch, row, step=step + 1, sample=row, decode=self.decode)) + "\n"
+                 for row, t in enumerate(trajectories[: self.limit])]
+        data = "".join(lines).encode()
+        if self._handle is None:
+            self._path = run.claim(TOKENS_LOG, log=True)  # the run's log: cut back on --resume
+            self._handle = open(self._path, "ab", buffering=0)
+        start = self._handle.tell()
+        try:
+            if self._handle.write(data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._handle.truncate(start)
+            if says_no_space(exc):
+                raise no_space(self._path, needed=size_text(len(data))) from exc
+            raise RlhfError(f"cannot write {self._path}: {exc.strerror or exc}") from exc
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
