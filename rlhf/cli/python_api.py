@@ -122,8 +122,8 @@ def _given(command: click.Command, name: str, options: Mapping[str, Any]) -> tup
 
 def call(name: str, options: Mapping[str, Any]) -> Any:
     """Run the command ``COMMANDS[name]`` with ``options`` as its keyword options; its result."""
-    from rlhf.cli.main import quiet_library_notices
     from rlhf.cli.state import CliState
+    from rlhf.runtime.notices import quiet_library_notices
     from rlhf.runtime.run.threads import prepare_openmp
 
     prepare_openmp()  # as `rlhf` does, before anything imports torch
