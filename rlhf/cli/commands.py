@@ -28,11 +28,13 @@ def report(text: str) -> None:
         click.echo(text)
 
 
-def preflight(config: Any) -> None:
+def preflight(config: Any, plugins: Any = None) -> None:
     """The checks that need no torch, no model and no data: the config's own (ranges, conflicts;
-    ``derived`` or ``check``, run again when the run is planned) and data files that are not there
-    (a missing model is said after the ``--out`` checks, which need the run directory). Run before the
-    command imports the runtime, so a wrong ``--lr`` is said in a moment."""
+    ``derived`` or ``check``, run again when the run is planned), data files that are not there, and
+    the components' settings against their declared ranges (``--lora-rank -4``; ``plugins``: the
+    command's plugin set). A missing model is said after the ``--out`` checks, which need the run
+    directory (and after the reward and hub-name checks the plan makes). Run before the command imports
+    the runtime, so a wrong ``--lr`` is said in a moment."""
     from rlhf.core.errors import ConfigError
 
     check = getattr(config, "derived", None) or getattr(config, "check", None)
@@ -44,6 +46,8 @@ def preflight(config: Any) -> None:
             path = Path(str(ref)).expanduser()
             if path.suffix in DATA_FILE_SUFFIXES and not path.exists():
                 raise ConfigError(f"--{flag.replace('_', '-')} {ref}: data file {str(ref)!r} does not exist")
+    if plugins is not None and hasattr(config, "check_setting_ranges"):
+        config.check_setting_ranges(plugins)
 
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # a name with one of these is a file (runtime/run/data.py)

@@ -81,7 +81,7 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
             raise click.UsageError("--data is required (a dataset file, folder or hub name)")
         state = click.get_current_context().find_object(CliState)
         config = FitConfig.from_dict(values, state.plugins)
-        preflight(config)  # before torch loads: a wrong --lr is said at once
+        preflight(config, state.plugins)  # before torch loads: a wrong --lr is said at once
         quiet_library_progress_bars()
         from rlhf.runtime.fit.local import fit
         from rlhf.cli.run_result import RunResult

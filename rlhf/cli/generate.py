@@ -46,7 +46,7 @@ def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> cli
         values = config_values(kwargs, config_cls)
         model_prompt_format(values, values.get("model") or values.get("tokenizer"))
         config = config_cls.from_dict(values, plugins)
-        preflight(config)  # before torch loads
+        preflight(config, plugins)  # before torch loads
         quiet_library_progress_bars()
         return run(config, plugins)
 

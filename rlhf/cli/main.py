@@ -8,7 +8,6 @@ line; ``--verbose`` or ``RLHF_DEBUG=1`` shows the traceback.
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -18,29 +17,9 @@ from rlhf.version import __version__
 from rlhf.core.errors import ConfigError, RlhfError, RunInterrupted
 from rlhf.cli.state import CliState, debug_enabled
 from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
+from rlhf.runtime.notices import quiet_library_notices
 
-__all__ = ["CliState", "debug_enabled", "main", "make_cli"]
-
-# Notices libraries print in every normal run that ask nothing of the user (shown with --verbose).
-LIBRARY_NOTICES = (("DeepSpeed", "Setting accelerator to CPU"),)  # (logger, message start)
-
-
-class _DropNotices(logging.Filter):
-    def __init__(self, starts: tuple[str, ...]):
-        super().__init__()
-        self.starts = starts
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.starts)
-
-
-def quiet_library_notices() -> None:
-    """Filters on the libraries' loggers, set before the libraries load (no import here)."""
-    for name in {logger for logger, _ in LIBRARY_NOTICES}:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropNotices) for f in logger.filters):
-            logger.addFilter(_DropNotices(tuple(start for n, start in LIBRARY_NOTICES if n == name)))
-
+__all__ = ["CliState", "debug_enabled", "main", "make_cli", "quiet_library_notices"]
 
 class RootGroup(click.Group):
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,

@@ -8,7 +8,9 @@
 A call runs the command the CLI runs, through the same click command: the same options (a flag's
 name with ``_`` for ``-``: ``n_samples=8``; a component setting as ``backend__zero_stage=3``, its
 short name ``zero_stage=3`` or ``components={"backend": {"zero_stage": 3}}``; ``config="run.yaml"``
-for a config file, which the keywords override as flags do), the same conversions and checks (an
+for a config file, which the keywords override as flags do; OpenRLHF's names as the CLI takes
+them: ``pretrain=``, ``n_samples_per_prompt=``, ``save_steps=-1``, each noted once with the native
+name), the same conversions and checks (an
 error is the `rlhf.core.errors.ConfigError` the CLI prints as its one line), the same run directory
 and plugins. What the CLI prints at the end is the function's result instead: a
 `rlhf.cli.run_result.RunResult` for the training commands, the report of ``generate`` and
@@ -81,8 +83,11 @@ def _value(param: click.Parameter, value: Any) -> Any:
     return value
 
 
-def _given(command: click.Command, name: str, options: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """``(config file, {parameter: value})`` of a call's keywords; unknown ones are a `ConfigError`."""
+def _given(command: click.Command, name: str,
+           options: Mapping[str, Any]) -> tuple[str | None, dict[str, Any], list[str]]:
+    """``(config file, {parameter: value}, OpenRLHF words)`` of a call's keywords: OpenRLHF's names
+    (`openrlhf_words`) become the command-line words the CLI would read, so the command rewrites
+    them exactly as it rewrites its flags; other unknown keywords are a `ConfigError`."""
     names = option_names(command)
     params = {p.name: p for p in command.params}
     flat: dict[str, Any] = {}
@@ -98,9 +103,17 @@ def _given(command: click.Command, name: str, options: Mapping[str, Any]) -> tup
                     flat[f"{slot}{SLOT_SEPARATOR}{str(setting).replace('-', '_')}"] = item
             continue
         flat[str(key)] = value
-    config, given = None, {}
+    config, given, words = None, {}, []
+    aliased: dict[str, tuple[str, Any]] = {}  # native parameter -> (OpenRLHF keyword, value)
     for key, value in flat.items():
         dest = names.get(key.replace("-", "_"))
+        alias = openrlhf_words(command, key, value, names) if dest is None else None
+        if alias is not None:
+            native, more = alias
+            if native is not None:
+                aliased[native] = (key, value)
+            words += more
+            continue
         if dest is None:
             from rlhf.core.errors import close_matches
 
@@ -117,27 +130,69 @@ def _given(command: click.Command, name: str, options: Mapping[str, Any]) -> tup
         if dest in given and given[dest] != value:
             raise ConfigError(f"{name}(): {key} is given twice, as {given[dest]!r} and {value!r}")
         given[dest] = value
-    return config, given
+    for dest, (key, value) in aliased.items():
+        if dest in given and given[dest] != _value(params[dest], value):
+            raise ConfigError(f"{name}(): {key}= is OpenRLHF's name of {dest}=, and both are given "
+                              f"({value!r} and {given[dest]!r}): give one")
+    return config, given, words
+
+
+def openrlhf_words(command: click.Command, key: str, value: Any,
+                   names: Mapping[str, str]) -> tuple[str | None, list[str]] | None:
+    """An OpenRLHF name the command answers to (``pretrain``, ``n_samples_per_prompt``,
+    ``rollout.n_samples_per_prompt``; rlhf/cli/openrlhf_names.py) as the words of its flag:
+    ``--pretrain VALUE`` (one per item of a list), ``--bf16`` for True (False: no words), with the
+    parameter it sets when that is one native option; None when ``key`` is no such name."""
+    from rlhf.cli.openrlhf_names import IGNORED, NODES, OpenRLHFNames, _lookup
+
+    if not isinstance(command, OpenRLHFNames):
+        return None
+    flag = "--" + key
+    ctx = click.Context(command, info_name=command.name)
+    native_words = _lookup(flag, command.aliases(ctx))
+    if native_words is None and key not in IGNORED and not (key in NODES and command.name == "train"):
+        return None
+    if native_words is not None and native_words[-1].startswith("--") and not _takes_value(command, native_words[-1]):
+        return None, ([flag] if value is True else [])
+    if native_words is not None and not native_words[-1].startswith("--"):  # --bf16: --dtype bf16
+        return None, ([flag] if value is True else [])
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    words = [word for item in items for word in (flag, os.fspath(item) if isinstance(item, os.PathLike)
+                                                 else str(item))]
+    native = (names.get(native_words[0].lstrip("-").replace("-", "_"))
+              if native_words is not None and len(native_words) == 1 else None)
+    return native, words
+
+
+def _takes_value(command: click.Command, flag: str) -> bool:
+    """Whether ``flag`` (a native option or its ``--no-`` side) is followed by a value."""
+    for param in command.params:
+        if isinstance(param, click.Option) and flag in (*param.opts, *param.secondary_opts):
+            return not param.is_flag
+    return True
 
 
 def call(name: str, options: Mapping[str, Any]) -> Any:
     """Run the command ``COMMANDS[name]`` with ``options`` as its keyword options; its result."""
-    from rlhf.cli.main import quiet_library_notices
     from rlhf.cli.state import CliState
+    from rlhf.runtime.notices import quiet_library_notices
     from rlhf.runtime.run.threads import prepare_openmp
 
     prepare_openmp()  # as `rlhf` does, before anything imports torch
     quiet_library_notices()
     command_name = COMMANDS.get(name, name)
     command = _command(command_name)
-    config, given = _given(command, name, options)
+    config, given, openrlhf = _given(command, name, options)
+    if openrlhf:  # the algorithm chosen by keyword counts as chosen on the command line (no PPO-default note)
+        openrlhf = [word for dest in ("algo", "advantage") if dest in given for word in (f"--{dest}", str(given[dest]))
+                    ] + openrlhf
     ctx = command.context_class(command, info_name=command_name, obj=CliState(_plugins()), default_map=dict(given),
                                 **command.context_settings)
     ctx.meta[API_CALL] = True
     ctx.meta[API_GIVEN] = given
     try:
         with ctx.scope(cleanup=False):
-            command.parse_args(ctx, ["--config", config] if config else [])
+            command.parse_args(ctx, [*(["--config", config] if config else []), *openrlhf])
         with ctx:
             return command.invoke(ctx)
     except click.UsageError as exc:  # a value click refused, --model missing: the CLI's one line

@@ -65,7 +65,7 @@ def build_train_command(plugins: Any) -> click.Command:
         config = TrainConfig.from_dict(values, state.plugins)
         if config.ray_address and config.runtime != "ray":  # docs/architecture.md: an address means the Ray runtime
             config = dataclasses.replace(config, runtime="ray")
-        preflight(config)  # before torch loads: a wrong --lr is said at once
+        preflight(config, state.plugins)  # before torch loads: a wrong --lr is said at once
         quiet_library_progress_bars()
         if config.runtime == "ray":
             from rlhf.runtime.ray import train

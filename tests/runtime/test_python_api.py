@@ -69,6 +69,40 @@ def test_sft_and_dpo_return_results_and_generate_and_evaluate_their_reports(tmp_
     assert "eval/reward/mean" in report.metrics and len(report.rows) == 4
 
 
+def test_openrlhfs_names_are_taken_as_the_cli_takes_them_and_noted_once(tmp_path, capsys, monkeypatch):
+    """issue 53: the API accepts OpenRLHF's names (renamed flags, value translations, flag-like names,
+    dotted 0.10 names, ignored ones) with the CLI's one-time note, and writes the config the native
+    names write."""
+    from rlhf.cli import openrlhf_names
+
+    monkeypatch.setattr(openrlhf_names, "_told", set())
+    rlhf.train(algo="grpo", pretrain=MODEL, prompt_data=PROMPTS, label_key="answer", reward=REWARD,
+               **{"rollout.n_samples_per_prompt": 2}, rollout_batch_size=2, generate_max_len=4,
+               micro_train_batch_size=2, actor_learning_rate=2e-6, save_steps=-1, no_advantage_std_norm=True,
+               logging_steps=1, steps=1, progress=False, out=tmp_path / "alias")
+    rlhf.train(algo="grpo", model=MODEL, data=PROMPTS, label_key="answer", reward=REWARD, n_samples=2,
+               prompts_per_step=2, max_new_tokens=4, micro_batch_size=2, lr=2e-6, save_every=0, std_norm=False,
+               steps=1, progress=False, out=tmp_path / "native")
+    rlhf.sft(pretrain=MODEL, dataset=PIPELINE / "sft.jsonl", max_samples=8, train_batch_size=4,
+             micro_train_batch_size=4, learning_rate=1e-5, steps=1, progress=False, out=tmp_path / "sft-alias")
+    rlhf.sft(model=MODEL, data=PIPELINE / "sft.jsonl", max_samples=8, batch_size=4, micro_batch_size=4, lr=1e-5,
+             steps=1, progress=False, out=tmp_path / "sft-native")
+    for alias, native in (("alias", "native"), ("sft-alias", "sft-native")):
+        got, want = (yaml.safe_load((tmp_path / name / "config.yaml").read_text()) for name in (alias, native))
+        assert got.pop("out") != want.pop("out") and got == want, alias
+    err = capsys.readouterr().err
+    for note in ("note: --pretrain is --model in rlhf", "note: --rollout.n_samples_per_prompt is --n-samples in rlhf",
+                 "note: --save_steps -1 is --save-every 0 in rlhf", "note: --no_advantage_std_norm is --no-std-norm",
+                 "note: --actor_learning_rate is --lr in rlhf", "note: --learning_rate is --lr in rlhf",
+                 "note: --logging_steps is not needed"):
+        assert err.count(note) == 1, (note, err)  # once per process, though sft takes --pretrain too
+    assert "default algorithm is PPO" not in err  # algo= chose it
+    with pytest.raises(ConfigError, match=r"train\(\): pretrain= is OpenRLHF's name of model=, and both are given"):
+        rlhf.train(model=MODEL, pretrain="/elsewhere", data=PROMPTS, **SMALL_RL)
+    with pytest.raises(ConfigError, match=r"unknown option 'n_samples_per_promt'"):
+        rlhf.train(model=MODEL, data=PROMPTS, n_samples_per_promt=2)
+
+
 def test_the_clis_errors_are_exceptions(tmp_path):
     with pytest.raises(ConfigError, match=r"--lr must be positive; got -1"):
         rlhf.train(algo="grpo", model=MODEL, data=PROMPTS, lr=-1, out=tmp_path / "x", **SMALL_RL)

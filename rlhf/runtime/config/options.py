@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -286,6 +287,55 @@ class ConfigBase:
     @classmethod
     def setting_slots(cls) -> dict[str, Slot]:
         return cls.SETTING_SLOTS if cls.SETTING_SLOTS is not None else cls.SLOTS
+
+    def check_setting_ranges(self, plugins: Any) -> None:
+        """Each ``--<slot>.<setting>`` value against the range its config class declares, refused with
+        the plan's message (``the 'hf' model: --lora-rank must be at least 0; got -4``) before any
+        component loads: config classes import no torch, components may. A slot whose component is
+        chosen later (an algorithm's pieces come from its preset) is checked when every registered
+        component of its kind that has the setting declares the same range (named in the message when
+        only one has it); one given as ``module:attr`` is left to the plan, as is anything else wrong
+        with a setting (an unknown name, a run field), which the plan says with the full picture."""
+        from rlhf.core.plugin_host.references import is_reference
+        from rlhf.core.plugin_host.settings import RANGE, check_range, coerce, setting_fields
+
+        slots = self.setting_slots()
+        for slot_name, settings in self.components.items():
+            slot = slots.get(slot_name)
+            if slot is None or not settings:
+                continue
+            registry = plugins.registry(slot.kind)
+            chosen = getattr(self, slot.field, None)
+            if isinstance(chosen, str) and is_reference(chosen):
+                continue
+            try:
+                named = [registry.component(chosen)] if isinstance(chosen, str) and chosen else None
+            except Exception:  # noqa: BLE001 - an unknown or conflicting name: the plan says it
+                continue
+            candidates = named if named is not None else registry.components()
+            for name, value in settings.items():
+                owners = []
+                for component in candidates:
+                    try:
+                        config_cls = component.load_config_cls()
+                    except Exception:  # noqa: BLE001 - a broken plugin: the plan says it
+                        continue
+                    field_ = next((f for f in setting_fields(config_cls) if f.name == name), None)
+                    if field_ is not None:
+                        owners.append((component, config_cls, field_))
+                if not owners or len({f.metadata.get(RANGE) for _, _, f in owners}) != 1:
+                    continue
+                component, config_cls, field_ = owners[0]
+                one = named is not None or len(owners) == 1  # the component the plan will name
+                shown = (f"--{name.replace('_', '-')}" if one and name in component.short_flags
+                         else f"{slot.flag}.{name.replace('_', '-')}")
+                where = f"the {component.name!r} {slot.kind.replace('_', ' ')}: {shown}" if one else shown
+                hint = typing.get_type_hints(config_cls)[name]
+                try:
+                    number = coerce(value, hint, f"{slot.flag}.{name.replace('_', '-')}")
+                except ConfigError:  # the plan names the component in the same message
+                    continue
+                check_range(number, field_.metadata.get(RANGE), where)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], plugins: Any = None) -> Any:

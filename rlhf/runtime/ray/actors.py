@@ -46,6 +46,9 @@ class WorkerHost:
     def __init__(self, group: str, roles: tuple[str, ...], rank: int, world_size: int, *, env: dict[str, str],
                  cwd: str | None, process_group: bool):
         os.environ.update(env)
+        from rlhf.runtime.notices import quiet_if_asked
+
+        quiet_if_asked()  # before anything here imports DeepSpeed
         if cwd and os.path.isdir(cwd):  # a local cluster: relative paths and module refs as in the driver
             os.chdir(cwd)
             if cwd not in sys.path:

@@ -20,6 +20,7 @@ from rlhf.core.distributed import SINGLE
 from rlhf.core.errors import PluginError
 from rlhf.core.plugin_host.fingerprint import fingerprint_differences, plugin_fingerprint
 from rlhf.core.plugin_host.loading import PluginSet, build_plugin_manager
+from rlhf.runtime import notices
 from rlhf.runtime.run import checkpoint
 from rlhf.runtime.config.train_config import TrainConfig, ray_env_pairs
 from rlhf.runtime.rl.async_generation import AsyncParts
@@ -132,7 +133,7 @@ def launch(layout: Layout, config: TrainConfig, num_prompts: int, plugins: Plugi
     groups = create_placement_groups(layout, timeout)
     cluster.cleanups.append(lambda: [remove_placement_group(pg) for pg in groups])
     remote_host = ray.remote(max_restarts=0)(WorkerHost)
-    env = worker_env(config)
+    env = {**worker_env(config), **notices.worker_environment()}  # as quiet as the driver (runtime/notices.py)
     cwd = None if cluster.ships_working_dir else os.getcwd()
     tag = uuid.uuid4().hex[:8]  # actor names stay unique when several runs share a cluster
     hosts: list[Host] = []
