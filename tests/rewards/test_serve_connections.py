@@ -107,6 +107,7 @@ def test_a_head_over_max_head_kb_is_431(server):
     finally:
         sock.close()
     assert answer.startswith(b"HTTP/1.1 431") and b"--max-head-kb" in answer, answer[:200]
+    assert b"Retry-After" not in answer  # too large is not "busy": retrying the same head will not help
     wait_for(lambda: srv._bodies.held == 0)
 
 
@@ -219,6 +220,7 @@ def test_when_no_connection_can_be_shed_a_new_one_answers_503(server):
         answer = closed_by_server(extra)
         extra.close()
         assert answer.startswith(b"HTTP/1.1 503") and b"--max-connections 2" in answer, answer[:300]
+        assert b"\r\nRetry-After: 1\r\n" in answer.partition(b"\r\n\r\n")[0]
     finally:
         for sock in uploads:
             sock.close()
