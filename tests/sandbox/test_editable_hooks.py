@@ -150,11 +150,29 @@ def test_hooks_are_read_without_running_them(tmp_path):
     (site / "_fast_editable_loader.py").write_text(
         f"raise SystemExit('never run')\ninstall({{'fast': {{}}}}, {str(tmp_path / 'meson' / 'build')!r})\n")
     (site / "harmless.pth").write_text("import os; os.environ.get('X') and __import__('json')\n")
+    loose = tmp_path / "loose" / "code"  # no project marker above it: the folder itself is hidden
+    loose.mkdir(parents=True)
+    (site / "zz_loose.pth").write_text(f"import sys; sys.path.append({str(loose)!r})\n")
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_modules"] == {"pkg": [str(proj / "pkg")], "single": [str(proj / "single")],
                                          "ns": [str(proj / "nsa" / "ns")], "other": [str(proj / "src" / "other")]}
     assert found["editable_paths"] == sorted(str(p) for p in (proj / "pkg", proj / "single.py", proj / "nsa" / "ns",
                                                               proj / "src" / "other"))
-    assert found["editable_opaque"] == [str(tmp_path / "meson")]
-    assert found["editable_unknown"] == ["_fast_editable_loader.pth"]
+    assert found["editable_opaque"] == [str(loose), str(tmp_path / "meson")]
+    assert found["editable_unknown"] == ["_fast_editable_loader.pth", "zz_loose.pth"]
     assert found["source_dirs"] == []
+
+
+def test_a_mapped_package_hidden_on_purpose_stays_hidden(tmp_path):
+    """What an import hook maps is shown, unless it is itself a hidden path, part of the installation
+    (shown whole already) or missing; its project folder is emptied around what is shown."""
+    from rlhf.sandbox._sandbox_view import plan
+
+    proj, install = tmp_path / "proj", tmp_path / "venv"
+    for folder in (proj / "pkg", proj / "secret_pkg", proj / "data", install / "inside"):
+        folder.mkdir(parents=True)
+    shown = [str(proj / "pkg"), str(proj / "secret_pkg"), str(install / "inside"), str(proj / "missing")]
+    ops, visible = plan([str(install)], [], [], [str(proj / "secret_pkg")], None, shown, [str(proj)])
+    assert visible == [str(install), str(proj / "pkg")]
+    exposed = {path for kind, _, again in ops if kind in ("tmp", "tmpbind", "empty") for path in again}
+    assert str(proj / "pkg") in exposed and not exposed & {str(proj / "secret_pkg"), str(proj / "data")}
