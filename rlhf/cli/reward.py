@@ -117,7 +117,7 @@ def serve_command(state: Any, spec: str, host: str, port: int, token_env: str | 
     if not _is_loopback(host) and token is None:
         click.echo(f"Warning: serving on {host} without a token (--allow-no-token): anyone who can reach this "
                    "port can use it.", err=True)
-    server = RewardServer(source, host=host, port=port, token=token, limits=limits)
+    server = RewardServer(source, host=host, port=port, token=token, limits=limits, own_process=True)
     try:
         url = server.start()
     except OSError as exc:

@@ -44,9 +44,12 @@ layer             effect (where)
 ``masked_dirs``   home directories of the user running rlhf and any directory an unprivileged
                   uid could not cross on the way to Python replaced by empty tmpfs; the Python
                   installation (a venv too, even under ``/tmp``) stays visible, read-only; of an
-                  editable install (a ``.pth`` file naming a project folder: hatchling, pdm, flit,
-                  setuptools' compat mode) only the importable entries (packages, modules,
-                  metadata), never its data, reward files or run folders
+                  editable install (a ``.pth`` path line: hatchling, pdm, flit, setuptools'
+                  compat and strict modes; or an import hook: setuptools' finder, ``editables``,
+                  its literal mapping read, never run) only what it imports (packages, modules,
+                  metadata): its project folder is emptied around them, so its data, reward
+                  files and run folders do not exist inside. A hook not understood hides its
+                  project whole (``editable_hook_not_understood:PATH`` beside ``hidden:PATH``)
 ``hidden:PATH``   one per hidden path, checked from inside on every call before it is listed:
                   ``hide_paths`` and, unless ``hide_defaults=False``, what ``hide_by_default``
                   registered (a training run registers its data, eval data, run directory,
@@ -92,8 +95,8 @@ namespaces fails after ``unshare`` (e.g. AppArmor-restricted user namespaces), t
 retried without them and later calls skip them. Never enforced: world-readable host files stay
 readable (masked directories excepted), unix sockets on the filesystem stay reachable where file
 permissions allow, and site-packages' ``.pth`` files are not run (``site_packages=True`` puts
-the directories and the ``.pth`` files' path lines on ``sys.path``: path-based editable installs
-import, import-hook ones do not). ``memory_mb`` is
+the directories and the ``.pth`` files' path lines on ``sys.path`` and adds a finder for the
+import hooks understood: editable installs import, but for hooks not understood). ``memory_mb`` is
 also the per-process address-space limit, so one process over it gets a ``MemoryError``.
 """
 

@@ -115,6 +115,8 @@ def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor, s
         os.environ.update(HOME=workdir, TMPDIR=workdir, PWD=workdir)
         extra = [*req["site_dirs"], *req.get("source_dirs", ())] if req["site_packages"] else []
         sys.path[:] = ["", *sys.path, *extra]  # .pth files are not run: their path lines are these source_dirs
+        if req["site_packages"] and req.get("editable_modules"):  # and their import hooks, this finder
+            sys.meta_path.append(EditableFinder(req["editable_modules"]))
         sys.argv[:] = ["-c"]
         sys.dont_write_bytecode = True
         sys.stdout.reconfigure(line_buffering=True)
@@ -139,6 +141,39 @@ def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor, s
         print_exception(exc, code)
         exit_code = 1
     finish(exit_code)
+
+
+class EditableFinder:
+    """What the import hooks of editable installs do (setuptools' finder, ``editables``), read
+    from their literal mappings on the host (``_sandbox_editable.py``): a top-level name found
+    at its folder (a package, or a namespace package over several), or its module file. Last on
+    ``sys.meta_path``, as theirs are."""
+
+    def __init__(self, modules):
+        self.modules = modules
+
+    def find_spec(self, fullname, path=None, target=None):
+        paths = self.modules.get(fullname) if path is None else None
+        if not paths:
+            return None
+        from importlib.machinery import ModuleSpec, all_suffixes
+        from importlib.util import spec_from_file_location
+
+        if len(paths) == 1:
+            where = paths[0]
+            init = os.path.join(where, "__init__.py")
+            if os.path.isfile(init):
+                return spec_from_file_location(fullname, init, submodule_search_locations=[where])
+            stem = os.path.splitext(where)[0]
+            for candidate in (where, *(stem + suffix for suffix in all_suffixes())):
+                if os.path.isfile(candidate):
+                    return spec_from_file_location(fullname, candidate)
+        folders = [p for p in paths if os.path.isdir(p)]
+        if not folders:
+            return None
+        spec = ModuleSpec(fullname, None, is_package=True)  # a namespace package
+        spec.submodule_search_locations = folders
+        return spec
 
 
 def run_silently(prelude, namespace):

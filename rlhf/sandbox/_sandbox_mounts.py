@@ -7,10 +7,12 @@ minimal read-only ``/dev`` (null, zero, full, random, urandom, a private ``shm``
 ``/etc`` (shadow files, sudoers) replaced by empty files, a private tmpfs ``/tmp`` holding the
 working directory, and the plan of ``_sandbox_view.py``: masked directories (home directories
 and any directory an unprivileged uid could not cross on the way to the Python installation)
-replaced by empty tmpfs, editable installs showing only their importable entries, and hidden
-paths (``hide_paths``, the run's data) that do not exist inside, their names in no mount. Each
-hidden path is then checked from inside (`is_gone`: no read can return the host's content) and
-only then reported as the layer ``hidden:PATH``. The Python installation and its site-packages
+replaced by empty tmpfs, editable installs showing only their importable entries (their project
+folders emptied around them), and hidden paths (``hide_paths``, the run's data, and the project
+of an editable install whose import hook is not understood) that do not exist inside, their
+names in no mount. Each hidden path is then checked from inside (`is_gone`: no read can return
+the host's content) and only then reported as the layer ``hidden:PATH`` (and, for such a
+project, ``editable_hook_not_understood:PATH``). The Python installation and its site-packages
 stay visible, read-only, wherever they live, even inside ``/tmp`` or a masked directory.
 Standard library only, cheap imports only.
 """
@@ -108,8 +110,10 @@ def bind_fd(fd, target, recursive=True):
 
 def set_up_mounts(req, layers, notes, uid):
     """Build the code's view of the filesystem (see the module docstring); returns the workdir."""
-    hidden = sorted(req.get("hide", ()))
-    ops, visible = plan(req["python_paths"], req.get("source_dirs", ()), req["mask"], hidden, uid)
+    opaque = set(req.get("editable_opaque", ()))
+    hidden = sorted({*req.get("hide", ()), *opaque})  # an import hook not understood: its project hidden whole
+    ops, visible = plan(req["python_paths"], req.get("source_dirs", ()), req["mask"], hidden, uid,
+                        req.get("editable_paths", ()), req.get("editable_roots", ()))
     before = {}  # what each hidden path was on the host, to check it is gone from inside
     for h in hidden:
         try:
@@ -155,6 +159,8 @@ def set_up_mounts(req, layers, notes, uid):
             if h in before:
                 if is_gone(h, *before[h], visible):
                     layers.append("hidden:" + h)
+                    if h in opaque:
+                        layers.append("editable_hook_not_understood:" + h)
                 else:
                     notes.append(f"could not hide {h}: still readable inside")
     finally:

@@ -1,18 +1,22 @@
 """What sandboxed code may see of the host's files, planned before anything is mounted.
 
 Used by ``_sandbox_mounts.py`` (which carries the plan out inside the mount namespace) and by the
-host (``python_layout``, computed once per interpreter). Standard library only, no siblings.
+host (``python_layout``, computed once per interpreter). Standard library only; of its siblings
+only ``_sandbox_editable.py`` (what editable installs make importable).
 
 Three kinds of paths:
 
-- **visible**: the Python installation (prefixes, site-packages, what site-packages link to) and,
-  of each directory a ``.pth`` file in site-packages names (an editable install: hatchling, pdm,
-  flit, setuptools' compat mode), only its importable entries (packages, modules, extension
-  modules, ``*.dist-info``/``*.egg-info`` metadata, ``*.libs``): never its data, reward files or
-  run directories;
+- **visible**: the Python installation (prefixes, site-packages, what site-packages link to) and
+  what editable installs make importable (``_sandbox_editable.py``): of each directory a path
+  ``.pth`` line names (hatchling, pdm, flit, setuptools' compat mode) only its importable entries
+  (packages, modules, extension modules, ``*.dist-info``/``*.egg-info`` metadata, ``*.libs``),
+  the package folders a link tree (setuptools' strict mode) points into, the packages an import
+  hook maps (setuptools' finder, ``editables``): never the project's data, reward files or run
+  directories;
 - **emptied**: an empty tmpfs over the path, the visible paths below it bound back read-only
   (home directories, directories the sandbox uid could not cross, the private ``/tmp``, each
-  editable install's directory, and a hidden directory that holds something visible);
+  editable install's directory and project folder, and a hidden directory that holds something
+  visible);
 - **gone**: a hidden path with nothing visible below it does not exist inside. Its parent is
   replaced by a tmpfs holding the parent's other entries (bound back, symlinks re-made), so the
   hidden name appears nowhere, ``/proc/self/mountinfo`` included; directly under ``/`` (no parent
@@ -23,6 +27,11 @@ Operations run shallowest first: a deeper one acts on what a shallower one bound
 """
 
 import os
+
+if __package__:  # rlhf.sandbox on the host; a top-level sibling in the supervisor (python -I -S)
+    from ._sandbox_editable import editable_installs, project_roots
+else:
+    from _sandbox_editable import editable_installs, project_roots
 
 TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # all the same private tmpfs inside
 METADATA_SUFFIXES = (".dist-info", ".egg-info", ".libs")
@@ -56,9 +65,11 @@ def closed_ancestors(path, uid):
 
 def python_layout(sys):
     """This interpreter's installation (``python_paths``, kept visible), its site-packages
-    (``site_dirs``, put on the code's ``sys.path``) and the directories its ``.pth`` files name
-    outside the installation (``source_dirs``: editable installs, only their importable entries
-    visible, also put on ``sys.path``).
+    (``site_dirs``, put on the code's ``sys.path``) and its editable installs
+    (``_sandbox_editable.editable_installs``: ``source_dirs`` also go on ``sys.path``, of each
+    only the importable entries are visible; ``editable_paths`` visible, ``editable_modules``
+    found by the code's finder; ``editable_roots``, their projects, emptied around them;
+    ``editable_opaque``, the projects of hooks not understood, hidden).
 
     Run with ``-S``, a venv's interpreter still has the base installation's ``sys.prefix``: its
     own prefix is the directory of the ``pyvenv.cfg`` next to (or above) the executable.
@@ -77,19 +88,26 @@ def python_layout(sys):
             site_prefixes = [venv, sys.base_prefix] if system else [venv]
             break
     site_dirs = [d for d in site.getsitepackages(site_prefixes) if os.path.isdir(d)]
-    links, pth_dirs = linked_elsewhere(site_dirs)
+    links = linked_elsewhere(site_dirs)
     paths = sorted({os.path.realpath(p) for p in (*prefixes, *site_dirs, *links)})
     paths = [p for p in paths if not any(p != q and under(p, q) for q in paths)]
-    sources = sorted({os.path.realpath(d) for d in pth_dirs} - {"/"})
-    sources = [s for s in sources if not any(under(s, p) or under(p, s) for p in paths)]
-    return {"python_paths": paths, "site_dirs": site_dirs, "source_dirs": sources}
+    editable = editable_installs(site_dirs, paths)
+    restricted = [s for s in editable["source_dirs"] if restrictable(s, paths)]
+    editable["editable_roots"] = project_roots(restricted, editable["editable_paths"], paths)
+    return {"python_paths": paths, "site_dirs": site_dirs, **editable}
+
+
+def restrictable(source, keep):
+    """Is ``source`` (a folder a ``.pth`` file names) a project's, to show only its importable
+    entries? Not inside the installation (shown whole already), not holding it, not a system
+    folder (a ``.pth`` naming /usr/lib, say): restricting those would hide libraries."""
+    return source not in SYSTEM_DIRS and not any(under(source, k) or under(k, source) for k in keep)
 
 
 def linked_elsewhere(site_dirs):
-    """What site-packages reach outside themselves: the targets of symlinked entries (a package
-    linked from another environment: part of the installation) and the directories named by
-    path lines of ``.pth`` files (editable installs: only their importable entries are shown)."""
-    links, pth_dirs = [], []
+    """What site-packages reach outside themselves through symlinked entries (a package linked
+    from another environment): part of the installation."""
+    links = []
     for directory in site_dirs:
         try:
             entries = os.listdir(directory)
@@ -99,14 +117,7 @@ def linked_elsewhere(site_dirs):
             path = os.path.join(directory, name)
             if os.path.islink(path) and os.path.exists(path):
                 links.append(path)
-            elif name.endswith(".pth"):
-                try:
-                    with open(path) as f:
-                        lines = [line.strip() for line in f]
-                except (OSError, UnicodeDecodeError):
-                    continue
-                pth_dirs += [line for line in lines if line.startswith("/") and os.path.isdir(line)]
-    return links, pth_dirs
+    return links
 
 
 def importable_entries(directory):
@@ -140,7 +151,7 @@ def holds_code(directory, depth):
         return False
     for entry in entries:
         try:
-            if entry.is_file(follow_symlinks=False) and entry.name.endswith(MODULE_SUFFIXES):
+            if entry.is_file() and entry.name.endswith(MODULE_SUFFIXES):  # a link tree's symlinks too
                 return True
         except OSError:
             continue
@@ -167,12 +178,14 @@ def innermost(path, marks):
     return next((above for above in ancestors(path) if above in marks), None)
 
 
-def plan(keep, sources, masked, hidden, uid):
+def plan(keep, sources, masked, hidden, uid, shown=(), roots=()):
     """The operations that build the view, shallowest first, and what each hidden path became.
 
-    ``keep``: the installation (directories); ``sources``: editable-install directories;
-    ``masked``: directories to empty (home directories); ``hidden``: files and directories that
-    must not be readable; ``uid``: the code's uid (None: ours). Returns ``(ops, visible)`` where an
+    ``keep``: the installation (directories); ``sources``: editable-install directories (path
+    ``.pth`` lines); ``masked``: directories to empty (home directories); ``hidden``: files and
+    directories that must not be readable; ``uid``: the code's uid (None: ours); ``shown``: other
+    paths editable installs import from (visible); ``roots``: their project folders (emptied,
+    the visible paths in them bound back). Returns ``(ops, visible)`` where an
     op is ``("tmp", "/tmp", reexpose)`` (the private, writable one), ``("tmpbind", path, reexpose)``
     (``/var/tmp`` and the like: the same), ``("empty", path, reexpose)``, ``("prune", parent,
     names)`` or ``("blank", path, None)``; ``reexpose`` lists the visible paths to bind back.
@@ -181,12 +194,12 @@ def plan(keep, sources, masked, hidden, uid):
     hidden = [h for h in hidden if h != "/" and os.path.lexists(h)]
     # a .pth folder inside the installation is shown whole already; one holding it, or a system
     # folder (a .pth naming /usr/lib, say), is no project: restricting it would hide libraries
-    sources = [s for s in sources if os.path.isdir(s) and s not in SYSTEM_DIRS
-               and not any(under(s, k) or under(k, s) for k in keep)]
+    sources = [s for s in sources if os.path.isdir(s) and restrictable(s, keep)]
     visible = list(keep)
     for source in sources:  # of an editable install only what Python imports, and nothing hidden inside it
         visible += [e for e in importable_entries(source)
                     if not any(under(e, h) and not under(source, h) for h in hidden)]
+    visible += [p for p in shown if os.path.lexists(p) and p not in hidden and not any(under(p, k) for k in keep)]
     marks = {v: "visible" for v in visible}
     empty = {m for m in masked if os.path.isdir(m) and m != "/"}
     if uid is not None:  # directories the unprivileged uid could not cross on the way to what it must see
@@ -194,6 +207,7 @@ def plan(keep, sources, masked, hidden, uid):
             empty.update(closed_ancestors(v, uid))
     empty = {m for m in empty if not any(under(m, k) for k in keep)}
     empty.update(sources)
+    empty.update(r for r in roots if os.path.isdir(r) and r not in SYSTEM_DIRS and not any(under(r, k) for k in keep))
     empty.update(h for h in hidden if any(v != h and under(v, h) for v in visible))
     for path in empty - set(visible):
         marks[path] = "empty"

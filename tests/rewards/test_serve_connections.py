@@ -4,6 +4,7 @@ bodies over 256 KiB parsed in a worker process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
 import socket
@@ -15,8 +16,8 @@ import pytest
 from rlhf.rewards import connections
 from rlhf.rewards.calling import FunctionSource
 from rlhf.rewards.limits import ServerLimits
-from rlhf.rewards.request_json import (IN_PROCESS_MAX_BYTES, BadRequest, batch_from_slices, parse_batch,
-                                       parse_batch_in_slices)
+from rlhf.rewards.request_json import (IN_PROCESS_MAX_BYTES, SLICE_SAMPLES, BadRequest, batch_from_slices,
+                                       batch_from_slices_on_loop, parse_batch, parse_batch_in_slices)
 from rlhf.rewards.server import RewardServer
 from tests.helpers import post_raw
 
@@ -106,6 +107,7 @@ def test_a_head_over_max_head_kb_is_431(server):
     finally:
         sock.close()
     assert answer.startswith(b"HTTP/1.1 431") and b"--max-head-kb" in answer, answer[:200]
+    assert b"Retry-After" not in answer  # too large is not "busy": retrying the same head will not help
     wait_for(lambda: srv._bodies.held == 0)
 
 
@@ -181,6 +183,32 @@ def test_past_max_connections_an_idle_kept_alive_connection_is_shed_first(server
         kept.close()
 
 
+def test_choosing_whom_to_shed_does_not_look_at_every_connection(server, monkeypatch):
+    """At the cap every new connection sheds one: under 1,100 slowloris connections that is over a
+    thousand times a second, so the choice must not scan all open connections (it took half the
+    event loop's time); the connection shed is still the one waiting longest for its head."""
+    srv = server(max_connections=120, head_timeout_s=60, read_timeout_s=60)
+    pool = srv._connections
+    slow = [connect(srv) for _ in range(120)]
+    for sock in slow:
+        sock.sendall(HEAD_START)
+    wait_for(lambda: len(pool.queues["heading"]) == 120)
+    looked = []
+    real = connections.Connection.sheddable
+    monkeypatch.setattr(connections.Connection, "sheddable", property(lambda c: looked.append(c) or real.fget(c)))
+    try:
+        extra = connect(srv)
+        extra.sendall(HEAD_START)
+        assert closed_by_server(slow[0], 5) == b""  # the oldest head is shed
+        assert all(closed_by_server(sock, 0.05) is None for sock in slow[1:6])
+        assert pool.shed_count["slow head"] == 1
+        assert 0 < len(looked) <= 10, len(looked)  # the accept looked at a few connections, not 120
+        extra.close()
+    finally:
+        for sock in slow:
+            sock.close()
+
+
 def test_when_no_connection_can_be_shed_a_new_one_answers_503(server):
     srv = server(max_connections=2, min_upload_kib_s=0.001)
     uploads = [connect(srv) for _ in range(2)]
@@ -192,6 +220,7 @@ def test_when_no_connection_can_be_shed_a_new_one_answers_503(server):
         answer = closed_by_server(extra)
         extra.close()
         assert answer.startswith(b"HTTP/1.1 503") and b"--max-connections 2" in answer, answer[:300]
+        assert b"\r\nRetry-After: 1\r\n" in answer.partition(b"\r\n\r\n")[0]
     finally:
         for sock in uploads:
             sock.close()
@@ -228,9 +257,11 @@ def test_large_bodies_are_parsed_in_the_worker_and_match_the_in_process_parse():
             "labels": [{"answer": i, "tags": ["a", "b"]} for i in range(600)]}
     raw = json.dumps(data).encode()
     slices = parse_batch_in_slices(raw, limits)
-    assert len(slices) == 3 and all(isinstance(s, bytes) for s in slices)
+    assert len(slices) == -(-600 // SLICE_SAMPLES) > 1 and all(isinstance(s, bytes) for s in slices)
     rebuilt, direct = batch_from_slices(list(slices)), parse_batch(raw, limits)
     assert (rebuilt.prompts, rebuilt.completions, rebuilt.labels) == (direct.prompts, direct.completions, direct.labels)
+    on_loop = asyncio.run(batch_from_slices_on_loop(list(slices)))  # what the server does: a slice per loop turn
+    assert (on_loop.prompts, on_loop.completions, on_loop.labels) == (direct.prompts, direct.completions, direct.labels)
     assert rebuilt.completions[5] == "answer 5" and rebuilt.labels[7] == {"answer": 7, "tags": ["a", "b"]}
     with pytest.raises(BadRequest, match="nested deeper"):
         parse_batch_in_slices(b'{"query": ["x"], "labels": [' + b"[" * 100 + b"]" * 100 + b"]}", limits)
@@ -263,3 +294,68 @@ def test_where_no_process_can_start_large_bodies_parse_in_a_thread(server, monke
     with pytest.warns(UserWarning, match="cannot start a process to parse large bodies"):
         assert post_raw(srv.url, raw, timeout=60) == (200, {"rewards": [200.0] * 2000, "scores": [200.0] * 2000})
     assert srv._parser._no_worker and srv._parser._executor is None
+
+
+def test_the_event_loop_serves_others_between_the_slices_of_a_large_batch():
+    """The server unpickles a large batch on its event loop one slice per turn: another task runs
+    between every two slices (in a thread, the unpickling held the GIL against the loop)."""
+    limits = ServerLimits()
+    raw = json.dumps({"query": [f"q {i}" for i in range(SLICE_SAMPLES * 5)]}).encode()
+    slices = parse_batch_in_slices(raw, limits)
+
+    async def main() -> tuple[int, int]:
+        turns = 0
+        done = False
+
+        async def other() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        batch = await batch_from_slices_on_loop(list(slices))
+        done = True
+        await ticker
+        return turns, len(batch)
+
+    turns, n = asyncio.run(main())
+    assert n == SLICE_SAMPLES * 5 and turns >= len(slices) == 5
+
+
+def test_the_parse_worker_runs_at_a_lower_priority():
+    import os
+
+    from rlhf.rewards.request_json import WORKER_NICENESS, BodyParser
+
+    parser = BodyParser(ServerLimits())
+    try:
+        worker = parser._worker()
+        assert worker.submit(os.nice, 0).result(timeout=120) == min(19, os.nice(0) + WORKER_NICENESS)
+    finally:
+        parser.close()
+
+
+def test_rlhf_reward_serve_tunes_its_interpreter_for_latency():
+    """`tune_interpreter` (the server owns its process): 1 ms switch interval, the started server's
+    objects frozen, the oldest generation left to `Collector`, which runs a full collection only once
+    no large batch is in memory for `quiet_s`, or after `max_s` whatever the load."""
+    import subprocess
+    import sys
+
+    code = ("import gc, sys\nfrom rlhf.rewards.server import tune_interpreter\nc = tune_interpreter()\n"
+            "print(sys.getswitchinterval(), gc.get_threshold()[1:], gc.get_freeze_count() > 1000)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["0.001", "(2,", "1073741824)", "True"], out
+
+    from rlhf.rewards.server import Collector
+
+    now = [100.0]
+    collector = Collector(quiet_s=5, max_s=60, clock=lambda: now[0])
+    runs = []
+    for t, busy in ((104, False), (106, True), (130, True), (131, False), (134, False), (190, True), (192, True)):
+        now[0] = t
+        collector.tick(busy=busy)
+        runs.append(collector.runs)
+    assert runs == [0, 0, 0, 1, 1, 1, 2]  # quiet for 5 s with nothing large in memory; or 60 s since the last

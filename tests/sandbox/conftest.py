@@ -49,3 +49,41 @@ def marker() -> Iterator[str]:
     yield token
     assert processes_with_marker(token) == [], "a sandboxed process outlived run_code"
     assert sorted(set(sandbox_children()) - before) == [], "a sandbox supervisor was not reaped"
+
+
+# --- run data to hide (test_hidden_run_data, test_editable_hooks) ----------------------------------
+
+
+@pytest.fixture
+def registered():
+    """`rlhf.sandbox.hide_by_default`, cleared after the test."""
+    from rlhf import sandbox
+
+    yield sandbox.hide_by_default
+    sandbox.hide_by_default(())
+
+
+@pytest.fixture
+def project():
+    """A project outside /tmp (the sandbox's /tmp is its own already) and outside any home."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    if not os.access("/var/lib", os.W_OK):
+        pytest.skip("needs a writable folder outside /tmp and home directories (/var/lib as root)")
+    tmp_path = Path("/var/lib") / f"rlhf-test-{uuid.uuid4().hex[:8]}"
+    tmp_path.mkdir()
+    answer = f"label-{uuid.uuid4().hex}"
+    root = tmp_path / "project"
+    (root / "data").mkdir(parents=True)
+    data = root / "data" / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "What is the secret?", "answer": answer}) + "\n")
+    elsewhere = tmp_path / "elsewhere.jsonl"  # a data file outside any hidden directory
+    elsewhere.write_text(json.dumps({"answer": answer}) + "\n")
+    for path in (data, elsewhere):
+        path.chmod(0o644)  # world-readable, as data files are
+    for folder in (tmp_path, root, root / "data"):
+        folder.chmod(0o755)
+    yield {"root": root, "data": data, "elsewhere": elsewhere, "answer": answer}
+    shutil.rmtree(tmp_path)

@@ -25,37 +25,6 @@ def _namespaces_here() -> bool:
 needs_namespaces = pytest.mark.skipif(not _namespaces_here(), reason="no mount namespace here: nothing can be hidden")
 
 
-@pytest.fixture
-def registered():
-    yield sandbox.hide_by_default
-    sandbox.hide_by_default(())
-
-
-@pytest.fixture
-def project():
-    """A project outside /tmp (the sandbox's /tmp is its own already) and outside any home."""
-    import os
-    import shutil
-
-    if not os.access("/var/lib", os.W_OK):
-        pytest.skip("needs a writable folder outside /tmp and home directories (/var/lib as root)")
-    tmp_path = Path("/var/lib") / f"rlhf-test-{uuid.uuid4().hex[:8]}"
-    tmp_path.mkdir()
-    answer = f"label-{uuid.uuid4().hex}"
-    root = tmp_path / "project"
-    (root / "data").mkdir(parents=True)
-    data = root / "data" / "train.jsonl"
-    data.write_text(json.dumps({"prompt": "What is the secret?", "answer": answer}) + "\n")
-    elsewhere = tmp_path / "elsewhere.jsonl"  # a data file outside any hidden directory
-    elsewhere.write_text(json.dumps({"answer": answer}) + "\n")
-    for path in (data, elsewhere):
-        path.chmod(0o644)  # world-readable, as data files are
-    for folder in (tmp_path, root, root / "data"):
-        folder.chmod(0o755)
-    yield {"root": root, "data": data, "elsewhere": elsewhere, "answer": answer}
-    shutil.rmtree(tmp_path)
-
-
 @pytest.mark.unit
 @needs_namespaces
 def test_model_code_cannot_print_a_label_from_the_data_file(project, registered):
