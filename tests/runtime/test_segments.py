@@ -10,7 +10,7 @@ import torch
 from rlhf.core.batch import collate
 from rlhf.core.types import Trajectory
 from rlhf.runtime.step.micro_batches import UpdateSettings, minibatches
-from rlhf.runtime.step.segments import with_segments
+from rlhf.runtime.step.segments import record_behaviour, with_segments
 
 pytestmark = pytest.mark.unit
 
@@ -66,6 +66,37 @@ def test_each_segment_is_a_row_with_its_trajectorys_reward_and_advantage():
     assert out.old_logprobs[2].tolist() == pytest.approx([0.0, -0.7, -0.8, 0.0, -0.4])
     assert out.kl[2].tolist() == pytest.approx([0.0] * 5)  # policy and reference agree here
     assert out.rollout_logprobs[2].tolist() == pytest.approx([0.0, -0.5, -0.5, 0.0, -0.5])
+
+
+class Behaviour:
+    """The copy that sampled (--async, K > 0): log-probs -(token id) / 100, so they differ from `Logprobs`'."""
+
+    def __init__(self):
+        self.seen = []
+
+    def logprobs(self, batch):
+        self.seen.append(batch.size)
+        return -batch.input_ids[:, 1:].float() / 100 * batch.action_mask  # (B, A)
+
+
+def test_under_async_a_segments_old_logprobs_are_the_copy_that_sampled_it_not_the_trainers():
+    segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
+    other = row([3, 7], [0, 1])
+    trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment, other]), row([1, 2, 3, 4], [0, 0, 1, 1])]
+    copy = Behaviour()
+    record_behaviour(trajectories, PAD, copy.logprobs)  # by the producer, with the copy of the batch's version
+    assert copy.seen == [2]  # one forward over the segments only
+    assert segment.behaviour_logprobs == pytest.approx([0.0, 0.0, -0.07, -0.08, 0.0, -0.04])
+    assert other.behaviour_logprobs == pytest.approx([0.0, -0.07])
+    assert trajectories[0].behaviour_logprobs is None  # the trajectories' rows have the batch's old_logprobs
+    policy = Logprobs()
+    out = with_segments(experienced(trajectories, [1.0, 0.0]), trajectories, pad_token_id=PAD, policy=policy,
+                        reference=Logprobs(), kl_estimator=K1)
+    assert policy.seen == []  # the trainer's weights (newer) compute none of them
+    assert out.old_logprobs[2].tolist() == pytest.approx([0.0, -0.07, -0.08, 0.0, -0.04])
+    assert out.old_logprobs[3].tolist() == pytest.approx([-0.07, 0.0, 0.0, 0.0, 0.0])
+    record_behaviour([row([1, 2], [0, 1])], PAD, copy.logprobs)  # no segments: no forward
+    assert copy.seen == [2]
 
 
 def test_a_batch_without_segments_is_unchanged():

@@ -12,7 +12,10 @@ where t0 is the first action token of trajectory i's own row: the trajectory's s
 advantage (for outcome estimators, grpo, dr_grpo, rloo, reinforce_pp_baseline with KL in the loss,
 the value on every one of its tokens; with per-token advantages, a critic or KL in the reward, the
 segment gets the first token's on all of its tokens). Its old and reference log-probs, values and
-KL are computed like the other rows'. ``trajectory_index`` says whose row each is, so minibatches
+KL are computed like the other rows', except its old (behaviour) log-probs under ``--async`` with
+K > 0: the producer computes them with the policy copy that sampled the trajectory, beside its
+batch's (`record_behaviour`, kept on the segment as ``behaviour_logprobs``), since the rows are made
+after the weights moved on. ``trajectory_index`` says whose row each is, so minibatches
 take a trajectory's rows together and count trajectories (`rlhf.runtime.step.micro_batches.minibatches`).
 
 The loss aggregation counts a segment row like any row (`rlhf.core.types.LossNorm`): with
@@ -49,7 +52,11 @@ def with_segments(batch: ExperienceBatch, trajectories: list[Trajectory], *, pad
     if batch.rollout_logprobs is None:
         extra = replace(extra, rollout_logprobs=None)
     extra = replace(extra, group_index=batch.group_index[rows])
-    old = policy.logprobs(extra) if batch.old_logprobs is not None else None  # (E, A')
+    segments = [s for t in trajectories for s in t.segments]
+    old = None
+    if batch.old_logprobs is not None:
+        recorded = all(s.behaviour_logprobs is not None for s in segments)
+        old = _per_position([s.behaviour_logprobs for s in segments], extra) if recorded else policy.logprobs(extra)
     ref = reference.logprobs(extra) if batch.ref_logprobs is not None else None  # (E, A')
     values = critic.values(extra) if batch.values is not None else None  # (E, A')
     extra = replace(extra, old_logprobs=old, ref_logprobs=ref, values=values,
@@ -58,6 +65,28 @@ def with_segments(batch: ExperienceBatch, trajectories: list[Trajectory], *, pad
                     returns=_first_action(batch.returns, batch.action_mask)[rows, None] * extra.action_mask)
     index = torch.cat([torch.arange(batch.size), rows])  # (B + E,)
     return replace(concat(batch, extra, pad_token_id), trajectory_index=index)
+
+
+def record_behaviour(trajectories: list[Trajectory], pad_token_id: int, logprobs: Any) -> None:
+    """``--async`` with K > 0: each segment's behaviour log-probs, ``logprobs(batch)`` (E, A') under
+    the policy copy that sampled its trajectory, kept per token on the segment (0.0 at token 0, as
+    ``rollout_logprobs``)."""
+    segments = [s for t in trajectories for s in t.segments]
+    if not segments:
+        return
+    rows = collate(segments, pad_token_id=pad_token_id, rewards=torch.zeros(len(segments)),
+                   sample_mask=torch.ones(len(segments)))
+    values = logprobs(rows)  # (E, A')
+    for row, segment in enumerate(segments):
+        segment.behaviour_logprobs = [0.0] + values[row, : len(segment.token_ids) - 1].tolist()
+
+
+def _per_position(per_token: list[list[float]], extra: ExperienceBatch) -> torch.Tensor:
+    """Per-token lists (token t's at index t) as (E, A') tensors: position t holds token t + 1's."""
+    out = torch.zeros(extra.action_mask.shape, dtype=torch.float32)  # (E, A')
+    for row, values in enumerate(per_token):
+        out[row, : len(values) - 1] = torch.tensor(values[1:], dtype=torch.float32)
+    return out
 
 
 def _first_action(values: torch.Tensor | None, action_mask: torch.Tensor) -> torch.Tensor:
