@@ -110,3 +110,27 @@ def test_resume_with_agent_batches_in_flight_equals_the_uninterrupted_run(tiny_m
     assert read_jsonl(tmp_path / "cut" / "samples.jsonl") == read_jsonl(tmp_path / "whole" / "samples.jsonl")
     got, expected = final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole")
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_at_staleness_zero_an_async_agent_run_is_the_synchronous_run(plugins, tiny_model_dir, task, tmp_path,
+                                                                     monkeypatch):
+    from rlhf.runtime.rl import async_generation
+
+    recorded = []
+    monkeypatch.setattr(async_generation, "record_behaviour", lambda *args: recorded.append(args))
+    options = ["--steps", "3", "--max-staleness", "0"]
+    async_metrics, async_samples = _train(plugins, tiny_model_dir, task, tmp_path / "async", *options)
+    assert recorded == []  # the trainer's own forward gives the segments' old log-probs: the same weights
+    result = run_cli(plugins, [
+        "train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--input-key",
+        "prompt", "--agent", f"{AGENTS}:branches", "--n-samples", "2", "--prompts-per-step", "2",
+        "--max-new-tokens", "4", "--steps", "3", "--out", str(tmp_path / "sync"), "--seed", "3", "--no-progress",
+        "--lr", "1e-2"])
+    assert result.exit_code == 0, result.output
+    assert read_jsonl(tmp_path / "sync" / "samples.jsonl") == async_samples
+    keys = ("policy/loss", "policy/grad_norm", "reward/mean", "agent/segment_rows")
+    assert [{k: m[k] for k in keys} for m in read_jsonl(tmp_path / "sync" / "metrics.jsonl")] == \
+        [{k: m[k] for k in keys} for m in async_metrics]
+    assert [m["staleness/max"] for m in async_metrics] == [0.0] * 3
+    first, second = final_weights(tmp_path / "sync"), final_weights(tmp_path / "async")
+    assert all(torch.equal(first[k], second[k]) for k in first)

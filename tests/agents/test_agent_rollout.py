@@ -141,8 +141,22 @@ def test_agent_options_that_cannot_work_yet_are_refused(plugins, tiny_model_dir,
     assert len(result.output.strip().splitlines()) == 1, result.output
     result = run_cli(plugins, [
         "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--agent", f"{AGENTS}:solve",
-        "--algo", "opd", "--teacher", str(tiny_model_dir), "--out", str(tmp_path / "run")])
-    assert result.exit_code == 2 and "--agent with --teacher is not supported yet" in result.output, result.output
+        "--env", "tir", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "--agent with --env tir is not supported yet" in result.output, result.output
+
+
+def test_on_policy_distillation_of_an_agent_scores_every_sequence_with_the_teacher(plugins, tiny_model_dir, task,
+                                                                                  tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(plugins, [
+        "train", "--algo", "opd", "--teacher", str(tiny_model_dir), "--model", str(tiny_model_dir), "--data",
+        str(task / "data.jsonl"), "--input-key", "prompt", "--agent", f"{AGENTS}:branches", "--n-samples", "2",
+        "--prompts-per-step", "2", "--max-new-tokens", "4", "--steps", "2", "--out", str(out), "--seed", "3",
+        "--no-progress"])
+    assert result.exit_code == 0, result.output
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [row["agent/segment_rows"] for row in metrics] == [4.0, 4.0]
+    assert all(math.isfinite(row["policy/grad_norm"]) for row in metrics)
 
 
 def test_the_same_rollout_seed_samples_the_same_trajectories(engine_and_tokenizer):

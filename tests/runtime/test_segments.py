@@ -99,6 +99,36 @@ def test_under_async_a_segments_old_logprobs_are_the_copy_that_sampled_it_not_th
     assert copy.seen == [2]
 
 
+def test_with_a_teacher_each_segment_token_gets_its_own_term_on_the_tasks_advantage():
+    from dataclasses import replace
+
+    from rlhf.algorithms.distillation import teacher_advantages
+
+    segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
+    trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment]), row([1, 2, 3, 4], [0, 0, 1, 1])]
+    batch = experienced(trajectories, [1.0, 0.0])  # the task's advantages 0.7 and -0.7; old -(id) / 10
+    tea = Behaviour().logprobs(batch)  # the teacher's: -(id) / 100
+    batch = replace(batch, teacher_logprobs=tea,  # as the experience maker leaves it: the teacher's term added
+                    advantages=batch.advantages + teacher_advantages(batch.old_logprobs, tea, batch.loss_mask, coef=0.5))
+    assert batch.advantages[0, 2].item() == pytest.approx(0.7 + 0.18)  # -0.5 * (-0.4 + 0.04) at its first token
+    teacher = Behaviour()
+    out = with_segments(batch, trajectories, pad_token_id=PAD, policy=Logprobs(), reference=Logprobs(),
+                        kl_estimator=K1, teacher=teacher, teacher_coef=0.5)
+    assert teacher.seen == [1]  # the teacher scores the segment's tokens
+    assert out.teacher_logprobs[2].tolist() == pytest.approx([0.0, -0.07, -0.08, 0.0, -0.04])
+    # the task's 0.7 (not 0.88, the first token's with its teacher term) plus -0.5 (old - tea) per token
+    assert out.advantages[2].tolist() == pytest.approx([0.0, 0.7 + 0.315, 0.7 + 0.36, 0.0, 0.7 + 0.18])
+
+
+def test_padding_fills_token_ids_with_the_pad_token_and_the_rest_with_zeros():
+    segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
+    trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment]), row([1, 2, 3, 4], [0, 0, 1, 1])]
+    batch = experienced(trajectories, [1.0, 0.0])
+    out = with_segments(batch, trajectories, pad_token_id=9, policy=Logprobs(), reference=Logprobs(), kl_estimator=K1)
+    assert out.input_ids[:2, 5].tolist() == [9, 9] and out.attention_mask[:2, 5].tolist() == [0, 0]
+    assert out.old_logprobs[:2, 4].tolist() == [0.0, 0.0] and out.action_mask[:2, 4].tolist() == [0.0, 0.0]
+
+
 def test_a_batch_without_segments_is_unchanged():
     trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), row([1, 2, 3, 4], [0, 0, 1, 1])]
     batch = experienced(trajectories, [1.0, 0.0])

@@ -223,10 +223,7 @@ class RunPlan(Plan):
         config = self.config
         for what, unsupported in (("--runtime ray", config.runtime == "ray"),
                                   ("several processes (torchrun)", world_size > 1),
-                                  (f"--env {config.env}", config.env != "single_turn"),
-                                  # an agent's segments take their trajectory's first-token advantage, where
-                                  # distillation's is per token
-                                  ("--teacher", bool(config.teacher))):
+                                  (f"--env {config.env}", config.env != "single_turn")):
             if unsupported:
                 raise ConfigError(f"--agent with {what} is not supported yet: the agent talks to the endpoint "
                                   "in front of this process's engine; drop one of them")
