@@ -134,3 +134,27 @@ def test_at_staleness_zero_an_async_agent_run_is_the_synchronous_run(plugins, ti
     assert [m["staleness/max"] for m in async_metrics] == [0.0] * 3
     first, second = final_weights(tmp_path / "sync"), final_weights(tmp_path / "async")
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("policy", ["retry", "mask"])
+def test_failed_agent_calls_under_async_leave_the_batch_or_stay_masked(plugins, tiny_model_dir, tmp_path, policy):
+    """``fails_sometimes`` raises on the prompt "2+1=" every time: under ``retry`` (no retries with
+    --async) its group leaves the batch, whose behaviour log-probs leave with it; under ``mask`` it
+    stays, out of the loss and the baseline."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "2+1="}\n{"prompt": "3+1="}\n')
+    out = tmp_path / "run"
+    result = run_cli(plugins, [
+        "train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", str(data), "--input-key", "prompt",
+        "--agent", f"{AGENTS}:fails_sometimes", "--n-samples", "2", "--prompts-per-step", "2",
+        "--max-new-tokens", "3", "--steps", "3", "--on-failure", policy, "--async", "--max-staleness", "1",
+        "--out", str(out), "--seed", "3", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert len(metrics) == 3 and all(m["outcome/agent_error_rate"] == 0.5 for m in metrics)
+    samples = read_jsonl(out / "samples.jsonl")
+    if policy == "retry":
+        assert all(m["outcome/dropped_groups"] == 1 for m in metrics)
+        assert len(samples) == 6 and all("3+1=" in s["prompt"] for s in samples)
+    else:
+        assert len(samples) == 12 and sum(s["outcome"] == "agent_error" for s in samples) == 6

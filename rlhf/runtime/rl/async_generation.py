@@ -469,7 +469,9 @@ class AsyncGeneration:
                 prepared = self.steps.finish(flight.rolled, flight.result)
                 prepared.version, prepared.idle_s = flight.version, flight.idle_s
                 if flight.behaviour is not None:
-                    prepared.batch = replace(prepared.batch, old_logprobs=flight.behaviour)
+                    prepared.batch = replace(prepared.batch, old_logprobs=kept_rows(
+                        flight.behaviour, flight.rolled.trajectories, prepared.trajectories,
+                        prepared.batch.action_mask.shape[1]))
                 with self.cond:
                     del self.scoring[flight.rolled.step]
                 self._done(prepared)
@@ -560,6 +562,13 @@ def policy_versions(trajectories: list[Trajectory], version: int) -> list[list[i
         versions = trajectory.token_versions or [version] * len(trajectory.token_ids)
         out.append([v for v, m in zip(versions, trajectory.loss_mask) if m])
     return out
+
+
+def kept_rows(behaviour: torch.Tensor, rolled: list[Trajectory], kept: list[Trajectory], width: int) -> torch.Tensor:
+    """(B', A') the behaviour log-probs (B, A) of the rolled trajectories the batch kept, in its order
+    (failed groups leave a batch under --on-failure retry and drop), cut to the kept rows' width."""
+    rows = [next(i for i, t in enumerate(rolled) if t is trajectory) for trajectory in kept]
+    return behaviour[torch.tensor(rows, dtype=torch.long), :width]
 
 
 def _has_token_versions(trajectories: list[Trajectory]) -> bool:
