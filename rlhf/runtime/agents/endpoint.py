@@ -8,13 +8,18 @@ the `TrajectoryRecord` that records it token for token (`rlhf.runtime.agents.rec
 
     POST /t/<id>/v1/chat/completions   messages (system, user, assistant, tool), tools, tool_choice
                                        auto/none, max_tokens / max_completion_tokens, stop, logprobs /
-                                       top_logprobs (the sampled token's only), stream
-    POST /t/<id>/v1/completions        prompt as text or token ids (the response adds token ids)
+                                       top_logprobs (k <= 20), stream
+    POST /t/<id>/v1/completions        prompt as text or token ids (the response adds token ids),
+                                       logprobs (true or k), stream
     GET  /t/<id>/v1/models
 
 The run's sampling settings always apply (`rlhf.runtime.agents.requests.check_sampling`); each
 request samples from a random stream seeded by the rollout's seed, the trajectory's index and the
-request's ordinal in that trajectory.
+request's ordinal in that trajectory. A streamed answer (`AgentEndpoint._stream`) sends text
+deltas as the engine samples each token (``generate_one``'s optional ``on_token``; `TextStream`
+holds back what may still change), ``top_logprobs`` come from the engine's sampling distribution
+(``generate_one``'s optional ``top_logprobs``); an engine without them streams the whole answer at
+its end and reports the sampled token alone.
 """
 
 from __future__ import annotations
