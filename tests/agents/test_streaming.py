@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rlhf.plugins.tool_parsers.hermes import parse
-from rlhf.runtime.agents.endpoint import AgentEndpoint, TextStream
+from rlhf.runtime.agents.endpoint import AgentEndpoint
+from rlhf.runtime.agents.streaming import TextStream
 from rlhf.runtime.agents.requests import RunSampling
 
 pytestmark = pytest.mark.run

@@ -38,7 +38,8 @@ from rlhf.core.protocols.agent import Endpoint
 from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.runtime.agents.recording import Prompt, TrajectoryRecord
 from rlhf.runtime.agents.requests import (BadRequest, RunSampling, budget, check_messages, check_sampling,
-                                          check_tools, prompt_of, stop_strings)
+                                          check_tools, legacy_top_logprobs, prompt_of, stop_strings, top_logprobs)
+from rlhf.runtime.agents.streaming import TextStream
 from rlhf.runtime.agents.template import ChatTemplate
 
 
@@ -441,66 +442,6 @@ class Turn:
     ident: str
     created: int
     chat: bool = True  # /v1/chat/completions (else /v1/completions)
-
-
-class TextStream:
-    """The visible text of a completion as its tokens arrive, in deltas that never take back what
-    they sent: the tail that may still become a stop string or the end-of-turn marker, an unfinished
-    UTF-8 character, and (with tools) everything from the parser's ``stream_start`` on and trailing
-    whitespace are held back until the answer ends (`AgentEndpoint._stream` sends what remains)."""
-
-    def __init__(self, template: ChatTemplate, *, holdback: tuple[str, ...], tool_start: str | None, streams: bool):
-        self.template, self.holdback, self.tool_start, self.streams = template, holdback, tool_start, streams
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def add(self, token: int) -> str:
-        self.tokens.append(token)
-        if not self.streams:
-            return ""
-        text = self.template.decode(self.tokens, special=False)
-        safe = len(text)
-        for cut in self.holdback:
-            found = text.find(cut)
-            if found >= 0:
-                safe = min(safe, found)
-        if self.tool_start:
-            found = text.find(self.tool_start)
-            safe = min(safe, found if found >= 0 else safe)
-        for mark in (*self.holdback, *((self.tool_start,) if self.tool_start else ())):
-            for k in range(min(len(mark) - 1, safe), 0, -1):  # a tail that may grow into the mark
-                if text[:safe].endswith(mark[:k]):
-                    safe -= k
-                    break
-        safe_text = text[:safe].rstrip("\ufffd")
-        if self.tool_start:
-            safe_text = safe_text.rstrip()
-        if not safe_text.startswith(self.sent) or len(safe_text) <= len(self.sent):
-            return ""
-        delta, self.sent = safe_text[len(self.sent):], safe_text
-        return delta
-
-
-def top_logprobs(body: dict[str, Any]) -> int:
-    """``top_logprobs`` (0 to 20, as OpenAI takes it; it needs ``logprobs``)."""
-    top = body.get("top_logprobs")
-    if top is None:
-        return 0
-    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
-        raise BadRequest(f"top_logprobs must be an integer from 0 to 20, got {top!r}")
-    if top and not body.get("logprobs"):
-        raise BadRequest("top_logprobs needs logprobs: true")
-    return top
-
-
-def legacy_top_logprobs(body: dict[str, Any]) -> int:
-    """``/v1/completions``' ``logprobs``: true/0 the sampled token's, an integer k also the k most likely (up to 20)."""
-    value = body.get("logprobs")
-    if value is None or isinstance(value, bool):
-        return 0
-    if not isinstance(value, int) or not 0 <= value <= 20:
-        raise BadRequest(f"logprobs must be true, false or an integer from 0 to 20, got {value!r}")
-    return value
 
 
 def engine_offers(engine: Any) -> dict[str, bool]:
