@@ -120,6 +120,19 @@ def test_with_a_teacher_each_segment_token_gets_its_own_term_on_the_tasks_advant
     assert out.advantages[2].tolist() == pytest.approx([0.0, 0.7 + 0.315, 0.7 + 0.36, 0.0, 0.7 + 0.18])
 
 
+def test_with_per_token_advantages_a_segment_takes_its_trajectorys_first_action_tokens():
+    from dataclasses import replace
+
+    segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
+    trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment]), row([1, 2, 3, 4], [0, 0, 1, 1])]
+    batch = experienced(trajectories, [1.0, 0.0])
+    per_token = torch.tensor([[0.0, 0.0, 0.9, 0.3], [0.0, -0.4, -0.6, 0.0]])  # (B, A) a critic's, say
+    batch = replace(batch, advantages=per_token, returns=per_token + 1.0 * batch.action_mask)
+    out = with_segments(batch, trajectories, pad_token_id=PAD, policy=Logprobs(), reference=Logprobs(), kl_estimator=K1)
+    assert out.advantages[2].tolist() == pytest.approx([0.0, 0.9, 0.9, 0.0, 0.9])  # position 2's (token 4), not 3's
+    assert out.returns[2].tolist() == pytest.approx([0.0, 1.9, 1.9, 0.0, 1.9])
+
+
 def test_padding_fills_token_ids_with_the_pad_token_and_the_rest_with_zeros():
     segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
     trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment]), row([1, 2, 3, 4], [0, 0, 1, 1])]
