@@ -85,10 +85,11 @@ def dies_once(sample, endpoint):
     import signal
     from pathlib import Path
 
-    with _calls:
+    with _calls:  # the count replaced whole (os.replace), so the kill never leaves a half-written file
         counter = Path(os.environ["CALLS_FILE"])
         calls = int(counter.read_text()) + 1 if counter.exists() else 1
-        counter.write_text(str(calls))
+        counter.with_suffix(".tmp").write_text(str(calls))
+        os.replace(counter.with_suffix(".tmp"), counter)
     client = endpoint.openai()
     messages = [{"role": "user", "content": sample["prompt"]}]
     first = client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=4)
