@@ -69,9 +69,14 @@ class Trajectory:
     # More sequences of this same trajectory (an agent that edited its history: docs/agents.md), each
     # trained as a row of its own with this trajectory's reward and advantage (rlhf.runtime.step.segments)
     segments: list[Trajectory] = field(default_factory=list)
-    # per token: the policy version that sampled it, -1 on prompt and environment tokens
-    # (``--partial-rollouts``; None: every policy token comes from the batch's version)
+    # per token: the policy version that sampled it (the steps its weights had taken), -1 where no
+    # policy sampled it: prompt, environment, template, tool and user tokens (``--partial-rollouts``,
+    # ``--agent``; None: every policy token comes from the batch's version)
     token_versions: list[int] | None = None
+    # per token, its log-prob under the policy copy that sampled it, as the trainer computes it (0.0 at
+    # token 0): --async's producer records it for an agent's segments, whose rows are made after the
+    # weights moved on (rlhf.runtime.step.segments); None: computed with the batch's
+    behaviour_logprobs: list[float] | None = None
 
     @property
     def completion_ids(self) -> list[int]:

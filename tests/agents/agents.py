@@ -75,3 +75,26 @@ def branches(sample, endpoint):
     edited = [*messages, {"role": "assistant", "content": "(summary)"}, {"role": "user", "content": "Again"}]
     second = client.chat.completions.create(model=endpoint.model, messages=edited, max_tokens=4)
     return float(len(second.choices[0].message.content or "") % 3)
+
+
+def dies_once(sample, endpoint):
+    """Two turns, its reward the second answer's length mod 3; the call numbered $KILL_ON_CALL
+    (counted in $CALLS_FILE) kills its own process with SIGKILL between its two requests: kill -9
+    during agent calls."""
+    import os
+    import signal
+    from pathlib import Path
+
+    with _calls:  # the count replaced whole (os.replace), so the kill never leaves a half-written file
+        counter = Path(os.environ["CALLS_FILE"])
+        calls = int(counter.read_text()) + 1 if counter.exists() else 1
+        counter.with_suffix(".tmp").write_text(str(calls))
+        os.replace(counter.with_suffix(".tmp"), counter)
+    client = endpoint.openai()
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    first = client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=4)
+    if calls == int(os.environ.get("KILL_ON_CALL", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again"}]
+    second = client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=4)
+    return float(len(second.choices[0].message.content or "") % 3)

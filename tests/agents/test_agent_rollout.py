@@ -136,12 +136,27 @@ def test_rlhf_train_with_an_agent_by_reference(plugins, tiny_model_dir, task, tm
 def test_agent_options_that_cannot_work_yet_are_refused(plugins, tiny_model_dir, task, tmp_path):
     result = run_cli(plugins, [
         "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--agent", f"{AGENTS}:solve",
-        "--async", "--out", str(tmp_path / "run")])
-    assert result.exit_code == 2 and "--agent with --async is not supported yet" in result.output
+        "--async", "--partial-rollouts", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "--agent with --partial-rollouts is not supported yet" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
     result = run_cli(plugins, [
         "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--agent", f"{AGENTS}:solve",
-        "--algo", "opd", "--teacher", str(tiny_model_dir), "--out", str(tmp_path / "run")])
-    assert result.exit_code == 2 and "--agent with --teacher is not supported yet" in result.output, result.output
+        "--env", "tir", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "--agent with --env tir is not supported yet" in result.output, result.output
+
+
+def test_on_policy_distillation_of_an_agent_scores_every_sequence_with_the_teacher(plugins, tiny_model_dir, task,
+                                                                                  tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(plugins, [
+        "train", "--algo", "opd", "--teacher", str(tiny_model_dir), "--model", str(tiny_model_dir), "--data",
+        str(task / "data.jsonl"), "--input-key", "prompt", "--agent", f"{AGENTS}:branches", "--n-samples", "2",
+        "--prompts-per-step", "2", "--max-new-tokens", "4", "--steps", "2", "--out", str(out), "--seed", "3",
+        "--no-progress"])
+    assert result.exit_code == 0, result.output
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [row["agent/segment_rows"] for row in metrics] == [4.0, 4.0]
+    assert all(math.isfinite(row["policy/grad_norm"]) for row in metrics)
 
 
 def test_the_same_rollout_seed_samples_the_same_trajectories(engine_and_tokenizer):
@@ -217,10 +232,10 @@ def test_a_branched_trajectory_trains_every_sequence_with_the_policy_version_of_
         assert segment.group == t.group and "(summary)" in t.prompt_text and "(summary)" not in segment.prompt_text
         for row in (t, segment):
             assert sum(row.loss_mask) >= 1 and len(row.rollout_logprobs) == len(row.token_ids)
-            origins, versions = per_token(row.info["agent_token_origins"]), per_token(row.info["agent_policy_versions"])
+            origins, versions = per_token(row.info["agent_token_origins"]), row.token_versions
             assert len(origins) == len(versions) == len(row.token_ids)
             assert [v == 4 for v in versions] == [o == "model" for o in origins] == [m == 1 for m in row.loss_mask]
-            assert set(versions) == {None, 4}
+            assert set(versions) == {-1, 4}
 
 
 def test_rlhf_train_trains_the_segments_and_writes_each_tokens_policy_version(plugins, tiny_model_dir, task,
@@ -240,10 +255,12 @@ def test_rlhf_train_trains_the_segments_and_writes_each_tokens_policy_version(pl
     for sample in samples:
         (segment,) = sample["segments"]
         for row in (sample, segment):
-            versions = per_token(row["policy_versions"])
-            model = [o == "model" for o in per_token(row["token_origins"])]
-            assert [v is not None for v in versions] == model and sum(model) == row["completion_tokens"] >= 1
-            assert {v for v in versions if v is not None} == {sample["step"] - 1}  # the weights after step - 1 steps
+            # token_versions covers the completion (from the first model token): the tail of token_origins
+            versions = per_token(row["token_versions"])
+            model = [o == "model" for o in per_token(row["token_origins"])][-len(versions):]
+            assert [v >= 0 for v in versions] == model and sum(model) == row["completion_tokens"] >= 1
+            assert versions[0] >= 0 and "policy_versions" not in row
+            assert {v for v in versions if v >= 0} == {sample["step"] - 1}  # the weights after step - 1 steps
 
 
 @pytest.mark.parametrize("policy", ["retry", "mask"])

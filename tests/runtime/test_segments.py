@@ -10,7 +10,7 @@ import torch
 from rlhf.core.batch import collate
 from rlhf.core.types import Trajectory
 from rlhf.runtime.step.micro_batches import UpdateSettings, minibatches
-from rlhf.runtime.step.segments import with_segments
+from rlhf.runtime.step.segments import record_behaviour, with_segments
 
 pytestmark = pytest.mark.unit
 
@@ -66,6 +66,80 @@ def test_each_segment_is_a_row_with_its_trajectorys_reward_and_advantage():
     assert out.old_logprobs[2].tolist() == pytest.approx([0.0, -0.7, -0.8, 0.0, -0.4])
     assert out.kl[2].tolist() == pytest.approx([0.0] * 5)  # policy and reference agree here
     assert out.rollout_logprobs[2].tolist() == pytest.approx([0.0, -0.5, -0.5, 0.0, -0.5])
+
+
+class Behaviour:
+    """The copy that sampled (--async, K > 0): log-probs -(token id) / 100, so they differ from `Logprobs`'."""
+
+    def __init__(self):
+        self.seen = []
+
+    def logprobs(self, batch):
+        self.seen.append(batch.size)
+        return -batch.input_ids[:, 1:].float() / 100 * batch.action_mask  # (B, A)
+
+
+def test_under_async_a_segments_old_logprobs_are_the_copy_that_sampled_it_not_the_trainers():
+    segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
+    other = row([3, 7], [0, 1])
+    trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment, other]), row([1, 2, 3, 4], [0, 0, 1, 1])]
+    copy = Behaviour()
+    record_behaviour(trajectories, PAD, copy.logprobs)  # by the producer, with the copy of the batch's version
+    assert copy.seen == [2]  # one forward over the segments only
+    assert segment.behaviour_logprobs == pytest.approx([0.0, 0.0, -0.07, -0.08, 0.0, -0.04])
+    assert other.behaviour_logprobs == pytest.approx([0.0, -0.07])
+    assert trajectories[0].behaviour_logprobs is None  # the trajectories' rows have the batch's old_logprobs
+    policy = Logprobs()
+    out = with_segments(experienced(trajectories, [1.0, 0.0]), trajectories, pad_token_id=PAD, policy=policy,
+                        reference=Logprobs(), kl_estimator=K1)
+    assert policy.seen == []  # the trainer's weights (newer) compute none of them
+    assert out.old_logprobs[2].tolist() == pytest.approx([0.0, -0.07, -0.08, 0.0, -0.04])
+    assert out.old_logprobs[3].tolist() == pytest.approx([-0.07, 0.0, 0.0, 0.0, 0.0])
+    record_behaviour([row([1, 2], [0, 1])], PAD, copy.logprobs)  # no segments: no forward
+    assert copy.seen == [2]
+
+
+def test_with_a_teacher_each_segment_token_gets_its_own_term_on_the_tasks_advantage():
+    from dataclasses import replace
+
+    from rlhf.algorithms.distillation import teacher_advantages
+
+    segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
+    trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment]), row([1, 2, 3, 4], [0, 0, 1, 1])]
+    batch = experienced(trajectories, [1.0, 0.0])  # the task's advantages 0.7 and -0.7; old -(id) / 10
+    tea = Behaviour().logprobs(batch)  # the teacher's: -(id) / 100
+    batch = replace(batch, teacher_logprobs=tea,  # as the experience maker leaves it: the teacher's term added
+                    advantages=batch.advantages + teacher_advantages(batch.old_logprobs, tea, batch.loss_mask, coef=0.5))
+    assert batch.advantages[0, 2].item() == pytest.approx(0.7 + 0.18)  # -0.5 * (-0.4 + 0.04) at its first token
+    teacher = Behaviour()
+    out = with_segments(batch, trajectories, pad_token_id=PAD, policy=Logprobs(), reference=Logprobs(),
+                        kl_estimator=K1, teacher=teacher, teacher_coef=0.5)
+    assert teacher.seen == [1]  # the teacher scores the segment's tokens
+    assert out.teacher_logprobs[2].tolist() == pytest.approx([0.0, -0.07, -0.08, 0.0, -0.04])
+    # the task's 0.7 (not 0.88, the first token's with its teacher term) plus -0.5 (old - tea) per token
+    assert out.advantages[2].tolist() == pytest.approx([0.0, 0.7 + 0.315, 0.7 + 0.36, 0.0, 0.7 + 0.18])
+
+
+def test_with_per_token_advantages_a_segment_takes_its_trajectorys_first_action_tokens():
+    from dataclasses import replace
+
+    segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
+    trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment]), row([1, 2, 3, 4], [0, 0, 1, 1])]
+    batch = experienced(trajectories, [1.0, 0.0])
+    per_token = torch.tensor([[0.0, 0.0, 0.9, 0.3], [0.0, -0.4, -0.6, 0.0]])  # (B, A) a critic's, say
+    batch = replace(batch, advantages=per_token, returns=per_token + 1.0 * batch.action_mask)
+    out = with_segments(batch, trajectories, pad_token_id=PAD, policy=Logprobs(), reference=Logprobs(), kl_estimator=K1)
+    assert out.advantages[2].tolist() == pytest.approx([0.0, 0.9, 0.9, 0.0, 0.9])  # position 2's (token 4), not 3's
+    assert out.returns[2].tolist() == pytest.approx([0.0, 1.9, 1.9, 0.0, 1.9])
+
+
+def test_padding_fills_token_ids_with_the_pad_token_and_the_rest_with_zeros():
+    segment = row([5, 6, 7, 8, 9, 4], [0, 0, 1, 1, 0, 1])
+    trajectories = [row([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], segments=[segment]), row([1, 2, 3, 4], [0, 0, 1, 1])]
+    batch = experienced(trajectories, [1.0, 0.0])
+    out = with_segments(batch, trajectories, pad_token_id=9, policy=Logprobs(), reference=Logprobs(), kl_estimator=K1)
+    assert out.input_ids[:2, 5].tolist() == [9, 9] and out.attention_mask[:2, 5].tolist() == [0, 0]
+    assert out.old_logprobs[:2, 4].tolist() == [0.0, 0.0] and out.action_mask[:2, 4].tolist() == [0.0, 0.0]
 
 
 def test_a_batch_without_segments_is_unchanged():

@@ -70,7 +70,8 @@ class FakeLLMEngine:
 
     ``add_request`` scripts the whole completion at once (``llm.script``); each `step` decodes
     every running request one token further, records the ids it decoded in ``batches``, and
-    returns the final `RequestOutput` of each request whose last token it produced (``FINAL_ONLY``).
+    returns the final `RequestOutput` of each request whose last token it produced (``FINAL_ONLY``),
+    and for a ``CUMULATIVE`` request an unfinished one with what it has so far at the other steps.
     ``internal_ids``: ``add_request`` returns an id of its own (``<id>-internal``, as later vLLM
     releases may) and reports outputs under it. ``fail_at_step``: that step raises.
     """
@@ -113,6 +114,11 @@ class FakeLLMEngine:
             if request.emitted >= len(request.completion.token_ids):
                 del self.running[used]
                 finished.append(RequestOutput(outputs=[request.completion], request_id=used, finished=True))
+            elif request.sampling.kwargs["output_kind"] is RequestOutputKind.CUMULATIVE:  # what it has so far
+                done, logprobs = request.emitted, request.completion.logprobs
+                finished.append(RequestOutput(outputs=[Completion(
+                    token_ids=request.completion.token_ids[:done], finish_reason=None,
+                    logprobs=logprobs[:done] if logprobs is not None else None)], request_id=used, finished=False))
         return finished
 
     def abort_request(self, request_ids):

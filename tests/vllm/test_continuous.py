@@ -346,3 +346,36 @@ def test_a_failing_environment_aborts_the_other_trajectories_requests(fake_vllm,
     [long_request] = [rid for rid, ids in llm.llm_engine.prompts.items() if ids == long_prompt.prompt_ids]
     assert llm.llm_engine.aborted == [long_request] and not llm.llm_engine.running
     assert len(llm.llm_engine.batches) < 10 ** 6
+
+
+def test_generate_one_reports_each_token_as_it_is_decoded_and_the_top_alternatives(fake_vllm, policy):
+    """``on_token`` (streamed answers): the request asks vLLM for cumulative outputs and each new token
+    is passed on after the step that decoded it; ``top_logprobs`` k asks for ``logprobs=k`` and gives
+    each position's k most likely tokens, most likely first."""
+    engine = make_engine(policy)
+    llm = fakes.FakeLLM.instances[0]
+    eos = policy[1].eos_token_id
+
+    def script(prompt, sampling):
+        ids = [10, 11, 12, eos]
+        return fakes.Completion(token_ids=ids, finish_reason="stop", logprobs=[
+            {t: fakes.Logprob(-0.5), 40 + i: fakes.Logprob(-0.25), 50 + i: fakes.Logprob(-3.0)}
+            for i, t in enumerate(ids)])
+
+    llm.script = staticmethod(script)
+    reported = []
+
+    async def one():
+        def on_token(token, logprob, alternatives):
+            reported.append((len(llm.llm_engine.batches), token, logprob, alternatives))
+
+        return await engine.generate_one([5, 6], PARAMS, on_token=on_token, top_logprobs=2)
+
+    generation = asyncio.run(one())
+    assert generation.token_ids == [10, 11, 12, eos] and generation.logprobs == [-0.5] * 4
+    assert [(step, token) for step, token, _, _ in reported] == [(1, 10), (2, 11), (3, 12), (4, eos)]
+    assert reported[1][2:] == (-0.5, [(41, -0.25), (11, -0.5)])
+    assert generation.extra["top_logprobs"] == [[(40 + i, -0.25), (t, -0.5)] for i, t in enumerate([10, 11, 12, eos])]
+    (rid,) = llm.llm_engine.added
+    kwargs = llm.llm_engine.sampling[rid].kwargs
+    assert kwargs["output_kind"] is fakes.RequestOutputKind.CUMULATIVE and kwargs["logprobs"] == 2

@@ -81,7 +81,20 @@ class ContinuousEngine(Protocol):
     """
 
     async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """One completion of ``prompt_ids``, sampled with ``params`` beside the other requests in flight."""
+        """One completion of ``prompt_ids``, sampled with ``params`` beside the other requests in flight.
+
+        Two keyword arguments are optional (the agent endpoint passes them only to an engine whose
+        ``generate_one`` names them; the ``hf`` and ``vllm`` engines do):
+
+        - ``on_token(token_id, logprob, alternatives)``, called on the event loop's thread as each
+          token is sampled, in order, before the call returns (streamed answers); it must not block.
+          A stop string's tokens may have been reported before the completion is cut at it.
+        - ``top_logprobs`` k (0 to 20): the k most likely tokens of the distribution each token was
+          sampled from (the one its ``logprobs`` entry is of: after the repetition penalty,
+          temperature, top-k and top-p; excluded tokens left out), most likely first, as
+          ``Generation.extra["top_logprobs"]``: per token a list of ``(token_id, logprob)``, also the
+          ``alternatives`` ``on_token`` gets.
+        """
 
     def continuous_for(self, params: SamplingParams) -> bool:
         """Whether rollouts sampled with ``params`` go through `generate_one`."""

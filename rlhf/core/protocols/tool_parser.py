@@ -9,6 +9,10 @@ its ``tool_calls`` in OpenAI's shape (``{"id", "type": "function", "function": {
 "arguments": <JSON text>}}``). A completion it cannot read is not an exception: it returns the raw
 text as ``content``, no tool calls, and an ``error`` line saying what it could not read (the
 endpoint records it as a parse failure).
+
+Optional: ``parse.stream_start``, the text that starts a tool call (Hermes: ``<tool_call>``). A
+streamed answer to a request with tools sends its content as it is generated up to that text (and
+the tool calls at the end); a parser without it has the content sent when the answer ends.
 """
 
 from __future__ import annotations

@@ -164,16 +164,18 @@ class HFEngine:
         layers = getattr(DynamicCache(config=base.config), "layers", None)
         return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
-    async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate_one(self, prompt_ids: list[int], params: SamplingParams, *, on_token: Any = None,
+                           top_logprobs: int = 0) -> Generation:
         """One completion of ``prompt_ids``, decoded with every other request of this event loop in
-        one batch that requests join and leave (`rlhf.plugins.engines.hf_continuous`)."""
+        one batch that requests join and leave (`rlhf.plugins.engines.hf_continuous`); ``on_token``
+        and ``top_logprobs`` as `rlhf.core.protocols.rollout.ContinuousEngine.generate_one` says."""
         from rlhf.plugins.engines.hf_continuous import DecodeBatch
 
         loop = asyncio.get_running_loop()
         batch = self.decode_batches.get(loop)
         if batch is None:
             batch = self.decode_batches[loop] = DecodeBatch(self)
-        return await batch.submit(prompt_ids, params)
+        return await batch.submit(prompt_ids, params, on_token=on_token, top_logprobs=top_logprobs)
 
     # --- decoders -----------------------------------------------------------------------------
 

@@ -49,6 +49,9 @@ class _Request:
     stream: torch.Generator | None  # the request's own random numbers (None: the process's)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    on_token: Any = None  # called with (token id, log-prob, top alternatives) as each token is sampled
+    top_logprobs: int = 0  # how many alternatives (of the sampling distribution) each token reports
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def sampling_key(params: SamplingParams) -> tuple:
@@ -70,13 +73,15 @@ class DecodeBatch:
         self.logits: torch.Tensor | None = None  # (B, V) each row's next-token logits
         self.seen: torch.Tensor | None = None  # (B, V) tokens each row holds (repetition penalty)
 
-    async def submit(self, prompt: list[int], params: SamplingParams) -> Generation:
+    async def submit(self, prompt: list[int], params: SamplingParams, *, on_token: Any = None,
+                     top_logprobs: int = 0) -> Generation:
         loop = asyncio.get_running_loop()
         stream = None
         if params.seed is not None:
             stream = torch.Generator()
             stream.manual_seed(int(params.seed) % (2 ** 63))
-        request = _Request(list(prompt), params, loop.create_future(), stream)
+        request = _Request(list(prompt), params, loop.create_future(), stream, on_token=on_token,
+                           top_logprobs=top_logprobs)
         self.waiting.append(request)
         if self.task is None or self.task.done():
             self.task = loop.create_task(self._run())
@@ -188,6 +193,7 @@ class DecodeBatch:
         engine = self.engine
         chosen = torch.empty(len(self.rows), dtype=torch.long, device=self.logits.device)  # (B,)
         logprobs = torch.zeros(len(self.rows), dtype=torch.float32, device=self.logits.device)  # (B,)
+        tops: dict[int, list[tuple[int, float]]] = {}  # row -> its token's alternatives, where asked
         groups: dict[tuple, list[int]] = {}
         for index, request in enumerate(self.rows):
             groups.setdefault(sampling_key(request.params), []).append(index)
@@ -203,13 +209,21 @@ class DecodeBatch:
             else:
                 picked = scores.argmax(dim=-1)  # (b,)
             chosen[at] = picked
-            logprobs[at] = torch.log_softmax(scores, dim=-1).gather(1, picked[:, None]).squeeze(1)
+            distribution = torch.log_softmax(scores, dim=-1)  # (b, V) what the token was sampled from
+            logprobs[at] = distribution.gather(1, picked[:, None]).squeeze(1)
+            for local, index in enumerate(indices):
+                if self.rows[index].top_logprobs:
+                    tops[index] = top_alternatives(distribution[local], self.rows[index].top_logprobs)
         if self.seen is not None:
             self.seen[torch.arange(len(self.rows), device=chosen.device), chosen] = True
         ended = []
         for index, (request, token, logprob) in enumerate(zip(self.rows, chosen.tolist(), logprobs.tolist())):
             request.tokens.append(token)
             request.logprobs.append(logprob)
+            if request.top_logprobs:
+                request.tops.append(tops[index])
+            if request.on_token is not None:
+                request.on_token(token, logprob, tops.get(index, []))
             generation = self._ended(request)
             if generation is not None:
                 request.future.set_result(generation)
@@ -232,15 +246,19 @@ class DecodeBatch:
         """The request's Generation when its last token ended it, else None."""
         params, ids = request.params, request.tokens
         want = params.return_logprobs
+        extra = {"top_logprobs": list(request.tops)} if request.top_logprobs else {}
         if ids[-1] in self.engine.eos_ids:
-            return Generation(token_ids=list(ids), finish_reason="stop", logprobs=list(request.logprobs) if want else None)
+            return Generation(token_ids=list(ids), finish_reason="stop", logprobs=list(request.logprobs) if want else None,
+                              extra=extra)
         if params.stop:
             cut, stop = self.engine._stop_string_cut(ids, params.stop)
             if cut is not None:
                 return Generation(token_ids=ids[:cut], finish_reason="stop", stop_string=stop,
-                                  logprobs=request.logprobs[:cut] if want else None)
+                                  logprobs=request.logprobs[:cut] if want else None,
+                                  extra={"top_logprobs": request.tops[:cut]} if request.top_logprobs else {})
         if len(ids) >= params.max_new_tokens:
-            return Generation(token_ids=list(ids), finish_reason="length", logprobs=list(request.logprobs) if want else None)
+            return Generation(token_ids=list(ids), finish_reason="length", logprobs=list(request.logprobs) if want else None,
+                              extra=extra)
         return None
 
     def _select(self, keep: list[int]) -> None:
@@ -254,6 +272,13 @@ class DecodeBatch:
         self.mask, self.positions, self.logits = self.mask[index], self.positions[index], self.logits[index]
         if self.seen is not None:
             self.seen = self.seen[index]
+
+
+def top_alternatives(distribution: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of one row's sampling distribution (V,) log-probs, as (id, log-prob),
+    most likely first; tokens the distribution excludes (-inf: outside top-k / top-p) are left out."""
+    values, ids = distribution.topk(min(k, distribution.shape[-1]))  # (k,)
+    return [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

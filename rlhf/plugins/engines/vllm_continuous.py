@@ -50,6 +50,7 @@ class RequestBatch:
         self.on_idle = on_idle
         self.waiting: dict[str, asyncio.Future] = {}  # our request id -> the future of its final output
         self.ours: dict[str, str] = {}  # vLLM's id for a request, when it differs -> ours
+        self.listeners: dict[str, Callable[[Any], None]] = {}  # our id -> what takes its partial outputs
         self.idle = asyncio.Event()
         self.idle.set()
         self.task: asyncio.Task | None = None
@@ -58,14 +59,19 @@ class RequestBatch:
     def in_flight(self) -> int:
         return len(self.waiting)
 
-    async def run(self, request_id: str, prompt_ids: list[int], sampling: Any) -> Any:
+    async def run(self, request_id: str, prompt_ids: list[int], sampling: Any,
+                  on_output: Callable[[Any], None] | None = None) -> Any:
         """Add one request to vLLM's engine and wait for its final ``RequestOutput``. An error or a
-        cancellation of the waiting coroutine aborts the request in vLLM before it propagates."""
+        cancellation of the waiting coroutine aborts the request in vLLM before it propagates.
+        ``on_output``: called with the request's completion output at every step that reports one
+        (a request sampled with a streaming output kind), the final one included."""
         if request_id in self.waiting:
             raise RuntimeError(f"vllm engine: request id {request_id} is already in flight")
         future = self.loop.create_future()
         used = self.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, sampling)
         self.waiting[request_id] = future
+        if on_output is not None:
+            self.listeners[request_id] = on_output
         if isinstance(used, str) and used != request_id:
             self.ours[used] = request_id
         self.idle.clear()
@@ -76,6 +82,8 @@ class RequestBatch:
         except BaseException:
             self.abort([request_id])
             raise
+        finally:
+            self.listeners.pop(request_id, None)
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop the requests still in flight among ``request_ids`` (vLLM frees their KV cache)."""
@@ -99,9 +107,14 @@ class RequestBatch:
             while self.waiting:
                 outputs = self.llm_engine.step()
                 for output in outputs:
-                    if not getattr(output, "finished", True):
-                        continue  # a partial output (vLLM streams only final ones for our requests)
-                    rid = self.ours.pop(output.request_id, output.request_id)
+                    finished = getattr(output, "finished", True)
+                    rid = self.ours.get(output.request_id, output.request_id)
+                    listener = self.listeners.get(rid)
+                    if listener is not None and rid in self.waiting:
+                        listener(output.outputs[0])
+                    if not finished:
+                        continue  # a partial output: only requests that stream ask for them
+                    self.ours.pop(output.request_id, None)
                     future = self.waiting.pop(rid, None)
                     if future is not None and not future.done():
                         future.set_result(output)

@@ -219,6 +219,34 @@ def to_generation(completion: Any, eos_ids: set[int], want_logprobs: bool) -> Ge
     return Generation(token_ids=ids, finish_reason=finish, logprobs=logprobs, stop_string=stop_string)
 
 
+def top_of(position: Any, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of one position (token id -> Logprob), most likely first."""
+    entries = [(int(token), float(getattr(entry, "logprob", entry))) for token, entry in position.items()]
+    return sorted(entries, key=lambda item: -item[1])[:k]
+
+
+class TokenReport:
+    """``on_token`` for the new tokens of each cumulative output of one request."""
+
+    def __init__(self, on_token: Any, top_logprobs: int):
+        self.on_token, self.top, self.reported = on_token, top_logprobs, 0
+
+    def __call__(self, completion: Any) -> None:
+        ids, positions = list(completion.token_ids), completion.logprobs
+        for index in range(self.reported, len(ids)):
+            position = positions[index] if positions is not None and index < len(positions) else None
+            entry = position.get(ids[index]) if position is not None else None
+            self.on_token(int(ids[index]), float(getattr(entry, "logprob", entry)) if entry is not None else 0.0,
+                          top_of(position, self.top) if position is not None and self.top else [])
+        self.reported = len(ids)
+
+
+def cumulative() -> Any:
+    """vLLM's ``RequestOutputKind.CUMULATIVE``: a stepped request reports everything it has so far
+    after each step (streamed answers)."""
+    return importlib.import_module("vllm.sampling_params").RequestOutputKind.CUMULATIVE
+
+
 def sampled_logprobs(positions: Any, ids: list[int]) -> list[float]:
     """The sampled token's log-prob at each position (each position maps token id -> Logprob)."""
     assert positions is not None and len(positions) == len(ids), \
@@ -329,9 +357,12 @@ class VLLMEngine:
         """Whether rollouts go through `generate_one`: the ``continuous`` setting (any sampling)."""
         return self.config.continuous
 
-    async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate_one(self, prompt_ids: list[int], params: SamplingParams, *, on_token: Any = None,
+                           top_logprobs: int = 0) -> Generation:
         """One completion of one prompt, decoded in vLLM's running batch with every other request
-        in flight from this event loop (see `batches_continuously`)."""
+        in flight from this event loop (see `batches_continuously`). ``on_token``: the request
+        reports its output after every step (``CUMULATIVE``) and each new token is passed on;
+        ``top_logprobs`` k: vLLM's ``logprobs=k`` (processed log-probs, as the sampled token's)."""
         batch = self._batch_for_running_loop()
         while self._weights_lost or self._synced_version != policy_version(self.model):
             if batch.in_flight:  # new weights wait for the requests sampling from the old ones
@@ -340,10 +371,21 @@ class VLLMEngine:
             self._wake_for("generate")
             self.load_weights(None)
         self._wake_for("generate")
-        sampling = self.vllm.SamplingParams(**sampling_kwargs(params, self.eos_ids), seed=params.seed,
-                                            output_kind=final_only())
-        output = await batch.run(f"rlhf-{next(self._request_ids)}", prompt_ids, sampling)
-        return to_generation(output.outputs[0], self.eos_ids, params.return_logprobs)
+        kwargs = sampling_kwargs(params, self.eos_ids)
+        if top_logprobs:
+            kwargs["logprobs"] = top_logprobs
+        sampling = self.vllm.SamplingParams(**kwargs, seed=params.seed,
+                                            output_kind=final_only() if on_token is None else cumulative())
+        report = None if on_token is None else TokenReport(on_token, top_logprobs)
+        output = await batch.run(f"rlhf-{next(self._request_ids)}", prompt_ids, sampling, on_output=report)
+        completion = output.outputs[0]
+        generation = to_generation(completion, self.eos_ids, params.return_logprobs or bool(top_logprobs))
+        if not params.return_logprobs:
+            generation.logprobs = None
+        if top_logprobs:
+            generation.extra["top_logprobs"] = [top_of(position, top_logprobs)
+                                                for position in completion.logprobs[:len(generation.token_ids)]]
+        return generation
 
     def _batch_for_running_loop(self) -> RequestBatch:
         loop = asyncio.get_running_loop()

@@ -113,22 +113,33 @@ def on_rewards(run, step, trajectories, rewards):
             "rewards": trajectory.rewards, "finish_reason": trajectory.finish_reason,
             "completion_tokens": trajectory.num_policy_tokens, "turns": trajectory.num_turns, "outcome": trajectory.outcome,
             "error": trajectory.error,
-            # --agent (docs/agents.md): where each token came from and the policy version that sampled
-            # it, as [value, count] runs; the trajectory's other sequences (segments) alike
-            **_agent_tokens(trajectory),
+            # --agent (docs/agents.md): where each token came from, as [origin, count] runs; the
+            # trajectory's other sequences (segments) alike
+            **_tokens(trajectory),
             **({"segments": [{"completion": segment.completion_text,
-                              "completion_tokens": segment.num_policy_tokens, **_agent_tokens(segment)}
+                              "completion_tokens": segment.num_policy_tokens, **_tokens(segment)}
                              for segment in trajectory.segments]} if trajectory.segments else {}),
-            # --partial-rollouts: the policy version that sampled each completion token, as [version, count]
-            # runs (-1: environment tokens; docs/async.md)
-            **({"token_versions": trajectory.info["token_versions"]} if "token_versions" in trajectory.info else {}),
         })
 
 
-def _agent_tokens(trajectory):
-    info = trajectory.info
-    return {key: info[name] for key, name in (("token_origins", "agent_token_origins"),
-                                              ("policy_versions", "agent_policy_versions")) if name in info}
+def _tokens(trajectory):
+    """``token_origins`` (--agent: every token's) and ``token_versions`` (--agent, --partial-rollouts: the
+    policy version that sampled each completion token, -1 where no policy did; docs/runs.md), as runs."""
+    out = {"token_origins": trajectory.info["agent_token_origins"]} if "agent_token_origins" in trajectory.info else {}
+    if trajectory.token_versions is not None:
+        out["token_versions"] = _runs(trajectory.token_versions[trajectory.prompt_length:])
+    return out
+
+
+def _runs(values):
+    """[3, 3, -1] -> [[3, 2], [-1, 1]]."""
+    out = []
+    for value in values:
+        if out and out[-1][0] == value:
+            out[-1][1] += 1
+        else:
+            out.append([value, 1])
+    return out
 
 
 @hookimpl

@@ -40,3 +40,6 @@ def parse(text: str) -> ParsedTurn:
     outside.append(rest)
     content = "".join(outside).strip()
     return ParsedTurn(content=content or None, tool_calls=calls)
+
+
+parse.stream_start = OPEN  # streamed answers send content up to a tool call (rlhf.core.protocols.tool_parser)

@@ -8,18 +8,24 @@ the `TrajectoryRecord` that records it token for token (`rlhf.runtime.agents.rec
 
     POST /t/<id>/v1/chat/completions   messages (system, user, assistant, tool), tools, tool_choice
                                        auto/none, max_tokens / max_completion_tokens, stop, logprobs /
-                                       top_logprobs (the sampled token's only), stream
-    POST /t/<id>/v1/completions        prompt as text or token ids (the response adds token ids)
+                                       top_logprobs (k <= 20), stream
+    POST /t/<id>/v1/completions        prompt as text or token ids (the response adds token ids),
+                                       logprobs (true or k), stream
     GET  /t/<id>/v1/models
 
 The run's sampling settings always apply (`rlhf.runtime.agents.requests.check_sampling`); each
 request samples from a random stream seeded by the rollout's seed, the trajectory's index and the
-request's ordinal in that trajectory.
+request's ordinal in that trajectory. A streamed answer (`AgentEndpoint._stream`) sends text
+deltas as the engine samples each token (``generate_one``'s optional ``on_token``; `TextStream`
+holds back what may still change), ``top_logprobs`` come from the engine's sampling distribution
+(``generate_one``'s optional ``top_logprobs``); an engine without them streams the whole answer at
+its end and reports the sampled token alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import secrets
@@ -32,7 +38,8 @@ from rlhf.core.protocols.agent import Endpoint
 from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.runtime.agents.recording import Prompt, TrajectoryRecord
 from rlhf.runtime.agents.requests import (BadRequest, RunSampling, budget, check_messages, check_sampling,
-                                          check_tools, prompt_of, stop_strings)
+                                          check_tools, legacy_top_logprobs, prompt_of, stop_strings, top_logprobs)
+from rlhf.runtime.agents.streaming import TextStream
 from rlhf.runtime.agents.template import ChatTemplate
 
 
@@ -62,6 +69,7 @@ class AgentEndpoint:
         self.engine, self.parser, self.run, self.model_name = engine, parser, run, model_name
         self.template = ChatTemplate(tokenizer, getattr(engine, "eos_ids", None))
         self.continuous = continuous
+        self.offers = engine_offers(engine) if continuous else {"on_token": False, "top_logprobs": False}
         self.key = "rlhf-" + secrets.token_urlsafe(24)
         self.open_trajectories: dict[str, _Open] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -211,14 +219,28 @@ class AgentEndpoint:
         messages = check_messages(body)
         tools, parse_tools = check_tools(body)
         stops = stop_strings(body)
-        stream = bool(body.get("stream"))
+        top = top_logprobs(body)
         try:
             prompt = opened.record.chat_prompt(messages, tools)
         except Exception as exc:  # a template that cannot render these messages
             raise BadRequest(f"the policy's chat template cannot render these messages: {type(exc).__name__}: "
                              f"{exc}", code="template_error") from None
         extra_stop = (self.template.marker,) if self.template.marker and not self.template.marker_is_eos else ()
-        generation = await self._generate(opened, prompt, body, stops + extra_stop)
+        params = self._params(opened, prompt, body, stops + extra_stop)
+        ident, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+        if body.get("stream"):
+            return lambda request: self._stream(request, opened, prompt, params, body, Turn(
+                stops=stops, parse_tools=parse_tools, top=top, ident=ident, created=created))
+        generation = await self._generate(opened, prompt, params, top=top)
+        reply, finish, logprobs, usage = self._chat_reply(opened, prompt, generation, body, stops, parse_tools, top)
+        return {"id": ident, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": logprobs}],
+                "usage": usage}
+
+    def _chat_reply(self, opened: _Open, prompt: Prompt, generation: Any, body: dict[str, Any],
+                    stops: tuple[str, ...], parse_tools: bool, top: int) -> tuple[dict, str, dict | None, dict]:
+        """A chat completion's message (content and tool calls, parsed), recorded; its finish reason,
+        log-probs (when asked for) and usage."""
         ids = generation.token_ids
         text = self._visible_text(ids, generation.stop_string if generation.stop_string in stops else None)
         parsed = self.parser(text) if parse_tools else None
@@ -229,48 +251,70 @@ class AgentEndpoint:
         reply = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         finish = "tool_calls" if calls else ("length" if generation.finish_reason == "length" else "stop")
         opened.record.record(prompt, ids, generation.logprobs, reply, finish)
-        logprobs = self._chat_logprobs(ids, generation.logprobs, body) if body.get("logprobs") else None
+        logprobs = self._chat_logprobs(ids, generation, top) if body.get("logprobs") else None
         usage = {"prompt_tokens": len(prompt.ids) - len(ids), "completion_tokens": len(ids),
                  "total_tokens": len(prompt.ids)}
-        ident, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-        if stream:
-            return lambda request: self._stream(request, ident, created, reply, finish, logprobs, usage)
-        return {"id": ident, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": logprobs}],
-                "usage": usage}
+        return reply, finish, logprobs, usage
 
     async def _text_completion(self, opened: _Open, body: dict[str, Any]) -> Any:
         check_sampling(body, self.run)
-        if body.get("stream"):
-            raise BadRequest("stream: /v1/completions answers in one piece; use /v1/chat/completions to stream")
         ids_in = prompt_of(body, self.template.ids)
         stops = stop_strings(body)
+        top = legacy_top_logprobs(body)
         prompt = opened.record.token_prompt(ids_in)
-        generation = await self._generate(opened, prompt, body, stops)
+        params = self._params(opened, prompt, body, stops)
+        ident, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+        if body.get("stream"):
+            return lambda request: self._stream(request, opened, prompt, params, body, Turn(
+                stops=stops, parse_tools=False, top=top, ident=ident, created=created, chat=False))
+        generation = await self._generate(opened, prompt, params, top=top)
+        text, finish, logprobs, usage = self._text_reply(opened, prompt, generation, body, top)
+        choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": list(generation.token_ids),
+                  "prompt_token_ids": list(ids_in), "logprobs": logprobs}
+        return {"id": ident, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": [choice], "usage": usage}
+
+    def _text_reply(self, opened: _Open, prompt: Prompt, generation: Any, body: dict[str, Any],
+                    top: int) -> tuple[str, str, dict | None, dict]:
+        """A text completion's text, recorded; its finish reason, log-probs (legacy shape) and usage."""
         ids = generation.token_ids
         text = self._visible_text(ids, generation.stop_string)
         finish = "length" if generation.finish_reason == "length" else "stop"
         opened.record.record(prompt, ids, generation.logprobs, None, finish)
-        choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": list(ids),
-                  "prompt_token_ids": list(ids_in),
-                  "logprobs": {"tokens": [self.template.decode([i]) for i in ids],
-                               "token_logprobs": list(generation.logprobs or [])} if body.get("logprobs") else None}
-        return {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice],
-                "usage": {"prompt_tokens": len(ids_in), "completion_tokens": len(ids),
-                          "total_tokens": len(ids_in) + len(ids)}}
+        logprobs = None
+        if body.get("logprobs"):
+            alternatives = generation.extra.get("top_logprobs") if top else None
+            logprobs = {"tokens": [self.template.decode([i]) for i in ids],
+                        "token_logprobs": list(generation.logprobs or []),
+                        **({"top_logprobs": [{self.template.decode([i]): lp for i, lp in a[:top]}
+                                             for a in alternatives]} if alternatives is not None else {})}
+        prompt_tokens = len(prompt.ids) - len(ids)
+        return text, finish, logprobs, {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+                                        "total_tokens": prompt_tokens + len(ids)}
 
-    async def _generate(self, opened: _Open, prompt: Prompt, body: dict[str, Any], stops: tuple[str, ...]) -> Any:
+    def _params(self, opened: _Open, prompt: Prompt, body: dict[str, Any], stops: tuple[str, ...]) -> SamplingParams:
+        """The request's sampling: the run's settings, its budget and the seed of its ordinal."""
         try:
             limit = budget(body, len(prompt.ids), self.run)
-            ordinal, opened.ordinal = opened.ordinal, opened.ordinal + 1
-            params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
-                                    top_k=self.run.top_k, repetition_penalty=self.run.repetition_penalty,
-                                    stop=stops, return_logprobs=True,
-                                    seed=request_seed(opened.rollout_seed, opened.index, ordinal))
+        except BaseException:
+            opened.record.abandon(prompt)
+            raise
+        ordinal, opened.ordinal = opened.ordinal, opened.ordinal + 1
+        return SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
+                              top_k=self.run.top_k, repetition_penalty=self.run.repetition_penalty,
+                              stop=stops, return_logprobs=True,
+                              seed=request_seed(opened.rollout_seed, opened.index, ordinal))
+
+    async def _generate(self, opened: _Open, prompt: Prompt, params: SamplingParams, *, on_token: Any = None,
+                        top: int = 0) -> Any:
+        """The completion of ``prompt``; ``on_token(id, logprob, alternatives)`` as tokens are sampled and
+        ``top`` alternatives per token where the engine offers them (`engine_offers`)."""
+        try:
             ids = list(prompt.ids)
             if self.continuous:
-                work = self.engine.generate_one(ids, params)
+                extra = {**({"on_token": on_token} if on_token is not None and self.offers["on_token"] else {}),
+                         **({"top_logprobs": top} if top and self.offers["top_logprobs"] else {})}
+                work = self.engine.generate_one(ids, params, **extra)
             else:
                 work = asyncio.get_running_loop().run_in_executor(None, self._generate_alone, ids, params)
             task = asyncio.ensure_future(work)
@@ -295,34 +339,117 @@ class AgentEndpoint:
                 text = text[:-len(cut)]
         return text
 
-    def _chat_logprobs(self, ids: list[int], logprobs: list[float] | None, body: dict[str, Any]) -> dict[str, Any]:
-        top = body.get("top_logprobs") or 0
+    def _chat_logprobs(self, ids: list[int], generation: Any, top: int) -> dict[str, Any]:
+        """OpenAI's ``logprobs.content``: each token's log-prob and, with ``top_logprobs`` k, the k most
+        likely tokens of the distribution it was sampled from (the engine's, where it offers them;
+        else the sampled token alone)."""
+        alternatives = generation.extra.get("top_logprobs") if top else None
         content = []
-        for token, logprob in zip(ids, logprobs or [0.0] * len(ids)):
-            text = self.template.decode([token])
-            entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-            content.append({**entry, "top_logprobs": [dict(entry)] if top else []})
+        for index, (token, logprob) in enumerate(zip(ids, generation.logprobs or [0.0] * len(ids))):
+            entry = self._logprob_entry(token, logprob)
+            if not top:
+                tops = []
+            elif alternatives is not None and index < len(alternatives):
+                tops = [self._logprob_entry(i, lp) for i, lp in alternatives[index][:top]]
+            else:
+                tops = [dict(entry)]
+            content.append({**entry, "top_logprobs": tops})
         return {"content": content}
 
-    async def _stream(self, request: Any, ident: str, created: int, reply: dict, finish: str,
-                      logprobs: dict | None, usage: dict) -> Any:
+    def _logprob_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.template.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    async def _stream(self, request: Any, opened: _Open, prompt: Prompt, params: SamplingParams,
+                      body: dict[str, Any], turn: Turn) -> Any:
+        """A streamed chat completion (server-sent events): content deltas as the engine samples the
+        tokens (where it offers ``on_token``; else the whole answer when it ends), then the tool
+        calls, log-probs and the finish reason."""
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
-        async def send(delta: dict, finish_reason: str | None, extra: dict | None = None) -> None:
-            chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                  **(extra or {})}]}
+        async def send(delta: dict, finish_reason: str | None = None, extra: dict | None = None) -> None:
+            if turn.chat:
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, **(extra or {})}
+            else:  # /v1/completions: text pieces
+                choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason,
+                          "logprobs": (extra or {}).get("logprobs")}
+            chunk = {"id": turn.ident, "object": "chat.completion.chunk" if turn.chat else "text_completion",
+                     "created": turn.created, "model": self.model_name, "choices": [choice]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
-        await send({"role": "assistant", "content": ""}, None)
-        if reply.get("content"):
-            await send({"content": reply["content"]}, None, {"logprobs": logprobs} if logprobs else None)
-        if reply.get("tool_calls"):
-            await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply["tool_calls"])]}, None)
-        await send({}, finish)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        text = TextStream(self.template, holdback=(*turn.stops, *(m for m in (self.template.marker,) if m)),
+                          tool_start=getattr(self.parser, "stream_start", None) if turn.parse_tools else None,
+                          streams=not turn.parse_tools or getattr(self.parser, "stream_start", None) is not None)
+        tokens: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._generate(opened, prompt, params, top=turn.top,
+                                                    on_token=lambda token, *_: tokens.put_nowait(token)))
+        try:
+            if turn.chat:
+                await send({"role": "assistant", "content": ""})
+            while not (task.done() and tokens.empty()):
+                getter = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                delta = text.add(getter.result())
+                if delta:
+                    await send({"content": delta})
+            try:
+                generation = task.result()
+            except BadRequest as exc:
+                opened.errors.append(f"{exc.status}: {exc.message}")
+                await response.write(f"data: {json.dumps(exc.body())}\n\n".encode())
+                await response.write_eof()
+                return response
+            if turn.chat:
+                reply, finish, logprobs, _ = self._chat_reply(opened, prompt, generation, body, turn.stops,
+                                                               turn.parse_tools, turn.top)
+            else:
+                content, finish, logprobs, _ = self._text_reply(opened, prompt, generation, body, turn.top)
+                reply = {"content": content}
+            content = reply.get("content") or ""
+            rest = content[len(text.sent):] if content.startswith(text.sent) else ""
+            if rest or logprobs:
+                await send({"content": rest} if rest else {}, None, {"logprobs": logprobs} if logprobs else None)
+            if reply.get("tool_calls"):
+                await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply["tool_calls"])]})
+            await send({}, finish)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except Exception as exc:  # the client left, or the engine failed: nothing of it may sample on
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            opened.errors.append(f"500: {type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                error = {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error",
+                                   "code": "engine_error", "param": None}}
+                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+                await response.write_eof()
         return response
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What a streamed chat completion needs besides its request."""
+
+    stops: tuple[str, ...]
+    parse_tools: bool
+    top: int
+    ident: str
+    created: int
+    chat: bool = True  # /v1/chat/completions (else /v1/completions)
+
+
+def engine_offers(engine: Any) -> dict[str, bool]:
+    """Which of ``generate_one``'s optional keywords the engine takes (`ContinuousEngine.generate_one`)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(engine.generate_one).parameters
+    except (AttributeError, TypeError, ValueError):
+        return {"on_token": False, "top_logprobs": False}
+    return {name: name in parameters for name in ("on_token", "top_logprobs")}

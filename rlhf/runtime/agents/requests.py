@@ -128,3 +128,25 @@ def prompt_of(body: dict[str, Any], tokenize: Any) -> list[int]:
                                                     for t in prompt):
         return list(prompt)
     raise BadRequest("prompt must be one non-empty string or one list of token ids")
+
+
+def top_logprobs(body: dict[str, Any]) -> int:
+    """``top_logprobs`` (0 to 20, as OpenAI takes it; it needs ``logprobs``)."""
+    top = body.get("top_logprobs")
+    if top is None:
+        return 0
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+        raise BadRequest(f"top_logprobs must be an integer from 0 to 20, got {top!r}")
+    if top and not body.get("logprobs"):
+        raise BadRequest("top_logprobs needs logprobs: true")
+    return top
+
+
+def legacy_top_logprobs(body: dict[str, Any]) -> int:
+    """``/v1/completions``' ``logprobs``: true/0 the sampled token's, an integer k also the k most likely (up to 20)."""
+    value = body.get("logprobs")
+    if value is None or isinstance(value, bool):
+        return 0
+    if not isinstance(value, int) or not 0 <= value <= 20:
+        raise BadRequest(f"logprobs must be true, false or an integer from 0 to 20, got {value!r}")
+    return value

@@ -96,8 +96,8 @@ class AgentRollout:
             rollout_logprobs=(list(sequence.logprobs) if ok else [0.0] * len(sequence.tokens)) if logprobs else None,
             finish_reason="length" if sequence.finish_reason == "length" else "stop",
             num_turns=len(sequence.checkpoints),
-            info={**info, "agent_token_origins": runs(sequence.origins),
-                  "agent_policy_versions": runs(sequence.versions)})
+            token_versions=[-1 if version is None else version for version in sequence.versions],
+            info={**info, "agent_token_origins": runs(sequence.origins)})
 
 
 def runs(labels: list[str]) -> list[list]:

@@ -221,15 +221,19 @@ class RunPlan(Plan):
     def _check_agent(self, world_size: int) -> None:
         """What ``--agent`` does not support yet, refused before anything is built."""
         config = self.config
-        for what, unsupported in (("--async", config.async_rollout), ("--runtime ray", config.runtime == "ray"),
-                                  ("several processes (torchrun)", world_size > 1),
-                                  (f"--env {config.env}", config.env != "single_turn"),
-                                  # an agent's segments take their trajectory's first-token advantage, where
-                                  # distillation's is per token
-                                  ("--teacher", bool(config.teacher))):
+        for what, unsupported, why in (
+                ("--runtime ray", config.runtime == "ray", "the agent talks to the endpoint in front of this "
+                                                           "process's engine"),
+                ("several processes (torchrun)", world_size > 1, "the agent talks to the endpoint in front of this "
+                                                                 "process's engine"),
+                (f"--env {config.env}", config.env != "single_turn", "an agent takes the environment's place (its "
+                                                                     "tools are its own code)")):
             if unsupported:
-                raise ConfigError(f"--agent with {what} is not supported yet: the agent talks to the endpoint "
-                                  "in front of this process's engine; drop one of them")
+                raise ConfigError(f"--agent with {what} is not supported yet: {why}; drop one of them")
+        if config.partial_rollouts:
+            raise ConfigError("--agent with --partial-rollouts is not supported yet: an agent's requests are served "
+                              "by one policy version per trajectory (--async --max-staleness K works); drop "
+                              "--partial-rollouts")
 
     def _check_ray(self) -> None:
         config = self.config

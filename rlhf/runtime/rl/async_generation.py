@@ -78,8 +78,9 @@ from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.rl.batches import BatchSteps, Prepared, Rolled
 from rlhf.runtime.rl.draw_order import ordered_draws
 from rlhf.runtime.rl.offpolicy.partial import PartialRollout, VersionPool, behaviour_logprobs, version_grid
-from rlhf.runtime.rl.offpolicy.schedule import StalenessError, VersionSchedule, check_staleness, runs
+from rlhf.runtime.rl.offpolicy.schedule import StalenessError, VersionSchedule, check_staleness
 from rlhf.runtime.run.threads import split_threads
+from rlhf.runtime.step.segments import record_behaviour
 
 STOP_TIMEOUT_S = 30.0  # how long `close` waits for a batch being generated to finish
 
@@ -199,7 +200,8 @@ class AsyncGeneration:
         prepared.metrics = {"async/staleness_mean": staleness, "async/staleness_max": staleness,
                             "async/wait_s": waited, "async/idle_s": prepared.idle_s,
                             "async/version": float(prepared.version)}
-        if self.schedule is not None:  # the per-token bound, asserted on the batch about to train
+        if self.schedule is not None or _has_token_versions(prepared.trajectories):
+            # the per-token bound (partial rollouts, an agent's tokens), asserted on the batch about to train
             prepared.metrics.update(check_staleness(step, policy_versions(prepared.trajectories, prepared.version),
                                                     self.staleness))
         return prepared
@@ -265,6 +267,10 @@ class AsyncGeneration:
         for thread in scorers:  # reward calls still running (a stuck one is abandoned at the deadline)
             thread.join(max(deadline - time.monotonic(), 0.0))
         self.threads_of_lanes, self.finisher = [], None
+        for lane in getattr(self, "lane_list", ()):  # what a copy started (--agent: its endpoint)
+            close = getattr(lane.copy, "close", None)
+            if close is not None:
+                close()
         if self.threads is not None and hasattr(self, "trainer_threads"):
             torch.set_num_threads(self.trainer_threads)
 
@@ -296,12 +302,12 @@ class AsyncGeneration:
         tensors = torch.load(directory / "inflight.pt", weights_only=True)
         for row in rows:
             saved = tensors[str(row["step"])]
-            trajectories = [Trajectory(**t) for t in row["trajectories"]]
+            trajectories = [_trajectory(t) for t in row["trajectories"]]
             batch = collate(trajectories, pad_token_id=self.pad_token_id, rewards=saved["rewards"],
                             sample_mask=saved["sample_mask"])
             if "old_logprobs" in saved:
                 batch = replace(batch, old_logprobs=saved["old_logprobs"])
-            if self.schedule is not None:  # the bound holds across a resume: a smaller K refuses the batch
+            if self.schedule is not None or _has_token_versions(trajectories):  # the bound holds across a resume
                 try:
                     check_staleness(row["step"], policy_versions(trajectories, row["version"]), self.staleness)
                 except StalenessError as exc:
@@ -336,6 +342,8 @@ class AsyncGeneration:
                 with self.generating:
                     rolled = self.steps.end_rollout(self.steps.roll_out(step, self.copy.rollout, version))
                     behaviour = self.copy.logprobs(rolled.batch) if self.staleness > 0 else None
+                    if self.staleness > 0:
+                        record_behaviour(rolled.trajectories, self.pad_token_id, self.copy.logprobs)
                 self._score(rolled, version, idle, behaviour)
                 with self.cond:
                     self.next_rolled = step + 1
@@ -410,13 +418,10 @@ class AsyncGeneration:
 
     def _behaviour(self, rolled: Rolled, lane: _Lane, version: int) -> torch.Tensor | None:
         """(B, A) the behaviour log-probs: each token's under the version that sampled it (K > 0 only)."""
-        if self.schedule is not None:
-            for trajectory in rolled.trajectories:  # samples.jsonl: per completion token, [version, count] runs
-                if trajectory.token_versions is not None:
-                    trajectory.info["token_versions"] = runs(trajectory.token_versions[trajectory.prompt_length:])
         if self.staleness == 0:
             return None
         if self.schedule is None:
+            record_behaviour(rolled.trajectories, self.pad_token_id, lane.copy.logprobs)  # an agent's segments
             return lane.copy.logprobs(rolled.batch)
         batch = rolled.batch
         grid = version_grid(rolled.trajectories, batch.input_ids.shape[1], version)  # (B, A)
@@ -464,7 +469,9 @@ class AsyncGeneration:
                 prepared = self.steps.finish(flight.rolled, flight.result)
                 prepared.version, prepared.idle_s = flight.version, flight.idle_s
                 if flight.behaviour is not None:
-                    prepared.batch = replace(prepared.batch, old_logprobs=flight.behaviour)
+                    prepared.batch = replace(prepared.batch, old_logprobs=kept_rows(
+                        flight.behaviour, flight.rolled.trajectories, prepared.trajectories,
+                        prepared.batch.action_mask.shape[1]))
                 with self.cond:
                     del self.scoring[flight.rolled.step]
                 self._done(prepared)
@@ -510,6 +517,7 @@ class AsyncGeneration:
         prepared.version = version
         if self.staleness > 0:
             prepared.batch = replace(prepared.batch, old_logprobs=self.copy.logprobs(prepared.batch))
+            record_behaviour(prepared.trajectories, self.pad_token_id, self.copy.logprobs)  # an agent's segments
         return prepared
 
     def _failure(self) -> BaseException:
@@ -547,12 +555,29 @@ class _InFlight:
 
 
 def policy_versions(trajectories: list[Trajectory], version: int) -> list[list[int]]:
-    """Per trajectory, the version of each policy token (``version`` where the trajectory records none)."""
+    """Per row (each trajectory, then each of its segments), the version of each policy token
+    (``version`` where the row records none)."""
     out = []
-    for trajectory in trajectories:
+    for trajectory in [*trajectories, *(s for t in trajectories for s in t.segments)]:
         versions = trajectory.token_versions or [version] * len(trajectory.token_ids)
         out.append([v for v, m in zip(versions, trajectory.loss_mask) if m])
     return out
+
+
+def kept_rows(behaviour: torch.Tensor, rolled: list[Trajectory], kept: list[Trajectory], width: int) -> torch.Tensor:
+    """(B', A') the behaviour log-probs (B, A) of the rolled trajectories the batch kept, in its order
+    (failed groups leave a batch under --on-failure retry and drop), cut to the kept rows' width."""
+    rows = [next(i for i, t in enumerate(rolled) if t is trajectory) for trajectory in kept]
+    return behaviour[torch.tensor(rows, dtype=torch.long), :width]
+
+
+def _has_token_versions(trajectories: list[Trajectory]) -> bool:
+    return any(t.token_versions is not None for t in trajectories)
+
+
+def _trajectory(saved: dict[str, Any]) -> Trajectory:
+    """A trajectory of ``inflight.json`` (`dataclasses.asdict`'s dict, segments included)."""
+    return Trajectory(**{**saved, "segments": [_trajectory(s) for s in saved.get("segments", ())]})
 
 
 def async_batches(plan: RunPlan, steps: BatchSteps, rollout: RolloutRole, parts: AsyncParts | None,

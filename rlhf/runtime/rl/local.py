@@ -268,6 +268,10 @@ class LocalPolicyCopy:
     def load(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
 
+    def close(self) -> None:
+        """Stop what the copy's rollout started (``--agent``: its endpoint, which serves this copy)."""
+        self.rollout.close()
+
     def logprobs(self, batch: Any) -> torch.Tensor:
         return self.policy.logprobs_under(self.model, batch)
 
@@ -307,8 +311,11 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
         async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,
                                                                                                     tokenizer)),
-                         # lanes copy the policy module: only for engines that sample from it in place
-                         rollouts_overlap=config.max_turns > 1 and plan.env_capability("multi_turn")
+                         # lanes copy the policy module: only for engines that sample from it in place;
+                         # an agent's rollout, like a multi-turn one, draws only its seed (each lane's copy
+                         # serves its trajectories through an endpoint of its own)
+                         rollouts_overlap=(bool(config.agent) or config.max_turns > 1
+                                           and plan.env_capability("multi_turn"))
                          and rollout.engine.shares_weights
                          and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens),
                                                   declared=rollout.continuous_batching),

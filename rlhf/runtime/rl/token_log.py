@@ -86,11 +86,8 @@ def token_record(trajectory: Trajectory, batch: ExperienceBatch, row: int, *, st
     origins = trajectory.info.get("agent_token_origins")
     record["origins"] = (runs(expand(origins)[start:]) if origins
                          else runs(["model" if m else "env" for m in mask]))
-    versions = trajectory.token_versions
-    if versions is None and trajectory.info.get("agent_policy_versions"):
-        versions = expand(trajectory.info["agent_policy_versions"])
-    if versions is not None:
-        record["versions"] = runs(list(versions[start:]))
+    if trajectory.token_versions is not None:
+        record["versions"] = runs(list(trajectory.token_versions[start:]))
     return record
 
 

@@ -161,7 +161,8 @@ class Trainer(SteppedLoop):
                                          metadata=[row_metadata(t) for t in trajectories], teacher=w.teacher)
             batch = with_segments(batch, trajectories, pad_token_id=w.pad_token_id, policy=w.policy,
                                   reference=w.reference, critic=w.critic,
-                                  kl_estimator=self.plan.algorithm.kl_estimator)  # --agent branches
+                                  kl_estimator=self.plan.algorithm.kl_estimator, teacher=w.teacher,
+                                  teacher_coef=self.experience.teacher_coef)  # --agent branches
             self.tokens.write(run, step, trajectories, batch)  # --log-tokens: rlhf view's token view
         with timer("train"):
             frozen = step < self.config.freeze_actor_steps  # critic warm-up: the policy waits

@@ -11,8 +11,14 @@ baseline is over trajectories, not sequences). Then each extra sequence of traje
 where t0 is the first action token of trajectory i's own row: the trajectory's sequence-level
 advantage (for outcome estimators, grpo, dr_grpo, rloo, reinforce_pp_baseline with KL in the loss,
 the value on every one of its tokens; with per-token advantages, a critic or KL in the reward, the
-segment gets the first token's on all of its tokens). Its old and reference log-probs, values and
-KL are computed like the other rows'. ``trajectory_index`` says whose row each is, so minibatches
+segment gets the first token's on all of its tokens). With ``--teacher`` (on-policy distillation)
+the teacher's per-token term is the segment's own: the task's advantage as above (the trajectory's
+first-token advantage less the teacher's term there) plus −λ · m_t · (old_t − tea_t) on each of the
+segment's tokens, the teacher scoring the segment's tokens. Its old and reference log-probs, values and
+KL are computed like the other rows', except its old (behaviour) log-probs under ``--async`` with
+K > 0: the producer computes them with the policy copy that sampled the trajectory, beside its
+batch's (`record_behaviour`, kept on the segment as ``behaviour_logprobs``), since the rows are made
+after the weights moved on. ``trajectory_index`` says whose row each is, so minibatches
 take a trajectory's rows together and count trajectories (`rlhf.runtime.step.micro_batches.minibatches`).
 
 The loss aggregation counts a segment row like any row (`rlhf.core.types.LossNorm`): with
@@ -29,16 +35,19 @@ from typing import Any
 
 import torch
 
+from rlhf.algorithms.distillation import teacher_advantages
 from rlhf.algorithms.training_loss import clamped_kl
 from rlhf.core.batch import ExperienceBatch, collate
 from rlhf.core.types import Trajectory
 
 
 def with_segments(batch: ExperienceBatch, trajectories: list[Trajectory], *, pad_token_id: int, policy: Any,
-                  reference: Any = None, critic: Any = None, kl_estimator: Any = None) -> ExperienceBatch:
+                  reference: Any = None, critic: Any = None, kl_estimator: Any = None, teacher: Any = None,
+                  teacher_coef: float = 1.0) -> ExperienceBatch:
     """``batch`` (a row per trajectory, advantages made) with a row appended for every segment of
     every trajectory; unchanged when no trajectory has segments. ``kl_estimator``: the run's, for
-    the segments' KL when the batch has KL (clamped as the experience maker's)."""
+    the segments' KL when the batch has KL (clamped as the experience maker's); ``teacher`` and
+    ``teacher_coef`` (λ): the run's ``--teacher``, when the batch has its log-probs."""
     owners = [row for row, trajectory in enumerate(trajectories) for _ in trajectory.segments]
     if not owners:
         return batch
@@ -49,15 +58,49 @@ def with_segments(batch: ExperienceBatch, trajectories: list[Trajectory], *, pad
     if batch.rollout_logprobs is None:
         extra = replace(extra, rollout_logprobs=None)
     extra = replace(extra, group_index=batch.group_index[rows])
-    old = policy.logprobs(extra) if batch.old_logprobs is not None else None  # (E, A')
+    segments = [s for t in trajectories for s in t.segments]
+    old = None
+    if batch.old_logprobs is not None:
+        recorded = all(s.behaviour_logprobs is not None for s in segments)
+        old = _per_position([s.behaviour_logprobs for s in segments], extra) if recorded else policy.logprobs(extra)
     ref = reference.logprobs(extra) if batch.ref_logprobs is not None else None  # (E, A')
     values = critic.values(extra) if batch.values is not None else None  # (E, A')
-    extra = replace(extra, old_logprobs=old, ref_logprobs=ref, values=values,
+    tea = teacher.logprobs(extra) if batch.teacher_logprobs is not None else None  # (E, A')
+    task = batch.advantages  # (B, A)
+    if tea is not None:  # the trajectories' rows hold the task's advantage plus the teacher's own term per token
+        task = task - teacher_advantages(batch.old_logprobs, batch.teacher_logprobs, batch.loss_mask,
+                                         coef=teacher_coef).to(task.dtype)  # (B, A)
+    advantages = _first_action(task, batch.action_mask)[rows, None] * extra.action_mask  # (E, A')
+    if tea is not None:  # each segment token's own teacher term, its loss mask as everywhere
+        advantages = advantages + teacher_advantages(old, tea, extra.loss_mask, coef=teacher_coef).to(advantages.dtype)
+    extra = replace(extra, old_logprobs=old, ref_logprobs=ref, values=values, teacher_logprobs=tea,
                     kl=clamped_kl(kl_estimator, old, ref, mask=extra.action_mask) if batch.kl is not None else None,
-                    advantages=_first_action(batch.advantages, batch.action_mask)[rows, None] * extra.action_mask,
+                    advantages=advantages,
                     returns=_first_action(batch.returns, batch.action_mask)[rows, None] * extra.action_mask)
     index = torch.cat([torch.arange(batch.size), rows])  # (B + E,)
     return replace(concat(batch, extra, pad_token_id), trajectory_index=index)
+
+
+def record_behaviour(trajectories: list[Trajectory], pad_token_id: int, logprobs: Any) -> None:
+    """``--async`` with K > 0: each segment's behaviour log-probs, ``logprobs(batch)`` (E, A') under
+    the policy copy that sampled its trajectory, kept per token on the segment (0.0 at token 0, as
+    ``rollout_logprobs``)."""
+    segments = [s for t in trajectories for s in t.segments]
+    if not segments:
+        return
+    rows = collate(segments, pad_token_id=pad_token_id, rewards=torch.zeros(len(segments)),
+                   sample_mask=torch.ones(len(segments)))
+    values = logprobs(rows)  # (E, A')
+    for row, segment in enumerate(segments):
+        segment.behaviour_logprobs = [0.0] + values[row, : len(segment.token_ids) - 1].tolist()
+
+
+def _per_position(per_token: list[list[float]], extra: ExperienceBatch) -> torch.Tensor:
+    """Per-token lists (token t's at index t) as (E, A') tensors: position t holds token t + 1's."""
+    out = torch.zeros(extra.action_mask.shape, dtype=torch.float32)  # (E, A')
+    for row, values in enumerate(per_token):
+        out[row, : len(values) - 1] = torch.tensor(values[1:], dtype=torch.float32)
+    return out
 
 
 def _first_action(values: torch.Tensor | None, action_mask: torch.Tensor) -> torch.Tensor:
