@@ -60,12 +60,26 @@ def cpu_flags() -> str:
     return " ".join(flag for flag in wanted if f" {flag}" in flags)
 
 
-def side_env(args: argparse.Namespace, side: str) -> dict[str, str]:
+def parse_side(spec: str) -> tuple[str, dict[str, str]]:
+    """``rlhf`` or a variant ``rlhf:mmap=33554432,cpu-linear=onednn``: the worker's side and its settings."""
+    name, _, rest = spec.partition(":")
+    if name not in SIDES:
+        raise SystemExit(f"unknown side {spec!r}: one of {', '.join(SIDES)}, optionally with :mmap=BYTES,cpu-linear=MODE")
+    settings = dict(item.split("=", 1) for item in rest.split(",") if item)
+    unknown = set(settings) - {"mmap", "cpu-linear"}
+    if unknown:
+        raise SystemExit(f"side {spec!r}: unknown setting {', '.join(sorted(unknown))} (mmap, cpu-linear)")
+    return name, settings
+
+
+def side_env(args: argparse.Namespace, spec: str) -> dict[str, str]:
+    side, settings = parse_side(spec)
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    if args.mmap_threshold != "default":
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    threshold = settings.get("mmap", args.mmap_threshold)
+    if threshold != "default":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
     else:
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if side in ("rlhf", "floor"):
@@ -73,13 +87,14 @@ def side_env(args: argparse.Namespace, side: str) -> dict[str, str]:
     return env
 
 
-def run_side(args: argparse.Namespace, job: str, side: str, steps: int, out: Path) -> dict[str, Any]:
+def run_side(args: argparse.Namespace, job: str, spec: str, steps: int, out: Path) -> dict[str, Any]:
+    side, settings = parse_side(spec)
     python = args.trl_python if side == "trl" else args.rlhf_python
     command = [python, str(WORKER), "run", "--side", side, "--job", job, "--work-dir", str(args.work_dir),
-               "--steps", str(steps), "--cpu-linear", args.cpu_linear, "--out", str(out)]
+               "--steps", str(steps), "--cpu-linear", settings.get("cpu-linear", args.cpu_linear), "--out", str(out)]
     log = out.with_suffix(".log")
     with log.open("w") as handle:
-        code = subprocess.call(command, env=side_env(args, side), stdout=handle, stderr=subprocess.STDOUT)
+        code = subprocess.call(command, env=side_env(args, spec), stdout=handle, stderr=subprocess.STDOUT)
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
         raise SystemExit(f"{side} on {job} failed (exit {code}); the end of {log}:\n{tail}")
@@ -116,9 +131,29 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ratio_line(name: str, num: dict[str, Any], den: dict[str, Any], num_runs: list, den_runs: list) -> str:
-    """num / den of the median CPU s/step, with the min-max of the per-round ratios."""
+    """num / den of the median CPU s/step, with the min-max of the per-round ratios, and of the peak RSS."""
     per_round = [statistics.median(a["cpu"][1:]) / statistics.median(b["cpu"][1:]) for a, b in zip(num_runs, den_runs)]
-    return f"{name} {num['cpu'] / den['cpu']:.2f} ({min(per_round):.2f}-{max(per_round):.2f})"
+    return (f"{name} {num['cpu'] / den['cpu']:.2f} ({min(per_round):.2f}-{max(per_round):.2f}), "
+            f"peak RSS {num['peak_rss_mb'] / den['peak_rss_mb']:.2f}")
+
+
+def slug(spec: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in spec)
+
+
+def ratio_pairs(sides: list[str]) -> list[tuple[str, str]]:
+    """(numerator, denominator) for every two sides: the floor is always the denominator, else the
+    later side over the earlier (trl/rlhf with the default order)."""
+    pairs = []
+    for i, first in enumerate(sides):
+        for second in sides[i + 1:]:
+            if first.startswith("floor"):
+                pairs.append((second, first))
+            elif second.startswith("floor"):
+                pairs.append((first, second))
+            else:
+                pairs.append((second, first))
+    return sorted(pairs, key=lambda pair: pair[1].startswith("floor"))
 
 
 def main() -> None:
@@ -138,7 +173,7 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a label for this measurement in the JSON file")
     args = parser.parse_args()
     jobs, sides = args.jobs.split(","), args.sides.split(",")
-    if "trl" in sides and not args.trl_python:
+    if any(parse_side(side)[0] == "trl" for side in sides) and not args.trl_python:
         parser.error("the trl side needs --trl-python (an interpreter whose environment has trl; see benchmarks/README.md)")
     args.work_dir = Path(args.work_dir)
     steps = {job: args.steps or __import__("bench_worker", fromlist=["JOBS"]).JOBS[job]["steps"] for job in jobs}
@@ -161,7 +196,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = sides[round_ % len(sides):] + sides[:round_ % len(sides)]
             for side in order:
-                run = run_side(args, job, side, steps[job], runs_dir / f"{job}-{side}-{round_}.json")
+                run = run_side(args, job, side, steps[job], runs_dir / f"{job}-{slug(side)}-{round_}.json")
                 results[side].append(run)
                 print(f"  {job} round {round_ + 1} {side:>5}: {statistics.median(run['cpu'][1:]):.3f} CPU s/step, "
                       f"peak {run['peak_rss_mb']:.0f} MB, load {run['load'][1][0]:.1f}", flush=True)
@@ -176,9 +211,7 @@ def main() -> None:
             if s["foreign_imports"]:
                 print(f"  {side} imported {s['foreign_imports']}: the sides were not separate")
         lines, verdicts = [], {}
-        for num, den in (("trl", "rlhf"), ("rlhf", "floor"), ("trl", "floor")):
-            if num not in stats or den not in stats:
-                continue
+        for num, den in ratio_pairs(sides):
             differs = equal_work(results[num][0], results[den][0]) or next(
                 (d for a, b in zip(results[num], results[den]) if (d := equal_work(a, b))), None)
             if differs:
