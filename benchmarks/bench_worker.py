@@ -42,9 +42,10 @@ sys.path.insert(0, str(HERE))
 import benchlib  # noqa: E402  (imports no rlhf, no torch at module level)
 
 SEED = 0
-GRPO = dict(prompts=8, n=4, max_new_tokens=64, micro_batch_size=8, lr=1e-4, reward="count_a_dense")
+GRPO = dict(prompts=8, n=4, max_new_tokens=64, micro_batch_size=8, lr=1e-4, reward="count_a_dense", lora_rank=0)
 OFFLINE = dict(batch_size=32, micro_batch_size=8, lr=1e-4, beta=0.1)
 JOBS: dict[str, dict[str, Any]] = {
+    "grpo": dict(kind="grpo", model="small", steps=3),  # benchmarks/scale.py's points: shape from --set
     "grpo-small": dict(kind="grpo", model="small", steps=5),
     "grpo-vocab152k": dict(kind="grpo", model="vocab152k", steps=3),
     "dpo": dict(kind="dpo", model="small", steps=5),
@@ -77,10 +78,8 @@ def offline_rows(job: str, rows: int) -> list[dict[str, str]]:
 def job_files(root: Path, job: str) -> dict[str, Path]:
     spec = JOBS[job]
     if spec["kind"] == "grpo":
-        hidden, layers, vocab = benchlib.MODELS[spec["model"]]
-        tied = "-tied" if spec["model"] in benchlib.TIED else ""
-        return {"model": root / f"{spec['model']}-h{hidden}-l{layers}-v{vocab}{tied}-noeos",
-                "data": root / "prompts.jsonl", "reward": root / "count_a.py"}
+        return {"model": benchlib.model_path(spec["model"], root), "data": root / "prompts.jsonl",
+                "reward": root / "count_a.py"}
     kind = spec["kind"]
     return {"model": offline_model_dir(root), "data": root / f"offline-{kind}.jsonl",
             "order": root / f"offline-{kind}-order.json"}
@@ -175,7 +174,7 @@ def run_rlhf(job: str, root: Path, steps: int, args: argparse.Namespace, clock: 
             max_new_tokens=GRPO["max_new_tokens"], micro_batch_size=GRPO["micro_batch_size"], steps=steps,
             lr=GRPO["lr"], adam_betas="0.9,0.95", weight_decay=0.0, max_grad_norm=1.0, lr_scheduler="constant",
             clip_low=0.2, clip_high=0.2, temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=SEED,
-            cpu_linear=args.cpu_linear, threads=1))
+            cpu_linear=args.cpu_linear, threads=1, **({"lora_rank": GRPO["lora_rank"]} if GRPO["lora_rank"] else {})))
         clock.start()
         train(config, plugins=plugins)
     else:
@@ -247,6 +246,11 @@ def run_trl(job: str, root: Path, steps: int, args: argparse.Namespace, clock: C
         prompts = [json.loads(line) for line in files["data"].read_text().splitlines()]
         trainer_class = GRPOTrainer
         kwargs = dict(reward_funcs=getattr(reward_module, GRPO["reward"]), train_dataset=Dataset.from_list(prompts))
+        if GRPO["lora_rank"]:  # rlhf's LoRA: every linear layer but the output head, alpha 16, no dropout
+            from peft import LoraConfig
+
+            kwargs["peft_config"] = LoraConfig(r=GRPO["lora_rank"], lora_alpha=16, lora_dropout=0.0,
+                                               target_modules="all-linear", task_type="CAUSAL_LM")
     else:
         rows = [json.loads(line) for line in files["data"].read_text().splitlines()]
         order = [i for step in json.loads(files["order"].read_text()) for i in step]
@@ -306,6 +310,8 @@ def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec, files = JOBS[job], job_files(root, job)
+    if GRPO["lora_rank"]:
+        raise SystemExit("the floor has no LoRA variant: leave the floor out of LoRA points")
     model = AutoModelForCausalLM.from_pretrained(files["model"])
     tokenizer = AutoTokenizer.from_pretrained(files["model"])
     lr = GRPO["lr"] if spec["kind"] == "grpo" else OFFLINE["lr"]
@@ -328,7 +334,8 @@ def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock:
         pad = tokenizer.pad_token_id
         mb, new = GRPO["micro_batch_size"], GRPO["max_new_tokens"]
         for step in range(steps):
-            group = [tokenizer(p)["input_ids"] for p in prompts[step * GRPO["prompts"]:(step + 1) * GRPO["prompts"]]]
+            group = [tokenizer(prompts[(step * GRPO["prompts"] + i) % len(prompts)])["input_ids"]
+                     for i in range(GRPO["prompts"])]
             rows = [ids for ids in group for _ in range(GRPO["n"])]
             width = max(map(len, rows))
             ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # (B, P) left padded
@@ -432,6 +439,21 @@ def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock:
 
 # ---------------------------------------------------------------------------------------------- main
 
+def apply_overrides(text: str) -> None:
+    """``model=NAME`` for every GRPO job; the other keys change `GRPO` (integers)."""
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key == "model":
+            for spec in JOBS.values():
+                if spec["kind"] == "grpo":
+                    spec["model"] = value
+        elif key in GRPO and key not in ("reward", "lr"):
+            GRPO[key] = int(value)
+        else:
+            raise SystemExit(f"--set: unknown key {key!r} (model, prompts, n, max_new_tokens, micro_batch_size, "
+                             "lora_rank)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["prepare", "run"])
@@ -441,11 +463,16 @@ def main() -> None:
     parser.add_argument("--side", choices=["rlhf", "trl", "floor"])
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--cpu-linear", default="torch", choices=["auto", "torch", "onednn"])
+    parser.add_argument("--set", default="", help="GRPO shape overrides, e.g. model=small2k,n=8,max_new_tokens=512,"
+                                                  "prompts=2,micro_batch_size=8,lora_rank=16")
     parser.add_argument("--out")
     args = parser.parse_args()
     root = Path(args.work_dir)
+    apply_overrides(args.set)
     if args.command == "prepare":
         jobs = args.jobs.split(",")
+        if GRPO["prompts"] * GRPO["n"] % GRPO["micro_batch_size"]:
+            raise SystemExit("micro_batch_size must divide prompts x n")
         prepare(root, jobs, {job: args.steps or JOBS[job]["steps"] for job in jobs})
         return
     threads = benchlib.setup_environment(1)

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bench_worker.py"
 ROOT = HERE.parent
 SIDES = ("rlhf", "trl", "floor")
-JOBS = ("grpo-small", "grpo-vocab152k", "dpo", "sft", "sft-packing")
+JOBS = ("grpo-small", "grpo-vocab152k", "dpo", "sft", "sft-packing", "grpo")
 WORK_KEYS = ("samples", "generated_tokens", "trained_samples", "trained_tokens")
 
 
@@ -91,7 +91,8 @@ def run_side(args: argparse.Namespace, job: str, spec: str, steps: int, out: Pat
     side, settings = parse_side(spec)
     python = args.trl_python if side == "trl" else args.rlhf_python
     command = [python, str(WORKER), "run", "--side", side, "--job", job, "--work-dir", str(args.work_dir),
-               "--steps", str(steps), "--cpu-linear", settings.get("cpu-linear", args.cpu_linear), "--out", str(out)]
+               "--steps", str(steps), "--cpu-linear", settings.get("cpu-linear", args.cpu_linear), "--out", str(out),
+               "--set", args.set]
     log = out.with_suffix(".log")
     with log.open("w") as handle:
         code = subprocess.call(command, env=side_env(args, spec), stdout=handle, stderr=subprocess.STDOUT)
@@ -169,6 +170,8 @@ def main() -> None:
     parser.add_argument("--mmap-threshold", default="1048576",
                         help="MALLOC_MMAP_THRESHOLD_ for every side (bytes; 'default': unset, rlhf then sets its own)")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "rlhf-harness"))
+    parser.add_argument("--set", default="", help="GRPO shape overrides for every side (bench_worker.py --set), "
+                                                  "e.g. model=small2k,n=8,max_new_tokens=512")
     parser.add_argument("--json", default=None, help="write every run's figures here")
     parser.add_argument("--label", default="", help="a label for this measurement in the JSON file")
     args = parser.parse_args()
@@ -178,7 +181,7 @@ def main() -> None:
     args.work_dir = Path(args.work_dir)
     steps = {job: args.steps or __import__("bench_worker", fromlist=["JOBS"]).JOBS[job]["steps"] for job in jobs}
     prepared = subprocess.call([args.rlhf_python, str(WORKER), "prepare", "--work-dir", str(args.work_dir),
-                                "--jobs", ",".join(jobs), "--steps", str(max(steps.values()))],
+                                "--jobs", ",".join(jobs), "--steps", str(max(steps.values())), "--set", args.set],
                                env=side_env(args, "rlhf"))
     if prepared:
         raise SystemExit("preparing the models and data failed")
@@ -188,9 +191,10 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  {cpu_model()} ({cpu_flags()}), {os.cpu_count()} cores, one torch "
           f"thread a side; load average {', '.join(f'{x:.2f}' for x in load[0])}")
     print(f"rlhf --cpu-linear {args.cpu_linear}; MALLOC_MMAP_THRESHOLD_ {args.mmap_threshold} on every side; "
-          f"{args.rounds} rounds, interleaved")
+          f"{args.rounds} rounds, interleaved{'; GRPO ' + args.set if args.set else ''}")
     report: dict[str, Any] = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "label": args.label,
-                              "cpu_linear": args.cpu_linear, "mmap_threshold": args.mmap_threshold, "jobs": {}}
+                              "cpu_linear": args.cpu_linear, "mmap_threshold": args.mmap_threshold, "set": args.set,
+                              "jobs": {}}
     for job in jobs:
         results: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         for round_ in range(args.rounds):
