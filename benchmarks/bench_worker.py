@@ -92,11 +92,14 @@ def prepare(root: Path, jobs: list[str], steps: dict[str, int]) -> None:
     from rlhf.runtime.fit.data import StepOrder
 
     root.mkdir(parents=True, exist_ok=True)
+    heap: dict[str, int] = {}
     for job in jobs:
         spec, files = JOBS[job], job_files(root, job)
+        heap[job] = rlhf_threshold(files["model"]) if spec["kind"] != "grpo" else 0
         if spec["kind"] == "grpo":
             assert benchlib.model_dir(spec["model"], root) == files["model"]
             benchlib.write_task(root)
+            heap[job] = rlhf_threshold(files["model"])
             continue
         if not (files["model"] / "config.json").is_file():
             hidden, layers, _ = benchlib.MODELS["small"]
@@ -107,6 +110,17 @@ def prepare(root: Path, jobs: list[str], steps: dict[str, int]) -> None:
         # rlhf takes step k's rows from StepOrder (a seeded shuffle); TRL and the floor take the same rows
         order = StepOrder(rows, OFFLINE["batch_size"], seed=SEED)
         files["order"].write_text(json.dumps([order.indices(k) for k in range(rows // OFFLINE["batch_size"])]))
+        heap[job] = rlhf_threshold(files["model"])
+    (root / "heap.json").write_text(json.dumps(heap))
+
+
+def rlhf_threshold(model: Path) -> int:
+    """The glibc mmap threshold rlhf's run prologue sets for ``model`` (rlhf.runtime.run.heap; an
+    rlhf without a per-model choice fixes 1 MiB)."""
+    from rlhf.runtime.run import heap
+
+    choose = getattr(heap, "threshold_for", None)
+    return choose(str(model)) if choose else heap.MMAP_THRESHOLD
 
 
 # ---------------------------------------------------------------------------------------------- clock

@@ -72,12 +72,15 @@ def parse_side(spec: str) -> tuple[str, dict[str, str]]:
     return name, settings
 
 
-def side_env(args: argparse.Namespace, spec: str) -> dict[str, str]:
+def side_env(args: argparse.Namespace, spec: str, job: str | None = None) -> dict[str, str]:
     side, settings = parse_side(spec)
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     threshold = settings.get("mmap", args.mmap_threshold)
+    if threshold == "rlhf":  # what rlhf's prologue picks for the job's model (bench_worker.py prepare)
+        threshold = json.loads((args.work_dir / "heap.json").read_text()).get(job) if job else None
+        threshold = "default" if threshold is None else threshold
     if threshold != "default":
         env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
     else:
@@ -95,7 +98,7 @@ def run_side(args: argparse.Namespace, job: str, spec: str, steps: int, out: Pat
                "--set", args.set]
     log = out.with_suffix(".log")
     with log.open("w") as handle:
-        code = subprocess.call(command, env=side_env(args, spec), stdout=handle, stderr=subprocess.STDOUT)
+        code = subprocess.call(command, env=side_env(args, spec, job), stdout=handle, stderr=subprocess.STDOUT)
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
         raise SystemExit(f"{side} on {job} failed (exit {code}); the end of {log}:\n{tail}")
@@ -167,8 +170,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's; the first is dropped)")
     parser.add_argument("--cpu-linear", default="torch", choices=["auto", "torch", "onednn"],
                         help="rlhf's --cpu-linear (torch: MKL's products, as TRL and the floor use)")
-    parser.add_argument("--mmap-threshold", default="1048576",
-                        help="MALLOC_MMAP_THRESHOLD_ for every side (bytes; 'default': unset, rlhf then sets its own)")
+    parser.add_argument("--mmap-threshold", default="rlhf",
+                        help="MALLOC_MMAP_THRESHOLD_ for every side: rlhf (the threshold rlhf's run prologue picks for "
+                             "the job's model, given to every side), bytes, or 'default' (unset: rlhf sets its own, "
+                             "the other sides keep glibc's dynamic threshold)")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "rlhf-harness"))
     parser.add_argument("--set", default="", help="GRPO shape overrides for every side (bench_worker.py --set), "
                                                   "e.g. model=small2k,n=8,max_new_tokens=512")
@@ -190,10 +195,13 @@ def main() -> None:
     load = [os.getloadavg()]
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  {cpu_model()} ({cpu_flags()}), {os.cpu_count()} cores, one torch "
           f"thread a side; load average {', '.join(f'{x:.2f}' for x in load[0])}")
-    print(f"rlhf --cpu-linear {args.cpu_linear}; MALLOC_MMAP_THRESHOLD_ {args.mmap_threshold} on every side; "
+    heap = json.loads((args.work_dir / "heap.json").read_text()) if (args.work_dir / "heap.json").is_file() else {}
+    print(f"rlhf --cpu-linear {args.cpu_linear}; MALLOC_MMAP_THRESHOLD_ {args.mmap_threshold} on every side "
+          f"{heap if args.mmap_threshold == 'rlhf' else ''}; "
           f"{args.rounds} rounds, interleaved{'; GRPO ' + args.set if args.set else ''}")
     report: dict[str, Any] = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "label": args.label,
-                              "cpu_linear": args.cpu_linear, "mmap_threshold": args.mmap_threshold, "set": args.set,
+                              "cpu_linear": args.cpu_linear, "mmap_threshold": args.mmap_threshold, "heap": heap,
+                              "set": args.set,
                               "jobs": {}}
     for job in jobs:
         results: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
