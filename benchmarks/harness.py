@@ -160,6 +160,27 @@ def ratio_pairs(sides: list[str]) -> list[tuple[str, str]]:
     return sorted(pairs, key=lambda pair: pair[1].startswith("floor"))
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """One table row per job: each side's median CPU s/step (min-max of its round medians) and peak
+    RSS, then the ratios (min-max of the per-round ratios) or why there is none."""
+    sides = [side for side in SIDES if any(side in job["sides"] for job in report["jobs"].values())]
+    head = (["job", "rounds x steps"] + [f"{side} CPU s/step" for side in sides] + [f"{side} peak MB" for side in sides]
+            + [pair for pair in ("trl/rlhf", "rlhf/floor", "trl/floor")
+               if all(part in sides for part in pair.split("/"))])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, job in report["jobs"].items():
+        cells = [f"`{name}`", f"{job['rounds']} x {job['steps'] - 1}"]
+        for side in sides:
+            s = job["sides"].get(side)
+            cells.append(f"{s['cpu']:.3f} ({min(s['cpu_rounds']):.3f}-{max(s['cpu_rounds']):.3f})" if s else "-")
+        cells += [f"{job['sides'][side]['peak_rss_mb']:,.0f}" if side in job["sides"] else "-" for side in sides]
+        for pair in head[2 + 2 * len(sides):]:
+            verdict = job["ratios"].get(pair, "-")
+            cells.append(verdict.split(" ", 1)[1].split(", peak")[0] if verdict.startswith(pair) else verdict)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rlhf-python", default=sys.executable, help="interpreter with rlhf (this checkout on its path)")
@@ -179,7 +200,11 @@ def main() -> None:
                                                   "e.g. model=small2k,n=8,max_new_tokens=512")
     parser.add_argument("--json", default=None, help="write every run's figures here")
     parser.add_argument("--label", default="", help="a label for this measurement in the JSON file")
+    parser.add_argument("--render", default=None, help="print the markdown table of a saved --json file, run nothing")
     args = parser.parse_args()
+    if args.render:
+        print(markdown(json.loads(Path(args.render).read_text())))
+        return
     jobs, sides = args.jobs.split(","), args.sides.split(",")
     if any(parse_side(side)[0] == "trl" for side in sides) and not args.trl_python:
         parser.error("the trl side needs --trl-python (an interpreter whose environment has trl; see benchmarks/README.md)")
@@ -241,6 +266,8 @@ def main() -> None:
     print(f"load average during the runs: {', '.join(f'{x[0]:.1f}' for x in load)} (1-minute, after each job)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    if all(side in SIDES for side in sides):
+        print(markdown(report))
 
 
 if __name__ == "__main__":
