@@ -171,8 +171,15 @@ def table(axis: str, found: list[dict]) -> str:
         if len(sides) > 1:
             a, b = row.get("rlhf"), row.get("trl")
             ok = a and b and not a.get("error") and not b.get("error")
-            cells.append(f"{b['cpu_s_per_step'] / a['cpu_s_per_step']:.2f}x, {b['peak_mb'] / a['peak_mb']:.2f}x"
-                         if ok else "-")
+            verdict = (a or {}).get("ratios", {}).get("trl/rlhf", "")  # the harness's: refused when work differs
+            if verdict.startswith("work differs"):
+                cells.append(verdict)
+            elif ok:
+                spread = verdict.split(" ")[2].rstrip(",") if verdict.startswith("trl/rlhf") else ""
+                cells.append(f"{b['cpu_s_per_step'] / a['cpu_s_per_step']:.2f}x {spread}, "
+                             f"{b['peak_mb'] / a['peak_mb']:.2f}x")
+            else:
+                cells.append("-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
