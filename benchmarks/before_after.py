@@ -15,7 +15,7 @@ step and the median (and quartiles) of the per-step ratios after / before, steps
 
 Cases: GRPO on the quickstart's tiny model and task (``grpo-tiny``), PPO with a critic and a
 reference model on the same (``ppo-tiny``), GRPO on benchlib's ``small`` model (``grpo-small``),
-``rlhf dpo`` and ``rlhf sft`` on the tiny model with vs_trl_offline.py's mixed-length rows.
+``rlhf dpo`` and ``rlhf sft`` on the tiny model with bench_worker.py's mixed-length rows.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
-import vs_trl_offline  # noqa: E402
+import bench_worker  # noqa: E402
 
 TINY = benchlib.ROOT / "examples" / "tiny-model"
 RL_TASK = ["--data", str(benchlib.ROOT / "examples" / "data" / "train.jsonl"), "--input-key", "prompt",
@@ -43,7 +43,9 @@ RL_TASK = ["--data", str(benchlib.ROOT / "examples" / "data" / "train.jsonl"), "
 
 def cases(root: Path) -> dict[str, list[str]]:
     """Each case's arguments after ``rlhf`` (the step count and ``--out`` are added per run)."""
-    sft, pairs = vs_trl_offline.write_data(root, rows=512, seed=0)
+    sft, pairs = root / "ab-sft.jsonl", root / "ab-pairs.jsonl"
+    for path, job in ((sft, "sft"), (pairs, "dpo")):
+        path.write_text("".join(json.dumps(row) + "\n" for row in bench_worker.offline_rows(job, 512)))
     offline = ["--batch-size", "32", "--micro-batch-size", "8", "--lr", "1e-4"]
     return {
         "grpo-tiny": ["train", "--algo", "grpo", "--model", str(TINY), *RL_TASK],

@@ -96,15 +96,21 @@ def work_dir(path: str | None) -> Path:
     return out
 
 
-def model_dir(name: str, root: Path) -> Path:
-    """A name from MODELS (built once under ``root``) or a model directory given by path."""
+def model_path(name: str, root: Path) -> Path:
+    """Where `model_dir` builds a MODELS name (or the directory given by path); builds nothing."""
     if name not in MODELS:
         return Path(name)
     hidden, layers, vocab = MODELS[name]
-    shape = SHAPE.get(name, {})
-    extra = "".join(f"-{key[0]}{value}" for key, value in sorted(shape.items()))
-    out = root / f"{name}-h{hidden}-l{layers}-v{vocab}{extra}{'-tied' if name in TIED else ''}-noeos"
-    if not (out / "config.json").is_file():
+    extra = "".join(f"-{key[0]}{value}" for key, value in sorted(SHAPE.get(name, {}).items()))
+    return root / f"{name}-h{hidden}-l{layers}-v{vocab}{extra}{'-tied' if name in TIED else ''}-noeos"
+
+
+def model_dir(name: str, root: Path) -> Path:
+    """A name from MODELS (built once under ``root``) or a model directory given by path."""
+    out = model_path(name, root)
+    if name in MODELS and not (out / "config.json").is_file():
+        hidden, layers, vocab = MODELS[name]
+        shape = SHAPE.get(name, {})
         from rlhf.core.plugin_host.references import import_object
 
         tiny_model = f"{ROOT / 'examples' / 'tiny_model.py'}"

@@ -11,14 +11,16 @@ TRL's GRPOTrainer beside it when TRL is importable) on the random-weight Llamas 
 - ``model``:  0.2M -> 500M parameters (`tiny`, `small`, `small32k`, `llama100m`, `llama500m`), full
   fine-tuning and LoRA (rank 16, every linear layer but the output head), 2 prompts x 2, 16 new tokens
 
-Every point runs in a fresh child process (one side, one configuration), so its peak resident
-set (``VmHWM``, benchmarks/vocab_memory.py) is its own; the child reports the median seconds per
-step (wall and CPU; the first step dropped) and its peak. One torch thread by default, token-mean
-loss, β = 0 (no reference model), micro-batches of up to 8, the dense reward (every sample trains
-on both sides). The parent prints a table per axis, merges the points into ``OUT/scale.json`` (the
-axes not run keep their earlier points) and draws ``OUT/scale_<axis>.png`` (s/step and peak MB).
+Every point is one `benchmarks/harness.py` measurement (job ``grpo`` with the point's shape):
+each side in a process of its own with its own interpreter, one torch thread, ``--rounds``
+interleaved rounds, the first step of each run dropped; a point reports the median CPU seconds per
+step, the min-max of the round medians and the side's peak resident set (``ru_maxrss``), and the
+harness refuses a ratio when the two sides did not do the same work. Token-mean loss, β = 0,
+micro-batches of up to 8, the dense reward (every sample trains on both sides). The parent prints
+a table per axis, merges the points into ``OUT/scale.json`` (the axes not run keep their earlier
+points) and draws ``OUT/scale_<axis>.png`` (CPU s/step and peak MB).
 
-    PYTHONPATH=. /work/trl-venv/bin/python benchmarks/scale.py --axes length,group,vocab,model --threads 1
+    python benchmarks/scale.py --axes length,group --trl-python /path/to/trl-venv/bin/python [--rounds 2]
     python benchmarks/scale.py --replot        # tables and PNGs again from OUT/scale.json
 """
 
@@ -58,15 +60,6 @@ def parameters(name: str) -> int:
     return layers * per_layer + hidden + vocab * hidden * (1 if name in benchlib.TIED else 2)
 
 
-def peak_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def available_mb() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -74,32 +67,29 @@ def available_mb() -> float:
     return float("inf")
 
 
-def child(spec: dict) -> None:
-    """One point, one side, in this process; prints one JSON line."""
-    threads = benchlib.setup_environment(spec["threads"])
-    import vs_trl
-
-    root = Path(spec["work_dir"])
-    data, reward = benchlib.write_task(root)
-    args = argparse.Namespace(
-        prompts=spec["prompts"], n=spec["n"], max_new_tokens=spec["max_new_tokens"],
-        micro_batch_size=min(8, spec["prompts"] * spec["n"]), steps=spec["steps"], lr=1e-4, seed=0, kl_coef=0.0,
-        share_prompt=True, cpu_linear="auto", reward="count_a_dense")
-    run_dir = root / "runs" / f"scale-{spec['side']}"
-    if spec["side"] == "rlhf":
-        if spec["lora_rank"]:
-            vs_trl.OURS_EXTRA["lora_rank"] = spec["lora_rank"]
-        clock = vs_trl.run_ours(args, Path(spec["model_dir"]), data, reward, run_dir)
-    else:
-        if spec["lora_rank"]:
-            from peft import LoraConfig
-
-            vs_trl.TRL_EXTRA["peft_config"] = LoraConfig(r=spec["lora_rank"], lora_alpha=16, lora_dropout=0.0,
-                                                         target_modules="all-linear", task_type="CAUSAL_LM")
-        clock = vs_trl.run_trl(args, Path(spec["model_dir"]), data, reward, run_dir)
-    print(json.dumps({"threads": threads, "peak_mb": peak_mb(), "step_s": clock.intervals,
-                      "s_per_step": benchlib.median(benchlib.steady(clock.intervals)),
-                      "cpu_s_per_step": benchlib.median(benchlib.steady(clock.cpu_intervals))}))
+def measure(point: dict, sides: list[str], steps: int, args: argparse.Namespace, root: Path) -> dict[str, dict]:
+    """One point through benchmarks/harness.py: each side in its own process, interleaved rounds."""
+    shape = {k: point[k] for k in ("model", "prompts", "n", "max_new_tokens", "lora_rank")}
+    shape["micro_batch_size"] = min(8, point["prompts"] * point["n"])
+    out = root / "scale-point.json"
+    out.unlink(missing_ok=True)
+    command = [sys.executable, str(HERE / "harness.py"), "--jobs", "grpo", "--sides", ",".join(sides),
+               "--rounds", str(args.rounds), "--steps", str(steps), "--work-dir", str(root), "--json", str(out),
+               "--set", ",".join(f"{k}={v}" for k, v in shape.items()), "--rlhf-python", args.rlhf_python]
+    command += ["--trl-python", args.trl_python] if args.trl_python else []
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {side: {"error": f"over {args.timeout} s"} for side in sides}
+    if done.returncode or not out.is_file():
+        error = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [f"exit {done.returncode}"]
+        return {side: {"error": error[0][:200]} for side in sides}
+    job = json.loads(out.read_text())["jobs"]["grpo"]
+    found = {side: {"s_per_step": s["wall"], "cpu_s_per_step": s["cpu"], "cpu_rounds": s["cpu_rounds"],
+                    "peak_mb": s["peak_rss_mb"], "rounds": args.rounds} for side, s in job["sides"].items()}
+    for side in found:
+        found[side]["ratios"] = job["ratios"]
+    return found
 
 
 def points(axis: str) -> list[dict]:
@@ -127,31 +117,21 @@ def run_axis(axis: str, args: argparse.Namespace, root: Path, have_trl: bool) ->
             print(f"{axis}: {model} skipped (over --max-params {args.max_params:,})", flush=True)
             continue
         steps = args.big_steps if parameters(model) >= 3e8 else args.steps
-        model_dir = benchlib.model_dir(model, root)
-        for side in args.sides:
-            if side == "trl" and not have_trl:
-                continue
-            need = parameters(model) * (4 if point["lora_rank"] else 16) / 2**20 * 1.5 + 1500
-            if available_mb() < need:
-                error = f"skipped: {available_mb():,.0f} MB available, about {need:,.0f} MB needed"
-                results.append(dict(point, side=side, steps=steps, error=error))
-                print(f"{axis} {model} {series(results[-1])}: {results[-1]['error']}", flush=True)
-                continue
-            spec = dict(point, side=side, steps=steps, threads=args.threads, model_dir=str(model_dir),
-                        work_dir=str(root))
-            started = time.perf_counter()
-            try:
-                done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                                      text=True, timeout=args.timeout)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-                found = json.loads(lines[-1]) if not done.returncode and lines else {
-                    "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ''}"}
-            except subprocess.TimeoutExpired:
-                found = {"error": f"over {args.timeout} s"}
+        sides = [side for side in args.sides if side != "trl" or have_trl]
+        need = parameters(model) * (4 if point["lora_rank"] else 16) / 2**20 * 1.5 + 1500
+        if available_mb() < need:
+            error = f"skipped: {available_mb():,.0f} MB available, about {need:,.0f} MB needed"
+            results += [dict(point, side=side, steps=steps, error=error) for side in sides]
+            print(f"{axis} {model}: {error}", flush=True)
+            continue
+        started = time.perf_counter()
+        found = measure(point, sides, steps, args, root)
+        for side in sides:
             result = dict(point, side=side, steps=steps, total_s=time.perf_counter() - started,
-                          **{"threads": args.threads, **found})
+                          threads=1, **found[side])
             results.append(result)
-            text = result.get("error") or (f"{result['s_per_step']:.3f} s/step ({result['cpu_s_per_step']:.3f} CPU), "
+            text = result.get("error") or (f"{result['cpu_s_per_step']:.3f} CPU s/step (rounds "
+                                           f"{', '.join(f'{x:.3f}' for x in result['cpu_rounds'])}), "
                                            f"peak {result['peak_mb']:,.0f} MB")
             print(f"{axis} {point['model']} G={point['prompts']} n={point['n']} new={point['max_new_tokens']} "
                   f"{series(result)}: {text}  [{result['total_s']:.0f} s]", flush=True)
@@ -170,8 +150,8 @@ def table(axis: str, found: list[dict]) -> str:
     """A markdown table: one row per x (and LoRA mode), s/step wall and CPU and peak MB per side."""
     sides = [side for side in SIDES if any(p["side"] == side for p in found)]
     head = "| " + AXES[axis]["label"] + (" | mode" if axis == "model" else "") + " | " + " | ".join(
-        f"{side} s/step (CPU) | {side} peak MB" for side in sides)
-    head += " | TRL / rlhf s, MB |" if len(sides) > 1 else " |"
+        f"{side} CPU s/step (round min-max) | {side} peak MB" for side in sides)
+    head += " | TRL / rlhf CPU s, MB |" if len(sides) > 1 else " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     keys = []
     for p in found:
@@ -186,11 +166,20 @@ def table(axis: str, found: list[dict]) -> str:
             if p is None or p.get("error"):
                 cells += [(p or {}).get("error", "not run"), "-"]
             else:
-                cells += [f"{p['s_per_step']:.2f} ({p['cpu_s_per_step']:.2f})", f"{p['peak_mb']:,.0f}"]
+                spread = p.get("cpu_rounds") or [p["cpu_s_per_step"]]
+                cells += [f"{p['cpu_s_per_step']:.2f} ({min(spread):.2f}-{max(spread):.2f})", f"{p['peak_mb']:,.0f}"]
         if len(sides) > 1:
             a, b = row.get("rlhf"), row.get("trl")
             ok = a and b and not a.get("error") and not b.get("error")
-            cells.append(f"{b['s_per_step'] / a['s_per_step']:.2f}x, {b['peak_mb'] / a['peak_mb']:.2f}x" if ok else "-")
+            verdict = (a or {}).get("ratios", {}).get("trl/rlhf", "")  # the harness's: refused when work differs
+            if verdict.startswith("work differs"):
+                cells.append(verdict)
+            elif ok:
+                spread = verdict.split(" ")[2].rstrip(",") if verdict.startswith("trl/rlhf") else ""
+                cells.append(f"{b['cpu_s_per_step'] / a['cpu_s_per_step']:.2f}x {spread}, "
+                             f"{b['peak_mb'] / a['peak_mb']:.2f}x")
+            else:
+                cells.append("-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -212,10 +201,10 @@ def plot(axis: str, found: list[dict], path: Path) -> None:
             continue
         style = dict(marker="o", color="tab:blue" if name.startswith("rlhf") else "tab:orange",
                      linestyle="--" if "LoRA" in name else "-", label=name)
-        panels[0].plot([p["x"] for p in ok], [p["s_per_step"] for p in ok], **style)
+        panels[0].plot([p["x"] for p in ok], [p["cpu_s_per_step"] for p in ok], **style)
         panels[1].plot([p["x"] for p in ok], [p["peak_mb"] for p in ok], **style)
     xs = [p["x"] for p in found]
-    for panel, title in zip(panels, ("seconds per step (wall, median)", "peak resident memory (MB)")):
+    for panel, title in zip(panels, ("CPU seconds per step (median)", "peak resident memory (MB)")):
         if max(xs) / min(xs) >= 10:
             panel.set_xscale("log")
         if axis in ("model", "vocab", "length"):
@@ -254,13 +243,12 @@ def main() -> None:
     parser.add_argument("--big-steps", type=int, default=2, help="steps per point for models of 300M parameters up")
     parser.add_argument("--max-params", type=float, default=1e9, help="leave out models above this many parameters")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a point may run")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per point (benchmarks/harness.py)")
+    parser.add_argument("--rlhf-python", default=sys.executable, help="interpreter with rlhf")
+    parser.add_argument("--trl-python", default=None, help="interpreter with TRL (the trl side runs only with it)")
     parser.add_argument("--work-dir", default=None, help="models and run folders (default: a temp folder)")
     parser.add_argument("--replot", action="store_true", help="only the tables and PNGs, from OUT/scale.json")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        return child(json.loads(args.child))
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -275,15 +263,11 @@ def main() -> None:
     unknown = set(axes) - AXES.keys()
     if unknown:
         parser.error(f"unknown axes: {', '.join(sorted(unknown))}")
-    benchlib.setup_environment(args.threads)
-    try:
-        import trl  # noqa: F401
-        have_trl = True
-    except ImportError:
-        have_trl = False
-        print("trl: not importable in this Python, rlhf only (see benchmarks/vs_trl.py for a venv with both)")
+    have_trl = bool(args.trl_python)
+    if not have_trl and "trl" in args.sides:
+        print("no --trl-python: rlhf only (benchmarks/README.md says how to make TRL's environment)")
     root = benchlib.work_dir(args.work_dir)
-    machine = benchlib.machine_line(args.threads)
+    machine = benchlib.machine_line(1)
     print(machine)
     kept = [p for p in saved["points"] if p["axis"] not in axes]
     for axis in axes:

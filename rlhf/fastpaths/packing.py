@@ -8,6 +8,13 @@ within each sequence. A row's real tokens must be contiguous (left and/or right 
 every batch rlhf builds. Rotary position embeddings depend on position differences only, so
 the result equals the padded forward's up to float rounding.
 
+On a Llama-architecture model (`rlhf.fastpaths.llama_like`, sdpa, no gradient checkpointing) the
+log-prob forward attends one sequence at a time instead (`rlhf.fastpaths.segment_attention`, the
+packed row laid out as segments with no shared prefix): the block-diagonal mask makes sdpa compute
+all N² scores of the packed row, most of them masked, where the sequences alone need about
+B·S²; on a CPU that made a packed SFT step slower than a padded one (benchmarks/README.md). It is
+used where it saves at least `segments_pay`'s share of the scores.
+
 `PackedModel` wraps a model so that callers which pass padded (B, T) batches (the objectives'
 forwards, `rlhf.core.logprobs.token_logprobs`) run packed; outputs come back padded to (B, T).
 
@@ -25,7 +32,10 @@ import torch
 
 from rlhf.core.logprobs import (OwnLogprobs, deferred_head, hidden_states_out, scatter_logprobs, token_logprobs,
                                 without_last_token)
-from rlhf.core.modeling import accepts_logits_to_keep, innermost
+from rlhf.core.modeling import accepts_logits_to_keep, base_model, innermost
+from rlhf.core.ordered_gather import gather_rows
+from rlhf.fastpaths.segment_attention import (segment_forward_supported, segment_layout, segments_pay,
+                                              shared_forward_hidden)
 from rlhf.fastpaths.verdicts import settle, verdict
 
 
@@ -131,13 +141,29 @@ def _packed_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     entropy = torch.zeros_like(logprobs) if with_entropy else None
     if at.numel() == 0:
         return logprobs, entropy
-    kwargs = {"logits_to_keep": at} if accepts_logits_to_keep(type(innermost(model))) else {}
     head = deferred_head(model)
+    layout = _per_sequence_layout(model, packed)
+    if layout is not None:  # attention one sequence at a time, only the wanted positions projected
+        with hidden_states_out(head):
+            hidden = shared_forward_hidden(model, packed.input_ids, packed.position_ids, layout)  # (1, N, hidden)
+            logits = base_model(model).lm_head(gather_rows(hidden[0], at))  # (K, V), or (K, H) deferred
+        return scatter_logprobs(logits, targets, (rows, cols), logprobs, entropy, temperature, head)
+    kwargs = {"logits_to_keep": at} if accepts_logits_to_keep(type(innermost(model))) else {}
     with hidden_states_out(head):  # with a deferred head: hidden states (…, H) instead of logits
         logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
                        use_cache=False, **kwargs).logits  # (1, K, V) or (1, N, V)
     logits = logits[0] if kwargs else logits[0, at]  # (K, V)
     return scatter_logprobs(logits, targets, (rows, cols), logprobs, entropy, temperature, head)
+
+
+def _per_sequence_layout(model: Any, packed: PackedRows) -> Any:
+    """The packed row as `segment_attention` segments (sequence k is segment k + 1, no shared prefix)
+    when ``model`` runs that forward and it saves enough scores, else None."""
+    if innermost(model) is not base_model(model) or not segment_forward_supported(model):
+        return None
+    starts = (packed.position_ids[0] == 0).long()  # (N,) 1 where a sequence begins
+    layout = segment_layout(torch.cumsum(starts, dim=0)[None])  # (1, N) segment ids 1..B
+    return layout if segments_pay(layout) else None
 
 
 def is_packed(model: Any) -> bool:

@@ -2,7 +2,8 @@
 ``--max-tokens-per-micro-batch``):
 
 * packing lays real tokens end to end with positions restarting per sequence, and unpacks back;
-* packed log-probs, entropy and their gradients equal the padded forward's (sdpa and eager);
+* packed log-probs, entropy and their gradients equal the padded forward's (sdpa and eager; a Llama
+  attending one packed sequence at a time or under the block-diagonal mask);
 * a packed causal LM returns the padded forward's logits on real tokens; a value head runs padded;
 * token-budget groups, by hand;
 * an RL policy update and the offline objectives (sft, dpo, kto, distill) take the same optimizer
@@ -78,6 +79,35 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_ones(lm):
 
     assert_same_gradients(grads(PackedModel(lm)), grads(lm), atol=1e-5)
     assert verdict(lm, "packing") is True
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pays_from", [0, 10**12])  # attention per sequence always / never
+def test_packed_attention_per_sequence_equals_the_padded_forward(tiny_model_dir, monkeypatch, pays_from):
+    """A Llama packed row attends one sequence at a time (segment_attention) where that saves scores,
+    else under the block-diagonal mask: log-probs, entropy and gradients equal the padded ones either way."""
+    from transformers import AutoModelForCausalLM
+
+    import rlhf.fastpaths.packing as packing
+    import rlhf.fastpaths.segment_attention as segments
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    monkeypatch.setattr(segments, "SEGMENTS_PAY_FROM", pays_from)
+    real, calls = packing.shared_forward_hidden, []
+    monkeypatch.setattr(packing, "shared_forward_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids, mask, actions = padded_batch()
+
+    def run(model):
+        lm.zero_grad()
+        logprobs, entropy = token_logprobs(model, ids, mask, actions, temperature=0.7, with_entropy=True)
+        ((logprobs + 0.1 * entropy) * actions).sum().backward()
+        return logprobs * actions, entropy * actions, {name: p.grad.clone() for name, p in lm.named_parameters()}
+
+    padded, packed = run(lm), run(PackedModel(lm))
+    assert torch.allclose(packed[0], padded[0], atol=1e-5) and torch.allclose(packed[1], padded[1], atol=1e-5)
+    assert_same_gradients(packed[2], padded[2], atol=1e-5)
+    assert verdict(lm, "packing") is True
+    assert bool(calls) == (pays_from == 0)  # the path taken (the first call's check runs it too)
 
 
 @pytest.mark.unit

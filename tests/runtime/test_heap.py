@@ -1,6 +1,7 @@
 """Freed blocks go back to the system (rlhf/runtime/run/heap.py): in a fresh process, a 16 MiB tensor
 freed after a 24 MiB one (which raises glibc's threshold) stays resident without the setting and is
-returned with it; a user's MALLOC_MMAP_THRESHOLD_ is left alone; every run's prologue sets it."""
+returned with it; a user's MALLOC_MMAP_THRESHOLD_ is left alone; every run's prologue sets it, at 32 MiB
+for a model whose weights take under 128 MiB and 1 MiB otherwise."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_every_run_prologue_sets_it(tiny_model_dir, task, tmp_path, plugins, mon
     from tests.helpers import run_cli
 
     calls = []
-    monkeypatch.setattr(lifecycle, "return_freed_blocks", lambda: calls.append(1) or True)
+    monkeypatch.setattr(lifecycle, "return_freed_blocks", lambda *threshold: calls.append(threshold) or True)
     for command in (["train", "--reward", "examples/rewards.py:exact_match", "--label-key", "answer",
                      "--max-new-tokens", "4", "--prompts-per-step", "2", "--n-samples", "2"],
                     ["sft", "--input-key", "prompt", "--output-key", "answer", "--batch-size", "2"]):
@@ -68,3 +69,20 @@ def test_every_run_prologue_sets_it(tiny_model_dir, task, tmp_path, plugins, mon
                                    "--steps", "1", "--out", str(tmp_path / command[0]), "--no-progress"])
         assert result.exit_code == 0, result.output
     assert len(calls) == 2
+    assert calls == [(32 << 20,), (32 << 20,)]  # the tiny model's weights: a small model's threshold
+
+
+@pytest.mark.unit
+def test_the_threshold_follows_the_size_of_the_weights(tmp_path):
+    from rlhf.runtime.run.heap import MMAP_THRESHOLD, SMALL_MODEL_BYTES, SMALL_MODEL_THRESHOLD, threshold_for
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    for folder, size in ((small, SMALL_MODEL_BYTES - 1), (large, SMALL_MODEL_BYTES)):
+        folder.mkdir()
+        with open(folder / "model.safetensors", "wb") as handle:
+            handle.truncate(size)  # sparse: no disk used
+        (folder / "tokenizer.json").write_text("{}" * 1000)  # not weights
+    assert threshold_for(str(small)) == SMALL_MODEL_THRESHOLD == 32 << 20
+    assert threshold_for(str(large)) == MMAP_THRESHOLD == 1 << 20
+    assert threshold_for("Qwen/Qwen2.5-0.5B") == MMAP_THRESHOLD  # not local: memory first
+    assert threshold_for(str(tmp_path / "missing")) == threshold_for(None) == MMAP_THRESHOLD

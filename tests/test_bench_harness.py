@@ -1,0 +1,70 @@
+"""benchmarks/harness.py's judgement: a ratio only when both sides counted the same work, the
+floor always the denominator, medians and per-round spreads from the workers' step times."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_harness", Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py")
+harness = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(harness)
+
+
+def run(cpu, work, peak=100.0):
+    return {"cpu": cpu, "wall": cpu, "work": work, "peak_rss_mb": peak, "foreign_imports": [], "kernels": None}
+
+
+STEP = {"samples": 32.0, "generated_tokens": 2048.0, "trained_samples": 32.0, "trained_tokens": 2048.0}
+
+
+def test_equal_work_ignores_the_dropped_first_step_and_accepts_equal_counts():
+    a = run([9.0, 1.0, 1.0], [{"samples": 1.0}, STEP, STEP])
+    b = run([9.0, 2.0, 2.0], [{"samples": 7.0}, dict(STEP), dict(STEP)])
+    assert harness.equal_work(a, b) is None
+
+
+def test_equal_work_names_the_first_difference():
+    skipped = dict(STEP, trained_samples=24.0, trained_tokens=1536.0)  # a side that skipped tied groups
+    a = run([1.0, 1.0, 1.0], [STEP, STEP, STEP])
+    b = run([1.0, 1.0, 1.0], [STEP, STEP, skipped])
+    assert harness.equal_work(a, b) == "step 3: trained_samples 32 against 24"
+
+
+def test_equal_work_refuses_a_count_only_one_side_made_and_unequal_step_counts():
+    a = run([1.0, 1.0], [STEP, STEP])
+    b = run([1.0, 1.0], [STEP, {k: v for k, v in STEP.items() if k != "generated_tokens"}])
+    assert "generated_tokens counted by one side only" in harness.equal_work(a, b)
+    assert harness.equal_work(a, run([1.0, 1.0, 1.0], [STEP] * 3)) == "1 against 2 measured steps"
+
+
+def test_summary_medians_over_measured_steps_and_round_spread():
+    runs = [run([5.0, 1.0, 3.0], [STEP] * 3, peak=120.0), run([5.0, 2.0, 4.0], [STEP] * 3, peak=110.0)]
+    s = harness.summary(runs)
+    assert s["cpu"] == 2.5  # median of 1, 3, 2, 4 (first steps dropped)
+    assert s["cpu_rounds"] == [2.0, 3.0]
+    assert s["peak_rss_mb"] == 120.0 and s["steps"] == 4
+
+
+def test_ratio_pairs_put_the_floor_below_and_later_sides_over_earlier():
+    assert harness.ratio_pairs(["rlhf", "trl", "floor"]) == [("trl", "rlhf"), ("rlhf", "floor"), ("trl", "floor")]
+    assert harness.ratio_pairs(["rlhf:mmap=1", "rlhf:mmap=2"]) == [("rlhf:mmap=2", "rlhf:mmap=1")]
+
+
+def test_ratio_line_gives_the_median_ratio_and_the_per_round_range():
+    num = [run([0.0, 3.0], [STEP] * 2, peak=200.0), run([0.0, 2.0], [STEP] * 2, peak=200.0)]
+    den = [run([0.0, 1.0], [STEP] * 2, peak=100.0), run([0.0, 2.0], [STEP] * 2, peak=100.0)]
+    line = harness.ratio_line("trl/rlhf", harness.summary(num), harness.summary(den), num, den)
+    assert line == "trl/rlhf 1.67 (1.00-3.00), peak RSS 2.00"
+
+
+def test_side_variants_parse_and_unknown_settings_stop():
+    assert harness.parse_side("rlhf:mmap=33554432,cpu-linear=onednn") == (
+        "rlhf", {"mmap": "33554432", "cpu-linear": "onednn"})
+    with pytest.raises(SystemExit):
+        harness.parse_side("rlhf:threads=2")
+    with pytest.raises(SystemExit):
+        harness.parse_side("verl")
