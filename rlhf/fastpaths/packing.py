@@ -108,9 +108,11 @@ class PackedModel(OwnLogprobs):
                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`rlhf.core.logprobs.token_logprobs` with the batch packed into one row: only the action
         positions are projected to the vocabulary, and rows' last tokens are left out of the pack.
-        Log-probs (and entropy) are 0 off the action mask. The first call per model compares them
-        with the padded forward's (1e-3 nats per token in float32, 5e-2 in half precision)."""
-        if verdict(self.model, "packing") is None:
+        Log-probs (and entropy) are 0 off the action mask. The first call per model and variant
+        (`packing_path`) compares them with the padded forward's (1e-3 nats per token in float32,
+        5e-2 in half precision)."""
+        path = packing_path(self.model, input_ids, attention_mask)  # each variant checked on its own first use
+        if verdict(self.model, path) is None:
             was_training = self.model.training
             self.model.eval()  # no dropout: both forwards must see the same function
             try:
@@ -122,8 +124,8 @@ class PackedModel(OwnLogprobs):
             finally:
                 self.model.train(was_training)
             tolerance = 1e-3 if next(self.model.parameters()).dtype == torch.float32 else 5e-2
-            settle(self.model, "packing", difference, tolerance, who="packing", switch="--no-packing")
-        if not verdict(self.model, "packing"):  # found to differ: the wrapped model's padded forward
+            settle(self.model, path, difference, tolerance, who="packing", switch="--no-packing")
+        if not verdict(self.model, path):  # found to differ: the wrapped model's padded forward
             return token_logprobs(self.model, input_ids, attention_mask, action_mask, temperature=temperature,
                                   with_entropy=with_entropy)
         return _packed_logprobs(self.model, input_ids, attention_mask, action_mask, temperature, with_entropy)
@@ -154,6 +156,14 @@ def _packed_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
                        use_cache=False, **kwargs).logits  # (1, K, V) or (1, N, V)
     logits = logits[0] if kwargs else logits[0, at]  # (K, V)
     return scatter_logprobs(logits, targets, (rows, cols), logprobs, entropy, temperature, head)
+
+
+def packing_path(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
+    """The verdict name of the packed log-prob forward these rows take on ``model``:
+    ``packing/segments`` (attention one sequence at a time) or ``packing/masked`` (one
+    block-diagonal mask over the packed row)."""
+    packed = pack_rows(input_ids, without_last_token(attention_mask))
+    return "packing/segments" if _per_sequence_layout(model, packed) is not None else "packing/masked"
 
 
 def _per_sequence_layout(model: Any, packed: PackedRows) -> Any:

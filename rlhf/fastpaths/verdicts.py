@@ -4,8 +4,8 @@ A fast path computes what a plain one does (the model's own forward over padded 
 decode step) in another way. Before a model takes a fast path the first time, the caller computes
 both on the same input and `settle` keeps the verdict on the model, under the path's name: a
 variant that runs different code has a name of its own (``prefix_sharing/segment`` and
-``prefix_sharing/masked``; ``lean_decode/padded/grouped``, ...; ``packing``), so each is checked
-on its own first use, not only the first path taken. A path that differs beyond float rounding
+``prefix_sharing/masked``; ``lean_decode/padded/grouped``, ...; ``packing/segments`` and
+``packing/masked``), so each is checked on its own first use, not only the first path taken. A path that differs beyond float rounding
 is not taken again on that model: the plain path runs, after one warning that names the switch
 turning the fast path off (and so the check).
 

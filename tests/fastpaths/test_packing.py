@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rlhf.core.logprobs import token_logprobs
-from rlhf.fastpaths.packing import PackedModel, pack_rows, unpack
+from rlhf.fastpaths.packing import PackedModel, pack_rows, packing_path, unpack
 from rlhf.fastpaths.verdicts import verdict
 from rlhf.runtime.step.micro_batches import token_budget_groups
 from rlhf.core.plugin_host.loading import build_plugin_manager
@@ -78,7 +78,7 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_ones(lm):
         return {name: p.grad.clone() for name, p in lm.named_parameters()}
 
     assert_same_gradients(grads(PackedModel(lm)), grads(lm), atol=1e-5)
-    assert verdict(lm, "packing") is True
+    assert verdict(lm, packing_path(lm, ids, mask)) is True
 
 
 @pytest.mark.unit
@@ -106,7 +106,9 @@ def test_packed_attention_per_sequence_equals_the_padded_forward(tiny_model_dir,
     padded, packed = run(lm), run(PackedModel(lm))
     assert torch.allclose(packed[0], padded[0], atol=1e-5) and torch.allclose(packed[1], padded[1], atol=1e-5)
     assert_same_gradients(packed[2], padded[2], atol=1e-5)
-    assert verdict(lm, "packing") is True
+    path = "packing/segments" if pays_from == 0 else "packing/masked"
+    assert packing.packing_path(lm, ids, mask) == path and verdict(lm, path) is True
+    assert verdict(lm, "packing/masked" if pays_from == 0 else "packing/segments") is None  # the other: never run
     assert bool(calls) == (pays_from == 0)  # the path taken (the first call's check runs it too)
 
 
@@ -135,8 +137,8 @@ def test_a_packed_forward_that_differs_is_caught_and_the_model_runs_padded(tiny_
     with caplog.at_level("WARNING"):
         first, _ = token_logprobs(packed_model, ids, mask, actions)
         again, _ = token_logprobs(packed_model, ids, mask, actions)
-    assert verdict(lm, "packing") is False
-    assert "the fast path packing differs from the plain path" in caplog.text and len(calls) == 1
+    assert verdict(lm, packing.packing_path(lm, ids, mask)) is False
+    assert f"the fast path {packing.packing_path(lm, ids, mask)} differs from the plain path" in caplog.text and len(calls) == 1
     assert torch.equal(first, padded) and torch.equal(again, padded)
 
 

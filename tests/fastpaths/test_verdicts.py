@@ -101,7 +101,7 @@ def test_packing_whose_packed_logprobs_are_not_finite_runs_padded(tiny_model_dir
 
     monkeypatch.setattr(packing, "_packed_logprobs", broken)
     got, _ = token_logprobs(packing.PackedModel(model), ids, mask, actions)
-    assert verdict(model, "packing") is False and torch.equal(got, padded)
+    assert verdict(model, packing.packing_path(model, ids, mask)) is False and torch.equal(got, padded)
 
 
 def test_a_onednn_linear_whose_product_is_not_finite_goes_back_to_nn_linear(bad, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 
 from rlhf.core.errors import ConfigError
 from rlhf.core.logprobs import token_logprobs, without_last_token
-from rlhf.fastpaths.packing import PackedModel
+from rlhf.fastpaths.packing import PackedModel, packing_path
 from rlhf.runtime.step.router_aux import RouterAux
 from tests.helpers import command_args, read_jsonl, run_cli, tiny_moe
 
@@ -101,12 +101,12 @@ def test_packed_forward_gives_the_aux_loss_of_its_real_tokens(kind):
     aux = RouterAux.attach(model, 1.0, "tiny")
     packed = PackedModel(model)
     _, metrics = aux.added(lambda: (token_logprobs(packed, ids, mask, action)[0].sum(), {}))
-    if verdict(model, "packing"):
+    if verdict(model, packing_path(model, ids, mask)):
         ran = without_last_token(mask)  # (B, T) the tokens the packed forward ran
         expected = model(input_ids=ids, attention_mask=ran, output_router_logits=True).aux_loss
     else:  # the plain path: the padded rows without their last column
         expected = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], output_router_logits=True).aux_loss
-    assert verdict(model, "packing") or int(transformers.__version__.split(".")[0]) < 5
+    assert verdict(model, packing_path(model, ids, mask)) or int(transformers.__version__.split(".")[0]) < 5
     assert math.isclose(metrics["aux_loss"], float(expected.detach()), rel_tol=1e-5)
 
 
