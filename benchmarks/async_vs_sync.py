@@ -13,14 +13,16 @@ G = 16 prompts x n = 8 samples, 16 new tokens):
   10x in length), every tool call sleeps 0.1 s, or 3 s one time in ten (both drawn from a seed of
   the prompt and its sample, so every mode sees the same delays); the env scores each answer
   (1/turns per correct one). G = 8 prompts x n = 8 samples. Its modes are synchronous,
-  ``--async --max-staleness 2`` and ``--async --max-staleness 2 --partial-rollouts``.
+  ``--async --max-staleness 2``, ``--async --max-staleness 2 --partial-rollouts`` and, for scale,
+  ``--async --max-staleness 3``.
 
 Each case runs synchronously, with ``--async --max-staleness 1`` and with ``--max-staleness 2``;
 every run in a process of its own, runs alternating (case by case, mode by mode, round by round) so
-machine load hits all alike, the first step of each run dropped, medians over rounds. The table
-gives wall s/step (what the user waits: tool calls are sleeps), CPU s/step of the process (robust
-to other processes' load), their spread (min-max over the steady steps) and the ratio to the
-synchronous step time (< 1: async is faster); ``--json`` saves it.
+machine load hits all alike, the first step of each run dropped. The table gives wall s/step (what
+the user waits: tool calls are sleeps; the mean over every round's steady steps, as K lanes make
+steps come in bursts, and the median), CPU s/step of the process (robust to other processes'
+load), their spread (min-max over the steady steps) and the ratio to the synchronous step time
+(< 1: async is faster); ``--json`` saves it.
 
 ``--curves`` instead records the quickstart's reward per step at K = 0, 1, 2 (``--curve-steps``
 steps each, plain case) into JSON and a PNG: what staleness costs in learning; with ``--cases
@@ -54,7 +56,8 @@ DEFAULT_CASES = ("plain", "slow_reward", "slow_tools")
 MODES = {"sync": None, "K=1": 1, "K=2": 2}
 # mode -> (--max-staleness or None for the synchronous run, --partial-rollouts)
 MODES_OF = {case: {mode: (k, False) for mode, k in MODES.items()} for case in DEFAULT_CASES}
-MODES_OF["long_tail"] = {"sync": (None, False), "K=2": (2, False), "K=2 partial": (2, True)}
+MODES_OF["long_tail"] = {"sync": (None, False), "K=2": (2, False), "K=2 partial": (2, True), "K=3": (3, False)}
+CURVE_MODES = ("sync", "K=2", "K=2 partial")  # the long-tail curves: the issue's three modes
 
 SLOW_REWARD = '''
 import time
@@ -205,11 +208,11 @@ def compare(args: argparse.Namespace, work: Path) -> dict:
                 result = run_child(args, work, case, staleness, args.steps, partial)
                 runs[case][mode].append(result)
                 walls = [x for r in runs[case][mode] for x in benchlib.steady(r["intervals"])]
-                print(f"round {round_index + 1} {case:11s} {mode:11s}: {benchlib.median(walls):.3f} s/step "
+                print(f"round {round_index + 1} {case:11s} {mode:11s}: {statistics.fmean(walls):.3f} s/step "
                       f"(load {' '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
     table = {case: summary(modes) for case, modes in runs.items()}
     print_table(table)
-    return {"cases": table}
+    return {"cases": table, "runs": runs}  # every run's step intervals and metrics, for a second look
 
 
 def summary(modes: dict[str, list[dict]]) -> dict:
@@ -219,8 +222,11 @@ def summary(modes: dict[str, list[dict]]) -> dict:
         steady = [m for r in results for m in benchlib.steady(r["metrics"])]
         walls = [x for r in results for x in benchlib.steady(r["intervals"])]
         cpus = [x for r in results for x in benchlib.steady(r.get("cpu_intervals", []))]
-        row = {"s_per_step": statistics.median(walls), "wall_spread": [min(walls), max(walls)],
-               "cpu_s_per_step": statistics.median(cpus) if cpus else float("nan"),
+        # the mean: with K lanes the steps come in bursts (K batches finish together), so the median of
+        # a bimodal series says little; the mean is the throughput (total seconds / steps)
+        row = {"s_per_step": statistics.fmean(walls), "median_s_per_step": statistics.median(walls),
+               "wall_spread": [min(walls), max(walls)],
+               "cpu_s_per_step": statistics.fmean(cpus) if cpus else float("nan"),
                "cpu_spread": [min(cpus), max(cpus)] if cpus else [],
                "steps_measured": len(walls), "runs": len(results),
                "load": [r["load"][0] for r in results if "load" in r]}
@@ -239,12 +245,13 @@ def summary(modes: dict[str, list[dict]]) -> dict:
 
 def print_table(table: dict) -> None:
     print()
-    print("| case | mode | wall s/step (spread) | CPU s/step (spread) | wall / sync | CPU / sync | trainer waited "
-          "| producer idle | token staleness | steps |")
+    print("| case | mode | wall s/step: mean (median; min-max) | CPU s/step: mean (min-max) | wall / sync | CPU / sync "
+          "| trainer waited | producer idle | token staleness | steps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for case, rows in table.items():
         for mode, row in rows.items():
-            print(f"| {case} | {mode} | {row['s_per_step']:.2f} ({spread(row['wall_spread'])}) | "
+            print(f"| {case} | {mode} | {row['s_per_step']:.2f} ({row['median_s_per_step']:.2f}; "
+                  f"{spread(row['wall_spread'])}) | "
                   f"{row['cpu_s_per_step']:.2f} ({spread(row['cpu_spread'])}) | {row['ratio_to_sync']:.2f}x | "
                   f"{row['cpu_ratio_to_sync']:.2f}x | {row['trainer_wait_s']:.2f} s | {row['producer_idle_s']:.2f} s | "
                   f"{row['token_staleness_mean'] or row['batch_staleness_mean']:.2f} | {row['steps_measured']} |")
@@ -254,7 +261,7 @@ def curves(args: argparse.Namespace, work: Path) -> dict:
     """The quickstart's reward per step at K = 0 (the synchronous run, bit for bit: tests/runtime/
     test_async.py), K = 1 and K = 2; with the long-tail case its three modes, at the same time."""
     if "long_tail" in args.cases:
-        modes = MODES_OF["long_tail"]
+        modes = {mode: MODES_OF["long_tail"][mode] for mode in CURVE_MODES}
         processes = {mode: start_child(args, work, "long_tail", staleness, args.curve_steps, partial)
                      for mode, (staleness, partial) in modes.items()}
         results = {mode: child_result(process, f"long_tail {mode}") for mode, process in processes.items()}
@@ -270,6 +277,7 @@ def curves(args: argparse.Namespace, work: Path) -> dict:
     out = {"reward_per_step": rewards}
     if "long_tail" in args.cases:
         out["side_by_side"] = table = {"long_tail": summary({mode: [r] for mode, r in results.items()})}
+        out["runs"] = results
         print_table(table)
     if args.png:
         import matplotlib
