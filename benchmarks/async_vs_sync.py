@@ -159,7 +159,7 @@ def child(args: argparse.Namespace) -> None:
     clock.start()
     train(TrainConfig.from_dict(values), plugins=plugins)
     keep = ("reward/mean", "time/rollout", "time/reward", "time/train", "async/wait_s", "async/idle_s",
-            "staleness/mean", "async/staleness_mean", "response_length/mean")
+            "staleness/mean", "async/staleness_mean", "response/length_mean", "time/version_wait")
     print("RESULT " + json.dumps({"intervals": clock.intervals, "cpu_intervals": clock.cpu_intervals,
                                   "load": os.getloadavg(), "metrics": [
         {k: m[k] for k in keep if k in m} for m in clock.metrics]}), flush=True)
@@ -232,7 +232,8 @@ def summary(modes: dict[str, list[dict]]) -> dict:
                "load": [r["load"][0] for r in results if "load" in r]}
         for key, name in (("async/wait_s", "trainer_wait_s"), ("async/idle_s", "producer_idle_s"),
                           ("time/rollout", "rollout_s"), ("staleness/mean", "token_staleness_mean"),
-                          ("async/staleness_mean", "batch_staleness_mean")):
+                          ("async/staleness_mean", "batch_staleness_mean"), ("time/version_wait", "version_wait_s"),
+                          ("response/length_mean", "response_length")):
             values = [m[key] for m in steady if key in m]
             row[name] = statistics.median(values) if values else 0.0
         out[mode] = row

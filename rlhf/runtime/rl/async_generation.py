@@ -387,6 +387,8 @@ class AsyncGeneration:
                         rolled = self.steps.roll_out(step, lane.copy.rollout, version)
                 finally:
                     hand_on()
+                if self.schedule is not None:  # the metric time/version_wait: where partial rollouts wait
+                    rolled.seconds["version_wait"] = lane.copy.rollout.partial.longest_wait
                 self._await_turn("end", step)
                 try:
                     rolled = self.steps.end_rollout(rolled)
