@@ -9,10 +9,12 @@ G = 16 prompts x n = 8 samples, 16 new tokens):
 * ``slow_tools``: a multi-turn environment whose every tool call sleeps 0.2-1.0 s (drawn per
   sample from a fixed seed), stepped concurrently within a turn;
 * ``long_tail`` (not in the default ``--cases``): a multi-turn environment with a heavy tail, the
-  issue's partial-rollouts case: each trajectory asks the question 1-10 times (so responses vary
-  10x in length), every tool call sleeps 0.1 s, or 3 s one time in ten (both drawn from a seed of
-  the prompt and its sample, so every mode sees the same delays); the env scores each answer
-  (1/turns per correct one). G = 8 prompts x n = 8 samples. Its modes are synchronous,
+  issue's partial-rollouts case: each trajectory takes 1-10 model turns of 8 tokens (so responses
+  vary 10x in length: the benchmarks' random tiny model, which never writes EOS, on their "Say
+  many a's" prompts), each turn followed by a tool call that sleeps 0.1 s, or 3 s one time in ten
+  (turns and delays drawn from a seed of the prompt and its sample, so every mode sees the same);
+  the env scores the share of the letter a in the model's turns (0-1), lr 3e-3. G = 8 prompts x
+  n = 8 samples. Its modes are synchronous,
   ``--async --max-staleness 2``, ``--async --max-staleness 2 --partial-rollouts`` and, for scale,
   ``--async --max-staleness 3``.
 
@@ -99,9 +101,10 @@ from rlhf.core.types import StepResult
 
 
 class LongTailEnv:
-    """Asks the prompt's question 1-10 times; every answer is a tool call of 0.1 s, or 3 s one time
-    in ten. Turns and delays come from a seed of the prompt and the sample (the how-manieth reset of
-    that prompt), so every mode of the benchmark sees the same ones."""
+    """1-10 model turns per trajectory; every turn is followed by a tool call of 0.1 s, or 3 s one
+    time in ten. Turns and delays come from a seed of the prompt and the sample (the how-manieth
+    reset of that prompt), so every mode of the benchmark sees the same ones. Scores the share of
+    the letter a in the model's turns (averaged over the turns: 0 to 1)."""
 
     lock = threading.Lock()
     resets = {}
@@ -111,16 +114,14 @@ class LongTailEnv:
             sample = LongTailEnv.resets.get(prompt, 0)
             LongTailEnv.resets[prompt] = sample + 1
         self.rng = random.Random(zlib.crc32(f"{prompt}/{sample}".encode()))
-        self.turns = self.rng.randint(1, 10)
-        self.prompt, self.label, self.calls = str(prompt), str(label).strip(), 0
+        self.turns, self.calls = self.rng.randint(1, 10), 0
         return None
 
     def step(self, action):
         self.calls += 1
         time.sleep(3.0 if self.rng.random() < 0.1 else 0.1)
-        done = self.calls >= self.turns
-        reward = float(action.strip() == self.label) / self.turns
-        return StepResult(observation="" if done else "\\n" + self.prompt, reward=reward, done=done)
+        reward = action.count("a") / max(len(action), 1) / self.turns
+        return StepResult(observation=" >", reward=reward, done=self.calls >= self.turns)
 
 
 def no_reward(completions, **kwargs):
@@ -148,9 +149,11 @@ def child(args: argparse.Namespace) -> None:
         values.update(reward=[f"{work / 'slow_reward.py'}:slow_exact_match"], reward_sync_in_thread=True)
     if case == "slow_tools":
         values.update(env=f"{work / 'slow_tools.py'}:SlowToolEnv", max_turns=2)
-    if case == "long_tail":
-        values.update(env=f"{work / 'long_tail.py'}:LongTailEnv", max_turns=10, prompts_per_step=8,
-                      reward=[f"{work / 'long_tail.py'}:no_reward"])
+    if case == "long_tail":  # a random tiny model that never writes EOS: every turn is 8 tokens
+        prompts, _ = benchlib.write_task(work)
+        values.update(model=str(benchlib.model_dir("tiny", work)), data=[str(prompts)], label_key=None,
+                      env=f"{work / 'long_tail.py'}:LongTailEnv", max_turns=10, max_new_tokens=8, prompts_per_step=8,
+                      reward=[f"{work / 'long_tail.py'}:no_reward"], lr=args.lr or 3e-3)
     if staleness >= 0:
         values.update(async_rollout=True, max_staleness=staleness, partial_rollouts=args.partial)
     plugins = build_plugin_manager()
@@ -170,7 +173,7 @@ def start_child(args: argparse.Namespace, work: Path, case: str, staleness: int 
     command = [sys.executable, __file__, "--child", "--work", str(work), "--case", case,
                "--staleness", str(-1 if staleness is None else staleness), "--steps", str(steps),
                "--seed", str(args.seed)] + (["--threads", str(args.threads)] if args.threads else [])
-    command += ["--partial"] if partial else []
+    command += (["--partial"] if partial else []) + (["--lr", str(args.lr)] if args.lr else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -266,7 +269,7 @@ def curves(args: argparse.Namespace, work: Path) -> dict:
         processes = {mode: start_child(args, work, "long_tail", staleness, args.curve_steps, partial)
                      for mode, (staleness, partial) in modes.items()}
         results = {mode: child_result(process, f"long_tail {mode}") for mode, process in processes.items()}
-        title = "long tail: reward per step (env score, 1.0 = every answer right)"
+        title = "long tail: reward per step (share of a in the model turns)"
     else:
         results = {label: run_child(args, work, "plain", staleness, args.curve_steps)
                    for label, staleness in (("K=0", 0), ("K=1", 1), ("K=2", 2))}
@@ -309,6 +312,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (0: the default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=None, help="the long-tail case's learning rate (3e-3)")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--json", default=None, help="save the results here")
     parser.add_argument("--curves", action="store_true", help="record the reward curves at K = 0, 1, 2 instead")
