@@ -296,3 +296,16 @@ def test_the_config_checks_the_new_options(tiny_model_dir, task, tmp_path):
         small_config(tiny_model_dir, task, tmp_path, max_retries=-1).derived()
     with pytest.raises(ConfigError, match="--env-timeout-s must be positive"):
         small_config(tiny_model_dir, task, tmp_path, env_timeout_s=0).derived()
+
+
+def test_async_behaviour_log_probs_follow_the_samples_kept_and_retried():
+    from rlhf.runtime.rl.async_generation import AsyncGeneration
+
+    kept, dropped, retried = trajectory("kept"), trajectory("dropped"), trajectory("retried", tokens=5)
+    rows = {id(kept): torch.tensor([1.0, 2.0, 0.0]), id(dropped): torch.tensor([3.0, 4.0, 0.0])}  # the lanes' (B, 3)
+    copy = SimpleNamespace(logprobs=lambda batch: torch.full(tuple(batch.action_mask.shape), 7.0))
+    producer = SimpleNamespace(retry_lane=SimpleNamespace(copy=copy))
+    prepared = SimpleNamespace(trajectories=[retried, kept], batch=SimpleNamespace(action_mask=torch.ones(2, 4)))
+    out = AsyncGeneration._kept_behaviour(producer, prepared, rows)
+    # the retried sample's row from the retry copy, the kept one's as its lane computed it, the dropped one gone
+    assert torch.equal(out, torch.tensor([[7.0, 7.0, 7.0, 7.0], [1.0, 2.0, 0.0, 0.0]]))

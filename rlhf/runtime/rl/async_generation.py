@@ -505,7 +505,8 @@ class AsyncGeneration:
         """(B, A) the behaviour log-probs of the batch's samples: each kept sample's row as its lane
         computed it, a retried sample's from the retry copy (its batch's version)."""
         action = prepared.batch.action_mask  # (B, A)
-        out = torch.zeros(action.shape, dtype=torch.float32)  # (B, A)
+        dtype = next(iter(rows.values())).dtype if rows else torch.float32
+        out = torch.zeros(action.shape, dtype=dtype)  # (B, A)
         fresh: torch.Tensor | None = None
         for index, trajectory in enumerate(prepared.trajectories):
             row = rows.get(id(trajectory))
