@@ -309,3 +309,20 @@ def test_async_behaviour_log_probs_follow_the_samples_kept_and_retried():
     out = AsyncGeneration._kept_behaviour(producer, prepared, rows)
     # the retried sample's row from the retry copy, the kept one's as its lane computed it, the dropped one gone
     assert torch.equal(out, torch.tensor([[7.0, 7.0, 7.0, 7.0], [1.0, 2.0, 0.0, 0.0]]))
+
+
+def test_a_retry_under_partial_rollouts_stamps_every_policy_token_with_the_batch_version():
+    from rlhf.runtime.rl.async_generation import _Retrying
+
+    def sample():
+        out = trajectory("again", tokens=5)
+        out.loss_mask = [0, 1, 1, 0, 1]  # the prompt, two policy tokens, an environment token, a policy token
+        return out
+
+    rollout = SimpleNamespace(generate=lambda prompts, *, n, params: [sample()])
+    copy = SimpleNamespace(rollout=rollout)
+    stamped = _Retrying(lambda: copy, 3, stamp=True).generate(["p0"], n=1, params=None)[0]
+    assert stamped.token_versions == [-1, 3, 3, -1, 3]
+    assert stamped.info["token_versions"] == [[3, 2], [-1, 1], [3, 1]]  # samples.jsonl: the completion's runs
+    plain = _Retrying(lambda: copy, 3, stamp=False).generate(["p0"], n=1, params=None)[0]
+    assert plain.token_versions is None and "token_versions" not in plain.info
