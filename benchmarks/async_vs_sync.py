@@ -7,18 +7,34 @@ G = 16 prompts x n = 8 samples, 16 new tokens):
 * ``slow_reward``: the reward sleeps 0.4 s per call (one batched call per step: a remote verifier),
   with ``--reward-sync-in-thread`` so that the calls of several batches can be in flight;
 * ``slow_tools``: a multi-turn environment whose every tool call sleeps 0.2-1.0 s (drawn per
-  sample from a fixed seed), stepped concurrently within a turn.
+  sample from a fixed seed), stepped concurrently within a turn;
+* ``long_tail`` (not in the default ``--cases``): a multi-turn environment with a heavy tail, the
+  issue's partial-rollouts case: each trajectory takes 1-10 model turns of 8 tokens (so responses
+  vary 10x in length: the benchmarks' random tiny model, which never writes EOS, on their "Say
+  many a's" prompts), each turn followed by a tool call that sleeps 0.1 s, or 3 s one time in ten
+  (turns and delays drawn from a seed of the prompt and its sample, so every mode sees the same);
+  the env scores the share of the letter a in the model's turns (0-1), lr 3e-3. G = 8 prompts x
+  n = 8 samples. Its modes are synchronous,
+  ``--async --max-staleness 2``, ``--async --max-staleness 2 --partial-rollouts`` and, for scale,
+  ``--async --max-staleness 3``.
 
 Each case runs synchronously, with ``--async --max-staleness 1`` and with ``--max-staleness 2``;
 every run in a process of its own, runs alternating (case by case, mode by mode, round by round) so
-machine load hits all alike, the first step of each run dropped, medians over rounds. The table
-gives s/step and the ratio async/sync step time (< 1: async is faster); ``--json`` saves it.
+machine load hits all alike, the first step of each run dropped. The table gives wall s/step (what
+the user waits: tool calls are sleeps; the mean over every round's steady steps, as K lanes make
+steps come in bursts, and the median), CPU s/step of the process (robust to other processes'
+load), their spread (min-max over the steady steps) and the ratio to the synchronous step time
+(< 1: async is faster); ``--json`` saves it.
 
 ``--curves`` instead records the quickstart's reward per step at K = 0, 1, 2 (``--curve-steps``
-steps each, plain case) into JSON and a PNG: what staleness costs in learning.
+steps each, plain case) into JSON and a PNG: what staleness costs in learning; with ``--cases
+long_tail`` the long-tail case's three modes, run at the same time (a process each: their reward
+per step, and side-by-side step times under the same load).
 
     python benchmarks/async_vs_sync.py [--threads 1] [--rounds 2] [--steps 8] [--json out.json]
+    python benchmarks/async_vs_sync.py --cases long_tail [--rounds 2] [--steps 8]
     python benchmarks/async_vs_sync.py --curves [--curve-steps 50] [--png benchmarks/async_curves.png]
+    python benchmarks/async_vs_sync.py --curves --cases long_tail [--png benchmarks/long_tail_curves.png]
 """
 
 from __future__ import annotations
@@ -37,8 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("plain", "slow_reward", "slow_tools")
+CASES = ("plain", "slow_reward", "slow_tools", "long_tail")
+DEFAULT_CASES = ("plain", "slow_reward", "slow_tools")
 MODES = {"sync": None, "K=1": 1, "K=2": 2}
+# mode -> (--max-staleness or None for the synchronous run, --partial-rollouts)
+MODES_OF = {case: {mode: (k, False) for mode, k in MODES.items()} for case in DEFAULT_CASES}
+MODES_OF["long_tail"] = {"sync": (None, False), "K=2": (2, False), "K=2 partial": (2, True), "K=3": (3, False)}
+CURVE_MODES = ("sync", "K=2", "K=2 partial")  # the long-tail curves: the issue's three modes
 
 SLOW_REWARD = '''
 import time
@@ -74,6 +95,39 @@ class SlowToolEnv:
         return StepResult(observation=" =", reward=0.0, done=self.calls >= 2)
 '''
 
+LONG_TAIL = '''
+import random, threading, time, zlib
+from rlhf.core.types import StepResult
+
+
+class LongTailEnv:
+    """1-10 model turns per trajectory; every turn is followed by a tool call of 0.1 s, or 3 s one
+    time in ten. Turns and delays come from a seed of the prompt and the sample (the how-manieth
+    reset of that prompt), so every mode of the benchmark sees the same ones. Scores the share of
+    the letter a in the model's turns (averaged over the turns: 0 to 1)."""
+
+    lock = threading.Lock()
+    resets = {}
+
+    def reset(self, prompt, label):
+        with LongTailEnv.lock:
+            sample = LongTailEnv.resets.get(prompt, 0)
+            LongTailEnv.resets[prompt] = sample + 1
+        self.rng = random.Random(zlib.crc32(f"{prompt}/{sample}".encode()))
+        self.turns, self.calls = self.rng.randint(1, 10), 0
+        return None
+
+    def step(self, action):
+        self.calls += 1
+        time.sleep(3.0 if self.rng.random() < 0.1 else 0.1)
+        reward = action.count("a") / max(len(action), 1) / self.turns
+        return StepResult(observation=" >", reward=reward, done=self.calls >= self.turns)
+
+
+def no_reward(completions, **kwargs):
+    return [0.0] * len(completions)  # the environment scores
+'''
+
 
 def child(args: argparse.Namespace) -> None:
     """One run (this process): prints a JSON line with the step intervals and metrics."""
@@ -83,7 +137,7 @@ def child(args: argparse.Namespace) -> None:
     from rlhf.runtime.rl.local import train
 
     work, case, staleness = Path(args.work), args.case, args.staleness
-    out = work / f"run-{case}-{staleness}"
+    out = work / f"run-{case}-{staleness}{'-partial' if args.partial else ''}"
     shutil.rmtree(out, ignore_errors=True)
     values = dict(model=str(ROOT / "examples" / "tiny-model"), data=[str(ROOT / "examples" / "data" / "train.jsonl")],
                   input_key="prompt", label_key="answer", reward=[f"{ROOT / 'examples' / 'rewards.py'}:exact_match"],
@@ -95,74 +149,140 @@ def child(args: argparse.Namespace) -> None:
         values.update(reward=[f"{work / 'slow_reward.py'}:slow_exact_match"], reward_sync_in_thread=True)
     if case == "slow_tools":
         values.update(env=f"{work / 'slow_tools.py'}:SlowToolEnv", max_turns=2)
+    if case == "long_tail":  # a random tiny model that never writes EOS: every turn is 8 tokens
+        prompts, _ = benchlib.write_task(work)
+        values.update(model=str(benchlib.model_dir("tiny", work)), data=[str(prompts)], label_key=None,
+                      env=f"{work / 'long_tail.py'}:LongTailEnv", max_turns=10, max_new_tokens=8, prompts_per_step=8,
+                      reward=[f"{work / 'long_tail.py'}:no_reward"], lr=args.lr or 3e-3)
     if staleness >= 0:
-        values.update(async_rollout=True, max_staleness=staleness)
+        values.update(async_rollout=True, max_staleness=staleness, partial_rollouts=args.partial)
     plugins = build_plugin_manager()
     clock = benchlib.StepClock()
     plugins.register(benchlib.step_clock_plugin(clock), name="benchmark_step_clock")
     clock.start()
     train(TrainConfig.from_dict(values), plugins=plugins)
-    keep = ("reward/mean", "time/rollout", "time/reward", "time/train", "async/wait_s", "async/idle_s")
-    print("RESULT " + json.dumps({"intervals": clock.intervals, "metrics": [
+    keep = ("reward/mean", "time/rollout", "time/reward", "time/train", "async/wait_s", "async/idle_s",
+            "staleness/mean", "async/staleness_mean", "response/length_mean", "time/version_wait")
+    print("RESULT " + json.dumps({"intervals": clock.intervals, "cpu_intervals": clock.cpu_intervals,
+                                  "load": os.getloadavg(), "metrics": [
         {k: m[k] for k in keep if k in m} for m in clock.metrics]}), flush=True)
 
 
-def run_child(args: argparse.Namespace, work: Path, case: str, staleness: int | None, steps: int) -> dict:
+def start_child(args: argparse.Namespace, work: Path, case: str, staleness: int | None, steps: int,
+                partial: bool = False) -> subprocess.Popen:
     command = [sys.executable, __file__, "--child", "--work", str(work), "--case", case,
                "--staleness", str(-1 if staleness is None else staleness), "--steps", str(steps),
                "--seed", str(args.seed)] + (["--threads", str(args.threads)] if args.threads else [])
+    command += (["--partial"] if partial else []) + (["--lr", str(args.lr)] if args.lr else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise SystemExit(f"{case} {staleness}: the run failed:\n{done.stderr[-3000:]}")
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def child_result(process: subprocess.Popen, label: str) -> dict:
+    stdout, stderr = process.communicate()
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if process.returncode != 0 or not lines:
+        raise SystemExit(f"{label}: the run failed:\n{stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_child(args: argparse.Namespace, work: Path, case: str, staleness: int | None, steps: int,
+              partial: bool = False) -> dict:
+    return child_result(start_child(args, work, case, staleness, steps, partial), f"{case} {staleness}")
 
 
 def write_helpers(work: Path) -> None:
     (work / "slow_reward.py").write_text(SLOW_REWARD.format(rewards=str(ROOT / "examples" / "rewards.py")))
     (work / "slow_tools.py").write_text(SLOW_TOOLS)
+    (work / "long_tail.py").write_text(LONG_TAIL)
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
 
 
 def compare(args: argparse.Namespace, work: Path) -> dict:
-    steps: dict[str, dict[str, list[float]]] = {c: {m: [] for m in MODES} for c in args.cases}
-    waits: dict[str, dict[str, list[float]]] = {c: {m: [] for m in MODES} for c in args.cases}
+    runs: dict[str, dict[str, list[dict]]] = {c: {m: [] for m in MODES_OF[c]} for c in args.cases}
     for round_index in range(args.rounds):
         for case in args.cases:
-            for mode, staleness in MODES.items():
-                result = run_child(args, work, case, staleness, args.steps)
-                steps[case][mode] += benchlib.steady(result["intervals"])
-                waits[case][mode] += [m.get("async/wait_s", 0.0) for m in benchlib.steady(result["metrics"])]
-                print(f"round {round_index + 1} {case:11s} {mode:4s}: {benchlib.median(steps[case][mode]):.3f} s/step "
+            for mode, (staleness, partial) in MODES_OF[case].items():
+                result = run_child(args, work, case, staleness, args.steps, partial)
+                runs[case][mode].append(result)
+                walls = [x for r in runs[case][mode] for x in benchlib.steady(r["intervals"])]
+                print(f"round {round_index + 1} {case:11s} {mode:11s}: {statistics.fmean(walls):.3f} s/step "
                       f"(load {' '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
-    table = {}
-    for case in args.cases:
-        sync = statistics.median(steps[case]["sync"])
-        table[case] = {mode: {"s_per_step": statistics.median(steps[case][mode]),
-                              "ratio_to_sync": statistics.median(steps[case][mode]) / sync,
-                              "trainer_wait_s": statistics.median(waits[case][mode]) if waits[case][mode] else 0.0,
-                              "steps_measured": len(steps[case][mode])} for mode in MODES}
+    table = {case: summary(modes) for case, modes in runs.items()}
+    print_table(table)
+    return {"cases": table, "runs": runs}  # every run's step intervals and metrics, for a second look
+
+
+def summary(modes: dict[str, list[dict]]) -> dict:
+    """Per mode: the medians over every run's steady steps, their spread, and the ratios to the first mode's."""
+    out = {}
+    for mode, results in modes.items():
+        steady = [m for r in results for m in benchlib.steady(r["metrics"])]
+        walls = [x for r in results for x in benchlib.steady(r["intervals"])]
+        cpus = [x for r in results for x in benchlib.steady(r.get("cpu_intervals", []))]
+        # the mean: with K lanes the steps come in bursts (K batches finish together), so the median of
+        # a bimodal series says little; the mean is the throughput (total seconds / steps)
+        row = {"s_per_step": statistics.fmean(walls), "median_s_per_step": statistics.median(walls),
+               "wall_spread": [min(walls), max(walls)],
+               "cpu_s_per_step": statistics.fmean(cpus) if cpus else float("nan"),
+               "cpu_spread": [min(cpus), max(cpus)] if cpus else [],
+               "steps_measured": len(walls), "runs": len(results),
+               "load": [r["load"][0] for r in results if "load" in r]}
+        for key, name in (("async/wait_s", "trainer_wait_s"), ("async/idle_s", "producer_idle_s"),
+                          ("time/rollout", "rollout_s"), ("staleness/mean", "token_staleness_mean"),
+                          ("async/staleness_mean", "batch_staleness_mean"), ("time/version_wait", "version_wait_s"),
+                          ("response/length_mean", "response_length")):
+            values = [m[key] for m in steady if key in m]
+            row[name] = statistics.median(values) if values else 0.0
+        out[mode] = row
+    first = next(iter(out.values()))
+    for row in out.values():
+        row["ratio_to_sync"] = row["s_per_step"] / first["s_per_step"]
+        row["cpu_ratio_to_sync"] = row["cpu_s_per_step"] / first["cpu_s_per_step"]
+    return out
+
+
+def print_table(table: dict) -> None:
     print()
-    print("| case | sync s/step | K=1 s/step | K=2 s/step | K=1 / sync | K=2 / sync |")
-    print("|---|---|---|---|---|---|")
-    for case, row in table.items():
-        print(f"| {case} | {row['sync']['s_per_step']:.3f} | {row['K=1']['s_per_step']:.3f} | "
-              f"{row['K=2']['s_per_step']:.3f} | {row['K=1']['ratio_to_sync']:.2f}x | "
-              f"{row['K=2']['ratio_to_sync']:.2f}x |")
-    return {"cases": table}
+    print("| case | mode | wall s/step: mean (median; min-max) | CPU s/step: mean (min-max) | wall / sync | CPU / sync "
+          "| trainer waited | producer idle | token staleness | steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for case, rows in table.items():
+        for mode, row in rows.items():
+            print(f"| {case} | {mode} | {row['s_per_step']:.2f} ({row['median_s_per_step']:.2f}; "
+                  f"{spread(row['wall_spread'])}) | "
+                  f"{row['cpu_s_per_step']:.2f} ({spread(row['cpu_spread'])}) | {row['ratio_to_sync']:.2f}x | "
+                  f"{row['cpu_ratio_to_sync']:.2f}x | {row['trainer_wait_s']:.2f} s | {row['producer_idle_s']:.2f} s | "
+                  f"{row['token_staleness_mean'] or row['batch_staleness_mean']:.2f} | {row['steps_measured']} |")
 
 
 def curves(args: argparse.Namespace, work: Path) -> dict:
     """The quickstart's reward per step at K = 0 (the synchronous run, bit for bit: tests/runtime/
-    test_async.py), K = 1 and K = 2."""
-    rewards = {}
-    for label, staleness in (("K=0", 0), ("K=1", 1), ("K=2", 2)):
-        result = run_child(args, work, "plain", staleness, args.curve_steps)
-        rewards[label] = [m["reward/mean"] for m in result["metrics"]]
-        tail = rewards[label][-10:]
+    test_async.py), K = 1 and K = 2; with the long-tail case its three modes, at the same time."""
+    if "long_tail" in args.cases:
+        modes = {mode: MODES_OF["long_tail"][mode] for mode in CURVE_MODES}
+        processes = {mode: start_child(args, work, "long_tail", staleness, args.curve_steps, partial)
+                     for mode, (staleness, partial) in modes.items()}
+        results = {mode: child_result(process, f"long_tail {mode}") for mode, process in processes.items()}
+        title = "long tail: reward per step (share of a in the model turns)"
+    else:
+        results = {label: run_child(args, work, "plain", staleness, args.curve_steps)
+                   for label, staleness in (("K=0", 0), ("K=1", 1), ("K=2", 2))}
+        title = "quickstart: reward per step by staleness"
+    rewards = {label: [m["reward/mean"] for m in result["metrics"]] for label, result in results.items()}
+    for label, values in rewards.items():
+        tail = values[-10:]
         print(f"{label}: mean reward over the last 10 steps {sum(tail) / len(tail):.3f}", flush=True)
+    out = {"reward_per_step": rewards}
+    if "long_tail" in args.cases:
+        out["side_by_side"] = table = {"long_tail": summary({mode: [r] for mode, r in results.items()})}
+        out["runs"] = results
+        print_table(table)
     if args.png:
         import matplotlib
 
@@ -177,21 +297,22 @@ def curves(args: argparse.Namespace, work: Path) -> dict:
             axes.plot(range(1, len(values) + 1), smooth, label="K=0 (= sync)" if label == "K=0" else label)
         axes.set_xlabel("step")
         axes.set_ylabel("reward/mean (5-step mean)")
-        axes.set_title("quickstart: reward per step by staleness")
+        axes.set_title(title)
         axes.legend()
         figure.tight_layout()
         figure.savefig(args.png, dpi=110)
         print(f"wrote {args.png}")
-    return {"reward_per_step": rewards}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(DEFAULT_CASES))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (0: the default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=None, help="the long-tail case's learning rate (3e-3)")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--json", default=None, help="save the results here")
     parser.add_argument("--curves", action="store_true", help="record the reward curves at K = 0, 1, 2 instead")
@@ -202,6 +323,7 @@ def main() -> None:
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--staleness", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--partial", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)

@@ -5,11 +5,13 @@ versions the rows record (an agent's, its segments' included)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from rlhf.core.types import Trajectory
-from rlhf.runtime.rl.async_generation import kept_rows
+from rlhf.runtime.rl.async_generation import AsyncGeneration
 
 pytestmark = pytest.mark.unit
 
@@ -22,9 +24,16 @@ def trajectory(length: int) -> Trajectory:
 def test_the_kept_trajectories_rows_in_the_batchs_order_at_its_width():
     rolled = [trajectory(6), trajectory(3), trajectory(4), trajectory(2)]
     behaviour = torch.arange(20, dtype=torch.float32).reshape(4, 5)  # (B, A): A = 6 - 1
-    kept = [rolled[2], rolled[3]]  # the first group failed and left; the widest row went with it
-    assert kept_rows(behaviour, rolled, kept, 3).tolist() == [[10.0, 11.0, 12.0], [15.0, 16.0, 17.0]]
-    assert torch.equal(kept_rows(behaviour, rolled, rolled, 5), behaviour)
+    rows = {id(t): behaviour[i] for i, t in enumerate(rolled)}  # as the lanes computed them
+
+    def kept(trajectories: list[Trajectory], width: int) -> torch.Tensor:
+        prepared = SimpleNamespace(trajectories=trajectories,
+                                   batch=SimpleNamespace(action_mask=torch.ones(len(trajectories), width)))
+        return AsyncGeneration._kept_behaviour(SimpleNamespace(retry_lane=None), prepared, rows)
+
+    # the first group failed and left; the widest row went with it
+    assert kept([rolled[2], rolled[3]], 3).tolist() == [[10.0, 11.0, 12.0], [15.0, 16.0, 17.0]]
+    assert torch.equal(kept(rolled, 5), behaviour)
 
 
 def test_the_staleness_bound_is_checked_on_recorded_token_versions_segments_included():

@@ -178,10 +178,61 @@ def test_a_step_where_every_group_failed_stops_with_the_first_failure():
         batch_steps("drop-group", prompts=1).prepare(0, FlakyRollout({"p0": 1}))
 
 
-def test_async_runs_do_not_retry_and_drop_the_group_instead():
-    rollout = FlakyRollout({"p1": 1})
-    prepared = batch_steps(async_rollout=True).prepare(0, rollout)
-    assert len(rollout.calls) == 1 and names(prepared.trajectories) == [("p0s0", 0), ("p0s1", 0)]
+def test_async_runs_retry_as_synchronous_ones_do():
+    for async_rollout in (False, True):
+        torch.manual_seed(0)
+        rollout = FlakyRollout({"p1": 1})
+        prepared = batch_steps(async_rollout=async_rollout).prepare(0, rollout)
+        assert [(c[0], c[1], c[2]) for c in rollout.calls] == [(["p0", "p1"], 2, 0),
+                                                             (["p1"], 1, retry_seed(11, 0, 1, 3, 1))]
+        assert names(prepared.trajectories) == [("p0s0", 0), ("p0s1", 0), ("p1s0", 1), ("p1r1", 1)]
+        assert prepared.outcome_metrics["outcome/retries"] == 1.0
+
+
+class Draws:
+    """A context manager that records when it is entered and left (the lanes' lock in --async)."""
+
+    def __init__(self):
+        self.log = []
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        self.log.append("enter")
+
+    def __exit__(self, *exc):
+        self.log.append("exit")
+
+
+def test_the_pipelined_stages_retry_on_the_rollout_given_inside_draws():
+    steps = batch_steps(scores=Scores(reward_fails={"p1s0"}), async_rollout=True)
+    torch.manual_seed(0)
+    rolled = steps.end_rollout(steps.roll_out(5, FlakyRollout({"p0": 1}), version=3))  # p0s1: env_error
+    assert [t.outcome for t in rolled.trajectories] == ["ok", "env_error", "ok", "ok"]
+    assert rolled.items == ["p0", "p1"]
+    retry, draws = FlakyRollout({}), Draws()
+    prepared = steps.finish(rolled, steps.call_rewards(rolled), retry=retry, version=3, draws=draws)
+    # the env failure (sample 1) and the reward failure (sample 2) generated again, each from its seed
+    assert [(c[0], c[1], c[2]) for c in retry.calls] == [(["p0"], 1, retry_seed(11, 5, 1, 1, 1)),
+                                                         (["p1"], 1, retry_seed(11, 5, 1, 2, 1))]
+    assert draws.log == ["enter", "exit"] * 2
+    assert names(prepared.trajectories) == [("p0s0", 0), ("p0r0", 0), ("p1r1", 1), ("p1s1", 1)]
+    assert [t.outcome for t in prepared.trajectories] == ["ok"] * 4
+    assert prepared.outcome_metrics["outcome/retries"] == 2.0
+    assert prepared.outcome_metrics["outcome/dropped_groups"] == 0.0
+    assert torch.equal(prepared.batch.sample_mask, torch.ones(4))
+    assert torch.equal(prepared.batch.rewards, torch.ones(4))
+
+
+def test_the_pipelined_stages_drop_a_group_whose_retries_all_fail():
+    steps = batch_steps(max_retries=1, async_rollout=True)
+    rolled = steps.end_rollout(steps.roll_out(0, FlakyRollout({"p1": 1})))
+    retry = FlakyRollout({"p1": 1})  # its retry fails too
+    prepared = steps.finish(rolled, steps.call_rewards(rolled), retry=retry, version=0)
+    assert len(retry.calls) == 1 and names(prepared.trajectories) == [("p0s0", 0), ("p0s1", 0)]
+    assert prepared.outcome_metrics["outcome/retries"] == 1.0
+    assert prepared.outcome_metrics["outcome/dropped_groups"] == 1.0
 
 
 def test_the_pipelined_async_stages_drop_or_mask_failed_groups_as_prepare_does():
@@ -245,3 +296,35 @@ def test_the_config_checks_the_new_options(tiny_model_dir, task, tmp_path):
         small_config(tiny_model_dir, task, tmp_path, max_retries=-1).derived()
     with pytest.raises(ConfigError, match="--env-timeout-s must be positive"):
         small_config(tiny_model_dir, task, tmp_path, env_timeout_s=0).derived()
+
+
+def test_async_behaviour_log_probs_follow_the_samples_kept_and_retried():
+    from rlhf.runtime.rl.async_generation import AsyncGeneration
+
+    kept, dropped, retried = trajectory("kept"), trajectory("dropped"), trajectory("retried", tokens=5)
+    rows = {id(kept): torch.tensor([1.0, 2.0, 0.0]), id(dropped): torch.tensor([3.0, 4.0, 0.0])}  # the lanes' (B, 3)
+    copy = SimpleNamespace(logprobs=lambda batch: torch.full(tuple(batch.action_mask.shape), 7.0))
+    producer = SimpleNamespace(retry_lane=SimpleNamespace(copy=copy))
+    prepared = SimpleNamespace(trajectories=[retried, kept], batch=SimpleNamespace(action_mask=torch.ones(2, 4)))
+    out = AsyncGeneration._kept_behaviour(producer, prepared, rows)
+    # the retried sample's row from the retry copy, the kept one's as its lane computed it, the dropped one gone
+    assert torch.equal(out, torch.tensor([[7.0, 7.0, 7.0, 7.0], [1.0, 2.0, 0.0, 0.0]]))
+
+
+def test_a_retry_under_partial_rollouts_stamps_every_policy_token_with_the_batch_version():
+    from rlhf.runtime.rl.async_generation import _Retrying
+
+    def sample():
+        out = trajectory("again", tokens=5)
+        out.loss_mask = [0, 1, 1, 0, 1]  # the prompt, two policy tokens, an environment token, a policy token
+        return out
+
+    rollout = SimpleNamespace(generate=lambda prompts, *, n, params: [sample()])
+    copy = SimpleNamespace(rollout=rollout)
+    stamped = _Retrying(lambda: copy, 3, stamp=True).generate(["p0"], n=1, params=None)[0]
+    assert stamped.token_versions == [-1, 3, 3, -1, 3]
+    from rlhf.plugins.loggers.plugin import _tokens
+
+    assert _tokens(stamped)["token_versions"] == [[3, 2], [-1, 1], [3, 1]]  # samples.jsonl: the completion's runs
+    plain = _Retrying(lambda: copy, 3, stamp=False).generate(["p0"], n=1, params=None)[0]
+    assert plain.token_versions is None and "token_versions" not in _tokens(plain)

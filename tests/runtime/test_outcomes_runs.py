@@ -244,3 +244,83 @@ def test_resume_after_an_interrupt_with_retries_equals_the_uninterrupted_run(tin
     assert read_jsonl(out / "samples.jsonl") == read_jsonl(whole / "samples.jsonl")
     got, expected = final_weights(out), final_weights(whole)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+# Raises (env_error) on about one model turn in three, as a function of the turn's text only: a retry,
+# sampled from its own seed, fails or not by what it samples.
+FLAKY_TOOL = '''
+from rlhf.core.types import StepResult
+
+class FlakyTool:
+    def reset(self, prompt, label):
+        pass
+
+    def step(self, action_text):
+        if sum(map(ord, action_text)) % 3 == 0:
+            raise ValueError("the tool crashed")
+        return StepResult(reward=len(action_text) / 10, done=True)
+'''
+
+
+def test_async_at_staleness_zero_retries_as_the_synchronous_run(tiny_model_dir, task, flaky, tmp_path, plugins):
+    outs = {}
+    for name, flags in (("sync", []), ("async", ["--async", "--max-staleness", "0"])):
+        outs[name] = tmp_path / name
+        result = run_cli(plugins, train_args(tiny_model_dir, task / "data.jsonl", outs[name], "--reward", str(flaky),
+                                             "--reward-on-error", "fail", *flags))
+        assert result.exit_code == 0, result.output
+    metrics = read_jsonl(outs["async"] / "metrics.jsonl")
+    assert sum(m["outcome/retries"] for m in metrics) > 0  # the batches had retries
+    assert read_jsonl(outs["async"] / "samples.jsonl") == read_jsonl(outs["sync"] / "samples.jsonl")
+    keys = ("reward/mean", "policy/loss", "outcome/retries", "outcome/reward_error_rate", "outcome/dropped_groups")
+    assert [{k: m[k] for k in keys} for m in metrics] == \
+        [{k: m[k] for k in keys} for m in read_jsonl(outs["sync"] / "metrics.jsonl")]
+    first, second = final_weights(outs["sync"]), final_weights(outs["async"])
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["async", "partial"])
+def test_async_retries_a_failing_environment_with_the_advantages_of_its_new_samples(tiny_model_dir, tmp_path,
+                                                                                   plugins, make_plugin, partial):
+    """--async --max-staleness 2: an environment that crashes on some sampled texts; its samples are
+    generated again from their own seeds (by the batch's version, within the bound), the advantages
+    are RLOO's over the samples as they ended, and the same command twice is the same run."""
+    (tmp_path / "tools.py").write_text(FLAKY_TOOL)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)])
+    plugins.register(make_plugin("recording", register_advantage_estimators=lambda register: register(
+        "recording_rloo", f"{__name__}:recording_rloo", needs_groups=True, supports_masking=True)))
+    runs, recorded = [], []
+    for name in ("first", "second"):
+        RECORDED.clear()
+        out = tmp_path / name
+        result = run_cli(plugins, train_args(tiny_model_dir, data, out, "--env", f"{tmp_path / 'tools.py'}:FlakyTool",
+                                             "--async", "--max-staleness", "2", "--advantage", "recording_rloo",
+                                             *(["--partial-rollouts", "--partial-chunk-tokens", "2"] if partial else [])))
+        assert result.exit_code == 0, result.output
+        runs.append(out)
+        recorded.append(list(RECORDED))
+    samples, metrics = read_jsonl(runs[0] / "samples.jsonl"), read_jsonl(runs[0] / "metrics.jsonl")
+    # the rates count the samples as they ended (after their retries)
+    assert sum(m["outcome/retries"] for m in metrics) > 0, "no sample failed: pick another seed"
+    assert sum(m["outcome/dropped_groups"] for m in metrics) == 0  # a retry succeeded each time here
+    assert all(s["outcome"] in ("ok", "truncated") for s in samples) and len(samples) == 18
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1, 2]
+    if partial:  # every policy token, a retry's included, within the bound; versions recorded per token
+        assert all(m["staleness/max"] <= 2 for m in metrics)
+        assert all(sum(count for version, count in s["token_versions"] if version >= 0) > 0 for s in samples)
+    for step, record in enumerate(recorded[0]):
+        rewards = record["rewards"].view(2, 3).tolist()
+        assert record["valid"].tolist() == [1.0] * 6
+        assert rewards == [[s["reward"] for s in samples if s["step"] == step + 1][3 * g:3 * g + 3] for g in range(2)]
+        for g in range(2):
+            for i in range(3):
+                got = record["advantages"][3 * g + i][record["action_mask"][3 * g + i].bool()]
+                expected = rewards[g][i] - sum(rewards[g][j] for j in range(3) if j != i) / 2  # RLOO
+                assert torch.allclose(got, torch.full_like(got, expected), atol=1e-6), (step, g, i)
+    assert samples == read_jsonl(runs[1] / "samples.jsonl")
+    untimed = [[{k: v for k, v in m.items() if not k.endswith("_s")} for m in comparable(read_jsonl(out / "metrics.jsonl"))]
+               for out in runs]  # seconds (env/time_s, async/wait_s) are the machine's
+    assert untimed[0] == untimed[1]
+    assert all(torch.equal(a["advantages"], b["advantages"]) for a, b in zip(*recorded))
+    first, second = final_weights(runs[0]), final_weights(runs[1])
+    assert all(torch.equal(first[k], second[k]) for k in first)

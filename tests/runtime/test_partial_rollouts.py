@@ -89,6 +89,8 @@ def test_multi_turn_partial_rollouts_switch_versions_within_the_bound_and_repeat
     assert [m["staleness/max"] for m in first][:3] == [0, 1, 2]  # the bound is reached, never passed
     assert all(0 < m["staleness/mean"] <= m["staleness/max"] for m in first[1:])
     assert any(m["staleness/mean"] < m["staleness/max"] for m in first[2:])  # newer tokens lower the mean
+    # how long the batch's rollout waited for a version (the first batch has only version 0: none)
+    assert first[0]["time/version_wait"] == 0.0 and all(m["time/version_wait"] >= 0.0 for m in first)
     second = _run(tiny_model_dir, task, tmp_path / "b", **_options(tmp_path, "tools_b"))
     _assert_same_run(tmp_path / "b", second, tmp_path / "a", first)
 

@@ -40,6 +40,14 @@ run then (a lane waits for a version inside its rollout, having handed on its tu
 after a batch's first come from a pool of copies shared by the lanes, each token's behaviour
 log-prob comes from its own version's copy, and `next` checks every token's staleness.
 
+Retries (``--on-failure retry``): the finishing thread, which sees a batch's failures once it is
+scored, generates its failed samples again on a policy copy of its own (made at the first retry)
+holding the batch's version (every token of a retry is that version's, within the bound), while it
+holds the lock the lanes hold when they draw from the process's random stream, so a retry's seeded
+stream (`rlhf.runtime.rl.failures.Retries`) and the lanes' draws never interleave. The behaviour
+log-probs of the samples kept are the lanes' rows, and the retry copy's for the samples generated
+again.
+
 Weights reach the producer by version: after each step (and its checkpoint) the trainer publishes
 a copy of the policy's state; the producer loads the version it needs. Sampling draws the
 process's random stream, which only the producer uses while it runs (eval swaps in a stream of
@@ -155,6 +163,7 @@ class AsyncGeneration:
         self.threads_of_lanes: list[threading.Thread] = []
         self.finisher: threading.Thread | None = None
         self.generating = threading.Lock()  # held while the producer samples (see `eval_stream`)
+        self.retry_lane: _Lane | None = None  # the finishing thread's policy copy for retries (made at the first)
 
     # --- the trainer's side ---------------------------------------------------------------------
 
@@ -386,6 +395,8 @@ class AsyncGeneration:
                         rolled = self.steps.roll_out(step, lane.copy.rollout, version)
                 finally:
                     hand_on()
+                if self.schedule is not None:  # the metric time/version_wait: where partial rollouts wait
+                    rolled.seconds["version_wait"] = lane.copy.rollout.partial.longest_wait
                 self._await_turn("end", step)
                 try:
                     rolled = self.steps.end_rollout(rolled)
@@ -466,17 +477,52 @@ class AsyncGeneration:
                         return
                 if flight.failure is not None:
                     raise flight.failure
-                prepared = self.steps.finish(flight.rolled, flight.result)
+                rows = {id(t): row for t, row in zip(flight.rolled.trajectories, flight.behaviour)
+                        } if flight.behaviour is not None else {}
+                prepared = self.steps.finish(flight.rolled, flight.result, retry=self._retry_role(flight.version),
+                                             version=flight.version, draws=lambda: self.generating)
                 prepared.version, prepared.idle_s = flight.version, flight.idle_s
                 if flight.behaviour is not None:
-                    prepared.batch = replace(prepared.batch, old_logprobs=kept_rows(
-                        flight.behaviour, flight.rolled.trajectories, prepared.trajectories,
-                        prepared.batch.action_mask.shape[1]))
+                    prepared.batch = replace(prepared.batch, old_logprobs=self._kept_behaviour(prepared, rows))
                 with self.cond:
                     del self.scoring[flight.rolled.step]
                 self._done(prepared)
         except BaseException as exc:
             self._fail(exc)
+
+    def _retry_role(self, version: int) -> RolloutRole | None:
+        """The rollout the finishing thread retries failed samples with, holding ``version`` (None:
+        no retries: another policy, or the Ray runtime, whose copies are rollout actors)."""
+        if not self.steps.max_retries or self.copy.evaluates_here:
+            return None
+        return _Retrying(lambda: self._retry_copy(version), version, stamp=self.schedule is not None)
+
+    def _retry_copy(self, version: int) -> PolicyCopy:
+        """The retry copy, holding ``version`` (made and loaded when a retry first needs it)."""
+        if self.retry_lane is None:
+            self.retry_lane = _Lane(self.parts.make_copy(), -1)
+        if self.retry_lane.version != version:
+            self.retry_lane.copy.load(self._snapshot_of(version))
+            self.retry_lane.version = version
+        return self.retry_lane.copy
+
+    def _kept_behaviour(self, prepared: Prepared, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+        """(B, A) the behaviour log-probs of the batch's samples: each kept sample's row as its lane
+        computed it, a retried sample's from the retry copy (its batch's version)."""
+        action = prepared.batch.action_mask  # (B, A)
+        dtype = next(iter(rows.values())).dtype if rows else torch.float32
+        out = torch.zeros(action.shape, dtype=dtype)  # (B, A)
+        fresh: torch.Tensor | None = None
+        for index, trajectory in enumerate(prepared.trajectories):
+            row = rows.get(id(trajectory))
+            if row is None:  # generated again (a retry)
+                if fresh is None:
+                    fresh = self.retry_lane.copy.logprobs(prepared.batch).to(out.dtype)  # (B, A)
+                out[index] = fresh[index]
+            else:  # right-padded: the sample's actions lie within both widths
+                width = min(out.shape[1], row.numel())
+                out[index, :width] = row[:width]
+        return out
 
     def _done(self, prepared: Prepared) -> None:
         with self.cond:
@@ -501,8 +547,11 @@ class AsyncGeneration:
                 raise Stopped
             state = self.snapshots[version] if version != lane.version else None
             # the other lanes hold the steps just before this one: they may still need the versions
-            # just before this one's
-            for old in [v for v in self.snapshots if v < version - (self.lanes - 1)]:
+            # just before this one's; a retry, the version of the oldest batch not yet finished
+            keep = version - (self.lanes - 1)
+            if self.steps.max_retries:
+                keep = min(keep, max(self.first_version, self.next_step - self.staleness))
+            for old in [v for v in self.snapshots if v < keep]:
                 del self.snapshots[old]
         if self.pool is not None:
             self.pool.retire(version - (self.lanes - 1))
@@ -535,6 +584,24 @@ class _Lane:
     version: int
 
 
+class _Retrying:
+    """The rollout role a retry samples with: the retry copy's (``copy()``: made and loaded on first
+    use), each token stamped with the batch's ``version`` (with partial rollouts, ``stamp``: per
+    token, as the lanes' samples are)."""
+
+    stateful = False
+
+    def __init__(self, copy: Callable[[], PolicyCopy], version: int, *, stamp: bool):
+        self.copy, self.version, self.stamp = copy, version, stamp
+
+    def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Trajectory]:
+        trajectories = self.copy().rollout.generate(prompts, n=n, params=params)
+        if self.stamp:
+            for trajectory in trajectories:
+                trajectory.token_versions = [self.version if m else -1 for m in trajectory.loss_mask]
+        return trajectories
+
+
 class _InFlight:
     """A generated batch whose reward call runs on a thread of its own."""
 
@@ -562,13 +629,6 @@ def policy_versions(trajectories: list[Trajectory], version: int) -> list[list[i
         versions = trajectory.token_versions or [version] * len(trajectory.token_ids)
         out.append([v for v, m in zip(versions, trajectory.loss_mask) if m])
     return out
-
-
-def kept_rows(behaviour: torch.Tensor, rolled: list[Trajectory], kept: list[Trajectory], width: int) -> torch.Tensor:
-    """(B', A') the behaviour log-probs (B, A) of the rolled trajectories the batch kept, in its order
-    (failed groups leave a batch under --on-failure retry and drop), cut to the kept rows' width."""
-    rows = [next(i for i, t in enumerate(rolled) if t is trajectory) for trajectory in kept]
-    return behaviour[torch.tensor(rows, dtype=torch.long), :width]
 
 
 def _has_token_versions(trajectories: list[Trajectory]) -> bool:

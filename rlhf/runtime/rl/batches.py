@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -64,6 +64,7 @@ class Rolled:
     trajectories: list[Trajectory]
     batch: ExperienceBatch | None = None  # their tensors, for the behaviour log-probs (rewards still zero)
     seconds: dict[str, float] = field(default_factory=dict)
+    items: list[Any] = field(default_factory=list)  # the prompts sampled (a retry samples one again)
 
 
 class Batches(Protocol):
@@ -113,8 +114,7 @@ class BatchSteps:
         self.prompt_multiple = prompt_multiple  # a generate call's prompts come in multiples of this
         self.policy = policy_of(config)  # --on-failure
         self.masks = self.policy == MASK  # failed samples stay, masked; else their groups leave the batch
-        # --async: no retries (their seeded streams would interleave with the other lanes' draws)
-        self.max_retries = config.max_retries if self.policy == RETRY and not config.async_rollout else 0
+        self.max_retries = config.max_retries if self.policy == RETRY else 0
         self.retries = Retries(seed=config.seed, max_retries=self.max_retries, prompt_multiple=prompt_multiple)
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                        top_p=config.top_p, top_k=config.top_k,
@@ -161,10 +161,12 @@ class BatchSteps:
                           seen=seen, retries=retries)
 
     def _retried(self, step: int, round_: int, items: list[Any], scored: Scored, rollout: RolloutRole,
-                 timer: Timer, version: int) -> tuple[Scored, int]:
+                 timer: Timer, version: int,
+                 draws: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+                 ) -> tuple[Scored, int]:
         """``--on-failure retry``: the failed samples generated again (`Retries.again`, each with its
-        own seed) and the batch scored again, until none fails or ``--max-retries`` attempts were
-        made; and how many samples were generated again."""
+        own seed, inside ``draws()``) and the batch scored again, until none fails or
+        ``--max-retries`` attempts were made; and how many samples were generated again."""
         count = 0
         for attempt in range(1, self.max_retries + 1):
             bad = failed(scored.trajectories)
@@ -173,8 +175,9 @@ class BatchSteps:
             trajectories = list(scored.trajectories)
             with timer("rollout"):
                 for index in bad:
-                    again = self.retries.again(rollout, items[index // self.n_samples], self._sampling(version),
-                                               seed=retry_seed(self.retries.seed, step, round_, index, attempt))
+                    with draws():
+                        again = self.retries.again(rollout, items[index // self.n_samples], self._sampling(version),
+                                                   seed=retry_seed(self.retries.seed, step, round_, index, attempt))
                     again.group = trajectories[index].group
                     trajectories[index] = again
             count += len(bad)
@@ -186,10 +189,6 @@ class BatchSteps:
     def _sampling(self, version: int) -> SamplingParams:
         """The run's sampling settings, stamped with the policy ``version`` that samples."""
         return dataclasses.replace(self.sampling, policy_version=version)
-
-    def _roll(self, need: int, rollout: RolloutRole, version: int) -> list[Trajectory]:
-        """``need`` prompts' groups sampled, in prompt order, by the policy's ``version``."""
-        return rollout.generate(self.loader.next_batch(need), n=self.n_samples, params=self._sampling(version))
 
     def _kept(self, step: int, kept: list[list[Trajectory]], last: list[list[Trajectory]], *, rounds: int,
               sampled: int, dropped: int, metrics: list[tuple[dict[str, float], int]], seen: list[Trajectory],
@@ -241,8 +240,10 @@ class BatchSteps:
         groups, by the policy's ``version`` (default: ``step``)."""
         timer = Timer()
         with timer("rollout"):
-            trajectories = self._roll(self.wanted, rollout, step if version is None else version)
-        return Rolled(step=step, trajectories=trajectories, seconds=dict(timer.seconds))
+            items = self.loader.next_batch(self.wanted)
+            trajectories = rollout.generate(items, n=self.n_samples,
+                                            params=self._sampling(step if version is None else version))
+        return Rolled(step=step, trajectories=trajectories, seconds=dict(timer.seconds), items=items)
 
     def end_rollout(self, rolled: Rolled) -> Rolled:
         """Stage 1, end (in step order): ``on_rollout_end``, then tensors for the behaviour log-probs
@@ -260,19 +261,29 @@ class BatchSteps:
         rolled.seconds["reward"] = time.perf_counter() - began
         return result
 
-    def finish(self, rolled: Rolled, result: RewardResult) -> Prepared:
-        """Stage 3 (the finishing thread, in step order): shaping, ``on_rewards``, tensors."""
+    def finish(self, rolled: Rolled, result: RewardResult, retry: RolloutRole | None = None,
+               version: int | None = None,
+               draws: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> Prepared:
+        """Stage 3 (the finishing thread, in step order): shaping, ``on_rewards``, tensors. With
+        ``retry`` (a rollout role holding the batch's policy ``version``) the failed samples are
+        generated again under ``--on-failure retry`` as `prepare` does (`_retried`), each inside
+        ``draws()`` (what keeps the other threads off the process's random stream meanwhile);
+        without, their groups leave the batch."""
         timer = Timer()
         timer.seconds.update(rolled.seconds)
         with timer("reward"):
             scored: Scored = self.scoring.judge(rolled.trajectories, result)
+        retries = 0
+        if retry is not None:
+            scored, retries = self._retried(rolled.step, 1, rolled.items, scored, retry, timer,
+                                            rolled.step if version is None else version, draws)
         groups = groups_of(scored.trajectories, self.n_samples)
         trained = [self.masks or not group_failed(g) for g in groups]
         trajectories, merged, outcomes = self._kept(rolled.step, [g for g, t in zip(groups, trained) if t],
                                           [g for g, t in zip(groups, trained) if t], rounds=1, sampled=len(groups),
                                           dropped=scored.keep.count(False),
                                           metrics=[(scored.metrics, len(scored.trajectories))],
-                                          seen=scored.trajectories)
+                                          seen=scored.trajectories, retries=retries)
         return self._collated(rolled.step, trajectories, merged, timer, outcomes)
 
 

@@ -17,8 +17,9 @@ as a number. What happens to it:
   with ``supports_masking``; the plan refuses another).
 
 ``--reward-on-error skip`` is ``--reward-on-error fail`` with the policy ``mask`` (`policy_of`).
-Under ``--async`` failed trajectories are not retried: ``retry`` drops their groups (a retry's
-seeded stream would interleave with the draws of the other generation lanes).
+Under ``--async`` the finishing thread retries, on a policy copy of its own holding the batch's
+version, while no generation lane draws from the process's random stream
+(`rlhf.runtime.rl.async_generation`): the same seeds, the same samples, whatever the timing.
 """
 
 from __future__ import annotations

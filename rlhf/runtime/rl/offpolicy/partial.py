@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,7 @@ class PartialRollout:
                  published: Callable[[], int], check_stop: Callable[[], None]):
         self.step, self.schedule, self.own_engine, self.pool = step, schedule, own_engine, pool
         self.published, self.check_stop = published, check_stop
+        self.longest_wait = 0.0  # seconds: the longest a trajectory of the batch waited for a version
 
     def version(self, n: int) -> int:
         return self.schedule.version(self.step, n)
@@ -73,9 +75,11 @@ class PartialRollout:
         """The engine that samples from ``version``, once it is published (the event loop goes on meanwhile)."""
         if version == self.schedule.base(self.step):
             return self.own_engine
+        began = time.perf_counter()
         while self.published() < version:
             self.check_stop()  # raises when the producer stops
             await asyncio.sleep(0.005)
+        self.longest_wait = max(self.longest_wait, time.perf_counter() - began)
         return self.pool.get(version).rollout.engine
 
 
