@@ -1,7 +1,8 @@
 """What every training command shares: built on first use (`LazyCommand`), ``--config run.yaml``
 (`config_file_option`), parsed options turned into a config's values (`config_values`), the checks
-that need no torch (`preflight`, model paths included), quiet library progress bars, and what it prints when it ends
-(`report`: nothing when the Python API called it, `rlhf.cli.python_api`).
+that need no torch (`preflight`, model paths included: `check_model_paths`; the run's own checks
+before it loads a model: `check_run_out`, `check_reward_labels`), quiet library progress bars, and
+what it prints when it ends (`report`: nothing when the Python API called it, `rlhf.cli.python_api`).
 """
 
 from __future__ import annotations

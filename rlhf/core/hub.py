@@ -41,8 +41,9 @@ def check_model_path(ref: str, flag: str) -> None:
         return
     if _HUB_NAME.match(ref) and "--" not in ref and ".." not in ref and len(ref) <= 96:
         return
-    raise ConfigError(f"{flag} {ref}: no such model directory, and not a hub model name (owner/name): check the path, "
-                      "or pass a Hugging Face model directory (config.json and the weights) or a hub name like owner/name")
+    raise ConfigError(f"{flag} {ref}: no such model directory, and not a hub model name (owner/name): check the "
+                      "path, or pass a Hugging Face model directory (config.json and the weights) or a hub name like "
+                      "owner/name")
 
 
 def in_hub_cache(name: str) -> bool:
