@@ -84,7 +84,7 @@ def test_cheap_usage_errors_are_one_line_before_torch_loads():
 
 MISSING = "./runs/sft/final"  # a path, as `rlhf sft --out runs/sft` would make it: here there is none
 MODEL_PATH_PROBE = f"""
-import json, os, sys
+import json, os, sys, tempfile
 os.environ["HF_HUB_OFFLINE"] = "1"  # a hub name is looked up in the cache only
 from click.testing import CliRunner
 from rlhf.cli.main import make_cli
@@ -92,25 +92,26 @@ from rlhf.core.plugin_host.loading import build_plugin_manager
 
 data = ["--data", "examples/data/train.jsonl"]
 model = ["--model", {MISSING!r}, *data]
-run = ["--out", "/nonexistent/run"]
+where = tempfile.mkdtemp()  # nothing is written there: a command that wrote would fail the next case
+run = ["--out", where + "/run"]
 said = ["{MISSING}: no such model directory, and not a hub model name (owner/name)"]
 cases = [(["train", *model, "--label-key", "answer", "--reward", "exact_match", *run], said),
          *[([name, *model, *run], said) for name in ("sft", "rm", "dpo", "kto", "prm")],
          (["distill", *model, "--teacher", "examples/tiny-model", *run], said),
          (["fit", "--objective", "sft", *model, *run], said),
-         (["generate", *model, "--out", "/nonexistent/gen.jsonl"], said),
+         (["generate", *model, "--out", where + "/gen.jsonl"], said),
          (["eval", *model, "--label-key", "answer", "--reward", "exact_match"], said),
          (["iterate", *model, "--label-key", "answer", "--reward", "exact_match", *run], said),
          (["chat", {MISSING!r}], ["MODEL " + said[0]]),
          (["generate", "--model", "examples/tiny-model", "--tokenizer", "a/b/c", *data,
-           "--out", "/nonexistent/g.jsonl"],
+           "--out", where + "/g.jsonl"],
           ["--tokenizer a/b/c: no such model directory, and not a hub model name"]),
-         (["merge-lora", "examples/tiny-model", "--base", {MISSING!r}, "--out", "/nonexistent/merged"],
+         (["merge-lora", "examples/tiny-model", "--base", {MISSING!r}, "--out", where + "/merged"],
           ["--base {MISSING}: no such model directory"]),
          # two mistakes: the one the run would say first (it checks these before it loads a model) comes first
          (["train", *model, "--reward", "exact_match", *run],
           ["reward 'exact_match' compares completions with labels"]),
-         (["generate", *model, "--reward", "exact_match", "--out", "/nonexistent/gen.jsonl"],
+         (["generate", *model, "--reward", "exact_match", "--out", where + "/gen.jsonl"],
           ["reward 'exact_match' compares completions with labels"]),
          (["train", *model, "--label-key", "answer", "--reward", "exact_match", "--algo", "ppo", "--critic-model",
            "rlhf-tests/no-such-model", *run], ["--critic-model rlhf-tests/no-such-model: not a local directory"]),
@@ -124,6 +125,8 @@ out = []
 for args, words in cases:
     result = CliRunner().invoke(make_cli(build_plugin_manager()), args)
     out.append([args, words, result.exit_code, result.output, [m for m in {HEAVY!r} if m in sys.modules]])
+assert os.listdir(where) == [], os.listdir(where)  # nothing written, not even a lock file
+os.rmdir(where)
 print(json.dumps(out))
 """
 
