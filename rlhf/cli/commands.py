@@ -1,7 +1,8 @@
 """What every training command shares: built on first use (`LazyCommand`), ``--config run.yaml``
 (`config_file_option`), parsed options turned into a config's values (`config_values`), the checks
-that need no torch (`preflight`), quiet library progress bars, and what it prints when it ends
-(`report`: nothing when the Python API called it, `rlhf.cli.python_api`).
+that need no torch (`preflight`, model paths included: `check_model_paths`; the run's own checks
+before it loads a model: `check_run_out`, `check_reward_labels`), quiet library progress bars, and
+what it prints when it ends (`report`: nothing when the Python API called it, `rlhf.cli.python_api`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ def report(text: str) -> None:
         click.echo(text)
 
 
-def preflight(config: Any, plugins: Any = None) -> None:
+def preflight(config: Any, plugins: Any = None, before_models: Any = None) -> None:
     """The checks that need no torch, no model and no data: the config's own (ranges, conflicts;
-    ``derived`` or ``check``, run again when the run is planned), data files that are not there, and
-    the components' settings against their declared ranges (``--lora-rank -4``; ``plugins``: the
-    command's plugin set). A missing model is said after the ``--out`` checks, which need the run
-    directory (and after the reward and hub-name checks the plan makes). Run before the command imports
-    the runtime, so a wrong ``--lr`` is said in a moment."""
+    ``derived`` or ``check``, run again when the run is planned), data files that are not there, the
+    components' settings against their declared ranges (``--lora-rank -4``; ``plugins``: the
+    command's plugin set), and model options that name no folder and no hub model (``--model
+    ./runs/sft/final`` where there is none; `rlhf.core.hub.check_model_path`). Run before the command
+    imports the runtime, so a wrong ``--lr`` or model path is said in a moment.
+
+    A run makes other checks before it loads a model (its ``--out``, hub names, the labels its rewards
+    need): ``before_models``, the command's torch-free copy of them in the run's order, is called
+    before a wrong model path is said, so a command with two mistakes says the one the run would."""
     from rlhf.core.errors import ConfigError
 
     check = getattr(config, "derived", None) or getattr(config, "check", None)
@@ -48,6 +53,61 @@ def preflight(config: Any, plugins: Any = None) -> None:
                 raise ConfigError(f"--{flag.replace('_', '-')} {ref}: data file {str(ref)!r} does not exist")
     if plugins is not None and hasattr(config, "check_setting_ranges"):
         config.check_setting_ranges(plugins)
+    check_model_paths(config, before_models)
+
+
+MODEL_OPTIONS = ("critic_model", "teacher", "model", "tokenizer")  # in the order a run checks them
+
+
+def check_model_paths(config: Any, before_models: Any = None) -> None:
+    """The first of ``config``'s model options that names no folder here and cannot be a hub name, as
+    one `ConfigError`, after ``before_models`` (see `preflight`); nothing when all may be models."""
+    from rlhf.core.errors import ConfigError
+    from rlhf.core.hub import check_model_path
+
+    problems: list[ConfigError] = []
+    for name in MODEL_OPTIONS:
+        ref = getattr(config, name, None)
+        try:
+            if ref:
+                check_model_path(str(ref), f"--{name.replace('_', '-')}")
+        except ConfigError as exc:
+            problems.append(exc)
+    if problems:
+        if before_models is not None:
+            before_models()
+        raise problems[0]
+
+
+def check_run_out(out: Any, layout: Any) -> None:
+    """A run's ``--out`` as the run checks it before anything is built (`before_models`): not a folder
+    of other files (``layout``: the kind of run), not in use by another run, writable (its lock taken
+    and let go at once). The main rank only, as the run itself."""
+    import os
+
+    from rlhf.runtime.run.run_files import check_not_foreign
+    from rlhf.runtime.run.run_lock import LOCK_NAME, RunLock
+
+    if not out or os.environ.get("RANK", "0") != "0":
+        return
+    if not (Path(out) / LOCK_NAME).exists():
+        check_not_foreign(Path(out), layout)
+    with RunLock.for_directory(out):
+        pass
+
+
+def check_reward_labels(config: Any, plugins: Any) -> None:
+    """The ``--reward`` sources load (a typo, a missing file) and get the labels they compare with
+    (``--label-key``), as the run checks them before it loads a model (`before_models`)."""
+    import dataclasses
+
+    from rlhf.rewards import load_rewards
+
+    if not getattr(config, "reward", None):
+        return
+    options = dataclasses.asdict(config.reward_options)
+    rewards = load_rewards(config.reward, plugins=plugins, on_error=options.pop("on_error"), **options)
+    rewards.check_labels_given(config.label_key)
 
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # a name with one of these is a file (runtime/run/data.py)

@@ -81,7 +81,7 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
             raise click.UsageError("--data is required (a dataset file, folder or hub name)")
         state = click.get_current_context().find_object(CliState)
         config = FitConfig.from_dict(values, state.plugins)
-        preflight(config, state.plugins)  # before torch loads: a wrong --lr is said at once
+        preflight(config, state.plugins, lambda: before_models(config))  # before torch loads
         quiet_library_progress_bars()
         from rlhf.runtime.fit.local import fit
         from rlhf.cli.run_result import RunResult
@@ -103,6 +103,19 @@ def build_fit_command(plugins: Any, objective: Any = None) -> click.Command:
         for n in flag.names)})
     short_help = FIT_HELP if objective is None else objective.description
     return click.command(name, cls=cls, short_help=short_help, context_settings={"max_content_width": 120})(command)
+
+
+def before_models(config: Any) -> None:
+    """What an offline run checks before it loads a model, in its order, without torch (`preflight`
+    calls it before it says that a model path is wrong): ``--teacher`` (here whatever the objective)
+    and the ``--out`` folder."""
+    from rlhf.cli.commands import check_run_out
+    from rlhf.core.hub import check_model_option
+    from rlhf.runtime.run.run_files import TRAINING
+
+    if config.teacher:
+        check_model_option(config.teacher, "--teacher")
+    check_run_out(config.out, TRAINING)
 
 
 def _is_list(hint: Any) -> bool:

@@ -39,14 +39,14 @@ def _flags(plugins: Any, config_cls: type) -> list[Flag]:
     return flags + component_flags(plugins, config_cls.setting_slots(), config_cls.short_flags(plugins))
 
 
-def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> click.Command:
+def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str, before: Any) -> click.Command:
     flags = _flags(plugins, config_cls)
 
     def command(**kwargs: Any) -> Any:
         values = config_values(kwargs, config_cls)
         model_prompt_format(values, values.get("model") or values.get("tokenizer"))
         config = config_cls.from_dict(values, plugins)
-        preflight(config, plugins)  # before torch loads
+        preflight(config, plugins, before and (lambda: before(config, plugins)))  # before torch loads
         quiet_library_progress_bars()
         return run(config, plugins)
 
@@ -55,6 +55,38 @@ def _build(plugins: Any, name: str, config_cls: type, run: Any, doc: str) -> cli
         command = flag.option()(command)
     command = config_file_option(flags, config_cls)(command)
     return click.command(name, short_help=HELP[name], context_settings={"max_content_width": 120})(command)
+
+
+# What each job checks before it loads a model, in its order, without torch (`preflight` calls it before
+# it says that a model path is wrong).
+
+def _before_generate(config: Any, plugins: Any) -> None:
+    """``rlhf generate``: the rewards and their labels, then its --out file not in use (main rank)."""
+    import os
+
+    from rlhf.cli.commands import check_reward_labels
+    from rlhf.runtime.run.run_lock import RunLock
+
+    check_reward_labels(config, plugins)
+    if os.environ.get("RANK", "0") == "0":
+        with RunLock.for_file(config.out):
+            pass
+
+
+def _before_eval(config: Any, plugins: Any) -> None:
+    """``rlhf eval``: the rewards and their labels."""
+    from rlhf.cli.commands import check_reward_labels
+
+    check_reward_labels(config, plugins)
+
+
+def _before_rounds(config: Any, plugins: Any) -> None:
+    """``rlhf iterate``: its --out folder, then round 1's rewards and their labels."""
+    from rlhf.cli.commands import check_reward_labels, check_run_out
+    from rlhf.datagen.iterate import ITERATION
+
+    check_run_out(config.out, ITERATION)
+    check_reward_labels(config, plugins)
 
 
 def _generate(config: Any, plugins: Any) -> Any:
@@ -174,13 +206,20 @@ def build_chat_command() -> click.Command:
         rlhf chat runs/dpo/final --system "You are terse."
         Type a message and press Enter; /reset clears the history, /exit (or Ctrl-D) quits.
         """
+        from rlhf.core.hub import check_model_path
+        from rlhf.datagen.chat import ChatSettings, run_chat
+        from rlhf.runtime.config.options import check_sampling
+
+        model_prompt_format(options, model)
+        settings = ChatSettings(**options)  # its ranges, then the model's path: before transformers loads
+        check_sampling(settings.top_k, settings.repetition_penalty)
+        check_model_path(model, "MODEL")
+        if settings.tokenizer:
+            check_model_path(settings.tokenizer, "--tokenizer")
         from transformers.utils import logging as hf_logging
 
-        from rlhf.datagen.chat import ChatSettings, run_chat
-
         hf_logging.disable_progress_bar()
-        model_prompt_format(options, model)
-        run_chat(model, ChatSettings(**options))
+        run_chat(model, settings)
 
     return chat
 
@@ -188,11 +227,11 @@ def build_chat_command() -> click.Command:
 def build_datagen_command(plugins: Any, name: str) -> click.Command:
     from rlhf.datagen.config import EvalConfig, GenerateConfig, IterateConfig, ScoreConfig
 
-    config_cls, run, doc = {"generate": (GenerateConfig, _generate, GENERATE_DOC),
-                            "eval": (EvalConfig, _eval, EVAL_DOC),
-                            "score": (ScoreConfig, _score, SCORE_DOC),
-                            "iterate": (IterateConfig, _iterate, ITERATE_DOC)}[name]
-    return _build(plugins, name, config_cls, run, doc)
+    config_cls, run, doc, before = {"generate": (GenerateConfig, _generate, GENERATE_DOC, _before_generate),
+                                    "eval": (EvalConfig, _eval, EVAL_DOC, _before_eval),
+                                    "score": (ScoreConfig, _score, SCORE_DOC, None),
+                                    "iterate": (IterateConfig, _iterate, ITERATE_DOC, _before_rounds)}[name]
+    return _build(plugins, name, config_cls, run, doc, before)
 
 
 def datagen_commands(plugins: Any) -> list[click.Command]:

@@ -65,7 +65,7 @@ def build_train_command(plugins: Any) -> click.Command:
         config = TrainConfig.from_dict(values, state.plugins)
         if config.ray_address and config.runtime != "ray":  # docs/architecture.md: an address means the Ray runtime
             config = dataclasses.replace(config, runtime="ray")
-        preflight(config, state.plugins)  # before torch loads: a wrong --lr is said at once
+        preflight(config, state.plugins, lambda: before_models(config, state.plugins))  # before torch loads
         quiet_library_progress_bars()
         if config.runtime == "ray":
             from rlhf.runtime.ray import train
@@ -86,6 +86,24 @@ def build_train_command(plugins: Any) -> click.Command:
 
     return click.command("train", cls=OpenRLHFNames, short_help=SHORT_HELP,
                          context_settings={"max_content_width": 120})(command)
+
+
+def before_models(config: Any, plugins: Any) -> None:
+    """What a training run checks before it loads a model, in its order, without torch (`preflight`
+    calls it before it says that a model path is wrong): the hub names of ``--critic-model``,
+    ``--teacher`` and ``--reward`` (`rlhf.runtime.config.train_plan.RunPlan.check_model_refs`; here
+    ``--critic-model`` whatever the algorithm), the ``--out`` folder, the rewards and their labels."""
+    from rlhf.cli.commands import check_reward_labels, check_run_out
+    from rlhf.core.hub import check_model_option
+    from rlhf.rewards.loading import check_hub_reward_models
+    from rlhf.runtime.run.run_files import TRAINING
+
+    for flag, ref in (("--critic-model", config.critic_model), ("--teacher", config.teacher)):
+        if ref:
+            check_model_option(ref, flag)
+    check_hub_reward_models(config.reward, plugins.registry("reward"))
+    check_run_out(config.out, TRAINING)
+    check_reward_labels(config, plugins)
 
 
 def train_command(plugins: Any) -> click.Command:

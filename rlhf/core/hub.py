@@ -5,7 +5,9 @@ either. A hub name resolves through huggingface_hub as transformers resolves ``-
 local cache (all there is with ``HF_HUB_OFFLINE=1``), else downloaded. `check_model_option` says,
 before any model loads, that a reference is neither (one `ConfigError` naming the flag and what
 to pass instead); `hub_model_dir` is the local folder of a hub model (for code that reads files
-itself, as the reward-model source does). huggingface_hub is imported inside functions.
+itself, as the reward-model source does). `check_model_path` is the part that needs neither the
+hub client nor the network: a reference that names no folder here and cannot be a hub name
+(``./runs/sft/final``, ``a/b/c``), said before torch loads. huggingface_hub is imported inside functions.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from rlhf.core.modeling import check_hub_reachable
 
 # the hub's repository ids: ``org/name`` (letters, digits, '-', '_', '.'; no '--' or '..' inside)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# what the hub client accepts as a model name: ``org/name``, or a bare ``name`` (the hub's oldest models)
+_HUB_NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _MARKS = ("config.json", "adapter_config.json")  # a model directory (a full model, or a PEFT adapter)
 # what a model needs from its hub repository (not other weight formats: onnx, gguf, flax, ...)
 _MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
@@ -27,6 +31,19 @@ def is_hub_name(ref: str) -> bool:
     """``org/name`` that names nothing here: what the hub client would look up."""
     return (bool(_REPO_ID.match(ref)) and "--" not in ref and ".." not in ref and not ref.endswith(".py")
             and not Path(ref).expanduser().exists())
+
+
+def check_model_path(ref: str, flag: str) -> None:
+    """``ref`` names something here, or could be a hub model name; otherwise one `ConfigError`
+    naming ``flag``. Reads only the file system (no hub client, no network, no torch): a hub name
+    is left to `check_model_option` and the loaders, which may download it."""
+    if Path(ref).expanduser().exists():
+        return
+    if _HUB_NAME.match(ref) and "--" not in ref and ".." not in ref and len(ref) <= 96:
+        return
+    raise ConfigError(f"{flag} {ref}: no such model directory, and not a hub model name (owner/name): check the "
+                      "path, or pass a Hugging Face model directory (config.json and the weights) or a hub name like "
+                      "owner/name")
 
 
 def in_hub_cache(name: str) -> bool:

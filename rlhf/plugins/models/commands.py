@@ -26,15 +26,20 @@ def merge_lora_command(adapter_dir: Path, base: str | None, out_dir: Path, dtype
 
     The result loads with AutoModelForCausalLM.from_pretrained and vLLM, without peft.
     """
+    from rlhf.api import ConfigError, check_model_ref
+
+    if out_dir.exists() and any(out_dir.iterdir()):  # these two before torch and transformers load
+        raise ConfigError(f"--out {out_dir} is not empty; choose a new directory")
+    if base is not None:
+        try:
+            check_model_ref(base)
+        except ConfigError as exc:
+            raise ConfigError(f"--base {exc}") from None
     from transformers.utils import logging as hf_logging
 
-    from rlhf.api import ConfigError
     from rlhf.plugins.models.loading import DTYPES
     from rlhf.plugins.models.lora import merge_lora
 
     hf_logging.disable_progress_bar()  # loading and writing bars: a one-line command says one line
-
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"--out {out_dir} is not empty; choose a new directory")
     merge_lora(adapter_dir, out_dir, base=base, dtype=DTYPES.get(dtype, "auto"), trust_remote_code=trust_remote_code)
     click.echo(f"merged model written to {out_dir}")

@@ -40,7 +40,7 @@ from rlhf.runtime.config.identity import (OVERRIDE_DATA, OVERRIDE_PLUGINS, descr
 from rlhf.runtime.run import checkpoint
 from rlhf.runtime.run.model_card import export_notes
 from rlhf.runtime.run.export import inner_models
-from rlhf.runtime.run.run_files import RUN_MANIFEST, Layout, RunFiles, check_not_foreign, entries
+from rlhf.runtime.run.run_files import RUN_MANIFEST, TRAINING, RunFiles, check_not_foreign, entries
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,6 @@ RESUME_FREE = frozenset({"resume", "resume_override", "out", "progress", "save_e
                          "log_tokens",
                          "ray_address", "ray_place", "device",
                          "verify_weight_sync", "weight_sync_timeout_s"})
-# What a training run writes at the top of its directory, and what one from before run manifests owns.
-TRAINING = Layout(kind="training", marks=(r"config\.yaml", r"plugins\.json"),
-                  legacy=(r"config\.yaml", r"config\.until_step_\d+\.yaml", r"plugins\.json", r"metrics\.jsonl",
-                          r"samples\.jsonl", "tensorboard", "wandb", "checkpoints", "final", "best", "critic"),
-                  legacy_logs=(r"metrics\.jsonl", r"samples\.jsonl"))
 # The names the host writes, recorded as the run's when it starts (logs are recorded as they are opened).
 HOST_NAMES = ("config.yaml", "plugins.json", "checkpoints", "final", "best", "critic")
 # What a run writes before its first step completes: a run that failed at start holds no run yet.

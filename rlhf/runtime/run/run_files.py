@@ -64,6 +64,13 @@ def entries(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.name != LOCK_NAME and not _TRANSIENT.match(p.name))
 
 
+# What a training run (rlhf train, rlhf fit) writes at the top of its directory, and what one from before run
+# manifests owns.
+TRAINING = Layout(kind="training", marks=(r"config\.yaml", r"plugins\.json"),
+                  legacy=(r"config\.yaml", r"config\.until_step_\d+\.yaml", r"plugins\.json", r"metrics\.jsonl",
+                          r"samples\.jsonl", "tensorboard", "wandb", "checkpoints", "final", "best", "critic"),
+                  legacy_logs=(r"metrics\.jsonl", r"samples\.jsonl"))
+
 def classify(path: Path, layout: Layout) -> Kind:
     """``new``, ``run`` or ``foreign`` (the module docstring)."""
     names = entries(path)
