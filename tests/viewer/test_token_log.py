@@ -52,8 +52,7 @@ def test_a_run_records_the_tokens_of_its_first_samples_each_step(run):
         assert expand(record["origins"]) == ["model" if m else "env" for m in record["mask"]]
         assert all(v is not None and v <= 0 for v, m in zip(record["logprobs"], record["mask"]) if m)
         assert "".join(record["pieces"]).startswith(sample["completion"][:3])
-        if "rollout_logprobs" in record:
-            assert len(record["rollout_logprobs"]) == n
+        assert len(record["rollout_logprobs"]) == n  # asked of the engine for tokens.jsonl
 
 
 def test_the_advantages_are_the_step_s_grpo_advantages(run):
@@ -92,6 +91,59 @@ def test_the_viewer_serves_a_real_run_s_tokens(run):
 
 
 # --- a plain GRPO run: the columns tokens.jsonl computes or asks for itself -----------------------
+
+
+class _Policy:
+    """A policy role whose log-prob at action position t of row b is -(100 b + t) / 1000; it keeps the batches it got."""
+
+    def __init__(self):
+        self.batches = []
+
+    def logprobs(self, batch):
+        import torch
+
+        self.batches.append(batch)
+        rows, width = batch.action_mask.shape
+        return -(100 * torch.arange(rows)[:, None] + torch.arange(width)[None, :]).float() / 1000  # (b, A)
+
+
+def _trajectory(prompt, completion, mask, rollout):
+    from rlhf.core.types import Trajectory
+
+    return Trajectory(token_ids=prompt + completion, loss_mask=[0] * len(prompt) + mask, prompt_length=len(prompt),
+                      prompt="p", prompt_text="p", completion_text="c", group=0,
+                      rollout_logprobs=[0.0] * len(prompt) + rollout)
+
+
+def test_without_old_log_probs_the_policy_s_are_computed_for_the_logged_rows_only_and_line_up():
+    """Token j of a row (predicted at action position j - 1) gets the policy's value there; the
+    policy sees the first ``limit`` rows only; the rollout column is each trajectory's own, per
+    completion token; without a policy (Ray, torchrun) the column is left out."""
+    from dataclasses import replace
+
+    import torch
+
+    from rlhf.core.batch import collate
+    from rlhf.runtime.rl.token_log import policy_logprobs, token_record
+
+    trajectories = [_trajectory([5, 6, 7], [8, 9], [1, 1], [-0.5, -0.25]),
+                    _trajectory([5, 6], [10, 11, 12], [1, 0, 1], [-1.0, 0.0, -2.0]),
+                    _trajectory([5], [13], [1], [-3.0])]
+    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(3), sample_mask=torch.ones(3))
+    batch = replace(batch, rollout_logprobs=None)  # the update's: none asked for
+    policy = _Policy()
+    computed = policy_logprobs(policy, batch, 2)
+    [seen] = policy.batches
+    assert seen.size == 2 and seen.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 11, 12]]
+    records = [token_record(t, batch, row, step=1, sample=row, decode=lambda ids: [str(i) for i in ids],
+                            policy_logprobs=computed) for row, t in enumerate(trajectories[:2])]
+    assert records[0]["logprobs"] == [-0.002, -0.003]  # tokens 3 and 4 of row 0
+    assert records[1]["logprobs"] == [-0.101, -0.102, -0.103]  # tokens 2, 3, 4 of row 1
+    assert records[0]["rollout_logprobs"] == [-0.5, -0.25] and records[1]["rollout_logprobs"] == [-1.0, 0.0, -2.0]
+    bare = token_record(trajectories[2], batch, 2, step=1, sample=2, decode=lambda ids: [str(i) for i in ids])
+    assert "logprobs" not in bare and bare["rollout_logprobs"] == [-3.0]
+    old = replace(batch, old_logprobs=torch.full((3, 4), -0.75))
+    assert policy_logprobs(policy, old, 2) is None and len(policy.batches) == 1  # the step's own are logged
 
 
 def _plain_run(tiny_model_dir, task, out, log_tokens):
