@@ -187,6 +187,32 @@ def test_the_token_view_of_a_multi_turn_sample_shows_its_turns_and_values(browse
     browser.save_screenshot(str(shots / "tokens-origin.png"))
 
 
+def test_a_plain_grpo_run_offers_the_policy_minus_rollout_colouring(browser, tiny_model_dir, task, tmp_path):
+    """A real run without old log-probs or a mismatch correction (plain GRPO): tokens.jsonl has both
+    log-prob columns, so the token view colours by their difference."""
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.rl.local import train
+    from tests.helpers import small_config
+
+    run = tmp_path / "plain"
+    train(small_config(tiny_model_dir, task, run, steps=1, log_tokens=2, max_new_tokens=6), plugins=build_plugin_manager())
+    server = ViewServer(open_runs([run]))
+    server.start()
+    try:
+        open_page(browser, server.url)
+        browser.find_element("css selector", "#samples tr[data-index='0']").click()
+        enabled = browser.execute_script("return [...document.querySelectorAll('#quantity option:not([disabled])')]"
+                                         ".map(o => o.value)")
+        assert {"logprobs", "rollout_logprobs", "diff"} <= set(enabled), enabled
+        browser.execute_script("const s = document.getElementById('quantity'); s.value = 'diff';"
+                               "s.dispatchEvent(new Event('change'))")
+        assert browser.find_element("id", "quantity").get_attribute("value") == "diff"
+        assert browser.find_elements("css selector", "#tokens .tok[style]")  # the policy tokens, coloured
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_keys_move_between_samples_steps_and_views(browser, served):
     open_page(browser, served.url)
     press(browser, "j")

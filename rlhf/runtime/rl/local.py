@@ -306,7 +306,7 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
     workers = Workers(
         policy=policy, rollout=rollout, reward=reward, scoring=scoring, reference=reference, teacher=teacher,
         critic=critic,
-        loader=loader, pad_token_id=tokenizer.pad_token_id, dist=dist,
+        loader=loader, pad_token_id=tokenizer.pad_token_id, dist=dist, policy_here=not dist.active,
         eval_prompts=build_eval_prompts(config, tokenizer),
         async_parts=AsyncParts(snapshot=lambda: {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
                          make_copy=lambda: LocalPolicyCopy(plan, policy, lambda m: build_rollout(plan, plugins, m,

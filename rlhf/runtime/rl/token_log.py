@@ -8,8 +8,12 @@ and environment turns included), columns of equal length:
 
     ids, pieces        the token id and its text (the tokenizer's decode of that one id)
     mask               1 where the policy sampled it and it trains, 0 for tool / environment text
-    logprobs           the policy's log-prob before the update (when the step computed one)
-    rollout_logprobs   what the rollout engine reported (0 off the mask)
+    logprobs           the policy's log-prob before the update: the step's old log-probs where it
+                       computed them, else computed here for the logged rows (`policy_logprobs`:
+                       only where the trainer is given the policy, whole in its process)
+    rollout_logprobs   what the rollout engine reported (0 off the mask): the batch's where the
+                       policy loss reads them, else the trajectory's own (the trainer asks the
+                       engine for them whenever tokens.jsonl is written)
     advantages, kl     the advantage and the KL to the reference the update used (KL: when used)
     origins, versions  [value, count] runs: where each token came from (--agent: template, tool,
                        user, model, ...; else model or env) and the policy version that sampled it
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlhf.core.batch import ExperienceBatch
+    from rlhf.core.protocols.roles import PolicyRole
     from rlhf.core.types import RunInfo, Trajectory
 
 TOKENS_LOG = "tokens.jsonl"
@@ -69,8 +74,10 @@ def _column(tensor: torch.Tensor | None, row: int, start: int, stop: int) -> lis
 
 
 def token_record(trajectory: Trajectory, batch: ExperienceBatch, row: int, *, step: int, sample: int,
-                 decode: Any) -> dict[str, Any]:
-    """The line of one trajectory (row ``row`` of ``batch``); ``step`` counts completed steps (as samples.jsonl)."""
+                 decode: Any, policy_logprobs: torch.Tensor | None = None) -> dict[str, Any]:
+    """The line of one trajectory (row ``row`` of ``batch``); ``step`` counts completed steps (as samples.jsonl).
+    ``policy_logprobs``: (N, A') the policy's log-probs of the batch's first N rows, where the batch
+    has no old log-probs (`policy_logprobs`)."""
     start = trajectory.prompt_length
     ids = list(trajectory.token_ids[start:])
     mask = list(trajectory.loss_mask[start:])
@@ -78,9 +85,12 @@ def token_record(trajectory: Trajectory, batch: ExperienceBatch, row: int, *, st
     first, last = start - 1, start - 1 + len(ids)
     record: dict[str, Any] = {"step": step, "sample": sample, "group": trajectory.group, "ids": ids,
                               "pieces": decode(ids), "mask": mask}
-    for name, tensor in (("logprobs", batch.old_logprobs), ("rollout_logprobs", batch.rollout_logprobs),
+    old = batch.old_logprobs if batch.old_logprobs is not None else policy_logprobs
+    for name, tensor in (("logprobs", old), ("rollout_logprobs", batch.rollout_logprobs),
                          ("advantages", batch.advantages), ("kl", batch.kl)):
         column = _column(tensor, row, first, last)
+        if column is None and name == "rollout_logprobs" and trajectory.rollout_logprobs is not None:
+            column = [_number(v) for v in trajectory.rollout_logprobs[start:]]  # per token, as ids
         if column is not None:
             record[name] = column + [None] * (len(ids) - len(column))  # a batch trimmed short of this row
     origins = trajectory.info.get("agent_token_origins")
@@ -89,6 +99,16 @@ def token_record(trajectory: Trajectory, batch: ExperienceBatch, row: int, *, st
     if trajectory.token_versions is not None:
         record["versions"] = runs(list(trajectory.token_versions[start:]))
     return record
+
+
+def policy_logprobs(policy: PolicyRole, batch: ExperienceBatch, rows: int) -> torch.Tensor | None:
+    """(rows, A') the policy's log-probs of the batch's first ``rows`` rows, computed as the old
+    log-probs are (`PolicyRole.logprobs`: eval mode, no gradients, the sampling temperature), where
+    the step computed none (else None: the batch's own are logged). Training does not see them: the
+    forward draws no random numbers and leaves the model's mode as it was."""
+    if batch.old_logprobs is not None:
+        return None
+    return policy.logprobs(batch.select(list(range(rows))))  # (rows, A')
 
 
 class TokenLog:
@@ -103,12 +123,17 @@ class TokenLog:
         return list(self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
                                                 clean_up_tokenization_spaces=False))
 
-    def write(self, run: RunInfo, step: int, trajectories: list[Trajectory], batch: ExperienceBatch) -> None:
-        """The records of step ``step`` (0-based) in one write."""
+    def write(self, run: RunInfo, step: int, trajectories: list[Trajectory], batch: ExperienceBatch,
+              policy: PolicyRole | None = None) -> None:
+        """The records of step ``step`` (0-based) in one write. ``policy``: the policy, whole in this
+        process, to compute the logged rows' log-probs where the batch has none (None: not here)."""
         if not self.enabled or not trajectories:
             return
-        lines = [json.dumps(token_record(t, batch, row, step=step + 1, sample=row, decode=self.decode)) + "\n"
-                 for row, t in enumerate(trajectories[: self.limit])]
+        logged = trajectories[: self.limit]
+        computed = policy_logprobs(policy, batch, len(logged)) if policy is not None else None
+        lines = [json.dumps(token_record(t, batch, row, step=step + 1, sample=row, decode=self.decode,
+                                         policy_logprobs=computed)) + "\n"
+                 for row, t in enumerate(logged)]
         data = "".join(lines).encode()
         if self._handle is None:
             self._path = run.claim(TOKENS_LOG, log=True)  # the run's log: cut back on --resume

@@ -16,7 +16,7 @@ the prompts out and gathers every rank's trajectories, scoring runs on the main 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,9 @@ class Workers:
     prompt_multiple: int = 1  # a generate call's prompts come in multiples of this (a launcher's ranks: one share each)
     eval_prompts: list[Any] | None = None  # formatted --eval-data prompts (None: no eval)
     async_parts: AsyncParts | None = None  # what --async needs (None: this runtime does not support it)
+    # the policy's weights are whole in this process (the local runtime, one process), so tokens.jsonl
+    # may compute the log-probs of its rows when the step computed none (`rlhf.runtime.rl.token_log`)
+    policy_here: bool = False
 
     @property
     def trained(self) -> dict[str, TrainedRole]:
@@ -155,6 +158,8 @@ class Trainer(SteppedLoop):
         prepared = self.batches.next(step)  # sampled, scored, filtered, collated (--async: made ahead)
         timer.seconds.update(prepared.seconds)  # its rollout and reward time
         trajectories, batch = prepared.trajectories, prepared.batch
+        if batch.rollout_logprobs is not None and not self.plan.rollout_logprobs:
+            batch = replace(batch, rollout_logprobs=None)  # asked for tokens.jsonl only: the update does not see them
         with timer("experience"):
             batch = self.experience.make(batch, w.policy, w.reference, w.critic, kl_coef=self.kl.value,
                                          source_rewards=source_rewards(trajectories),
@@ -163,7 +168,8 @@ class Trainer(SteppedLoop):
                                   reference=w.reference, critic=w.critic,
                                   kl_estimator=self.plan.algorithm.kl_estimator, teacher=w.teacher,
                                   teacher_coef=self.experience.teacher_coef)  # --agent branches
-            self.tokens.write(run, step, trajectories, batch)  # --log-tokens: rlhf view's token view
+            self.tokens.write(run, step, trajectories, batch,  # --log-tokens: rlhf view's token view
+                              policy=w.policy if w.policy_here else None)
         with timer("train"):
             frozen = step < self.config.freeze_actor_steps  # critic warm-up: the policy waits
             train = {"policy/frozen": 1.0} if frozen else {**w.policy.fit(batch, step=step, kl_coef=self.kl.value),
