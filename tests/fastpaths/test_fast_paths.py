@@ -117,6 +117,38 @@ def test_greedy_tokens_and_logprobs_equal_generate(model_and_tokenizer):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+@pytest.mark.run
+def test_log_probs_asked_for_only_where_free_come_from_the_direct_decoder_and_never_from_generate(
+        model_and_tokenizer):
+    """tokens.jsonl's ``logprobs_if_free``: the direct decoder computes the sampled tokens' log-probs
+    anyway (the same as when asked outright); transformers' ``generate`` would keep a (B, V) copy per
+    token for them, so it gives none. The rollout then records none, never zeros in their place."""
+    from rlhf.runtime.rl.rollout import _Episode
+
+    model, tokenizer = model_and_tokenizer
+    prompts = [tokenizer("What is 12 + 7?")["input_ids"]]
+    free = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs_if_free=True)
+    asked = SamplingParams(max_new_tokens=8, temperature=0.0, return_logprobs=True)
+    engines = _engines(model, tokenizer)
+    direct_free, direct_asked = (engines["direct"].generate(prompts, n=1, params=p)[0] for p in (free, asked))
+    assert direct_free.logprobs is not None and direct_free.logprobs == direct_asked.logprobs
+    assert engines["generate"].generate(prompts, n=1, params=free)[0].logprobs is None
+    assert engines["generate"].generate(prompts, n=1, params=asked)[0].logprobs is not None
+
+    def episode(optional: bool) -> _Episode:
+        return _Episode(item=None, group=0, env=None, label=None, tokens=[1, 2], mask=[0, 0], logprobs=[0.0, 0.0],
+                        logprobs_optional=optional)
+
+    unknown = episode(True)
+    unknown.append([5, 6], model=True, logprobs=None)  # an engine that reports none for a free ask
+    unknown.append([7], model=False)
+    assert unknown.logprobs is None and unknown.tokens == [1, 2, 5, 6, 7]
+    known = episode(True)
+    known.append([5, 6], model=True, logprobs=[-0.5, -0.25])
+    known.append([7], model=False)
+    assert known.logprobs == [0.0, 0.0, -0.5, -0.25, 0.0]
+
+
 def one_prefill_per_row(engine, rows, params):
     """The direct decoder with every row prefilled on its own (no prompt shared): (B, N) tokens, log-probs."""
     width = max(len(r) for r in rows)

@@ -332,8 +332,9 @@ def register_rollout_engines(register: Register) -> None:
       ``params`` an ``rlhf.core.protocols.rollout.SamplingParams``; ``n`` completions per prompt,
       contiguous (``[p0s0 .. p0s(n-1), p1s0, ...]``), each an ``rlhf.core.protocols.rollout.Generation``
       (tokens with EOS when generated, finish reason, and per-token log-probs when
-      ``params.return_logprobs``: asked for when the policy loss reads them, and in every run that
-      writes tokens.jsonl, ``--log-tokens`` above 0, its default; keep them cheap).
+      ``params.return_logprobs``: asked for when the policy loss reads them; ``params.logprobs_if_free``
+      asks for them where they cost no memory beyond sampling's, for tokens.jsonl (``--log-tokens``
+      above 0, its default): report them, or none, never zeros).
     - Weights: an engine whose ``shares_weights`` attribute is True reads the policy's weights in
       place; otherwise the runtime calls ``load_weights()`` after each optimizer step (take the
       weights from the policy module the engine was built with; ``load_weights(state)`` loads the

@@ -27,6 +27,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     stop: tuple[str, ...] = ()  # stop strings (multi-turn environments); EOS always stops
     return_logprobs: bool = False  # report the log-prob of each sampled token
+    # report them where that holds no more memory than sampling does (tokens.jsonl asks this; a
+    # decoder that would keep a (B, V) copy per token to have them reports none); engines may ignore it
+    logprobs_if_free: bool = False
     seed: int | None = None  # a random stream of the request's own (None: the engine's stream)
     # the version of the weights that sample (the steps they have taken; None: not told), which the
     # agent endpoint records with every sampled token (docs/agents.md); engines ignore it

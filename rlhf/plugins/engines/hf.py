@@ -224,7 +224,7 @@ class HFEngine:
         eos = torch.tensor(sorted(self.eos_ids), device=input_ids.device)
         tokens = input_ids.new_full((batch_size, params.max_new_tokens), self.pad_id)  # (B, N)
         logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device) \
-            if params.return_logprobs else None  # (B, N)
+            if params.return_logprobs or params.logprobs_if_free else None  # (B, N)
         finished = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)  # (B,)
         width = input_ids.shape[1]
         seen = prompt_tokens(input_ids, attention_mask, logits.shape[-1]) \

@@ -245,7 +245,7 @@ class DecodeBatch:
     def _ended(self, request: _Request) -> Generation | None:
         """The request's Generation when its last token ended it, else None."""
         params, ids = request.params, request.tokens
-        want = params.return_logprobs
+        want = params.return_logprobs or params.logprobs_if_free  # computed per token anyway
         extra = {"top_logprobs": list(request.tops)} if request.top_logprobs else {}
         if ids[-1] in self.engine.eos_ids:
             return Generation(token_ids=list(ids), finish_reason="stop", logprobs=list(request.logprobs) if want else None,

@@ -191,7 +191,7 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Iterable[int]) -> dict[str,
                 min_tokens=0, max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
                 stop_token_ids=sorted(eos_ids), ignore_eos=True, include_stop_str_in_output=True,
                 skip_special_tokens=False, detokenize=bool(params.stop),
-                logprobs=0 if params.return_logprobs else None)
+                logprobs=0 if params.return_logprobs or params.logprobs_if_free else None)
 
 
 def expand_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -348,7 +348,8 @@ class VLLMEngine:
         sampling = self.vllm.SamplingParams(**sampling_kwargs(params, self.eos_ids))
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], sampling, use_tqdm=False)
         assert len(outputs) == len(rows), f"vLLM returned {len(outputs)} outputs for {len(rows)} rows"
-        generations = [to_generation(out.outputs[0], self.eos_ids, params.return_logprobs) for out in outputs]
+        generations = [to_generation(out.outputs[0], self.eos_ids, params.return_logprobs or params.logprobs_if_free)
+                       for out in outputs]
         if self.config.auto_sleep:
             self.sleep()
         return generations

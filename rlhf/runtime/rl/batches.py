@@ -119,8 +119,9 @@ class BatchSteps:
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                        top_p=config.top_p, top_k=config.top_k,
                                        repetition_penalty=config.repetition_penalty,
-                                       # the policy loss's, or tokens.jsonl's (which the update then does not see)
-                                       return_logprobs=plan.rollout_logprobs or config.log_tokens > 0)
+                                       return_logprobs=plan.rollout_logprobs,  # the policy loss reads them
+                                       # tokens.jsonl's, where free (the update then does not see them)
+                                       logprobs_if_free=config.log_tokens > 0)
 
     def prepare(self, step: int, rollout: RolloutRole, version: int | None = None) -> Prepared:
         """The batch of a step, whole: prompt groups sampled (by the policy's ``version``, default

@@ -128,6 +128,9 @@ class _Episode:
     versions: list[int] | None = None  # --partial-rollouts: per token, the version that sampled it (-1: not the policy)
 
     pending_versions: list[int] = field(default_factory=list)  # the versions of the turn being recorded
+    # log-probs asked for only where free (tokens.jsonl): a turn the engine reports none for leaves
+    # the episode with none, never zeros standing in for them
+    logprobs_optional: bool = False
 
     def append(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None,
                versions: list[int] | None = None) -> None:
@@ -135,6 +138,8 @@ class _Episode:
         self.mask += [1 if model else 0] * len(ids)
         if self.versions is not None:
             self.versions += versions if model and versions is not None else [-1] * len(ids)
+        if self.logprobs is not None and model and logprobs is None and self.logprobs_optional:
+            self.logprobs = None
         if self.logprobs is not None:
             self.logprobs += logprobs if model and logprobs is not None else [0.0] * len(ids)
 
@@ -349,7 +354,8 @@ class RolloutWorker:
             raise RlhfError(f"{item.origin}: could not create environment {name!r}: {type(exc).__name__}: {exc}") from exc
         prompt_ids = list(item.prompt_ids)
         episode = _Episode(item=item, group=group, env=env, label=label, tokens=prompt_ids, mask=[0] * len(prompt_ids),
-                           logprobs=[0.0] * len(prompt_ids) if params.return_logprobs else None,
+                           logprobs=[0.0] * len(prompt_ids) if params.return_logprobs or params.logprobs_if_free
+                           else None, logprobs_optional=not params.return_logprobs,
                            versions=[-1] * len(prompt_ids) if self.partial is not None else None)
         episode.stop = tuple(env.stop or ())
         return episode
