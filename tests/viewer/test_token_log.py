@@ -144,6 +144,46 @@ def test_without_old_log_probs_the_policy_s_are_computed_for_the_logged_rows_onl
     assert "logprobs" not in bare and bare["rollout_logprobs"] == [-3.0]
     old = replace(batch, old_logprobs=torch.full((3, 4), -0.75))
     assert policy_logprobs(policy, old, 2) is None and len(policy.batches) == 1  # the step's own are logged
+    wide = replace(batch, advantages=torch.arange(12, dtype=torch.float32).reshape(3, 4))  # (B, A)
+    short = token_record(trajectories[2], wide, 2, step=1, sample=2, decode=lambda ids: [str(i) for i in ids])
+    assert short["advantages"] == [8.0]  # its one token, at action position 0: none of the row's padding after it
+
+
+def test_a_full_disk_while_writing_tokens_is_one_line_and_the_partial_write_is_cut_off(tmp_path):
+    import errno
+
+    import torch
+
+    from rlhf.core.batch import collate
+    from rlhf.core.errors import NoSpaceError
+    from rlhf.runtime.rl.token_log import TokenLog
+
+    trajectories = [_trajectory([5, 6], [8, 9], [1, 1], [-0.5, -0.25])]
+    batch = collate(trajectories, pad_token_id=0, rewards=torch.zeros(1), sample_mask=torch.ones(1))
+    tokenizer = types.SimpleNamespace(batch_decode=lambda rows, **_: [str(r[0]) for r in rows])
+    run = types.SimpleNamespace(claim=lambda name, log: tmp_path / name)
+    log = TokenLog(1, tokenizer)
+    log.write(run, 0, trajectories, batch)
+    whole = (tmp_path / "tokens.jsonl").read_bytes()
+
+    class Full:  # the file's handle on a device that fills up halfway through the next write
+        def __init__(self, handle):
+            self.handle = handle
+
+        def tell(self):
+            return self.handle.tell()
+
+        def truncate(self, size):
+            return self.handle.truncate(size)
+
+        def write(self, data):
+            self.handle.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    log._handle = Full(log._handle)
+    with pytest.raises(NoSpaceError, match="tokens.jsonl"):
+        log.write(run, 1, trajectories, batch)
+    assert (tmp_path / "tokens.jsonl").read_bytes() == whole  # step 2's half line cut off again
 
 
 def _plain_run(tiny_model_dir, task, out, log_tokens):
