@@ -1,7 +1,8 @@
 """``rlhf view`` in a real browser: headless Chromium (the distribution's package, driven by
 selenium and chromium-driver) opens the page and checks what a person sees: the curves drawn,
 the table filtered, the token view of an agent's two turns with the tool's output, a prompt's
-samples run against run at each step, markup from a sample shown as text, the keys, and the export opened from a file with the network off.
+samples run against run at each step, markup from a sample shown as text, the keys, and the
+export opened from a file with the network off.
 Screenshots go to the test's tmp folder (``<tmp>/shots/*.png``).
 
 Without Chromium these tests are skipped, unless ``RLHF_REQUIRE_BROWSER=1`` (CI sets it, and
