@@ -1,7 +1,8 @@
 """``rlhf view`` in a real browser: headless Chromium (the distribution's package, driven by
 selenium and chromium-driver) opens the page and checks what a person sees: the curves drawn,
-the table filtered, the token view of an agent's two turns with the tool's output, markup from a
-sample shown as text, the keys, and the export opened from a file with the network off.
+the table filtered, the token view of an agent's two turns with the tool's output, a prompt's
+samples run against run at each step, markup from a sample shown as text, the keys, and the
+export opened from a file with the network off.
 Screenshots go to the test's tmp folder (``<tmp>/shots/*.png``).
 
 Without Chromium these tests are skipped, unless ``RLHF_REQUIRE_BROWSER=1`` (CI sets it, and
@@ -229,8 +230,63 @@ def test_keys_move_between_samples_steps_and_views(browser, served):
     press(browser, "a")
     text = wait(browser, "const t = document.getElementById('across'); return t && t.innerText")
     assert "run-a" in text and "run-b" in text  # the same prompt in both runs
-    runs = browser.execute_script("return [...document.querySelectorAll('#across tbody tr')].map(r => r.cells[0].innerText)")
-    assert runs.count("run-a") == 5 and runs.count("run-b") == 4  # "prompt 0" is sample 1's, once a step
+    per_run = browser.execute_script("return [0, 1].map(r => document.querySelectorAll("
+                                     "`#across td[data-run='${r}'] .across-sample`).length)")
+    assert per_run == [5, 4]  # "prompt 0" is sample 1's, once a step
+
+
+def across_grid(driver):
+    """The across view as data: its run columns, and per step row the cells' samples (reward, completion)."""
+    return driver.execute_script("""
+        const t = document.getElementById('across');
+        return {runs: [...t.tHead.querySelectorAll('th[data-run]')].map(h => h.innerText.trim()),
+                rows: [...t.tBodies[0].rows].map(r => [Number(r.dataset.step), [...r.querySelectorAll('td.cell')].map(c =>
+                  [...c.querySelectorAll('.across-sample')].map(b => [b.querySelector('.reward').innerText,
+                                                                      b.querySelector('.completion').textContent]))])};""")
+
+
+def test_the_across_view_puts_the_runs_side_by_side_step_by_step(browser, served, shots):
+    open_page(browser, served.url)
+    browser.find_element("css selector", "#samples tr[data-index='2']").click()  # "prompt 1": samples 2 and 3 of each step
+    press(browser, "a")
+    wait(browser, "return document.querySelector('#across .across-sample')")
+    grid = across_grid(browser)
+    assert grid["runs"] == ["run-a", "run-b"]  # a column per run
+    assert [step for step, _ in grid["rows"]] == [1, 2, 3, 4, 5]  # a row per step
+    for step, (run_a, run_b) in grid["rows"]:
+        assert run_a == [["0.333", f"answer 2 at step {step}"], ["0.5", f"answer 3 at step {step}"]]
+        assert run_b == ([] if step == 5 else run_a)  # run-b stopped at step 4
+    assert browser.execute_script("return document.querySelector('#across td.current').dataset.run") == "0"
+    # (0.333 + 0.5) / 2 = 0.4165, a double just under it: toFixed(3) gives 0.416
+    assert "2 samples · mean reward 0.416" in browser.find_element("css selector", "#across td.cell").text
+
+    # a script in a completion stays text, in the grid too
+    browser.find_element("css selector", "#samples tr[data-index='1']").click()
+    press(browser, "a")
+    wait(browser, "return document.querySelectorAll('#across .across-sample').length === 9")
+    grid = across_grid(browser)
+    assert grid["rows"][3][1][1] == [["0.167", SCRIPT]]  # run-b's last step
+    assert grid["rows"][4][1][0] == [["0.167", SCRIPT]]  # run-a's
+    assert browser.execute_script("return document.querySelectorAll('#detail script, #detail img').length") == 0
+    assert browser.execute_script("return window.__pwned") is None
+    browser.save_screenshot(str(shots / "across.png"))
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+    browser.save_screenshot(str(shots / "across-dark.png"))
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+
+    # a click on a cell's sample opens it: the other run, that step, that sample, in the sample view
+    browser.execute_script("document.querySelector('#across tr[data-step=\"2\"] td[data-run=\"1\"] .across-sample').click()")
+    wait(browser, "return document.getElementById('completion-text')")
+    assert browser.find_element("id", "step-input").get_attribute("value") == "2"
+    assert browser.find_element("css selector", ".run-chip.active").text == "run-b"
+    assert browser.execute_script("return document.querySelector('.tabs button.active').dataset.tab") == "sample"
+    assert browser.execute_script("return document.querySelector('#samples tr.selected').dataset.index") == "1"
+    assert browser.find_element("id", "completion-text").text == "answer 1 at step 2"
+    # and the keys still work from there
+    press(browser, "a")
+    wait(browser, "const c = document.querySelector('#across td.current'); return c && c.dataset.run === '1'")
+    press(browser, "]")
+    wait(browser, "return document.getElementById('step-input').value === '3'")
 
 
 def test_the_page_follows_a_run_that_writes_on(browser, tmp_path):

@@ -492,23 +492,63 @@
               el("pre", { text: s.completion ?? "" }))))];
   }
 
+  // The same prompt side by side: a row per step, a column per run given, in each cell the step's
+  // samples of that prompt (reward, outcome, the completion's start); a click opens one in the sample view.
+  async function openSample(run, step, prompt, ordinal, completion) {
+    S.tab = "sample";
+    if (run !== S.run) { S.run = run; renderRuns(); await loadSteps(); }
+    await loadStep(step);
+    if (!S.data) return;
+    const same = S.data.samples.map((s, i) => [s, i]).filter(([s]) => (s.prompt ?? "") === prompt);
+    const hit = same[ordinal] && same[ordinal][0].completion === completion ? same[ordinal] : same.find(([s]) => s.completion === completion);
+    if (hit) select(hit[1], true);
+  }
+
   function acrossDetail() {
     const sample = S.data.samples[S.selected];
+    const prompt = sample.prompt ?? "";
     const box = el("div", {}, el("div", { class: "note", text: "searching…" }));
-    const key = `${sample.prompt}`;
+    const key = `${prompt}`;
     const show = (found) => {
-      const rows = found.runs.flatMap((rows, r) => rows.map((row) => ({ ...row, run: r }))).sort((a, b) => a.step - b.step || a.run - b.run);
-      const table = el("table", { id: "across" }, el("thead", {}, el("tr", {}, ["run", "step", "reward", "outcome", "completion"].map((h) => el("th", { text: h })))),
-        el("tbody", {}, rows.map((row) => el("tr", { class: row.step === S.step && row.run === S.run ? "selected" : "",
-          onclick: () => { S.run = row.run; renderRuns(); loadStep(row.step); } },
-          el("td", { text: S.runs[row.run].name }), el("td", { class: "num", text: row.step }), el("td", { class: "num", text: fmt(row.reward, 3) }),
-          el("td", { text: row.outcome ?? "" }), el("td", { class: "text", title: short(row.completion, 400), text: short(row.completion, 100) })))));
-      const steps = new Set(rows.map((r) => r.step));
-      box.replaceChildren(el("div", { class: "note", text: `this prompt: ${rows.length} samples at ${steps.size} steps in ${found.runs.filter((r) => r.length).length} run(s)${source.live ? "" : " (of the exported steps)"}` }),
-                          el("details", {}, el("summary", { text: "prompt" }), el("pre", { text: sample.prompt ?? "" })), table);
+      const cells = new Map();  // "run:step" -> the samples of the prompt there, in the log's order
+      const steps = new Set();
+      found.runs.forEach((rows, r) => rows.forEach((row) => {
+        const at = `${r}:${row.step}`;
+        if (!cells.has(at)) cells.set(at, []);
+        cells.get(at).push(row);
+        steps.add(row.step);
+      }));
+      const ordered = [...steps].sort((a, b) => a - b);
+      const runs = S.runs.map((run, r) => [run, r]);
+      const head = el("tr", {}, el("th", { text: "step" }), runs.map(([run, r]) => el("th", { "data-run": r, scope: "col" },
+        el("span", { class: "swatch", style: { background: COLORS[r % COLORS.length] } }), " ", run.name)));
+      const body = ordered.map((step) => el("tr", { "data-step": step },
+        el("th", { class: "num", scope: "row", text: step }),
+        runs.map(([, r]) => {
+          const here = cells.get(`${r}:${step}`) || [];
+          const rewards = here.map((row) => row.reward).filter((v) => typeof v === "number");
+          const mean = rewards.length ? rewards.reduce((a, b) => a + b, 0) / rewards.length : null;
+          return el("td", { class: "cell" + (step === S.step && r === S.run ? " current" : ""), "data-run": r },
+            here.length ? [
+              here.length > 1 ? el("div", { class: "cell-mean", text: `${here.length} samples · mean reward ${fmt(mean, 3)}` }) : null,
+              here.map((row, ordinal) => {
+                const bad = row.outcome && row.outcome !== "ok" && row.outcome !== "truncated";
+                return el("button", { type: "button", class: "across-sample", title: short(row.completion, 400),
+                  onclick: () => openSample(r, step, prompt, ordinal, row.completion) },
+                  el("span", { class: "reward", text: fmt(row.reward, 3) }),
+                  row.outcome ? el("span", { class: "outcome" + (bad ? " outcome-bad" : ""), text: row.outcome }) : null,
+                  el("span", { class: "completion", text: short(row.completion, 120) }));
+              }),
+            ] : el("span", { class: "muted", text: "–" }));
+        })));
+      const table = el("table", { id: "across" }, el("thead", {}, head), el("tbody", {}, body));
+      const total = [...cells.values()].reduce((n, rows) => n + rows.length, 0);
+      box.replaceChildren(el("div", { class: "note", text: `this prompt: ${total} samples at ${steps.size} steps in ${found.runs.filter((r) => r.length).length} of ${S.runs.length} run(s)${source.live ? "" : " (of the exported steps)"}; a click opens a sample` }),
+                          el("details", {}, el("summary", { text: "prompt" }), el("pre", { text: prompt })),
+                          el("div", { class: "across-wrap" }, table));
     };
     if (S.across && S.across.key === key) show(S.across.found);
-    else source.prompt(sample.prompt ?? "").then((found) => { S.across = { key, found }; if (S.tab === "across") show(found); })
+    else source.prompt(prompt).then((found) => { S.across = { key, found }; if (S.tab === "across") show(found); })
       .catch((error) => box.replaceChildren(el("div", { class: "error", text: String(error) })));
     return [box];
   }
