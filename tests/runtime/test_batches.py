@@ -268,6 +268,7 @@ class KeepEvenPrompts:
 def batch_steps(*, filters=True, rounds=3, prompts=3, multiple=1, fired=None):
     config = SimpleNamespace(n_samples=2, prompts_per_step=prompts, max_filter_rounds=rounds, max_new_tokens=4,
                              temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, seed=0, on_failure="retry",
+                             log_tokens=0,
                              max_retries=2, async_rollout=False, reward_options=SimpleNamespace(on_error="raise"))
     plan = SimpleNamespace(config=config, filters_groups=filters, rollout_logprobs=False)
     fired = [] if fired is None else fired

@@ -71,7 +71,7 @@ class Scores:
 
 def batch_steps(on_failure="retry", *, max_retries=2, prompts=2, scores=None, async_rollout=False, on_error="fail"):
     config = SimpleNamespace(n_samples=2, prompts_per_step=prompts, max_filter_rounds=1, max_new_tokens=4,
-                             temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, seed=11,
+                             temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, seed=11, log_tokens=0,
                              on_failure=on_failure, max_retries=max_retries, async_rollout=async_rollout,
                              reward_options=SimpleNamespace(on_error=on_error))
     plan = SimpleNamespace(config=config, filters_groups=False, rollout_logprobs=False)

@@ -92,6 +92,7 @@ class Trainer(SteppedLoop):
         # tokens.jsonl for `rlhf view` (the tokenizer is the prompt loader's, in every runtime)
         tokenizer = getattr(getattr(workers.loader, "formatter", None), "tokenizer", None)
         self.tokens = TokenLog(self.config.log_tokens, tokenizer, enabled=self.dist.is_main and tokenizer is not None)
+        self.loss_reads_rollout_logprobs = plan.rollout_logprobs  # else the engine's are for tokens.jsonl only
         self.guards = StepGuards(plan, workers.trained, self.events)
         steps = BatchSteps(plan, scoring=workers.scoring, loader=workers.loader, pad_token_id=workers.pad_token_id,
                            events=self.events, prompt_multiple=workers.prompt_multiple)
@@ -158,7 +159,7 @@ class Trainer(SteppedLoop):
         prepared = self.batches.next(step)  # sampled, scored, filtered, collated (--async: made ahead)
         timer.seconds.update(prepared.seconds)  # its rollout and reward time
         trajectories, batch = prepared.trajectories, prepared.batch
-        if batch.rollout_logprobs is not None and not self.plan.rollout_logprobs:
+        if batch.rollout_logprobs is not None and not self.loss_reads_rollout_logprobs:
             batch = replace(batch, rollout_logprobs=None)  # asked for tokens.jsonl only: the update does not see them
         with timer("experience"):
             batch = self.experience.make(batch, w.policy, w.reference, w.critic, kl_coef=self.kl.value,
