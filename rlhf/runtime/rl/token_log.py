@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.core.errors import RlhfError, no_space, says_no_space, size_text
+from rlhf.runtime.rl.offpolicy.schedule import runs
 
 if TYPE_CHECKING:
     import torch
@@ -46,19 +47,8 @@ if TYPE_CHECKING:
 TOKENS_LOG = "tokens.jsonl"
 
 
-def runs(values: list[Any]) -> list[list[Any]]:
-    """``values`` as ``[value, count]`` runs: ``[3, 3, 4]`` -> ``[[3, 2], [4, 1]]``."""
-    out: list[list[Any]] = []
-    for value in values:
-        if out and out[-1][0] == value:
-            out[-1][1] += 1
-        else:
-            out.append([value, 1])
-    return out
-
-
 def expand(pairs: list[list[Any]]) -> list[Any]:
-    """The inverse of `runs`."""
+    """The inverse of `runs` (`rlhf.runtime.rl.offpolicy.schedule`)."""
     return [value for value, count in pairs for _ in range(int(count))]
 
 

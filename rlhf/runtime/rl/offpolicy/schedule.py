@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rlhf.core.errors import RlhfError
 
@@ -95,9 +96,9 @@ def check_staleness(step: int, versions: Sequence[Sequence[int]], max_staleness:
     return {"staleness/max": float(worst), "staleness/mean": total / count if count else 0.0}
 
 
-def runs(values: Sequence[int]) -> list[list[int]]:
-    """``values`` as [value, count] runs: [3, 3, 4] -> [[3, 2], [4, 1]]."""
-    out: list[list[int]] = []
+def runs(values: Sequence[Any]) -> list[list[Any]]:
+    """``values`` as [value, count] runs: [3, 3, 4] -> [[3, 2], [4, 1]] (versions; tokens.jsonl's origins too)."""
+    out: list[list[Any]] = []
     for value in values:
         if out and out[-1][0] == value:
             out[-1][1] += 1
