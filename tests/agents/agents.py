@@ -98,3 +98,14 @@ def dies_once(sample, endpoint):
     messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again"}]
     second = client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=4)
     return float(len(second.choices[0].message.content or "") % 3)
+
+
+def solve_noting_where(sample, endpoint):
+    """`solve`, after appending ``PID PORT`` (the process this call runs in, its endpoint's port) to the
+    file the row's ``where`` column names: which process served which agents."""
+    import os
+    from urllib.parse import urlparse
+
+    with _calls, open(sample["where"], "a") as out:
+        out.write(f"{os.getpid()} {urlparse(endpoint.base_url).port}\n")
+    return solve(sample, endpoint)

@@ -133,7 +133,7 @@ def test_rlhf_train_with_an_agent_by_reference(plugins, tiny_model_dir, task, tm
     assert "agents.py:solve" in config and "timeout_s: 120" in config
 
 
-def test_agent_options_that_cannot_work_yet_are_refused(plugins, tiny_model_dir, task, tmp_path):
+def test_agent_options_that_cannot_work_are_refused(plugins, tiny_model_dir, task, tmp_path):
     result = run_cli(plugins, [
         "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--agent", f"{AGENTS}:solve",
         "--async", "--partial-rollouts", "--out", str(tmp_path / "run")])
@@ -142,7 +142,10 @@ def test_agent_options_that_cannot_work_yet_are_refused(plugins, tiny_model_dir,
     result = run_cli(plugins, [
         "train", "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"), "--agent", f"{AGENTS}:solve",
         "--env", "tir", "--out", str(tmp_path / "run")])
-    assert result.exit_code == 2 and "--agent with --env tir is not supported yet" in result.output, result.output
+    # by design, not for now: the agent is the environment
+    assert result.exit_code == 2 and "--agent replaces the environment" in result.output, result.output
+    assert "drop --env tir" in result.output and "not supported" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_on_policy_distillation_of_an_agent_scores_every_sequence_with_the_teacher(plugins, tiny_model_dir, task,

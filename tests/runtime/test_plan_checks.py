@@ -11,6 +11,7 @@ from rlhf.core.errors import ConfigError, PluginError
 from rlhf.core.protocols.backend import TrainBackendBase
 from rlhf.runtime.config.train_config import TrainConfig
 from rlhf.runtime.config.train_plan import RunPlan
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -47,6 +48,25 @@ def test_ray_generates_in_lockstep_only_from_the_policy_actors_own_shards(plugin
     assert plan_of(plugins, **sharded, colocate="all", policy_actors=2).synced_generation(1)
     assert not plan_of(plugins, **sharded, colocate="all", policy_actors=1).synced_generation(1)
     assert not plan_of(plugins, **sharded, colocate="none", policy_actors=2).synced_generation(1)
+
+
+def test_an_agent_runs_on_every_rank_and_rollout_actor_unless_ranks_decode_in_lockstep(plugins):
+    """Each rank (torchrun) and each rollout actor (Ray) serves its own agents; ranks that decode in
+    lockstep over sharded weights cannot, and an environment is never taken beside an agent."""
+    agent = {"agent": f"{ROOT / 'tests' / 'agents' / 'agents.py'}:solve"}
+    plan_of(plugins, **agent).check(world_size=2)
+    plan_of(plugins, **agent, runtime="ray", policy_actors=2, rollout_workers=2).check(world_size=1)
+    sharded = {"backend": "deepspeed", "components": {"backend": {"zero_stage": 3}}}
+    plan_of(plugins, **agent, **sharded).check(world_size=1)
+    plan_of(plugins, **agent, **sharded, runtime="ray", policy_actors=2).check(world_size=1)  # own copies: whole
+    lockstep = r"--agent with the 'deepspeed' backend sharding the weights over several ranks is not supported: .* " \
+               r"lower --zero-stage .*, or run one process$"
+    with pytest.raises(ConfigError, match=lockstep):
+        plan_of(plugins, **agent, **sharded).check(world_size=2)
+    with pytest.raises(ConfigError, match=lockstep):
+        plan_of(plugins, **agent, **sharded, runtime="ray", colocate="all", policy_actors=2).check(world_size=1)
+    with pytest.raises(ConfigError, match=r"^--agent replaces the environment: .* drop --env tir$"):
+        plan_of(plugins, **agent, env="tir").check(world_size=1)
 
 
 def test_the_ray_options_are_checked_by_the_plan(plugins):

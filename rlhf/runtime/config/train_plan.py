@@ -219,17 +219,16 @@ class RunPlan(Plan):
             self._check_ray()
 
     def _check_agent(self, world_size: int) -> None:
-        """What ``--agent`` does not support yet, refused before anything is built."""
+        """What ``--agent`` refuses, before anything is built: an environment (by design: the agent is
+        the environment), ranks that decode in lockstep, and partial rollouts."""
         config = self.config
-        for what, unsupported, why in (
-                ("--runtime ray", config.runtime == "ray", "the agent talks to the endpoint in front of this "
-                                                           "process's engine"),
-                ("several processes (torchrun)", world_size > 1, "the agent talks to the endpoint in front of this "
-                                                                 "process's engine"),
-                (f"--env {config.env}", config.env != "single_turn", "an agent takes the environment's place (its "
-                                                                     "tools are its own code)")):
-            if unsupported:
-                raise ConfigError(f"--agent with {what} is not supported yet: {why}; drop one of them")
+        if config.env != "single_turn":
+            raise ConfigError(f"--agent replaces the environment: its tools and its turns are the agent's own code, "
+                              f"so a run takes --agent or --env, not both; drop --env {config.env}")
+        if self.synced_generation(world_size):
+            raise ConfigError(f"--agent with the {config.backend!r} backend sharding the weights over several ranks is "
+                              f"not supported: those ranks decode in lockstep, and each agent sends its requests when "
+                              f"it likes; {self.whole_weights_advice()}, or run one process")
         if config.partial_rollouts:
             raise ConfigError("--agent with --partial-rollouts is not supported yet: an agent's requests are served "
                               "by one policy version per trajectory (--async --max-staleness K works); drop "

@@ -14,11 +14,17 @@ broadcast`` over a process group of policy rank 0 and the rollout actors
 (rlhf/runtime/ray/weight_broadcast.py); with ``--colocate all`` the engine reads the policy's own
 weights and nothing travels.
 
+With ``--agent`` (docs/agents.md) each rollout actor builds the agent endpoint in front of its engine,
+as the local process does, and runs the agent calls of the trajectories it rolls out; they come back
+with the rest of its trajectories. A retry (``--on-failure retry``) samples from its own seed inside
+the rollout actor (`RolloutGroup.generate_seeded`), leaving the actor's stream as the local process's.
+
 Parity with the local runtime: the same seed and config give the same samples, rewards, losses
 and weights (tests/ray: GRPO on the tiny model with separate actors, PPO with a critic actor,
 PPO with both pairs colocated (``--colocate policy_ref --colocate critic_reward``), GRPO with
 policy+reference colocated across a kill and a resume, and with the policy and the rollout on
-two nodes of one cluster (``--ray-place``); checked by hand with LoRA and with
+two nodes of one cluster (``--ray-place``), an agent calling a tool, failing, retried, and under
+``--async`` (tests/ray/test_agents_ray.py); checked by hand with LoRA and with
 ``--colocate all``). Each actor seeds itself as the local process does and builds its roles
 in the local order; the critic's value head draws from ``seed`` itself, and sampling re-seeds
 after the builds in both runtimes, so the rollout actor samples what the local process samples.

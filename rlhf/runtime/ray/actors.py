@@ -143,6 +143,16 @@ class WorkerHost:
         result = getattr(self.workers[role], method)(*args, **kwargs)
         return result if reply else None
 
+    def generate_seeded(self, prompts: list[Any], n: int, params: Any, seed: int) -> list[Any]:
+        """The rollout's trajectories sampled from a random stream seeded with ``seed``; this actor's own
+        stream is left as it was (`rlhf.runtime.rl.failures.Retries.again`, as in the local process)."""
+        import torch
+
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self.workers["rollout"].generate(prompts, n=n, params=params)
+
     def nonfinite(self, role: str) -> int:
         return self.workers[role].nonfinite_in_a_row
 

@@ -271,13 +271,21 @@ class RolloutGroup(RoleGroup):
                  address, port)
 
     def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Any]:
+        return self._sharded(prompts, n, lambda host, shard: host.handle.run.remote("rollout", "generate", shard,
+                                                                                   n=n, params=params))
+
+    def generate_seeded(self, prompts: list[Any], *, n: int, params: Any, seed: int) -> list[Any]:
+        """`generate` from a random stream seeded with ``seed`` in each actor, whose own sampling stream is
+        left as it was (a retry, `rlhf.runtime.rl.failures.Retries`: the local process forks its own)."""
+        return self._sharded(prompts, n, lambda host, shard: host.handle.generate_seeded.remote(shard, n, params, seed))
+
+    def _sharded(self, prompts: list[Any], n: int, call: Any) -> list[Any]:
+        """``call(host, shard)`` on every actor with prompts, after a sync to a changed policy; the
+        trajectories in prompt order."""
         if self.own_copy and self.follow_policy and self.synced_version != self.policy.version:
             self.sync_weights()
-        calls = []
-        for rank, host in enumerate(self.hosts):
-            shard = prompts[rank::self.size]
-            if shard:
-                calls.append((host, host.handle.run.remote("rollout", "generate", shard, n=n, params=params)))
+        calls = [(host, call(host, prompts[rank::self.size])) for rank, host in enumerate(self.hosts)
+                 if prompts[rank::self.size]]
         return regroup(self._wait(calls, "rollout.generate"), n, len(prompts))  # as one process numbers them
 
     def sync_weights(self) -> None:

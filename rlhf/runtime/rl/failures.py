@@ -96,9 +96,13 @@ class Retries:
 
     def again(self, rollout: Any, item: Any, params: Any, *, seed: int) -> Trajectory:
         """One new sample of ``item`` (a fresh environment) from a random stream seeded with ``seed``;
-        the process's stream is left as it was."""
+        the process's stream is left as it was. A role that samples in processes of its own (the Ray
+        runtime's rollout actors) seeds them there: its ``generate_seeded``."""
         import torch
 
+        seeded = getattr(rollout, "generate_seeded", None)
+        if seeded is not None:
+            return seeded([item] * self.prompt_multiple, n=1, params=params, seed=seed)[0]
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
