@@ -216,7 +216,7 @@ def run_rlhf(job: str, root: Path, steps: int, args: argparse.Namespace, clock: 
             "--max-grad-norm", "1.0", "--lr-scheduler", "constant", "--out", str(out), "--no-progress",
             "--seed", str(SEED), "--cpu-linear", args.cpu_linear, "--threads", "1"]
             + (["--packing"] if spec.get("packing") else []), standalone_mode=False)
-    return {"kernels": benchlib.cpu_linear_line(args.cpu_linear)}
+    return {"kernels": benchlib.cpu_linear_line(args.cpu_linear), "rlhf_from": str(Path(rlhf.__file__).parents[1])}
 
 
 # ---------------------------------------------------------------------------------------------- TRL

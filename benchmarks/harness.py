@@ -36,6 +36,7 @@ WORKER = HERE / "bench_worker.py"
 ROOT = HERE.parent
 SIDES = ("rlhf", "trl", "floor")
 JOBS = ("grpo-small", "grpo-vocab152k", "dpo", "sft", "sft-packing", "grpo")
+SETTINGS = ("mmap", "cpu-linear", "checkout")
 WORK_KEYS = ("samples", "generated_tokens", "trained_samples", "trained_tokens")
 
 
@@ -61,14 +62,20 @@ def cpu_flags() -> str:
 
 
 def parse_side(spec: str) -> tuple[str, dict[str, str]]:
-    """``rlhf`` or a variant ``rlhf:mmap=33554432,cpu-linear=onednn``: the worker's side and its settings."""
+    """``rlhf`` or a variant ``rlhf:mmap=33554432,cpu-linear=onednn,checkout=/path/to/other/rlhf``: the
+    worker's side and its settings. ``checkout``: the rlhf (and floor) sides import rlhf from that
+    checkout instead of this one (the same worker code: a before/after of the library alone)."""
     name, _, rest = spec.partition(":")
     if name not in SIDES:
-        raise SystemExit(f"unknown side {spec!r}: one of {', '.join(SIDES)}, optionally with :mmap=BYTES,cpu-linear=MODE")
+        raise SystemExit(f"unknown side {spec!r}: one of {', '.join(SIDES)}, optionally with "
+                         f":{'=...,'.join(SETTINGS)}=...")
     settings = dict(item.split("=", 1) for item in rest.split(",") if item)
-    unknown = set(settings) - {"mmap", "cpu-linear"}
+    unknown = set(settings) - set(SETTINGS)
     if unknown:
-        raise SystemExit(f"side {spec!r}: unknown setting {', '.join(sorted(unknown))} (mmap, cpu-linear)")
+        raise SystemExit(f"side {spec!r}: unknown setting {', '.join(sorted(unknown))} ({', '.join(SETTINGS)})")
+    if "checkout" in settings and (name == "trl" or not (Path(settings["checkout"]) / "rlhf").is_dir()):
+        raise SystemExit(f"side {spec!r}: checkout= takes an rlhf checkout (a folder holding rlhf/) for the rlhf "
+                         "or floor side")
     return name, settings
 
 
@@ -86,7 +93,8 @@ def side_env(args: argparse.Namespace, spec: str, job: str | None = None) -> dic
     else:
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if side in ("rlhf", "floor"):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        checkout = str(Path(settings.get("checkout", ROOT)).resolve())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (checkout, env.get("PYTHONPATH", "")) if p)
     return env
 
 

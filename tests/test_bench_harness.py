@@ -1,7 +1,9 @@
 """benchmarks/harness.py's judgement: a ratio only when both sides counted the same work, the
 floor always the denominator, medians and per-round spreads from the workers' step times."""
 
+import argparse
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,16 @@ def test_side_variants_parse_and_unknown_settings_stop():
         harness.parse_side("rlhf:threads=2")
     with pytest.raises(SystemExit):
         harness.parse_side("verl")
+
+
+def test_a_checkout_variant_puts_that_checkout_first_on_the_path(tmp_path):
+    (tmp_path / "rlhf").mkdir()
+    assert harness.parse_side(f"rlhf:checkout={tmp_path}") == ("rlhf", {"checkout": str(tmp_path)})
+    args = argparse.Namespace(mmap_threshold="default", work_dir=tmp_path)
+    other = harness.side_env(args, f"rlhf:checkout={tmp_path}")["PYTHONPATH"].split(os.pathsep)
+    assert other[0] == str(tmp_path.resolve())
+    assert harness.side_env(args, "floor")["PYTHONPATH"].split(os.pathsep)[0] == str(harness.ROOT)
+    with pytest.raises(SystemExit):
+        harness.parse_side(f"trl:checkout={tmp_path}")  # TRL never imports rlhf
+    with pytest.raises(SystemExit):
+        harness.parse_side(f"rlhf:checkout={tmp_path / 'missing'}")
