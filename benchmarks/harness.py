@@ -139,7 +139,25 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(cpu=statistics.median(cpu), cpu_rounds=rounds, wall=statistics.median(
         [w for run in runs for w in run["wall"][1:]]), peak_rss_mb=max(run["peak_rss_mb"] for run in runs),
         steps=len(cpu), work=runs[0]["work"][1:], kernels=runs[0].get("kernels"),
-        versions=runs[0].get("versions"), foreign_imports=sorted({m for r in runs for m in r["foreign_imports"]}))
+        versions=runs[0].get("versions"), foreign_imports=sorted({m for r in runs for m in r["foreign_imports"]}),
+        **({"state_floor_mb": statistics.median(r["state_floor_mb"] for r in runs)}
+           if all("state_floor_mb" in r for r in runs) else {}))
+
+
+def memory_overheads(stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each side's peak RSS above the training-state floor the floor side measured (libraries,
+    weights, a gradient and two AdamW moments per trainable parameter), and rlhf's overhead over
+    TRL's; empty without a floor measurement."""
+    floor = next((s["state_floor_mb"] for side, s in stats.items() if "state_floor_mb" in s), None)
+    if floor is None:
+        return {}
+    above = {side: s["peak_rss_mb"] - floor for side, s in stats.items()}
+    out: dict[str, Any] = {"state_floor_mb": floor, "above_floor_mb": above}
+    rlhf = next((v for side, v in above.items() if side.startswith("rlhf")), None)
+    trl = next((v for side, v in above.items() if side.startswith("trl")), None)
+    if rlhf is not None and trl is not None and trl > 0:
+        out["rlhf/trl"] = rlhf / trl
+    return out
 
 
 def ratio_line(name: str, num: dict[str, Any], den: dict[str, Any], num_runs: list, den_runs: list) -> str:
@@ -175,6 +193,10 @@ def markdown(report: dict[str, Any]) -> str:
     head = (["job", "rounds x steps"] + [f"{side} CPU s/step" for side in sides] + [f"{side} peak MB" for side in sides]
             + [pair for pair in ("trl/rlhf", "rlhf/floor", "trl/floor")
                if all(part in sides for part in pair.split("/"))])
+    memory = any(job.get("memory") for job in report["jobs"].values())
+    if memory:
+        head += ["state floor MB", "above it MB (" + " / ".join(s for s in sides if s != "floor") + ")",
+                 "overhead rlhf/trl"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, job in report["jobs"].items():
         cells = [f"`{name}`", f"{job['rounds']} x {job['steps'] - 1}"]
@@ -182,9 +204,15 @@ def markdown(report: dict[str, Any]) -> str:
             s = job["sides"].get(side)
             cells.append(f"{s['cpu']:.3f} ({min(s['cpu_rounds']):.3f}-{max(s['cpu_rounds']):.3f})" if s else "-")
         cells += [f"{job['sides'][side]['peak_rss_mb']:,.0f}" if side in job["sides"] else "-" for side in sides]
-        for pair in head[2 + 2 * len(sides):]:
+        for pair in head[2 + 2 * len(sides):len(head) - 3 * memory]:
             verdict = job["ratios"].get(pair, "-")
             cells.append(verdict.split(" ", 1)[1].split(", peak")[0] if verdict.startswith(pair) else verdict)
+        if memory:
+            m = job.get("memory") or {}
+            above = m.get("above_floor_mb", {})
+            cells += [f"{m['state_floor_mb']:,.0f}" if m else "-",
+                      " / ".join(f"{above[s]:,.0f}" if s in above else "-" for s in sides if s != "floor"),
+                      f"{m['rlhf/trl']:.2f}" if "rlhf/trl" in m else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -267,7 +295,13 @@ def main() -> None:
                 verdicts[f"{num}/{den}"] = line
                 lines.append(line)
         print("  " + "; ".join(lines), flush=True)
+        memory = memory_overheads(stats)
+        if memory:
+            print(f"  training-state floor {memory['state_floor_mb']:,.0f} MB; peak above it: "
+                  + ", ".join(f"{side} {mb:,.0f} MB" for side, mb in memory["above_floor_mb"].items())
+                  + (f"; rlhf/trl {memory['rlhf/trl']:.2f}" if "rlhf/trl" in memory else ""), flush=True)
         report["jobs"][job] = {"steps": steps[job], "rounds": args.rounds, "sides": stats, "ratios": verdicts,
+                               "memory": memory,
                                "runs": {side: [{k: r[k] for k in ("cpu", "wall", "peak_rss_mb", "load")}
                                                for r in runs] for side, runs in results.items()}}
     report["load"] = load

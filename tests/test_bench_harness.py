@@ -83,3 +83,26 @@ def test_a_checkout_variant_puts_that_checkout_first_on_the_path(tmp_path):
         harness.parse_side(f"trl:checkout={tmp_path}")  # TRL never imports rlhf
     with pytest.raises(SystemExit):
         harness.parse_side(f"rlhf:checkout={tmp_path / 'missing'}")
+
+
+def test_memory_overheads_are_peaks_above_the_floor_sides_training_state():
+    stats = {"rlhf": {"peak_rss_mb": 1300.0}, "trl": {"peak_rss_mb": 2000.0},
+             "floor": {"peak_rss_mb": 1500.0, "state_floor_mb": 1000.0}}
+    memory = harness.memory_overheads(stats)
+    assert memory["state_floor_mb"] == 1000.0
+    assert memory["above_floor_mb"] == {"rlhf": 300.0, "trl": 1000.0, "floor": 500.0}
+    assert memory["rlhf/trl"] == pytest.approx(0.3)
+    assert harness.memory_overheads({"rlhf": {"peak_rss_mb": 1.0}}) == {}
+    floor_runs = [dict(run([0.0, 1.0], [STEP] * 2), state_floor_mb=x) for x in (990.0, 1010.0, 1000.0)]
+    assert harness.summary(floor_runs)["state_floor_mb"] == 1000.0
+
+
+def test_the_table_shows_the_floor_and_each_side_above_it():
+    stats = {"rlhf": harness.summary([run([0.0, 1.0], [STEP] * 2, peak=1300.0)]),
+             "trl": harness.summary([run([0.0, 2.0], [STEP] * 2, peak=2000.0)]),
+             "floor": harness.summary([dict(run([0.0, 1.5], [STEP] * 2, peak=1500.0), state_floor_mb=1000.0)])}
+    report = {"jobs": {"grpo-vocab152k": {"steps": 2, "rounds": 1, "sides": stats, "ratios": {},
+                                          "memory": harness.memory_overheads(stats)}}}
+    table = harness.markdown(report)
+    assert "| state floor MB | above it MB (rlhf / trl) | overhead rlhf/trl |" in table
+    assert table.splitlines()[-1].endswith("| 1,000 | 300 / 1,000 | 0.30 |")
