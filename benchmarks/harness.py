@@ -98,12 +98,18 @@ def side_env(args: argparse.Namespace, spec: str, job: str | None = None) -> dic
     return env
 
 
-def run_side(args: argparse.Namespace, job: str, spec: str, steps: int, out: Path) -> dict[str, Any]:
+def worker_command(args: argparse.Namespace, job: str, spec: str, steps: int, out: Path) -> list[str]:
+    """The command line of one run: that side's interpreter, the worker, the job and the settings."""
     side, settings = parse_side(spec)
     python = args.trl_python if side == "trl" else args.rlhf_python
-    command = [python, str(WORKER), "run", "--side", side, "--job", job, "--work-dir", str(args.work_dir),
-               "--steps", str(steps), "--cpu-linear", settings.get("cpu-linear", args.cpu_linear), "--out", str(out),
-               "--set", args.set]
+    return [python, str(WORKER), "run", "--side", side, "--job", job, "--work-dir", str(args.work_dir),
+            "--steps", str(steps), "--cpu-linear", settings.get("cpu-linear", args.cpu_linear), "--out", str(out),
+            "--dtype", args.dtype, "--set", args.set]
+
+
+def run_side(args: argparse.Namespace, job: str, spec: str, steps: int, out: Path) -> dict[str, Any]:
+    side, _ = parse_side(spec)
+    command = worker_command(args, job, spec, steps, out)
     log = out.with_suffix(".log")
     with log.open("w") as handle:
         code = subprocess.call(command, env=side_env(args, spec, job), stdout=handle, stderr=subprocess.STDOUT)
@@ -227,6 +233,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's; the first is dropped)")
     parser.add_argument("--cpu-linear", default="torch", choices=["auto", "torch", "onednn"],
                         help="rlhf's --cpu-linear (torch: MKL's products, as TRL and the floor use)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                        help="the weights' dtype on every side: rlhf --dtype, TRL's model loaded so with bf16=True "
+                             "(its Trainer's autocast), the floor's model loaded so")
     parser.add_argument("--mmap-threshold", default="rlhf",
                         help="MALLOC_MMAP_THRESHOLD_ for every side: rlhf (the threshold rlhf's run prologue picks for "
                              "the job's model, given to every side), bytes, or 'default' (unset: rlhf sets its own, "
@@ -259,9 +268,10 @@ def main() -> None:
     heap = json.loads((args.work_dir / "heap.json").read_text()) if (args.work_dir / "heap.json").is_file() else {}
     print(f"rlhf --cpu-linear {args.cpu_linear}; MALLOC_MMAP_THRESHOLD_ {args.mmap_threshold} on every side "
           f"{heap if args.mmap_threshold == 'rlhf' else ''}; "
-          f"{args.rounds} rounds, interleaved{'; GRPO ' + args.set if args.set else ''}")
+          f"{args.rounds} rounds, interleaved, weights {args.dtype}{'; GRPO ' + args.set if args.set else ''}")
     report: dict[str, Any] = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "label": args.label,
                               "cpu_linear": args.cpu_linear, "mmap_threshold": args.mmap_threshold, "heap": heap,
+                              "dtype": args.dtype,
                               "set": args.set,
                               "jobs": {}}
     for job in jobs:

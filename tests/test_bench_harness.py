@@ -106,3 +106,15 @@ def test_the_table_shows_the_floor_and_each_side_above_it():
     table = harness.markdown(report)
     assert "| state floor MB | above it MB (rlhf / trl) | overhead rlhf/trl |" in table
     assert table.splitlines()[-1].endswith("| 1,000 | 300 / 1,000 | 0.30 |")
+
+
+def test_the_dtype_reaches_every_side_s_worker_command(tmp_path):
+    args = argparse.Namespace(trl_python="/trl/python", rlhf_python="/rlhf/python", work_dir=tmp_path, cpu_linear="torch",
+                              set="", dtype="bf16")
+    for spec, python in (("rlhf", "/rlhf/python"), ("trl", "/trl/python"), ("floor", "/rlhf/python")):
+        command = harness.worker_command(args, "dpo", spec, 3, tmp_path / "out.json")
+        assert command[0] == python and command[command.index("--side") + 1] == spec
+        assert command[command.index("--dtype") + 1] == "bf16"
+        assert command[command.index("--cpu-linear") + 1] == "torch"
+    command = harness.worker_command(args, "dpo", "rlhf:cpu-linear=onednn", 3, tmp_path / "out.json")
+    assert command[command.index("--cpu-linear") + 1] == "onednn"
