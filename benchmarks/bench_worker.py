@@ -21,7 +21,9 @@ micro-batches of 8 (4 accumulated), β = 0, token-mean loss, one AdamW step per 
 `count_a_dense` reward (no group ties, so rlhf skips no sample's update that TRL trains); DPO
 (sigmoid, β = 0.1, frozen reference) and SFT (loss on the completion and EOS) on `small`-sized
 Llamas, 32 rows a step in micro-batches of 8, the rows of each step the same on every side;
-`sft-packing`: rlhf's ``--packing`` against TRL's ``padding_free``, the floor packed likewise.
+`sft-packing`: rlhf's ``--packing`` against TRL's ``padding_free``, the floor packed likewise;
+`dpo-packing`: rlhf's ``--packing`` against TRL's padded DPO (TRL 1.16 turns its DPO ``padding_free``
+off) and the padded floor.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ JOBS: dict[str, dict[str, Any]] = {
     "dpo": dict(kind="dpo", model="small", steps=5),
     "sft": dict(kind="sft", model="small", steps=5),
     "sft-packing": dict(kind="sft", model="small", steps=5, packing=True),
+    "dpo-packing": dict(kind="dpo", model="small", steps=5, packing=True),
 }
 WORDS = "the quick brown fox jumps over a lazy dog while seven small cats sing about green apples".split()
 

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bench_worker.py"
 ROOT = HERE.parent
 SIDES = ("rlhf", "trl", "floor")
-JOBS = ("grpo-small", "grpo-vocab152k", "dpo", "sft", "sft-packing", "grpo")
+JOBS = ("grpo-small", "grpo-vocab152k", "dpo", "dpo-packing", "sft", "sft-packing", "grpo")
 SETTINGS = ("mmap", "cpu-linear", "checkout")
 WORK_KEYS = ("samples", "generated_tokens", "trained_samples", "trained_tokens")
 

@@ -118,3 +118,17 @@ def test_the_dtype_reaches_every_side_s_worker_command(tmp_path):
         assert command[command.index("--cpu-linear") + 1] == "torch"
     command = harness.worker_command(args, "dpo", "rlhf:cpu-linear=onednn", 3, tmp_path / "out.json")
     assert command[command.index("--cpu-linear") + 1] == "onednn"
+
+
+def test_the_harness_offers_every_job_the_worker_runs():
+    import sys
+
+    sys.path.insert(0, str(harness.HERE))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_worker_jobs", harness.WORKER)
+        worker = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(worker)
+    finally:
+        sys.path.remove(str(harness.HERE))
+    assert set(harness.JOBS) == set(worker.JOBS)
+    assert worker.JOBS["dpo-packing"] == dict(kind="dpo", model="small", steps=5, packing=True)
