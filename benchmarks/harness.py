@@ -1,7 +1,7 @@
 """rlhf against TRL and a plain-torch floor, each side in a process of its own, interleaved.
 
     python benchmarks/harness.py --trl-python /path/to/trl-venv/bin/python [--jobs grpo-small,dpo,sft,...]
-        [--sides rlhf,trl,floor] [--rounds 3] [--steps N] [--cpu-linear torch] [--json out.json]
+        [--sides rlhf,trl,floor] [--rounds 3] [--steps N] [--cpu-linear torch] [--dtype fp32] [--json out.json]
 
 Every run is one `benchmarks/bench_worker.py` process started with that side's interpreter
 (``--rlhf-python``, default this one; ``--trl-python``; the floor runs with rlhf's), with one torch
@@ -12,6 +12,11 @@ different side each time: rlhf, trl, floor / trl, floor, rlhf / ...), the first 
 is dropped, and a side's figure is the median of its remaining steps over all rounds, with the
 min-max of the per-round medians. CPU time is user + sys of the training process (every thread,
 ``getrusage``): with one thread it is the work done, whatever else the machine runs.
+
+The floor process also measures the fp32 training-state floor (libraries, weights, a gradient and
+two AdamW moments per trainable parameter; `bench_worker.training_state_floor`): each side's peak
+RSS above it is printed, with rlhf's over TRL's. ``--dtype bf16`` loads every side's weights in
+bfloat16; a side ``rlhf:checkout=PATH`` runs rlhf from another checkout.
 
 Before a ratio is printed the work is compared: per measured step, samples, generated tokens,
 trained samples and trained (loss) tokens as each side counted them (its own metrics and counters
