@@ -340,13 +340,17 @@ def resident_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def training_state_floor(model: Any, libraries_mb: float) -> dict[str, float]:
+def training_state_floor(model: Any, libraries_mb: float, frozen: Any = None) -> dict[str, float]:
     """The resident set a training run of this job cannot go below: the libraries (torch and
-    transformers imported), the job's weights as loaded (a DPO reference included), and a gradient
+    transformers imported), the job's weights as loaded and read (a DPO reference included), and a gradient
     and AdamW's two moments per trainable parameter, allocated and written here, then freed
     (``state_floor_mb``); the libraries alone (``libraries_mb``). Taken before any step."""
     import torch
 
+    with torch.no_grad():  # weights loaded from a mapped file are resident once read: read every one
+        for net in (model, frozen) if frozen is not None else (model,):
+            for tensor in (*net.parameters(), *net.buffers()):
+                tensor.sum()
     weights_mb = resident_mb()
     held = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad for _ in range(3)]  # grad, m, v
     floor = resident_mb()
@@ -367,7 +371,7 @@ def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock:
     tokenizer = AutoTokenizer.from_pretrained(files["model"])
     reference = (AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch_dtype(args.dtype))
                  .eval().requires_grad_(False) if spec["kind"] == "dpo" else None)
-    state = training_state_floor(model, libraries_mb)
+    state = training_state_floor(model, libraries_mb, frozen=reference)
     lr = GRPO["lr"] if spec["kind"] == "grpo" else OFFLINE["lr"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     torch.manual_seed(SEED)
