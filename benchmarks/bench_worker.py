@@ -21,7 +21,9 @@ micro-batches of 8 (4 accumulated), β = 0, token-mean loss, one AdamW step per 
 `count_a_dense` reward (no group ties, so rlhf skips no sample's update that TRL trains); DPO
 (sigmoid, β = 0.1, frozen reference) and SFT (loss on the completion and EOS) on `small`-sized
 Llamas, 32 rows a step in micro-batches of 8, the rows of each step the same on every side;
-`sft-packing`: rlhf's ``--packing`` against TRL's ``padding_free``, the floor packed likewise.
+`sft-packing`: rlhf's ``--packing`` against TRL's ``padding_free``, the floor packed likewise;
+`dpo-packing`: rlhf's ``--packing`` against TRL's padded DPO (TRL 1.16 turns its DPO ``padding_free``
+off) and the padded floor.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ JOBS: dict[str, dict[str, Any]] = {
     "dpo": dict(kind="dpo", model="small", steps=5),
     "sft": dict(kind="sft", model="small", steps=5),
     "sft-packing": dict(kind="sft", model="small", steps=5, packing=True),
+    "dpo-packing": dict(kind="dpo", model="small", steps=5, packing=True),
 }
 WORDS = "the quick brown fox jumps over a lazy dog while seven small cats sing about green apples".split()
 
@@ -188,7 +191,7 @@ def run_rlhf(job: str, root: Path, steps: int, args: argparse.Namespace, clock: 
             max_new_tokens=GRPO["max_new_tokens"], micro_batch_size=GRPO["micro_batch_size"], steps=steps,
             lr=GRPO["lr"], adam_betas="0.9,0.95", weight_decay=0.0, max_grad_norm=1.0, lr_scheduler="constant",
             clip_low=0.2, clip_high=0.2, temperature=1.0, top_p=1.0, out=str(out), progress=False, seed=SEED,
-            cpu_linear=args.cpu_linear, threads=1, **({"lora_rank": GRPO["lora_rank"]} if GRPO["lora_rank"] else {})))
+            cpu_linear=args.cpu_linear, threads=1, dtype=args.dtype, **({"lora_rank": GRPO["lora_rank"]} if GRPO["lora_rank"] else {})))
         clock.start()
         train(config, plugins=plugins)
     else:
@@ -214,9 +217,9 @@ def run_rlhf(job: str, root: Path, steps: int, args: argparse.Namespace, clock: 
             "--batch-size", str(OFFLINE["batch_size"]), "--micro-batch-size", str(OFFLINE["micro_batch_size"]),
             "--steps", str(steps), "--lr", str(OFFLINE["lr"]), "--adam-betas", "0.9,0.95", "--weight-decay", "0",
             "--max-grad-norm", "1.0", "--lr-scheduler", "constant", "--out", str(out), "--no-progress",
-            "--seed", str(SEED), "--cpu-linear", args.cpu_linear, "--threads", "1"]
+            "--seed", str(SEED), "--cpu-linear", args.cpu_linear, "--threads", "1", "--dtype", args.dtype]
             + (["--packing"] if spec.get("packing") else []), standalone_mode=False)
-    return {"kernels": benchlib.cpu_linear_line(args.cpu_linear)}
+    return {"kernels": benchlib.cpu_linear_line(args.cpu_linear), "rlhf_from": str(Path(rlhf.__file__).parents[1])}
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -240,11 +243,12 @@ def run_trl(job: str, root: Path, steps: int, args: argparse.Namespace, clock: C
         def on_step_end(self, *_: Any, **__: Any) -> None:
             clock.stamp()
 
-    common = dict(output_dir=str(out), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+    bf16 = args.dtype == "bf16"  # the weights loaded in bfloat16, and the Trainer's bf16 (autocast on a CPU)
+    common = dict(output_dir=str(out), use_cpu=True, bf16=bf16, fp16=False, gradient_checkpointing=False,
                   max_steps=steps, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95,
                   weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no",
                   disable_tqdm=True, seed=SEED, dataloader_num_workers=0)
-    model = AutoModelForCausalLM.from_pretrained(files["model"])
+    model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch_dtype(args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(files["model"])
     if spec["kind"] == "grpo":
         from trl import GRPOConfig, GRPOTrainer
@@ -318,6 +322,42 @@ def run_trl(job: str, root: Path, steps: int, args: argparse.Namespace, clock: C
 
 # ---------------------------------------------------------------------------------------------- floor
 
+def torch_dtype(name: str) -> Any:
+    """The weights' dtype for ``--dtype`` (fp32, bf16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def resident_mb() -> float:
+    """This process's resident set now (``VmRSS``), MB; the peak so far where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def training_state_floor(model: Any, libraries_mb: float, frozen: Any = None) -> dict[str, float]:
+    """The resident set a training run of this job cannot go below: the libraries (torch and
+    transformers imported), the job's weights as loaded and read (a DPO reference included), and a gradient
+    and AdamW's two moments per trainable parameter, allocated and written here, then freed
+    (``state_floor_mb``); the libraries alone (``libraries_mb``). Taken before any step."""
+    import torch
+
+    with torch.no_grad():  # weights loaded from a mapped file are resident once read: read every one
+        for net in (model, frozen) if frozen is not None else (model,):
+            for tensor in (*net.parameters(), *net.buffers()):
+                tensor.sum()
+    weights_mb = resident_mb()
+    held = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad for _ in range(3)]  # grad, m, v
+    floor = resident_mb()
+    del held
+    return {"state_floor_mb": floor, "libraries_mb": libraries_mb, "weights_loaded_mb": weights_mb}
+
+
 def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     """The bare model work of the job's step in plain torch + the model's own forward (no framework)."""
     import torch
@@ -326,8 +366,12 @@ def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock:
     spec, files = JOBS[job], job_files(root, job)
     if GRPO["lora_rank"]:
         raise SystemExit("the floor has no LoRA variant: leave the floor out of LoRA points")
-    model = AutoModelForCausalLM.from_pretrained(files["model"])
+    libraries_mb = resident_mb()
+    model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch_dtype(args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(files["model"])
+    reference = (AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch_dtype(args.dtype))
+                 .eval().requires_grad_(False) if spec["kind"] == "dpo" else None)
+    state = training_state_floor(model, libraries_mb, frozen=reference)
     lr = GRPO["lr"] if spec["kind"] == "grpo" else OFFLINE["lr"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     torch.manual_seed(SEED)
@@ -383,7 +427,7 @@ def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock:
             optimizer_step()
             clock.stamp(samples=len(rows), generated_tokens=len(rows) * new, trained_samples=len(rows),
                         trained_tokens=trained)
-        return {"kernels": "torch default (MKL on x86)"}
+        return {"kernels": "torch default (MKL on x86)", **state}
 
     rows = [json.loads(line) for line in files["data"].read_text().splitlines()]
     order = json.loads(files["order"].read_text())
@@ -407,8 +451,6 @@ def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock:
         return (lp * loss_mask[:, 1:]).sum(-1), loss_mask[:, 1:].sum()  # (b,), tokens
 
     mb = OFFLINE["micro_batch_size"]
-    if spec["kind"] == "dpo":
-        reference = AutoModelForCausalLM.from_pretrained(files["model"]).eval().requires_grad_(False)
     for step in range(steps):
         batch = [rows[i] for i in order[step]]
         trained = 0.0
@@ -448,7 +490,7 @@ def run_floor(job: str, root: Path, steps: int, args: argparse.Namespace, clock:
             trained += float(tokens)
         optimizer_step()
         clock.stamp(samples=len(batch), trained_tokens=trained)
-    return {"kernels": "torch default (MKL on x86)"}
+    return {"kernels": "torch default (MKL on x86)", **state}
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -477,6 +519,8 @@ def main() -> None:
     parser.add_argument("--side", choices=["rlhf", "trl", "floor"])
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--cpu-linear", default="torch", choices=["auto", "torch", "onednn"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                        help="the weights' dtype on every side (TRL: loaded so, and its Trainer's bf16=True)")
     parser.add_argument("--set", default="", help="GRPO shape overrides, e.g. model=small2k,n=8,max_new_tokens=512,"
                                                   "prompts=2,micro_batch_size=8,lora_rank=16")
     parser.add_argument("--out")
@@ -504,7 +548,7 @@ def main() -> None:
         children_cpu=children.ru_utime + children.ru_stime, load=[load_start, os.getloadavg()],
         versions=benchlib.versions() if args.side != "trl" else {k: v for k, v in benchlib.versions().items()
                                                                    if k != "rlhf-core"},
-        mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
+        mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"), dtype=args.dtype,
         foreign_imports=imported, **info)
     Path(args.out).write_text(json.dumps(result))
 

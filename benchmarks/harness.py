@@ -1,7 +1,7 @@
 """rlhf against TRL and a plain-torch floor, each side in a process of its own, interleaved.
 
     python benchmarks/harness.py --trl-python /path/to/trl-venv/bin/python [--jobs grpo-small,dpo,sft,...]
-        [--sides rlhf,trl,floor] [--rounds 3] [--steps N] [--cpu-linear torch] [--json out.json]
+        [--sides rlhf,trl,floor] [--rounds 3] [--steps N] [--cpu-linear torch] [--dtype fp32] [--json out.json]
 
 Every run is one `benchmarks/bench_worker.py` process started with that side's interpreter
 (``--rlhf-python``, default this one; ``--trl-python``; the floor runs with rlhf's), with one torch
@@ -12,6 +12,11 @@ different side each time: rlhf, trl, floor / trl, floor, rlhf / ...), the first 
 is dropped, and a side's figure is the median of its remaining steps over all rounds, with the
 min-max of the per-round medians. CPU time is user + sys of the training process (every thread,
 ``getrusage``): with one thread it is the work done, whatever else the machine runs.
+
+The floor process also measures the fp32 training-state floor (libraries, weights, a gradient and
+two AdamW moments per trainable parameter; `bench_worker.training_state_floor`): each side's peak
+RSS above it is printed, with rlhf's over TRL's. ``--dtype bf16`` loads every side's weights in
+bfloat16; a side ``rlhf:checkout=PATH`` runs rlhf from another checkout.
 
 Before a ratio is printed the work is compared: per measured step, samples, generated tokens,
 trained samples and trained (loss) tokens as each side counted them (its own metrics and counters
@@ -35,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bench_worker.py"
 ROOT = HERE.parent
 SIDES = ("rlhf", "trl", "floor")
-JOBS = ("grpo-small", "grpo-vocab152k", "dpo", "sft", "sft-packing", "grpo")
+JOBS = ("grpo-small", "grpo-vocab152k", "dpo", "dpo-packing", "sft", "sft-packing", "grpo")
+SETTINGS = ("mmap", "cpu-linear", "checkout")
 WORK_KEYS = ("samples", "generated_tokens", "trained_samples", "trained_tokens")
 
 
@@ -61,14 +67,20 @@ def cpu_flags() -> str:
 
 
 def parse_side(spec: str) -> tuple[str, dict[str, str]]:
-    """``rlhf`` or a variant ``rlhf:mmap=33554432,cpu-linear=onednn``: the worker's side and its settings."""
+    """``rlhf`` or a variant ``rlhf:mmap=33554432,cpu-linear=onednn,checkout=/path/to/other/rlhf``: the
+    worker's side and its settings. ``checkout``: the rlhf (and floor) sides import rlhf from that
+    checkout instead of this one (the same worker code: a before/after of the library alone)."""
     name, _, rest = spec.partition(":")
     if name not in SIDES:
-        raise SystemExit(f"unknown side {spec!r}: one of {', '.join(SIDES)}, optionally with :mmap=BYTES,cpu-linear=MODE")
+        raise SystemExit(f"unknown side {spec!r}: one of {', '.join(SIDES)}, optionally with "
+                         f":{'=...,'.join(SETTINGS)}=...")
     settings = dict(item.split("=", 1) for item in rest.split(",") if item)
-    unknown = set(settings) - {"mmap", "cpu-linear"}
+    unknown = set(settings) - set(SETTINGS)
     if unknown:
-        raise SystemExit(f"side {spec!r}: unknown setting {', '.join(sorted(unknown))} (mmap, cpu-linear)")
+        raise SystemExit(f"side {spec!r}: unknown setting {', '.join(sorted(unknown))} ({', '.join(SETTINGS)})")
+    if "checkout" in settings and (name == "trl" or not (Path(settings["checkout"]) / "rlhf").is_dir()):
+        raise SystemExit(f"side {spec!r}: checkout= takes an rlhf checkout (a folder holding rlhf/) for the rlhf "
+                         "or floor side")
     return name, settings
 
 
@@ -86,16 +98,23 @@ def side_env(args: argparse.Namespace, spec: str, job: str | None = None) -> dic
     else:
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if side in ("rlhf", "floor"):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        checkout = str(Path(settings.get("checkout", ROOT)).resolve())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (checkout, env.get("PYTHONPATH", "")) if p)
     return env
 
 
-def run_side(args: argparse.Namespace, job: str, spec: str, steps: int, out: Path) -> dict[str, Any]:
+def worker_command(args: argparse.Namespace, job: str, spec: str, steps: int, out: Path) -> list[str]:
+    """The command line of one run: that side's interpreter, the worker, the job and the settings."""
     side, settings = parse_side(spec)
     python = args.trl_python if side == "trl" else args.rlhf_python
-    command = [python, str(WORKER), "run", "--side", side, "--job", job, "--work-dir", str(args.work_dir),
-               "--steps", str(steps), "--cpu-linear", settings.get("cpu-linear", args.cpu_linear), "--out", str(out),
-               "--set", args.set]
+    return [python, str(WORKER), "run", "--side", side, "--job", job, "--work-dir", str(args.work_dir),
+            "--steps", str(steps), "--cpu-linear", settings.get("cpu-linear", args.cpu_linear), "--out", str(out),
+            "--dtype", args.dtype, "--set", args.set]
+
+
+def run_side(args: argparse.Namespace, job: str, spec: str, steps: int, out: Path) -> dict[str, Any]:
+    side, _ = parse_side(spec)
+    command = worker_command(args, job, spec, steps, out)
     log = out.with_suffix(".log")
     with log.open("w") as handle:
         code = subprocess.call(command, env=side_env(args, spec, job), stdout=handle, stderr=subprocess.STDOUT)
@@ -131,7 +150,25 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(cpu=statistics.median(cpu), cpu_rounds=rounds, wall=statistics.median(
         [w for run in runs for w in run["wall"][1:]]), peak_rss_mb=max(run["peak_rss_mb"] for run in runs),
         steps=len(cpu), work=runs[0]["work"][1:], kernels=runs[0].get("kernels"),
-        versions=runs[0].get("versions"), foreign_imports=sorted({m for r in runs for m in r["foreign_imports"]}))
+        versions=runs[0].get("versions"), foreign_imports=sorted({m for r in runs for m in r["foreign_imports"]}),
+        **({"state_floor_mb": statistics.median(r["state_floor_mb"] for r in runs)}
+           if all("state_floor_mb" in r for r in runs) else {}))
+
+
+def memory_overheads(stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each side's peak RSS above the training-state floor the floor side measured (libraries,
+    weights, a gradient and two AdamW moments per trainable parameter), and rlhf's overhead over
+    TRL's; empty without a floor measurement."""
+    floor = next((s["state_floor_mb"] for side, s in stats.items() if "state_floor_mb" in s), None)
+    if floor is None:
+        return {}
+    above = {side: s["peak_rss_mb"] - floor for side, s in stats.items()}
+    out: dict[str, Any] = {"state_floor_mb": floor, "above_floor_mb": above}
+    rlhf = next((v for side, v in above.items() if side.startswith("rlhf")), None)
+    trl = next((v for side, v in above.items() if side.startswith("trl")), None)
+    if rlhf is not None and trl is not None and trl > 0:
+        out["rlhf/trl"] = rlhf / trl
+    return out
 
 
 def ratio_line(name: str, num: dict[str, Any], den: dict[str, Any], num_runs: list, den_runs: list) -> str:
@@ -167,6 +204,10 @@ def markdown(report: dict[str, Any]) -> str:
     head = (["job", "rounds x steps"] + [f"{side} CPU s/step" for side in sides] + [f"{side} peak MB" for side in sides]
             + [pair for pair in ("trl/rlhf", "rlhf/floor", "trl/floor")
                if all(part in sides for part in pair.split("/"))])
+    memory = any(job.get("memory") for job in report["jobs"].values())
+    if memory:
+        head += ["state floor MB", "above it MB (" + " / ".join(s for s in sides if s != "floor") + ")",
+                 "overhead rlhf/trl"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, job in report["jobs"].items():
         cells = [f"`{name}`", f"{job['rounds']} x {job['steps'] - 1}"]
@@ -174,9 +215,15 @@ def markdown(report: dict[str, Any]) -> str:
             s = job["sides"].get(side)
             cells.append(f"{s['cpu']:.3f} ({min(s['cpu_rounds']):.3f}-{max(s['cpu_rounds']):.3f})" if s else "-")
         cells += [f"{job['sides'][side]['peak_rss_mb']:,.0f}" if side in job["sides"] else "-" for side in sides]
-        for pair in head[2 + 2 * len(sides):]:
+        for pair in head[2 + 2 * len(sides):len(head) - 3 * memory]:
             verdict = job["ratios"].get(pair, "-")
             cells.append(verdict.split(" ", 1)[1].split(", peak")[0] if verdict.startswith(pair) else verdict)
+        if memory:
+            m = job.get("memory") or {}
+            above = m.get("above_floor_mb", {})
+            cells += [f"{m['state_floor_mb']:,.0f}" if m else "-",
+                      " / ".join(f"{above[s]:,.0f}" if s in above else "-" for s in sides if s != "floor"),
+                      f"{m['rlhf/trl']:.2f}" if "rlhf/trl" in m else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -191,6 +238,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's; the first is dropped)")
     parser.add_argument("--cpu-linear", default="torch", choices=["auto", "torch", "onednn"],
                         help="rlhf's --cpu-linear (torch: MKL's products, as TRL and the floor use)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                        help="the weights' dtype on every side: rlhf --dtype, TRL's model loaded so with bf16=True "
+                             "(its Trainer's autocast), the floor's model loaded so")
     parser.add_argument("--mmap-threshold", default="rlhf",
                         help="MALLOC_MMAP_THRESHOLD_ for every side: rlhf (the threshold rlhf's run prologue picks for "
                              "the job's model, given to every side), bytes, or 'default' (unset: rlhf sets its own, "
@@ -223,9 +273,10 @@ def main() -> None:
     heap = json.loads((args.work_dir / "heap.json").read_text()) if (args.work_dir / "heap.json").is_file() else {}
     print(f"rlhf --cpu-linear {args.cpu_linear}; MALLOC_MMAP_THRESHOLD_ {args.mmap_threshold} on every side "
           f"{heap if args.mmap_threshold == 'rlhf' else ''}; "
-          f"{args.rounds} rounds, interleaved{'; GRPO ' + args.set if args.set else ''}")
+          f"{args.rounds} rounds, interleaved, weights {args.dtype}{'; GRPO ' + args.set if args.set else ''}")
     report: dict[str, Any] = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "label": args.label,
                               "cpu_linear": args.cpu_linear, "mmap_threshold": args.mmap_threshold, "heap": heap,
+                              "dtype": args.dtype,
                               "set": args.set,
                               "jobs": {}}
     for job in jobs:
@@ -259,7 +310,13 @@ def main() -> None:
                 verdicts[f"{num}/{den}"] = line
                 lines.append(line)
         print("  " + "; ".join(lines), flush=True)
+        memory = memory_overheads(stats)
+        if memory:
+            print(f"  training-state floor {memory['state_floor_mb']:,.0f} MB; peak above it: "
+                  + ", ".join(f"{side} {mb:,.0f} MB" for side, mb in memory["above_floor_mb"].items())
+                  + (f"; rlhf/trl {memory['rlhf/trl']:.2f}" if "rlhf/trl" in memory else ""), flush=True)
         report["jobs"][job] = {"steps": steps[job], "rounds": args.rounds, "sides": stats, "ratios": verdicts,
+                               "memory": memory,
                                "runs": {side: [{k: r[k] for k in ("cpu", "wall", "peak_rss_mb", "load")}
                                                for r in runs] for side, runs in results.items()}}
     report["load"] = load

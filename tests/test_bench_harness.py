@@ -1,7 +1,9 @@
 """benchmarks/harness.py's judgement: a ratio only when both sides counted the same work, the
 floor always the denominator, medians and per-round spreads from the workers' step times."""
 
+import argparse
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,65 @@ def test_side_variants_parse_and_unknown_settings_stop():
         harness.parse_side("rlhf:threads=2")
     with pytest.raises(SystemExit):
         harness.parse_side("verl")
+
+
+def test_a_checkout_variant_puts_that_checkout_first_on_the_path(tmp_path):
+    (tmp_path / "rlhf").mkdir()
+    assert harness.parse_side(f"rlhf:checkout={tmp_path}") == ("rlhf", {"checkout": str(tmp_path)})
+    args = argparse.Namespace(mmap_threshold="default", work_dir=tmp_path)
+    other = harness.side_env(args, f"rlhf:checkout={tmp_path}")["PYTHONPATH"].split(os.pathsep)
+    assert other[0] == str(tmp_path.resolve())
+    assert harness.side_env(args, "floor")["PYTHONPATH"].split(os.pathsep)[0] == str(harness.ROOT)
+    with pytest.raises(SystemExit):
+        harness.parse_side(f"trl:checkout={tmp_path}")  # TRL never imports rlhf
+    with pytest.raises(SystemExit):
+        harness.parse_side(f"rlhf:checkout={tmp_path / 'missing'}")
+
+
+def test_memory_overheads_are_peaks_above_the_floor_sides_training_state():
+    stats = {"rlhf": {"peak_rss_mb": 1300.0}, "trl": {"peak_rss_mb": 2000.0},
+             "floor": {"peak_rss_mb": 1500.0, "state_floor_mb": 1000.0}}
+    memory = harness.memory_overheads(stats)
+    assert memory["state_floor_mb"] == 1000.0
+    assert memory["above_floor_mb"] == {"rlhf": 300.0, "trl": 1000.0, "floor": 500.0}
+    assert memory["rlhf/trl"] == pytest.approx(0.3)
+    assert harness.memory_overheads({"rlhf": {"peak_rss_mb": 1.0}}) == {}
+    floor_runs = [dict(run([0.0, 1.0], [STEP] * 2), state_floor_mb=x) for x in (990.0, 1010.0, 1000.0)]
+    assert harness.summary(floor_runs)["state_floor_mb"] == 1000.0
+
+
+def test_the_table_shows_the_floor_and_each_side_above_it():
+    stats = {"rlhf": harness.summary([run([0.0, 1.0], [STEP] * 2, peak=1300.0)]),
+             "trl": harness.summary([run([0.0, 2.0], [STEP] * 2, peak=2000.0)]),
+             "floor": harness.summary([dict(run([0.0, 1.5], [STEP] * 2, peak=1500.0), state_floor_mb=1000.0)])}
+    report = {"jobs": {"grpo-vocab152k": {"steps": 2, "rounds": 1, "sides": stats, "ratios": {},
+                                          "memory": harness.memory_overheads(stats)}}}
+    table = harness.markdown(report)
+    assert "| state floor MB | above it MB (rlhf / trl) | overhead rlhf/trl |" in table
+    assert table.splitlines()[-1].endswith("| 1,000 | 300 / 1,000 | 0.30 |")
+
+
+def test_the_dtype_reaches_every_side_s_worker_command(tmp_path):
+    args = argparse.Namespace(trl_python="/trl/python", rlhf_python="/rlhf/python", work_dir=tmp_path, cpu_linear="torch",
+                              set="", dtype="bf16")
+    for spec, python in (("rlhf", "/rlhf/python"), ("trl", "/trl/python"), ("floor", "/rlhf/python")):
+        command = harness.worker_command(args, "dpo", spec, 3, tmp_path / "out.json")
+        assert command[0] == python and command[command.index("--side") + 1] == spec
+        assert command[command.index("--dtype") + 1] == "bf16"
+        assert command[command.index("--cpu-linear") + 1] == "torch"
+    command = harness.worker_command(args, "dpo", "rlhf:cpu-linear=onednn", 3, tmp_path / "out.json")
+    assert command[command.index("--cpu-linear") + 1] == "onednn"
+
+
+def test_the_harness_offers_every_job_the_worker_runs():
+    import sys
+
+    sys.path.insert(0, str(harness.HERE))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_worker_jobs", harness.WORKER)
+        worker = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(worker)
+    finally:
+        sys.path.remove(str(harness.HERE))
+    assert set(harness.JOBS) == set(worker.JOBS)
+    assert worker.JOBS["dpo-packing"] == dict(kind="dpo", model="small", steps=5, packing=True)

@@ -135,6 +135,18 @@ def test_log_probs_asked_for_only_where_free_come_from_the_direct_decoder_and_ne
     assert engines["generate"].generate(prompts, n=1, params=free)[0].logprobs is None
     assert engines["generate"].generate(prompts, n=1, params=asked)[0].logprobs is not None
 
+    sampled = {}
+    for name, params in (("free", SamplingParams(max_new_tokens=8, temperature=0.8, logprobs_if_free=True)),
+                         ("asked", SamplingParams(max_new_tokens=8, temperature=0.8, return_logprobs=True))):
+        torch.manual_seed(3)
+        sampled[name] = engines["direct"].generate(prompts, n=4, params=params)
+    # sampled, asked only where free: log p of the sampled token from the sampling distribution,
+    # not a log_softmax over the vocabulary per token; the same tokens, the same values to 1e-6
+    for free_one, asked_one in zip(sampled["free"], sampled["asked"]):
+        assert free_one.token_ids == asked_one.token_ids
+        assert max(abs(a - b) for a, b in zip(free_one.logprobs, asked_one.logprobs)) <= 1e-5
+        assert free_one.logprobs != [0.0] * len(free_one.logprobs)
+
     def episode(optional: bool) -> _Episode:
         return _Episode(item=None, group=0, env=None, label=None, tokens=[1, 2], mask=[0, 0], logprobs=[0.0, 0.0],
                         logprobs_optional=optional)

@@ -229,17 +229,25 @@ class HFEngine:
         width = input_ids.shape[1]
         seen = prompt_tokens(input_ids, attention_mask, logits.shape[-1]) \
             if params.repetition_penalty != 1.0 else None  # (B, V)
+        # Log-probs only tokens.jsonl reads (``logprobs_if_free``, the update never sees them) come from
+        # the sampling distribution itself: log p[chosen], not a log_softmax over (B, V) per token.
+        # Within 1e-6 of it; a loss that reads them (``return_logprobs``) gets the log_softmax.
+        from_probs = not params.return_logprobs
         for t in range(params.max_new_tokens):
             scores = self._process(logits.float(), params, seen)  # (B, V)
+            probs = None
             if params.temperature > 0:
-                chosen = sample_categorical(torch.softmax(scores, dim=-1))  # (B,)
+                probs = torch.softmax(scores, dim=-1)  # (B, V)
+                chosen = sample_categorical(probs)  # (B,)
             else:
                 chosen = scores.argmax(dim=-1)  # (B,)
             chosen = chosen.masked_fill(finished, self.pad_id)  # rows that ended keep padding
             tokens[:, t] = chosen
             if seen is not None:
                 seen[torch.arange(batch_size, device=seen.device), chosen] = True
-            if logprobs is not None:
+            if logprobs is not None and from_probs and probs is not None:
+                logprobs[:, t] = probs.gather(1, chosen[:, None]).squeeze(1).log()  # (B,)
+            elif logprobs is not None:
                 logprobs[:, t] = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
             finished |= torch.isin(chosen, eos)
             if t + 1 == params.max_new_tokens or self._all_finished(finished):
