@@ -155,4 +155,46 @@ def test_the_contract_check_catches_a_stream_that_disagrees_with_parse(broken, s
 
     with pytest.raises(ContractError, match=says):
         check(Target("tool_parser", "broken", broken))
-    assert any("streams tool calls: 3 calls" in line for line in check(Target("tool_parser", "hermes", parse)))
+    assert check(Target("tool_parser", "hermes", parse))[1:] == [
+        "3 tool calls in OpenAI's shape, 2 unreadable texts given back as content with a reason", "deterministic",
+        "streams tool calls: 3 calls grown character by character end as parse reads them"]
+
+
+def _typeless(text):
+    return ParsedTurn(parse(text).content, [{**c, "type": "fn"} for c in parse(text).tool_calls])
+
+
+@pytest.mark.parametrize("broken, says", [
+    (lambda text: ParsedTurn("?", error="unreadable") if "{" in text else ParsedTurn(text),
+     "must give the raw text back as content"),
+    (_typeless, "a tool call must be"),
+    (_streaming(lambda text: parse(text), lambda text: tuple(parse.stream_calls(text))), "must return a list of"),
+    (_streaming(lambda text: parse(text), lambda text: [{k: v for k, v in c.items() if k != "end"}
+                                                        for c in parse.stream_calls(text)]), "must return a list of"),
+], ids=["error-content", "type", "tuple", "no-end"])
+def test_the_contract_check_catches_broken_turns_and_stream_shapes(broken, says):
+    from rlhf.plugin_kit.checks.agents.tool_parser import check
+    from rlhf.plugin_kit.checks.target import ContractError, Target
+
+    with pytest.raises(ContractError, match=says):
+        check(Target("tool_parser", "broken", broken))
+
+
+@pytest.mark.parametrize("text, arguments", [
+    ('<tool_call>{"name": "f", "arguments": "a b', "a b"),  # a string value as it grows, spaces and all
+    ('<tool_call>{"name": "f", "arguments": "a\nb', "a"),  # a raw control character is not JSON: stops there
+    ('<tool_call>{"name": "f", "arguments": "x\\u12G4yz"', "x"),  # nor is a \u escape that is not hex
+    ('<tool_call>{"name": "f", "arguments": xy}</tool_call>', ""),  # no value starts with x
+    ('<tool_call>{"name": "f", "arguments": {"s": "a</tool_call', '{"s": "a'),  # may still become </tool_call>
+])
+def test_what_a_call_so_far_cannot_be_sure_of_is_not_streamed(text, arguments):
+    (call,) = parse.stream_calls(text)
+    assert call["name"] == "f" and call["arguments"] == arguments
+
+
+def test_the_top_level_of_an_object_stops_where_no_value_starts():
+    from rlhf.plugins.tool_parsers.json_prefix import Member, read_object
+
+    assert read_object('{"a": x, "b": 1}').members == ()
+    assert read_object('{"a": 1, "b": @}').members == (Member("a", 6, 7),)
+    assert read_object(' {"a" : [1, {"b": "]"}] , "c": tru').members == (Member("a", 8, 23), Member("c", 31, None))
