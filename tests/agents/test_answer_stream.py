@@ -93,3 +93,49 @@ def test_an_unreadable_call_ends_with_the_raw_text_and_a_disagreeing_parser_brea
         again.finish([], None, other, 0)
     with pytest.raises(StreamBroken, match="1 tool calls were streamed, the answer has 0"):
         again.finish([], None, [], 0)
+
+
+class Special(Template):
+    """Id 0 is a special token: no text when special tokens are left out."""
+
+    def decode(self, ids, special=True):
+        return "".join("<s>" if i == 0 and special else "" if i == 0 else chr(i) for i in ids)
+
+
+def test_where_each_token_ends_as_streamed_is_where_the_whole_answer_says():
+    from rlhf.runtime.agents.logprobs import text_offsets, token_ends
+
+    ids = [0, ord("a"), 0, ord("b"), ord("c")]
+    stream = AnswerStream(Special(), holdback=())
+    chunks = [chunk for token in ids for chunk in stream.add(token)]
+    assert stream.text.ends == token_ends(Special(), ids) == [0, 1, 1, 2, 3]
+    assert text_offsets(stream.text.ends, 0, 5, 3) == [0, 0, 1, 1, 2]  # where each token's text starts
+    assert [c.tokens for c in chunks] == [range(0, 2), range(2, 4), range(4, 5)]  # a special token: with the next
+
+
+def test_tokens_the_engine_reported_beyond_its_answer_are_never_released():
+    stream = AnswerStream(Special(), holdback=())
+    stream.text.streams = False  # as for a parser without stream_start: the text goes out at the end
+    for token in [*map(ord, "abcd"), 0, 0]:  # two tokens that show no text, beyond the answer
+        stream.add(token)
+    (chunk,) = stream.finish([ord(c) for c in "abcd"], "abcd", None, 4)
+    assert chunk.delta == {"content": "abcd"} and chunk.tokens == range(0, 4)
+    assert stream.rest(4) == range(4, 4)
+
+
+def test_a_generation_without_logprobs_or_alternatives_reports_zero_and_the_token_alone():
+    from rlhf.core.protocols.rollout import Generation
+    from rlhf.runtime.agents.logprobs import Sampled, chat_logprobs, legacy_logprobs, sampled_of
+
+    bare = sampled_of(Generation(token_ids=[104, 105], finish_reason="stop"), top=2)
+    assert bare == [Sampled(104, 0.0, None), Sampled(105, 0.0, None)]
+    entries = chat_logprobs(Template(), bare, 2)["content"]
+    assert [e["top_logprobs"] for e in entries] == [[{"token": "h", "logprob": 0.0, "bytes": [104]}],
+                                                    [{"token": "i", "logprob": 0.0, "bytes": [105]}]]
+    assert "top_logprobs" not in legacy_logprobs(Template(), bare, 2, [0, 1])  # none offered: none claimed
+    some = sampled_of(Generation(token_ids=[104, 105], finish_reason="stop", logprobs=[-1.0, -2.0],
+                                 extra={"top_logprobs": [[(104, -1.0), (97, -3.0), (98, -4.0)]]}), top=2)
+    assert some == [Sampled(104, -1.0, [(104, -1.0), (97, -3.0), (98, -4.0)]), Sampled(105, -2.0, None)]
+    assert legacy_logprobs(Template(), some[:1], 2, [0]) == {"tokens": ["h"], "token_logprobs": [-1.0],
+                                                             "top_logprobs": [{"h": -1.0, "a": -3.0}],
+                                                             "text_offset": [0]}
