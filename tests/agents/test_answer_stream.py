@@ -139,3 +139,10 @@ def test_a_generation_without_logprobs_or_alternatives_reports_zero_and_the_toke
     assert legacy_logprobs(Template(), some[:1], 2, [0]) == {"tokens": ["h"], "token_logprobs": [-1.0],
                                                              "top_logprobs": [{"h": -1.0, "a": -3.0}],
                                                              "text_offset": [0]}
+
+
+def test_an_answer_that_starts_with_a_tool_call_or_a_stop_string_streams_no_content():
+    text = '<tool_call>{"name": "f"}</tool_call>'
+    chunks = stream_chars(AnswerStream(Template(), holdback=("STOP",), parser=parse), text)
+    assert not [c for c in chunks if "content" in c.delta] and len(chunks) == 2  # the header and "{}"
+    assert stream_chars(AnswerStream(Template(), holdback=("STOP",)), "STOP and more") == []
