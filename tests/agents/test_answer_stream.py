@@ -146,3 +146,16 @@ def test_an_answer_that_starts_with_a_tool_call_or_a_stop_string_streams_no_cont
     chunks = stream_chars(AnswerStream(Template(), holdback=("STOP",), parser=parse), text)
     assert not [c for c in chunks if "content" in c.delta] and len(chunks) == 2  # the header and "{}"
     assert stream_chars(AnswerStream(Template(), holdback=("STOP",)), "STOP and more") == []
+
+
+class Cleanup(Template):
+    """A decoder that rewrites earlier text as more comes (" ," -> ","), as some tokenizers' clean-up does."""
+
+    def decode(self, ids, special=True):
+        return super().decode(ids).replace(" ,", ",")
+
+
+def test_a_decoder_that_rewrites_earlier_text_gets_no_delta_that_contradicts_what_went_out():
+    stream = AnswerStream(Cleanup(), holdback=())
+    chunks = stream_chars(stream, "a ,b")
+    assert [c.delta["content"] for c in chunks] == ["a", " "] and stream.text.sent == "a "  # never "b" after "a "
