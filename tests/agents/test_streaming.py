@@ -287,7 +287,8 @@ TWO_CALLS = ('Let me see. <tool_call>{"name":"add","arguments":{"a":1,"b":[22, 3
 
 class Typing:
     """Answers each request with its scripted text, token by token (``on_token``), each token's
-    log-prob -0.01 x its position, and (with ``top_logprobs``) two made-up alternatives."""
+    log-prob -0.01 x its position, and (with ``top_logprobs``) two made-up alternatives; a stop string
+    ends it at the token that completes it, as the engines do."""
 
     shares_weights = True
 
@@ -301,13 +302,19 @@ class Typing:
         from rlhf.core.protocols.rollout import Generation
 
         ids = self.tokenizer(self.replies.pop(0), add_special_tokens=False)["input_ids"][:params.max_new_tokens]
+        stop = None
+        for count in range(1, len(ids) + 1):
+            stop = next((s for s in params.stop if s in self.tokenizer.decode(ids[:count])), None)
+            if stop is not None:
+                ids = ids[:count]
+                break
         logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
         tops = [[(t, lp), ((t + 1) % 300, lp - 1.0)][:top_logprobs] for t, lp in zip(ids, logprobs)]
         for token, logprob, alternatives in zip(ids, logprobs, tops):
             await asyncio.sleep(0)
             if on_token is not None:
                 on_token(token, logprob, alternatives if top_logprobs else [])
-        return Generation(token_ids=ids, finish_reason="stop", logprobs=logprobs,
+        return Generation(token_ids=ids, finish_reason="stop", logprobs=logprobs, stop_string=stop,
                           extra={"top_logprobs": tops} if top_logprobs else {})
 
 
@@ -321,10 +328,10 @@ def typing_server(tiny_model_dir):
     tokenizer.chat_template = REWRITING
     servers = []
 
-    def start(*replies):
+    def start(*replies, engine=Typing):
         run = RunSampling(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=300,
                           max_total_tokens=1000)
-        server = AgentEndpoint(Typing(tokenizer, replies), tokenizer, parse, run, model_name="policy", continuous=True)
+        server = AgentEndpoint(engine(tokenizer, replies), tokenizer, parse, run, model_name="policy", continuous=True)
         servers.append(server)
         return server
 
@@ -401,3 +408,40 @@ def test_an_unreadable_streamed_call_ends_as_the_non_streamed_answer(typing_serv
     assert len(record.parse_failures) == len(plain_record.parse_failures) == 1  # recorded alike
     assert record.sequences[0].tokens == plain_record.sequences[0].tokens
 
+
+
+def test_a_stop_strings_tokens_come_with_the_last_chunk_where_the_text_ends(typing_server):
+    server = typing_server(*["Hello there STOP and more"] * 3)
+    asked = dict(prompt=[5, 6, 7], logprobs=2, stop=["STOP"])
+    _, plain, _ = server.open(0, 5)
+    whole = plain.openai().completions.create(model="policy", **asked).choices[0]
+    assert whole.text == "Hello there " and whole.finish_reason == "stop"
+    expected = whole.logprobs.model_dump()
+    assert expected["tokens"][-4:] == list("STOP") and expected["text_offset"][-5:] == [11] + [12] * 4
+    for events in (sse(server.open(0, 5)[1], "completions", asked),
+                   [c.model_dump() for c in server.open(0, 5)[1].openai().completions.create(
+                       model="policy", stream=True, **asked)]):
+        pieces = [event["choices"][0] for event in events]
+        assert "".join(p["text"] for p in pieces) == whole.text and pieces[-1]["finish_reason"] == "stop"
+        assert pieces[-1]["logprobs"]["tokens"] == list("STOP")  # shown nowhere: with the last chunk
+        joined = {key: [t for p in pieces for t in (p["logprobs"] or {}).get(key) or []] for key in expected}
+        assert joined == expected
+
+
+class TypingAlone(Typing):
+    """`Typing` for an engine that streams but offers no alternatives (no ``top_logprobs`` keyword)."""
+
+    async def generate_one(self, prompt_ids, params, *, on_token=None):
+        return await super().generate_one(prompt_ids, params, on_token=on_token)
+
+
+def test_without_the_engines_alternatives_each_streamed_token_is_its_own_top(typing_server):
+    server = typing_server(*["Hello there, numbers."] * 2, engine=TypingAlone)
+    asked = dict(messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=2)
+    _, plain, _ = server.open(0, 5)
+    expected = [e.model_dump() for e in plain.openai().chat.completions.create(
+        model="policy", **asked).choices[0].logprobs.content]
+    assert len(expected) > 5 and all(e["top_logprobs"] == [{k: e[k] for k in ("token", "logprob", "bytes")}]
+                                     for e in expected)
+    chunks = sse(server.open(0, 5)[1], "chat/completions", asked)
+    assert [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]] == expected
