@@ -288,6 +288,10 @@ def register_tool_parsers(register: Register) -> None:
       OpenAI's shape, ``error``): ``text`` is the completion decoded with its special tokens.
     - A completion it cannot read is answered with the raw text as content and a recorded parse
       failure (``ParsedTurn(content=text, error=...)``): a parser never raises on model output.
+    - Optional, for streamed answers: ``parse.stream_start`` (the text that starts a call: content
+      streams up to it) and ``parse.stream_calls(text)`` (the calls of a completion so far, each
+      ``{"id", "name", "arguments", "end"}``, only ever growing, ending as ``parse`` reads the whole):
+      with both, tool calls stream argument by argument; without, each call is sent whole at the end.
     - The whole contract: ``rlhf.core.protocols.tool_parser``.
     """
 

@@ -10,9 +10,27 @@ its ``tool_calls`` in OpenAI's shape (``{"id", "type": "function", "function": {
 text as ``content``, no tool calls, and an ``error`` line saying what it could not read (the
 endpoint records it as a parse failure).
 
-Optional: ``parse.stream_start``, the text that starts a tool call (Hermes: ``<tool_call>``). A
-streamed answer to a request with tools sends its content as it is generated up to that text (and
-the tool calls at the end); a parser without it has the content sent when the answer ends.
+Optional, for streamed answers (``stream: true``; attributes of ``parse``, or methods of a parser
+object):
+
+- ``stream_start``: the text that starts a tool call (Hermes: ``<tool_call>``). A streamed answer
+  to a request with tools sends its content as it is generated up to that text; a parser without
+  it has the content and the tool calls sent when the answer ends.
+- ``stream_calls(text) -> list[dict]`` (used with ``stream_start``): the tool calls begun in
+  ``text``, the completion so far, each as ``{"id", "name", "arguments", "end"}``: its id (as
+  ``parse`` will give it), its name once complete (None before), the prefix of its ``arguments``
+  text that ``text`` already fixes, and ``end``, how far into ``text`` the call is read. The
+  endpoint streams a call's first delta (``index``, ``id``, ``type``, ``function.name``) once its
+  name is there, then its ``arguments`` as they grow, as OpenAI does. Its promise: as ``text``
+  grows, a call's id and name, once given, stay and its arguments only grow; for a text ``parse``
+  reads, its calls end exactly as ``parse`` gives them (a parser that re-serialises arguments in
+  ``parse`` must stream the same serialisation). ``rlhf plugins check`` tests this on every prefix
+  of its texts. A parser without it has each tool call sent whole when the answer ends.
+
+A streamed delta is never taken back: when ``parse`` cannot read the finished completion after a
+call's deltas went out, the stream ends as the non-streamed answer does (the raw text as content,
+``finish_reason`` "stop" or "length", a recorded parse failure); only ``finish_reason``
+"tool_calls" confirms the streamed calls (docs/agents.md).
 """
 
 from __future__ import annotations

@@ -15,11 +15,12 @@ the `TrajectoryRecord` that records it token for token (`rlhf.runtime.agents.rec
 
 The run's sampling settings always apply (`rlhf.runtime.agents.requests.check_sampling`); each
 request samples from a random stream seeded by the rollout's seed, the trajectory's index and the
-request's ordinal in that trajectory. A streamed answer (`AgentEndpoint._stream`) sends text
-deltas as the engine samples each token (``generate_one``'s optional ``on_token``; `TextStream`
-holds back what may still change), ``top_logprobs`` come from the engine's sampling distribution
-(``generate_one``'s optional ``top_logprobs``); an engine without them streams the whole answer at
-its end and reports the sampled token alone.
+request's ordinal in that trajectory. A streamed answer (`AgentEndpoint._stream`) sends content
+and tool-call deltas as the engine samples each token (``generate_one``'s optional ``on_token``;
+`AnswerStream` holds back what may still change and gives each chunk the log-probs of the tokens
+whose text it releases), ``top_logprobs`` come from the engine's sampling distribution
+(``generate_one``'s optional ``top_logprobs``); an engine without them sends the chunks when the
+answer ends and reports the sampled token alone.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.runtime.agents.recording import Prompt, TrajectoryRecord
 from rlhf.runtime.agents.requests import (BadRequest, RunSampling, budget, check_messages, check_sampling,
                                           check_tools, legacy_top_logprobs, prompt_of, stop_strings, top_logprobs)
-from rlhf.runtime.agents.streaming import TextStream
+from rlhf.runtime.agents.logprobs import (Sampled, chat_logprobs, legacy_logprobs, sampled_of, text_offsets,
+                                          token_ends)
+from rlhf.runtime.agents.streaming import AnswerStream, Chunk
 from rlhf.runtime.agents.template import ChatTemplate
 
 
@@ -232,15 +235,15 @@ class AgentEndpoint:
             return lambda request: self._stream(request, opened, prompt, params, body, Turn(
                 stops=stops, parse_tools=parse_tools, top=top, ident=ident, created=created))
         generation = await self._generate(opened, prompt, params, top=top)
-        reply, finish, logprobs, usage = self._chat_reply(opened, prompt, generation, body, stops, parse_tools, top)
+        answer = self._chat_reply(opened, prompt, generation, stops, parse_tools)
+        logprobs = chat_logprobs(self.template, sampled_of(generation, top), top) if body.get("logprobs") else None
         return {"id": ident, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": logprobs}],
-                "usage": usage}
+                "choices": [{"index": 0, "message": answer.message, "finish_reason": answer.finish,
+                             "logprobs": logprobs}], "usage": answer.usage}
 
-    def _chat_reply(self, opened: _Open, prompt: Prompt, generation: Any, body: dict[str, Any],
-                    stops: tuple[str, ...], parse_tools: bool, top: int) -> tuple[dict, str, dict | None, dict]:
-        """A chat completion's message (content and tool calls, parsed), recorded; its finish reason,
-        log-probs (when asked for) and usage."""
+    def _chat_reply(self, opened: _Open, prompt: Prompt, generation: Any, stops: tuple[str, ...],
+                    parse_tools: bool) -> Answer:
+        """A chat completion's message (content and tool calls, parsed), recorded."""
         ids = generation.token_ids
         text = self._visible_text(ids, generation.stop_string if generation.stop_string in stops else None)
         parsed = self.parser(text) if parse_tools else None
@@ -251,10 +254,9 @@ class AgentEndpoint:
         reply = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         finish = "tool_calls" if calls else ("length" if generation.finish_reason == "length" else "stop")
         opened.record.record(prompt, ids, generation.logprobs, reply, finish)
-        logprobs = self._chat_logprobs(ids, generation, top) if body.get("logprobs") else None
         usage = {"prompt_tokens": len(prompt.ids) - len(ids), "completion_tokens": len(ids),
                  "total_tokens": len(prompt.ids)}
-        return reply, finish, logprobs, usage
+        return Answer(text, reply, finish, parsed is not None and parsed.error is not None, usage)
 
     async def _text_completion(self, opened: _Open, body: dict[str, Any]) -> Any:
         check_sampling(body, self.run)
@@ -268,29 +270,24 @@ class AgentEndpoint:
             return lambda request: self._stream(request, opened, prompt, params, body, Turn(
                 stops=stops, parse_tools=False, top=top, ident=ident, created=created, chat=False))
         generation = await self._generate(opened, prompt, params, top=top)
-        text, finish, logprobs, usage = self._text_reply(opened, prompt, generation, body, top)
-        choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": list(generation.token_ids),
+        answer = self._text_reply(opened, prompt, generation)
+        ids = list(generation.token_ids)
+        logprobs = legacy_logprobs(self.template, sampled_of(generation, top), top, text_offsets(
+            token_ends(self.template, ids), 0, len(ids), len(answer.text))) if body.get("logprobs") else None
+        choice = {"index": 0, "text": answer.text, "finish_reason": answer.finish, "token_ids": ids,
                   "prompt_token_ids": list(ids_in), "logprobs": logprobs}
         return {"id": ident, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [choice], "usage": usage}
+                "choices": [choice], "usage": answer.usage}
 
-    def _text_reply(self, opened: _Open, prompt: Prompt, generation: Any, body: dict[str, Any],
-                    top: int) -> tuple[str, str, dict | None, dict]:
-        """A text completion's text, recorded; its finish reason, log-probs (legacy shape) and usage."""
+    def _text_reply(self, opened: _Open, prompt: Prompt, generation: Any) -> Answer:
+        """A text completion's text, recorded."""
         ids = generation.token_ids
         text = self._visible_text(ids, generation.stop_string)
         finish = "length" if generation.finish_reason == "length" else "stop"
         opened.record.record(prompt, ids, generation.logprobs, None, finish)
-        logprobs = None
-        if body.get("logprobs"):
-            alternatives = generation.extra.get("top_logprobs") if top else None
-            logprobs = {"tokens": [self.template.decode([i]) for i in ids],
-                        "token_logprobs": list(generation.logprobs or []),
-                        **({"top_logprobs": [{self.template.decode([i]): lp for i, lp in a[:top]}
-                                             for a in alternatives]} if alternatives is not None else {})}
         prompt_tokens = len(prompt.ids) - len(ids)
-        return text, finish, logprobs, {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
-                                        "total_tokens": prompt_tokens + len(ids)}
+        return Answer(text, {"content": text}, finish, False, {
+            "prompt_tokens": prompt_tokens, "completion_tokens": len(ids), "total_tokens": prompt_tokens + len(ids)})
 
     def _params(self, opened: _Open, prompt: Prompt, body: dict[str, Any], stops: tuple[str, ...]) -> SamplingParams:
         """The request's sampling: the run's settings, its budget and the seed of its ordinal."""
@@ -339,65 +336,54 @@ class AgentEndpoint:
                 text = text[:-len(cut)]
         return text
 
-    def _chat_logprobs(self, ids: list[int], generation: Any, top: int) -> dict[str, Any]:
-        """OpenAI's ``logprobs.content``: each token's log-prob and, with ``top_logprobs`` k, the k most
-        likely tokens of the distribution it was sampled from (the engine's, where it offers them;
-        else the sampled token alone)."""
-        alternatives = generation.extra.get("top_logprobs") if top else None
-        content = []
-        for index, (token, logprob) in enumerate(zip(ids, generation.logprobs or [0.0] * len(ids))):
-            entry = self._logprob_entry(token, logprob)
-            if not top:
-                tops = []
-            elif alternatives is not None and index < len(alternatives):
-                tops = [self._logprob_entry(i, lp) for i, lp in alternatives[index][:top]]
-            else:
-                tops = [dict(entry)]
-            content.append({**entry, "top_logprobs": tops})
-        return {"content": content}
-
-    def _logprob_entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.template.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
     async def _stream(self, request: Any, opened: _Open, prompt: Prompt, params: SamplingParams,
                       body: dict[str, Any], turn: Turn) -> Any:
-        """A streamed chat completion (server-sent events): content deltas as the engine samples the
-        tokens (where it offers ``on_token``; else the whole answer when it ends), then the tool
-        calls, log-probs and the finish reason."""
+        """A streamed answer (server-sent events): content and tool-call deltas as the engine samples
+        the tokens (where it offers ``on_token``; else all of them when it ends), each chunk with the
+        log-probs of the tokens it releases (when asked for), then the finish reason (`AnswerStream`)."""
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        stream = AnswerStream(self.template, holdback=(*turn.stops, *(m for m in (self.template.marker,) if m)),
+                              parser=self.parser if turn.parse_tools else None)
+        sampled: list[Sampled] = []  # as the engine reported them; the generation's replace them at the end
 
-        async def send(delta: dict, finish_reason: str | None = None, extra: dict | None = None) -> None:
+        async def send(chunk: Chunk, finish_reason: str | None = None, length: int | None = None) -> None:
+            logprobs = None
+            if body.get("logprobs") and chunk.tokens:
+                these = sampled[chunk.tokens.start:chunk.tokens.stop]
+                logprobs = chat_logprobs(self.template, these, turn.top) if turn.chat else legacy_logprobs(
+                    self.template, these, turn.top, text_offsets(
+                        stream.text.ends, chunk.tokens.start, chunk.tokens.stop,
+                        stream.text.ends[chunk.tokens.stop - 1] if length is None else length))
             if turn.chat:
-                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, **(extra or {})}
+                choice = {"index": 0, "delta": chunk.delta, "finish_reason": finish_reason, "logprobs": logprobs}
             else:  # /v1/completions: text pieces
-                choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason,
-                          "logprobs": (extra or {}).get("logprobs")}
-            chunk = {"id": turn.ident, "object": "chat.completion.chunk" if turn.chat else "text_completion",
-                     "created": turn.created, "model": self.model_name, "choices": [choice]}
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                choice = {"index": 0, "text": chunk.delta.get("content", ""), "finish_reason": finish_reason,
+                          "logprobs": logprobs}
+            payload = {"id": turn.ident, "object": "chat.completion.chunk" if turn.chat else "text_completion",
+                       "created": turn.created, "model": self.model_name, "choices": [choice]}
+            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
-        text = TextStream(self.template, holdback=(*turn.stops, *(m for m in (self.template.marker,) if m)),
-                          tool_start=getattr(self.parser, "stream_start", None) if turn.parse_tools else None,
-                          streams=not turn.parse_tools or getattr(self.parser, "stream_start", None) is not None)
+        alternatives = bool(turn.top) and self.offers["top_logprobs"]
         tokens: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(self._generate(opened, prompt, params, top=turn.top,
-                                                    on_token=lambda token, *_: tokens.put_nowait(token)))
+        task = asyncio.ensure_future(self._generate(
+            opened, prompt, params, top=turn.top,
+            on_token=lambda token, logprob, tops: tokens.put_nowait(Sampled(token, logprob,
+                                                                            tops if alternatives else None))))
         try:
             if turn.chat:
-                await send({"role": "assistant", "content": ""})
+                await send(Chunk({"role": "assistant", "content": ""}, range(0)))
             while not (task.done() and tokens.empty()):
                 getter = asyncio.ensure_future(tokens.get())
                 await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():
                     getter.cancel()
                     continue
-                delta = text.add(getter.result())
-                if delta:
-                    await send({"content": delta})
+                sampled.append(getter.result())
+                for chunk in stream.add(sampled[-1].token):
+                    await send(chunk)
             try:
                 generation = task.result()
             except BadRequest as exc:
@@ -405,22 +391,17 @@ class AgentEndpoint:
                 await response.write(f"data: {json.dumps(exc.body())}\n\n".encode())
                 await response.write_eof()
                 return response
-            if turn.chat:
-                reply, finish, logprobs, _ = self._chat_reply(opened, prompt, generation, body, turn.stops,
-                                                               turn.parse_tools, turn.top)
-            else:
-                content, finish, logprobs, _ = self._text_reply(opened, prompt, generation, body, turn.top)
-                reply = {"content": content}
-            content = reply.get("content") or ""
-            rest = content[len(text.sent):] if content.startswith(text.sent) else ""
-            if rest or logprobs:
-                await send({"content": rest} if rest else {}, None, {"logprobs": logprobs} if logprobs else None)
-            if reply.get("tool_calls"):
-                await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply["tool_calls"])]})
-            await send({}, finish)
+            ids = list(generation.token_ids)
+            answer = self._chat_reply(opened, prompt, generation, turn.stops, turn.parse_tools) if turn.chat \
+                else self._text_reply(opened, prompt, generation)
+            sampled[stream.released:] = sampled_of(generation, turn.top)[stream.released:]
+            calls = None if answer.unreadable else answer.message.get("tool_calls", [])
+            for chunk in stream.finish(ids, answer.message.get("content"), calls, len(answer.text)):
+                await send(chunk, length=len(answer.text))
+            await send(Chunk({}, stream.rest(len(ids))), answer.finish, length=len(answer.text))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except Exception as exc:  # the client left, or the engine failed: nothing of it may sample on
+        except Exception as exc:  # the client left, the engine failed, or the parser streamed what it took back
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             opened.errors.append(f"500: {type(exc).__name__}: {exc}")
@@ -430,6 +411,17 @@ class AgentEndpoint:
                 await response.write(f"data: {json.dumps(error)}\n\n".encode())
                 await response.write_eof()
         return response
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A completion as the endpoint answers it (recorded by then)."""
+
+    text: str  # its visible text: special tokens out, the end of turn and a stop string cut
+    message: dict[str, Any]  # chat: role, content and tool calls; completions: the content
+    finish: str
+    unreadable: bool  # the tool parser could not read it (the content is the raw text)
+    usage: dict[str, int]
 
 
 @dataclass(frozen=True)
