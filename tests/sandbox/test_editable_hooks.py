@@ -2,7 +2,9 @@
 layout writes ``__editable___<name>_finder.py`` and a ``.pth`` that imports it; its strict mode a
 link tree of symlinks under ``build/``. Sandboxed code imports the package, and nothing else of the
 project exists inside (data, reward file, run folder; ``/proc/self/mountinfo`` does not name them).
-A hook the sandbox does not understand hides its project whole, and says so in ``isolation``."""
+meson-python's loader and scikit-build-core's redirect are read too (their finders are not run
+inside: nothing rebuilds there). A hook the sandbox does not understand, or one that computes its
+paths when it runs, hides its project whole, and says so in ``isolation``."""
 
 from __future__ import annotations
 
@@ -32,27 +34,95 @@ def _venv(root: Path) -> tuple[str, Path]:
     return str(python), Path(site_dir)
 
 
-def _pip_install_editable(python: str, root: Path, mode: str | None) -> None:
-    """``pip install -e`` offline, with this environment's setuptools as the build backend."""
+def _backend(module: str, *tools: str) -> str:
+    """The folder holding a build backend (``mesonpy``, ``scikit_build_core``: the dev extra),
+    or skip when it or a tool it runs is not installed here."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        pytest.skip(f"{module} is not installed (pip install -e '.[dev]')")
+    for tool in tools:
+        if shutil.which(tool) is None:
+            pytest.skip(f"{module} needs {tool}, not found on PATH")
+    return str(Path(spec.origin).resolve().parents[1])
+
+
+def _pip_install_editable(python: str, root: Path, mode: str | None, backend: str | None = None) -> None:
+    """``pip install -e`` offline, with this environment's setuptools (and pip) as the build
+    backend, or with ``backend``'s folder on the path too."""
     import setuptools
 
-    backend = str(Path(setuptools.__file__).resolve().parents[1])
+    path = [str(Path(setuptools.__file__).resolve().parents[1]), *([backend] if backend else [])]
     extra = ["--config-settings", f"editable_mode={mode}"] if mode else []
-    env = {**os.environ, "PYTHONPATH": backend, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "PIP_NO_INDEX": "1",
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     out = subprocess.run([python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", str(root), *extra],
                          env=env, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         pytest.skip(f"pip could not make an editable install here: {out.stderr.strip().splitlines()[-1:]}")
 
 
-@pytest.fixture(params=["finder", "strict", "unknown-hook"])
+MESON_BUILD = """project('pkg', 'c', version: '0.1')
+py = import('python').find_installation(pure: false)
+py.install_sources('pkg/__init__.py', subdir: 'pkg')
+py.extension_module('_speed', 'speed.c', install: true, subdir: 'pkg')
+"""
+SPEED_C = """#include <Python.h>
+static PyObject *f(PyObject *self, PyObject *args) { return PyLong_FromLong(7); }
+static PyMethodDef methods[] = {{"f", f, METH_NOARGS, ""}, {0}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_speed", 0, -1, methods};
+PyMODINIT_FUNC PyInit__speed(void) { return PyModule_Create(&module); }
+"""
+SKBUILD_CMAKE = """cmake_minimum_required(VERSION 3.15)
+project(pkg LANGUAGES NONE)
+file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/generated.py" "VALUE = 5\\n")
+install(FILES "${CMAKE_CURRENT_BINARY_DIR}/generated.py" DESTINATION pkg)
+"""
+RUNTIME_FINDER = """import json, os, sys
+from importlib.machinery import PathFinder
+
+with open(os.path.join(os.path.dirname(__file__), "__editable___pkg_map.json")) as f:
+    MAPPING = json.load(f)  # computed when it runs: the sandbox cannot tell what it maps
+
+
+class _Finder:
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname in MAPPING:
+            return PathFinder.find_spec(fullname, [os.path.dirname(MAPPING[fullname])])
+
+
+def install():
+    sys.meta_path.append(_Finder)
+"""
+
+
+def _record_editable(site_dir: Path, root: Path, files: list[str]) -> None:
+    """The dist-info pip writes for an editable install: ``direct_url.json`` (PEP 610) names the
+    project, ``RECORD`` the files installed."""
+    info = site_dir / "pkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pkg\nVersion: 0.1\n")
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "direct_url.json").write_text(json.dumps({"dir_info": {"editable": True}, "url": root.as_uri()}))
+    (info / "RECORD").write_text("".join(f"{name},,\n" for name in [*files, *(f"{info.name}/{n}" for n in (
+        "METADATA", "INSTALLER", "direct_url.json", "RECORD"))]))
+
+
+@pytest.fixture(params=["finder", "strict", "meson", "skbuild", "unknown-hook", "runtime-hook"])
 def hooked(project, request):
-    """``project`` (a flat layout: ``pkg/`` beside ``data/``, ``rewards.py`` and ``runs/``) installed
+    """``project`` (a flat layout: ``pkg/`` beside ``data/``, ``rewards.py`` and ``runs/``; for
+    scikit-build-core ``src/pkg/``, whose ``.pth`` names the package's parent folder too) installed
     in editable mode through an import hook: setuptools' finder (its default mode here), its strict
-    mode (a link tree of symlinks), or a hand-written hook the sandbox cannot read."""
+    mode (a link tree of symlinks), meson-python's loader (with an extension module built in the
+    project's ``build/``), scikit-build-core's redirect, a hand-written hook the sandbox cannot
+    read, or a setuptools-like finder whose mapping is read from a file when it runs."""
     root = project["root"]
-    (root / "pkg").mkdir()
-    (root / "pkg" / "__init__.py").write_text("VALUE = 42\n")
+    package = root / "src" / "pkg" if request.param == "skbuild" else root / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("VALUE = 42\n")
     (root / "rewards.py").write_text(f"ANSWER = {project['answer']!r}\n")
     (root / "runs" / "exp").mkdir(parents=True)
     (root / "runs" / "exp" / "samples.jsonl").write_text(json.dumps({"label": project["answer"]}) + "\n")
@@ -63,6 +133,29 @@ def hooked(project, request):
     if request.param == "unknown-hook":
         (site_dir / "_pkg_loader.py").write_text(f"import sys\n\ndef install():\n    sys.path.append({str(root)!r})\n")
         (site_dir / "_pkg_loader.pth").write_text("import _pkg_loader; _pkg_loader.install()\n")
+    elif request.param == "runtime-hook":  # nothing in its text names the project: pip's record does
+        (site_dir / "__editable___pkg_0_1_finder.py").write_text(RUNTIME_FINDER)
+        (site_dir / "__editable___pkg_map.json").write_text(json.dumps({"pkg": str(root / "pkg")}))
+        (site_dir / "__editable__.pkg-0.1.pth").write_text(
+            "import __editable___pkg_0_1_finder; __editable___pkg_0_1_finder.install()\n")
+        _record_editable(site_dir, root, ["__editable___pkg_0_1_finder.py", "__editable___pkg_map.json",
+                                          "__editable__.pkg-0.1.pth"])
+        host = subprocess.run([python, "-c", "import pkg; print(pkg.VALUE)"], capture_output=True, text=True)
+        assert host.stdout == "42\n", host  # the hook works outside the sandbox
+    elif request.param == "meson":
+        backend = _backend("mesonpy", "meson", "ninja", "cc")
+        (root / "meson.build").write_text(MESON_BUILD)
+        (root / "speed.c").write_text(SPEED_C)
+        (root / "pyproject.toml").write_text('[build-system]\nrequires = ["meson-python"]\nbuild-backend = "mesonpy"\n'
+                                             '[project]\nname = "pkg"\nversion = "0.1"\n')
+        _pip_install_editable(python, root, None, backend)
+    elif request.param == "skbuild":
+        backend = _backend("scikit_build_core", "cmake")
+        (root / "CMakeLists.txt").write_text(SKBUILD_CMAKE)
+        (root / "pyproject.toml").write_text('[build-system]\nrequires = ["scikit-build-core"]\n'
+                                             'build-backend = "scikit_build_core.build"\n'
+                                             '[project]\nname = "pkg"\nversion = "0.1"\n')
+        _pip_install_editable(python, root, None, backend)
     else:
         _pip_install_editable(python, root, "strict" if request.param == "strict" else None)
     for path in root.rglob("*"):
@@ -74,6 +167,11 @@ def hooked(project, request):
         assert finder and "MAPPING" in finder[0].read_text(), pth  # setuptools wrote a finder, as documented
     if request.param == "strict":
         assert not finder and (root / "build").is_dir(), pth  # a link tree, named by a path .pth line
+    if request.param == "meson":  # meson-python's loader, its build folder in the project
+        assert "MesonpyMetaFinder(" in (site_dir / "_pkg_editable_loader.py").read_text(), pth
+        assert (root / "build" / "cp311" / "meson-info" / "intro-install_plan.json").is_file()
+    if request.param == "skbuild":  # scikit-build-core's redirect (and the package's parent folder)
+        assert "install({" in (site_dir / "_editable_skbc_pkg.py").read_text(), pth
     return {**project, "python": python, "mode": request.param, "rewards": root / "rewards.py",
             "samples": root / "runs" / "exp" / "samples.jsonl", "site_dir": site_dir}
 
@@ -102,14 +200,25 @@ def test_an_import_hook_editable_install_shows_its_package_and_nothing_else(hook
     for path in hidden:
         assert f"hidden:{path}" in result.isolation
     imported = _run(hooked, IMPORTING)
-    if hooked["mode"] == "unknown-hook":  # fail closed: the whole project is gone, and isolation says why
+    if hooked["mode"] in ("unknown-hook", "runtime-hook"):  # fail closed: the project is gone, isolation says why
         assert f"hidden:{hooked['root']}" in imported.isolation
         assert f"editable_hook_not_understood:{hooked['root']}" in imported.isolation
         assert imported.status == "error" and "ModuleNotFoundError" in imported.stderr, imported
         return
-    assert imported.status == "ok" and imported.stdout == "42 ['pkg']\n", imported  # importable, and alone there
+    assert not [layer for layer in imported.isolation if layer.startswith("editable_hook_not_understood:")]
+    alone = "42 ['build', 'pkg']\n" if hooked["mode"] == "meson" else "42 ['pkg']\n"  # meson's build folder too
+    assert imported.status == "ok" and imported.stdout == alone, imported  # importable, and alone there
     listing = _run(hooked, f"import os\nprint(sorted(os.listdir({str(hooked['root'])!r})))")
-    assert listing.stdout == ("['pkg']\n" if hooked["mode"] == "finder" else "['build', 'pkg']\n"), listing
+    in_root = {"finder": "['pkg']\n", "skbuild": "['src']\n"}.get(hooked["mode"], "['build', 'pkg']\n")
+    assert listing.stdout == in_root, listing
+    if hooked["mode"] == "skbuild":  # a module CMake installed beside the sources' package (in site-packages)
+        generated = _run(hooked, "import pkg.generated\nprint(pkg.generated.VALUE)")
+        assert generated.status == "ok" and generated.stdout == "5\n", generated
+    if hooked["mode"] == "meson":  # the extension module from the build folder, and nothing else of that folder
+        build = hooked["root"] / "build" / "cp311"
+        built = _run(hooked, f"import os, pkg._speed\nprint(pkg._speed.f(), os.listdir({str(build)!r}))")
+        extension = [p.name for p in build.glob("_speed*") if p.is_file()]
+        assert built.status == "ok" and built.stdout == f"7 {extension}\n", built
 
 
 @needs_namespaces
