@@ -285,3 +285,279 @@ def test_a_mapped_package_hidden_on_purpose_stays_hidden(tmp_path):
     assert visible == [str(install), str(proj / "pkg")]
     exposed = {path for kind, _, again in ops if kind in ("tmp", "tmpbind", "empty") for path in again}
     assert str(proj / "pkg") in exposed and not exposed & {str(proj / "secret_pkg"), str(proj / "data")}
+
+
+# --- hooks whose paths are computed when they run: fail closed --------------------------------------
+
+SETUPTOOLS_TAIL = "\ndef install():\n    import sys\n    sys.meta_path.append(object())\n"
+COMPUTED = {  # module text (PROJ: the project's path, written only where the shape names it)
+    "mapping-from-a-call": "def _mapping():\n    return {'pkg': PROJ + '/pkg'}\n\nMAPPING = _mapping()\n",
+    "mapping-from-a-file": "import json, os\n\nwith open(os.path.join(os.path.dirname(__file__), 'map.json')) as f:\n"
+                           "    MAPPING = json.load(f)\n",
+    "mapping-from-the-environment": "import os\n\nMAPPING = {'pkg': os.environ['PKG_ROOT'] + '/pkg'}\n",
+    "empty-mapping-filled-later": "import os\n\nMAPPING = {}\nMAPPING.update(pkg=os.environ['PKG_ROOT'])\n",
+    "mapping-item-set-later": "import os\n\nMAPPING: dict[str, str] = {}\nMAPPING['pkg'] = os.environ['PKG_ROOT']\n",
+    "mapping-replaced-in-install": "MAPPING = {}\n\ndef _fill():\n    global MAPPING\n    MAPPING = {'pkg': '/x'}\n",
+    "mapping-aliased": "import os\n\nMAPPING = {}\n_m = MAPPING\n_m['pkg'] = os.environ['PKG_ROOT']\n",
+    "mapping-merged": "import os\n\nMAPPING = {}\nMAPPING |= {'pkg': os.environ['PKG_ROOT']}\n",
+    "map-module-computed": "import os\nfrom editables.redirector import RedirectingFinder as F\nF.install()\n"
+                           "F.map_module('pkg', os.path.join(os.environ['PKG_ROOT'], 'pkg', '__init__.py'))\n",
+    "map-module-in-a-loop": "import json\nfrom editables.redirector import RedirectingFinder as F\nF.install()\n"
+                            "for name, path in json.load(open('/etc/map.json')).items():\n    F.map_module(name, path)\n",
+    "meson-build-folder-computed": "import os\n\nclass MesonpyMetaFinder:\n    def __init__(self, package, names, path, cmd,"
+                                   " verbose=False):\n        pass\n\ndef install():\n    MesonpyMetaFinder('pkg', {'pkg'}, "
+                                   "os.environ['BUILD'], ['ninja'], False)\n",
+    "skbuild-mapping-from-a-file": "import json\n\nclass ScikitBuildRedirectingFinder:\n    pass\n\n"
+                                   "def install(known_source_files, known_wheel_files, path=None):\n    pass\n\n"
+                                   "install(json.load(open('map.json')), {}, None)\n",
+    "sys-path-from-the-environment": "import os, sys\n\ndef install():\n    sys.path.append(os.environ['PKG_ROOT'])\n",
+}
+
+
+def _site_with_hook(tmp_path, module_text, line="import _hook; _hook.install()", recorded=True):
+    """A site-packages folder with ``_hook.py`` imported by ``_hook.pth``; ``recorded``: pip's
+    dist-info for it (``direct_url.json`` naming the project, ``RECORD`` the two files)."""
+    site, project = tmp_path / "site", tmp_path / "proj"
+    (project / "pkg").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("")
+    site.mkdir()
+    (site / "map.json").write_text(json.dumps({"pkg": str(project / "pkg")}))
+    (site / "_hook.py").write_text("raise SystemExit('never run')\n" + module_text.replace("PROJ", repr(str(project))))
+    (site / "_hook.pth").write_text(line + "\n")
+    if recorded:
+        _record_editable(site, project, ["_hook.py", "_hook.pth"])
+    return site, project
+
+
+@pytest.mark.parametrize("shape", sorted(COMPUTED))
+def test_a_hook_that_computes_its_paths_hides_its_project(tmp_path, shape):
+    """Each shape would map ``pkg`` when run; read without running it, none has a literal mapping:
+    the hook is not understood, nothing of it is shown, and the project pip recorded for it is hidden
+    whole (its module's text does not name it)."""
+    site, project = _site_with_hook(tmp_path, COMPUTED[shape] + SETUPTOOLS_TAIL)
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["_hook.pth"]
+    assert found["editable_opaque"] == [str(project)]
+    assert found["editable_modules"] == {} and found["editable_redirects"] == {} and found["editable_paths"] == []
+
+
+@pytest.mark.parametrize("line", ["import _hook; _hook.install(__import__('os').environ['PKG_ROOT'])",
+                                  "import sys, os; sys.path.insert(0, os.environ['PKG_ROOT'])",
+                                  "import os; exec(open(os.environ['HOOK']).read())"])
+def test_an_import_line_that_computes_its_paths_hides_its_project(tmp_path, line):
+    """The ``.pth`` line itself computes: passes a computed value to a hook that is understood, or
+    changes ``sys.path`` or runs code from a computed place."""
+    site, project = _site_with_hook(tmp_path, f"MAPPING = {{'pkg': {str(tmp_path / 'proj' / 'pkg')!r}}}\n"
+                                    "def install(root=None):\n    pass\n", line=line)
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["_hook.pth"]
+    assert found["editable_opaque"] == [str(project)]
+    assert found["editable_modules"] == {}
+
+
+def test_a_computing_hook_no_installer_recorded_is_listed_with_nothing_to_hide(tmp_path):
+    """Without pip's record and without a path in its text, the project cannot be told: the hook is
+    listed as not understood (never as understood with an empty mapping) and nothing of it shown."""
+    site, _ = _site_with_hook(tmp_path, COMPUTED["mapping-from-the-environment"] + SETUPTOOLS_TAIL, recorded=False)
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["_hook.pth"]
+    assert found["editable_opaque"] == [] and found["editable_modules"] == {} and found["editable_paths"] == []
+
+
+def test_a_literal_hook_installed_by_pip_is_understood(tmp_path):
+    """The same site with a literal mapping: understood, pip's record notwithstanding."""
+    site, project = _site_with_hook(tmp_path, f"MAPPING = {{'pkg': {str(tmp_path / 'proj' / 'pkg')!r}}}\n"
+                                    "NAMESPACES = {}\n" + SETUPTOOLS_TAIL)
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == [] and found["editable_opaque"] == []
+    assert found["editable_modules"] == {"pkg": [str(project / "pkg")]}
+    assert found["editable_paths"] == [str(project / "pkg")]
+
+
+# --- meson-python and scikit-build-core, as their versions write them --------------------------------
+
+MESON_LOADER_0_22 = """import sys
+
+class MesonpyMetaFinder:
+    def __init__(self, package, names, path, cmd, verbose=False):
+        self._build_path = path
+
+def init():
+    finder = MesonpyMetaFinder(
+        'fast',
+        {'fast'},
+        BUILD,
+        ['/usr/bin/ninja'],
+        False,
+    )
+    sys.meta_path.insert(0, finder)
+    sys.path_hooks.insert(0, finder._path_hook)
+"""
+MESON_LOADER_0_13 = """import sys
+
+class MesonpyMetaFinder:
+    def __init__(self, names, path, cmd, verbose=False):
+        self._build_path = path
+
+def install(names, path, cmd, verbose=False):
+    sys.meta_path.insert(0, MesonpyMetaFinder(names, path, cmd, verbose))
+
+install({'fast'}, BUILD, ['ninja'], False)
+"""
+SKBUILD_1 = """import os, sys
+
+class ScikitBuildRedirectingFinder:
+    pass
+
+def install(known_source_files, known_wheel_files, known_directories=None, known_packages=None, path=None,
+            rebuild=False, verbose=False, build_options=None, install_options=None, install_dir=""):
+    sys.meta_path.insert(0, ScikitBuildRedirectingFinder())
+
+def install_inplace(known_packages, search_paths, path=None, rebuild=False, verbose=False, build_options=None):
+    pass
+
+CALL
+"""
+SKBUILD_0_10 = """import sys
+
+class ScikitBuildRedirectingFinder:
+    pass
+
+def install(known_source_files, known_wheel_files, path, rebuild=False, verbose=False, build_options=None,
+            install_options=None, install_dir=""):
+    sys.meta_path.insert(0, ScikitBuildRedirectingFinder())
+
+CALL
+"""
+
+
+def _meson_project(tmp_path):
+    """A meson-python project's source and build folders and the install plan meson writes
+    (``meson-info/intro-install_plan.json``: a source module, an extension module built in the
+    build folder, an ``install_subdir`` with an excluded file, a header installed elsewhere)."""
+    project, build = tmp_path / "meson", tmp_path / "meson" / "build" / "cp311"
+    for folder in (project / "src" / "fast" / "sub", project / "src" / "fast" / "data", build / "meson-info"):
+        folder.mkdir(parents=True)
+    (project / "pyproject.toml").write_text("")
+    for name in ("src/fast/__init__.py", "src/fast/sub/__init__.py", "src/fast/data/x.json", "src/fast/data/skip.txt",
+                 "build/cp311/_speed.cpython-311-x86_64-linux-gnu.so", "build/cp311/build.ninja", "secret.txt",
+                 "src/fast/sub/mod.py"):
+        (project / name).write_text("")
+    src = project / "src" / "fast"
+    plan = {
+        "targets": {str(build / "_speed.cpython-311-x86_64-linux-gnu.so"): {
+            "destination": "{py_platlib}/fast/_speed.cpython-311-x86_64-linux-gnu.so", "tag": "runtime",
+            "subproject": None, "install_rpath": None, "build_rpaths": []}},
+        "python": {str(src / "__init__.py"): {"destination": "{py_platlib}/fast/__init__.py",
+                                              "tag": "python-runtime", "subproject": None},
+                   str(src / "sub" / "__init__.py"): {"destination": "{py_platlib}/fast/sub/__init__.py",
+                                                      "tag": "python-runtime", "subproject": None},
+                   str(src / "sub" / "mod.py"): {"destination": "{py_platlib}/fast/sub/renamed.py",
+                                                 "tag": "python-runtime", "subproject": None}},
+        "install_subdirs": {str(src / "data"): {"destination": "{py_platlib}/fast/data", "tag": None,
+                                                "subproject": None, "exclude_dirs": [],
+                                                "exclude_files": ["skip.txt"]}},
+        "headers": {str(project / "secret.txt"): {"destination": "{includedir}/secret.txt", "tag": "devel"}},
+    }
+    (build / "meson-info" / "intro-install_plan.json").write_text(json.dumps(plan, indent=4))
+    return project, build
+
+
+@pytest.mark.parametrize("version", ["0.22", "0.13"])
+def test_meson_python_loader_and_install_plan(tmp_path, version):
+    """meson-python's loader names the build folder in a literal call (``init()`` building a
+    ``MesonpyMetaFinder`` since 0.14, a module-level ``install(...)`` before); what it maps is meson's
+    install plan there: each module by its dotted name, from the sources or the build folder. Shown:
+    the package's source folder, and the extension module alone of the build folder."""
+    project, build = _meson_project(tmp_path)
+    site = tmp_path / "site"
+    site.mkdir()
+    loader = MESON_LOADER_0_22 if version == "0.22" else MESON_LOADER_0_13
+    (site / "_fast_editable_loader.py").write_text("raise SystemExit('never run')\n" +
+                                                    loader.replace("BUILD", repr(str(build))))
+    (site / "fast-editable.pth").write_text("import _fast_editable_loader; _fast_editable_loader.init()\n"
+                                            if version == "0.22" else "import _fast_editable_loader\n")
+    found = editable_installs([str(site)], [str(site)])
+    src = project / "src" / "fast"
+    assert found["editable_redirects"] == {
+        "fast": [str(src / "__init__.py"), [str(src)]],
+        "fast._speed": [str(build / "_speed.cpython-311-x86_64-linux-gnu.so"), None],
+        "fast.data": [None, []],  # a folder of data: a namespace package, as meson's finder makes it
+        "fast.sub": [str(src / "sub" / "__init__.py"), [str(src / "sub")]],
+        "fast.sub.renamed": [str(src / "sub" / "mod.py"), None],
+    }
+    assert found["editable_paths"] == [str(build / "_speed.cpython-311-x86_64-linux-gnu.so"), str(src)]
+    assert found["editable_unknown"] == [] and found["editable_opaque"] == [] and found["editable_modules"] == {}
+    from rlhf.sandbox._sandbox_editable import project_roots
+
+    assert project_roots(found["source_dirs"], found["editable_paths"], [str(site)]) == [str(project)]
+
+
+def test_meson_python_without_its_plan_is_not_understood(tmp_path):
+    """No install plan in the build folder (deleted, or never configured): the loader cannot be read,
+    the project is hidden (its build folder is named in the loader)."""
+    project, build = _meson_project(tmp_path)
+    (build / "meson-info" / "intro-install_plan.json").write_text("{not json")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "_fast_editable_loader.py").write_text(MESON_LOADER_0_22.replace("BUILD", repr(str(build))))
+    (site / "fast-editable.pth").write_text("import _fast_editable_loader; _fast_editable_loader.init()\n")
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["fast-editable.pth"] and found["editable_opaque"] == [str(project)]
+    assert found["editable_redirects"] == {}
+
+
+@pytest.mark.parametrize("version", ["1.x", "0.10"])
+def test_scikit_build_core_redirect(tmp_path, version):
+    """scikit-build-core's redirect: the install call's arguments bound by its own ``def``
+    (``known_directories`` since 1.0; before, a package's folders are those of its modules): sources
+    by absolute path, the wheel's files relative to site-packages. A source folder that is not the
+    package's own (a package whose ``__init__`` sits in the project's root) is not shown whole."""
+    project, site = tmp_path / "proj", tmp_path / "site"
+    for folder in (project / "src" / "pkg", site / "pkg"):
+        folder.mkdir(parents=True)
+    (project / "pyproject.toml").write_text("")
+    for name in ("src/pkg/__init__.py", "src/pkg/mod.py", "flat.py"):
+        (project / name).write_text("")
+    (site / "pkg" / "_core.so").write_text("")
+    src = project / "src" / "pkg"
+    sources = {"pkg": str(src / "__init__.py"), "pkg.mod": str(src / "mod.py"), "flat": str(project / "flat.py")}
+    wheel = {"pkg._core": "pkg/_core.so"}
+    if version == "1.x":
+        call = (f"install({sources!r}, {wheel!r}, {{'pkg': [{str(src)!r}, 'pkg'], 'odd': [{str(project)!r}]}}, "
+                "['pkg'], None, False, True, [], [], '')")
+        template = SKBUILD_1
+    else:
+        call = f"install({sources!r}, {wheel!r}, None, False, True, [], [], '')"
+        template = SKBUILD_0_10
+    (site / "_editable_skbc_pkg.py").write_text("raise SystemExit('never run')\n" + template.replace("CALL", call))
+    (site / "_editable_skbc_pkg.pth").write_text(f"import _editable_skbc_pkg\n{project / 'src'}\n")
+    found = editable_installs([str(site)], [str(site)])
+    expected = {"pkg": [str(src / "__init__.py"), [str(src), str(site / "pkg")]],
+                "pkg.mod": [str(src / "mod.py"), None], "flat": [str(project / "flat.py"), None],
+                "pkg._core": [str(site / "pkg" / "_core.so"), None]}
+    if version == "1.x":
+        expected["odd"] = [None, []]  # its folder is the project's root: not shown, not searched
+    assert found["editable_redirects"] == expected
+    assert found["editable_paths"] == sorted([str(project / "flat.py"), str(src), str(site / "pkg")])
+    assert found["source_dirs"] == [str(project / "src")]  # its .pth names the package's parent folder too
+    assert found["editable_unknown"] == [] and found["editable_opaque"] == []
+
+
+def test_scikit_build_core_inplace_and_a_start_file(tmp_path):
+    """In place: imports come from the search paths (shown as path lines are); Python 3.15's
+    ``.start`` files (PEP 829: ``module:callable``) are read like the ``import`` lines they replace."""
+    project, site = tmp_path / "proj", tmp_path / "site"
+    (project / "src" / "pkg").mkdir(parents=True)
+    site.mkdir()
+    (project / "pyproject.toml").write_text("")
+    (project / "src" / "pkg" / "__init__.py").write_text("")
+    call = f"install_inplace(['pkg'], [{str(project / 'src')!r}], {str(project)!r}, False, True, [])"
+    entry = SKBUILD_1.replace("CALL", f"def entrypoint():\n    {call}\n")
+    (site / "_editable_skbc_pkg.py").write_text("raise SystemExit('never run')\n" + entry)
+    (site / "_editable_skbc_pkg.start").write_text("\ufeff_editable_skbc_pkg:entrypoint\n", encoding="utf-8")
+    (site / "odd.start").write_text("not a name!\n")
+    found = editable_installs([str(site)], [str(site)])
+    assert found["source_dirs"] == [str(project / "src")]
+    assert found["editable_redirects"] == {} and found["editable_opaque"] == []
+    assert found["editable_unknown"] == ["odd.start"]
