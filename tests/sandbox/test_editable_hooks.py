@@ -303,7 +303,8 @@ COMPUTED = {  # module text (PROJ: the project's path, written only where the sh
     "map-module-computed": "import os\nfrom editables.redirector import RedirectingFinder as F\nF.install()\n"
                            "F.map_module('pkg', os.path.join(os.environ['PKG_ROOT'], 'pkg', '__init__.py'))\n",
     "map-module-in-a-loop": "import json\nfrom editables.redirector import RedirectingFinder as F\nF.install()\n"
-                            "for name, path in json.load(open('/etc/map.json')).items():\n    F.map_module(name, path)\n",
+                            "for name, path in json.load(open('/etc/map.json')).items():\n"
+                            "    F.map_module(name, path)\n",
     "meson-build-folder-computed": "import os\n\nclass MesonpyMetaFinder:\n"
                                    "    def __init__(self, package, names, path, cmd, verbose=False):\n        pass\n\n"
                                    "def install():\n"
