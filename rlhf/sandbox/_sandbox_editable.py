@@ -3,7 +3,8 @@ importable and which project folder it comes from.
 
 Used by ``_sandbox_view.python_layout`` (host side, or the supervisor for another interpreter)
 so that sandboxed code sees an editable install's importable code and nothing else of its
-project. Kinds of ``.pth`` lines:
+project. Kinds of ``.pth`` lines (a ``.start`` file's entry points, Python 3.15, read as the
+``import`` lines they replace):
 
 - a **path** line (hatchling, pdm, flit, setuptools' compat mode and its strict mode, whose
   path is a "link tree" ``build/__editable__.*`` of symlinks into the project): the folder goes
