@@ -713,9 +713,9 @@ def read_module(path):
 def read_import_line(line, name, site_dirs):
     """One ``import`` line of a ``.pth`` file: ``(hooks, texts, files, hooklike)``: what the
     modules it imports from site-packages map (None when any is not understood, or the line
-    passes them a value that is not a literal), the text of the line and of each module not
-    understood (for the paths they name), the files involved, and whether it touches the
-    import system at all (a line that does not is no hook)."""
+    passes them a value that is not a literal), the text of the line and of its modules (for
+    the paths they name), the files involved, and whether it touches the import system at all
+    (a line that does not is no hook)."""
     tree = parse(line, name)
     if tree is None:
         return None, [line], [], True
@@ -726,11 +726,11 @@ def read_import_line(line, name, site_dirs):
             continue
         files.append(found)
         read = read_module(found)
+        texts.append(read[1] if read else "")
         hook = read_hook(read[0], os.path.dirname(os.path.dirname(found)) if found.endswith("/__init__.py")
                          else os.path.dirname(found)) if read else None
         if hook is None:
             hooks = None
-            texts.append(read[1] if read else "")
             hooklike = hooklike or read is None or touches_imports(read[0])
         elif hooks is not None:
             hooks.append(hook)

@@ -357,6 +357,15 @@ def test_an_import_line_that_computes_its_paths_hides_its_project(tmp_path, line
     assert found["editable_modules"] == {}
 
 
+def test_a_computed_argument_to_a_literal_hook_hides_the_project_it_names(tmp_path):
+    """Not recorded by any installer: the project is the one the hook's own literal mapping names."""
+    site, project = _site_with_hook(tmp_path, f"MAPPING = {{'pkg': {str(tmp_path / 'proj' / 'pkg')!r}}}\n"
+                                    "def install(root=None):\n    pass\n",
+                                    line="import _hook; _hook.install(__import__('os').environ['X'])", recorded=False)
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["_hook.pth"] and found["editable_opaque"] == [str(project)]
+
+
 def test_a_computing_hook_no_installer_recorded_is_listed_with_nothing_to_hide(tmp_path):
     """Without pip's record and without a path in its text, the project cannot be told: the hook is
     listed as not understood (never as understood with an empty mapping) and nothing of it shown."""
