@@ -586,8 +586,8 @@ def unquote(text):
 
 def editable_projects(site_dirs):
     """``{path of a file in site-packages: project folder}`` for each distribution pip (or
-    another installer) recorded as editable (``direct_url.json``, PEP 610) and each top-level
-    file its ``RECORD`` lists: the project a ``.pth`` file or hook module was installed for."""
+    another installer) recorded as editable (``direct_url.json``, PEP 610) and each file its
+    ``RECORD`` lists: the project a ``.pth`` file or hook module was installed for."""
     out = {}
     for directory in site_dirs:
         try:
@@ -611,10 +611,8 @@ def editable_projects(site_dirs):
                 continue
             for line in record:
                 entry = line.partition(",")[0].strip('"')
-                if entry and "/" not in entry.rstrip("/"):
-                    out[os.path.join(directory, entry.rstrip("/"))] = os.path.normpath(path)
-                elif entry.endswith("/__init__.py") and entry.count("/") == 1:
-                    out[os.path.join(directory, entry)] = os.path.normpath(path)
+                if entry:
+                    out[os.path.normpath(os.path.join(directory, entry))] = os.path.normpath(path)
     return out
 
 
@@ -785,11 +783,10 @@ def editable_installs(site_dirs, installation):
                 projects = {project_of(p, p if os.path.isdir(p) else os.path.dirname(p))
                             for p in set().union(*map(absolute_paths, texts))
                             if os.path.exists(p) and a_project(p, installation)}
-                if hooklike or projects:
-                    if recorded is None:
-                        recorded = editable_projects(site_dirs)
-                    projects.update(recorded[f] for f in (pth, *files) if f in recorded)
-                if hooklike or projects:
+                if recorded is None:
+                    recorded = editable_projects(site_dirs)
+                projects.update(recorded[f] for f in (pth, *files) if f in recorded)
+                if hooklike or projects:  # an editable install's line not understood, or some hook's
                     understood = False
                     opaque.update(p for p in projects if os.path.isdir(p) and a_project(p, ()))
             if not understood:

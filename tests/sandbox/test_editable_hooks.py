@@ -313,21 +313,26 @@ COMPUTED = {  # module text (PROJ: the project's path, written only where the sh
                                    "def install(known_source_files, known_wheel_files, path=None):\n    pass\n\n"
                                    "install(json.load(open('map.json')), {}, None)\n",
     "sys-path-from-the-environment": "import os, sys\n\ndef install():\n    sys.path.append(os.environ['PKG_ROOT'])\n",
+    "mapping-relative-to-the-working-directory": "MAPPING = {'pkg': 'proj/pkg'}\n",
+    "mapping-of-a-name-that-is-not-one": "MAPPING = {'not-a-name': PROJ + '/pkg'}\n".replace(" + '/pkg'", ""),
 }
 
 
-def _site_with_hook(tmp_path, module_text, line="import _hook; _hook.install()", recorded=True):
-    """A site-packages folder with ``_hook.py`` imported by ``_hook.pth``; ``recorded``: pip's
-    dist-info for it (``direct_url.json`` naming the project, ``RECORD`` the two files)."""
-    site, project = tmp_path / "site", tmp_path / "proj"
+def _site_with_hook(tmp_path, module_text, line="import _hook; _hook.install()", recorded=True, package=False):
+    """A site-packages folder with ``_hook.py`` (``package``: ``_hook/__init__.py``) imported by
+    ``_hook.pth``; ``recorded``: pip's dist-info for it (``direct_url.json`` naming the project, its
+    URL quoted as pip quotes it, ``RECORD`` the files)."""
+    site, project = tmp_path / "site", tmp_path / "my proj é"
     (project / "pkg").mkdir(parents=True)
     (project / "pyproject.toml").write_text("")
     site.mkdir()
     (site / "map.json").write_text(json.dumps({"pkg": str(project / "pkg")}))
-    (site / "_hook.py").write_text("raise SystemExit('never run')\n" + module_text.replace("PROJ", repr(str(project))))
+    module = site / "_hook" / "__init__.py" if package else site / "_hook.py"
+    module.parent.mkdir(exist_ok=True)
+    module.write_text("raise SystemExit('never run')\n" + module_text.replace("PROJ", repr(str(project))))
     (site / "_hook.pth").write_text(line + "\n")
     if recorded:
-        _record_editable(site, project, ["_hook.py", "_hook.pth"])
+        _record_editable(site, project, [str(module.relative_to(site)), "_hook.pth"])
     return site, project
 
 
@@ -345,12 +350,13 @@ def test_a_hook_that_computes_its_paths_hides_its_project(tmp_path, shape):
 
 @pytest.mark.parametrize("line", ["import _hook; _hook.install(__import__('os').environ['PKG_ROOT'])",
                                   "import sys, os; sys.path.insert(0, os.environ['PKG_ROOT'])",
-                                  "import os; exec(open(os.environ['HOOK']).read())"])
+                                  "import os; exec(open(os.environ['HOOK']).read())",
+                                  "import zipimport; zipimport.zipimporter(__import__('os').environ['Z'])"])
 def test_an_import_line_that_computes_its_paths_hides_its_project(tmp_path, line):
     """The ``.pth`` line itself computes: passes a computed value to a hook that is understood, or
     changes ``sys.path`` or runs code from a computed place."""
-    site, project = _site_with_hook(tmp_path, f"MAPPING = {{'pkg': {str(tmp_path / 'proj' / 'pkg')!r}}}\n"
-                                    "def install(root=None):\n    pass\n", line=line)
+    site, project = _site_with_hook(tmp_path, "MAPPING = {'pkg': PROJ + '/pkg'}\n".replace(" + '/pkg'", "")
+                                    + "def install(root=None):\n    pass\n", line=line)
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_unknown"] == ["_hook.pth"]
     assert found["editable_opaque"] == [str(project)]
@@ -359,26 +365,58 @@ def test_an_import_line_that_computes_its_paths_hides_its_project(tmp_path, line
 
 def test_a_computed_argument_to_a_literal_hook_hides_the_project_it_names(tmp_path):
     """Not recorded by any installer: the project is the one the hook's own literal mapping names."""
-    site, project = _site_with_hook(tmp_path, f"MAPPING = {{'pkg': {str(tmp_path / 'proj' / 'pkg')!r}}}\n"
-                                    "def install(root=None):\n    pass\n",
+    site, project = _site_with_hook(tmp_path, "MAPPING = {'pkg': PROJ}\ndef install(root=None):\n    pass\n",
                                     line="import _hook; _hook.install(__import__('os').environ['X'])", recorded=False)
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_unknown"] == ["_hook.pth"] and found["editable_opaque"] == [str(project)]
 
 
-def test_a_computing_hook_no_installer_recorded_is_listed_with_nothing_to_hide(tmp_path):
+NO_RECORD = {
+    "mapping-from-the-environment": COMPUTED["mapping-from-the-environment"] + SETUPTOOLS_TAIL,
+    "zip-archive-from-the-environment": "from zipimport import zipimporter as _z\nimport os\n\ndef install():\n"
+                                        "    _z(os.environ['ZIP']).load_module('pkg')\n",
+    "sys-path-imported-by-name": "from sys import path as _p\nimport os\n\ndef install():\n"
+                                 "    _p.append(os.environ['PKG_ROOT'])\n",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(NO_RECORD))
+def test_a_computing_hook_no_installer_recorded_is_listed_with_nothing_to_hide(tmp_path, shape):
     """Without pip's record and without a path in its text, the project cannot be told: the hook is
     listed as not understood (never as understood with an empty mapping) and nothing of it shown."""
-    site, _ = _site_with_hook(tmp_path, COMPUTED["mapping-from-the-environment"] + SETUPTOOLS_TAIL, recorded=False)
+    site, _ = _site_with_hook(tmp_path, NO_RECORD[shape], recorded=False)
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_unknown"] == ["_hook.pth"]
     assert found["editable_opaque"] == [] and found["editable_modules"] == {} and found["editable_paths"] == []
 
 
-def test_a_literal_hook_installed_by_pip_is_understood(tmp_path):
-    """The same site with a literal mapping: understood, pip's record notwithstanding."""
-    site, project = _site_with_hook(tmp_path, f"MAPPING = {{'pkg': {str(tmp_path / 'proj' / 'pkg')!r}}}\n"
-                                    "NAMESPACES = {}\n" + SETUPTOOLS_TAIL)
+def test_an_unknown_hook_pip_installed_as_editable_hides_its_project(tmp_path):
+    """A hook that reaches no part of the import system the sandbox knows of, but that pip installed
+    for an editable project: not understood, that project hidden. The same module installed by no
+    editable distribution is left alone (``harmless.pth`` above)."""
+    site, project = _site_with_hook(tmp_path, "import os\n\ndef install():\n    os.environ.setdefault('X', '1')\n")
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["_hook.pth"] and found["editable_opaque"] == [str(project)]
+    (site / "pkg-0.1.dist-info" / "direct_url.json").write_text(json.dumps({"url": project.as_uri(), "dir_info": {}}))
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == [] and found["editable_opaque"] == []
+
+
+def test_a_hook_package_that_computes_its_paths_hides_its_project(tmp_path):
+    """The hook a ``.pth`` imports may be a package (``_hook/__init__.py``): pip's record names it so."""
+    site, project = _site_with_hook(tmp_path, COMPUTED["mapping-from-the-environment"] + SETUPTOOLS_TAIL, package=True)
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["_hook.pth"] and found["editable_opaque"] == [str(project)]
+
+
+@pytest.mark.parametrize("line", ["import _hook; _hook.install()", "import os; __import__('_hook.sub').install()"])
+def test_a_literal_hook_installed_by_pip_is_understood(tmp_path, line):
+    """The same site with a literal mapping: understood, pip's record notwithstanding; a byte that is
+    not UTF-8 in a comment does not stop it being read."""
+    site, project = _site_with_hook(tmp_path, "MAPPING = {'pkg': PKG}\nNAMESPACES = {}\n" + SETUPTOOLS_TAIL,
+                                    line=line)
+    text = (site / "_hook.py").read_text().replace("PKG", repr(str(project / "pkg")))
+    (site / "_hook.py").write_bytes(b"# caf\xe9\n" + text.encode())
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_unknown"] == [] and found["editable_opaque"] == []
     assert found["editable_modules"] == {"pkg": [str(project / "pkg")]}
@@ -499,9 +537,25 @@ def test_meson_python_loader_and_install_plan(tmp_path, version):
     }
     assert found["editable_paths"] == [str(build / "_speed.cpython-311-x86_64-linux-gnu.so"), str(src)]
     assert found["editable_unknown"] == [] and found["editable_opaque"] == [] and found["editable_modules"] == {}
-    from rlhf.sandbox._sandbox_editable import project_roots
+    from rlhf.sandbox._sandbox_editable import install_plan_files, project_roots
 
     assert project_roots(found["source_dirs"], found["editable_paths"], [str(site)]) == [str(project)]
+    assert sorted(install_plan_files(str(build), {"fast"})) == [  # the header is not imported, skip.txt excluded
+        ("fast", "__init__.py"), ("fast", "_speed.cpython-311-x86_64-linux-gnu.so"), ("fast", "data", "x.json"),
+        ("fast", "sub", "__init__.py"), ("fast", "sub", "renamed.py")]
+    assert install_plan_files(str(build), {"other"}) == {}  # another package's: not this finder's
+
+
+@pytest.mark.parametrize("names", ["{'fast', 'not-a-name'}", "set()", "'fast'"])
+def test_meson_python_loader_with_odd_names_is_not_understood(tmp_path, names):
+    project, build = _meson_project(tmp_path)
+    site = tmp_path / "site"
+    site.mkdir()
+    loader = MESON_LOADER_0_22.replace("BUILD", repr(str(build))).replace("{'fast'}", names)
+    (site / "_fast_editable_loader.py").write_text(loader)
+    (site / "fast-editable.pth").write_text("import _fast_editable_loader; _fast_editable_loader.init()\n")
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["fast-editable.pth"] and found["editable_opaque"] == [str(project)]
 
 
 def test_meson_python_without_its_plan_is_not_understood(tmp_path):
