@@ -738,8 +738,7 @@ def read_import_line(line, name, site_dirs):
                 try:
                     [literal(a) for a in (*node.args, *(k.value for k in node.keywords))]
                 except ValueError:
-                    hooks = None
-        hooklike = True
+                    hooks, hooklike = None, True
     return hooks or None, texts, files, hooklike
 
 

@@ -369,6 +369,10 @@ def test_a_computed_argument_to_a_literal_hook_hides_the_project_it_names(tmp_pa
                                     line="import _hook; _hook.install(__import__('os').environ['X'])", recorded=False)
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_unknown"] == ["_hook.pth"] and found["editable_opaque"] == [str(project)]
+    (site / "_hook.py").write_text("MAPPING = {'pkg': '/nowhere/pkg'}\n")  # naming nothing that exists: still listed
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == ["_hook.pth"]
+    assert found["editable_opaque"] == [] and found["editable_modules"] == {}
 
 
 NO_RECORD = {
