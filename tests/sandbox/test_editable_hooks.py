@@ -314,6 +314,8 @@ COMPUTED = {  # module text (PROJ: the project's path, written only where the sh
                                    "install(json.load(open('map.json')), {}, None)\n",
     "sys-path-from-the-environment": "import os, sys\n\ndef install():\n    sys.path.append(os.environ['PKG_ROOT'])\n",
     "mapping-relative-to-the-working-directory": "MAPPING = {'pkg': 'proj/pkg'}\n",
+    "map-module-with-computed-keywords": "import os\nfrom editables.redirector import RedirectingFinder as F\n"
+                                         "F.install()\nF.map_module('pkg', PROJ, **os.environ)\n",
     "mapping-of-a-name-that-is-not-one": "MAPPING = {'not-a-name': PROJ + '/pkg'}\n".replace(" + '/pkg'", ""),
 }
 
@@ -381,6 +383,9 @@ NO_RECORD = {
                                         "    _z(os.environ['ZIP']).load_module('pkg')\n",
     "sys-path-imported-by-name": "from sys import path as _p\nimport os\n\ndef install():\n"
                                  "    _p.append(os.environ['PKG_ROOT'])\n",
+    "meta-path-imported-by-name": "from sys import meta_path as _m\nimport os\n\ndef install():\n"
+                                  "    _m.append(os.environ['FINDER'])\n",
+    "sys-path-from-the-environment": COMPUTED["sys-path-from-the-environment"],
 }
 
 
@@ -392,6 +397,15 @@ def test_a_computing_hook_no_installer_recorded_is_listed_with_nothing_to_hide(t
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_unknown"] == ["_hook.pth"]
     assert found["editable_opaque"] == [] and found["editable_modules"] == {} and found["editable_paths"] == []
+
+
+def test_a_module_no_installer_recorded_that_touches_no_import_machinery_is_left_alone(tmp_path):
+    """A ``.pth`` line importing a module that reads the environment and touches nothing of the
+    import system, installed by no editable distribution: no hook, nothing listed or hidden."""
+    site, _ = _site_with_hook(tmp_path, "from os import environ\n\ndef install():\n    return environ.get('X')\n",
+                              recorded=False)
+    found = editable_installs([str(site)], [str(site)])
+    assert found["editable_unknown"] == [] and found["editable_opaque"] == []
 
 
 def test_an_unknown_hook_pip_installed_as_editable_hides_its_project(tmp_path):
