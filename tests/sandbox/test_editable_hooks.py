@@ -386,6 +386,7 @@ NO_RECORD = {
     "meta-path-imported-by-name": "from sys import meta_path as _m\nimport os\n\ndef install():\n"
                                   "    _m.append(os.environ['FINDER'])\n",
     "sys-path-from-the-environment": COMPUTED["sys-path-from-the-environment"],
+    "code-run-from-the-environment": "import os\n\ndef install():\n    exec(open(os.environ['HOOK']).read())\n",
 }
 
 
