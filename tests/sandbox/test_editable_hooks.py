@@ -314,6 +314,8 @@ COMPUTED = {  # module text (PROJ: the project's path, written only where the sh
                                    "install(json.load(open('map.json')), {}, None)\n",
     "sys-path-from-the-environment": "import os, sys\n\ndef install():\n    sys.path.append(os.environ['PKG_ROOT'])\n",
     "mapping-relative-to-the-working-directory": "MAPPING = {'pkg': 'proj/pkg'}\n",
+    "map-module-not-of-strings": "from editables.redirector import RedirectingFinder as F\nF.map_module('pkg', None)\n"
+                                 "# an unterminated quote: '/\n",
     "map-module-with-computed-keywords": "import os\nfrom editables.redirector import RedirectingFinder as F\n"
                                          "F.install()\nF.map_module('pkg', PROJ, **os.environ)\n",
     "mapping-of-a-name-that-is-not-one": "MAPPING = {'not-a-name': PROJ + '/pkg'}\n".replace(" + '/pkg'", ""),
@@ -626,6 +628,13 @@ def test_scikit_build_core_redirect(tmp_path, version):
     assert found["editable_paths"] == sorted([str(project / "flat.py"), str(src), str(site / "pkg")])
     assert found["source_dirs"] == [str(project / "src")]  # its .pth names the package's parent folder too
     assert found["editable_unknown"] == [] and found["editable_opaque"] == []
+    if version == "1.x":  # known_directories of another shape: not understood
+        for odd in ("{'pkg': 'src'}", "{'pkg': [1]}", "{1: ['pkg']}", "['pkg']"):
+            (site / "_editable_skbc_pkg.py").write_text(template.replace("CALL", call.replace(
+                f"{{'pkg': [{str(src)!r}, 'pkg'], 'odd': [{str(project)!r}]}}", odd)))
+            found = editable_installs([str(site)], [str(site)])
+            assert found["editable_unknown"] == ["_editable_skbc_pkg.pth"], odd
+            assert found["editable_redirects"] == {} and found["editable_opaque"] == [str(project)], odd
 
 
 def test_scikit_build_core_inplace_and_a_start_file(tmp_path):
