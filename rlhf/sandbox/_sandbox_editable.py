@@ -208,38 +208,23 @@ def definitions(tree):
 
 
 def parameters(node):
-    """The parameter names of a ``def`` (a class: of its ``__init__``, without ``self``), and
-    their literal defaults (a default that is not a literal is left out)."""
+    """``(positional, keyword-only)`` parameter names of a ``def`` (a class: of its ``__init__``,
+    without ``self``); None for a class without one. Defaults are not read: what is read of a
+    call is passed in it."""
     if type(node).__name__ == "ClassDef":
         init = next((n for n in node.body if type(n).__name__ == "FunctionDef" and n.name == "__init__"), None)
-        if init is None:
-            return None
-        names, defaults = parameters(init)
-        return names[1:], defaults
+        return None if init is None else (parameters(init)[0][1:], parameters(init)[1])
     args = node.args
-    positional = [a.arg for a in (*args.posonlyargs, *args.args)]
-    names = positional + [a.arg for a in args.kwonlyargs]
-    defaults = {}
-    for name, default in (*zip(positional[len(positional) - len(args.defaults):], args.defaults),
-                          *zip((a.arg for a in args.kwonlyargs), args.kw_defaults)):
-        try:
-            if default is not None:
-                defaults[name] = literal(default)
-        except ValueError:
-            pass
-    return names, defaults
+    return [a.arg for a in (*args.posonlyargs, *args.args)], [a.arg for a in args.kwonlyargs]
 
 
 def bind(call, target):
-    """The call's arguments by parameter name, its literal defaults filled in; None when an
-    argument is not a literal (computed when the hook runs) or does not fit the ``def``."""
+    """The call's arguments by parameter name; None when an argument is not a literal (computed
+    when the hook runs) or does not fit the ``def``."""
     signature = parameters(target)
-    if signature is None:
+    if signature is None or len(call.args) > len(signature[0]):
         return None
-    names, bound = signature
-    bound = dict(bound)
-    if len(call.args) > len(names):
-        return None
+    names, bound = signature[0] + signature[1], {}
     try:
         for name, arg in zip(names, call.args):
             if type(arg).__name__ == "Starred":
@@ -279,7 +264,7 @@ def literal_calls(tree, names):
         if call.func.id not in defined:
             return None
         if where is not None and getattr(where, "name", None) in names and type(where).__name__ == "FunctionDef":
-            own = set(parameters(where)[0])
+            own = set(sum(parameters(where), []))
             values = [*call.args, *(k.value for k in call.keywords)]
             if values and all(type(v).__name__ == "Name" and v.id in own for v in values):
                 continue

@@ -411,6 +411,15 @@ def test_a_module_no_installer_recorded_that_touches_no_import_machinery_is_left
     assert found["editable_unknown"] == [] and found["editable_opaque"] == []
 
 
+def test_pips_file_urls_are_unquoted_as_urllib_does():
+    from urllib.parse import unquote as reference
+
+    from rlhf.sandbox._sandbox_editable import unquote
+
+    for text in ("/my%20proj%20%C3%A9", "/a%2x%41%", "/100%25/%zz%4", "/plain", "%"):
+        assert unquote(text) == reference(text, errors="surrogateescape"), text
+
+
 def test_an_unknown_hook_pip_installed_as_editable_hides_its_project(tmp_path):
     """A hook that reaches no part of the import system the sandbox knows of, but that pip installed
     for an editable project: not understood, that project hidden. The same module installed by no
@@ -430,11 +439,13 @@ def test_a_hook_package_that_computes_its_paths_hides_its_project(tmp_path):
     assert found["editable_unknown"] == ["_hook.pth"] and found["editable_opaque"] == [str(project)]
 
 
-@pytest.mark.parametrize("line", ["import _hook; _hook.install()", "import os; __import__('_hook.sub').install()"])
+@pytest.mark.parametrize("line", ["import _hook; _hook.install()", "import os; __import__('_hook.sub').install()",
+                                  "import os; from _hook.sub import install; install()"])
 def test_a_literal_hook_installed_by_pip_is_understood(tmp_path, line):
     """The same site with a literal mapping: understood, pip's record notwithstanding; a byte that is
     not UTF-8 in a comment does not stop it being read."""
-    site, project = _site_with_hook(tmp_path, "MAPPING = {'pkg': PKG}\nNAMESPACES = {}\n" + SETUPTOOLS_TAIL,
+    site, project = _site_with_hook(tmp_path, "MAPPING = {'pkg': PKG}\nNAMESPACES = {}\n" + SETUPTOOLS_TAIL
+                                    + "\ndef find(name):\n    return MAPPING.get(name) or NAMESPACES.items()\n",
                                     line=line)
     text = (site / "_hook.py").read_text().replace("PKG", repr(str(project / "pkg")))
     (site / "_hook.py").write_bytes(b"# caf\xe9\n" + text.encode())
