@@ -314,6 +314,7 @@ COMPUTED = {  # module text (PROJ: the project's path, written only where the sh
                                    "install(json.load(open('map.json')), {}, None)\n",
     "sys-path-from-the-environment": "import os, sys\n\ndef install():\n    sys.path.append(os.environ['PKG_ROOT'])\n",
     "mapping-relative-to-the-working-directory": "MAPPING = {'pkg': 'proj/pkg'}\n",
+    "mapping-assigned-twice": "MAPPING = {'pkg': PROJ}\nMAPPING = {'pkg': '/elsewhere/pkg'}\n",
     "map-module-not-of-strings": "from editables.redirector import RedirectingFinder as F\nF.map_module('pkg', None)\n"
                                  "# an unterminated quote: '/\n",
     "map-module-with-computed-keywords": "import os\nfrom editables.redirector import RedirectingFinder as F\n"
@@ -427,6 +428,11 @@ def test_an_unknown_hook_pip_installed_as_editable_hides_its_project(tmp_path):
     site, project = _site_with_hook(tmp_path, "import os\n\ndef install():\n    os.environ.setdefault('X', '1')\n")
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_unknown"] == ["_hook.pth"] and found["editable_opaque"] == [str(project)]
+    for url in ("file:///var/tmp", (tmp_path / "gone").as_uri()):  # no project there: nothing to hide
+        (site / "pkg-0.1.dist-info" / "direct_url.json").write_text(json.dumps({"url": url,
+                                                                               "dir_info": {"editable": True}}))
+        found = editable_installs([str(site)], [str(site)])
+        assert found["editable_unknown"] == ["_hook.pth"] and found["editable_opaque"] == [], url
     (site / "pkg-0.1.dist-info" / "direct_url.json").write_text(json.dumps({"url": project.as_uri(), "dir_info": {}}))
     found = editable_installs([str(site)], [str(site)])
     assert found["editable_unknown"] == [] and found["editable_opaque"] == []
