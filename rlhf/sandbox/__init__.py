@@ -46,10 +46,13 @@ layer             effect (where)
                   installation (a venv too, even under ``/tmp``) stays visible, read-only; of an
                   editable install (a ``.pth`` path line: hatchling, pdm, flit, setuptools'
                   compat and strict modes; or an import hook: setuptools' finder, ``editables``,
-                  its literal mapping read, never run) only what it imports (packages, modules,
-                  metadata): its project folder is emptied around them, so its data, reward
-                  files and run folders do not exist inside. A hook not understood hides its
-                  project whole (``editable_hook_not_understood:PATH`` beside ``hidden:PATH``)
+                  meson-python, scikit-build-core, its literal mapping read, never run; meson's
+                  install plan read as data) only what it imports (packages, modules, extension
+                  modules, metadata): its project folder is emptied around them, so its data,
+                  reward files and run folders do not exist inside. A hook not understood, or
+                  one whose paths are computed when it runs, hides its project whole (the one
+                  its text names or pip recorded for it: ``editable_hook_not_understood:PATH``
+                  beside ``hidden:PATH``)
 ``hidden:PATH``   one per hidden path, checked from inside on every call before it is listed:
                   ``hide_paths`` and, unless ``hide_defaults=False``, what ``hide_by_default``
                   registered (a training run registers its data, eval data, run directory,
@@ -96,7 +99,8 @@ retried without them and later calls skip them. Never enforced: world-readable h
 readable (masked directories excepted), unix sockets on the filesystem stay reachable where file
 permissions allow, and site-packages' ``.pth`` files are not run (``site_packages=True`` puts
 the directories and the ``.pth`` files' path lines on ``sys.path`` and adds a finder for the
-import hooks understood: editable installs import, but for hooks not understood). ``memory_mb`` is
+import hooks understood: editable installs import, but for hooks not understood; meson-python's
+and scikit-build-core's rebuild on import does not run inside). ``memory_mb`` is
 also the per-process address-space limit, so one process over it gets a ``MemoryError``.
 """
 

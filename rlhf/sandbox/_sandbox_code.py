@@ -115,8 +115,10 @@ def run(req, status_fd, devnull, workdir, uid, caps, nproc, rules, supervisor, s
         os.environ.update(HOME=workdir, TMPDIR=workdir, PWD=workdir)
         extra = [*req["site_dirs"], *req.get("source_dirs", ())] if req["site_packages"] else []
         sys.path[:] = ["", *sys.path, *extra]  # .pth files are not run: their path lines are these source_dirs
-        if req["site_packages"] and req.get("editable_modules"):  # and their import hooks, this finder
+        if req["site_packages"] and req.get("editable_modules"):  # and their import hooks, these finders
             sys.meta_path.append(EditableFinder(req["editable_modules"]))
+        if req["site_packages"] and req.get("editable_redirects"):
+            sys.meta_path.insert(0, RedirectFinder(req["editable_redirects"]))
         sys.argv[:] = ["-c"]
         sys.dont_write_bytecode = True
         sys.stdout.reconfigure(line_buffering=True)
@@ -174,6 +176,34 @@ class EditableFinder:
         spec = ModuleSpec(fullname, None, is_package=True)  # a namespace package
         spec.submodule_search_locations = folders
         return spec
+
+
+class RedirectFinder:
+    """What meson-python's and scikit-build-core's editable finders do, read on the host
+    (``_sandbox_editable.py``: meson's install plan, scikit-build-core's literal mappings): each
+    module's file and each package's folders, by dotted name; first on ``sys.meta_path``, as
+    theirs are. It never rebuilds the project (theirs do, on the first import): it imports the
+    files as the last build outside left them."""
+
+    def __init__(self, redirects):
+        self.redirects = redirects
+
+    def find_spec(self, fullname, path=None, target=None):
+        entry = self.redirects.get(fullname)
+        if entry is None:
+            return None
+        from importlib.machinery import ModuleSpec
+        from importlib.util import spec_from_file_location
+
+        file, folders = entry
+        if file is None:  # a namespace package
+            spec = ModuleSpec(fullname, None, is_package=True)
+            spec.submodule_search_locations = [f for f in folders if os.path.isdir(f)]
+            return spec
+        if not os.path.isfile(file):
+            return None
+        package = os.path.basename(file).startswith("__init__.")
+        return spec_from_file_location(fullname, file, submodule_search_locations=list(folders) if package else None)
 
 
 def run_silently(prelude, namespace):

@@ -11,8 +11,8 @@ Three kinds of paths:
   ``.pth`` line names (hatchling, pdm, flit, setuptools' compat mode) only its importable entries
   (packages, modules, extension modules, ``*.dist-info``/``*.egg-info`` metadata, ``*.libs``),
   the package folders a link tree (setuptools' strict mode) points into, the packages an import
-  hook maps (setuptools' finder, ``editables``): never the project's data, reward files or run
-  directories;
+  hook maps (setuptools' finder, ``editables``, meson-python, scikit-build-core): never the
+  project's data, reward files or run directories;
 - **emptied**: an empty tmpfs over the path, the visible paths below it bound back read-only
   (home directories, directories the sandbox uid could not cross, the private ``/tmp``, each
   editable install's directory and project folder, and a hidden directory that holds something
