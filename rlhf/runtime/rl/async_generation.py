@@ -41,12 +41,14 @@ after a batch's first come from a pool of copies shared by the lanes, each token
 log-prob comes from its own version's copy, and `next` checks every token's staleness.
 
 Retries (``--on-failure retry``): the finishing thread, which sees a batch's failures once it is
-scored, generates its failed samples again on a policy copy of its own (made at the first retry)
-holding the batch's version (every token of a retry is that version's, within the bound), while it
-holds the lock the lanes hold when they draw from the process's random stream, so a retry's seeded
-stream (`rlhf.runtime.rl.failures.Retries`) and the lanes' draws never interleave. The behaviour
-log-probs of the samples kept are the lanes' rows, and the retry copy's for the samples generated
-again.
+scored, generates its failed samples again on a policy copy of its own (made at the first retry;
+`AsyncParts.make_retry_copy`) holding the batch's version (every token of a retry is that
+version's, within the bound), while it holds the lock the lanes hold when they draw from the
+process's random stream, so a retry's seeded stream (`rlhf.runtime.rl.failures.Retries`) and the
+lanes' draws never interleave. The behaviour log-probs of the samples kept are the lanes' rows,
+and the retry copy's for the samples generated again. In the Ray runtime the retry copy is a
+version's weights that the rollout actors take for the length of each retry's call only, and the
+seeded stream is the actor's (`rlhf.runtime.ray.driver.RayRetryCopy`).
 
 Weights reach the producer by version: after each step (and its checkpoint) the trainer publishes
 a copy of the policy's state; the producer loads the version it needs. Sampling draws the
@@ -85,6 +87,7 @@ from rlhf.core.types import Trajectory
 from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.rl.batches import BatchSteps, Prepared, Rolled
 from rlhf.runtime.rl.draw_order import ordered_draws
+from rlhf.runtime.rl.failures import generate_seeded
 from rlhf.runtime.rl.offpolicy.partial import PartialRollout, VersionPool, behaviour_logprobs, version_grid
 from rlhf.runtime.rl.offpolicy.schedule import StalenessError, VersionSchedule, check_staleness
 from rlhf.runtime.run.threads import split_threads
@@ -124,6 +127,10 @@ class AsyncParts:
     # the copies' engines sample from the copy's module in place and batch continuously, single-turn
     # rollouts too (what --partial-rollouts needs: rlhf.runtime.rl.offpolicy.partial)
     partial_capable: bool = False
+    # the copy --on-failure retry samples with, holding the version of the batch it retries in
+    # (``load``), its rollout and log-probs (None: `make_copy`); its rollout may sample elsewhere,
+    # seeding the stream there (``generate_seeded``: rlhf.runtime.rl.failures.generate_seeded)
+    make_retry_copy: Callable[[], PolicyCopy] | None = None
 
 
 class Stopped(Exception):
@@ -492,15 +499,15 @@ class AsyncGeneration:
 
     def _retry_role(self, version: int) -> RolloutRole | None:
         """The rollout the finishing thread retries failed samples with, holding ``version`` (None:
-        no retries: another policy, or the Ray runtime, whose copies are rollout actors)."""
-        if not self.steps.max_retries or self.copy.evaluates_here:
+        no retries, another policy)."""
+        if not self.steps.max_retries:
             return None
         return _Retrying(lambda: self._retry_copy(version), version, stamp=self.schedule is not None)
 
     def _retry_copy(self, version: int) -> PolicyCopy:
         """The retry copy, holding ``version`` (made and loaded when a retry first needs it)."""
         if self.retry_lane is None:
-            self.retry_lane = _Lane(self.parts.make_copy(), -1)
+            self.retry_lane = _Lane((self.parts.make_retry_copy or self.parts.make_copy)(), -1)
         if self.retry_lane.version != version:
             self.retry_lane.copy.load(self._snapshot_of(version))
             self.retry_lane.version = version
@@ -587,7 +594,8 @@ class _Lane:
 class _Retrying:
     """The rollout role a retry samples with: the retry copy's (``copy()``: made and loaded on first
     use), each token stamped with the batch's ``version`` (with partial rollouts, ``stamp``: per
-    token, as the lanes' samples are)."""
+    token, as the lanes' samples are). A retry calls `generate_seeded`, which seeds the stream
+    where the copy samples (`rlhf.runtime.rl.failures.generate_seeded`)."""
 
     stateful = False
 
@@ -595,7 +603,12 @@ class _Retrying:
         self.copy, self.version, self.stamp = copy, version, stamp
 
     def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Trajectory]:
-        trajectories = self.copy().rollout.generate(prompts, n=n, params=params)
+        return self._stamped(self.copy().rollout.generate(prompts, n=n, params=params))
+
+    def generate_seeded(self, prompts: list[Any], *, n: int, params: Any, seed: int) -> list[Trajectory]:
+        return self._stamped(generate_seeded(self.copy().rollout, prompts, n=n, params=params, seed=seed))
+
+    def _stamped(self, trajectories: list[Trajectory]) -> list[Trajectory]:
         if self.stamp:
             for trajectory in trajectories:
                 trajectory.token_versions = [self.version if m else -1 for m in trajectory.loss_mask]
