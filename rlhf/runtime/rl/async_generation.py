@@ -36,9 +36,12 @@ order; so up to K batches' rollouts overlap, and what each computes is what one 
 
 Partial rollouts (``--partial-rollouts``, `rlhf.runtime.rl.offpolicy`): a trajectory moves to newer
 versions as it grows, on a logical clock of its own tokens (`VersionSchedule`); the lanes always
-run then (a lane waits for a version inside its rollout, having handed on its turn), the versions
-after a batch's first come from a pool of copies shared by the lanes, each token's behaviour
-log-prob comes from its own version's copy, and `next` checks every token's staleness.
+run then (a lane waits for a version inside its rollout, having handed on its turn), and have no
+copies of their own: every version, a batch's first included, is a copy of a pool shared by the
+lanes (`VersionPool`, at most K + 1 copies, one per live version), a copy being free again once no
+batch in flight (rolled out, its behaviour log-probs not yet computed) starts at or before its
+version; each token's behaviour log-prob comes from its own version's copy, and `next` checks
+every token's staleness.
 
 Retries (``--on-failure retry``): the finishing thread, which sees a batch's failures once it is
 scored, generates its failed samples again on a policy copy of its own (made at the first retry;
@@ -88,7 +91,7 @@ from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.rl.batches import BatchSteps, Prepared, Rolled
 from rlhf.runtime.rl.draw_order import ordered_draws
 from rlhf.runtime.rl.failures import generate_seeded
-from rlhf.runtime.rl.offpolicy.partial import PartialRollout, VersionPool, behaviour_logprobs, version_grid
+from rlhf.runtime.rl.offpolicy.partial import PartialRollout, VersionPool, behaviour_logprobs, capacity, version_grid
 from rlhf.runtime.rl.offpolicy.schedule import StalenessError, VersionSchedule, check_staleness
 from rlhf.runtime.run.threads import split_threads
 from rlhf.runtime.step.segments import record_behaviour
@@ -124,8 +127,8 @@ class AsyncParts:
     # the copies' rollouts batch continuously (multi-turn, `rlhf.runtime.rl.draw_order`): the batches
     # of several steps may be rolled out at once, on a copy each (generation lanes)
     rollouts_overlap: bool = False
-    # the copies' engines sample from the copy's module in place and batch continuously, single-turn
-    # rollouts too (what --partial-rollouts needs: rlhf.runtime.rl.offpolicy.partial)
+    # the copies' engines batch continuously, single-turn rollouts too, each sampling from its copy's
+    # weights (what --partial-rollouts needs: rlhf.runtime.rl.offpolicy.partial)
     partial_capable: bool = False
     # the copy --on-failure retry samples with, holding the version of the batch it retries in
     # (``load``), its rollout and log-probs (None: `make_copy`); its rollout may sample elsewhere,
@@ -171,6 +174,7 @@ class AsyncGeneration:
         self.finisher: threading.Thread | None = None
         self.generating = threading.Lock()  # held while the producer samples (see `eval_stream`)
         self.retry_lane: _Lane | None = None  # the finishing thread's policy copy for retries (made at the first)
+        self.rolling: dict[int, int] = {}  # partial rollouts: the batches in flight in the lanes -> their first version
 
     # --- the trainer's side ---------------------------------------------------------------------
 
@@ -179,13 +183,16 @@ class AsyncGeneration:
         self.next_step = max(self.next_step, start_step)
         self.first_version = start_step  # a resumed run has no older weights
         self.publish(start_step)
-        if self.schedule is not None:
+        if self.schedule is not None:  # the lanes sample every version from the pool's copies
             self.schedule = replace(self.schedule, first=start_step)
-            self.pool = VersionPool(self.parts.make_copy, self._snapshot_of)
-        self.lane_list = [_Lane(self.parts.make_copy(), start_step) for _ in range(self.lanes)]
-        for lane in self.lane_list:
-            lane.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
-        self.copy = self.lane_list[0].copy
+            self.pool = VersionPool(self.parts.make_copy, self._snapshot_of, capacity(self.staleness))
+            self.lane_list = [_Lane(None, start_step) for _ in range(self.lanes)]
+            self.copy = self.pool.made[0]  # what eval swaps the sampling stream with (the process's)
+        else:
+            self.lane_list = [_Lane(self.parts.make_copy(), start_step) for _ in range(self.lanes)]
+            for lane in self.lane_list:
+                lane.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
+            self.copy = self.lane_list[0].copy
         self.next_rolled = self.next_step
         self.turns = {"draw": self.next_rolled, "end": self.next_rolled}
         if self.threads is not None:
@@ -287,6 +294,8 @@ class AsyncGeneration:
             close = getattr(lane.copy, "close", None)
             if close is not None:
                 close()
+        if self.pool is not None:
+            self.pool.close()
         if self.threads is not None and hasattr(self, "trainer_threads"):
             torch.set_num_threads(self.trainer_threads)
 
@@ -387,7 +396,7 @@ class AsyncGeneration:
                 version = max(self.first_version, step - self.staleness)
                 idle = self._wait_for(version, lane)
                 self._await_turn("draw", step)
-                self._partial_for(lane, step)
+                rollout = self._rollout_for(lane, step, version)
                 self.generating.acquire()
                 handed_on = []
 
@@ -399,17 +408,18 @@ class AsyncGeneration:
 
                 try:
                     with ordered_draws(hand_on):
-                        rolled = self.steps.roll_out(step, lane.copy.rollout, version)
+                        rolled = self.steps.roll_out(step, rollout, version)
                 finally:
                     hand_on()
                 if self.schedule is not None:  # the metric time/version_wait: where partial rollouts wait
-                    rolled.seconds["version_wait"] = lane.copy.rollout.partial.longest_wait
+                    rolled.seconds["version_wait"] = rollout.partial.longest_wait
                 self._await_turn("end", step)
                 try:
                     rolled = self.steps.end_rollout(rolled)
                 finally:
                     self._pass_turn("end", step)
                 behaviour = self._behaviour(rolled, lane, version)
+                self._rolled_out(step)
                 self._score(rolled, version, idle, behaviour)
         except Stopped:
             return
@@ -418,13 +428,24 @@ class AsyncGeneration:
 
     # --- partial rollouts (rlhf.runtime.rl.offpolicy) ------------------------------------------------
 
-    def _partial_for(self, lane: _Lane, step: int) -> None:
-        """Give the lane's rollout batch ``step``'s versions (partial rollouts only)."""
+    def _rollout_for(self, lane: _Lane, step: int, version: int) -> RolloutRole:
+        """The rollout that samples batch ``step`` (first ``version``): the lane's copy's, or with
+        partial rollouts the first version's pool copy's, given the batch's versions (the batch is
+        then in flight: the pool keeps the copies of its versions)."""
         if self.schedule is None:
-            return
-        lane.copy.rollout.partial = PartialRollout(step=step, schedule=self.schedule,
-                                                   own_engine=lane.copy.rollout.engine, pool=self.pool,
-                                                   published=lambda: self.published, check_stop=self._check_stop)
+            return lane.copy.rollout
+        with self.cond:
+            self.rolling[step] = version
+            oldest = min(self.rolling.values())
+        self.pool.retire(oldest)
+        partial = PartialRollout(step=step, schedule=self.schedule, pool=self.pool, published=lambda: self.published,
+                                 check_stop=self._check_stop)
+        return self.pool.get(version).rollout.for_versions(partial)
+
+    def _rolled_out(self, step: int) -> None:
+        """Batch ``step`` needs no policy copy any more (partial rollouts)."""
+        with self.cond:
+            self.rolling.pop(step, None)
 
     def _check_stop(self) -> None:
         if self.stopping:
@@ -443,7 +464,7 @@ class AsyncGeneration:
             return lane.copy.logprobs(rolled.batch)
         batch = rolled.batch
         grid = version_grid(rolled.trajectories, batch.input_ids.shape[1], version)  # (B, A)
-        return behaviour_logprobs(batch, grid, lambda v: (lane.copy if v == version else self.pool.get(v)).logprobs(batch))
+        return behaviour_logprobs(batch, grid, lambda v: self.pool.get(v).logprobs(batch))
 
     def _await_turn(self, kind: str, step: int) -> None:
         with self.cond:
@@ -552,7 +573,7 @@ class AsyncGeneration:
                 self.cond.wait(0.5)
             if self.stopping:
                 raise Stopped
-            state = self.snapshots[version] if version != lane.version else None
+            state = self.snapshots[version] if version != lane.version and lane.copy is not None else None
             # the other lanes hold the steps just before this one: they may still need the versions
             # just before this one's; a retry, the version of the oldest batch not yet finished
             keep = version - (self.lanes - 1)
@@ -560,8 +581,6 @@ class AsyncGeneration:
                 keep = min(keep, max(self.first_version, self.next_step - self.staleness))
             for old in [v for v in self.snapshots if v < keep]:
                 del self.snapshots[old]
-        if self.pool is not None:
-            self.pool.retire(version - (self.lanes - 1))
         waited = time.perf_counter() - began
         if state is not None:
             lane.copy.load(state)
@@ -585,9 +604,9 @@ class AsyncGeneration:
 
 @dataclass(eq=False)
 class _Lane:
-    """A generation lane's policy copy and the version it holds."""
+    """A generation lane's policy copy and the version it holds (partial rollouts: no copy; the pool's)."""
 
-    copy: PolicyCopy
+    copy: PolicyCopy | None
     version: int
 
 
@@ -662,8 +681,8 @@ def async_batches(plan: RunPlan, steps: BatchSteps, rollout: RolloutRole, parts:
     # continuously batched rollouts leave the random stream early: up to K batches roll out at once
     partial = plan.config.partial_rollouts
     if partial and not parts.partial_capable:
-        raise RlhfError("--partial-rollouts needs an engine that samples from the policy module in place and batches "
-                        "continuously (the hf engine with --engine.continuous, the default), in the local runtime")
+        raise RlhfError("--partial-rollouts needs an engine that batches continuously (hf or vllm with "
+                        "--engine.continuous, the default), in the local runtime, without --agent")
     if partial and plan.filters_groups:
         raise RlhfError("--partial-rollouts does not go with a sample filter (--filter-groups and the like): drop one")
     lanes = staleness if parts.rollouts_overlap or partial else 1
