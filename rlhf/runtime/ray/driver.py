@@ -256,7 +256,7 @@ class RayRetryCopy:
     for the length of each call only (a retry's generation from its seed, the retried rows'
     behaviour log-probs), then go back to the version the generation thread samples from; the
     retry's seeded stream is the actor's (`RolloutGroup.generate_seeded`). Each such call loads the
-    weights twice (there and back), and only for a retry."""
+    weights twice (there and back): per retried sample, and once for a batch's retried rows."""
 
     evaluates_here = False
 
