@@ -122,6 +122,8 @@ def test_each_part_of_a_turn_is_sampled_by_the_engine_holding_its_version(tiny_m
     assert switched, "no trajectory moved to newer weights mid-generation"
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["staleness/max"] for m in metrics] == [0, 1, 2, 2]
+    # a trajectory waits for a version inside its batch's rollout: never longer than that rollout
+    assert all(0.0 <= m["time/version_wait"] <= m["time/rollout"] for m in metrics)
     # every engine's weight syncs were verified (the default) and passed
     assert all(llm.worker.model.syncs for llm in fakes.FakeLLM.instances[1:])
 
