@@ -328,3 +328,50 @@ def test_a_retry_under_partial_rollouts_stamps_every_policy_token_with_the_batch
     assert _tokens(stamped)["token_versions"] == [[3, 2], [-1, 1], [3, 1]]  # samples.jsonl: the completion's runs
     plain = _Retrying(lambda: copy, 3, stamp=False).generate(["p0"], n=1, params=None)[0]
     assert plain.token_versions is None and "token_versions" not in _tokens(plain)
+
+
+class RemoteRollout(FlakyRollout):
+    """A rollout role that samples in other processes (the Ray runtime's rollout actors): it seeds the
+    stream there itself (``generate_seeded``); its ``generate`` must not be called for a retry."""
+
+    def __init__(self, fails):
+        super().__init__(fails)
+        self.seeded = []
+
+    def generate_seeded(self, prompts, *, n, params, seed):
+        self.seeded.append(seed)
+        return super().generate(prompts, n=n, params=params)
+
+
+def test_a_rollout_that_samples_elsewhere_gets_the_retry_seed_to_seed_its_own_stream():
+    torch.manual_seed(0)
+    rollout = RemoteRollout({"p1": 1})
+    prepared = batch_steps().prepare(4, rollout)
+    assert rollout.seeded == [retry_seed(11, 4, 1, 3, 1)]
+    # here nothing seeded: the call drew from this process's stream, after the batch's call
+    assert [c[2] for c in rollout.calls] == [0, 0]
+    assert names(prepared.trajectories) == [("p0s0", 0), ("p0s1", 0), ("p1s0", 1), ("p1r1", 1)]
+
+
+def test_a_retry_copy_that_samples_elsewhere_is_asked_for_the_seed_and_its_tokens_stamped():
+    from rlhf.runtime.rl.async_generation import _Retrying
+
+    def sample():
+        out = trajectory("again", tokens=3)
+        out.loss_mask = [0, 1, 1]
+        return out
+
+    seen = []
+    rollout = SimpleNamespace(generate_seeded=lambda prompts, *, n, params, seed: seen.append(seed) or [sample()])
+    stamped = _Retrying(lambda: SimpleNamespace(rollout=rollout), 2, stamp=True).generate_seeded(
+        ["p0"], n=1, params=None, seed=99)[0]
+    assert seen == [99] and stamped.token_versions == [-1, 2, 2]
+    local = SimpleNamespace(generate=lambda prompts, *, n, params: [trajectory(str(torch.rand(()).item()))])
+    torch.manual_seed(5)
+    before = torch.rand(()).item()
+    torch.manual_seed(5)
+    again = _Retrying(lambda: SimpleNamespace(rollout=local), 2, stamp=False).generate_seeded(
+        ["p0"], n=1, params=None, seed=7)[0]
+    assert torch.rand(()).item() == before  # the process's stream as it was
+    torch.manual_seed(7)
+    assert again.completion_text == str(torch.rand(()).item())  # sampled from the retry's seed

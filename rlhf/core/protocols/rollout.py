@@ -81,6 +81,12 @@ class ContinuousEngine(Protocol):
     depend on which other requests share its batch (up to the float rounding of a batched
     forward). ``continuous_for(params)`` may decline some rollouts (say, a model its decoder does
     not support); those go through ``generate`` turn by turn.
+
+    ``many_event_loops`` (optional, default False): ``generate_one`` may be awaited from several
+    event loops, on several threads, at once, each loop's requests batched apart (the ``hf``
+    engine: a decode batch per loop). Where an engine does not declare it, ``--partial-rollouts``
+    awaits it from one loop of its own for every generation lane that shares it
+    (`rlhf.runtime.rl.offpolicy.served`).
     """
 
     async def generate_one(self, prompt_ids: list[int], params: SamplingParams) -> Generation:

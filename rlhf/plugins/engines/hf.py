@@ -81,6 +81,7 @@ class HFEngine:
     """Generates with the policy's own weights (``shares_weights``: nothing to sync)."""
 
     shares_weights = True
+    many_event_loops = True  # generate_one: a decode batch per event loop (rlhf.core.protocols.rollout)
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: HFEngineConfig | None = None):
         self.model, self.tokenizer = model, tokenizer

@@ -20,10 +20,12 @@ its environment variables first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,16 +145,6 @@ class WorkerHost:
         result = getattr(self.workers[role], method)(*args, **kwargs)
         return result if reply else None
 
-    def generate_seeded(self, prompts: list[Any], n: int, params: Any, seed: int) -> list[Any]:
-        """The rollout's trajectories sampled from a random stream seeded with ``seed``; this actor's own
-        stream is left as it was (`rlhf.runtime.rl.failures.Retries.again`, as in the local process)."""
-        import torch
-
-        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            return self.workers["rollout"].generate(prompts, n=n, params=params)
-
     def nonfinite(self, role: str) -> int:
         return self.workers[role].nonfinite_in_a_row
 
@@ -228,13 +220,42 @@ class WorkerHost:
 
     # --- --async: the producer's copy is this rollout actor's ----------------------------------
 
-    def behaviour_logprobs(self, batch: Any) -> Any:
-        """(B, A) log-probs of a batch under this actor's copy of the policy (the version it samples from)."""
+    def behaviour_logprobs(self, batch: Any, weights: dict[str, Any] | None = None) -> Any:
+        """(B, A) log-probs of a batch under this actor's copy of the policy (the version it samples
+        from), or under ``weights`` (`_holding`)."""
         from rlhf.runtime.rl import local
         from rlhf.runtime.rl.workers import model_logprobs
 
-        return model_logprobs(self.rollout_model, batch, local.update_settings(self.plan),
-                              temperature=self.plan.config.temperature)
+        with self._holding(weights):
+            return model_logprobs(self.rollout_model, batch, local.update_settings(self.plan),
+                                  temperature=self.plan.config.temperature)
+
+    # --- --on-failure retry: a sample generated again from a seed of its own ---------------------
+
+    def generate_seeded(self, prompts: list[Any], n: int, params: Any, seed: int,
+                        weights: dict[str, Any] | None = None) -> Any:
+        """The rollout's ``generate`` from a random stream seeded with ``seed``, this process's stream
+        put back after (`rlhf.runtime.rl.failures.seeded_stream`, as the local runtime retries), and
+        with ``weights`` from those (`_holding`)."""
+        from rlhf.runtime.rl.failures import seeded_stream
+
+        with self._holding(weights), seeded_stream(seed):
+            return self.workers["rollout"].generate(prompts, n=n, params=params)
+
+    @contextlib.contextmanager
+    def _holding(self, weights: dict[str, Any] | None) -> Iterator[None]:
+        """The rollout's copy holds ``weights`` (a published version's: a retry under --async) inside,
+        and the weights it held before after; both loads as every load is (`load_policy_weights`:
+        verified, pushed to an engine with weights of its own). None: the copy as it is."""
+        if weights is None:
+            yield
+            return
+        own = {name: p.detach().clone() for name, p in self.rollout_model.named_parameters() if name in weights}
+        self.load_policy_weights(weights)
+        try:
+            yield
+        finally:
+            self.load_policy_weights(own)
 
     def swap_rng(self, state: Any, fresh_seed: int) -> Any:
         """Install a random state for sampling (None: one seeded with ``fresh_seed``); return the previous one."""

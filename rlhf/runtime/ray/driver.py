@@ -221,7 +221,8 @@ def make_workers(plan: RunPlan, plugins: PluginSet, hosts: list[Host], tokenizer
 
     async_parts = None
     if rollout.own_copy:  # --async: the rollout actors' copies generate ahead, weights pushed by version
-        async_parts = AsyncParts(snapshot=policy.snapshot, make_copy=lambda: RayPolicyCopy(rollout, config.seed))
+        async_parts = AsyncParts(snapshot=policy.snapshot, make_copy=lambda: RayPolicyCopy(rollout, config.seed),
+                                 make_retry_copy=lambda: RayRetryCopy(rollout))
     return Workers(policy=policy, rollout=rollout, reward=reward, scoring=Scoring(plan, plugins, reward),
                    reference=reference, teacher=teacher, critic=critic, loader=loader, pad_token_id=tokenizer.pad_token_id,
                    export=export, dist=SINGLE, eval_prompts=build_eval_prompts(config, tokenizer),
@@ -247,6 +248,34 @@ class RayPolicyCopy:
 
     def swap_rng(self, states: list[Any] | None) -> list[Any]:
         return self.rollout.swap_rng(states, self.seed + 1_000_003)
+
+
+class RayRetryCopy:
+    """--async on Ray, ``--on-failure retry``: the copy a failed sample is generated again with. It is
+    a published version's weights (an object-store reference, ``load``) that the rollout actors take
+    for the length of each call only (a retry's generation from its seed, the retried rows'
+    behaviour log-probs), then go back to the version the generation thread samples from; the
+    retry's seeded stream is the actor's (`RolloutGroup.generate_seeded`). Each such call loads the
+    weights twice (there and back): per retried sample, and once for a batch's retried rows."""
+
+    evaluates_here = False
+
+    def __init__(self, rollout: RolloutGroup):
+        self.group, self.weights = rollout, None
+
+    @property
+    def rollout(self) -> RayRetryCopy:
+        """What a retry samples with: this copy (`generate_seeded`)."""
+        return self
+
+    def load(self, weights: Any) -> None:
+        self.weights = weights
+
+    def generate_seeded(self, prompts: list[Any], *, n: int, params: Any, seed: int) -> list[Any]:
+        return self.group.generate_seeded(prompts, n=n, params=params, seed=seed, weights=self.weights)
+
+    def logprobs(self, batch: Any) -> Any:
+        return self.group.behaviour_logprobs(batch, self.weights)
 
 
 def resume_hint(out_dir: Path) -> str:

@@ -271,21 +271,26 @@ class RolloutGroup(RoleGroup):
                  address, port)
 
     def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Any]:
-        return self._sharded(prompts, n, lambda host, shard: host.handle.run.remote("rollout", "generate", shard,
-                                                                                   n=n, params=params))
+        return self._generate(prompts, n, lambda handle, shard: handle.run.remote("rollout", "generate", shard, n=n,
+                                                                                    params=params))
 
-    def generate_seeded(self, prompts: list[Any], *, n: int, params: Any, seed: int) -> list[Any]:
-        """`generate` from a random stream seeded with ``seed`` in each actor, whose own sampling stream is
-        left as it was (a retry, `rlhf.runtime.rl.failures.Retries`: the local process forks its own)."""
-        return self._sharded(prompts, n, lambda host, shard: host.handle.generate_seeded.remote(shard, n, params, seed))
+    def generate_seeded(self, prompts: list[Any], *, n: int, params: Any, seed: int, weights: Any = None
+                        ) -> list[Any]:
+        """``generate`` from a random stream seeded with ``seed`` in each actor, whose own stream is left
+        as it was (a retry: `rlhf.runtime.rl.failures.generate_seeded`); with ``weights`` (an
+        object-store reference from `PolicyGroup.snapshot`) the actors sample from those, for this
+        call only (a retry under --async: `rlhf.runtime.ray.driver.RayRetryCopy`)."""
+        return self._generate(prompts, n, lambda handle, shard: handle.generate_seeded.remote(
+            shard, n, params, seed, weights))  # positional: Ray hands the actor what the reference holds
 
-    def _sharded(self, prompts: list[Any], n: int, call: Any) -> list[Any]:
-        """``call(host, shard)`` on every actor with prompts, after a sync to a changed policy; the
-        trajectories in prompt order."""
+    def _generate(self, prompts: list[Any], n: int, call: Any) -> list[Any]:
         if self.own_copy and self.follow_policy and self.synced_version != self.policy.version:
             self.sync_weights()
-        calls = [(host, call(host, prompts[rank::self.size])) for rank, host in enumerate(self.hosts)
-                 if prompts[rank::self.size]]
+        calls = []
+        for rank, host in enumerate(self.hosts):
+            shard = prompts[rank::self.size]
+            if shard:
+                calls.append((host, call(host.handle, shard)))
         return regroup(self._wait(calls, "rollout.generate"), n, len(prompts))  # as one process numbers them
 
     def sync_weights(self) -> None:
@@ -317,10 +322,12 @@ class RolloutGroup(RoleGroup):
         self._wait_sync([(host, host.handle.load_policy_weights.remote(weights)) for host in self.hosts],
                         "rollout load_policy_weights", self.sync_timeout_s)
 
-    def behaviour_logprobs(self, batch: Any) -> Any:
-        """(B, A) log-probs of a batch under the actors' copy (rollout actor 0 computes them)."""
+    def behaviour_logprobs(self, batch: Any, weights: Any = None) -> Any:
+        """(B, A) log-probs of a batch under the actors' copy (rollout actor 0 computes them), or under
+        ``weights`` (an object-store reference), which actor 0 holds for this call only."""
         host = self.hosts[0]
-        return self._wait([(host, host.handle.behaviour_logprobs.remote(batch))], "rollout behaviour_logprobs")[0]
+        return self._wait([(host, host.handle.behaviour_logprobs.remote(batch, weights))],
+                          "rollout behaviour_logprobs")[0]
 
     def swap_rng(self, states: list[Any] | None, fresh_seed: int) -> list[Any]:
         """Install a random state in every rollout actor (None: fresh ones); return the previous ones."""

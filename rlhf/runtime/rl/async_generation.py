@@ -36,17 +36,22 @@ order; so up to K batches' rollouts overlap, and what each computes is what one 
 
 Partial rollouts (``--partial-rollouts``, `rlhf.runtime.rl.offpolicy`): a trajectory moves to newer
 versions as it grows, on a logical clock of its own tokens (`VersionSchedule`); the lanes always
-run then (a lane waits for a version inside its rollout, having handed on its turn), the versions
-after a batch's first come from a pool of copies shared by the lanes, each token's behaviour
-log-prob comes from its own version's copy, and `next` checks every token's staleness.
+run then (a lane waits for a version inside its rollout, having handed on its turn), and have no
+copies of their own: every version, a batch's first included, is a copy of a pool shared by the
+lanes (`VersionPool`, at most K + 1 copies, one per live version), a copy being free again once no
+batch in flight (rolled out, its behaviour log-probs not yet computed) starts at or before its
+version; each token's behaviour log-prob comes from its own version's copy, and `next` checks
+every token's staleness.
 
 Retries (``--on-failure retry``): the finishing thread, which sees a batch's failures once it is
-scored, generates its failed samples again on a policy copy of its own (made at the first retry)
-holding the batch's version (every token of a retry is that version's, within the bound), while it
-holds the lock the lanes hold when they draw from the process's random stream, so a retry's seeded
-stream (`rlhf.runtime.rl.failures.Retries`) and the lanes' draws never interleave. The behaviour
-log-probs of the samples kept are the lanes' rows, and the retry copy's for the samples generated
-again.
+scored, generates its failed samples again on a policy copy of its own (made at the first retry;
+`AsyncParts.make_retry_copy`) holding the batch's version (every token of a retry is that
+version's, within the bound), while it holds the lock the lanes hold when they draw from the
+process's random stream, so a retry's seeded stream (`rlhf.runtime.rl.failures.Retries`) and the
+lanes' draws never interleave. The behaviour log-probs of the samples kept are the lanes' rows,
+and the retry copy's for the samples generated again. In the Ray runtime the retry copy is a
+version's weights that the rollout actors take for the length of each retry's call only, and the
+seeded stream is the actor's (`rlhf.runtime.ray.driver.RayRetryCopy`).
 
 Weights reach the producer by version: after each step (and its checkpoint) the trainer publishes
 a copy of the policy's state; the producer loads the version it needs. Sampling draws the
@@ -85,7 +90,8 @@ from rlhf.core.types import Trajectory
 from rlhf.runtime.config.train_plan import RunPlan
 from rlhf.runtime.rl.batches import BatchSteps, Prepared, Rolled
 from rlhf.runtime.rl.draw_order import ordered_draws
-from rlhf.runtime.rl.offpolicy.partial import PartialRollout, VersionPool, behaviour_logprobs, version_grid
+from rlhf.runtime.rl.failures import generate_seeded
+from rlhf.runtime.rl.offpolicy.partial import PartialRollout, VersionPool, behaviour_logprobs, capacity, version_grid
 from rlhf.runtime.rl.offpolicy.schedule import StalenessError, VersionSchedule, check_staleness
 from rlhf.runtime.run.threads import split_threads
 from rlhf.runtime.step.segments import record_behaviour
@@ -121,9 +127,13 @@ class AsyncParts:
     # the copies' rollouts batch continuously (multi-turn, `rlhf.runtime.rl.draw_order`): the batches
     # of several steps may be rolled out at once, on a copy each (generation lanes)
     rollouts_overlap: bool = False
-    # the copies' engines sample from the copy's module in place and batch continuously, single-turn
-    # rollouts too (what --partial-rollouts needs: rlhf.runtime.rl.offpolicy.partial)
+    # the copies' engines batch continuously, single-turn rollouts too, each sampling from its copy's
+    # weights (what --partial-rollouts needs: rlhf.runtime.rl.offpolicy.partial)
     partial_capable: bool = False
+    # the copy --on-failure retry samples with, holding the version of the batch it retries in
+    # (``load``), its rollout and log-probs (None: `make_copy`); its rollout may sample elsewhere,
+    # seeding the stream there (``generate_seeded``: rlhf.runtime.rl.failures.generate_seeded)
+    make_retry_copy: Callable[[], PolicyCopy] | None = None
 
 
 class Stopped(Exception):
@@ -164,6 +174,7 @@ class AsyncGeneration:
         self.finisher: threading.Thread | None = None
         self.generating = threading.Lock()  # held while the producer samples (see `eval_stream`)
         self.retry_lane: _Lane | None = None  # the finishing thread's policy copy for retries (made at the first)
+        self.rolling: dict[int, int] = {}  # partial rollouts: the batches in flight in the lanes -> their first version
 
     # --- the trainer's side ---------------------------------------------------------------------
 
@@ -172,13 +183,16 @@ class AsyncGeneration:
         self.next_step = max(self.next_step, start_step)
         self.first_version = start_step  # a resumed run has no older weights
         self.publish(start_step)
-        if self.schedule is not None:
+        if self.schedule is not None:  # the lanes sample every version from the pool's copies
             self.schedule = replace(self.schedule, first=start_step)
-            self.pool = VersionPool(self.parts.make_copy, self._snapshot_of)
-        self.lane_list = [_Lane(self.parts.make_copy(), start_step) for _ in range(self.lanes)]
-        for lane in self.lane_list:
-            lane.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
-        self.copy = self.lane_list[0].copy
+            self.pool = VersionPool(self.parts.make_copy, self._snapshot_of, capacity(self.staleness))
+            self.lane_list = [_Lane(None, start_step) for _ in range(self.lanes)]
+            self.copy = self.pool.made[0]  # what eval swaps the sampling stream with (the process's)
+        else:
+            self.lane_list = [_Lane(self.parts.make_copy(), start_step) for _ in range(self.lanes)]
+            for lane in self.lane_list:
+                lane.copy.load(self.snapshots[start_step])  # e.g. rollout actors started from the initial weights
+            self.copy = self.lane_list[0].copy
         self.next_rolled = self.next_step
         self.turns = {"draw": self.next_rolled, "end": self.next_rolled}
         if self.threads is not None:
@@ -280,6 +294,8 @@ class AsyncGeneration:
             close = getattr(lane.copy, "close", None)
             if close is not None:
                 close()
+        if self.pool is not None:
+            self.pool.close()
         if self.threads is not None and hasattr(self, "trainer_threads"):
             torch.set_num_threads(self.trainer_threads)
 
@@ -380,7 +396,7 @@ class AsyncGeneration:
                 version = max(self.first_version, step - self.staleness)
                 idle = self._wait_for(version, lane)
                 self._await_turn("draw", step)
-                self._partial_for(lane, step)
+                rollout = self._rollout_for(lane, step, version)
                 self.generating.acquire()
                 handed_on = []
 
@@ -392,17 +408,18 @@ class AsyncGeneration:
 
                 try:
                     with ordered_draws(hand_on):
-                        rolled = self.steps.roll_out(step, lane.copy.rollout, version)
+                        rolled = self.steps.roll_out(step, rollout, version)
                 finally:
                     hand_on()
                 if self.schedule is not None:  # the metric time/version_wait: where partial rollouts wait
-                    rolled.seconds["version_wait"] = lane.copy.rollout.partial.longest_wait
+                    rolled.seconds["version_wait"] = rollout.partial.longest_wait
                 self._await_turn("end", step)
                 try:
                     rolled = self.steps.end_rollout(rolled)
                 finally:
                     self._pass_turn("end", step)
                 behaviour = self._behaviour(rolled, lane, version)
+                self._rolled_out(step)
                 self._score(rolled, version, idle, behaviour)
         except Stopped:
             return
@@ -411,13 +428,24 @@ class AsyncGeneration:
 
     # --- partial rollouts (rlhf.runtime.rl.offpolicy) ------------------------------------------------
 
-    def _partial_for(self, lane: _Lane, step: int) -> None:
-        """Give the lane's rollout batch ``step``'s versions (partial rollouts only)."""
+    def _rollout_for(self, lane: _Lane, step: int, version: int) -> RolloutRole:
+        """The rollout that samples batch ``step`` (first ``version``): the lane's copy's, or with
+        partial rollouts the first version's pool copy's, given the batch's versions (the batch is
+        then in flight: the pool keeps the copies of its versions)."""
         if self.schedule is None:
-            return
-        lane.copy.rollout.partial = PartialRollout(step=step, schedule=self.schedule,
-                                                   own_engine=lane.copy.rollout.engine, pool=self.pool,
-                                                   published=lambda: self.published, check_stop=self._check_stop)
+            return lane.copy.rollout
+        with self.cond:
+            self.rolling[step] = version
+            oldest = min(self.rolling.values())
+        self.pool.retire(oldest)
+        partial = PartialRollout(step=step, schedule=self.schedule, pool=self.pool, published=lambda: self.published,
+                                 check_stop=self._check_stop)
+        return self.pool.get(version).rollout.for_versions(partial)
+
+    def _rolled_out(self, step: int) -> None:
+        """Batch ``step`` needs no policy copy any more (partial rollouts)."""
+        with self.cond:
+            self.rolling.pop(step, None)
 
     def _check_stop(self) -> None:
         if self.stopping:
@@ -436,7 +464,7 @@ class AsyncGeneration:
             return lane.copy.logprobs(rolled.batch)
         batch = rolled.batch
         grid = version_grid(rolled.trajectories, batch.input_ids.shape[1], version)  # (B, A)
-        return behaviour_logprobs(batch, grid, lambda v: (lane.copy if v == version else self.pool.get(v)).logprobs(batch))
+        return behaviour_logprobs(batch, grid, lambda v: self.pool.get(v).logprobs(batch))
 
     def _await_turn(self, kind: str, step: int) -> None:
         with self.cond:
@@ -492,15 +520,15 @@ class AsyncGeneration:
 
     def _retry_role(self, version: int) -> RolloutRole | None:
         """The rollout the finishing thread retries failed samples with, holding ``version`` (None:
-        no retries: another policy, or the Ray runtime, whose copies are rollout actors)."""
-        if not self.steps.max_retries or self.copy.evaluates_here:
+        no retries, another policy)."""
+        if not self.steps.max_retries:
             return None
         return _Retrying(lambda: self._retry_copy(version), version, stamp=self.schedule is not None)
 
     def _retry_copy(self, version: int) -> PolicyCopy:
         """The retry copy, holding ``version`` (made and loaded when a retry first needs it)."""
         if self.retry_lane is None:
-            self.retry_lane = _Lane(self.parts.make_copy(), -1)
+            self.retry_lane = _Lane((self.parts.make_retry_copy or self.parts.make_copy)(), -1)
         if self.retry_lane.version != version:
             self.retry_lane.copy.load(self._snapshot_of(version))
             self.retry_lane.version = version
@@ -545,7 +573,7 @@ class AsyncGeneration:
                 self.cond.wait(0.5)
             if self.stopping:
                 raise Stopped
-            state = self.snapshots[version] if version != lane.version else None
+            state = self.snapshots[version] if version != lane.version and lane.copy is not None else None
             # the other lanes hold the steps just before this one: they may still need the versions
             # just before this one's; a retry, the version of the oldest batch not yet finished
             keep = version - (self.lanes - 1)
@@ -553,8 +581,6 @@ class AsyncGeneration:
                 keep = min(keep, max(self.first_version, self.next_step - self.staleness))
             for old in [v for v in self.snapshots if v < keep]:
                 del self.snapshots[old]
-        if self.pool is not None:
-            self.pool.retire(version - (self.lanes - 1))
         waited = time.perf_counter() - began
         if state is not None:
             lane.copy.load(state)
@@ -578,16 +604,17 @@ class AsyncGeneration:
 
 @dataclass(eq=False)
 class _Lane:
-    """A generation lane's policy copy and the version it holds."""
+    """A generation lane's policy copy and the version it holds (partial rollouts: no copy; the pool's)."""
 
-    copy: PolicyCopy
+    copy: PolicyCopy | None
     version: int
 
 
 class _Retrying:
     """The rollout role a retry samples with: the retry copy's (``copy()``: made and loaded on first
     use), each token stamped with the batch's ``version`` (with partial rollouts, ``stamp``: per
-    token, as the lanes' samples are)."""
+    token, as the lanes' samples are). A retry calls `generate_seeded`, which seeds the stream
+    where the copy samples (`rlhf.runtime.rl.failures.generate_seeded`)."""
 
     stateful = False
 
@@ -595,7 +622,12 @@ class _Retrying:
         self.copy, self.version, self.stamp = copy, version, stamp
 
     def generate(self, prompts: list[Any], *, n: int, params: Any) -> list[Trajectory]:
-        trajectories = self.copy().rollout.generate(prompts, n=n, params=params)
+        return self._stamped(self.copy().rollout.generate(prompts, n=n, params=params))
+
+    def generate_seeded(self, prompts: list[Any], *, n: int, params: Any, seed: int) -> list[Trajectory]:
+        return self._stamped(generate_seeded(self.copy().rollout, prompts, n=n, params=params, seed=seed))
+
+    def _stamped(self, trajectories: list[Trajectory]) -> list[Trajectory]:
         if self.stamp:
             for trajectory in trajectories:
                 trajectory.token_versions = [self.version if m else -1 for m in trajectory.loss_mask]
@@ -649,8 +681,8 @@ def async_batches(plan: RunPlan, steps: BatchSteps, rollout: RolloutRole, parts:
     # continuously batched rollouts leave the random stream early: up to K batches roll out at once
     partial = plan.config.partial_rollouts
     if partial and not parts.partial_capable:
-        raise RlhfError("--partial-rollouts needs an engine that samples from the policy module in place and batches "
-                        "continuously (the hf engine with --engine.continuous, the default), in the local runtime")
+        raise RlhfError("--partial-rollouts needs an engine that batches continuously (hf or vllm with "
+                        "--engine.continuous, the default), in the local runtime, without --agent")
     if partial and plan.filters_groups:
         raise RlhfError("--partial-rollouts does not go with a sample filter (--filter-groups and the like): drop one")
     lanes = staleness if parts.rollouts_overlap or partial else 1

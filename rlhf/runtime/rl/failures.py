@@ -20,12 +20,18 @@ as a number. What happens to it:
 Under ``--async`` the finishing thread retries, on a policy copy of its own holding the batch's
 version, while no generation lane draws from the process's random stream
 (`rlhf.runtime.rl.async_generation`): the same seeds, the same samples, whatever the timing.
+
+Where the sampling happens: a rollout role that samples in this process gets the seeded stream
+here (`seeded_stream` around its ``generate``); one that samples elsewhere (the Ray runtime's
+rollout actors) says so with a ``generate_seeded(prompts, *, n, params, seed)`` of its own, which
+seeds the stream where it samples, the same way (`generate_seeded`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rlhf.core.outcomes import FAILURES, OUTCOMES, REWARD_ERROR, TRAINED, fail_trajectory
@@ -88,6 +94,29 @@ def first_error(trajectories: Sequence[Trajectory]) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def seeded_stream(seed: int) -> Iterator[None]:
+    """This process's random stream (CPU and every GPU) seeded with ``seed`` inside, and put back as
+    it was after."""
+    import torch
+
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def generate_seeded(rollout: Any, prompts: list[Any], *, n: int, params: Any, seed: int) -> list[Trajectory]:
+    """``rollout.generate`` from a random stream seeded with ``seed``, the stream it samples from
+    otherwise left as it was: the role's own ``generate_seeded`` where it has one (it samples in
+    other processes), else `seeded_stream` here."""
+    own = getattr(rollout, "generate_seeded", None)
+    if own is not None:
+        return own(prompts, n=n, params=params, seed=seed)
+    with seeded_stream(seed):
+        return rollout.generate(prompts, n=n, params=params)
+
+
 class Retries:
     """Generates failed samples again (``--on-failure retry``), each with its own seed."""
 
@@ -96,15 +125,6 @@ class Retries:
 
     def again(self, rollout: Any, item: Any, params: Any, *, seed: int) -> Trajectory:
         """One new sample of ``item`` (a fresh environment) from a random stream seeded with ``seed``;
-        the process's stream is left as it was. A role that samples in processes of its own (the Ray
-        runtime's rollout actors) seeds them there: its ``generate_seeded``."""
-        import torch
-
-        seeded = getattr(rollout, "generate_seeded", None)
-        if seeded is not None:
-            return seeded([item] * self.prompt_multiple, n=1, params=params, seed=seed)[0]
-        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            # a generate call's prompts come in multiples of prompt_multiple (a launcher's ranks)
-            return rollout.generate([item] * self.prompt_multiple, n=1, params=params)[0]
+        the stream the rollout samples from is left as it was (`generate_seeded`)."""
+        # a generate call's prompts come in multiples of prompt_multiple (a launcher's ranks)
+        return generate_seeded(rollout, [item] * self.prompt_multiple, n=1, params=params, seed=seed)[0]

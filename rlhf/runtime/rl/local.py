@@ -262,7 +262,9 @@ class LocalPolicyCopy:
         import copy
 
         self.seed, self.policy = plan.config.seed, policy
-        self.model = copy.deepcopy(policy.model)
+        # never trained: eval mode for good (its engine's decoding and its log-probs, which may run on
+        # several threads at once with --partial-rollouts, then never switch it back and forth)
+        self.model = copy.deepcopy(policy.model).eval()
         self.rollout = make_rollout(self.model)
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
@@ -319,7 +321,9 @@ def build_workers(plan: RunPlan, plugins: PluginSet, dist: DistContext = SINGLE)
                          and rollout.engine.shares_weights
                          and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens),
                                                   declared=rollout.continuous_batching),
-                         partial_capable=rollout.engine.shares_weights and rollout.agents is None
+                         # partial rollouts: every live version a copy of its own, its engine loading the
+                         # copy's weights (in place, or through its weight sync: vllm)
+                         partial_capable=rollout.agents is None
                          and batches_continuously(rollout.engine, SamplingParams(max_new_tokens=config.max_new_tokens),
                                                   declared=rollout.continuous_batching)),
         export=lambda out_dir, critic_dir: export_final(plan, adapter, tokenizer, policy, critic, out_dir, dist,

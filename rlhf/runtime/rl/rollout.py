@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -196,6 +197,13 @@ class RolloutWorker:
         """``n`` trajectories per prompt, contiguous, in prompt order."""
         with self._training_state_set_aside():
             return self._generate(prompts, n, params)
+
+    def for_versions(self, partial: Any) -> RolloutWorker:
+        """This worker for one batch of ``--partial-rollouts``: its turns sampled by the engines of the
+        versions ``partial`` gives (`rlhf.runtime.rl.offpolicy.partial.PartialRollout`); this one as it is."""
+        view = copy.copy(self)
+        view.partial = partial
+        return view
 
     @contextlib.contextmanager
     def _training_state_set_aside(self) -> Iterator[None]:

@@ -11,9 +11,14 @@ after the switch is sampled exactly as the new policy would, from its own attent
 request after the first samples from a random stream of its own (the turn's seed hashed with the
 token index), so what a trajectory samples depends on the clock only, not on timing.
 
-`VersionPool` holds the policy copies of the versions newer than a batch's first one (the first
-is its lane's own copy), shared by the generation lanes; a copy whose version no batch still needs
-takes the next version's weights.
+`VersionPool` holds a policy copy per live version, shared by the generation lanes: a batch's
+first version and the newer ones alike. A copy whose version no batch in flight still needs takes
+another version's weights (``load``, the copy's own path: an engine with weights of its own, vLLM,
+then takes them through its weight sync, verified, before its next request). At most K + 1
+versions are live at once (`capacity`), so the pool makes that many copies when the run starts and
+never more. An engine whose ``generate_one`` may only be awaited from one event loop at a time (any
+engine that does not declare ``many_event_loops``; vLLM's) is served, for the lanes together, from
+a thread of its own (`rlhf.runtime.rl.offpolicy.served.ServedEngine`).
 """
 
 from __future__ import annotations
@@ -27,27 +32,59 @@ from typing import Any
 
 import torch
 
+from rlhf.core.errors import RlhfError
 from rlhf.runtime.rl.offpolicy.schedule import VersionSchedule
+from rlhf.runtime.rl.offpolicy.served import ServedEngine
+
+
+def capacity(max_staleness: int) -> int:
+    """How many policy versions batches in flight need at once, at most (K = ``max_staleness``).
+
+    With a the oldest batch in flight (its rollout or its behaviour log-probs not done), the trainer
+    has not trained step a, so no version after a is published, and no batch in flight starts
+    before version a - K (batch a's first). So the versions in use lie in [a - K, a]: K + 1 of
+    them. With K = 1 there is one lane and each batch has one version (its cap, step - 1, is its
+    first); with K = 0 too (step's own)."""
+    return max(1, min(max_staleness + 1, 2 * max_staleness - 1))
 
 
 class VersionPool:
-    """Policy copies by version (``make_copy`` builds one; ``snapshot_of(v)`` gives version v's weights)."""
+    """A policy copy per live version (``make_copy`` builds one; ``snapshot_of(v)`` gives version v's
+    weights): ``size`` copies, made here, each loaded with a version when one is asked for."""
 
-    def __init__(self, make_copy: Callable[[], Any], snapshot_of: Callable[[int], Any]):
-        self.make_copy, self.snapshot_of = make_copy, snapshot_of
+    def __init__(self, make_copy: Callable[[], Any], snapshot_of: Callable[[int], Any], size: int):
+        self.snapshot_of = snapshot_of
         self.lock = threading.Lock()
+        self.made = [make_copy() for _ in range(size)]
         self.copies: dict[int, Any] = {}
-        self.free: list[Any] = []
+        self.free: list[Any] = list(reversed(self.made))
+        self.served: dict[int, ServedEngine] = {}  # id(copy) -> its engine served from a thread of its own
 
     def get(self, version: int) -> Any:
         """The copy holding ``version`` (loaded the first time it is asked for)."""
         with self.lock:
             copy = self.copies.get(version)
             if copy is None:
-                copy = self.free.pop() if self.free else self.make_copy()
+                if not self.free:
+                    raise RlhfError(f"--partial-rollouts: policy version {version} is needed while versions "
+                                    f"{sorted(self.copies)} are still in use, more than the {len(self.made)} "
+                                    "the staleness bound allows at once (a bug: please report it)")
+                copy = self.free.pop()
                 copy.load(self.snapshot_of(version))
                 self.copies[version] = copy
             return copy
+
+    def engine(self, version: int) -> Any:
+        """The engine that samples from ``version``: its copy's, served from a thread of its own where
+        the engine takes one event loop at a time (the lanes' event loops share it)."""
+        copy = self.get(version)
+        engine = copy.rollout.engine
+        if getattr(engine, "many_event_loops", False):
+            return engine
+        with self.lock:
+            if id(copy) not in self.served:
+                self.served[id(copy)] = ServedEngine(engine)
+            return self.served[id(copy)]
 
     def retire(self, below: int) -> None:
         """Versions before ``below`` are needed no more: their copies take other versions later."""
@@ -55,13 +92,22 @@ class VersionPool:
             for version in [v for v in self.copies if v < below]:
                 self.free.append(self.copies.pop(version))
 
+    def close(self) -> None:
+        """Stop the engines' threads and what the copies started."""
+        for served in self.served.values():
+            served.close()
+        for copy in self.made:
+            close = getattr(copy, "close", None)
+            if close is not None:
+                close()
+
 
 class PartialRollout:
     """Batch ``step``'s view of the versions: which samples token n, and the engine holding each."""
 
-    def __init__(self, *, step: int, schedule: VersionSchedule, own_engine: Any, pool: VersionPool,
-                 published: Callable[[], int], check_stop: Callable[[], None]):
-        self.step, self.schedule, self.own_engine, self.pool = step, schedule, own_engine, pool
+    def __init__(self, *, step: int, schedule: VersionSchedule, pool: VersionPool, published: Callable[[], int],
+                 check_stop: Callable[[], None]):
+        self.step, self.schedule, self.pool = step, schedule, pool
         self.published, self.check_stop = published, check_stop
         self.longest_wait = 0.0  # seconds: the longest a trajectory of the batch waited for a version
 
@@ -72,15 +118,15 @@ class PartialRollout:
         return self.schedule.next_switch(self.step, n)
 
     async def engine(self, version: int) -> Any:
-        """The engine that samples from ``version``, once it is published (the event loop goes on meanwhile)."""
-        if version == self.schedule.base(self.step):
-            return self.own_engine
-        began = time.perf_counter()
-        while self.published() < version:
-            self.check_stop()  # raises when the producer stops
-            await asyncio.sleep(0.005)
-        self.longest_wait = max(self.longest_wait, time.perf_counter() - began)
-        return self.pool.get(version).rollout.engine
+        """The engine that samples from ``version``, once it is published (the event loop goes on
+        meanwhile; the batch's first version is, before its rollout starts)."""
+        if version > self.schedule.base(self.step):
+            began = time.perf_counter()
+            while self.published() < version:
+                self.check_stop()  # raises when the producer stops
+                await asyncio.sleep(0.005)
+            self.longest_wait = max(self.longest_wait, time.perf_counter() - began)
+        return self.pool.engine(version)
 
 
 def chunk_seed(seed: int | None, token: int) -> int | None:
