@@ -375,3 +375,24 @@ def test_a_retry_copy_that_samples_elsewhere_is_asked_for_the_seed_and_its_token
     assert torch.rand(()).item() == before  # the process's stream as it was
     torch.manual_seed(7)
     assert again.completion_text == str(torch.rand(()).item())  # sampled from the retry's seed
+
+
+def test_the_retry_copy_is_the_runtime_s_own_kind_and_takes_the_version_each_batch_asks_for():
+    from rlhf.runtime.rl.async_generation import AsyncGeneration, AsyncParts
+
+    class Copy:
+        def __init__(self):
+            self.loaded = []
+
+        def load(self, snapshot):
+            self.loaded.append(snapshot)
+
+    def lanes_kind():
+        raise AssertionError("a retry copy is made with make_retry_copy where the runtime gives one")
+
+    for parts in (AsyncParts(snapshot=None, make_copy=lanes_kind, make_retry_copy=Copy),
+                  AsyncParts(snapshot=None, make_copy=Copy)):
+        producer = SimpleNamespace(retry_lane=None, parts=parts, _snapshot_of=lambda version: f"weights {version}")
+        copies = [AsyncGeneration._retry_copy(producer, version) for version in (1, 1, 0, 2)]
+        assert all(c is copies[0] for c in copies)  # made once, at the first retry
+        assert copies[0].loaded == ["weights 1", "weights 0", "weights 2"]  # loaded when the version changes

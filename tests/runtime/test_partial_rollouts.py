@@ -160,3 +160,13 @@ def test_sigterm_between_scheduled_checkpoints_keeps_the_last_one_and_resume_equ
     assert sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_2"]
     resumed = _run(tiny_model_dir, task, tmp_path / "c", resume=True, **_options(tmp_path, "tools_c"))
     _assert_same_run(tmp_path / "c", resumed, tmp_path / "a", first)
+
+
+def test_an_engine_that_does_not_batch_continuously_is_refused_before_the_run_starts(tiny_model_dir, task,
+                                                                                    tmp_path):
+    from rlhf.core.errors import RlhfError
+
+    with pytest.raises(RlhfError, match="--partial-rollouts needs an engine that batches continuously"):
+        _run(tiny_model_dir, task, tmp_path / "a", engine_config=["continuous=false"],
+             **_options(tmp_path, "tools_a"))
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()  # not a step ran

@@ -137,3 +137,26 @@ def test_cancelling_a_lane_s_call_cancels_the_served_request():
         threading.Event().wait(0.005)
     served.close()
     assert engine.cancelled == [[7]]
+
+
+def test_a_batch_leaving_the_flight_frees_the_copies_of_versions_before_the_oldest_batch_left():
+    """K = 2, three copies: batch 4 (from version 2) computes its behaviour log-probs while batch 6
+    (from 4) waits for version 5, which the trainer publishes once batch 4 trained: batch 4 leaving
+    the flight frees versions 2 and 3 then, not when the next batch starts."""
+    from types import SimpleNamespace
+
+    from rlhf.runtime.rl.async_generation import AsyncGeneration
+
+    versions, made = pool(capacity(2))
+    producer = SimpleNamespace(cond=threading.Condition(), rolling={}, schedule=object(), pool=versions)
+    producer._in_flight = lambda step, version: AsyncGeneration._in_flight(producer, step, version)
+    producer._in_flight(4, 2)
+    producer._in_flight(6, 4)
+    held = [versions.get(v) for v in (2, 3, 4)]
+    with pytest.raises(RlhfError):
+        versions.get(5)
+    AsyncGeneration._rolled_out(producer, 4)
+    assert producer.rolling == {6: 4}
+    assert versions.get(5) in held[:2] and versions.get(4) is held[2]
+    AsyncGeneration._rolled_out(producer, 6)  # the last batch in flight: its copies stay for the next
+    assert versions.get(4) is held[2]

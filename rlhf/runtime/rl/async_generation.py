@@ -434,18 +434,29 @@ class AsyncGeneration:
         then in flight: the pool keeps the copies of its versions)."""
         if self.schedule is None:
             return lane.copy.rollout
-        with self.cond:
-            self.rolling[step] = version
-            oldest = min(self.rolling.values())
-        self.pool.retire(oldest)
+        self._in_flight(step, version)
         partial = PartialRollout(step=step, schedule=self.schedule, pool=self.pool, published=lambda: self.published,
                                  check_stop=self._check_stop)
         return self.pool.get(version).rollout.for_versions(partial)
 
     def _rolled_out(self, step: int) -> None:
         """Batch ``step`` needs no policy copy any more (partial rollouts)."""
+        if self.schedule is not None:
+            self._in_flight(step, None)
+
+    def _in_flight(self, step: int, version: int | None) -> None:
+        """Batch ``step`` is in flight from ``version`` on (None: no more); the pool's copies of versions
+        before the oldest batch in flight's first are free at once (as the pool's size assumes: see
+        `rlhf.runtime.rl.offpolicy.partial.capacity`). The oldest first version never goes back:
+        batches start in step order, so a late call retires no more than a timely one."""
         with self.cond:
-            self.rolling.pop(step, None)
+            if version is None:
+                self.rolling.pop(step, None)
+            else:
+                self.rolling[step] = version
+            oldest = min(self.rolling.values(), default=None)
+        if oldest is not None:
+            self.pool.retire(oldest)
 
     def _check_stop(self) -> None:
         if self.stopping:

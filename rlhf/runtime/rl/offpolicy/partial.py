@@ -43,8 +43,10 @@ def capacity(max_staleness: int) -> int:
     With a the oldest batch in flight (its rollout or its behaviour log-probs not done), the trainer
     has not trained step a, so no version after a is published, and no batch in flight starts
     before version a - K (batch a's first). So the versions in use lie in [a - K, a]: K + 1 of
-    them. With K = 1 there is one lane and each batch has one version (its cap, step - 1, is its
-    first); with K = 0 too (step's own)."""
+    them, as long as a version's copy is retired as soon as the oldest batch in flight starts
+    after it (the producer retires whenever a batch enters or leaves the flight). With K = 1 there
+    is one lane and each batch has one version (its cap, step - 1, is its first); with K = 0 too
+    (step's own)."""
     return max(1, min(max_staleness + 1, 2 * max_staleness - 1))
 
 
