@@ -1,7 +1,9 @@
 """A rollout actor's retry (rlhf/runtime/ray/actors.py, ``WorkerHost.generate_seeded``), without Ray: the
 retry samples from a stream seeded with its seed, the actor's own stream put back after; with the
 weights of its batch's version, which the actor's copy holds for that call only (loaded and put
-back the way every load is, verified), and the behaviour log-probs the same way."""
+back the way every load is, verified), and the behaviour log-probs the same way; the driver's
+retry copy sends that version's weights with each call (`RayRetryCopy`). The runs are
+tests/ray/test_retries_ray.py."""
 
 from __future__ import annotations
 
@@ -80,3 +82,31 @@ def test_a_version_that_does_not_arrive_whole_stops_the_retry(monkeypatch):
     monkeypatch.setattr(torch.nn.Linear, "load_state_dict", corrupting, raising=False)
     with pytest.raises(WeightSyncError, match="rollout actor"):
         actor.generate_seeded(["p"], 1, "params", 1, {"weight": torch.full((1, 2), 5.0)})
+
+
+def test_the_ray_runtime_retries_with_a_copy_that_sends_the_batch_version_with_every_call(tiny_model_dir, task,
+                                                                                          tmp_path):
+    """--async on Ray: the retry copy is not the lanes' (the rollout actors as they are) but a version's
+    weights that go with each call, the retry's generation and its rows' behaviour log-probs."""
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.config.train_plan import RunPlan
+    from rlhf.runtime.ray.driver import RayPolicyCopy, RayRetryCopy, make_workers
+    from rlhf.runtime.ray.groups import Host
+    from tests.helpers import small_config
+
+    plugins = build_plugin_manager()
+    plan = RunPlan.make(small_config(tiny_model_dir, task, tmp_path, runtime="ray", async_rollout=True), plugins)
+    hosts = [Host(handle=None, group="policy", roles=("policy",), rank=0, info={}),
+             Host(handle=None, group="rollout", roles=("rollout",), rank=0, info={})]
+    workers = make_workers(plan, plugins, hosts, SimpleNamespace(pad_token_id=0), loader=None)
+    assert isinstance(workers.async_parts.make_copy(), RayPolicyCopy)
+    retry = workers.async_parts.make_retry_copy()
+    assert isinstance(retry, RayRetryCopy) and retry.group is workers.rollout
+    calls = []
+    retry.group = SimpleNamespace(generate_seeded=lambda prompts, **options: calls.append((prompts, options)) or ["t"],
+                                  behaviour_logprobs=lambda batch, weights: calls.append((batch, weights)) or "lp")
+    retry.load("the weights of version 3")
+    assert retry.rollout.generate_seeded(["p"], n=1, params="params", seed=5) == ["t"]
+    assert retry.logprobs("batch") == "lp"
+    assert calls == [(["p"], dict(n=1, params="params", seed=5, weights="the weights of version 3")),
+                     ("batch", "the weights of version 3")]
