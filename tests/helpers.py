@@ -523,3 +523,19 @@ def post_raw(url: str, data: bytes, timeout: float = 10) -> tuple[int, dict[str,
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+# A multi-turn environment that raises (env_error) on about one model turn in three, as a function
+# of the turn's text only: a retry, sampled from its own seed, fails or not by what it samples.
+FLAKY_TOOL = '''
+from rlhf.core.types import StepResult
+
+class FlakyTool:
+    def reset(self, prompt, label):
+        pass
+
+    def step(self, action_text):
+        if sum(map(ord, action_text)) % 3 == 0:
+            raise ValueError("the tool crashed")
+        return StepResult(reward=len(action_text) / 10, done=True)
+'''

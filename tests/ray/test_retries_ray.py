@@ -12,25 +12,11 @@ import pytest
 
 from rlhf.core.plugin_host.loading import build_plugin_manager
 from rlhf.runtime.rl.local import train as local_train
-from tests.helpers import one_thread, read_jsonl, write_jsonl
+from tests.helpers import FLAKY_TOOL, one_thread, read_jsonl, write_jsonl
 from tests.ray.runs import make_config, samples
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray]
 
-# Raises (env_error) on about one answer in three, as a function of the answer's text only: a retry,
-# sampled from its own seed, fails or not by what it samples.
-FLAKY_TOOL = '''
-from rlhf.core.types import StepResult
-
-class FlakyTool:
-    def reset(self, prompt, label):
-        pass
-
-    def step(self, action_text):
-        if sum(map(ord, action_text)) % 3 == 0:
-            raise ValueError("the tool crashed")
-        return StepResult(reward=len(action_text) / 10, done=True)
-'''
 
 COMPARED = ("reward/mean", "policy/loss", "policy/approx_kl", "outcome/retries", "outcome/ok_rate",
             "outcome/truncated_rate", "outcome/env_error_rate", "outcome/dropped_groups")

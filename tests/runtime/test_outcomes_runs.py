@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf.core.errors import RunInterrupted
-from tests.helpers import final_weights, read_jsonl, run_cli, small_config, write_jsonl
+from tests.helpers import FLAKY_TOOL, final_weights, read_jsonl, run_cli, small_config, write_jsonl
 
 pytestmark = pytest.mark.run
 
@@ -246,20 +246,6 @@ def test_resume_after_an_interrupt_with_retries_equals_the_uninterrupted_run(tin
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-# Raises (env_error) on about one model turn in three, as a function of the turn's text only: a retry,
-# sampled from its own seed, fails or not by what it samples.
-FLAKY_TOOL = '''
-from rlhf.core.types import StepResult
-
-class FlakyTool:
-    def reset(self, prompt, label):
-        pass
-
-    def step(self, action_text):
-        if sum(map(ord, action_text)) % 3 == 0:
-            raise ValueError("the tool crashed")
-        return StepResult(reward=len(action_text) / 10, done=True)
-'''
 
 
 def test_async_at_staleness_zero_retries_as_the_synchronous_run(tiny_model_dir, task, flaky, tmp_path, plugins):
