@@ -14,7 +14,7 @@ G = 16 prompts x n = 8 samples, 16 new tokens):
   many a's" prompts), each turn followed by a tool call that sleeps 0.1 s, or 3 s one time in ten
   (turns and delays drawn from a seed of the prompt and its sample, so every mode sees the same);
   the env scores the share of the letter a in the model's turns (0-1), lr 3e-3. G = 8 prompts x
-  n = 8 samples. Its modes are synchronous,
+  n = 8 samples. Its modes are synchronous, ``--async --max-staleness 1``,
   ``--async --max-staleness 2``, ``--async --max-staleness 2 --partial-rollouts`` and, for scale,
   ``--async --max-staleness 3``.
 
@@ -58,7 +58,8 @@ DEFAULT_CASES = ("plain", "slow_reward", "slow_tools")
 MODES = {"sync": None, "K=1": 1, "K=2": 2}
 # mode -> (--max-staleness or None for the synchronous run, --partial-rollouts)
 MODES_OF = {case: {mode: (k, False) for mode, k in MODES.items()} for case in DEFAULT_CASES}
-MODES_OF["long_tail"] = {"sync": (None, False), "K=2": (2, False), "K=2 partial": (2, True), "K=3": (3, False)}
+MODES_OF["long_tail"] = {"sync": (None, False), "K=1": (1, False), "K=2": (2, False), "K=2 partial": (2, True),
+                         "K=3": (3, False)}
 CURVE_MODES = ("sync", "K=2", "K=2 partial")  # the long-tail curves: the issue's three modes
 
 SLOW_REWARD = '''

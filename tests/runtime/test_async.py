@@ -322,3 +322,30 @@ def test_continuous_rollouts_of_several_batches_overlap_and_stay_deterministic_t
     _killed_after_the_step_2_checkpoint(tiny_model_dir, task, tmp_path / "c", make_plugin, **options("tools_c"))
     resumed = _run(tiny_model_dir, task, tmp_path / "c", resume=True, **options("tools_c", gate=False))
     _assert_same_run(tmp_path / "c", resumed, tmp_path / "a", first)
+
+
+@pytest.mark.run
+def test_k_plus_one_lanes_compute_exactly_what_one_lane_computes(tiny_model_dir, task, tmp_path, monkeypatch):
+    """With continuously batched multi-turn rollouts the producer runs K + 1 lanes (batch j waits only
+    for version j - K); tools of random duration reorder what finishes first, never what is computed."""
+    from rlhf.runtime.rl import async_generation
+
+    lanes_used = []
+    real_init = async_generation.AsyncGeneration.__init__
+
+    def init(self, *args, forced=None, **kwargs):
+        real_init(self, *args, **{**kwargs, **({"lanes": forced} if forced else {})})
+        lanes_used.append(self.lanes)
+
+    def options(name):
+        (tmp_path / f"{name}.py").write_text(GATED_TOOLS.format(gate=False))
+        return dict(steps=4, async_rollout=True, max_staleness=2, max_turns=2, reward=[],
+                    env=f"{tmp_path / name}.py:GatedTools")
+
+    monkeypatch.setattr(async_generation.AsyncGeneration, "__init__", init)
+    several = _run(tiny_model_dir, task, tmp_path / "several", **options("tools_several"))
+    monkeypatch.setattr(async_generation.AsyncGeneration, "__init__",
+                        lambda self, *a, **k: init(self, *a, forced=1, **k))
+    one = _run(tiny_model_dir, task, tmp_path / "one", **options("tools_one"))
+    assert lanes_used == [3, 1]
+    _assert_same_run(tmp_path / "several", several, tmp_path / "one", one)

@@ -62,7 +62,7 @@ def pool(size, many_event_loops=None):
 
 
 def test_capacity_is_the_versions_batches_in_flight_may_need_at_once():
-    assert [capacity(k) for k in range(6)] == [1, 1, 3, 4, 5, 6]
+    assert [capacity(k) for k in range(6)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_the_copies_are_made_at_the_start_and_a_retired_version_s_copy_takes_the_next():

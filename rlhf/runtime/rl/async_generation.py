@@ -29,10 +29,12 @@ torch threads between them (`rlhf.runtime.run.threads.split_threads`).
 Generation lanes: a multi-turn rollout that batches continuously spends most of its time waiting
 for tool calls and draws from the process's random stream only at its start
 (`rlhf.runtime.rl.draw_order`). The runtime then says so (``AsyncParts.rollouts_overlap``) and the
-generation stage runs as K lanes, threads with a policy copy each: lane after lane takes the next
-step, loads that step's version, waits for its turn at the random stream (step order), hands the
-turn on as soon as its rollout has drawn its seed, and ends its rollout (hooks, tensors) in step
-order; so up to K batches' rollouts overlap, and what each computes is what one lane would.
+generation stage runs as K + 1 lanes, threads with a policy copy each: lane after lane takes the
+next step, loads that step's version, waits for its turn at the random stream (step order), hands
+the turn on as soon as its rollout has drawn its seed, and ends its rollout (hooks, tensors) in
+step order; so up to K + 1 batches' rollouts overlap (as many as the bound allows: batch j starts
+once version j - K exists, which step j - K - 1 makes while batches j - K .. j - 1 may still be
+rolling out), and what each computes is what one lane would.
 
 Partial rollouts (``--partial-rollouts``, `rlhf.runtime.rl.offpolicy`): a trajectory moves to newer
 versions as it grows, on a logical clock of its own tokens (`VersionSchedule`); the lanes always
@@ -153,8 +155,10 @@ class AsyncGeneration:
                  total_steps: int, pipelined: bool = False, threads: tuple[int, int] | None = None, lanes: int = 1,
                  schedule: VersionSchedule | None = None):
         self.steps, self.rollout, self.parts, self.pipelined = steps, rollout, parts, pipelined
-        # generation lanes: batches rolled out at once, each on a policy copy of its own (pipelined only)
-        self.lanes = max(1, min(lanes, max_staleness)) if pipelined else 1
+        # generation lanes: batches rolled out at once, each on a policy copy of its own (pipelined only);
+        # the bound lets K + 1 be: batch j waits for version j - K, which exists while batches
+        # j - K .. j - 1 may still be rolling out
+        self.lanes = max(1, min(lanes, max_staleness + 1)) if pipelined else 1
         # --partial-rollouts: each token's version on a logical clock (rlhf.runtime.rl.offpolicy); None: off
         self.schedule = schedule
         self.pool: VersionPool | None = None
@@ -689,14 +693,14 @@ def async_batches(plan: RunPlan, steps: BatchSteps, rollout: RolloutRole, parts:
     if parts is None:
         raise RlhfError("--async is not available with this runtime yet: use the local runtime")
     staleness = plan.config.max_staleness
-    # continuously batched rollouts leave the random stream early: up to K batches roll out at once
+    # continuously batched rollouts leave the random stream early: up to K + 1 batches roll out at once
     partial = plan.config.partial_rollouts
     if partial and not parts.partial_capable:
         raise RlhfError("--partial-rollouts needs an engine that batches continuously (hf or vllm with "
                         "--engine.continuous, the default), in the local runtime, without --agent")
     if partial and plan.filters_groups:
         raise RlhfError("--partial-rollouts does not go with a sample filter (--filter-groups and the like): drop one")
-    lanes = staleness if parts.rollouts_overlap or partial else 1
+    lanes = staleness + 1 if parts.rollouts_overlap or partial else 1
     schedule = VersionSchedule(max_staleness=staleness, chunk_tokens=plan.config.partial_chunk_tokens,
                                save_every=plan.config.save_every, total_steps=total_steps) if partial else None
     # A sample filter decides from a batch's rewards whether to sample more prompts for the same

@@ -41,13 +41,14 @@ def capacity(max_staleness: int) -> int:
     """How many policy versions batches in flight need at once, at most (K = ``max_staleness``).
 
     With a the oldest batch in flight (its rollout or its behaviour log-probs not done), the trainer
-    has not trained step a, so no version after a is published, and no batch in flight starts
-    before version a - K (batch a's first). So the versions in use lie in [a - K, a]: K + 1 of
-    them, as long as a version's copy is retired as soon as the oldest batch in flight starts
-    after it (the producer retires whenever a batch enters or leaves the flight). With K = 1 there
-    is one lane and each batch has one version (its cap, step - 1, is its first); with K = 0 too
-    (step's own)."""
-    return max(1, min(max_staleness + 1, 2 * max_staleness - 1))
+    has not trained step a, so no version after a is published: the newest batch in flight is at
+    most a + K (batch j starts once its first version, j - K, exists), and none starts before
+    version a - K (batch a's first). So the versions in use lie in [a - K, a]: K + 1 of them, as
+    long as a version's copy is retired as soon as the oldest batch in flight starts after it (the
+    producer retires whenever a batch enters or leaves the flight). The K + 1 generation lanes
+    (batches a .. a + K) need them all: with K = 1 two batches each hold one version (their cap,
+    step - 1, is their first); with K = 0 one batch holds its step's own."""
+    return max_staleness + 1
 
 
 class VersionPool:
