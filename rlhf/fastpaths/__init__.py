@@ -17,6 +17,9 @@ module                      what                                     switch
                                                                      torch)
 ``vocab_chunks``            log-probs from hidden states, a few     ``--vocab-chunks`` (on by
                             positions' logits at a time             default; ``--no-vocab-chunks``)
+``in_place_gradients``      the embedding's and output layer's      ``--in-place-gradients`` (on by
+                            weight gradients added into .grad       default; ``--no-in-place-
+                            where computed                           gradients``)
 ``ring_attention``          each sequence split over a ring of      ``--ring-attn-size`` (off by
                             ranks (sequence parallelism)             default), ``--ring-head-stride``
 ==========================  ======================================  ==============================

@@ -63,6 +63,7 @@ from torch.nn import functional as F
 
 from rlhf.core.logprobs import DeferredHead
 from rlhf.core.modeling import innermost
+from rlhf.fastpaths.in_place_gradients import grad_of, in_place, largest, largest_difference, settle_first
 from rlhf.fastpaths.verdicts import settle, verdict
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, temperature: float, with_entropy: bool,
-                onednn: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                onednn: bool, owner: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         count = hidden.shape[0]
         floats = {"dtype": torch.float32, "device": hidden.device}
         lse = torch.empty(count, **floats)  # (K,) logsumexp(z)
@@ -146,7 +147,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 shifts = torch.where(torch.isinf(tops), 0.0, tops)  # (n, c)
                 entropy[rows] = lse[rows] - ((weighted + shifts * sums) * scale).sum(dim=0) / total
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature, ctx.with_entropy, ctx.onednn = temperature, with_entropy, onednn
+        ctx.temperature, ctx.with_entropy, ctx.onednn, ctx.owner = temperature, with_entropy, onednn, owner
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
         return target_logit - lse, entropy
 
@@ -164,8 +165,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
         floats = {"dtype": torch.float32, "device": hidden.device}
         # ∂z = g_ℓ·onehot(y) − q, q = g_ℓ·p (+ g_H·p·(log p + H)); the onehot term is added once at the end
         grad_hidden = torch.empty(hidden.shape, **floats) if want_hidden else None  # (K, H)
-        # (V, H), (V,): written by the first chunk of positions, summed into by the others
-        grad_weight = (torch.empty if count else torch.zeros)(weight.shape, **floats) if want_weight else None
+        # (V, H), (V,): written by the first chunk of positions, summed into by the others; or ∂W added
+        # into the weight's .grad block by block (rlhf.fastpaths.in_place_gradients), after a first
+        # backward that compares the two
+        grad_weight, sums = None, []  # sums: [(a (V, H) ∂W goes into, whether it starts empty)]
+        place = want_weight and ctx.owner is not None and in_place(weight, ctx.owner, "head")
+        checking = place and verdict(ctx.owner, "in_place_gradients/head") is None
+        fresh = checking and weight.grad is None  # the first sum in place goes into a new .grad, then compared
+        if want_weight and (not place or checking):
+            grad_weight = (torch.empty if count else torch.zeros)(weight.shape, **floats)
+            sums.append((grad_weight, True))
+        if place:
+            sums.append((torch.zeros(weight.shape, **floats) if checking and not fresh else grad_of(weight), False))
         grad_bias = (torch.empty if count else torch.zeros)(weight.shape[0], **floats) if want_bias else None
         for first, end, blocks in _tiles(count, weight.shape[0], hidden.device):
             rows, h = slice(first, end), hidden[first:end]  # (c, H)
@@ -186,11 +197,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
                         products.addmm_(q, weight[v0:v1])  # (c, H) += q·W_b
                     else:
                         products += _linear(q.to(weight.dtype), weight[v0:v1].t(), None, ctx.onednn)
-                if want_weight:  # ∂W_b = −qᵀ·h (rows scaled), (b, H)
-                    if first == 0:
-                        torch.mm(q.t(), scaled_h, out=grad_weight[v0:v1])
+                for into, starts_empty in sums:  # ∂W_b = −qᵀ·h (rows scaled), (b, H)
+                    if first == 0 and starts_empty:
+                        torch.mm(q.t(), scaled_h, out=into[v0:v1])
                     else:
-                        grad_weight[v0:v1].addmm_(q.t(), scaled_h)
+                        into[v0:v1].addmm_(q.t(), scaled_h)
                 if want_bias:  # ∂b_b = −qᵀ·row_scale, (b,)
                     if first == 0:
                         torch.mv(q.t(), -row_scale, out=grad_bias[v0:v1])
@@ -200,12 +211,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_hidden[rows] = weight[targets[rows]].float().mul_(g_lp[rows, None]) \
                     .sub_(products.mul_(row_scale[:, None]))
         if want_weight:
-            grad_weight.index_add_(0, targets, hidden.float() * g_lp[:, None])  # the onehot term: g_ℓ·h at y
+            onehot = hidden.float() * g_lp[:, None]  # (K, H) the onehot term: g_ℓ·h at y
+            for into, _ in sums:
+                into.index_add_(0, targets, onehot)
+            if checking:  # the first backward in place: its sum against the plain one
+                agrees = settle_first(ctx.owner, "head", largest_difference(sums[1][0], grad_weight),
+                                      largest(grad_weight))
+                if fresh and agrees:  # .grad holds it: autograd is handed nothing
+                    grad_weight = None
+                elif fresh:  # .grad goes back to none; autograd is handed the plain sum
+                    weight.grad = None
         if want_bias:
             grad_bias.index_add_(0, targets, g_lp)
         return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -308,7 +328,7 @@ class _ChunkedHead(DeferredHead):
             entropy = -(log_p.exp() * log_p).sum(dim=-1) if with_entropy else None  # (K,)
             return log_p.gather(-1, targets[:, None]).squeeze(-1), entropy
         logprobs, entropy = _ChunkedLogprobs.apply(hidden, self.weight, self.bias, targets, temperature,
-                                                   with_entropy, onednn)  # (K,), (K,)
+                                                   with_entropy, onednn, self)  # (K,), (K,)
         return logprobs, (entropy if with_entropy else None)
 
     def cross_entropy_to(self, hidden: torch.Tensor, teacher: DeferredHead,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlhf.api import TrainBackendBase, TrainStateOffload
+from rlhf.api import TrainBackendBase, TrainStateOffload, accumulating_in_place
 from rlhf.plugins.backends.config import BackendConfig
 
 __all__ = ["BackendConfig", "TorchBackend", "lr_factor"]
@@ -58,7 +58,10 @@ class TorchBackend(TrainBackendBase):
         self.away.reload()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        # the gradients of a vocabulary-sized embedding or output layer go straight into .grad
+        # (rlhf.fastpaths.in_place_gradients): this backend adds nothing to a gradient as autograd hands it over
+        with accumulating_in_place(self.params):
+            loss.backward()
 
     def step(self) -> dict[str, float]:
         """Clip, then step if the gradient is finite; always clears gradients.

@@ -23,6 +23,9 @@ class HFModelConfig:
     vocab_chunks: bool = field(default=True, metadata={
         "help": "Log-probs from the hidden states, a tile of positions x vocabulary at a time, recomputed in the "
                 "backward (no float32 logits of a whole micro-batch: memory at a large vocabulary)"})
+    in_place_gradients: bool = field(default=True, metadata={
+        "help": "The embedding's and the tiled output layer's weight gradients added into .grad as they are computed "
+                "(no dense vocabulary x hidden temporaries: memory at a large vocabulary)"})
     cudnn_attention: bool = field(default=False, metadata={
         "help": "Let sdpa use cuDNN's attention on a CUDA GPU (off: it builds a plan for every new sequence length, "
                 "up to 2 s each)"})

@@ -14,6 +14,9 @@ classifier, see `reward.py`). Options, each one flag of ``rlhf train``:
   default (MKL) uses half the vector width (`rlhf.fastpaths.cpu_linear`), ``onednn`` always, ``torch`` never;
 * ``vocab_chunks`` (on): the policy's and reference's log-probs come from their hidden states, a few
   positions' logits at a time (`rlhf.fastpaths.vocab_chunks`); ``--no-vocab-chunks``: the full logits;
+* ``in_place_gradients`` (on): the policy's embedding and tiled output layer add their weight gradients
+  into ``.grad`` themselves in a backend's backward, with no (vocabulary x hidden) temporaries
+  (`rlhf.fastpaths.in_place_gradients`); ``--no-in-place-gradients``: autograd adds them;
 * ``cudnn_attention``: on a CUDA GPU, whether PyTorch's sdpa may pick cuDNN's attention kernels
   (off by default: cuDNN builds an execution plan for every new sequence length, which rollouts,
   varying batch lengths and ``--packing`` meet on most calls; sdpa then takes its flash or
@@ -34,7 +37,8 @@ from typing import Any
 
 import torch
 
-from rlhf.api import ConfigError, ModelAdapterBase, check_cpu_linear_mode, use_onednn_linears, use_vocab_chunks
+from rlhf.api import (ConfigError, ModelAdapterBase, check_cpu_linear_mode, use_in_place_gradients, use_onednn_linears,
+                      use_vocab_chunks)
 from rlhf.plugins.models.config import HFModelConfig
 from rlhf.plugins.models.critic import CriticModel
 from rlhf.plugins.models.loading import (ATTENTION, DTYPES, check_attention, enable_activation_checkpointing,
@@ -95,6 +99,8 @@ class HFModelAdapter(ModelAdapterBase):
             use_onednn_linears(model, self.config.cpu_linear)
         if self.config.vocab_chunks and role in ("policy", "reference"):
             use_vocab_chunks(model)
+        if self.config.in_place_gradients and role == "policy":
+            use_in_place_gradients(model)
         if self.device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(self.config.cudnn_attention)  # process-wide, as the device is
         return model

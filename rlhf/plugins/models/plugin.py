@@ -7,7 +7,7 @@ ROLES = ("policy", "reference", "critic", "reward")
 # Settings that also get a plain flag (--lora-rank besides --model-adapter.lora-rank).
 SHORT_FLAGS = ("attn_implementation", "gradient_checkpointing", "chat_template", "lora_rank", "lora_alpha",
                "lora_dropout", "target_modules", "load_in_4bit", "merge_lora", "value_head_prefix", "cpu_linear",
-               "vocab_chunks")
+               "vocab_chunks", "in_place_gradients")
 
 
 @hookimpl
