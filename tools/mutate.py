@@ -118,7 +118,7 @@ AREAS = {
         "rlhf/core/logprobs.py", "rlhf/fastpaths/prefix_sharing.py", "rlhf/fastpaths/segment_attention.py",
         "rlhf/fastpaths/cpu_linear.py", "rlhf/fastpaths/lean_decode.py", "rlhf/plugins/engines/hf.py",
         "rlhf/fastpaths/packing.py", "rlhf/fastpaths/verdicts.py", "rlhf/fastpaths/llama_like.py",
-        "rlhf/core/ordered_gather.py", "rlhf/fastpaths/vocab_chunks.py",
+        "rlhf/core/ordered_gather.py", "rlhf/fastpaths/vocab_chunks.py", "rlhf/fastpaths/in_place_gradients.py",
     ], RL_TESTS + OFFLINE_TESTS + ["tests/fastpaths/test_transformers_contract.py"] + FASTPATH_TESTS),
     "parallelism and memory": ([
         "rlhf/runtime/step/router_aux.py", "rlhf/fastpaths/ring_attention.py", "rlhf/runtime/ray/weight_broadcast.py",
