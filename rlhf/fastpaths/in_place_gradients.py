@@ -190,18 +190,25 @@ def use_in_place_gradients(model: nn.Module) -> list[str]:
 
     base = innermost(model)
     done = []
-    get_in = getattr(base, "get_input_embeddings", None)
-    embedding = get_in() if callable(get_in) else None
-    if (type(embedding).forward is nn.Embedding.forward and embedding.max_norm is None
+    embedding, head = _module(base, "get_input_embeddings"), _module(base, "get_output_embeddings")
+    if (isinstance(embedding, nn.Embedding) and type(embedding).forward is nn.Embedding.forward
+            and embedding.max_norm is None
             and not embedding.scale_grad_by_freq and not embedding.sparse):
         embedding.__class__ = _in_place_class(type(embedding))
         setattr(embedding.weight, ALLOWED, True)
         done.append("embedding")
     elif isinstance(embedding, _InPlaceEmbedding):
         done.append("embedding")
-    get_out = getattr(base, "get_output_embeddings", None)
-    head = get_out() if callable(get_out) else None
     if isinstance(head, DeferredHead) and isinstance(getattr(head, "weight", None), torch.Tensor):
         setattr(head.weight, ALLOWED, True)
         done.append("head")
     return done
+
+
+def _module(model: nn.Module, getter: str) -> nn.Module | None:
+    """``model.get_input_embeddings()`` or the like; None where the model has none."""
+    get = getattr(model, getter, None)
+    try:
+        return get() if callable(get) else None
+    except NotImplementedError:  # transformers' default for a model that does not say
+        return None

@@ -192,6 +192,10 @@ def test_the_adapter_gives_the_policy_the_ability_unless_switched_off(tiny_model
     assert getattr(on.lm_head.weight, in_place_gradients.ALLOWED, False)
     assert not isinstance(off.model.embed_tokens, in_place_gradients._InPlaceEmbedding)
     assert not isinstance(reference.model.embed_tokens, in_place_gradients._InPlaceEmbedding)
+    full_logits = HFModelAdapter(HFModelConfig(device="cpu", vocab_chunks=False)).load(str(tiny_model_dir),
+                                                                                       role="policy")
+    assert not getattr(full_logits.lm_head.weight, in_place_gradients.ALLOWED, False)  # untied, no tiles: autograd's
+    assert getattr(full_logits.model.embed_tokens.weight, in_place_gradients.ALLOWED, False)
 
 
 @pytest.mark.unit
@@ -222,7 +226,8 @@ def test_a_run_trains_to_the_same_weights_with_and_without_in_place_gradients(tm
     rewards.write_text("def dense(completions, **kwargs):\n    return [sum(map(ord, c)) % 97 / 97 for c in completions]\n")
     handed = []
     real = in_place_gradients.grad_of
-    monkeypatch.setattr(in_place_gradients, "grad_of", lambda weight: handed.append(1) or real(weight))
+    for module in (in_place_gradients, vocab_chunks):  # the embedding's and the output layer's
+        monkeypatch.setattr(module, "grad_of", lambda weight: handed.append(1) or real(weight))
     finals, metrics = {}, {}
     for flag in ("--in-place-gradients", "--no-in-place-gradients"):
         handed.clear()
@@ -247,3 +252,39 @@ def test_a_run_trains_to_the_same_weights_with_and_without_in_place_gradients(tm
     for key in on:  # Adam's step divides by the gradient's size: a near-zero entry's rounding moves it by up to lr
         difference = (on[key] - off[key]).abs()
         assert float(difference.max()) < 5e-3 * 1e-2 and float(difference.mean()) < 1e-7, key
+
+
+@pytest.mark.unit
+def test_the_accumulating_context_nests_and_ends_and_a_sparse_grad_is_left_to_autograd(tmp_path):
+    lm = model(tmp_path, tied=True)
+    use_in_place_gradients(lm)
+    weight, owner = lm.lm_head.weight, lm.lm_head
+    assert not in_place_gradients.in_place(weight, owner, "head")  # no backend's backward running
+    with accumulating_in_place([weight]):
+        with accumulating_in_place([weight]):
+            assert in_place_gradients.in_place(weight, owner, "head")
+        assert in_place_gradients.in_place(weight, owner, "head")  # the outer one still holds it
+        weight.grad = torch.zeros_like(weight).to_sparse()  # e.g. an earlier sparse backward's
+        assert not in_place_gradients.in_place(weight, owner, "head")
+        weight.grad = None
+        assert in_place_gradients.in_place(weight, owner, "head")
+    assert not in_place_gradients.in_place(weight, owner, "head")  # ended: a user's backward hands over again
+    assert in_place_gradients._ACCUMULATING == {}
+
+
+@pytest.mark.unit
+def test_the_checks_measures_see_every_row_and_an_all_padding_batch_agrees(tmp_path):
+    a, b = torch.zeros(5, 3), torch.zeros(5, 3)
+    b[0, 1] = 2.0  # only the first row differs
+    assert in_place_gradients.largest_difference(a, b, rows=2) == 2.0
+    b[0, 1], b[4, 2] = 0.0, -3.0  # only the last
+    assert in_place_gradients.largest_difference(a, b, rows=2) == 3.0
+    assert in_place_gradients.largest(torch.zeros(0, 3)) == 0.0
+    embedding = torch.nn.Embedding(7, 3, padding_idx=0)
+    assert use_in_place_gradients(torch.nn.Module()) == []  # no embedding, no output layer: nothing to give
+    embedding.__class__ = in_place_gradients._in_place_class(torch.nn.Embedding)
+    setattr(embedding.weight, in_place_gradients.ALLOWED, True)
+    with accumulating_in_place([embedding.weight]):
+        embedding(torch.zeros(2, 4, dtype=torch.long)).sum().backward()  # padding only: no row takes a gradient
+    assert verdict(embedding, "in_place_gradients/embedding") is True
+    assert torch.equal(embedding.weight.grad, torch.zeros(7, 3))
