@@ -134,6 +134,7 @@ _HOMES: dict[str, str] = {
     "use_vocab_chunks": "rlhf.fastpaths.vocab_chunks",
     "use_in_place_gradients": "rlhf.fastpaths.in_place_gradients",
     "accumulating_in_place": "rlhf.fastpaths.in_place_gradients",
+    "in_place_capable": "rlhf.fastpaths.in_place_gradients",
     "is_packed": "rlhf.fastpaths.packing",
     "can_share": "rlhf.fastpaths.prefix_sharing",
     "checked_for_sharing": "rlhf.fastpaths.prefix_sharing",
@@ -190,7 +191,7 @@ if TYPE_CHECKING:  # the same names for type checkers and editors (tests/core/te
     from rlhf.core.weight_check import checksum as weight_checksum
     from rlhf.fastpaths.cpu_linear import check_mode as check_cpu_linear_mode
     from rlhf.fastpaths.cpu_linear import use_onednn_linears
-    from rlhf.fastpaths.in_place_gradients import accumulating_in_place, use_in_place_gradients
+    from rlhf.fastpaths.in_place_gradients import accumulating_in_place, in_place_capable, use_in_place_gradients
     from rlhf.fastpaths.lean_decode import LeanDecoder, LeanDecodeUnsupported, lean_decoder_supported
     from rlhf.fastpaths.llama_like import cache_tensors
     from rlhf.fastpaths.packing import is_packed

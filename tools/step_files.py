@@ -35,7 +35,7 @@ PLUGINS = PACKAGE + "plugins" + os.sep
 LOGPROBS = PACKAGE + os.path.join("core", "logprobs.py")
 
 
-PLAIN = ["--no-share-prompt", "--no-vocab-chunks", "--cpu-linear", "torch"]  # every fast path off (with the RL
+PLAIN = ["--no-share-prompt", "--no-vocab-chunks", "--no-in-place-gradients", "--cpu-linear", "torch"]  # every fast path off (with the RL
 # step's ``--engine.decoder direct``)
 
 

@@ -53,12 +53,18 @@ _LOCK = threading.Lock()
 _ACCUMULATING: dict[int, int] = {}  # id(parameter) -> how many backends' backwards hold it in place now
 
 
+def in_place_capable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The ones of ``params`` that may take their gradients in place (`use_in_place_gradients` gave
+    them the ability): what a backend hands `accumulating_in_place`, none with the switch off."""
+    return [p for p in params if getattr(p, ALLOWED, False)]
+
+
 @contextlib.contextmanager
 def accumulating_in_place(params: Iterable[torch.Tensor]) -> Iterator[None]:
     """While this lasts, the allowed ones of ``params`` take their vocabulary-sized gradients in
     place (a backend wraps its ``loss.backward()`` in it). A global table, not the calling
     thread's: on a GPU autograd runs a backward on threads of its own."""
-    ids = [id(p) for p in params if getattr(p, ALLOWED, False)]
+    ids = [id(p) for p in in_place_capable(params)]
     with _LOCK:
         for key in ids:
             _ACCUMULATING[key] = _ACCUMULATING.get(key, 0) + 1

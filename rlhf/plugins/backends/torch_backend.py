@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlhf.api import TrainBackendBase, TrainStateOffload, accumulating_in_place
+from rlhf.api import TrainBackendBase, TrainStateOffload, accumulating_in_place, in_place_capable
 from rlhf.plugins.backends.config import BackendConfig
 
 __all__ = ["BackendConfig", "TorchBackend", "lr_factor"]
@@ -48,6 +48,9 @@ class TorchBackend(TrainBackendBase):
                                            weight_decay=config.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config))
         self.away = TrainStateOffload(self.optimizer, self.params)
+        # the weights whose gradients may go straight into .grad (rlhf.fastpaths.in_place_gradients): this
+        # backend adds nothing to a gradient as autograd hands it over; none with --no-in-place-gradients
+        self.in_place = in_place_capable(self.params)
 
     def offload_state(self, params: bool = False) -> int:
         """The optimizer's moments and step counts, and any gradients, off the device; returns the bytes
@@ -58,9 +61,10 @@ class TorchBackend(TrainBackendBase):
         self.away.reload()
 
     def backward(self, loss: torch.Tensor) -> None:
-        # the gradients of a vocabulary-sized embedding or output layer go straight into .grad
-        # (rlhf.fastpaths.in_place_gradients): this backend adds nothing to a gradient as autograd hands it over
-        with accumulating_in_place(self.params):
+        if not self.in_place:
+            loss.backward()
+            return
+        with accumulating_in_place(self.in_place):
             loss.backward()
 
     def step(self) -> dict[str, float]:
