@@ -46,6 +46,17 @@ def model(tmp_path, tied: bool):
     return lm
 
 
+def tiled_pair(lm):
+    """(a copy of ``lm``, both with tiled log-probs, ``lm`` also with in-place gradients; a list that
+    grows by one each time autograd is handed ``lm``'s output-layer gradient)."""
+    plain = copy.deepcopy(lm)
+    vocab_chunks.use_vocab_chunks(lm), vocab_chunks.use_vocab_chunks(plain)
+    use_in_place_gradients(lm)
+    handed = []
+    lm.lm_head.weight.register_hook(lambda grad: handed.append(1) if grad is not None else None)
+    return plain, handed
+
+
 class VocabularySized(TorchDispatchMode):
     """Counts the new tensors of ``shape`` that ops return (the (V, H) gradients)."""
 
@@ -118,11 +129,7 @@ def test_gradients_in_place_equal_autograds_with_no_vocabulary_sized_temporary(t
 @pytest.mark.unit
 def test_a_first_check_beside_an_existing_grad_hands_the_plain_sum_over_and_leaves_grad_alone(tmp_path):
     lm = model(tmp_path, tied=False)
-    plain = copy.deepcopy(lm)
-    vocab_chunks.use_vocab_chunks(lm), vocab_chunks.use_vocab_chunks(plain)
-    use_in_place_gradients(lm)
-    handed = []
-    lm.lm_head.weight.register_hook(lambda grad: handed.append(1) if grad is not None else None)
+    plain, handed = tiled_pair(lm)
     ids, mask, actions = micro_batches()[0]
     for model_, in_place in ((lm, True), (plain, False)):
         model_.lm_head.weight.grad = torch.full_like(model_.lm_head.weight, 0.5)  # an earlier backward's
@@ -137,11 +144,7 @@ def test_a_first_check_beside_an_existing_grad_hands_the_plain_sum_over_and_leav
 @pytest.mark.unit
 def test_a_users_own_backward_is_unchanged_bit_for_bit(tmp_path):
     lm = model(tmp_path, tied=True)
-    plain = copy.deepcopy(lm)
-    vocab_chunks.use_vocab_chunks(lm), vocab_chunks.use_vocab_chunks(plain)
-    use_in_place_gradients(lm)
-    handed = []
-    lm.lm_head.weight.register_hook(lambda grad: handed.append(1) if grad is not None else None)
+    plain, handed = tiled_pair(lm)
     got, expected = backward_all(lm, in_place=False), backward_all(plain, in_place=False)
     for name, grad in expected.items():
         assert torch.equal(got[name], grad), name
