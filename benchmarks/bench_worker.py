@@ -521,7 +521,7 @@ def main() -> None:
     parser.add_argument("--cpu-linear", default="torch", choices=["auto", "torch", "onednn"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                         help="the weights' dtype on every side (TRL: loaded so, and its Trainer's bf16=True)")
-    parser.add_argument("--set", default="", help="GRPO shape overrides, e.g. model=small2k,n=8,max_new_tokens=512,"
+    parser.add_argument("--set", default="", help="GRPO shape overrides, e.g. model=small4k,n=8,max_new_tokens=512,"
                                                   "prompts=2,micro_batch_size=8,lora_rank=16")
     parser.add_argument("--out")
     args = parser.parse_args()

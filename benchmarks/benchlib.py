@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"tiny": (64, 2, 320), "small": (256, 4, 320), "small32k": (256, 4, 32_000),
           "vocab152k": (512, 4, 151_936),
           # benchmarks/scale.py's axes: `small` at a long context and a large vocabulary, and two bigger models
-          "small2k": (256, 4, 320), "small152k": (256, 4, 151_936),
+          "small4k": (256, 4, 320), "small152k": (256, 4, 151_936),
           "llama100m": (768, 8, 32_000), "llama500m": (1280, 16, 32_000)}
 TIED = {"vocab152k", "llama100m"}  # output layer tied to the input embedding, as in Qwen2's small models
 # build_random_model's other settings where a model leaves its defaults (4 heads, 512 positions)
-SHAPE = {"small2k": {"max_positions": 2048}, "llama100m": {"heads": 12}, "llama500m": {"heads": 20}}
+SHAPE = {"small4k": {"max_positions": 4096}, "llama100m": {"heads": 12}, "llama500m": {"heads": 20}}
 PROMPT = "Say many a's please {}"
 REWARD_SOURCE = (
     "def count_a(completions, **kwargs):\n"

@@ -247,7 +247,7 @@ def main() -> None:
                              "the other sides keep glibc's dynamic threshold)")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "rlhf-harness"))
     parser.add_argument("--set", default="", help="GRPO shape overrides for every side (bench_worker.py --set), "
-                                                  "e.g. model=small2k,n=8,max_new_tokens=512")
+                                                  "e.g. model=small4k,n=8,max_new_tokens=512")
     parser.add_argument("--json", default=None, help="write every run's figures here")
     parser.add_argument("--label", default="", help="a label for this measurement in the JSON file")
     parser.add_argument("--render", default=None, help="print the markdown table of a saved --json file, run nothing")

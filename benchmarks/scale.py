@@ -4,7 +4,7 @@ Each axis varies one setting of a base point (`AXES`) and runs ``rlhf train --al
 TRL's GRPOTrainer beside it when TRL is importable) on the random-weight Llamas of `benchlib`
 (their EOS lies outside the vocabulary: every completion runs to the full length):
 
-- ``length``: new tokens 32 -> 1024 (`small2k`: h256/L4, vocabulary 320, 2,048 positions), 2 prompts x 4
+- ``length``: new tokens 32 -> 2048 (`small4k`: h256/L4, vocabulary 320, 4,096 positions), 2 prompts x 4
 - ``group``:  samples per prompt n = 2 -> 32 (`small`), 2 prompts, 32 new tokens
 - ``vocab``:  vocabulary 320 -> 32k -> 152k at h256/L4 (`small`, `small32k`, `small152k`), 4 prompts x 4,
   64 new tokens
@@ -39,8 +39,8 @@ import benchlib  # noqa: E402
 HERE = Path(__file__).resolve().parent
 # axis -> the varied setting, its values, the base point, the x-axis label
 AXES = {
-    "length": dict(key="max_new_tokens", values=[32, 128, 512, 1024], label="new tokens per completion",
-                   base=dict(model="small2k", prompts=2, n=4, max_new_tokens=32, lora_rank=0)),
+    "length": dict(key="max_new_tokens", values=[32, 128, 512, 2048], label="new tokens per completion",
+                   base=dict(model="small4k", prompts=2, n=4, max_new_tokens=32, lora_rank=0)),
     "group": dict(key="n", values=[2, 8, 32], label="samples per prompt (n)",
                   base=dict(model="small", prompts=2, n=4, max_new_tokens=32, lora_rank=0)),
     "vocab": dict(key="model", values=["small", "small32k", "small152k"], label="vocabulary (tokens)",
