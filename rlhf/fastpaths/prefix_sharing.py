@@ -18,6 +18,12 @@ models take such a 4D mask as given with the ``sdpa`` and ``eager`` attention im
 (boolean for sdpa, additive for eager). Flash-attention takes no custom mask, so those models
 are not shared (`can_share`): use ``--packing`` there.
 
+Packed (``--packing``, a `rlhf.fastpaths.packing.PackedModel` of a Llama-architecture model) the
+group rows lose their padding too: their real tokens run as one row through the norms,
+projections and MLPs, and attention per segment reads them at their places in the rows' layout
+(``prefix_sharing/packed``). A packed model of another architecture runs its sequences packed
+and unshared.
+
 Shape legend: ``B`` rows, ``T`` tokens, ``A = T - 1`` predicted positions, ``G`` groups, ``L``
 tokens of the longest group row, ``K`` predicted tokens, ``V`` vocabulary.
 """
@@ -34,6 +40,7 @@ import torch
 from rlhf.core.logprobs import deferred_head, hidden_states_out, scatter_logprobs
 from rlhf.core.modeling import accepts_logits_to_keep, base_model, innermost
 from rlhf.core.ordered_gather import gather_rows
+from rlhf.fastpaths.packing import is_packed
 from rlhf.fastpaths.segment_attention import (SegmentLayout, segment_forward_supported, segment_layout,
                                               segments_pay, shared_forward_hidden)
 from rlhf.fastpaths.verdicts import settle, verdict
@@ -53,6 +60,17 @@ class SharedRows:
     def layout(self) -> SegmentLayout:
         """Where the prefix and each remainder lie (`segment_layout` of ``segments``), worked out once."""
         return segment_layout(self.segments)
+
+    @cached_property
+    def real(self) -> torch.Tensor:
+        """(N,) the flattened (G·L) positions of the rows' real tokens, in order: the rows packed."""
+        return (self.segments.reshape(-1) >= 0).nonzero().squeeze(1)
+
+    @cached_property
+    def packed_at(self) -> torch.Tensor:
+        """(G·L,) a flattened position's place among the real tokens (`real`); -1 on padding."""
+        valid = self.segments.reshape(-1) >= 0  # (G·L,)
+        return torch.where(valid, torch.cumsum(valid.long(), dim=0) - 1, -1)
 
 
 def common_prefix(rows: Sequence[Sequence[int]]) -> int:
@@ -112,7 +130,10 @@ def share_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def can_share(model: Any) -> bool:
-    """Whether ``model`` takes a custom 4D attention mask (transformers' sdpa or eager attention)."""
+    """Whether ``model`` takes a custom 4D attention mask (transformers' sdpa or eager attention);
+    packed (``--packing``), whether its rows can run packed and shared (`packed_sharing`)."""
+    if is_packed(model):
+        return packed_sharing(model)
     config = getattr(innermost(model), "config", None)
     return getattr(config, "_attn_implementation", None) in _MASKED_ATTENTION
 
@@ -127,10 +148,21 @@ def attention_mask_4d(model: Any, allowed: torch.Tensor) -> torch.Tensor:
     return blocked.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def packed_sharing(model: Any) -> bool:
+    """Whether a packed model's (`rlhf.fastpaths.packing.PackedModel`) shared rows can run packed:
+    the model it wraps runs `shared_forward_hidden` (Llama-architecture, not wrapped for data
+    parallelism)."""
+    wrapped = model.model
+    return innermost(wrapped) is base_model(wrapped) and segment_forward_supported(wrapped)
+
+
 def sharing_path(model: Any, rows: SharedRows) -> str:
-    """The forward `shared_logits_at` runs for ``rows``: ``prefix_sharing/segment`` (attention per
-    segment: a Llama-architecture model not wrapped for data parallelism, where it pays) or
+    """The forward `shared_logits_at` runs for ``rows``: ``prefix_sharing/packed`` (a packed model:
+    the rows' real tokens as one row, attention per segment), ``prefix_sharing/segment`` (attention
+    per segment: a Llama-architecture model not wrapped for data parallelism, where it pays) or
     ``prefix_sharing/masked`` (the model's own forward under the row's mask)."""
+    if is_packed(model):
+        return "prefix_sharing/packed"
     if innermost(model) is base_model(model) and segment_forward_supported(model) and \
             segments_pay(rows.layout):
         return "prefix_sharing/segment"
@@ -144,8 +176,17 @@ def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.
 
     The forward is the one `sharing_path` names: attention per segment
     (`rlhf.fastpaths.segment_attention`: the prefix's and each remainder's own scores, not the
-    whole masked row's), or the model's forward under the row's mask."""
-    if sharing_path(model, rows) == "prefix_sharing/segment":
+    whole masked row's), over the rows' real tokens only when packed, or the model's forward under
+    the row's mask."""
+    path = sharing_path(model, rows)
+    if path == "prefix_sharing/packed":
+        wrapped, real = model.model, rows.real
+        allowed = None if segments_pay(rows.layout) else rows.allowed  # short rows: one masked call a layer
+        hidden = shared_forward_hidden(wrapped, rows.input_ids.reshape(-1)[real][None],
+                                       rows.position_ids.reshape(-1)[real][None], rows.layout, real,
+                                       allowed)  # (1, N, hidden)
+        return base_model(wrapped).lm_head(gather_rows(hidden[0], rows.packed_at[flat]))  # (K, V)
+    if path == "prefix_sharing/segment":
         hidden = shared_forward_hidden(model, rows.input_ids, rows.position_ids, rows.layout)  # (G, L, hidden)
         return base_model(model).lm_head(gather_rows(hidden.reshape(-1, hidden.shape[-1]), flat))  # (K, V)
     length = rows.input_ids.shape[1]
@@ -191,7 +232,8 @@ def checked_for_sharing(model: Any, rows: SharedRows, shared: Callable[[], torch
     in float32, 5e-2 in half precision). A model that ignores the 4D mask fails, with a warning
     naming ``who``; its sequences then run separately."""
     path = sharing_path(model, rows)
-    known = verdict(model, path)
+    owner = model.model if is_packed(model) else model  # a packed model's wrapper is made anew per step
+    known = verdict(owner, path)
     if known is not None:
         return known
     was_training = model.training
@@ -202,4 +244,4 @@ def checked_for_sharing(model: Any, rows: SharedRows, shared: Callable[[], torch
     finally:
         model.train(was_training)
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    return settle(model, path, difference, tolerance, who=who, switch="--no-share-prompt")
+    return settle(owner, path, difference, tolerance, who=who, switch="--no-share-prompt")

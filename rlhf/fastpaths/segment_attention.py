@@ -144,25 +144,49 @@ def segment_forward_supported(model: Any) -> bool:
 
 
 def shared_forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                          layout: SegmentLayout) -> torch.Tensor:
-    """The final-norm hidden states (G, L, hidden) of laid-out rows: ``input_ids`` and
-    ``position_ids`` (G, L) as `rlhf.fastpaths.prefix_sharing.share_prefixes` makes them, ``layout``
-    `segment_layout` of their segments. Gradients flow when enabled; LoRA-wrapped projections run
-    as they are."""
+                          layout: SegmentLayout, real: torch.Tensor | None = None,
+                          allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The final-norm hidden states of laid-out rows: ``input_ids`` and ``position_ids`` (G, L) as
+    `rlhf.fastpaths.prefix_sharing.share_prefixes` makes them, ``layout`` `segment_layout` of their
+    segments; (G, L, hidden). Packed (``real`` (N,), the flattened (G·L) positions of the rows'
+    real tokens, and ``input_ids``, ``position_ids`` (1, N) those tokens): the norms, projections
+    and MLPs run over the N real tokens only, attention over the rows' layout (queries, keys and
+    values placed at their columns, zeros on padding, which nothing reads); (1, N, hidden).
+    Attention is per segment, or with ``allowed`` (G, L, L) one sdpa call under that mask (short
+    rows, where two calls cost more than the masked scores: `segments_pay`).
+    Gradients flow when enabled; LoRA-wrapped projections run as they are."""
     inner = base_model(model).model
-    hidden = inner.embed_tokens(input_ids)  # (G, L, hidden)
+    hidden = inner.embed_tokens(input_ids)  # (G, L, hidden), or (1, N, hidden) packed
     cos, sin = inner.rotary_emb(hidden, position_ids)
-    groups, length = input_ids.shape
+    rows, columns = input_ids.shape
+    groups, length = layout.prefix_valid.shape[0], layout.length
     for layer in inner.layers:
         attention = layer.self_attn
         rotate = rotary_function(attention)
-        x = layer.input_layernorm(hidden)  # (G, L, hidden)
-        shape = (groups, length, -1, attention.head_dim)
-        query = attention.q_proj(x).view(shape).transpose(1, 2)  # (G, H, L, D)
-        key = attention.k_proj(x).view(shape).transpose(1, 2)  # (G, K, L, D)
-        value = attention.v_proj(x).view(shape).transpose(1, 2)  # (G, K, L, D)
+        x = layer.input_layernorm(hidden)  # (rows, columns, hidden)
+        shape = (rows, columns, -1, attention.head_dim)
+        query = attention.q_proj(x).view(shape).transpose(1, 2)  # (rows, H, columns, D)
+        key = attention.k_proj(x).view(shape).transpose(1, 2)  # (rows, K, columns, D)
+        value = attention.v_proj(x).view(shape).transpose(1, 2)  # (rows, K, columns, D)
         query, key = rotate(query, key, cos, sin)
-        out = segment_attention(query, key, value, layout, attention.scaling)  # (G, L, H, D)
-        hidden = hidden + attention.o_proj(out.reshape(groups, length, -1))
+        if real is not None:  # (1, h, N, D) -> (G, h, L, D)
+            query, key, value = (_at_columns(states, real, groups, length) for states in (query, key, value))
+        if allowed is None:
+            out = segment_attention(query, key, value, layout, attention.scaling)  # (G, L, H, D)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=allowed[:, None], scale=attention.scaling,
+                enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)  # (G, L, H, D)
+        if real is not None:
+            out = gather_rows(out.reshape(groups * length, -1), real)  # (N, H·D)
+        hidden = hidden + attention.o_proj(out.reshape(rows, columns, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return inner.norm(hidden)
+
+
+def _at_columns(states: torch.Tensor, real: torch.Tensor, groups: int, length: int) -> torch.Tensor:
+    """Packed (1, h, N, D) states placed at their (G·L) positions ``real`` (N,): (G, h, L, D), zeros
+    elsewhere."""
+    tokens = states[0].transpose(0, 1)  # (N, h, D)
+    placed = tokens.new_zeros(groups * length, *tokens.shape[1:]).index_put((real,), tokens)  # (G·L, h, D)
+    return placed.view(groups, length, *tokens.shape[1:]).transpose(1, 2)

@@ -196,10 +196,18 @@ def test_a_policy_step_is_the_same_packed_and_in_token_budget_micro_batches(tiny
 @pytest.mark.run
 @pytest.mark.parametrize("command", ["sft", "dpo", "kto", "distill"])
 def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(command, tiny_model_dir, fit_data,
-                                                                          fit_teacher, tmp_path):
-    """Padded micro-batches of 4 against packed ones of 1 example and packed token-budget ones."""
+                                                                          fit_teacher, tmp_path, monkeypatch):
+    """Padded micro-batches of 4 against packed ones of 1 example and packed token-budget ones; DPO's
+    pairs keep their shared prompt packed (one row of real tokens a micro-batch)."""
+    import rlhf.fastpaths.prefix_sharing as sharing
+
+    forwards = []
+    real = sharing.shared_forward_hidden
+    monkeypatch.setattr(sharing, "shared_forward_hidden",
+                        lambda m, ids, *a: forwards.append(ids.shape[0] == 1 and a[2] is not None) or real(m, ids, *a))
     runs = []
     for extra in ([], ["--packing", "--micro-batch-size", "1"], ["--packing", "--max-tokens-per-micro-batch", "40"]):
+        forwards.clear()
         out = tmp_path / f"run{len(runs)}"
         plugins = build_plugin_manager(load_entrypoints=False)
         plugins.register(recording_plugin())
@@ -210,6 +218,8 @@ def test_offline_objectives_take_the_same_step_packed_and_by_token_budget(comman
         result = run_cli(plugins, args)
         assert result.exit_code == 0, result.output
         runs.append((list(RecordingBackend.steps), read_jsonl(out / "metrics.jsonl")))
+        if command == "dpo" and extra:  # packed and shared, policy and reference, every micro-batch
+            assert forwards and all(forwards), "DPO's packed pairs did not share their prompt"
     (expected_steps, expected_metrics), *others = runs
     for steps, metrics in others:
         assert len(steps) == len(expected_steps) == 2

@@ -7,6 +7,7 @@
   prefixes differ in length, with and without grouped key-value heads;
 * the shared forward of a Llama, a Qwen2 (biased projections, grouped heads) and a Llama with LoRA
   adapters gives the separate forwards' log-probs and parameter gradients, and is the path taken;
+  packed (``--packing``), over the rows' real tokens only, the same;
 * models it does not reproduce (eager attention, gradient checkpointing, attention dropout in
   training, a data-parallel wrapper) run their own forward under the mask;
 * a segment forward that went wrong is caught on the first micro-batch: a warning, then separate
@@ -132,6 +133,51 @@ def test_the_shared_forward_gives_the_separate_logprobs_and_gradients(model, mon
     assert torch.allclose(got, expected, atol=1e-5)
     assert (expected[actions.bool()] < 0).all()
     assert_same_gradients(got_grads, expected_grads, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_segment", [True, False])
+def test_packed_shared_rows_give_the_separate_logprobs_and_gradients(model, monkeypatch, per_segment):
+    """``--packing`` with shared prompts: the rows' real tokens as one row (no padding in the
+    projections), attention at their places in the rows' layout (per segment, or for rows too
+    short for that to pay one masked call), the separate forwards' numbers."""
+    from rlhf.fastpaths.packing import PackedModel
+
+    monkeypatch.setattr(segments, "SEGMENTS_PAY_FROM", 0 if per_segment else 10**9)
+    shapes = []
+    real = segments.shared_forward_hidden
+    monkeypatch.setattr(sharing, "shared_forward_hidden",
+                        lambda m, ids, *a: shapes.append((tuple(ids.shape), a[3] is None)) or real(m, ids, *a))
+    ids, mask, actions, groups = shared_batch()
+    rows = share_prefixes(ids, mask, groups)
+    packed = PackedModel(model)
+    assert sharing.can_share(packed) and sharing_path(packed, rows) == "prefix_sharing/packed"
+
+    def run(forward):
+        model.zero_grad()
+        logprobs, entropy = forward()
+        ((logprobs + 0.1 * entropy) * actions).sum().backward()
+        return logprobs * actions, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+    expected, expected_grads = run(lambda: token_logprobs(model, ids, mask, actions, with_entropy=True))
+    got, got_grads = run(lambda: shared_token_logprobs(packed, rows, ids, actions, with_entropy=True))
+    # 4 prompt + 3 + 2 | 4 + 4 + 1 + 2 (rows 2, 3, 7 share 50 51) | 2 + 1 + 3 (row 4 a prefix of 5) | 4
+    assert shapes == [((1, 9 + 11 + 5 + 4), per_segment)], "the shared rows did not run packed"
+    assert rows.input_ids.numel() > 29  # the padded layout has padding the packed row does not
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert (expected[actions.bool()] < 0).all()
+    assert_same_gradients(got_grads, expected_grads, atol=1e-5)
+
+
+def test_packed_models_it_does_not_reproduce_run_packed_and_unshared(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.fastpaths.packing import PackedModel
+
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    assert sharing.can_share(eager)  # takes the 4D mask padded
+    assert not sharing.can_share(PackedModel(eager))  # packed, no segment forward: its sequences run unshared
+    assert sharing.can_share(PackedModel(AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                                              attn_implementation="sdpa")))
 
 
 def test_models_it_does_not_reproduce_run_their_own_forward(tiny_model_dir):

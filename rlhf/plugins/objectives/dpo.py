@@ -8,7 +8,7 @@ responses' NLL (per-token mean, averaged over pairs, as OpenRLHF). Mean over pai
 per pair. The reference is the starting model (with LoRA: the same weights, adapter off).
 Chosen and rejected share their prompt's forward (``--share-prompt``, on by default:
 `rlhf.fastpaths.prefix_sharing`): one row per pair, prompt + chosen + rejected, each response
-attending to the prompt and itself. The log-probs are the separate forwards' up to float
+attending to the prompt and itself; with ``--packing`` those rows' real tokens run as one row. The log-probs are the separate forwards' up to float
 rounding; each model's first micro-batch checks that against separate forwards and falls back
 to them, with a warning, for a model that does not take the mask.
 Metrics: ``accuracy`` (share of pairs whose implicit reward β(log π − log π_ref) is higher for
@@ -76,7 +76,7 @@ class DPOObjective(ObjectiveBase):
     def _forward(self, batch: dict[str, Any], share: bool) -> Any:
         """``m -> (2P, A) log-probs of the learnt tokens under m`` (the policy or the reference), each
         pair's prompt shared when ``share`` and the model takes it (`checked_for_sharing`)."""
-        from rlhf.api import can_share, checked_for_sharing, is_packed, share_prefixes, without_last_token
+        from rlhf.api import can_share, checked_for_sharing, share_prefixes, without_last_token
 
         inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
         pairs = len(batch["input_ids"]) // 2
@@ -90,7 +90,7 @@ class DPOObjective(ObjectiveBase):
             def separate() -> Any:
                 return learnt_logprobs(m, *inputs)
 
-            if rows is not None and not is_packed(m) and can_share(m) and \
+            if rows is not None and can_share(m) and \
                     checked_for_sharing(m, rows, shared, separate, "dpo"):
                 return shared()
             return separate()

@@ -135,7 +135,8 @@ class OptimOptions:
     share_prompt: bool = opt(True, "Run a prompt that several sequences share once, each sequence attending to it "
                              "under a mask (a DPO pair's chosen and rejected; in rlhf train a prompt's samples, when "
                              "that saves a tenth of the tokens): the same log-probs, fewer tokens. Needs sdpa or eager "
-                             "attention; not with --packing or --max-tokens-per-micro-batch", "train")
+                             "attention; not with --max-tokens-per-micro-batch, nor in rlhf train with --packing "
+                             "(a DPO pair's rows run packed and shared on Llama-architecture models)", "train")
     ring_attn_size: int = opt(1, "Sequence parallelism: split every sequence of the training forwards over N ranks "
                               "(ring attention). Under torchrun with a multiple of N processes; the data-parallel "
                               "degree becomes processes / N (docs/long-context.md)", "train")

@@ -88,12 +88,12 @@ class FitLoop(SteppedLoop):
         """The models as the objective's training forwards call them (packed with ``--packing``, over
         the ring with ``--ring-attn-size``). Prefix sharing steps aside under ``--aux-loss-coef``:
         its forwards take a 4D mask or are hand-written, and return no router logits over the real
-        tokens."""
+        tokens. Packed, the shared rows run packed (`rlhf.fastpaths.prefix_sharing.packed_sharing`)."""
         ring, packing = self.dist.ring, self.config.packing
         models = tuple(forward_model(m, packing=packing, ring=ring) if m is not None else None
                        for m in (self.trained.train_model, self.parts.reference, self.parts.teacher))
         return FitModels(model=models[0], reference=models[1], teacher=models[2],
-                         share_prompt=self.config.share_prompt and not packing and ring is None
+                         share_prompt=self.config.share_prompt and ring is None
                          and self.parts.router_aux is None)
 
     # --- the run --------------------------------------------------------------------------------
