@@ -334,3 +334,23 @@ def test_a_stop_during_the_last_step_still_completes_the_run(tiny_model_dir, tas
     out = train(small_config(tiny_model_dir, task, tmp_path / "run", steps=2), plugins=plugins)
     assert (out / "final" / "model.safetensors").is_file()
     assert (out / "checkpoints" / "step_2").is_dir()
+
+
+@pytest.mark.run
+def test_start_up_objects_are_frozen_for_the_collector_during_the_steps_only(tiny_model_dir, task, tmp_path,
+                                                                             make_plugin):
+    """The cyclic garbage collector does not rescan the libraries and models every full pass: they are
+    frozen before the first step (the model among them) and unfrozen when the run ends."""
+    import gc
+
+    seen = []
+
+    def on_step_end(run, step, metrics):
+        seen.append((gc.get_freeze_count(), any(type(o).__name__ == "LlamaForCausalLM" for o in gc.get_objects(2))))
+
+    plugins = build_plugin_manager()
+    plugins.register(make_plugin("watch", on_step_end=on_step_end))
+    assert gc.get_freeze_count() == 0
+    train(small_config(tiny_model_dir, task, tmp_path / "run", steps=2), plugins=plugins)
+    assert len(seen) == 2 and all(count > 10_000 and not model_scanned for count, model_scanned in seen)
+    assert gc.get_freeze_count() == 0

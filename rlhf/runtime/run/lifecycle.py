@@ -16,6 +16,7 @@ hook while the run is already failing is logged, not raised in its place.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -313,8 +314,10 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
     last: dict[str, float] = {}  # the last step's metrics and the last eval, for the model card
     try:
         emit("on_run_start", run=run)
-        with stop.installed():
+        with stop.installed(), startup_objects_frozen():
             loop.begin(run)
+            gc.collect()  # start-up's garbage, once, before the steps
+            gc.freeze()
             for step in range(loop.start_step, loop.total_steps):
                 metrics = loop.run_step(step, run)
                 emit("on_step_end", run=run, step=step, metrics=metrics)
@@ -348,6 +351,22 @@ def run_loop(loop: SteppedLoop, *, config: dict[str, Any], resume: bool, save_ev
             bar.close()
             _end(emit, run, status)
     return run_dir.path
+
+
+@contextlib.contextmanager
+def startup_objects_frozen() -> Iterator[None]:
+    """Python's cyclic garbage collector leaves the objects made before the first step alone (the
+    libraries, the models: about half a million on a small run) until the run ends: `run_loop` collects
+    once and freezes them (``gc.freeze``), so the collector's occasional full passes during training
+    scan only what the steps made. Before, the first full pass came in the second step and cost a
+    0.15 s step 0.2 s more (benchmarks/README.md). Objects freed by their reference counts are
+    freed as before; only cycles among start-up objects wait for the run's end."""
+    frozen = gc.get_freeze_count() > 0  # a caller's own freeze is left as it was
+    try:
+        yield
+    finally:
+        if not frozen:
+            gc.unfreeze()
 
 
 def _complete(path: Path, total_steps: int) -> bool:
