@@ -15,8 +15,9 @@ G = 16 prompts x n = 8 samples, 16 new tokens):
   (turns and delays drawn from a seed of the prompt and its sample, so every mode sees the same);
   the env scores the share of the letter a in the model's turns (0-1), lr 3e-3. G = 8 prompts x
   n = 8 samples. Its modes are synchronous, ``--async --max-staleness 1``,
-  ``--async --max-staleness 2``, ``--async --max-staleness 2 --partial-rollouts`` and, for scale,
-  ``--async --max-staleness 3``.
+  ``--async --max-staleness 2``, ``--async --max-staleness 2 --partial-rollouts`` (the default
+  ``--partial-chunk-tokens 8``, and 32: fewer, later moves to newer weights), and, for scale,
+  ``--async --max-staleness 3``. ``--modes`` runs some of a case's modes only.
 
 Each case runs synchronously, with ``--async --max-staleness 1`` and with ``--max-staleness 2``;
 every run in a process of its own, runs alternating (case by case, mode by mode, round by round) so
@@ -56,10 +57,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = ("plain", "slow_reward", "slow_tools", "long_tail")
 DEFAULT_CASES = ("plain", "slow_reward", "slow_tools")
 MODES = {"sync": None, "K=1": 1, "K=2": 2}
-# mode -> (--max-staleness or None for the synchronous run, --partial-rollouts)
-MODES_OF = {case: {mode: (k, False) for mode, k in MODES.items()} for case in DEFAULT_CASES}
-MODES_OF["long_tail"] = {"sync": (None, False), "K=1": (1, False), "K=2": (2, False), "K=2 partial": (2, True),
-                         "K=3": (3, False)}
+# mode -> (--max-staleness or None for the synchronous run, --partial-chunk-tokens with
+# --partial-rollouts or 0 without)
+MODES_OF = {case: {mode: (k, 0) for mode, k in MODES.items()} for case in DEFAULT_CASES}
+MODES_OF["long_tail"] = {"sync": (None, 0), "K=1": (1, 0), "K=2": (2, 0), "K=2 partial": (2, 8),
+                         "K=2 partial C=32": (2, 32), "K=3": (3, 0)}
 CURVE_MODES = ("sync", "K=2", "K=2 partial")  # the long-tail curves: the issue's three modes
 
 SLOW_REWARD = '''
@@ -138,7 +140,7 @@ def child(args: argparse.Namespace) -> None:
     from rlhf.runtime.rl.local import train
 
     work, case, staleness = Path(args.work), args.case, args.staleness
-    out = work / f"run-{case}-{staleness}{'-partial' if args.partial else ''}"
+    out = work / f"run-{case}-{staleness}{f'-partial{args.partial}' if args.partial else ''}"
     shutil.rmtree(out, ignore_errors=True)
     values = dict(model=str(ROOT / "examples" / "tiny-model"), data=[str(ROOT / "examples" / "data" / "train.jsonl")],
                   input_key="prompt", label_key="answer", reward=[f"{ROOT / 'examples' / 'rewards.py'}:exact_match"],
@@ -156,7 +158,9 @@ def child(args: argparse.Namespace) -> None:
                       env=f"{work / 'long_tail.py'}:LongTailEnv", max_turns=10, max_new_tokens=8, prompts_per_step=8,
                       reward=[f"{work / 'long_tail.py'}:no_reward"], lr=args.lr or 3e-3)
     if staleness >= 0:
-        values.update(async_rollout=True, max_staleness=staleness, partial_rollouts=args.partial)
+        values.update(async_rollout=True, max_staleness=staleness, partial_rollouts=bool(args.partial))
+        if args.partial:
+            values.update(partial_chunk_tokens=args.partial)
     plugins = build_plugin_manager()
     clock = benchlib.StepClock()
     plugins.register(benchlib.step_clock_plugin(clock), name="benchmark_step_clock")
@@ -170,11 +174,11 @@ def child(args: argparse.Namespace) -> None:
 
 
 def start_child(args: argparse.Namespace, work: Path, case: str, staleness: int | None, steps: int,
-                partial: bool = False) -> subprocess.Popen:
+                partial: int = 0) -> subprocess.Popen:
     command = [sys.executable, __file__, "--child", "--work", str(work), "--case", case,
                "--staleness", str(-1 if staleness is None else staleness), "--steps", str(steps),
                "--seed", str(args.seed)] + (["--threads", str(args.threads)] if args.threads else [])
-    command += (["--partial"] if partial else []) + (["--lr", str(args.lr)] if args.lr else [])
+    command += (["--partial", str(partial)] if partial else []) + (["--lr", str(args.lr)] if args.lr else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -190,7 +194,7 @@ def child_result(process: subprocess.Popen, label: str) -> dict:
 
 
 def run_child(args: argparse.Namespace, work: Path, case: str, staleness: int | None, steps: int,
-              partial: bool = False) -> dict:
+              partial: int = 0) -> dict:
     return child_result(start_child(args, work, case, staleness, steps, partial), f"{case} {staleness}")
 
 
@@ -205,10 +209,12 @@ def spread(values: list[float]) -> str:
 
 
 def compare(args: argparse.Namespace, work: Path) -> dict:
-    runs: dict[str, dict[str, list[dict]]] = {c: {m: [] for m in MODES_OF[c]} for c in args.cases}
+    runs: dict[str, dict[str, list[dict]]] = {c: {m: [] for m in MODES_OF[c] if not args.modes or m in args.modes}
+                                              for c in args.cases}
     for round_index in range(args.rounds):
         for case in args.cases:
-            for mode, (staleness, partial) in MODES_OF[case].items():
+            for mode in runs[case]:
+                staleness, partial = MODES_OF[case][mode]
                 result = run_child(args, work, case, staleness, args.steps, partial)
                 runs[case][mode].append(result)
                 walls = [x for r in runs[case][mode] for x in benchlib.steady(r["intervals"])]
@@ -310,6 +316,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(DEFAULT_CASES))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", default=None, help="only these modes of each case (e.g. sync 'K=2')")
     parser.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (0: the default)")
     parser.add_argument("--seed", type=int, default=0)
@@ -324,7 +331,7 @@ def main() -> None:
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--staleness", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--partial", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--partial", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
