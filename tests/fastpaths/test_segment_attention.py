@@ -167,6 +167,15 @@ def test_packed_shared_rows_give_the_separate_logprobs_and_gradients(model, monk
     assert (expected[actions.bool()] < 0).all()
     assert_same_gradients(got_grads, expected_grads, atol=1e-5)
 
+    # checked once per model, not per wrapper (the fit loop wraps the model anew for every micro-batch)
+    def check(wrapper):
+        return checked_for_sharing(wrapper, rows, lambda: shared_token_logprobs(wrapper, rows, ids, actions)[0] * actions,
+                                   lambda: token_logprobs(wrapper, ids, mask, actions)[0] * actions, "dpo")
+
+    assert check(packed) and verdict(model, "prefix_sharing/packed") is True
+    monkeypatch.setattr(sharing, "settle", lambda *a, **k: pytest.fail("checked again"))
+    assert check(PackedModel(model))
+
 
 def test_packed_models_it_does_not_reproduce_run_packed_and_unshared(tiny_model_dir):
     from transformers import AutoModelForCausalLM
