@@ -30,10 +30,9 @@ def test_the_rl_reading_path_stays_short(rl_step):
     assert len(rl_step.reading) <= 24, rl_step.reading  # batch making and scoring in files of their own
     update = rl_step.stages["runtime/rl/workers.py:fit"]  # from main() through the policy update to optimizer.step()
     assert len(update) <= 12 and "algorithms/training_loss.py" in update, update
-    # the step's four parts, and tokens.jsonl (`rlhf view`), which computes the logged rows' log-probs
+    # the step's four parts (tokens.jsonl's logged rows keep their log-probs from the update's forwards)
     assert set(rl_step.stages) == {"runtime/rl/rollout.py:generate", "runtime/rl/scoring.py:score",
-                                   "runtime/rl/experience.py:make", "runtime/rl/token_log.py:write",
-                                   "runtime/rl/workers.py:fit"}
+                                   "runtime/rl/experience.py:make", "runtime/rl/workers.py:fit"}
     assert set(rl_step.reading) - {"cli/main.py", "cli/train.py", "runtime/rl/local.py", "runtime/run/lifecycle.py"} \
         <= set(rl_step.running)
     assert "fastpaths/prefix_sharing.py" in rl_step.running  # on by default

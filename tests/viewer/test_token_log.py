@@ -280,3 +280,69 @@ def test_logging_tokens_leaves_training_bit_for_bit_as_it_was(plain, tiny_model_
 
     assert not any(isinstance(v, float) and math.isnan(v) for m in metrics(out) for v in m.values())
     assert metrics(out) == metrics(without) and len(metrics(out)) == 3
+
+
+def test_the_logged_log_probs_come_from_the_update_s_forwards_where_it_can_keep_them(tiny_model_dir, task, tmp_path,
+                                                                                    monkeypatch):
+    """An on-policy step trained in one optimizer step keeps the logged rows' log-probs from its own
+    training forwards (no forward of their own); they are the ones that forward computes."""
+    from rlhf.runtime.rl.workers import PolicyWorker
+
+    calls = []
+    own = PolicyWorker.logprobs
+    monkeypatch.setattr(PolicyWorker, "logprobs", lambda self, batch: calls.append(batch.size) or own(self, batch))
+    _plain_run(tiny_model_dir, task, tmp_path / "kept", log_tokens=4)
+    assert calls == []  # no step ran a forward for tokens.jsonl
+    monkeypatch.setattr(PolicyWorker, "keep_logprobs", lambda self, batch, rows: False)
+    _plain_run(tiny_model_dir, task, tmp_path / "own", log_tokens=4)
+    assert calls == [4, 4, 4]  # a forward of the 4 logged rows a step
+    kept, computed = read_jsonl(tmp_path / "kept" / "tokens.jsonl"), read_jsonl(tmp_path / "own" / "tokens.jsonl")
+    assert len(kept) == len(computed) == 12
+    for a, b in zip(kept, computed):
+        assert a["ids"] == b["ids"] and a["mask"] == b["mask"]
+        assert all(abs(x - y) <= 2 * ROUNDING + 1e-5 for x, y, m in zip(a["logprobs"], b["logprobs"], a["mask"]) if m)
+
+
+def test_an_update_that_cannot_keep_them_leaves_the_logged_rows_a_forward_of_their_own(tiny_model_dir, task):
+    """Two epochs (the second's forwards come after an optimizer step), a logged row the update
+    skips, dropout in training mode: `keep_logprobs` says no, and the update keeps nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.core.batch import ExperienceBatch
+    from rlhf.runtime.rl.workers import PolicyWorker, drops_out
+    from rlhf.runtime.step.micro_batches import UpdateSettings
+
+    class Loss:
+        kl_coef, entropy_coef = 0.0, 0.0
+
+        def __init__(self, skipped):
+            self.skipped = skipped
+
+        def trained_rows(self, batch):
+            return torch.tensor([row not in self.skipped for row in range(batch.size)])
+
+    def worker(skipped=(), epochs=1, train_batch_size=4, model=None):
+        settings = UpdateSettings(ppo_epochs=epochs, train_batch_size=train_batch_size, micro_batch_size=2,
+                                  max_new_tokens=4)
+        policy = PolicyWorker.__new__(PolicyWorker)
+        policy.settings, policy.training_loss, policy.router_aux = settings, Loss(skipped), None
+        policy.model = model or AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        from rlhf.core.distributed import SINGLE
+
+        policy.dist, policy.keep_rows, policy.kept = SINGLE, 0, {}
+        return policy
+
+    ids = torch.ones((4, 5), dtype=torch.long)
+    batch = ExperienceBatch(input_ids=ids, attention_mask=torch.ones_like(ids), action_mask=torch.ones((4, 4)),
+                            rewards=torch.zeros(4), sample_mask=torch.ones(4), group_index=torch.tensor([0, 0, 1, 1]))
+    keeping = worker()
+    assert keeping.keep_logprobs(batch, 2) and keeping.keep_rows == 2
+    assert not worker(epochs=2).keep_logprobs(batch, 2)
+    assert not worker(train_batch_size=2).keep_logprobs(batch, 2)
+    assert not worker(skipped=(1,)).keep_logprobs(batch, 2)
+    assert worker(skipped=(3,)).keep_logprobs(batch, 2)  # a skipped row that is not logged
+    dropping = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.1)
+    assert drops_out(dropping) and not worker(model=dropping).keep_logprobs(batch, 2)
+    with_old = ExperienceBatch(**{**batch.__dict__, "old_logprobs": torch.zeros((4, 4))})
+    assert not worker().keep_logprobs(with_old, 2)

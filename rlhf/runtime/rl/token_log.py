@@ -114,13 +114,21 @@ class TokenLog:
                                                 clean_up_tokenization_spaces=False))
 
     def write(self, run: RunInfo, step: int, trajectories: list[Trajectory], batch: ExperienceBatch,
-              policy: PolicyRole | None = None) -> None:
+              policy: PolicyRole | None = None, kept: dict[int, torch.Tensor] | None = None) -> None:
         """The records of step ``step`` (0-based) in one write. ``policy``: the policy, whole in this
-        process, to compute the logged rows' log-probs where the batch has none (None: not here)."""
+        process, to compute the logged rows' log-probs where the batch has none (None: not here);
+        ``kept``: instead, those log-probs (A,) per row as the update's forwards computed them before
+        its optimizer step (`rlhf.runtime.rl.workers.PolicyWorker.keep_logprobs`)."""
         if not self.enabled or not trajectories:
             return
         logged = trajectories[: self.limit]
         computed = policy_logprobs(policy, batch, len(logged)) if policy is not None else None
+        if kept is not None:  # a micro-batch's columns are the batch's first ones (its padding trimmed)
+            import torch
+
+            computed = torch.zeros((len(logged), batch.action_mask.shape[1]), dtype=torch.float32)  # (rows, A')
+            for row in range(len(logged)):
+                computed[row, : kept[row].shape[0]] = kept[row]
         lines = [json.dumps(token_record(t, batch, row, step=step + 1, sample=row, decode=self.decode,
                                          policy_logprobs=computed)) + "\n"
                  for row, t in enumerate(logged)]

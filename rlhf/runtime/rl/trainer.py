@@ -169,15 +169,21 @@ class Trainer(SteppedLoop):
                                   reference=w.reference, critic=w.critic,
                                   kl_estimator=self.plan.algorithm.kl_estimator, teacher=w.teacher,
                                   teacher_coef=self.experience.teacher_coef)  # --agent branches
-            self.tokens.write(run, step, trajectories, batch,  # --log-tokens: rlhf view's token view
-                              policy=w.policy if w.policy_here else None)
-        with timer("train"):
             frozen = step < self.config.freeze_actor_steps  # critic warm-up: the policy waits
+            # --log-tokens (rlhf view's token view): the logged rows' log-probs from the update's own
+            # forwards where it can keep them (`PolicyWorker.keep_logprobs`), else a forward of their own
+            logged = min(self.tokens.limit, len(trajectories)) if self.tokens.enabled else 0
+            from_update = bool(logged) and w.policy_here and not frozen and w.policy.keep_logprobs(batch, logged)
+            if not from_update:
+                self.tokens.write(run, step, trajectories, batch, policy=w.policy if w.policy_here else None)
+        with timer("train"):
             train = {"policy/frozen": 1.0} if frozen else {**w.policy.fit(batch, step=step, kl_coef=self.kl.value),
                                                             "policy/frozen": 0.0}
             if w.critic is not None:
                 train.update(w.critic.fit(batch, step=step))
             self.guards.check_finite()
+        if from_update:
+            self.tokens.write(run, step, trajectories, batch, kept=w.policy.kept)
         with timer("sync"):
             if not frozen:
                 self.batches.sync_weights()  # the rollout samples from the new weights (--async: by version)

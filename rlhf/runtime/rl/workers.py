@@ -23,7 +23,7 @@ from rlhf.rewards.combine import RewardSet
 from rlhf.core.logprobs import token_logprobs, without_last_token
 from rlhf.fastpaths.packing import is_packed
 from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes, shared_token_logprobs
-from rlhf.runtime.step.micro_batches import MicroBatch, UpdateSettings, minibatches, my_rows, plan_micro_batches
+from rlhf.runtime.step.micro_batches import MicroBatch, UpdateSettings, minibatch_rows, my_rows, plan_micro_batches
 from rlhf.runtime.step.router_aux import RouterAux
 from rlhf.runtime.run.threads import adjust_threads
 from rlhf.runtime.step.trained import TrainedModel, forward_model
@@ -143,19 +143,25 @@ class _TrainedWorker(TrainedModel):
         self.check_token_budget(self.settings.max_tokens_per_micro_batch)
         self.model.train()
         metrics = WeightedMeans()
-        for minibatch in minibatches(batch, self.settings, step):
+        first = True  # no optimizer step of this step has run yet
+        for rows in minibatch_rows(batch, self.settings, step):  # (b,) each
+            minibatch = batch.select(rows)
             norm = step_norm(minibatch, self.settings.max_new_tokens)
             if norm.num_tokens == 0:
                 continue
-            minibatch = self._rows_that_train(minibatch, trained_rows, share and self.settings.share_prompt, metrics)
+            minibatch, kept = self._rows_that_train(minibatch, trained_rows, share and self.settings.share_prompt,
+                                                    metrics)
+            rows = rows if kept is None else rows[kept]  # (b',) the minibatch's rows in the step's batch
             micros = self._my_micro_batches(minibatch, share)
-            self.optimizer_step([lambda micro=micro: micro_loss(MicroBatch(micro.rows, micro.batch.to(self.device),
-                                                                           micro.groups), norm)
-                                 for micro in micros], metrics)
+            before = first and not self.dist.active
+            self.optimizer_step([lambda micro=micro: micro_loss(MicroBatch(
+                micro.rows, micro.batch.to(self.device), micro.groups,
+                before_update=rows[micro.rows] if before else None), norm) for micro in micros], metrics)
+            first = False
         return metrics
 
     def _rows_that_train(self, minibatch: ExperienceBatch, trained_rows: Callable[[ExperienceBatch], Any] | None,
-                         whole_groups: bool, metrics: WeightedMeans) -> ExperienceBatch:
+                         whole_groups: bool, metrics: WeightedMeans) -> tuple[ExperienceBatch, torch.Tensor | None]:
         """The minibatch without the rows ``trained_rows`` says add exactly nothing to the loss and its
         gradient (zero advantages, `PolicyTrainingLoss.trained_rows`): their forwards and backwards are
         skipped, the step's counts (``norm``) still include them. ``whole_groups``: a row is
@@ -164,10 +170,11 @@ class _TrainedWorker(TrainedModel):
         with ``whole_groups``). They are skipped in one process only (under torchrun every rank
         runs the same number of micro-batches, and trains them all). When no row trains, one
         is kept: the optimizer then steps with zero gradients, as it would over the whole
-        minibatch (momentum and weight decay still apply)."""
+        minibatch (momentum and weight decay still apply). Also returns the kept rows' indices in
+        the minibatch (b',), None when all are kept."""
         keep = trained_rows(minibatch) if trained_rows is not None else None  # (b,)
         if keep is None:
-            return minibatch
+            return minibatch, None
         if whole_groups:
             groups = minibatch.group_index  # (b,)
             alive = torch.zeros(int(groups.max()) + 1, dtype=torch.long).scatter_reduce(
@@ -175,9 +182,9 @@ class _TrainedWorker(TrainedModel):
             keep = alive[groups].bool()  # (b,)
         metrics.add({"zero_advantage_frac": 1.0 - float(keep.float().mean())})
         if bool(keep.all()) or self.dist.active:
-            return minibatch
+            return minibatch, None
         rows = keep.nonzero().squeeze(1) if bool(keep.any()) else torch.zeros(1, dtype=torch.long)  # (b',)
-        return minibatch.select(rows)
+        return minibatch.select(rows), rows
 
 
 class PolicyWorker(_TrainedWorker):
@@ -188,6 +195,25 @@ class PolicyWorker(_TrainedWorker):
         super().__init__(model, backend, settings, dist)
         self.training_loss = training_loss
         self.router_aux = router_aux  # --aux-loss-coef: the MoE router loss of the training forwards
+        self.keep_rows = 0  # `keep_logprobs`: the next update keeps its first rows' log-probs in `kept`
+        self.kept: dict[int, torch.Tensor] = {}  # batch row -> (A,) its log-probs before the update
+
+    def keep_logprobs(self, batch: ExperienceBatch, rows: int) -> bool:
+        """Whether the next `fit` of ``batch`` can keep the log-probs of its first ``rows`` rows
+        before the update from its own forwards (tokens.jsonl's, which then need no forward of
+        their own): an on-policy batch trained in one optimizer step (one epoch, one minibatch, one
+        process), those rows among the trained ones, and no dropout (the update's forwards run in
+        training mode). When it can, that `fit` keeps them in ``kept``."""
+        self.keep_rows, self.kept = 0, {}
+        trajectories = batch.size if batch.trajectory_index is None else int(batch.trajectory_index.max()) + 1
+        if batch.old_logprobs is not None or self.dist.active or self.settings.ppo_epochs != 1 or \
+                self.settings.train_batch_size < trajectories or rows > trajectories or drops_out(self.model):
+            return False
+        trains = self.training_loss.trained_rows(batch.select(list(range(rows)))) if self.router_aux is None else None
+        if trains is not None and not bool(trains.all()):
+            return False  # a logged row the update skips: it has no forward to keep
+        self.keep_rows = rows
+        return True
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
@@ -207,8 +233,11 @@ class PolicyWorker(_TrainedWorker):
         still routes tokens) and prompts are not shared (the shared forwards return no router
         logits over the real tokens)."""
         plain = self.router_aux is None
-        metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef), share=plain,
-                            trained_rows=self.training_loss.trained_rows if plain else None)
+        try:
+            metrics = self._fit(batch, step, lambda micro, norm: self._micro_loss(micro, norm, kl_coef), share=plain,
+                                trained_rows=self.training_loss.trained_rows if plain else None)
+        finally:
+            self.keep_rows = 0  # `keep_logprobs` holds for one update
         return {k if "/" in k else f"policy/{k}": v for k, v in metrics.result(self.dist).items()}
 
     def _micro_loss(self, micro: MicroBatch, norm: LossNorm,
@@ -217,6 +246,10 @@ class PolicyWorker(_TrainedWorker):
             logprobs, entropy = micro_logprobs(self._packed(self.train_model), micro,
                                                temperature=self.training_loss.temperature,
                                                with_entropy=self.training_loss.needs_entropy)  # (b, A), (b, A)|None
+            if self.keep_rows and micro.before_update is not None:  # `keep_logprobs`
+                for row, origin in enumerate(micro.before_update.tolist()):
+                    if origin < self.keep_rows:
+                        self.kept[origin] = logprobs[row].detach().cpu()
             return self.training_loss(logprobs, micro.batch, norm, entropy=entropy, kl_coef=kl_coef)
 
         tokens = float(micro.batch.loss_mask.sum())
@@ -225,6 +258,15 @@ class PolicyWorker(_TrainedWorker):
         else:  # the loss is this micro-batch's share of the step's: so is its router loss (its loss tokens')
             loss, metrics = self.router_aux.added(policy_loss, share=tokens / norm.num_tokens)
         return loss, metrics, tokens
+
+
+def drops_out(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward in training mode drops anything out (a dropout module, or an
+    attention dropout in its config)."""
+    config = getattr(model, "config", None)
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
 
 
 class CriticWorker(_TrainedWorker):

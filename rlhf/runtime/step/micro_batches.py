@@ -34,9 +34,16 @@ class UpdateSettings:
 
 
 def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> list[ExperienceBatch]:
-    """Shuffled minibatches for every epoch, with a per-(seed, step, epoch) order (resumable).
-    ``train_batch_size`` counts trajectories: a trajectory's segment rows (``trajectory_index``,
-    `rlhf.runtime.step.segments`) go into its minibatch, after the trajectories' own rows."""
+    """Shuffled minibatches for every epoch, with a per-(seed, step, epoch) order (resumable):
+    ``batch``'s rows `minibatch_rows` gives."""
+    return [batch.select(rows) for rows in minibatch_rows(batch, settings, step)]
+
+
+def minibatch_rows(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> list[torch.Tensor]:
+    """The rows of each minibatch of every epoch in ``batch``, (b,) each, shuffled per (seed, step,
+    epoch). ``train_batch_size`` counts trajectories: a trajectory's segment rows
+    (``trajectory_index``, `rlhf.runtime.step.segments`) go into its minibatch, after the
+    trajectories' own rows."""
     out = []
     owners = batch.trajectory_index  # (B,) or None: a row per trajectory
     count = batch.size if owners is None else int(owners.max()) + 1
@@ -48,7 +55,7 @@ def minibatches(batch: ExperienceBatch, settings: UpdateSettings, step: int) -> 
             if owners is not None:
                 segments = torch.arange(count, batch.size)  # (E,)
                 rows = torch.cat([rows, segments[torch.isin(owners[count:], rows)]])
-            out.append(batch.select(rows))
+            out.append(rows)
     return out
 
 
@@ -91,6 +98,9 @@ class MicroBatch:
     rows: torch.Tensor  # (b,) the micro-batch's rows in the batch it was cut from
     batch: ExperienceBatch
     groups: list[list[int]] | None = None  # rows of one prompt, to share its forward; None: run unshared
+    # in an update (one process): its rows in the step's batch, when no optimizer step of the step has
+    # run before it (the forward is the policy's before the update); else None
+    before_update: torch.Tensor | None = None
 
 
 def shared_micro_batches(minibatch: ExperienceBatch, size: int) -> list[MicroBatch] | None:
