@@ -9,8 +9,10 @@ and environment turns included), columns of equal length:
     ids, pieces        the token id and its text (the tokenizer's decode of that one id)
     mask               1 where the policy sampled it and it trains, 0 for tool / environment text
     logprobs           the policy's log-prob before the update: the step's old log-probs where it
-                       computed them, else computed here for the logged rows (`policy_logprobs`:
-                       only where the trainer is given the policy, whole in its process)
+                       computed them, else the update's own forwards' where it could keep them
+                       (`rlhf.runtime.rl.workers.PolicyWorker.keep_logprobs`), else computed here for
+                       the logged rows (`policy_logprobs`: only where the trainer is given the
+                       policy, whole in its process)
     rollout_logprobs   what the rollout engine reported (0 off the mask): the batch's where the
                        policy loss reads them, else the trajectory's own (the trainer asks the
                        engine for them whenever tokens.jsonl is written)
