@@ -218,9 +218,10 @@ CURATED = [
      "norm = step_norm(minibatch.select(torch.arange(min(self.settings.micro_batch_size, minibatch.size))), "
      "self.settings.max_new_tokens)",
      "loss normalised per micro-batch instead of per step"),
-    ("rlhf/runtime/rl/workers.py", "minibatch = self._rows_that_train(minibatch, trained_rows, share and",
-     "norm = step_norm(self._rows_that_train(minibatch, trained_rows, False, metrics), self.settings.max_new_tokens)\n"
-     "            minibatch = self._rows_that_train(minibatch, trained_rows, share and",
+    ("rlhf/runtime/rl/workers.py", "minibatch, kept = self._rows_that_train(minibatch, trained_rows, share and",
+     "norm = step_norm(self._rows_that_train(minibatch, trained_rows, False, metrics)[0], "
+     "self.settings.max_new_tokens)\n"
+     "            minibatch, kept = self._rows_that_train(minibatch, trained_rows, share and",
      "the step's counts leave out the skipped zero-advantage rows"),
     ("rlhf/algorithms/training_loss.py", "if self.kl_coef > 0 or self.entropy_coef > 0 or not",
      "if not", "zero-advantage rows skipped although the KL or entropy term trains them"),

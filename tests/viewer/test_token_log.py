@@ -304,8 +304,9 @@ def test_the_logged_log_probs_come_from_the_update_s_forwards_where_it_can_keep_
 
 
 def test_an_update_that_cannot_keep_them_leaves_the_logged_rows_a_forward_of_their_own(tiny_model_dir, task):
-    """Two epochs (the second's forwards come after an optimizer step), a logged row the update
-    skips, dropout in training mode: `keep_logprobs` says no, and the update keeps nothing."""
+    """Two epochs (the second's forwards come after an optimizer step), two minibatches, a logged
+    row the update skips, dropout in training mode, old log-probs of its own, no loss token at all:
+    `keep_logprobs` says no."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -346,3 +347,5 @@ def test_an_update_that_cannot_keep_them_leaves_the_logged_rows_a_forward_of_the
     assert drops_out(dropping) and not worker(model=dropping).keep_logprobs(batch, 2)
     with_old = ExperienceBatch(**{**batch.__dict__, "old_logprobs": torch.zeros((4, 4))})
     assert not worker().keep_logprobs(with_old, 2)
+    unscored = ExperienceBatch(**{**batch.__dict__, "sample_mask": torch.zeros(4)})  # no loss token: no forward
+    assert not worker().keep_logprobs(unscored, 2)

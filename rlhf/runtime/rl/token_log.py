@@ -125,11 +125,11 @@ class TokenLog:
             return
         logged = trajectories[: self.limit]
         computed = policy_logprobs(policy, batch, len(logged)) if policy is not None else None
-        if kept is not None:  # a micro-batch's columns are the batch's first ones (its padding trimmed)
+        if kept is not None and all(row in kept for row in range(len(logged))):
             import torch
 
             computed = torch.zeros((len(logged), batch.action_mask.shape[1]), dtype=torch.float32)  # (rows, A')
-            for row in range(len(logged)):
+            for row in range(len(logged)):  # a micro-batch's columns are the batch's first (its padding trimmed)
                 computed[row, : kept[row].shape[0]] = kept[row]
         lines = [json.dumps(token_record(t, batch, row, step=step + 1, sample=row, decode=self.decode,
                                          policy_logprobs=computed)) + "\n"

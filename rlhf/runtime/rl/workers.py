@@ -209,6 +209,8 @@ class PolicyWorker(_TrainedWorker):
         if batch.old_logprobs is not None or self.dist.active or self.settings.ppo_epochs != 1 or \
                 self.settings.train_batch_size < trajectories or rows > trajectories or drops_out(self.model):
             return False
+        if float(batch.loss_mask.sum()) == 0:
+            return False  # an update with no loss token runs no forward
         trains = self.training_loss.trained_rows(batch.select(list(range(rows)))) if self.router_aux is None else None
         if trains is not None and not bool(trains.all()):
             return False  # a logged row the update skips: it has no forward to keep
