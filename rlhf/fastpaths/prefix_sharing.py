@@ -20,9 +20,9 @@ are not shared (`can_share`): use ``--packing`` there.
 
 Packed (``--packing``, a `rlhf.fastpaths.packing.PackedModel` of a Llama-architecture model) the
 group rows lose their padding too: their real tokens run as one row through the norms,
-projections and MLPs, and attention per segment reads them at their places in the rows' layout
-(``prefix_sharing/packed``). A packed model of another architecture runs its sequences packed
-and unshared.
+projections and MLPs, and attention (masked, or per segment) reads them at their places in the rows' layout
+(``prefix_sharing/packed/masked`` or ``/segment``, each checked on its own first use). A packed
+model of another architecture runs its sequences packed and unshared.
 
 Shape legend: ``B`` rows, ``T`` tokens, ``A = T - 1`` predicted positions, ``G`` groups, ``L``
 tokens of the longest group row, ``K`` predicted tokens, ``V`` vocabulary.
@@ -157,12 +157,13 @@ def packed_sharing(model: Any) -> bool:
 
 
 def sharing_path(model: Any, rows: SharedRows) -> str:
-    """The forward `shared_logits_at` runs for ``rows``: ``prefix_sharing/packed`` (a packed model:
-    the rows' real tokens as one row, attention per segment), ``prefix_sharing/segment`` (attention
+    """The forward `shared_logits_at` runs for ``rows``: ``prefix_sharing/packed/masked`` or
+    ``/segment`` (a packed model: the rows' real tokens as one row, attention under the rows' mask
+    or per segment where that pays; each variant checked on its own), ``prefix_sharing/segment`` (attention
     per segment: a Llama-architecture model not wrapped for data parallelism, where it pays) or
     ``prefix_sharing/masked`` (the model's own forward under the row's mask)."""
     if is_packed(model):
-        return "prefix_sharing/packed"
+        return f"prefix_sharing/packed/{'segment' if segments_pay(rows.layout) else 'masked'}"
     if innermost(model) is base_model(model) and segment_forward_supported(model) and \
             segments_pay(rows.layout):
         return "prefix_sharing/segment"
@@ -179,9 +180,9 @@ def shared_logits_at(model: Any, rows: SharedRows, flat: torch.Tensor) -> torch.
     whole masked row's), over the rows' real tokens only when packed, or the model's forward under
     the row's mask."""
     path = sharing_path(model, rows)
-    if path == "prefix_sharing/packed":
+    if path.startswith("prefix_sharing/packed/"):
         wrapped, real = model.model, rows.real
-        allowed = None if segments_pay(rows.layout) else rows.allowed  # short rows: one masked call a layer
+        allowed = rows.allowed if path.endswith("/masked") else None  # short rows: one masked call a layer
         hidden = shared_forward_hidden(wrapped, rows.input_ids.reshape(-1)[real][None],
                                        rows.position_ids.reshape(-1)[real][None], rows.layout, real,
                                        allowed)  # (1, N, hidden)

@@ -114,6 +114,14 @@ def model(request, tiny_model_dir):
                                             init_lora_weights=False))
 
 
+def logprobs_and_grads(model, actions, forward):
+    """(B, A) log-probs on the action tokens and the parameter gradients of their sum plus 0.1 x entropy."""
+    model.zero_grad()
+    logprobs, entropy = forward()
+    ((logprobs + 0.1 * entropy) * actions).sum().backward()
+    return logprobs * actions, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
 def test_the_shared_forward_gives_the_separate_logprobs_and_gradients(model, monkeypatch, segments_always_pay):
     calls = []
     real = segments.shared_forward_hidden
@@ -121,14 +129,10 @@ def test_the_shared_forward_gives_the_separate_logprobs_and_gradients(model, mon
     ids, mask, actions, groups = shared_batch()
     rows = share_prefixes(ids, mask, groups)
 
-    def run(forward):
-        model.zero_grad()
-        logprobs, entropy = forward()
-        ((logprobs + 0.1 * entropy) * actions).sum().backward()
-        return logprobs * actions, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-
-    expected, expected_grads = run(lambda: token_logprobs(model, ids, mask, actions, with_entropy=True))
-    got, got_grads = run(lambda: shared_token_logprobs(model, rows, ids, actions, with_entropy=True))
+    expected, expected_grads = logprobs_and_grads(model, actions, lambda: token_logprobs(model, ids, mask, actions,
+                                                                                        with_entropy=True))
+    got, got_grads = logprobs_and_grads(model, actions, lambda: shared_token_logprobs(model, rows, ids, actions,
+                                                                                      with_entropy=True))
     assert calls, "the shared forward did not run per segment"
     assert torch.allclose(got, expected, atol=1e-5)
     assert (expected[actions.bool()] < 0).all()
@@ -150,16 +154,13 @@ def test_packed_shared_rows_give_the_separate_logprobs_and_gradients(model, monk
     ids, mask, actions, groups = shared_batch()
     rows = share_prefixes(ids, mask, groups)
     packed = PackedModel(model)
-    assert sharing.can_share(packed) and sharing_path(packed, rows) == "prefix_sharing/packed"
+    path = "prefix_sharing/packed/" + ("segment" if per_segment else "masked")  # each variant checked on its own
+    assert sharing.can_share(packed) and sharing_path(packed, rows) == path
 
-    def run(forward):
-        model.zero_grad()
-        logprobs, entropy = forward()
-        ((logprobs + 0.1 * entropy) * actions).sum().backward()
-        return logprobs * actions, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-
-    expected, expected_grads = run(lambda: token_logprobs(model, ids, mask, actions, with_entropy=True))
-    got, got_grads = run(lambda: shared_token_logprobs(packed, rows, ids, actions, with_entropy=True))
+    expected, expected_grads = logprobs_and_grads(model, actions, lambda: token_logprobs(model, ids, mask, actions,
+                                                                                        with_entropy=True))
+    got, got_grads = logprobs_and_grads(model, actions, lambda: shared_token_logprobs(packed, rows, ids, actions,
+                                                                                      with_entropy=True))
     # 4 prompt + 3 + 2 | 4 + 4 + 1 + 2 (rows 2, 3, 7 share 50 51) | 2 + 1 + 3 (row 4 a prefix of 5) | 4
     assert shapes == [((1, 9 + 11 + 5 + 4), per_segment)], "the shared rows did not run packed"
     assert rows.input_ids.numel() > 29  # the padded layout has padding the packed row does not
@@ -169,10 +170,11 @@ def test_packed_shared_rows_give_the_separate_logprobs_and_gradients(model, monk
 
     # checked once per model, not per wrapper (the fit loop wraps the model anew for every micro-batch)
     def check(wrapper):
-        return checked_for_sharing(wrapper, rows, lambda: shared_token_logprobs(wrapper, rows, ids, actions)[0] * actions,
+        return checked_for_sharing(wrapper, rows,
+                                   lambda: shared_token_logprobs(wrapper, rows, ids, actions)[0] * actions,
                                    lambda: token_logprobs(wrapper, ids, mask, actions)[0] * actions, "dpo")
 
-    assert check(packed) and verdict(model, "prefix_sharing/packed") is True
+    assert check(packed) and verdict(model, path) is True
     monkeypatch.setattr(sharing, "settle", lambda *a, **k: pytest.fail("checked again"))
     assert check(PackedModel(model))
 
