@@ -141,9 +141,11 @@ def test_dpo_takes_the_same_steps_with_a_shared_prompt(tiny_model_dir, fit_data,
 
     real = sharing.share_prefixes
     counting = lambda *a: calls.append(1) or real(*a)  # noqa: E731
-    # the objective reads it through rlhf.api, which keeps what it resolved first: patch both
-    monkeypatch.setattr(sharing, "share_prefixes", counting)
+    # the objective reads it through rlhf.api, which keeps what it resolved first: patch both, rlhf.api
+    # first (its old value is resolved from the home module, which must not be patched yet, or undoing
+    # the patch would leave the counting function in rlhf.api for every later test)
     monkeypatch.setattr(rlhf.api, "share_prefixes", counting, raising=False)
+    monkeypatch.setattr(sharing, "share_prefixes", counting)
     shared = dpo_steps(tiny_model_dir, fit_data, fit_teacher, tmp_path / "shared", [])
     assert calls, "the default dpo run did not share its prompts"
     calls.clear()
