@@ -16,7 +16,7 @@ G = 16 prompts x n = 8 samples, 16 new tokens):
   the env scores the share of the letter a in the model's turns (0-1), lr 3e-3. G = 8 prompts x
   n = 8 samples. Its modes are synchronous, ``--async --max-staleness 1``,
   ``--async --max-staleness 2``, ``--async --max-staleness 2 --partial-rollouts`` (the default
-  ``--partial-chunk-tokens 8``, and 32: fewer, later moves to newer weights), and, for scale,
+  ``--partial-chunk-tokens 8``, and 32 and 64: fewer, later moves to newer weights), and, for scale,
   ``--async --max-staleness 3``. ``--modes`` runs some of a case's modes only.
 
 Each case runs synchronously, with ``--async --max-staleness 1`` and with ``--max-staleness 2``;
@@ -61,7 +61,7 @@ MODES = {"sync": None, "K=1": 1, "K=2": 2}
 # --partial-rollouts or 0 without)
 MODES_OF = {case: {mode: (k, 0) for mode, k in MODES.items()} for case in DEFAULT_CASES}
 MODES_OF["long_tail"] = {"sync": (None, 0), "K=1": (1, 0), "K=2": (2, 0), "K=2 partial": (2, 8),
-                         "K=2 partial C=32": (2, 32), "K=3": (3, 0)}
+                         "K=2 partial C=32": (2, 32), "K=2 partial C=64": (2, 64), "K=3": (3, 0)}
 CURVE_MODES = ("sync", "K=2", "K=2 partial")  # the long-tail curves: the issue's three modes
 
 SLOW_REWARD = '''
