@@ -59,7 +59,7 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/
             "tests/runtime/test_heap.py", "tests/core/test_outcomes.py",
             "tests/runtime/test_failure_policies.py", "tests/runtime/test_outcomes_runs.py",
             "tests/plugin_kit/test_conformance.py",
-            "tests/runtime/test_teacher_runs.py"]
+            "tests/runtime/test_teacher_runs.py", "tests/viewer/test_token_log.py"]
 OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "tests/rewards/test_rm_train_and_score_agree.py",
                  "tests/runtime/test_data.py", "tests/fastpaths/test_packing.py", "tests/rewards/test_specs.py",
                  "tests/runtime/test_hf_exports.py", "tests/runtime/test_clear_errors.py"]
@@ -98,7 +98,7 @@ AREAS = {
         "rlhf/runtime/rl/step_metrics.py", "rlhf/runtime/rl/async_generation.py", "rlhf/plugins/models/hf.py",
         "rlhf/runtime/rl/batches.py", "rlhf/runtime/rl/scoring.py", "rlhf/runtime/rl/ranks.py",
         "rlhf/runtime/rl/events.py", "rlhf/runtime/rl/guards.py", "rlhf/runtime/rl/failures.py",
-        "rlhf/core/outcomes.py",
+        "rlhf/core/outcomes.py", "rlhf/runtime/rl/token_log.py",
     ], RL_TESTS),
     "fit loop": ([
         "rlhf/runtime/fit/loop.py", "rlhf/runtime/fit/data.py", "rlhf/runtime/fit/text.py", "rlhf/runtime/fit/local.py",
@@ -555,6 +555,9 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--areas: no such area {', '.join(unknown)}; the areas: {', '.join(AREAS)}")
         args.files = [f for f in args.files if area_of(f) in args.areas]
+    missing = [file for file in args.files if not (ROOT / file).is_file()]
+    if missing:
+        raise SystemExit(f"--files: no such file {', '.join(missing)} (paths from the repository root)")
     drawn = [m for file in args.files for m in mutants_of(file)]
     random.Random(args.seed).shuffle(drawn)
     if args.per_area is not None:
