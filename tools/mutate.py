@@ -68,7 +68,8 @@ OFFLINE_TESTS = ["tests/objectives", "tests/rewards/test_reward_model.py", "test
 FIT_TESTS = ["tests/objectives/test_eval_loss_weights.py", "tests/rewards/test_reward_model_truncation.py",
              "tests/objectives/test_fit_reports.py"]
 LIFECYCLE_TESTS = ["tests/runtime/test_checkpoint_discovery.py", "tests/runtime/test_resume_options.py",
-                   "tests/runtime/test_interrupt_resume.py", "tests/runtime/test_thread_messages.py"]
+                   "tests/runtime/test_interrupt_resume.py", "tests/runtime/test_thread_messages.py",
+                   "tests/sandbox/test_hidden_run_data.py"]
 FASTPATH_TESTS = ["tests/fastpaths/test_verdicts.py", "tests/fastpaths/test_shared_mask_by_hand.py",
                   "tests/fastpaths/test_ring_in_process.py"]
 DATAGEN_TESTS = ["tests/datagen", "tests/runtime/test_run_lock.py"]

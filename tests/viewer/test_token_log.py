@@ -349,3 +349,22 @@ def test_an_update_that_cannot_keep_them_leaves_the_logged_rows_a_forward_of_the
     assert not worker().keep_logprobs(with_old, 2)
     unscored = ExperienceBatch(**{**batch.__dict__, "sample_mask": torch.zeros(4)})  # no loss token: no forward
     assert not worker().keep_logprobs(unscored, 2)
+    # a refusal forgets what an earlier update kept: nothing stale is logged, nothing is kept by the next fit
+    earlier = worker()
+    earlier.keep_rows, earlier.kept = 3, {0: torch.zeros(4)}
+    assert not earlier.keep_logprobs(with_old, 2) and earlier.keep_rows == 0 and earlier.kept == {}
+    # rows that are segments of trajectories (multi-turn): the minibatch counts trajectories, not rows
+    segmented = ExperienceBatch(**{**batch.__dict__, "trajectory_index": torch.tensor([0, 0, 1, 1])})
+    assert worker(train_batch_size=2).keep_logprobs(segmented, 2)
+    assert not worker(train_batch_size=1).keep_logprobs(segmented, 2)
+
+
+def test_special_tokens_are_written_as_their_text(tiny_model_dir):
+    """tokens.jsonl shows an EOS (or any special token) the model sampled, not an empty string."""
+    from transformers import AutoTokenizer
+
+    from rlhf.runtime.rl.token_log import TokenLog
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.eos_token
+    assert TokenLog(4, tokenizer).decode([tokenizer.eos_token_id]) == [tokenizer.eos_token]
