@@ -239,6 +239,33 @@ def test_reference_logprobs_are_the_same_with_shared_prompts(tiny_model_dir):
 
 
 @pytest.mark.unit
+def test_the_policy_s_shared_log_probs_follow_the_sampling_temperature(tiny_model_dir):
+    """At a temperature other than 1 the shared forward is taken (its check against the separate
+    forwards passes) and gives the separate forwards' log-probs at that temperature."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.core.logprobs import without_last_token
+    from rlhf.fastpaths.prefix_sharing import share_prefixes, sharing_path
+    from rlhf.fastpaths.verdicts import verdict
+    from rlhf.runtime.rl.workers import micro_logprobs
+    from rlhf.runtime.step.micro_batches import MicroBatch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = grouped_batch()
+    groups = [[row for row in range(batch.size) if int(batch.group_index[row]) == g] for g in range(4)]
+    micro = MicroBatch(rows=torch.arange(batch.size), batch=batch, groups=groups)
+    with torch.no_grad():
+        shared, _ = micro_logprobs(model, micro, temperature=0.8)
+        separate, _ = micro_logprobs(model, MicroBatch(rows=micro.rows, batch=batch), temperature=0.8)
+        at_one, _ = micro_logprobs(model, MicroBatch(rows=micro.rows, batch=batch), temperature=1.0)
+    rows = share_prefixes(batch.input_ids, without_last_token(batch.attention_mask), groups)
+    assert verdict(model, sharing_path(model, rows)) is True, "the shared forward was not taken at temperature 0.8"
+    mask = batch.action_mask
+    assert torch.allclose(shared * mask, separate * mask, atol=1e-5)
+    assert not torch.allclose(separate * mask, at_one * mask, atol=1e-3)  # the temperature matters here
+
+
+@pytest.mark.unit
 def test_a_policy_that_ignores_the_mask_trains_unshared(tiny_model_dir, monkeypatch, caplog):
     import copy
 
