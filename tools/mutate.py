@@ -130,11 +130,13 @@ AREAS = {
     "rollouts": ([
         "rlhf/runtime/rl/rollout.py", "rlhf/plugins/engines/hf_continuous.py", "rlhf/runtime/rl/draw_order.py",
     ], ["tests/runtime/test_continuous_batching.py", "tests/runtime/test_multiturn.py", "tests/runtime/test_async.py",
-        "tests/runtime/test_outcomes_runs.py", "tests/runtime/test_partial_rollouts.py"]),
+        "tests/runtime/test_outcomes_runs.py", "tests/runtime/test_partial_rollouts.py",
+        "tests/agents/test_agent_rollout.py"]),
     "off-policy": ([
         "rlhf/runtime/rl/offpolicy/schedule.py", "rlhf/runtime/rl/offpolicy/partial.py",
+        "rlhf/runtime/rl/offpolicy/served.py",
     ], ["tests/runtime/test_offpolicy_schedule.py", "tests/runtime/test_partial_rollouts.py",
-        "tests/runtime/test_async.py"]),
+        "tests/runtime/test_version_pool.py", "tests/runtime/test_async.py"]),
     "plugin mechanism": ([
         "rlhf/core/plugin_host/registry.py", "rlhf/core/plugin_host/settings.py", "rlhf/runtime/config/options.py", "rlhf/runtime/config/train_config.py",
     ], ["tests/core", "tests/runtime/test_plugin_flags.py", "tests/runtime/test_settings.py",
@@ -157,7 +159,8 @@ FOCUS = {
     "fit loop": FIT_TESTS + OFFLINE_TESTS,
     "objectives": FIT_TESTS + OFFLINE_TESTS,
     "datagen": DATAGEN_TESTS,
-    "off-policy": ["tests/runtime/test_offpolicy_schedule.py", "tests/runtime/test_partial_rollouts.py"],
+    "off-policy": ["tests/runtime/test_offpolicy_schedule.py", "tests/runtime/test_partial_rollouts.py",
+                   "tests/runtime/test_version_pool.py"],
 }
 TARGETS = [file for files, _ in AREAS.values() for file in files]
 

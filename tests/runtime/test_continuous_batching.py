@@ -208,6 +208,56 @@ def test_a_failing_forward_fails_every_request_in_flight(model_and_tokenizer, mo
     assert [str(r) for r in asyncio.run(scenario())] == ["out of memory"] * 3
 
 
+@pytest.mark.run
+def test_a_model_with_learned_positions_decodes_left_padded_prompts_as_generate_does(model_and_tokenizer):
+    """GPT-2's position embeddings are a table: the left padding of prompts of different lengths
+    must not ask it for position -1."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=2,
+                                       n_head=2)).eval()
+    engine = _never_ends(HFEngine(model, tokenizer))
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def scenario():
+        return await asyncio.wait_for(asyncio.gather(*(engine.generate_one(p, params) for p in prompts)), timeout=20)
+
+    for prompt, generation in zip(prompts, asyncio.run(scenario())):
+        [expected] = engine.generate([prompt], n=1, params=params)
+        assert generation.token_ids == expected.token_ids and len(generation.token_ids) == 6
+
+
+@pytest.mark.run
+def test_a_failing_prefill_fails_the_requests_joining_and_those_in_flight(model_and_tokenizer, monkeypatch):
+    """A request whose prefill raises (here the second to join, while the first decodes) gets the
+    error, as do the rows already decoding: none waits forever."""
+    model, tokenizer = model_and_tokenizer
+    engine = _never_ends(HFEngine(model, tokenizer))
+    admit, admitted = DecodeBatch._admit, []
+
+    def failing_second(self, joining):
+        admitted.append(len(joining))
+        if len(admitted) == 2:
+            raise RuntimeError("prefill failed")
+        admit(self, joining)
+
+    monkeypatch.setattr(DecodeBatch, "_admit", failing_second)
+    first, later = _prompts(tokenizer)[:2]
+
+    async def scenario():
+        return await asyncio.wait_for(asyncio.gather(
+            engine.generate_one(first, SamplingParams(max_new_tokens=50, temperature=0.0)),
+            _staggered(engine, [(later, SamplingParams(max_new_tokens=3, temperature=0.0))], [0.01]),
+            return_exceptions=True), timeout=20)
+
+    results = asyncio.run(scenario())
+    assert admitted == [1, 1]
+    assert [str(r) for r in results] == ["prefill failed"] * 2
+
+
 @pytest.mark.unit
 def test_which_rollouts_batch_continuously(tiny_model_dir, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer

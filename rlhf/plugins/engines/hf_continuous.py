@@ -91,6 +91,7 @@ class DecodeBatch:
         model = self.engine.model
         was_training = model.training
         model.eval()
+        joining: list[_Request] = []  # out of `waiting` and not yet in `rows` while their prefill runs
         try:
             capacity = self.engine.config.generation_batch_size
             while self.waiting or self.rows:
@@ -101,11 +102,12 @@ class DecodeBatch:
                     if self.waiting and room:
                         joining, self.waiting = self.waiting[:room], self.waiting[room:]
                         self._admit(joining)
+                        joining = []
                     if self.rows:
                         self._step()
                 await asyncio.sleep(0)  # let trajectories whose tool calls returned submit their next turn
         except BaseException as exc:
-            for request in self.rows + self.waiting:
+            for request in joining + self.rows + self.waiting:
                 if not request.future.done():
                     request.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError("decoding stopped"))
             self.rows, self.waiting = [], []
