@@ -16,7 +16,9 @@ A multi-turn rollout sends each trajectory's turns as requests of their own
 So a trajectory's next turn starts one decode step after its tool call returns, instead of when
 the slowest trajectory of the batch is done. What a request samples is a function of its own
 prompt, its seed and the model, not of the requests beside it, up to the float rounding of a
-forward over a different batch (padding and batch size change the summation order).
+forward over a different batch (padding and batch size change the summation order). A forward
+that raises, the joining requests' prefill or a decode step, fails with that error every request
+decoding or being admitted, and those waiting to join: none is left waiting.
 
 Every row is left padded to the batch's width, so the model sees the layout of an ordinary
 batched generation: real tokens right-aligned, explicit position ids, a key mask. Decoding goes
