@@ -218,6 +218,33 @@ class PolicyTrainingLoss:
             ref_logprobs=batch.ref_logprobs, kl_coef=beta, entropy=entropy, entropy_coef=self.entropy_coef,
             rollout_logprobs=batch.rollout_logprobs, kl_unbiased_gradient=self.kl_unbiased_gradient)
 
+    def logprob_gradient(self, batch: ExperienceBatch, norm: LossNorm, *,
+                         kl_coef: float | None = None) -> torch.Tensor | None:
+        """∂L/∂ℓ (b, A) of this loss on ``batch`` where it does not depend on the log-probs' values,
+        else None: the gradient at two stand-in values of ℓ (0 and −1 at every position), kept where
+        the two are equal to the bit. On-policy without a KL or entropy term the ratio is exactly 1
+        at any ℓ, so the gradient is the advantage over the token counts. (A loss whose gradient
+        varies with ℓ only elsewhere is still trained exactly: the caller checks the gradient it is
+        handed.) Used to do the output layer's backward in its forward
+        (`rlhf.core.logprobs.known_logprob_gradient`)."""
+        import torch
+
+        if self.needs_entropy:
+            return None
+        grads = []
+        for value in (0.0, -1.0):
+            standin = torch.full(batch.action_mask.shape, value, dtype=torch.float32,
+                                 device=batch.action_mask.device, requires_grad=True)  # (b, A)
+            with torch.enable_grad():
+                loss, _ = self(standin, batch, norm, kl_coef=kl_coef)
+                if not loss.requires_grad:
+                    return None
+                (grad,) = torch.autograd.grad(loss, standin, allow_unused=True)
+            if grad is None:
+                return None
+            grads.append(grad)
+        return grads[0] if torch.equal(grads[0], grads[1]) else None
+
     def trained_rows(self, batch: ExperienceBatch) -> torch.Tensor | None:
         """(B,) bool: the rows of ``batch`` that can add to the loss or its gradient; None when the
         loss cannot tell (every row trains).

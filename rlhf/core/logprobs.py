@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import ContextManager
+import threading
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -24,6 +25,7 @@ from rlhf.core.masked import last_real_index
 from rlhf.core.modeling import accepts_logits_to_keep, base_model, innermost
 
 _ROWS_PER_CHUNK = 8
+_KNOWN = threading.local()  # .predict: `known_logprob_gradient`'s, in this thread
 
 
 def first_action_position(action_mask: torch.Tensor) -> int:
@@ -73,8 +75,12 @@ class DeferredHead(abc.ABC):
 
     @abc.abstractmethod
     def position_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log softmax(logits / τ)[target] (K,) (and entropy (K,)) of hidden states (K, H), targets (K,)."""
+                          with_entropy: bool = False,
+                          gradient: Callable[[], torch.Tensor | None] | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log softmax(logits / τ)[target] (K,) (and entropy (K,)) of hidden states (K, H), targets (K,).
+        ``gradient`` (only inside `known_logprob_gradient`): ``gradient()`` is ∂L/∂ℓ (K,) of the loss
+        these log-probs go into, or None; a head may ignore it."""
 
     @abc.abstractmethod
     def cross_entropy_to(self, hidden: torch.Tensor, teacher: DeferredHead,
@@ -94,6 +100,43 @@ def deferred_head(model: torch.nn.Module) -> DeferredHead | None:
 def hidden_states_out(head: DeferredHead | None) -> ContextManager[None]:
     """``head.hidden_states_out()``, or nothing without a deferred head."""
     return head.hidden_states_out() if head is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def known_logprob_gradient(predict: Callable[[], torch.Tensor | None]) -> Iterator[None]:
+    """Within it, the log-probs with a gradient that `token_logprobs` / `scatter_logprobs` compute in
+    this thread (one batch's) are those whose loss L has ∂L/∂ℓ = ``predict()`` (B, A) in their (B, A)
+    layout, or None where it cannot tell: a deferred head may then do the backward of its
+    vocabulary projection in the forward (``rlhf.fastpaths.vocab_chunks``, one product with the
+    weight less). ``predict`` runs at most once, on the first call that asks; the head checks in its
+    backward that the gradient it gets is that one (another is still exact, only slower)."""
+    cached: list[torch.Tensor | None] = []
+
+    def once() -> torch.Tensor | None:
+        if not cached:
+            cached.append(predict())
+        return cached[0]
+
+    previous = getattr(_KNOWN, "predict", None)
+    _KNOWN.predict = once
+    try:
+        yield
+    finally:
+        _KNOWN.predict = previous
+
+
+def _known_at(pick: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Callable[[], torch.Tensor | None]]:
+    """The ``gradient`` argument of a deferred head's `position_logprobs` for the positions ``pick``
+    takes from a (B, A) tensor, inside `known_logprob_gradient` ({} outside it)."""
+    predict = getattr(_KNOWN, "predict", None)
+    if predict is None or not torch.is_grad_enabled():
+        return {}
+
+    def gradient() -> torch.Tensor | None:
+        grad = predict()  # (B, A) or None
+        return pick(grad).contiguous() if grad is not None else None  # (K,)
+
+    return {"gradient": gradient}
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -123,7 +166,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     targets = input_ids[:, start + 1:]  # (B, A - start)
     if head is not None:
         flat_lp, flat_ent = head.position_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                   temperature=temperature, with_entropy=with_entropy)  # (B·A',)
+                                                   temperature=temperature, with_entropy=with_entropy,
+                                                   **_known_at(lambda g: g[:, start:].reshape(-1)))  # (B·A',)
         logprobs = torch.cat([logprobs[:, :start], flat_lp.view(batch_size, keep)], dim=1)  # (B, A)
         if with_entropy:
             entropy = torch.cat([entropy[:, :start], flat_ent.view(batch_size, keep)], dim=1)  # (B, A)
@@ -155,7 +199,8 @@ def scatter_logprobs(logits: torch.Tensor, targets: torch.Tensor, where: tuple[t
     With a deferred ``head``, ``logits`` are its (K, H) hidden states."""
     if head is not None:
         flat_lp, flat_ent = head.position_logprobs(logits, targets, temperature=temperature,
-                                                   with_entropy=entropy is not None)  # (K,)
+                                                   with_entropy=entropy is not None,
+                                                   **_known_at(lambda g: g[where]))  # (K,)
         logprobs = logprobs.index_put(where, flat_lp)  # (B, A)
         if entropy is not None:
             entropy = entropy.index_put(where, flat_ent)  # (B, A)

@@ -54,7 +54,7 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -75,6 +75,8 @@ ACCELERATOR_TILE_ELEMENTS = 1 << 23  # the same on a GPU (32 MB: few, large prod
 ACCELERATOR_TILE_POSITIONS = 4096
 MIN_BLOCK = 256  # vocabulary entries per block at least
 FULL_LOGITS_UP_TO = 64 << 20  # bytes of float32 logits up to which a call with a backward takes them whole
+KNOWN_GRADIENT_ELEMENTS = 1 << 25  # float32 logits a known-gradient call holds at once (128 MB): positions x vocabulary
+KNOWN_GRADIENT_CHECK_VOCABULARY = 4096  # vocabulary entries of the first known-gradient call's comparison
 CHECK_POSITIONS = 64  # positions of the first call compared with the plain path
 _DEFERRING = threading.local()  # .head: the output layer returning its input in this thread
 
@@ -156,76 +158,157 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None,
                  grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-        tau = ctx.temperature
-        count = hidden.shape[0]
-        g_lp = (grad_logprobs if grad_logprobs is not None else lse.new_zeros(count)).float() / tau  # (K,)
-        g_ent = grad_entropy.float() / tau if ctx.with_entropy and grad_entropy is not None else None  # (K,)
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        want_bias = bias is not None and ctx.needs_input_grad[2]
-        floats = {"dtype": torch.float32, "device": hidden.device}
-        # ∂z = g_ℓ·onehot(y) − q, q = g_ℓ·p (+ g_H·p·(log p + H)); the onehot term is added once at the end
-        grad_hidden = torch.empty(hidden.shape, **floats) if want_hidden else None  # (K, H)
-        # (V, H), (V,): written by the first chunk of positions, summed into by the others; or ∂W added
-        # into the weight's .grad block by block (rlhf.fastpaths.in_place_gradients), after a first
-        # backward that compares the two
-        grad_weight, sums = None, []  # sums: [(a (V, H) ∂W goes into, whether it starts empty)]
-        place = want_weight and ctx.owner is not None and in_place(weight, ctx.owner, "head")
-        checking = place and verdict(ctx.owner, "in_place_gradients/head") is None
-        fresh = checking and weight.grad is None  # the first sum in place goes into a new .grad, then compared
-        if want_weight and (not place or checking):
-            grad_weight = (torch.empty if count else torch.zeros)(weight.shape, **floats)
-            sums.append((grad_weight, True))
-        if place:
-            sums.append((torch.zeros(weight.shape, **floats) if checking and not fresh else grad_of(weight), False))
-        grad_bias = (torch.empty if count else torch.zeros)(weight.shape[0], **floats) if want_bias else None
-        for first, end, blocks in _tiles(count, weight.shape[0], hidden.device):
-            rows, h = slice(first, end), hidden[first:end]  # (c, H)
-            # without entropy q = g_ℓ·p: p's rows are scaled by g_ℓ after the products, not in the tile
-            row_scale = g_lp[rows] if g_ent is None else torch.ones(end - first, **floats)  # (c,)
-            scaled_h = (h.float() * -row_scale[:, None]) if want_weight or want_bias else None  # (c, H)
-            products = torch.zeros(end - first, hidden.shape[1], **floats)  # (c, H) Σ_blocks q/row_scale·W_b
-            for v0, v1 in blocks:
-                z = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, tau, ctx.onednn)  # (c, b)
-                log_p = z.sub_(lse[rows, None])  # (c, b), in place of z
-                if g_ent is None:
-                    q = log_p.exp_()  # (c, b) p, in place
-                else:  # q = p·(g_ℓ + g_H·(log p + H))
-                    p = torch.exp(log_p)  # (c, b)
-                    q = log_p.add_(entropy[rows, None]).mul_(g_ent[rows, None]).add_(g_lp[rows, None]).mul_(p)
-                if want_hidden:
-                    if q.dtype == weight.dtype and not ctx.onednn:
-                        products.addmm_(q, weight[v0:v1])  # (c, H) += q·W_b
-                    else:
-                        products += _linear(q.to(weight.dtype), weight[v0:v1].t(), None, ctx.onednn)
-                for into, starts_empty in sums:  # ∂W_b = −qᵀ·h (rows scaled), (b, H)
-                    if first == 0 and starts_empty:
-                        torch.mm(q.t(), scaled_h, out=into[v0:v1])
-                    else:
-                        into[v0:v1].addmm_(q.t(), scaled_h)
-                if want_bias:  # ∂b_b = −qᵀ·row_scale, (b,)
-                    if first == 0:
-                        torch.mv(q.t(), -row_scale, out=grad_bias[v0:v1])
-                    else:
-                        grad_bias[v0:v1].addmv_(q.t(), -row_scale)
-            if want_hidden:  # ∂h = g_ℓ·W_y − row_scale·Σ q·W
-                grad_hidden[rows] = weight[targets[rows]].float().mul_(g_lp[rows, None]) \
-                    .sub_(products.mul_(row_scale[:, None]))
-        if want_weight:
-            onehot = hidden.float() * g_lp[:, None]  # (K, H) the onehot term: g_ℓ·h at y
-            for into, _ in sums:
-                into.index_add_(0, targets, onehot)
-            if checking:  # the first backward in place: its sum against the plain one
-                agrees = settle_first(ctx.owner, "head", largest_difference(sums[1][0], grad_weight),
-                                      largest(grad_weight))
-                if fresh and agrees:  # .grad holds it: autograd is handed nothing
-                    grad_weight = None
-                elif fresh:  # .grad goes back to none; autograd is handed the plain sum
-                    weight.grad = None
-        if want_bias:
-            grad_bias.index_add_(0, targets, g_lp)
-        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
-                grad_weight.to(weight.dtype) if grad_weight is not None else None,
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None)
+        grad_hidden, grad_weight, grad_bias = _tiles_backward(
+            hidden, weight, bias, targets, lse, entropy if ctx.with_entropy else None, grad_logprobs, grad_entropy,
+            temperature=ctx.temperature, onednn=ctx.onednn, owner=ctx.owner, wants=ctx.needs_input_grad[:3])
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _tiles_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    lse: torch.Tensor, entropy: torch.Tensor | None, grad_logprobs: torch.Tensor | None,
+                    grad_entropy: torch.Tensor | None, *, temperature: float, onednn: bool,
+                    owner: nn.Module | None, wants: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+    """(∂h, ∂W, ∂b) of `_ChunkedLogprobs` for the gradients ``grad_logprobs`` (K,) and ``grad_entropy``
+    (K,) (``entropy`` None: the forward computed none), z recomputed tile by tile; ``wants``: which of
+    h, W, b want theirs. ∂W goes into the weight's ``.grad`` instead (and None is returned) where a
+    backend's backward lets it (`rlhf.fastpaths.in_place_gradients`)."""
+    tau = temperature
+    count = hidden.shape[0]
+    g_lp = (grad_logprobs if grad_logprobs is not None else lse.new_zeros(count)).float() / tau  # (K,)
+    g_ent = grad_entropy.float() / tau if entropy is not None and grad_entropy is not None else None  # (K,)
+    want_hidden, want_weight = wants[0], wants[1]
+    want_bias = bias is not None and wants[2]
+    floats = {"dtype": torch.float32, "device": hidden.device}
+    # ∂z = g_ℓ·onehot(y) − q, q = g_ℓ·p (+ g_H·p·(log p + H)); the onehot term is added once at the end
+    grad_hidden = torch.empty(hidden.shape, **floats) if want_hidden else None  # (K, H)
+    # (V, H), (V,): written by the first chunk of positions, summed into by the others; or ∂W added
+    # into the weight's .grad block by block (rlhf.fastpaths.in_place_gradients), after a first
+    # backward that compares the two
+    grad_weight, sums = None, []  # sums: [(a (V, H) ∂W goes into, whether it starts empty)]
+    place = want_weight and owner is not None and in_place(weight, owner, "head")
+    checking = place and verdict(owner, "in_place_gradients/head") is None
+    fresh = checking and weight.grad is None  # the first sum in place goes into a new .grad, then compared
+    if want_weight and (not place or checking):
+        grad_weight = (torch.empty if count else torch.zeros)(weight.shape, **floats)
+        sums.append((grad_weight, True))
+    if place:
+        sums.append((torch.zeros(weight.shape, **floats) if checking and not fresh else grad_of(weight), False))
+    grad_bias = (torch.empty if count else torch.zeros)(weight.shape[0], **floats) if want_bias else None
+    for first, end, blocks in _tiles(count, weight.shape[0], hidden.device):
+        rows, h = slice(first, end), hidden[first:end]  # (c, H)
+        # without entropy q = g_ℓ·p: p's rows are scaled by g_ℓ after the products, not in the tile
+        row_scale = g_lp[rows] if g_ent is None else torch.ones(end - first, **floats)  # (c,)
+        scaled_h = (h.float() * -row_scale[:, None]) if want_weight or want_bias else None  # (c, H)
+        products = torch.zeros(end - first, hidden.shape[1], **floats)  # (c, H) Σ_blocks q/row_scale·W_b
+        for v0, v1 in blocks:
+            z = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, tau, onednn)  # (c, b)
+            log_p = z.sub_(lse[rows, None])  # (c, b), in place of z
+            if g_ent is None:
+                q = log_p.exp_()  # (c, b) p, in place
+            else:  # q = p·(g_ℓ + g_H·(log p + H))
+                p = torch.exp(log_p)  # (c, b)
+                q = log_p.add_(entropy[rows, None]).mul_(g_ent[rows, None]).add_(g_lp[rows, None]).mul_(p)
+            if want_hidden:
+                if q.dtype == weight.dtype and not onednn:
+                    products.addmm_(q, weight[v0:v1])  # (c, H) += q·W_b
+                else:
+                    products += _linear(q.to(weight.dtype), weight[v0:v1].t(), None, onednn)
+            for into, starts_empty in sums:  # ∂W_b = −qᵀ·h (rows scaled), (b, H)
+                if first == 0 and starts_empty:
+                    torch.mm(q.t(), scaled_h, out=into[v0:v1])
+                else:
+                    into[v0:v1].addmm_(q.t(), scaled_h)
+            if want_bias:  # ∂b_b = −qᵀ·row_scale, (b,)
+                if first == 0:
+                    torch.mv(q.t(), -row_scale, out=grad_bias[v0:v1])
+                else:
+                    grad_bias[v0:v1].addmv_(q.t(), -row_scale)
+        if want_hidden:  # ∂h = g_ℓ·W_y − row_scale·Σ q·W
+            grad_hidden[rows] = weight[targets[rows]].float().mul_(g_lp[rows, None]) \
+                .sub_(products.mul_(row_scale[:, None]))
+    if want_weight:
+        onehot = hidden.float() * g_lp[:, None]  # (K, H) the onehot term: g_ℓ·h at y
+        for into, _ in sums:
+            into.index_add_(0, targets, onehot)
+        if checking:  # the first backward in place: its sum against the plain one
+            agrees = settle_first(owner, "head", largest_difference(sums[1][0], grad_weight),
+                                  largest(grad_weight))
+            if fresh and agrees:  # .grad holds it: autograd is handed nothing
+                grad_weight = None
+            elif fresh:  # .grad goes back to none; autograd is handed the plain sum
+                weight.grad = None
+    if want_bias:
+        grad_bias.index_add_(0, targets, g_lp)
+    return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None)
+
+
+def known_gradient_rows(vocab: int) -> int:
+    """Positions whose (c, V) float32 logits `_KnownGradientLogprobs` holds at once (at least 1)."""
+    return max(1, KNOWN_GRADIENT_ELEMENTS // max(vocab, 1))
+
+
+def _known_gradient_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor,
+                         temperature: float, onednn: bool,
+                         grad_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ℓ (K,), logsumexp(z) (K,), ∂h (K, H)) of hidden states (K, H) under W (V, H) for the loss
+    gradient ∂L/∂ℓ = ``grad`` (K,), ∂W added into ``grad_weight`` (V, H): the module docstring's
+    known-gradient formulas, `known_gradient_rows` positions x the whole vocabulary at a time."""
+    count = hidden.shape[0]
+    floats = {"dtype": torch.float32, "device": hidden.device}
+    logprobs, lse = torch.empty(count, **floats), torch.empty(count, **floats)  # (K,), (K,)
+    grad_hidden = torch.empty(hidden.shape, **floats)  # (K, H)
+    g = grad.float() / temperature  # (K,) ∂L/∂z = g·(onehot(y) − p)
+    size = known_gradient_rows(weight.shape[0])
+    for first in range(0, count, size):
+        rows = slice(first, min(first + size, count))
+        h, y, g_c = hidden[rows], targets[rows], g[rows]  # (c, H), (c,), (c,)
+        z = _logits(h, weight, None, temperature, onednn)  # (c, V)
+        top = z.amax(dim=-1)  # (c,)
+        top = torch.where(torch.isinf(top), 0.0, top)  # a row all −inf: 0
+        target_logit = z.gather(-1, y[:, None]).squeeze(-1)  # (c,)
+        total = z.sub_(top[:, None]).exp_().sum(dim=-1)  # (c,) Σ_v exp(z − m), z now exp(z − m)
+        lse[rows] = top + total.log()
+        logprobs[rows] = target_logit - lse[rows]
+        p = z.div_(total[:, None])  # (c, V) softmax(z), in place
+        if p.dtype == weight.dtype and not onednn:
+            products = torch.mm(p, weight)  # (c, H) p·W
+        else:
+            products = _linear(p.to(weight.dtype), weight.t(), None, onednn).float()
+        grad_hidden[rows] = weight[y].float().mul_(g_c[:, None]).sub_(products.mul_(g_c[:, None]))
+        grad_weight.addmm_(p.t(), h.float() * -g_c[:, None])  # (V, H) += −pᵀ·(g·h)
+    grad_weight.index_add_(0, targets, hidden.float() * g[:, None])  # the onehot rows: g·h at y
+    return logprobs, lse, grad_hidden
+
+
+class _KnownGradientLogprobs(torch.autograd.Function):
+    """ℓ (K,) of hidden states (K, H) under the output layer's W for a loss whose gradient ∂L/∂ℓ
+    (``grad``, (K,)) is known before the forward: the backward is done in the forward (∂W into the
+    weight's ``.grad``, ∂h kept), and the backward only checks that the gradient it is handed is
+    that one; any other is the sum of the two, and the difference goes through the tiles' backward
+    (∂h and ∂W are linear in it)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor,
+                temperature: float, onednn: bool, owner: nn.Module) -> torch.Tensor:
+        logprobs, lse, grad_hidden = _known_gradient_pass(hidden, weight, targets, grad, temperature, onednn,
+                                                          grad_of(weight))
+        ctx.save_for_backward(hidden, weight, targets, grad, lse, grad_hidden)
+        ctx.temperature, ctx.onednn, ctx.owner = temperature, onednn, owner
+        return logprobs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_logprobs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, targets, grad, lse, grad_hidden = ctx.saved_tensors
+        grad_weight = None
+        if not torch.equal(grad_logprobs, grad):  # the loss's gradient was not the one announced
+            extra_hidden, grad_weight, _ = _tiles_backward(
+                hidden, weight, None, targets, lse, None, grad_logprobs - grad, None, temperature=ctx.temperature,
+                onednn=ctx.onednn, owner=ctx.owner, wants=(True, True, False))
+            grad_hidden = grad_hidden + extra_hidden.float()
+        return (grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -314,7 +397,9 @@ class _ChunkedHead(DeferredHead):
             _DEFERRING.head = previous
 
     def position_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          with_entropy: bool = False,
+                          gradient: Callable[[], torch.Tensor | None] | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         onednn = self._onednn(hidden)
         if self._full_logits_pay(hidden):
             verdict_now = False
@@ -322,6 +407,11 @@ class _ChunkedHead(DeferredHead):
             if verdict(self, "vocab_chunks") is None and hidden.shape[0]:
                 self._check(hidden[:CHECK_POSITIONS], targets[:CHECK_POSITIONS], temperature, onednn)
             verdict_now = verdict(self, "vocab_chunks")
+        if verdict_now and gradient is not None and self._takes_known_gradient(hidden, with_entropy):
+            grad = gradient()  # (K,) ∂L/∂ℓ, or None
+            if grad is not None and self._known_gradient_checked(hidden, targets, grad, temperature, onednn):
+                return _KnownGradientLogprobs.apply(hidden, self.weight, targets, grad, temperature, onednn,
+                                                    self), None  # (K,)
         if verdict_now is False:  # this call's hidden states through the plain path
             logits = self._layer_forward(hidden).float()  # (K, V)
             log_p = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)  # (K, V)
@@ -351,6 +441,40 @@ class _ChunkedHead(DeferredHead):
             return _full_cross_entropy(self._layer_forward(hidden), teacher._layer_forward(teacher_hidden))
         return _ChunkedCrossEntropy.apply(hidden, self.weight, self.bias, teacher_hidden, teacher.weight,
                                           teacher.bias, onednn)  # (K,)
+
+    def _takes_known_gradient(self, hidden: torch.Tensor, with_entropy: bool) -> bool:
+        """Whether a call may run `_KnownGradientLogprobs`: a backward follows (grad enabled), no
+        entropy or bias, and ∂W may go into ``.grad`` now (a backend's optimizer step, the in-place
+        sum already compared)."""
+        return (torch.is_grad_enabled() and hidden.requires_grad and self.weight.requires_grad and self.bias is None
+                and not with_entropy and hidden.shape[0] > 0 and in_place(self.weight, self, "head")
+                and verdict(self, "in_place_gradients/head") is True
+                and verdict(self, "vocab_chunks/known_gradient") is not False)
+
+    def _known_gradient_checked(self, hidden: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor,
+                                temperature: float, onednn: bool) -> bool:
+        """The first known-gradient call compares ℓ, ∂h and ∂W with the tiles' forward and backward on
+        its first `CHECK_POSITIONS` positions and the first `KNOWN_GRADIENT_CHECK_VOCABULARY`
+        vocabulary entries (targets taken modulo that); largest differences relative to each one's
+        largest entry."""
+        if verdict(self, "vocab_chunks/known_gradient") is None:
+            vocab = min(self.weight.shape[0], KNOWN_GRADIENT_CHECK_VOCABULARY)
+            h, w = hidden[:CHECK_POSITIONS].detach(), self.weight[:vocab].detach()  # (k, H), (v, H)
+            y, g = targets[:CHECK_POSITIONS] % vocab, grad[:CHECK_POSITIONS]  # (k,), (k,)
+            with torch.no_grad():
+                known_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # (v, H)
+                known, _, known_hidden = _known_gradient_pass(h, w, y, g, temperature, onednn, known_weight)
+            with torch.enable_grad():
+                tiles_h, tiles_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+                tiles, _ = _ChunkedLogprobs.apply(tiles_h, tiles_w, None, y, temperature, False, onednn)  # (k,)
+                torch.autograd.backward(tiles, g)
+            difference = max(float((a - b.float()).abs().max()) / max(float(b.float().abs().max()), 1e-30)
+                             for a, b in ((known, tiles.detach()), (known_hidden, tiles_h.grad),
+                                          (known_weight, tiles_w.grad)))
+            tolerance = 1e-5 if self.weight.dtype == torch.float32 else 5e-2
+            settle(self, "vocab_chunks/known_gradient", difference, tolerance, who="vocab chunks (known gradient)",
+                   switch="--no-vocab-chunks")
+        return verdict(self, "vocab_chunks/known_gradient") is True
 
     def _full_logits_pay(self, hidden: torch.Tensor) -> bool:
         """Whether this call takes the full logits: they are small (`FULL_LOGITS_UP_TO`), where tiles

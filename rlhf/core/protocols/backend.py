@@ -91,6 +91,12 @@ class TrainBackendBase:
     def full_weights(self) -> Iterator[None]:
         yield
 
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around each optimizer step's forwards and backwards: a backend that adds nothing to
+        a gradient as autograd hands it over may let its weights take vocabulary-sized gradients
+        into ``.grad`` meanwhile (`rlhf.fastpaths.in_place_gradients`). Default: nothing."""
+        return contextlib.nullcontext()
+
     def save_checkpoint(self, directory: Path) -> None:
         raise PluginError(self._not_sharded("save_checkpoint"))
 

@@ -10,6 +10,8 @@ step loss (rlhf/core/distributed.py), so the sum is the full step gradient.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Any
 
@@ -59,6 +61,9 @@ class TorchBackend(TrainBackendBase):
 
     def reload_state(self) -> None:
         self.away.reload()
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        return accumulating_in_place(self.in_place) if self.in_place else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         if not self.in_place:

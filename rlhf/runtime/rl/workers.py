@@ -20,7 +20,7 @@ from rlhf.core.offload import ModuleOffload
 from rlhf.core.types import LossNorm, Trajectory
 from rlhf.core.rewards import RewardResult
 from rlhf.rewards.combine import RewardSet
-from rlhf.core.logprobs import token_logprobs, without_last_token
+from rlhf.core.logprobs import known_logprob_gradient, token_logprobs, without_last_token
 from rlhf.fastpaths.packing import is_packed
 from rlhf.fastpaths.prefix_sharing import can_share, checked_for_sharing, share_prefixes, shared_token_logprobs
 from rlhf.runtime.step.micro_batches import MicroBatch, UpdateSettings, minibatch_rows, my_rows, plan_micro_batches
@@ -245,9 +245,10 @@ class PolicyWorker(_TrainedWorker):
     def _micro_loss(self, micro: MicroBatch, norm: LossNorm,
                     kl_coef: float | None = None) -> tuple[torch.Tensor, dict[str, Any], float]:
         def policy_loss() -> tuple[torch.Tensor, dict[str, Any]]:
-            logprobs, entropy = micro_logprobs(self._packed(self.train_model), micro,
-                                               temperature=self.training_loss.temperature,
-                                               with_entropy=self.training_loss.needs_entropy)  # (b, A), (b, A)|None
+            with self._known_gradient(micro, norm, kl_coef):
+                logprobs, entropy = micro_logprobs(self._packed(self.train_model), micro,
+                                                   temperature=self.training_loss.temperature,
+                                                   with_entropy=self.training_loss.needs_entropy)  # (b, A), (b, A)|None
             if self.keep_rows and micro.before_update is not None:  # `keep_logprobs`
                 for row, origin in enumerate(micro.before_update.tolist()):
                     if origin < self.keep_rows:
@@ -260,6 +261,17 @@ class PolicyWorker(_TrainedWorker):
         else:  # the loss is this micro-batch's share of the step's: so is its router loss (its loss tokens')
             loss, metrics = self.router_aux.added(policy_loss, share=tokens / norm.num_tokens)
         return loss, metrics, tokens
+
+
+    def _known_gradient(self, micro: MicroBatch, norm: LossNorm,
+                        kl_coef: float | None) -> contextlib.AbstractContextManager[None]:
+        """Around a micro-batch's training forward: the loss's gradient with respect to the log-probs,
+        where it does not depend on their values (`PolicyTrainingLoss.logprob_gradient`), so the
+        output layer may do its backward in the forward (`rlhf.core.logprobs.known_logprob_gradient`).
+        In one process only, without a router loss."""
+        if self.router_aux is not None or self.dist.active:
+            return contextlib.nullcontext()
+        return known_logprob_gradient(lambda: self.training_loss.logprob_gradient(micro.batch, norm, kl_coef=kl_coef))
 
 
 def drops_out(model: torch.nn.Module) -> bool:

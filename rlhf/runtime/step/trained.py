@@ -5,6 +5,8 @@ skips on every rank, and checkpoint state.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from pathlib import Path
 from collections.abc import Callable, Iterable
@@ -66,14 +68,16 @@ class TrainedModel:
         dropped step), ``grad_norm``, ``lr`` and ``skipped_steps``.
         """
         finite, my_loss = True, 0.0
-        for compute in shares:
-            share, metrics, weight = compute()
-            self.backend.backward(share)
-            if not torch.isfinite(share.detach()):
-                finite = False
-            elif finite:
-                my_loss += float(share.detach())
-                means.add(metrics, weight)
+        window = getattr(self.backend, "accumulating", None)  # `TrainBackendBase.accumulating`, optional
+        with window() if window is not None else contextlib.nullcontext():
+            for compute in shares:
+                share, metrics, weight = compute()
+                self.backend.backward(share)
+                if not torch.isfinite(share.detach()):
+                    finite = False
+                elif finite:
+                    my_loss += float(share.detach())
+                    means.add(metrics, weight)
         finite = all(self.dist.all_gather(finite))
         loss = my_loss * self.dist.dp_size if finite else math.nan
         means.add({"loss": loss, **self.apply_step(finite)})
