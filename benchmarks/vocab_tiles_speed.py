@@ -7,12 +7,9 @@ one with the model's full logits. Rounds alternate; the medians of this process'
 reported (one torch thread: the work done, whatever else runs on the machine).
 
 ``--layer-only K``: the output layer alone instead, log-probs of K positions (hidden 512, Qwen2's
-vocabulary, random weights) and their backward, the full logits' ``log_softmax`` against the tiles,
-and a third way that rlhf does not ship (`known_gradient`): where the loss's gradient with respect to
-each log-prob is known before the forward (an on-policy update without a KL or entropy term: the
-ratio is exactly 1, so it is the advantage over the token count), the whole backward can run inside
-the forward, c positions x the whole vocabulary at a time, with three products with W instead of the
-tiles' four, for (c, V) float32 logits held at once and ∂W held from the forward to the backward.
+vocabulary, random weights) and their backward, three ways: the full logits' ``log_softmax``, the
+tiles, and the tiles' known-gradient path (`vocab_chunks._KnownGradientLogprobs`: the loss's
+gradient announced before the forward, the backward done inside it, ∂W into ``.grad``).
 
     python benchmarks/vocab_tiles_speed.py [--model vocab152k] [--rounds 3] [--layer-only 512]
 """
@@ -96,6 +93,7 @@ def layer_only(positions: int, rounds: int, hidden_size: int = 512, vocab: int =
     import torch
 
     from rlhf.fastpaths import vocab_chunks
+    from rlhf.fastpaths.in_place_gradients import accumulating_in_place
 
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.02).requires_grad_()  # (V, H)
@@ -114,15 +112,24 @@ def layer_only(positions: int, rounds: int, hidden_size: int = 512, vocab: int =
         (logprobs * weights).sum().backward()
 
     def known() -> None:
-        weight.grad = known_gradient(hidden, weight.detach(), targets, weights, 256)[2]
+        h = hidden.clone().requires_grad_()
+        with accumulating_in_place([weight]):
+            logprobs = vocab_chunks._KnownGradientLogprobs.apply(h, weight, targets, weights, 1.0, False, owner)
+            (logprobs * weights).sum().backward()
 
+    owner = torch.nn.Module()
     h = hidden.clone().requires_grad_()
     logprobs, _ = vocab_chunks._ChunkedLogprobs.apply(h, weight, None, targets, 1.0, False, False)  # (K,)
     (logprobs * weights).sum().backward()
-    ours = known_gradient(hidden, weight.detach(), targets, weights, 256)
+    tiled = (logprobs.detach(), h.grad, weight.grad)
+    weight.grad = None
+    h = hidden.clone().requires_grad_()
+    with accumulating_in_place([weight]):
+        logprobs = vocab_chunks._KnownGradientLogprobs.apply(h, weight, targets, weights, 1.0, False, owner)
+        (logprobs * weights).sum().backward()
     print("known gradient against the tiles, largest difference relative to the largest entry: " + ", ".join(
-        f"{name} {float((a - b).abs().max() / b.abs().max()):.1e}" for name, a, b in (
-            ("log-probs", ours[0], logprobs.detach()), ("dL/dh", ours[1], h.grad), ("dL/dW", ours[2], weight.grad))))
+        f"{name} {float((a - b).abs().max() / b.abs().max()):.1e}" for name, a, b in zip(
+            ("log-probs", "dL/dh", "dL/dW"), (logprobs.detach(), h.grad, weight.grad), tiled)))
     print(benchlib.machine_line(1))
     runs = (("full logits", full_logits), ("tiles", tiles), ("known gradient", known))
     seconds: dict[str, list[float]] = {name: [] for name, _ in runs}
@@ -133,35 +140,9 @@ def layer_only(positions: int, rounds: int, hidden_size: int = 512, vocab: int =
             run()
             seconds[name].append(time.process_time() - began)
             print(f"round {round_ + 1} {name:>14}: {seconds[name][-1]:.2f} s CPU", flush=True)
-    full, tiled, known_s = (statistics.median(seconds[name]) for name, _ in runs)
-    print(f"output layer, {positions} positions, CPU s: full logits {full:.2f}, tiles {tiled:.2f} ({tiled / full:.2f}x), "
-          f"known gradient {known_s:.2f} ({known_s / tiled:.2f}x the tiles)")
-
-
-def known_gradient(hidden, weight, targets, grad, rows):  # noqa: ANN001, ANN201 - a measured prototype
-    """(ℓ (K,), ∂h (K, H), ∂W (V, H)) of log-probs ℓ of hidden states (K, H) under W (V, H), for a loss
-    whose gradient ∂L/∂ℓ = ``grad`` (K,) is known before the forward: ``rows`` positions at a time, the
-    whole vocabulary's logits z (rows, V) held at once, p = softmax(z) computed once,
-    ∂h = g·(W_y − p·W), ∂W = −pᵀ·(g·h) + onehot rows g·h: three products with W (z, p·W, pᵀ·(g·h))."""
-    import torch
-
-    count = hidden.shape[0]
-    logprobs = torch.empty(count)  # (K,)
-    grad_hidden = torch.empty_like(hidden)  # (K, H)
-    grad_weight = torch.zeros_like(weight)  # (V, H)
-    for first in range(0, count, rows):
-        end = min(first + rows, count)
-        h, y, g = hidden[first:end], targets[first:end], grad[first:end]  # (c, H), (c,), (c,)
-        z = torch.mm(h, weight.t())  # (c, V)
-        top = z.amax(dim=1, keepdim=True)  # (c, 1)
-        target_logit = z.gather(1, y[:, None]).squeeze(1)  # (c,)
-        total = z.sub_(top).exp_().sum(dim=1, keepdim=True)  # (c, 1); z is now exp(z − max)
-        logprobs[first:end] = target_logit - (top + total.log()).squeeze(1)
-        p = z.div_(total)  # (c, V) softmax, in place
-        grad_hidden[first:end] = (weight[y] - torch.mm(p, weight)) * g[:, None]
-        grad_weight.addmm_(p.t(), h * -g[:, None])  # (V, H) += −pᵀ·(g·h)
-    grad_weight.index_add_(0, targets, hidden * grad[:, None])  # the onehot rows
-    return logprobs, grad_hidden, grad_weight
+    full, tiled_s, known_s = (statistics.median(seconds[name]) for name, _ in runs)
+    print(f"output layer, {positions} positions, CPU s: full logits {full:.2f}, tiles {tiled_s:.2f} "
+          f"({tiled_s / full:.2f}x), known gradient {known_s:.2f} ({known_s / tiled_s:.2f}x the tiles)")
 
 
 if __name__ == "__main__":

@@ -9,16 +9,21 @@ with tied weights (one tensor for both, as small models have) autograd holds bot
 ``.grad``, until it has added them: 622 MB above the training state at that vocabulary, the
 largest part of a step's peak memory there.
 
-Here, while a training backend's backward runs (`accumulating_in_place`, which the ``torch``
-backend enters; DeepSpeed, which hooks gradients as autograd hands them over, does not), the two
-backwards add their part into the weight's ``.grad`` themselves and hand autograd nothing for the
-weight:
+Here, while a training backend's optimizer step runs its forwards and backwards
+(`accumulating_in_place`, which the ``torch`` backend enters through
+`TrainBackendBase.accumulating`; DeepSpeed, which hooks gradients as autograd hands them over,
+does not), the two backwards add their part into the weight's ``.grad`` themselves and hand
+autograd nothing for the weight:
 
 * the output layer's tiles (`vocab_chunks`), a (b, H) block of ∂W at a time:
   ``.grad[v0:v1] += −qᵀ·(g_ℓ·h) / τ``, then ``.grad += onehot`` rows, as the module docstring there
   writes them;
 * the embedding, only the rows its tokens use: ∂E_k = Σ_{i: x_i = k} ∂e_i summed first in the
   order of the tokens (as ``embedding_dense_backward`` sums them), then ``.grad[k] += ∂E_k``.
+
+The output layer's known-gradient forward (`vocab_chunks`, where the loss's gradient is known
+before it) adds its ∂W into ``.grad`` during the forward itself, which is why the window spans the
+step's forwards and not only its backwards.
 
 Memory: no (V, H) temporary at all. Numbers: the same terms; where autograd added ``.grad +
 (tiles + embedding)``, they are now added one after the other, ``(.grad + tiles) + embedding``

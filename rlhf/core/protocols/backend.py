@@ -23,6 +23,11 @@ gradients off the device, and the parameters too when ``params`` is true and the
 them (the engine then has weights of its own), returning the bytes moved (0 when unknown); the
 second brings everything back exactly. The runtime calls them around generation only.
 
+Optionally, ``accumulating()``: a context the runtime enters around each optimizer step's forwards
+and backwards; a backend that adds nothing to a gradient as autograd hands it over (the ``torch``
+one) lets the vocabulary-sized gradients go straight into ``.grad`` there
+(``rlhf.fastpaths.in_place_gradients``). The default (and a backend without it) lets nothing.
+
 `TrainBackendBase` gives the defaults of a backend that shards nothing; subclass it and override
 what differs. A class registered as a backend is checked against `TrainBackend` on registration
 (or on first use when registered by ``"module:attr"`` reference).
