@@ -6,6 +6,7 @@
     python tools/mutate.py --sample 400 --jobs 2 --seed 3 --json mutants.json
     python tools/mutate.py --files rlhf/algorithms/training_loss.py --sample 10 --tests tests/algorithms
     python tools/mutate.py --per-area 12 --areas "fast paths" "run lifecycle" --focused   # a quick sample
+    python tools/mutate.py --since main~3 --sample 30 --focused   # only lines changed since that commit
 
 Each mutant changes one spot of one file in a copy of the repository (never this checkout) and
 runs the fast tests of the file's area there (`AREAS`, ``-x``: their `unit` and `run` tiers, not the
@@ -56,6 +57,7 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/
             "tests/runtime/test_model_card.py", "tests/datagen/test_labels.py",
             "tests/runtime/test_ordered_backward.py", "tests/runtime/test_threads.py",
             "tests/runtime/test_checkpoint_integrity.py", "tests/fastpaths/test_vocab_chunks.py",
+            "tests/fastpaths/test_known_gradient.py",
             "tests/runtime/test_heap.py", "tests/core/test_outcomes.py",
             "tests/runtime/test_failure_policies.py", "tests/runtime/test_outcomes_runs.py",
             "tests/plugin_kit/test_conformance.py",
@@ -202,7 +204,7 @@ CURATED = [
      "kl = clamped_kl(kl_estimator, logprobs.detach(), ref_logprobs,", "KL in the loss on detached log-probs"),
     ("rlhf/algorithms/training_loss.py", "advantages=batch.advantages, loss_mask=batch.loss_mask,",
      "advantages=batch.advantages, loss_mask=batch.action_mask,", "loss masked with action_mask, not loss_mask"),
-    ("rlhf/runtime/rl/workers.py", "micro,\n                                               temperature=self.training_loss.temperature,",
+    ("rlhf/runtime/rl/workers.py", "micro,\n                                                   temperature=self.training_loss.temperature,",
      "micro, temperature=1.0,", "temperature not passed to the training log-probs"),
     ("rlhf/algorithms/presets.py", "return optimizer_steps_per_rollout > 1 or self.kl_in_reward",
      "return self.kl_in_reward", "old log-probs not recomputed for several optimizer steps"),
@@ -552,6 +554,8 @@ def main() -> None:
                              "sample; confirm its survivors with the full list")
     parser.add_argument("--areas", nargs="*", default=None,
                         help="draw mutants from these areas' files only (names as printed, e.g. 'fast paths')")
+    parser.add_argument("--since", metavar="REV", default=None,
+                        help="draw mutants only on the lines changed since this git revision (a change's own lines)")
     args = parser.parse_args()
 
     if args.areas is not None:
@@ -563,6 +567,9 @@ def main() -> None:
     if missing:
         raise SystemExit(f"--files: no such file {', '.join(missing)} (paths from the repository root)")
     drawn = [m for file in args.files for m in mutants_of(file)]
+    if args.since is not None:
+        changed = changed_lines(args.since, args.files)
+        drawn = [m for m in drawn if m.line in changed.get(m.file, set())]
     random.Random(args.seed).shuffle(drawn)
     if args.per_area is not None:
         drawn = [m for area in AREAS for m in [d for d in drawn if d.area == area][:args.per_area]]
@@ -584,6 +591,23 @@ def main() -> None:
         args.json.write_text(json.dumps([{k: v for k, v in asdict(m).items() if k != "source"} | {"area": m.area}
                                          for m in mutants], indent=2))
     sys.exit(1 if any(m.status == "survived" for m in curated) else 0)
+
+
+def changed_lines(revision: str, files: list[str], root: Path = ROOT) -> dict[str, set[int]]:
+    """{file: the line numbers (today's) that ``git diff revision`` adds or changes in it}."""
+    result = subprocess.run(["git", "diff", "-U0", revision, "--", *files], cwd=root, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"--since: git diff {revision} failed: {result.stderr.strip().splitlines()[-1]}")
+    changed: dict[str, set[int]] = {}
+    current = None
+    for line in result.stdout.splitlines():
+        if line.startswith("+++ "):
+            current = line[6:] if line.startswith("+++ b/") else None
+        elif line.startswith("@@") and current is not None:
+            added = line.split("+", 1)[1].split(" ", 1)[0]  # "start,count" or "start"
+            start, _, count = added.partition(",")
+            changed.setdefault(current, set()).update(range(int(start), int(start) + int(count or 1)))
+    return changed
 
 
 def print_rate(label: str, mutants: list[Mutant]) -> None:
