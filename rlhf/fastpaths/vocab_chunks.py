@@ -46,8 +46,8 @@ whatever ℓ is, so g_ℓ is the advantage over the step's token counts. The pol
 loss for it (`rlhf.algorithms.PolicyTrainingLoss.logprob_gradient`: the gradient at two stand-in
 values of ℓ, kept where the two are equal to the bit) and passes it down
 (`rlhf.core.logprobs.known_logprob_gradient`); `_KnownGradientLogprobs` then takes c =
-``KNOWN_GRADIENT_ELEMENTS / V`` positions at a time (220 at Qwen2's vocabulary, 128 MB of float32
-logits) with the whole vocabulary's logits at once:
+``KNOWN_GRADIENT_ELEMENTS / V`` positions at a time at most (276 at Qwen2's vocabulary, 168 MB of
+float32 logits; a call's chunks of equal size) with the whole vocabulary's logits at once:
 
     z = h_c·Wᵀ / τ,  ℓ = z[y] − logsumexp(z),  p = softmax(z)        (c, V), one product
     ∂h_c = g·(W_y − p·W) / τ                                         one product, kept for the backward
@@ -101,10 +101,11 @@ ACCELERATOR_TILE_ELEMENTS = 1 << 23  # the same on a GPU (32 MB: few, large prod
 ACCELERATOR_TILE_POSITIONS = 4096
 MIN_BLOCK = 256  # vocabulary entries per block at least
 FULL_LOGITS_UP_TO = 64 << 20  # bytes of float32 logits up to which a call with a backward takes them whole
-KNOWN_GRADIENT_ELEMENTS = 1 << 25  # float32 logits a known-gradient call holds at once (128 MB): positions x vocabulary
+KNOWN_GRADIENT_ELEMENTS = 40 << 20  # float32 logits a known-gradient call holds at once (168 MB): positions x vocabulary
 KNOWN_GRADIENT_CHECK_VOCABULARY = 4096  # vocabulary entries of the first known-gradient call's comparison
 CHECK_POSITIONS = 64  # positions of the first call compared with the plain path
 _DEFERRING = threading.local()  # .head: the output layer returning its input in this thread
+_MISSED = "_rlhf_known_gradient_missed"  # in an output layer's __dict__: a loss's gradient was not the announced one
 
 
 def chunk_positions(vocab: int) -> int:
@@ -276,11 +277,14 @@ def known_gradient_rows(vocab: int) -> int:
 
 
 def _known_gradient_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor,
-                         temperature: float, onednn: bool,
-                         grad_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         temperature: float, onednn: bool, grad_weight: torch.Tensor,
+                         fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ℓ (K,), logsumexp(z) (K,), ∂h (K, H)) of hidden states (K, H) under W (V, H) for the loss
-    gradient ∂L/∂ℓ = ``grad`` (K,), ∂W added into ``grad_weight`` (V, H): the module docstring's
-    known-gradient formulas, `known_gradient_rows` positions x the whole vocabulary at a time."""
+    gradient ∂L/∂ℓ = ``grad`` (K,), ∂W added into ``grad_weight`` (V, H) (``fresh``: written by the
+    first chunk, whatever it held): the module docstring's known-gradient formulas,
+    `known_gradient_rows` positions x the whole vocabulary at a time. Each chunk reads and writes
+    all of ``grad_weight`` (311 MB at Qwen2's vocabulary), so chunks are as large as the budget
+    allows."""
     count = hidden.shape[0]
     floats = {"dtype": torch.float32, "device": hidden.device}
     logprobs, lse = torch.empty(count, **floats), torch.empty(count, **floats)  # (K,), (K,)
@@ -312,7 +316,10 @@ def _known_gradient_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         else:
             products = _linear(p.to(weight.dtype), weight.t(), None, onednn).float()
         grad_hidden[rows] = weight[y].float().mul_(g_c[:, None]).sub_(products.mul_(g_c[:, None]))
-        grad_weight.addmm_(p.t(), h.float() * -g_c[:, None])  # (V, H) += −pᵀ·(g·h)
+        if fresh and first == 0:
+            torch.mm(p.t(), h.float() * -g_c[:, None], out=grad_weight)  # (V, H) = −pᵀ·(g·h)
+        else:
+            grad_weight.addmm_(p.t(), h.float() * -g_c[:, None])  # (V, H) += −pᵀ·(g·h)
     grad_weight.index_add_(0, targets, hidden.float() * g[:, None])  # the onehot rows: g·h at y
     return logprobs, lse, grad_hidden
 
@@ -327,8 +334,12 @@ class _KnownGradientLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor,
                 temperature: float, onednn: bool, owner: nn.Module) -> torch.Tensor:
-        logprobs, lse, grad_hidden = _known_gradient_pass(hidden, weight, targets, grad, temperature, onednn,
-                                                          grad_of(weight))
+        fresh = weight.grad is None  # the step's first: .grad is written, not zeroed and added to
+        into = torch.empty_like(weight, memory_format=torch.contiguous_format) if fresh else grad_of(weight)  # (V, H)
+        logprobs, lse, grad_hidden = _known_gradient_pass(hidden, weight, targets, grad, temperature, onednn, into,
+                                                          fresh)
+        if fresh:
+            weight.grad = into
         ctx.save_for_backward(hidden, weight, targets, grad, lse, grad_hidden)
         ctx.temperature, ctx.onednn, ctx.owner = temperature, onednn, owner
         return logprobs
@@ -339,6 +350,11 @@ class _KnownGradientLogprobs(torch.autograd.Function):
         hidden, weight, targets, grad, lse, grad_hidden = ctx.saved_tensors
         grad_weight = None
         if not torch.equal(grad_logprobs, grad):  # the loss's gradient was not the one announced
+            if ctx.owner is not None and not ctx.owner.__dict__.get(_MISSED):
+                ctx.owner.__dict__[_MISSED] = True
+                log.warning("vocab chunks: the loss's gradient with respect to the log-probs was not the one it "
+                            "announced (its gradient at two stand-in log-probs); the update stays exact, but the "
+                            "output layer's backward runs twice where that happens (--no-vocab-chunks runs it once)")
             extra_hidden, grad_weight, _ = _tiles_backward(
                 hidden, weight, None, targets, lse, None, grad_logprobs - grad, None, temperature=ctx.temperature,
                 onednn=ctx.onednn, owner=ctx.owner, wants=(True, True, False))

@@ -62,10 +62,11 @@ def by_full_logits(weight, h, targets, grad, temperature):
     return logprobs.detach(), x.grad, w.grad
 
 
-def by_known_gradient(weight, h, targets, announced, handed, temperature):
-    """(ℓ, ∂h, ∂W) of `_KnownGradientLogprobs` announced ``announced`` and handed ``handed``, inside a
-    backend's step (∂W into ``.grad``)."""
-    weight.grad = None
+def by_known_gradient(weight, h, targets, announced, handed, temperature, held=None):
+    """(ℓ, ∂h, ∂W, ∂W after the forward) of `_KnownGradientLogprobs` announced ``announced`` and handed
+    ``handed``, inside a backend's step (∂W into ``.grad``, which holds ``held`` before: an earlier
+    micro-batch's gradient, or None)."""
+    weight.grad = None if held is None else held.clone()
     x = h.clone().requires_grad_()
     with accumulating_in_place([weight]):
         logprobs = vocab_chunks._KnownGradientLogprobs.apply(x, weight, targets, announced, temperature, False,
@@ -76,34 +77,39 @@ def by_known_gradient(weight, h, targets, announced, handed, temperature):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("rows", [3, None])
-def test_log_probs_and_gradients_equal_the_full_logits(monkeypatch, temperature, rows):
+def test_log_probs_and_gradients_equal_the_full_logits(monkeypatch, temperature, rows, held):
     weight, h, targets, grad = layer()
     if rows:
         monkeypatch.setattr(vocab_chunks, "KNOWN_GRADIENT_ELEMENTS", weight.shape[0] * rows)
     tiles_backward = []
     real = vocab_chunks._tiles_backward
     monkeypatch.setattr(vocab_chunks, "_tiles_backward", lambda *a, **k: tiles_backward.append(1) or real(*a, **k))
+    before = torch.randn(weight.shape, generator=torch.Generator().manual_seed(9)) if held else None  # (V, H)
     expected = by_full_logits(weight, h, targets, grad, temperature)
-    logprobs, grad_hidden, grad_weight, in_forward = by_known_gradient(weight, h, targets, grad, grad, temperature)
+    logprobs, grad_hidden, grad_weight, in_forward = by_known_gradient(weight, h, targets, grad, grad, temperature,
+                                                                       before)
     assert torch.allclose(logprobs, expected[0], atol=1e-6)
     assert torch.allclose(grad_hidden, expected[1], atol=1e-6)
-    assert torch.allclose(grad_weight, expected[2], atol=1e-6)
+    assert torch.allclose(grad_weight, expected[2] + (before if held else 0), atol=1e-6)  # added to what .grad held
     assert torch.equal(in_forward, grad_weight)  # all of ∂W went in during the forward
     assert not tiles_backward  # the backward recomputed nothing
 
 
 @pytest.mark.unit
-def test_a_backward_handed_another_gradient_is_still_exact(monkeypatch):
+def test_a_backward_handed_another_gradient_is_still_exact(monkeypatch, caplog):
     weight, h, targets, grad = layer(seed=1)
     handed = grad * torch.linspace(-1.5, 2.0, grad.shape[0])  # (K,) not the announced one
     tiles_backward = []
     real = vocab_chunks._tiles_backward
     monkeypatch.setattr(vocab_chunks, "_tiles_backward", lambda *a, **k: tiles_backward.append(1) or real(*a, **k))
     expected = by_full_logits(weight, h, targets, handed, 0.7)
-    logprobs, grad_hidden, grad_weight, _ = by_known_gradient(weight, h, targets, grad, handed, 0.7)
+    with caplog.at_level("WARNING"):
+        logprobs, grad_hidden, grad_weight, _ = by_known_gradient(weight, h, targets, grad, handed, 0.7)
     assert tiles_backward == [1]
+    assert "was not the one it announced" in caplog.text
     assert torch.allclose(logprobs, expected[0], atol=1e-6)
     assert torch.allclose(grad_hidden, expected[1], atol=1e-5)
     assert torch.allclose(grad_weight, expected[2], atol=1e-5)
