@@ -2,8 +2,9 @@
 (`rlhf.fastpaths.vocab_chunks._KnownGradientLogprobs`, `rlhf.core.logprobs.known_logprob_gradient`,
 `PolicyTrainingLoss.logprob_gradient`):
 
-* log-probs, ∂h and ∂W (added into ``.grad`` in the forward) equal the full logits' autograd, at
-  temperatures 1 and 0.7, a few positions a chunk or all at once, with repeated targets;
+* log-probs, ∂h and ∂W (added into ``.grad`` in the forward, or written there when it held none)
+  equal the full logits' autograd, at temperatures 1 and 0.7, a few positions a chunk or all at
+  once, with repeated targets, through torch's or oneDNN's products;
 * a backward handed another gradient than the announced one is still exact (the difference goes
   through the tiles' backward), and one handed the announced gradient recomputes nothing;
 * the loss's gradient: on-policy without a KL or entropy term it is the advantage over the token
@@ -12,7 +13,8 @@
   packed), and runs it; with old log-probs or a KL term it never runs; outside a backend's step
   (no ``.grad`` may be written in a forward) it never runs;
 * a first call that differs from the tiles is caught, warned about, and the tiles run from then on;
-* ``rlhf train`` without a KL term runs it and matches ``--no-vocab-chunks``.
+* ``rlhf train`` without a KL term runs it and matches ``--no-vocab-chunks``; a run stopped and
+  resumed ends with the weights of an unbroken one, bit for bit.
 """
 
 from __future__ import annotations
@@ -62,14 +64,14 @@ def by_full_logits(weight, h, targets, grad, temperature):
     return logprobs.detach(), x.grad, w.grad
 
 
-def by_known_gradient(weight, h, targets, announced, handed, temperature, held=None):
+def by_known_gradient(weight, h, targets, announced, handed, temperature, held=None, onednn=False):
     """(ℓ, ∂h, ∂W, ∂W after the forward) of `_KnownGradientLogprobs` announced ``announced`` and handed
     ``handed``, inside a backend's step (∂W into ``.grad``, which holds ``held`` before: an earlier
-    micro-batch's gradient, or None)."""
+    micro-batch's gradient, or None); ``onednn``: its products through oneDNN."""
     weight.grad = None if held is None else held.clone()
     x = h.clone().requires_grad_()
     with accumulating_in_place([weight]):
-        logprobs = vocab_chunks._KnownGradientLogprobs.apply(x, weight, targets, announced, temperature, False,
+        logprobs = vocab_chunks._KnownGradientLogprobs.apply(x, weight, targets, announced, temperature, onednn,
                                                              torch.nn.Module())  # (K,)
         in_forward = weight.grad.clone()
         (logprobs * handed).sum().backward()
@@ -96,6 +98,24 @@ def test_log_probs_and_gradients_equal_the_full_logits(monkeypatch, temperature,
     assert torch.allclose(grad_weight, expected[2] + (before if held else 0), atol=1e-6)  # added to what .grad held
     assert torch.equal(in_forward, grad_weight)  # all of ∂W went in during the forward
     assert not tiles_backward  # the backward recomputed nothing
+
+
+@pytest.mark.unit
+def test_through_onednn_products(monkeypatch):
+    from rlhf.fastpaths import cpu_linear
+
+    if not cpu_linear.onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    products = []
+    real = cpu_linear.onednn_product
+    monkeypatch.setattr(cpu_linear, "onednn_product", lambda *args: products.append(1) or real(*args))
+    monkeypatch.setattr(vocab_chunks, "KNOWN_GRADIENT_ELEMENTS", 37 * 4)  # chunks of 4 positions
+    weight, h, targets, grad = layer()
+    expected = by_full_logits(weight, h, targets, grad, 0.7)
+    got = by_known_gradient(weight, h, targets, grad, grad, 0.7, onednn=True)
+    assert len(products) == 2 * 3  # z and p·W for each of the 3 chunks
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 @pytest.mark.unit
@@ -269,3 +289,50 @@ def test_rlhf_train_without_a_kl_term_takes_it_and_matches_the_plain_path(tiny_m
         assert expected["policy/grad_norm"] > 1e-3
         for key in ("reward/mean", "policy/loss", "policy/grad_norm", "response/length_mean"):
             assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
+
+
+# A reward that varies by sample, sending SIGINT to its own process on call $SIGNAL_ON_CALL.
+INTERRUPTING_REWARD = '''
+import os, signal
+from pathlib import Path
+
+def dense(completions, **kwargs):
+    counter = Path(os.environ["CALLS_FILE"])
+    calls = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(calls))
+    if calls == int(os.environ.get("SIGNAL_ON_CALL", "0")):
+        os.kill(os.getpid(), signal.SIGINT)
+    return [sum(map(ord, c)) % 97 / 97 for c in completions]
+'''
+
+
+@pytest.mark.run
+def test_a_resumed_run_ends_where_an_unbroken_one_does(tiny_model_dir, task, tmp_path, monkeypatch):
+    """The path a micro-batch takes does not depend on what ran before it in the process: stopped
+    after step 2 and resumed, the run's final weights are those of an unbroken run, bit for bit."""
+    from rlhf.core.errors import RunInterrupted
+    from rlhf.core.plugin_host.loading import build_plugin_manager
+    from rlhf.runtime.rl.local import train
+    from tests.helpers import final_weights, small_config
+
+    rewards = tmp_path / "dense.py"
+    rewards.write_text(INTERRUPTING_REWARD)
+    monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))
+    plugins = build_plugin_manager(load_entrypoints=False)
+
+    def config(out, **overrides):
+        return small_config(tiny_model_dir, task, out, reward=[f"{rewards}:dense"], kl_coef=0.0, n_samples=4,
+                            max_new_tokens=8, micro_batch_size=4, steps=3, **overrides)
+
+    calls = known_calls(monkeypatch)
+    whole = train(config(tmp_path / "whole"), plugins=plugins)
+    assert len(calls) == 6  # 2 prompts x 4 samples a step in micro-batches of 4, each through the known gradient
+    (tmp_path / "calls").unlink()
+    monkeypatch.setenv("SIGNAL_ON_CALL", "2")
+    with pytest.raises(RunInterrupted):
+        train(config(tmp_path / "stopped"), plugins=plugins)
+    monkeypatch.setenv("SIGNAL_ON_CALL", "0")
+    train(config(tmp_path / "stopped", resume=True), plugins=plugins)
+    got, expected = final_weights(tmp_path / "stopped"), final_weights(whole)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
