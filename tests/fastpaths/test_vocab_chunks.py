@@ -413,3 +413,15 @@ def test_small_logits_are_taken_whole_with_or_without_a_backward(lm, monkeypatch
         tiled, _ = token_logprobs(lm, ids, mask, actions, temperature=2.0)
     assert len(calls) == 2  # the first call's check, then the tiles
     assert torch.allclose(tiled * actions, expected * actions, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_no_positions_give_no_gradient():
+    """A micro-batch with nothing to score: the tiles' backward hands back zeros, not an
+    uninitialised (V, H) tensor (no product ever writes it)."""
+    weight = torch.randn(37, 8, requires_grad=True)  # (V, H)
+    hidden = torch.randn(0, 8, requires_grad=True)  # (0, H)
+    logprobs, _ = vocab_chunks._ChunkedLogprobs.apply(hidden, weight, None, torch.zeros(0, dtype=torch.long), 1.0,
+                                                      False, False)
+    (logprobs * 2).sum().backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
