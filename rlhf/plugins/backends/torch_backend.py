@@ -11,7 +11,6 @@ step loss (rlhf/core/distributed.py), so the sum is the full step gradient.
 from __future__ import annotations
 
 import contextlib
-
 import math
 from typing import Any
 

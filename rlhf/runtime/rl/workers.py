@@ -262,7 +262,6 @@ class PolicyWorker(_TrainedWorker):
             loss, metrics = self.router_aux.added(policy_loss, share=tokens / norm.num_tokens)
         return loss, metrics, tokens
 
-
     def _known_gradient(self, micro: MicroBatch, norm: LossNorm,
                         kl_coef: float | None) -> contextlib.AbstractContextManager[None]:
         """Around a micro-batch's training forward: the loss's gradient with respect to the log-probs,

@@ -6,7 +6,6 @@ skips on every rank, and checkpoint state.
 from __future__ import annotations
 
 import contextlib
-
 import math
 from pathlib import Path
 from collections.abc import Callable, Iterable
