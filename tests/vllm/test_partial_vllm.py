@@ -51,7 +51,7 @@ class Versions:
 
     def of(self, held: dict[str, torch.Tensor]) -> int:
         """The one published version whose weights a vLLM engine holds (its last sync's tensors)."""
-        found = [v for v, state in self.states.items()
+        found = [v for v, state in list(self.states.items())  # the trainer's thread adds versions meanwhile
                  if held and all(torch.equal(state[name], tensor) for name, tensor in held.items())]
         assert len(found) == 1, f"the engine's weights are those of versions {found}"
         return found[0]
@@ -81,8 +81,10 @@ def versions(fake_vllm, monkeypatch):
     publish = AsyncGeneration.publish
 
     def recording(self, version):
+        # recorded before it is published: once published, the producer thread may sync an engine to
+        # it and sample (the weights are the trainer's until its next step, which this thread runs)
+        recorded.states[version] = {name: t.clone() for name, t in self.parts.snapshot().items()}
         publish(self, version)
-        recorded.states[version] = {name: t.clone() for name, t in self.snapshots[version].items()}
 
     monkeypatch.setattr(AsyncGeneration, "publish", recording)
     monkeypatch.setattr(fakes.FakeLLM, "script", weights_script(recorded))  # called as a method: gets the LLM
