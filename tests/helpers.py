@@ -182,6 +182,14 @@ def readme_plugin_files() -> dict[str, str]:
 # --- gradients and batches ----------------------------------------------------------------------
 
 
+def apply_calls(monkeypatch, function) -> list:
+    """A list that grows by one at every ``function.apply`` (an autograd Function), which still runs."""
+    calls: list = []
+    real = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 def assert_same_gradients(got, expected, atol=1e-6):
     """``{name: gradient}`` dicts equal, to ``atol`` times the largest expected entry (and 1e-4 relative)."""
     import torch

@@ -30,7 +30,8 @@ from rlhf.core.logprobs import known_logprob_gradient
 from rlhf.fastpaths import vocab_chunks
 from rlhf.fastpaths.in_place_gradients import accumulating_in_place, use_in_place_gradients
 from rlhf.fastpaths.verdicts import verdict
-from tests.helpers import assert_same_gradients, grouped_batch
+from tests.helpers import apply_calls, assert_same_gradients, grouped_batch
+
 
 @pytest.fixture(autouse=True)
 def always_tiles(monkeypatch):
@@ -40,10 +41,7 @@ def always_tiles(monkeypatch):
 
 def known_calls(monkeypatch) -> list:
     """A list that grows by one at every known-gradient computation of log-probs."""
-    calls: list = []
-    real = vocab_chunks._KnownGradientLogprobs.apply
-    monkeypatch.setattr(vocab_chunks._KnownGradientLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
-    return calls
+    return apply_calls(monkeypatch, vocab_chunks._KnownGradientLogprobs)
 
 
 def layer(vocab=37, hidden=8, positions=11, seed=0):

@@ -29,7 +29,7 @@ from rlhf.fastpaths.packing import PackedModel
 from rlhf.fastpaths.prefix_sharing import share_prefixes, shared_token_logprobs
 from rlhf.fastpaths.verdicts import verdict
 from tests.helpers import padded_batch
-from tests.helpers import assert_same_gradients, shared_batch
+from tests.helpers import apply_calls, assert_same_gradients, shared_batch
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +40,7 @@ def always_tiles(monkeypatch):
 
 def tile_calls(monkeypatch) -> list:
     """A list that grows by one at every tiled computation of log-probs."""
-    calls: list = []
-    real = vocab_chunks._ChunkedLogprobs.apply
-    monkeypatch.setattr(vocab_chunks._ChunkedLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
-    return calls
+    return apply_calls(monkeypatch, vocab_chunks._ChunkedLogprobs)
 
 
 @pytest.fixture
