@@ -196,6 +196,23 @@ def test_a_nan_gradient_skips_the_step_and_the_schedule(tiny_model_dir):
     assert backend.step()["lr"] == pytest.approx(1e-2 / 3)  # still the first warmup step
 
 
+def test_a_zero3_engine_reserves_memory_by_the_model_not_by_deepspeed_s_default_bucket(tiny_model_dir):
+    """ZeRO-3 allocates its gradient bucket when the engine starts: at DeepSpeed's default 5e8
+    elements that is 2 GB of address space for any model. Engines a process made add up (a test
+    run once reached 13 GB in one worker and its forks then failed with ENOMEM); the bucket is
+    sized by the model instead, and the values are the same (test_each_zero_stage_... above)."""
+    def data_mb() -> float:  # the process's private address space, touched or not
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return int(fields["VmData"].split()[0]) / 1024
+
+    make_backend(tiny_model_dir, 3)  # the first engine also loads DeepSpeed's own modules
+    before = data_mb()
+    model, backend = make_backend(tiny_model_dir, 3)
+    elements = sum(p.ds_numel for p in model.parameters())
+    grown = data_mb() - before
+    assert grown < 200 + 16 * elements * 4 / 2**20, (grown, elements)  # 2 GB before the cap
+
+
 def test_bad_options_are_config_errors(tiny_model_dir):
     from rlhf.core.errors import ConfigError
 

@@ -66,9 +66,20 @@ def check_precision(dtype: torch.dtype) -> None:
                           "use --dtype fp32 or another half-precision --dtype")
 
 
-def deepspeed_config(config: DeepSpeedConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """DeepSpeed's JSON config for this run (batch sizes are bookkeeping: we own accumulation)."""
-    zero: dict[str, Any] = {"stage": config.zero_stage}
+# DeepSpeed's default gradient bucket, in elements: ZeRO-3 allocates one of this size per engine
+DEFAULT_REDUCE_BUCKET = 500_000_000
+
+
+def deepspeed_config(config: DeepSpeedConfig, dtype: torch.dtype, trainable_elements: int) -> dict[str, Any]:
+    """DeepSpeed's JSON config for this run (batch sizes are bookkeeping: we own accumulation).
+
+    The gradient bucket is never larger than the model's trainable elements: ZeRO-3 allocates it
+    whole when the engine starts (2 GB in fp32 at DeepSpeed's default), and a bucket that holds
+    every gradient already reduces them all at once. Buckets only group the same elementwise
+    reductions, so their size changes no value.
+    """
+    zero: dict[str, Any] = {"stage": config.zero_stage,
+                            "reduce_bucket_size": min(DEFAULT_REDUCE_BUCKET, max(1, trainable_elements))}
     if config.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     if config.offload_params:
@@ -205,7 +216,7 @@ class DeepSpeedBackend(TrainBackendBase):
         check_precision(dtype)
         self.world_size = dist.get_world_size()
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=self._optimizer(params, dtype), config=deepspeed_config(config, dtype),
+            model=model, optimizer=self._optimizer(params, dtype), config=deepspeed_config(config, dtype, sum(p.numel() for p in params)),
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lambda step: lr_factor(step, config)),
             dist_init_required=False)
