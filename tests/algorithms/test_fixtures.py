@@ -1,5 +1,7 @@
 """The shipped reference fixtures (rlhf/algorithms/fixtures/*.json) are right: what their generator makes
-(tests/algorithms/make_fixtures.py), every built-in component claims and matches them exactly, and
+(tests/algorithms/make_fixtures.py), every built-in component claims and matches them to the last bits
+of float64 (`LAST_BITS`: torch's vectorised exp and log differ by an ulp between AVX-512 and AVX2
+CPUs, so a fixture made on one machine is a few ulps off on another), and
 their expected values agree with references that do not run our code: cispo and sapo with the
 transcriptions of verl and TRL (`anchor_reference`), the estimators with the loop oracle (`oracle`),
 the KL estimators and the aggregations with their formulas written out."""
@@ -17,6 +19,7 @@ from rlhf.core.plugin_host.settings import build_component_config, setting_field
 from tests.algorithms import anchor_reference, make_fixtures, oracle
 
 pytestmark = pytest.mark.unit
+LAST_BITS = 8 * torch.finfo(torch.float64).eps  # relative to max(1, |expected|), as the plugin check's tolerance
 
 
 def t(value):
@@ -41,9 +44,9 @@ def test_every_builtin_implements_its_own_fixtures_and_matches_them_exactly():
             config_cls = component.load_config_cls()
             results = conform(kind, component.load(), names, settable={f.name for f in setting_fields(config_cls)},
                               make_config=lambda s, c=config_cls: build_component_config(
-                                  c, settings=s, run_values={}, who="", flag=""))
+                                  c, settings=s, run_values={}, who="", flag=""), tolerance=LAST_BITS)
             for result in results:
-                assert result.cases and not result.failed and result.largest == 0.0, (component.name, result)
+                assert result.cases and not result.failed, (component.name, result)
                 covered[kind].add(result.name)
     for kind in FIXTURE_KINDS:  # every set is some built-in's
         assert covered[kind] == set(load_fixtures(kind)["sets"]), kind

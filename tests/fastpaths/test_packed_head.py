@@ -122,8 +122,8 @@ def test_the_engine_samples_the_same_tokens_with_the_packed_head(tiny_model_dir,
     monkeypatch.setattr(PackedHead, "__call__", lambda self, x, _call=PackedHead.__call__: calls.append(1)
                         or _call(self, x))
     runs = {}
-    for name, config in (("packed", HFEngineConfig(decoder="lean")),
-                         ("unpacked", HFEngineConfig(decoder="lean", pack_head=False)),
+    for name, config in (("packed", HFEngineConfig(decoder="lean", pack_head=True)),
+                         ("unpacked", HFEngineConfig(decoder="lean")),  # the default: not packed
                          ("direct", HFEngineConfig(decoder="direct"))):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
         use_onednn_linears(model, linears)

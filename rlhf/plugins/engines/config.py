@@ -24,9 +24,10 @@ class HFEngineConfig:
     continuous: bool = field(default=True, metadata={
         "help": "Multi-turn rollouts: each trajectory's turns join and leave one running decode batch, so a "
                 "turn starts as soon as its tool call returns (false: one batched generate per turn)"})
-    pack_head: bool = field(default=True, metadata={
-        "help": "The lean step's output layer: its weight laid out once per decode for the CPU's matrix product "
-                "where that pays (a large vocabulary, many steps; same logits), instead of at every step"})
+    pack_head: bool = field(default=False, metadata={
+        "help": "The lean step's output layer on a CPU: its weight laid out once per decode for the matrix product "
+                "where that pays (a large vocabulary, many steps; same logits), instead of at every step. Costs a "
+                "copy of that weight while decoding"})
     synced_gpus: bool = run_field("synced_generation", False, "Ranks decode in lockstep until every rank has "
                                   "finished (the policy's weights are sharded over ranks: each forward is a collective)")
 
