@@ -75,7 +75,7 @@ class PackedHead:
         self.product: Callable[[torch.Tensor], torch.Tensor] = self._mkl if library == "mkl" else self._onednn
 
     def _pack(self) -> None:
-        weight = self.head.weight.detach()
+        weight = self.head.weight
         if self.library == "mkl":
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, self.rows)
         else:
@@ -83,19 +83,17 @@ class PackedHead:
         self.packed_from = (weight.data_ptr(), weight._version)
 
     def _mkl(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.head.bias.detach() if self.head.bias is not None else None
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.head.weight.detach(), bias, self.rows)
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.head.weight, self.head.bias, self.rows)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.head.bias.detach() if self.head.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.head.bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, 1, H) -> logits (B, 1, V), without gradient (decoding)."""
         weight = self.head.weight
-        if self.packed_from != (weight.data_ptr(), weight._version):
-            self._pack()
         with torch.no_grad():
+            if self.packed_from != (weight.data_ptr(), weight._version):
+                self._pack()
             return self.product(x.contiguous())
 
 

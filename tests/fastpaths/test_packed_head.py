@@ -47,10 +47,12 @@ def test_the_packed_product_equals_the_layer_s_own_forward(bias, cls, library):
     layer = head(bias=bias, cls=cls)
     packed = packed_head(layer, rows=8, steps=PACK_STEPS)
     assert isinstance(packed, PackedHead) and packed.library == library
+    layer.requires_grad_(True)  # a policy's output layer: the decode builds no graph on it
     for rows in (8, 3, 1):  # rows that finished still decode; any count runs on the same layout
         x = torch.randn(rows, 1, layer.in_features)  # (B, 1, H)
         with torch.no_grad():
             assert_same_logits(packed(x), layer(x))
+        assert not packed(x).requires_grad
 
 
 @pytest.mark.unit
@@ -86,6 +88,12 @@ def test_it_is_taken_only_where_it_pays_and_runs():
 
     assert packed_head(head(cls=Adapter), rows=8, steps=512) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packed_head(head(), rows=8, steps=512) is None
+    partitioned = head()
+    partitioned.weight.ds_id = 0  # a DeepSpeed ZeRO-3 partition: gathered inside the module's own forward
+    assert packed_head(partitioned, rows=8, steps=512) is None
+    with pytest.MonkeyPatch.context() as patch:  # a torch built without MKL (aarch64): the head's own product
+        patch.setattr(torch.backends.mkl, "is_available", lambda: False)
         assert packed_head(head(), rows=8, steps=512) is None
 
 
