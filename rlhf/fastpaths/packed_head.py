@@ -27,7 +27,7 @@ changes) is laid out again before the next step.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,7 +72,8 @@ class PackedHead:
         self.head, self.rows, self.library = head, rows, library
         self.packed: torch.Tensor | None = None
         self.packed_from: tuple[int, int] | None = None  # (storage address, version) of the weight packed
-        self.product: Callable[[torch.Tensor], torch.Tensor] = self._mkl if library == "mkl" else self._onednn
+        # No reference back to itself (a bound method kept as an attribute): the copy must go with the
+        # decode, not wait for the cyclic garbage collector while the update runs.
 
     def _pack(self) -> None:
         weight = self.head.weight
@@ -82,19 +83,16 @@ class PackedHead:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows)
         self.packed_from = (weight.data_ptr(), weight._version)
 
-    def _mkl(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.head.weight, self.head.bias, self.rows)
-
-    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.head.bias, "none", [], "")
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, 1, H) -> logits (B, 1, V), without gradient (decoding)."""
-        weight = self.head.weight
+        weight, bias = self.head.weight, self.head.bias
         with torch.no_grad():
             if self.packed_from != (weight.data_ptr(), weight._version):
                 self._pack()
-            return self.product(x.contiguous())
+            x = x.contiguous()
+            if self.library == "mkl":
+                return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, self.rows)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 def packed_head(head: Any, rows: int, steps: int) -> PackedHead | None:

@@ -72,6 +72,33 @@ def test_a_weight_loaded_in_place_or_replaced_is_laid_out_again():
         assert_same_logits(packed(x), layer(x))
 
 
+@pytest.mark.run
+@needs_mkl
+def test_the_copy_goes_with_the_decode_without_the_garbage_collector(tiny_model_dir, monkeypatch):
+    """The laid-out copy is as large as the output layer: freed when the decode ends (reference
+    counting), not left for the cyclic collector to find while the update runs."""
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setattr(packed_head_module, "PACK_FROM", 1)
+    made = []
+    monkeypatch.setattr(PackedHead, "__init__", lambda self, *a, _init=PackedHead.__init__: made.append(
+        weakref.ref(self)) or _init(self, *a))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), tokenizer,
+                      HFEngineConfig(decoder="lean", pack_head=True))
+    params = SamplingParams(max_new_tokens=PACK_STEPS, temperature=0.9)
+    engine.generate([tokenizer("hi")["input_ids"]], n=2, params=params)  # checks the variant beside the forward
+    gc.disable()
+    try:
+        engine.generate([tokenizer("hi")["input_ids"]], n=2, params=params)
+        assert len(made) == 2 and all(ref() is None for ref in made)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.unit
 def test_it_is_taken_only_where_it_pays_and_runs():
     if not packed_head_module._mkl_available():
