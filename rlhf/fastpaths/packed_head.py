@@ -13,9 +13,11 @@ other than the one the layout was made for (up to 6e-7 of the largest logit, mea
 decoder's check against the model's forward covers the variant that packs under a name of its
 own (`rlhf.fastpaths.lean_decode`).
 
-It holds a copy of W while the decode runs (the peak memory of a 95M-parameter model with a
-151,936-entry output layer rose 1.12x), so the engine takes it only when asked
-(``--engine.pack-head``). Laying W out costs about three to four of the products it saves a part
+It holds a copy of W while the decode runs (freed when the decode ends: nothing here refers back
+to itself). A full fine-tuning run's peak is its update, where that copy is already gone (a GRPO
+step at a 151,936-entry vocabulary: 0.95x the time, the same peak); a run whose peak is the decode
+(LoRA, a frozen output layer) pays one copy of the output layer, so the engine takes it only when
+asked (``--engine.pack-head``). Laying W out costs about three to four of the products it saves a part
 of, so it is taken where it pays: at least `PACK_FROM` weight elements and `PACK_STEPS` decode steps to hold (break-even
 measured at 4-27 steps over vocabularies of 32,000-151,936 and hidden sizes of 256-2,048;
 benchmarks/README.md). Taken for a float32 weight on a CPU, outside autocast, where the output
