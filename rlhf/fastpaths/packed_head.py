@@ -4,8 +4,8 @@ A decode step multiplies a few rows by the whole output layer: y = x·Wᵀ (+ b)
 W (V, H). Before multiplying, the CPU libraries torch calls (MKL's sgemm by default, oneDNN under
 ``--cpu-linear``) copy W into the blocked layout their kernels read, on every call; with few rows
 that copy is a large part of the product: at Qwen2's vocabulary (151,936 x 512) and 32 rows
-MKL takes 1.15-1.35x and oneDNN 1.3-1.4x the time of the same product on a weight laid out
-beforehand. Both libraries take a weight laid out once (MKL's packed sgemm, oneDNN's reordered
+MKL takes 1.16x and oneDNN 1.32x the time of the same product on a weight laid out beforehand
+(1.19-1.45x over vocabularies of 32,000 and hidden sizes of 256-2,048). Both libraries take a weight laid out once (MKL's packed sgemm, oneDNN's reordered
 weight), and `PackedHead` does that when a decode starts and calls the same library's product
 on it at every step. The logits equal the unpacked product's to float rounding: bit for bit
 through MKL at the decode shapes measured, while oneDNN may pick another kernel for a row count
@@ -17,10 +17,10 @@ It holds a copy of W while the decode runs (freed when the decode ends: nothing 
 to itself). A full fine-tuning run's peak is its update, where that copy is already gone (a GRPO
 step at a 151,936-entry vocabulary: 0.95x the time, the same peak); a run whose peak is the decode
 (LoRA, a frozen output layer) pays one copy of the output layer, so the engine takes it only when
-asked (``--engine.pack-head``). Laying W out costs about three to four of the products it saves a part
-of, so it is taken where it pays: at least `PACK_FROM` weight elements and `PACK_STEPS` decode steps to hold (break-even
-measured at 4-27 steps over vocabularies of 32,000-151,936 and hidden sizes of 256-2,048;
-benchmarks/README.md). Taken for a float32 weight on a CPU, outside autocast, where the output
+asked (``--engine.pack-head``). Laying W out costs about three to four of the products it saves a
+part of, so it is taken where it pays: at least `PACK_FROM` weight elements and `PACK_STEPS`
+decode steps to hold (break-even measured at 5-25 steps over vocabularies of 32,000-151,936 and
+hidden sizes of 256-2,048; benchmarks/README.md). Taken for a float32 weight on a CPU, outside autocast, where the output
 layer's forward is ``nn.Linear``'s (MKL) or `OneDnnLinear`'s taking oneDNN (oneDNN); an adapter
 or quantized layer keeps its own forward. The weight a decode reads is fixed for the decode; a
 weight replaced or copied into meanwhile (``load_state_dict``: its storage or version counter
@@ -37,8 +37,8 @@ from torch import nn
 from rlhf.fastpaths.cpu_linear import OneDnnLinear, onednn_available, takes_onednn
 from rlhf.fastpaths.verdicts import verdict
 
-PACK_FROM = 1 << 22  # weight elements (32,000 x 256 is 8.2M) from which laying out the weight once pays
-PACK_STEPS = 32  # decode steps from which it pays (break-even measured at 4-27)
+PACK_FROM = 1 << 22  # 4.2M weight elements (32,000 x 256 is 8.2M): from here laying W out once pays
+PACK_STEPS = 32  # decode steps from which it pays (break-even measured at 5-25)
 
 
 def _mkl_available() -> bool:

@@ -215,8 +215,9 @@ class DeepSpeedBackend(TrainBackendBase):
         join_process_group()
         check_precision(dtype)
         self.world_size = dist.get_world_size()
+        trainable = sum(param.numel() for param in params)
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=self._optimizer(params, dtype), config=deepspeed_config(config, dtype, sum(p.numel() for p in params)),
+            model=model, optimizer=self._optimizer(params, dtype), config=deepspeed_config(config, dtype, trainable),
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lambda step: lr_factor(step, config)),
             dist_init_required=False)
