@@ -165,10 +165,13 @@ def test_the_engine_samples_the_same_tokens_with_the_packed_head(tiny_model_dir,
         engine = HFEngine(model, tokenizer, config)
         for _ in range(2):  # the first call checks the lean variant against the forward
             torch.manual_seed(3)
+            before = len(calls)
             runs[name] = engine.generate(prompts, n=3, params=params)
         if name == "packed":
             assert verdict(model, "lean_decode/padded/grouped/packed_head") is True
-            assert len(calls) >= PACK_STEPS - 1  # the second call's steps all ran on the packed layer
+            assert len(calls) - before == PACK_STEPS - 1  # every decode step of the second call, on the packed layer
+        else:
+            assert len(calls) == before
         if name == "unpacked":
             assert verdict(model, "lean_decode/padded/grouped/packed_head") is None
     assert [g.token_ids for g in runs["packed"]] == [g.token_ids for g in runs["unpacked"]] \
