@@ -16,7 +16,8 @@ from rlhf.core.protocols.rollout import SamplingParams, batches_continuously
 from rlhf.core.types import StepResult
 from rlhf.plugins.engines.config import HFEngineConfig
 from rlhf.plugins.engines.hf import HFEngine
-from rlhf.plugins.engines.hf_continuous import DecodeBatch, inverse_cdf
+from rlhf.plugins.engines.hf_continuous import DecodeBatch
+from rlhf.plugins.engines.sampling import inverse_cdf
 from rlhf.runtime.rl.rollout import RolloutSettings, RolloutWorker, request_seed
 
 

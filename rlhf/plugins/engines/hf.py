@@ -12,10 +12,10 @@ Two decoders sample the same distribution from the same logits:
 * ``direct``: a loop over the model's forward with a ``DynamicCache``. transformers' ``generate``
   spends a fifth of a small model's decode time on per-token machinery (logits-processor and
   stopping-criteria objects, re-preparing inputs, rebuilding masks); this loop does only the
-  forward, the sampling and the EOS bookkeeping. On a CPU it samples by inverse CDF (one uniform
-  per row): ``torch.multinomial`` draws an exponential per vocabulary entry there, which costs
-  more than the forward of a small model at a large vocabulary. Used when there are no stop strings and the model is a
-  plain decoder-only transformers model (no model-specific input preparation).
+  forward, the sampling and the EOS bookkeeping. On a CPU it samples by inverse CDF, one uniform
+  per row, in two levels at large vocabularies (rlhf/plugins/engines/sampling.py). Used when
+  there are no stop strings and the model is a plain decoder-only transformers model (no
+  model-specific input preparation).
 * ``lean``: ``direct`` with each decode step run by `LeanDecoder`
   (rlhf/fastpaths/lean_decode.py): the model's own modules over a cache allocated once,
   without the forward's per-call machinery; the same logits. For Llama-architecture models with
@@ -44,6 +44,7 @@ import torch
 from rlhf.api import (Generation, LeanDecodeUnsupported, LeanDecoder, SamplingParams, accepts_logits_to_keep,
                       base_model, cache_argument, fast_path_verdict, lean_decoder_supported, settle_fast_path)
 from rlhf.plugins.engines.config import DECODERS, HFEngineConfig
+from rlhf.plugins.engines.sampling import sample_categorical
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +60,6 @@ def _relative_difference(lean_logits: torch.Tensor, logits: torch.Tensor) -> flo
 
 def _lean_tolerance(logits: torch.Tensor) -> float:
     return 1e-4 if logits.dtype == torch.float32 else 5e-2
-
-
-def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` (B, V), drawn with probability ``probs[b, v]``. Returns (B,).
-
-    On a CPU by inverse CDF: the first v whose cumulative probability exceeds u ~ U[0, total).
-    CPU cumsum accumulates in float64, so every cumulative value is the exact prefix sum rounded
-    once to float32; a token of probability 0 (top-p) has an empty interval and is never drawn.
-    """
-    if probs.device.type != "cpu":
-        return torch.multinomial(probs, num_samples=1).squeeze(1)
-    cdf = probs.cumsum(dim=-1)  # (B, V)
-    total = cdf[:, -1:]  # (B, 1)
-    below_total = total.nextafter(torch.zeros_like(total))  # u < total even when rand * total rounds up
-    u = torch.minimum(torch.rand_like(total) * total, below_total)  # (B, 1)
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)  # (B,)
 
 
 class HFEngine:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from rlhf.api import Generation, SamplingParams, accepts_logits_to_keep, base_model, cache_argument, cache_tensors
+from rlhf.plugins.engines.sampling import inverse_cdf
 
 
 @dataclass(eq=False)
@@ -283,16 +284,6 @@ def top_alternatives(distribution: torch.Tensor, k: int) -> list[tuple[int, floa
     most likely first; tokens the distribution excludes (-inf: outside top-k / top-p) are left out."""
     values, ids = distribution.topk(min(k, distribution.shape[-1]))  # (k,)
     return [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
-
-
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` (B, V): the first whose cumulative probability exceeds
-    ``uniforms`` (B, 1) x the row's total. Returns (B,)."""
-    cdf = probs.cumsum(dim=-1)  # (B, V)
-    total = cdf[:, -1:]  # (B, 1)
-    below_total = total.nextafter(torch.zeros_like(total))  # u < total even when u x total rounds up
-    u = torch.minimum(uniforms.to(total.dtype) * total, below_total)  # (B, 1)
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)  # (B,)
 
 
 def _pad_left(tensor: torch.Tensor, length: int, *, dim: int) -> torch.Tensor:
