@@ -8,7 +8,8 @@ and functions, in the same order, over caches allocated once for the whole gener
     h = embed(token); cos, sin = rotary(h, position)
     per layer: x = norm1(h); q, k, v = proj(x); rotate q, k; cache k, v at the step;
                h = h + o_proj(attend(q, [prompt k, v; own k, v])); h = h + mlp(norm2(h))
-    logits = lm_head(norm(h))          (its weight laid out once per decode where that pays)
+    logits = lm_head(norm(h))          (as blocks of W·hᵀ, or its weight laid out once per decode,
+                                        where that pays)
 
 The attention is softmax(q·kᵀ / √D)·v written out over two caches: the prompt's keys and values,
 kept once per prompt (a prompt's n samples read them together: n times less memory traffic over
@@ -33,7 +34,8 @@ import torch
 
 from rlhf.core.modeling import base_model
 from rlhf.fastpaths.llama_like import cache_tensors, llama_like, rotary_function
-from rlhf.fastpaths.packed_head import packed_head
+from rlhf.fastpaths.blocked_head import blocked_head
+from rlhf.fastpaths.packed_head import PackedHead, packed_head
 
 
 def lean_decoder_supported(model: Any) -> bool:
@@ -49,12 +51,13 @@ class LeanDecoder:
     """Decode steps of ``model`` after a prefill whose ``DynamicCache`` it takes over."""
 
     def __init__(self, model: Any, cache: Any, key_mask: torch.Tensor, new_tokens: int,
-                 source: torch.Tensor | None = None, pack_head: bool = False):
+                 source: torch.Tensor | None = None, pack_head: bool = False, block_head: bool = False):
         """``cache``: the prefill's ``DynamicCache``, one row per distinct prompt (U rows);
         ``key_mask`` (U, P): 1 on the prompts' real tokens; ``new_tokens``: decode steps to hold;
         ``source`` (B,): the prompt each decoded row continues (None: row b continues prompt b);
         ``pack_head``: the output layer's weight laid out once for the decode where that pays
-        (`rlhf.fastpaths.packed_head`).
+        (`rlhf.fastpaths.packed_head`); ``block_head``: else the output layer as blocks of W·hᵀ where that
+        pays (`rlhf.fastpaths.blocked_head`).
 
         The prompts' keys and values stay one per prompt: when the rows are the prompts' samples
         in order, n each (``source`` = 0,0,..,1,1,..), a prompt's n rows read its cache together
@@ -84,15 +87,17 @@ class LeanDecoder:
         self.keys = [store.new_zeros(shape) for _ in self.inner.layers]
         self.values = [store.new_zeros(shape) for _ in self.inner.layers]
         self.length = 0  # tokens decoded so far
-        self.output = (packed_head(self.head, self.rows, new_tokens) if pack_head else None) or self.head
+        self.output = (packed_head(self.head, self.rows, new_tokens) if pack_head else None) \
+            or (blocked_head(self.head, self.rows) if block_head else None) or self.head
 
     @property
     def path(self) -> str:
         """Which of the step's variants runs: prompts padded or not, their caches shared by their
-        rows or copied per row, the output layer's weight packed or not (each is checked against the
-        forward on its own)."""
-        packed = "/packed_head" if self.output is not self.head else ""
-        return f"lean_decode/{'padded' if self.padded else 'unpadded'}/{'grouped' if self.grouped else 'copied'}{packed}"
+        rows or copied per row, the output layer as the layer's own product, laid out once or in
+        blocks of W·hᵀ (each is checked against the forward on its own)."""
+        head = "" if self.output is self.head else "/" + ("packed_head" if isinstance(self.output, PackedHead)
+                                                          else "blocked_head")
+        return f"lean_decode/{'padded' if self.padded else 'unpadded'}/{'grouped' if self.grouped else 'copied'}{head}"
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) after feeding ``tokens`` (B,) at ``positions`` (B, 1) (their positions in their

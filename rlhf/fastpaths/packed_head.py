@@ -45,7 +45,7 @@ def _mkl_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-def _library(head: nn.Module, rows: int) -> str | None:
+def head_library(head: nn.Module, rows: int) -> str | None:
     """"mkl" or "onednn": the library ``head``'s own forward uses for a decode of ``rows`` rows, or
     None where it is neither (an adapter, a quantized layer) or the layer does not qualify."""
     forward = getattr(type(head), "_layer_forward", type(head).forward)  # a vocab-chunked head's own
@@ -103,5 +103,5 @@ def packed_head(head: Any, rows: int, steps: int) -> PackedHead | None:
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.numel() < PACK_FROM or steps < PACK_STEPS or rows < 1:
         return None
-    library = _library(head, rows)
+    library = head_library(head, rows)
     return PackedHead(head, rows, library) if library is not None else None

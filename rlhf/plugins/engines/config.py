@@ -28,6 +28,9 @@ class HFEngineConfig:
         "help": "The lean step's output layer on a CPU: its weight laid out once per decode for the matrix product "
                 "where that pays (a large vocabulary, many steps; same logits), instead of at every step. Costs a "
                 "copy of that weight while decoding"})
+    block_head: bool = field(default=True, metadata={
+        "help": "The lean step's output layer on a CPU computed as W·hᵀ a block of the vocabulary at a time where "
+                "that pays (16-128 rows, a large vocabulary; the same logits, no copy of the weight)"})
     synced_gpus: bool = run_field("synced_generation", False, "Ranks decode in lockstep until every rank has "
                                   "finished (the policy's weights are sharded over ranks: each forward is a collective)")
 

@@ -270,7 +270,8 @@ class HFEngine:
         if not self.uses_lean_step():
             return None
         try:
-            lean = LeanDecoder(self.model, cache, key_mask, new_tokens, source, pack_head=self.config.pack_head)
+            lean = LeanDecoder(self.model, cache, key_mask, new_tokens, source, pack_head=self.config.pack_head,
+                               block_head=self.config.block_head)
         except LeanDecodeUnsupported as exc:
             if not self.warned_lean_unsupported:
                 log.warning("hf engine: the lean decode step cannot run here (%s); decoding through the model's "
