@@ -104,6 +104,9 @@ def test_small_vocabularies_keep_the_single_cumulative_sum():
     cdf = probs.cumsum(dim=-1)  # the one-level way, float32 values
     expected = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(1)
     assert torch.equal(inverse_cdf(probs, uniforms), expected)
+    unnormalised = torch.tensor([[1.0, 0.0, 3.0], [0.5, 0.5, 0.0]])  # totals 4 and 1: u x total, not u / total
+    assert inverse_cdf(unnormalised, torch.tensor([[0.5], [0.75]])).tolist() == [2, 1]
+    assert inverse_cdf(unnormalised, torch.tensor([[0.2], [0.25]])).tolist() == [0, 0]
 
 
 @pytest.mark.run
