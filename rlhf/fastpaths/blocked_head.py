@@ -13,7 +13,8 @@ time of ``F.linear`` at Qwen2's vocabulary (151,936 x 512) with 16-48 rows, 0.68
 32,000 x 2,048 with 16-256 rows, 0.82-0.89x at 32,000 x 256 with 16-48 rows; slower below 16
 rows and no faster from 256 at the narrow sizes, so it is taken for `MIN_ROWS` to `MAX_ROWS`
 rows and from `BLOCKED_FROM` weight elements. The logits had the same bits as ``F.linear``'s at
-every shape measured (MKL sums each dot product in the same order either way); the lean
+every shape measured with 12-256 rows (MKL sums each dot product in the same order either way;
+at 8 rows they differ, a rounding); the lean
 decoder's check against the model's forward covers the variant that uses it under a name of
 its own (`rlhf.fastpaths.lean_decode`), wherever it runs.
 

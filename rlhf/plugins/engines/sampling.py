@@ -16,11 +16,10 @@ decode, where the rows come from memory. From `TWO_LEVEL_FROM` entries it goes i
           cumulative mass before b, exceeds u·total
 
 0.8 ms for the same rows (benchmarks/README.md). Every cumulative value of the two-level way is a
-float64 sum, not rounded to float32, so it is no less exact than the plain one: the two pick the
-same token except where u·total falls within float32 rounding of an interval's end (0.2 % of
-draws at Qwen2's vocabulary, always among the tail's tokens of probability below 2⁻²⁴, where the
-plain way's float32 cumulative values round intervals away and the uniform's resolution decides
-anyway). A token of probability 0 (outside top-k or top-p) has an empty interval and is never
+float64 sum, not rounded to float32, so it is more exact than the plain one: it draws what an
+inverse CDF summed wholly in float64 draws (tested), while the plain way's float32 cumulative
+values move the intervals' ends by up to a float32 rounding of the total (about 6e-8 of it), so at
+Qwen2's vocabulary 0.2 % of its draws land on a neighbour of the exact token. A token of probability 0 (outside top-k or top-p) has an empty interval and is never
 drawn at either level; where a block's float32 sum S_b exceeds its entries' float64 sum by a
 rounding and u·total falls in that sliver, the block's last token of nonzero probability is drawn.
 
