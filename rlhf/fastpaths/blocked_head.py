@@ -19,7 +19,7 @@ decoder's check against the model's forward covers the variant that uses it unde
 its own (`rlhf.fastpaths.lean_decode`), wherever it runs.
 
 Unlike `rlhf.fastpaths.packed_head` it holds no copy of the weight (a (BLOCK, B) buffer), so it
-is on by default (``--engine.block-head false`` turns it off). Taken for a float32 weight
+is on by default (``--no-engine.block-head`` turns it off). Taken for a float32 weight
 without a bias on a CPU, outside autocast, where the layer's own forward is MKL's product
 (`rlhf.fastpaths.packed_head.head_library`); an adapter, a quantized layer or a layer taking
 oneDNN keeps its own forward.
