@@ -18,8 +18,13 @@ at 8 rows they differ, a rounding); the lean
 decoder's check against the model's forward covers the variant that uses it under a name of
 its own (`rlhf.fastpaths.lean_decode`), wherever it runs.
 
-Unlike `rlhf.fastpaths.packed_head` it holds no copy of the weight (a (BLOCK, B) buffer), so it
-is on by default (``--no-engine.block-head`` turns it off). Taken for a float32 weight
+Unlike `rlhf.fastpaths.packed_head` it holds no copy of the weight, only the decode's logits
+(B, V) and a (BLOCK, B) block, allocated on the first step and written again by every step after
+it: a step's logits are valid until the next step (the engines read them before they step again).
+A fresh (B, V) result a step would be a fresh mapping past glibc's mmap threshold (1 MiB for a
+large model, `rlhf.runtime.run.heap`), page-faulted in by the kernel each time: at Qwen2's
+vocabulary and 32 rows 4,749 faults, the block copies into it 8x slower than into pages already
+there (benchmarks/README.md). So it is on by default (``--no-engine.block-head`` turns it off). Taken for a float32 weight
 without a bias on a CPU, outside autocast, where the layer's own forward is MKL's product
 (`rlhf.fastpaths.packed_head.head_library`); an adapter, a quantized layer or a layer taking
 oneDNN keeps its own forward.
@@ -44,16 +49,22 @@ class BlockedHead:
 
     def __init__(self, head: Any):
         self.head = head
+        self.logits: torch.Tensor | None = None  # (B, V) every step's logits, written in place
+        self.block: torch.Tensor | None = None  # (BLOCK, B)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, 1, H) -> logits (B, 1, V), without gradient (decoding)."""
+        """x (B, 1, H) -> logits (B, 1, V), without gradient (decoding); overwritten by the next call."""
         weight = self.head.weight  # (V, H)
         vocab = weight.shape[0]
         with torch.no_grad():
             rows = x.reshape(-1, x.shape[-1])  # (B, H)
             transposed = rows.t().contiguous()  # (H, B)
-            logits = torch.empty((rows.shape[0], vocab), dtype=weight.dtype, device=weight.device)  # (B, V)
-            block = torch.empty((BLOCK, rows.shape[0]), dtype=weight.dtype, device=weight.device)  # (BLOCK, B)
+            shape = (rows.shape[0], vocab)
+            if self.logits is None or self.logits.shape != shape or self.logits.dtype != weight.dtype \
+                    or self.logits.device != weight.device:
+                self.logits = torch.empty(shape, dtype=weight.dtype, device=weight.device)  # (B, V)
+                self.block = torch.empty((BLOCK, shape[0]), dtype=weight.dtype, device=weight.device)  # (BLOCK, B)
+            logits, block = self.logits, self.block
             for first in range(0, vocab, BLOCK):
                 size = min(BLOCK, vocab - first)
                 torch.mm(weight[first:first + size], transposed, out=block[:size])  # (size, B)

@@ -44,7 +44,7 @@ import torch
 from rlhf.api import (Generation, LeanDecodeUnsupported, LeanDecoder, SamplingParams, accepts_logits_to_keep,
                       base_model, cache_argument, fast_path_verdict, lean_decoder_supported, settle_fast_path)
 from rlhf.plugins.engines.config import DECODERS, HFEngineConfig
-from rlhf.plugins.engines.sampling import sample_categorical
+from rlhf.plugins.engines.sampling import DecodeSoftmax, sample_categorical
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +219,12 @@ class HFEngine:
         # the sampling distribution itself: log p[chosen], not a log_softmax over (B, V) per token.
         # Within 1e-6 of it; a loss that reads them (``return_logprobs``) gets the log_softmax.
         from_probs = not params.return_logprobs
+        softmax = DecodeSoftmax()  # one (B, V) buffer for the decode's distributions
         for t in range(params.max_new_tokens):
             scores = self._process(logits.float(), params, seen)  # (B, V)
             probs = None
             if params.temperature > 0:
-                probs = torch.softmax(scores, dim=-1)  # (B, V)
+                probs = softmax(scores)  # (B, V), overwritten by the next token's
                 chosen = sample_categorical(probs)  # (B,)
             else:
                 chosen = scores.argmax(dim=-1)  # (B,)

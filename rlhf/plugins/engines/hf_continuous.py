@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from rlhf.api import Generation, SamplingParams, accepts_logits_to_keep, base_model, cache_argument, cache_tensors
-from rlhf.plugins.engines.sampling import inverse_cdf
+from rlhf.plugins.engines.sampling import DecodeSoftmax, inverse_cdf
 
 
 @dataclass(eq=False)
@@ -75,6 +75,7 @@ class DecodeBatch:
         self.positions: torch.Tensor | None = None  # (B, 1) the position of each row's next token
         self.logits: torch.Tensor | None = None  # (B, V) each row's next-token logits
         self.seen: torch.Tensor | None = None  # (B, V) tokens each row holds (repetition penalty)
+        self.softmax = DecodeSoftmax()  # one buffer for the distributions while the loop decodes
 
     async def submit(self, prompt: list[int], params: SamplingParams, *, on_token: Any = None,
                      top_logprobs: int = 0) -> Generation:
@@ -119,6 +120,7 @@ class DecodeBatch:
                 raise
         finally:
             model.train(was_training)
+            self.softmax = DecodeSoftmax()  # the buffer goes with the decoding
 
     def _drop_cancelled(self) -> None:
         """Remove rows whose caller gave up (a cancelled trajectory)."""
@@ -208,7 +210,7 @@ class DecodeBatch:
             seen = self.seen[at] if self.seen is not None else None
             scores = engine._process(self.logits[at].float(), params, seen)  # (b, V)
             if params.temperature > 0:
-                probs = torch.softmax(scores, dim=-1)  # (b, V)
+                probs = self.softmax(scores)  # (b, V)
                 uniforms = torch.stack([torch.rand(1, generator=self.rows[i].stream) for i in indices])  # (b, 1)
                 picked = inverse_cdf(probs, uniforms.to(probs.device))  # (b,)
             else:
