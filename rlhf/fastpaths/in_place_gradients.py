@@ -56,6 +56,7 @@ ALLOWED = "_rlhf_in_place_gradients"  # set on a weight (the model adapter's swi
 TOLERANCE = 1e-5  # float32 rounding of a sum of a few terms, relative to the gradient's largest entry
 _LOCK = threading.Lock()
 _ACCUMULATING: dict[int, int] = {}  # id(parameter) -> how many backends' backwards hold it in place now
+_SCRATCH: dict[tuple[Any, ...], torch.Tensor] = {}  # (thread, width, dtype, device) -> a buffer held while a window lasts
 
 
 def in_place_capable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -81,6 +82,27 @@ def accumulating_in_place(params: Iterable[torch.Tensor]) -> Iterator[None]:
                 _ACCUMULATING[key] -= 1
                 if not _ACCUMULATING[key]:
                     del _ACCUMULATING[key]
+            if not _ACCUMULATING:
+                _SCRATCH.clear()  # the step's scratch buffers go with its last window
+
+
+def step_scratch(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (rows, width) tensor to compute in, its contents undefined. While a backend's optimizer
+    step holds a window open (`accumulating_in_place`), the calling thread gets the same buffer back
+    for each width, dtype and device (the most rows asked for so far), freed when the last window
+    closes: a step's micro-batches then reuse one block instead of each mapping a fresh one, which
+    the kernel page-faults in (glibc maps blocks from rlhf's 1 MiB threshold on a large model;
+    the known-gradient output layer's (c, V) logits are 155 MB at Qwen2's vocabulary, 38,000
+    faults a micro-batch). Outside a window: a fresh tensor."""
+    if not _ACCUMULATING:
+        return torch.empty((rows, width), dtype=dtype, device=device)
+    key = (threading.get_ident(), width, dtype, torch.device(device))
+    with _LOCK:
+        held = _SCRATCH.get(key)
+        if held is None or held.shape[0] < rows:
+            _SCRATCH.pop(key, None)  # the smaller one goes before the larger is made
+            held = _SCRATCH[key] = torch.empty((rows, width), dtype=dtype, device=device)
+    return held[:rows]
 
 
 def in_place(weight: torch.Tensor, owner: nn.Module, part: str) -> bool:

@@ -89,7 +89,8 @@ from torch.nn import functional as F
 
 from rlhf.core.logprobs import DeferredHead
 from rlhf.core.modeling import innermost
-from rlhf.fastpaths.in_place_gradients import grad_of, in_place, largest, largest_difference, settle_first
+from rlhf.fastpaths.in_place_gradients import (grad_of, in_place, largest, largest_difference, settle_first,
+                                               step_scratch)
 from rlhf.fastpaths.verdicts import settle, verdict
 
 log = logging.getLogger(__name__)
@@ -292,9 +293,10 @@ def _known_gradient_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     g = grad.float() / temperature  # (K,) ∂L/∂z = g·(onehot(y) − p)
     chunks = -(-count // known_gradient_rows(weight.shape[0]))
     size = max(1, -(-count // max(chunks, 1)))  # chunks of equal size
-    # one (c, V) buffer for every chunk: a fresh one each would be mapped and zeroed by the kernel
-    # each time (glibc maps blocks this large; at Qwen2's vocabulary 100 MB a chunk)
-    buffer = torch.empty((min(size, count), weight.shape[0]), **floats) \
+    # one (c, V) buffer for every chunk, and for every micro-batch of the optimizer step
+    # (`step_scratch`): a fresh one each would be mapped and zeroed by the kernel each time (glibc
+    # maps blocks this large; at Qwen2's vocabulary 155 MB a chunk)
+    buffer = step_scratch(min(size, count), weight.shape[0], torch.float32, hidden.device) \
         if weight.dtype == torch.float32 and not onednn else None  # (c, V)
     for first in range(0, count, size):
         rows = slice(first, min(first + size, count))

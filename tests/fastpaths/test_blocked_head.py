@@ -51,6 +51,24 @@ def test_the_blocks_give_the_layer_s_own_logits(rows):
 
 
 @pytest.mark.unit
+@needs_mkl
+def test_every_step_writes_its_logits_into_the_decode_s_one_buffer():
+    layer = head()
+    blocked = blocked_head(layer, 24)
+    torch.manual_seed(1)
+    first_x, second_x = torch.randn(24, 1, layer.in_features), torch.randn(24, 1, layer.in_features)
+    first = blocked(first_x)
+    kept = first.clone()
+    second = blocked(second_x)
+    assert second.data_ptr() == first.data_ptr()  # not a fresh (B, V) mapping a token
+    with torch.no_grad():
+        assert torch.allclose(kept, layer(first_x), rtol=0, atol=1e-6 * float(kept.abs().max()))
+        assert torch.allclose(second, layer(second_x), rtol=0, atol=1e-6 * float(second.abs().max()))
+    other = blocked(torch.randn(20, 1, layer.in_features))  # another row count: a buffer of its shape
+    assert other.shape == (20, 1, layer.out_features)
+
+
+@pytest.mark.unit
 def test_it_is_taken_only_where_it_pays_and_runs():
     if not packed_head_module._mkl_available():
         assert blocked_head(head(), MIN_ROWS) is None

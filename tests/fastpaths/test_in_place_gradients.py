@@ -291,3 +291,27 @@ def test_the_checks_measures_see_every_row_and_an_all_padding_batch_agrees(tmp_p
         embedding(torch.zeros(2, 4, dtype=torch.long)).sum().backward()  # padding only: no row takes a gradient
     assert verdict(embedding, "in_place_gradients/embedding") is True
     assert torch.equal(embedding.weight.grad, torch.zeros(7, 3))
+
+
+@pytest.mark.unit
+def test_a_steps_scratch_buffer_is_held_while_its_window_lasts():
+    scratch = in_place_gradients.step_scratch
+    weight = torch.zeros(3, requires_grad=True)
+    setattr(weight, in_place_gradients.ALLOWED, True)
+    first = scratch(4, 10, torch.float32, "cpu")
+    assert scratch(4, 10, torch.float32, "cpu").data_ptr() != first.data_ptr()  # no window: fresh ones
+    assert in_place_gradients._SCRATCH == {}
+    with accumulating_in_place([weight]):
+        held = scratch(4, 10, torch.float32, "cpu")
+        assert held.shape == (4, 10)
+        assert scratch(4, 10, torch.float32, "cpu").data_ptr() == held.data_ptr()  # the next micro-batch's
+        fewer = scratch(2, 10, torch.float32, "cpu")
+        assert fewer.shape == (2, 10) and fewer.data_ptr() == held.data_ptr()
+        more = scratch(6, 10, torch.float32, "cpu")  # more rows than held: a larger one, held from now on
+        assert more.shape == (6, 10) and scratch(5, 10, torch.float32, "cpu").data_ptr() == more.data_ptr()
+        assert scratch(6, 11, torch.float32, "cpu").data_ptr() != more.data_ptr()  # another width
+        assert scratch(6, 10, torch.float64, "cpu").dtype == torch.float64
+        with accumulating_in_place([weight]):
+            assert scratch(6, 10, torch.float32, "cpu").data_ptr() == more.data_ptr()
+        assert len(in_place_gradients._SCRATCH) == 3  # the outer window still holds them
+    assert in_place_gradients._SCRATCH == {}  # freed with the step's last window
