@@ -51,7 +51,8 @@ RL_TESTS = ["tests/algorithms", "tests/runtime/test_batches.py", "tests/runtime/
             "tests/runtime/test_rl_extensions.py", "tests/runtime/test_async.py",
             "tests/fastpaths/test_prefix_sharing.py", "tests/fastpaths/test_lean_decode.py",
             "tests/fastpaths/test_packed_head.py", "tests/runtime/test_inverse_cdf.py",
-            "tests/fastpaths/test_blocked_head.py",
+            "tests/fastpaths/test_blocked_head.py", "tests/runtime/test_decode_softmax.py",
+            "tests/fastpaths/test_in_place_gradients.py",
             "tests/runtime/test_zero_advantage_rows.py", "tests/fastpaths/test_fast_paths.py",
             "tests/fastpaths/test_packing.py", "tests/fastpaths/test_segment_attention.py",
             "tests/fastpaths/test_cpu_linear.py", "tests/runtime/test_rl_combinations.py",
@@ -136,7 +137,7 @@ AREAS = {
         "rlhf/runtime/rl/rollout.py", "rlhf/plugins/engines/hf_continuous.py", "rlhf/runtime/rl/draw_order.py",
     ], ["tests/runtime/test_continuous_batching.py", "tests/runtime/test_multiturn.py", "tests/runtime/test_async.py",
         "tests/runtime/test_outcomes_runs.py", "tests/runtime/test_partial_rollouts.py",
-        "tests/agents/test_agent_rollout.py"]),
+        "tests/agents/test_agent_rollout.py", "tests/runtime/test_decode_softmax.py"]),
     "off-policy": ([
         "rlhf/runtime/rl/offpolicy/schedule.py", "rlhf/runtime/rl/offpolicy/partial.py",
         "rlhf/runtime/rl/offpolicy/served.py",

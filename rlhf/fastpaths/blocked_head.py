@@ -23,9 +23,10 @@ Unlike `rlhf.fastpaths.packed_head` it holds no copy of the weight, only the dec
 it: a step's logits are valid until the next step (the engines read them before they step again).
 A fresh (B, V) result a step would be a fresh mapping past glibc's mmap threshold (1 MiB for a
 large model, `rlhf.runtime.run.heap`), page-faulted in by the kernel each time: at Qwen2's
-vocabulary and 32 rows 4,749 faults, the block copies into it 8x slower than into pages already
-there (benchmarks/README.md). So it is on by default (``--no-engine.block-head`` turns it off). Taken for a float32 weight
-without a bias on a CPU, outside autocast, where the layer's own forward is MKL's product
+vocabulary and 32 rows 4,749 faults a step, and a block's copy took 194 µs into fresh pages
+against 39 µs into the held ones (torch's profiler, benchmarks/README.md). It is on by default
+(``--no-engine.block-head`` turns it off). Taken for a float32 weight without a bias on a CPU,
+outside autocast, where the layer's own forward is MKL's product
 (`rlhf.fastpaths.packed_head.head_library`); an adapter, a quantized layer or a layer taking
 oneDNN keeps its own forward.
 """

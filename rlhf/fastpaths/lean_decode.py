@@ -101,7 +101,8 @@ class LeanDecoder:
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) after feeding ``tokens`` (B,) at ``positions`` (B, 1) (their positions in their
-        own rows); the token is cached at the next free slot."""
+        own rows); the token is cached at the next free slot. With the output layer in blocks the
+        logits live in a buffer the next step writes again: read or copy them before stepping."""
         slot, length = self.length, self.length + 1
         hidden = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
         cos, sin = self.inner.rotary_emb(hidden, positions)
