@@ -48,8 +48,12 @@ def test_one_buffer_serves_the_decode_and_a_larger_batch_gets_another():
     assert second.data_ptr() == storage  # written again in place
     assert softmax(torch.randn(2, 300)).data_ptr() == storage  # fewer rows: the buffer's first rows
     assert softmax(torch.randn(6, 300)).data_ptr() != storage  # more rows than it holds: a new one
+    assert softmax.buffer.shape == (6, 300)  # held from now on
     assert softmax(torch.randn(6, 301)).shape == (6, 301)  # another vocabulary
     assert softmax(torch.randn(6, 301, dtype=torch.float64)).dtype == torch.float64
+    transposed = torch.randn(301, 7).t()  # (7, 301) scores laid out column-major
+    probs = DecodeSoftmax()(transposed)
+    assert probs.is_contiguous() and torch.equal(probs, torch.softmax(transposed, dim=-1))
 
 
 def _spy(monkeypatch):
