@@ -1,9 +1,11 @@
 """The decode's distributions written into one buffer (rlhf/plugins/engines/sampling.py, `DecodeSoftmax`):
 
-* the values are ``torch.softmax``'s, bit for bit, with masked (-inf) entries and fewer rows;
+* the values are ``torch.softmax``'s (``log``: ``torch.log_softmax``'s), bit for bit, with masked
+  (-inf) entries and fewer rows;
 * one buffer serves every call of a decode, a larger batch or another vocabulary gets a new one;
 * both ``hf`` decoders (the batched one and the continuous batch) sample through it, every token of
-  a decode in the same storage, and sample what a fresh softmax a token samples;
+  a decode in the same storage, and sample (and report the log-probs) what a fresh softmax and
+  log-softmax a token give;
 * what it is for: a decode at a large vocabulary under rlhf's 1 MiB mmap threshold no longer maps
   and page-faults a fresh (B, V) result a token (a process of its own: the threshold is global).
 """
@@ -37,6 +39,9 @@ def test_the_values_are_torch_softmax_bit_for_bit():
     fewer = torch.randn(3, 5000)
     assert torch.equal(softmax(fewer), torch.softmax(fewer, dim=-1))
     assert float(softmax(scores)[1, 100:].abs().sum()) == 0.0
+    log_softmax = DecodeSoftmax(log=True)
+    assert torch.equal(log_softmax(scores), torch.log_softmax(scores, dim=-1))
+    assert torch.equal(log_softmax(fewer), torch.log_softmax(fewer, dim=-1))
 
 
 @pytest.mark.unit
@@ -56,24 +61,30 @@ def test_one_buffer_serves_the_decode_and_a_larger_batch_gets_another():
     assert probs.is_contiguous() and torch.equal(probs, torch.softmax(transposed, dim=-1))
 
 
-def _spy(monkeypatch):
-    """Every distribution a decode sampled from, kept alive (so a fresh allocation cannot take the
-    address of a freed one)."""
+def _spy(monkeypatch, log=False):
+    """Every distribution (``log``: log-distribution) a decode computed, kept alive (so a fresh
+    allocation cannot take the address of a freed one), with whether it equalled a fresh one when
+    it was computed."""
     seen = []
     call = DecodeSoftmax.__call__
 
     def spy(self, scores):
         probs = call(self, scores)
-        seen.append((probs, torch.equal(probs, torch.softmax(scores, dim=-1))))  # as it was sampled from
+        if (self.function is torch.log_softmax) == log:
+            seen.append((probs, torch.equal(probs, self.function(scores, dim=-1))))
         return probs
 
     monkeypatch.setattr(DecodeSoftmax, "__call__", spy)
     return seen
 
 
+def _fresh(self, scores):
+    return self.function(scores, dim=-1)
+
+
 @pytest.mark.run
-@pytest.mark.parametrize("decoder", ["lean", "direct"])
-def test_the_batched_decoder_samples_every_token_from_one_buffer(tiny_model_dir, monkeypatch, decoder):
+@pytest.mark.parametrize(("decoder", "log"), [("lean", False), ("direct", False), ("lean", True)])
+def test_the_batched_decoder_samples_every_token_from_one_buffer(tiny_model_dir, monkeypatch, decoder, log):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -81,16 +92,19 @@ def test_the_batched_decoder_samples_every_token_from_one_buffer(tiny_model_dir,
                       HFEngineConfig(decoder=decoder))
     engine.eos_ids = {10 ** 6}  # every row runs to its budget
     prompts = [tokenizer("What is 12 + 7?")["input_ids"], tokenizer("hi")["input_ids"]]
-    params = SamplingParams(max_new_tokens=9, temperature=0.8)
+    # return_logprobs: a loss reads the engine's log-probs, taken from a log-softmax a token
+    params = SamplingParams(max_new_tokens=9, temperature=0.8, return_logprobs=log)
     engine.generate(prompts, n=3, params=params)  # the lean variant's first-use check, outside the spy
-    seen = _spy(monkeypatch)
+    seen = _spy(monkeypatch, log=log)
     torch.manual_seed(5)
-    tokens = [g.token_ids for g in engine.generate(prompts, n=3, params=params)]
+    generations = engine.generate(prompts, n=3, params=params)
     assert len(seen) == params.max_new_tokens
     assert len({probs.data_ptr() for probs, _ in seen}) == 1 and all(equal for _, equal in seen)
-    monkeypatch.setattr(DecodeSoftmax, "__call__", lambda self, scores: torch.softmax(scores, dim=-1))
+    monkeypatch.setattr(DecodeSoftmax, "__call__", _fresh)
     torch.manual_seed(5)
-    assert [g.token_ids for g in engine.generate(prompts, n=3, params=params)] == tokens
+    fresh = engine.generate(prompts, n=3, params=params)
+    assert [g.token_ids for g in fresh] == [g.token_ids for g in generations]
+    assert [g.logprobs for g in fresh] == [g.logprobs for g in generations]
 
 
 @pytest.mark.run
@@ -106,13 +120,17 @@ def test_the_continuous_batch_samples_from_one_buffer(tiny_model_dir, monkeypatc
     async def decode():
         return await asyncio.gather(*(engine.generate_one(p, q) for p, q in zip(prompts, params)))
 
-    seen = _spy(monkeypatch)
-    first = [g.token_ids for g in asyncio.run(decode())]
-    assert len(seen) >= params[0].max_new_tokens
+    seen, logs = _spy(monkeypatch), []
+    call = DecodeSoftmax.__call__
+    monkeypatch.setattr(DecodeSoftmax, "__call__", lambda self, scores: logs.append(self.function) or call(self, scores))
+    first = asyncio.run(decode())
+    assert len(seen) >= params[0].max_new_tokens and logs.count(torch.log_softmax) == len(seen)
     assert len({probs.data_ptr() for probs, _ in seen}) == 1
     assert all(equal for _, equal in seen)  # each call's own rows, not what another step left
-    monkeypatch.setattr(DecodeSoftmax, "__call__", lambda self, scores: torch.softmax(scores, dim=-1))
-    assert [g.token_ids for g in asyncio.run(decode())] == first  # seeded requests: the same draws
+    monkeypatch.setattr(DecodeSoftmax, "__call__", _fresh)
+    again = asyncio.run(decode())  # seeded requests: the same draws, the same log-probs
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+    assert [g.logprobs for g in again] == [g.logprobs for g in first]
 
 
 FAULTS = textwrap.dedent("""

@@ -219,7 +219,7 @@ class HFEngine:
         # the sampling distribution itself: log p[chosen], not a log_softmax over (B, V) per token.
         # Within 1e-6 of it; a loss that reads them (``return_logprobs``) gets the log_softmax.
         from_probs = not params.return_logprobs
-        softmax = DecodeSoftmax()  # one (B, V) buffer for the decode's distributions
+        softmax, log_softmax = DecodeSoftmax(), DecodeSoftmax(log=True)  # a (B, V) buffer each for the decode
         for t in range(params.max_new_tokens):
             scores = self._process(logits.float(), params, seen)  # (B, V)
             probs = None
@@ -235,7 +235,7 @@ class HFEngine:
             if logprobs is not None and from_probs and probs is not None:
                 logprobs[:, t] = probs.gather(1, chosen[:, None]).squeeze(1).log()  # (B,)
             elif logprobs is not None:
-                logprobs[:, t] = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+                logprobs[:, t] = log_softmax(scores).gather(1, chosen[:, None]).squeeze(1)
             finished |= torch.isin(chosen, eos)
             if t + 1 == params.max_new_tokens or self._all_finished(finished):
                 return tokens[:, : t + 1], (logprobs[:, : t + 1] if logprobs is not None else None)

@@ -76,6 +76,7 @@ class DecodeBatch:
         self.logits: torch.Tensor | None = None  # (B, V) each row's next-token logits
         self.seen: torch.Tensor | None = None  # (B, V) tokens each row holds (repetition penalty)
         self.softmax = DecodeSoftmax()  # one buffer for the distributions while the loop decodes
+        self.log_softmax = DecodeSoftmax(log=True)  # and one for their logarithms
 
     async def submit(self, prompt: list[int], params: SamplingParams, *, on_token: Any = None,
                      top_logprobs: int = 0) -> Generation:
@@ -120,7 +121,7 @@ class DecodeBatch:
                 raise
         finally:
             model.train(was_training)
-            self.softmax = DecodeSoftmax()  # the buffer goes with the decoding
+            self.softmax, self.log_softmax = DecodeSoftmax(), DecodeSoftmax(log=True)  # the buffers go with the decoding
 
     def _drop_cancelled(self) -> None:
         """Remove rows whose caller gave up (a cancelled trajectory)."""
@@ -216,7 +217,7 @@ class DecodeBatch:
             else:
                 picked = scores.argmax(dim=-1)  # (b,)
             chosen[at] = picked
-            distribution = torch.log_softmax(scores, dim=-1)  # (b, V) what the token was sampled from
+            distribution = self.log_softmax(scores)  # (b, V) what the token was sampled from
             logprobs[at] = distribution.gather(1, picked[:, None]).squeeze(1)
             for local, index in enumerate(indices):
                 if self.rows[index].top_logprobs:

@@ -35,15 +35,17 @@ TWO_LEVEL_FROM = 16 * BLOCK  # vocabularies from which two levels beat one cumul
 
 
 class DecodeSoftmax:
-    """softmax over the last dimension of a decode's scores (B, V), into one buffer for the whole
-    decode: a call's result is overwritten by the next call.
+    """softmax (``log``: log-softmax) over the last dimension of a decode's scores (B, V), into one
+    buffer for the whole decode: a call's result is overwritten by the next call.
 
     A fresh (B, V) result a token is a fresh allocation, and past glibc's mmap threshold (1 MiB for
     a large model, `rlhf.runtime.run.heap`) a fresh mapping the kernel page-faults in: at Qwen2's
     vocabulary and 32 rows 4,749 faults a token, 11 ms where the softmax itself takes 3
-    (benchmarks/README.md). The same values as ``torch.softmax``: the same kernel, its ``out`` form."""
+    (benchmarks/README.md). The same values as ``torch.softmax`` (``torch.log_softmax``): the same
+    kernel, its ``out`` form."""
 
-    def __init__(self) -> None:
+    def __init__(self, log: bool = False) -> None:
+        self.function = torch.log_softmax if log else torch.softmax
         self.buffer: torch.Tensor | None = None  # (B', V), B' >= the rows of every call so far
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
@@ -52,7 +54,7 @@ class DecodeSoftmax:
         if held is None or held.shape[0] < rows or held.shape[1] != vocab or held.dtype != scores.dtype \
                 or held.device != scores.device:
             held = self.buffer = torch.empty_like(scores, memory_format=torch.contiguous_format)  # (B, V)
-        return torch.softmax(scores, dim=-1, out=held[:rows])  # (B, V)
+        return self.function(scores, dim=-1, out=held[:rows])  # (B, V)
 
 
 def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
