@@ -84,8 +84,9 @@ class LeanDecoder:
         self.padded = not bool(key_mask.bool().all())  # no padding: no mask
         store = self.prompt_keys[0]
         shape = (self.rows, store.shape[1], new_tokens, store.shape[3])  # (B, K, N, D)
-        self.keys = [store.new_zeros(shape) for _ in self.inner.layers]
-        self.values = [store.new_zeros(shape) for _ in self.inner.layers]
+        self.own_dtype = own_cache_dtype(store)
+        self.keys = [store.new_zeros(shape, dtype=self.own_dtype) for _ in self.inner.layers]
+        self.values = [store.new_zeros(shape, dtype=self.own_dtype) for _ in self.inner.layers]
         self.length = 0  # tokens decoded so far
         self.output = (packed_head(self.head, self.rows, new_tokens) if pack_head else None) \
             or (blocked_head(self.head, self.rows) if block_head else None) or self.head
@@ -140,15 +141,32 @@ class LeanDecoder:
         if self.padded:
             scores_prompt = scores_prompt.masked_fill(~self.prompt_valid, float("-inf"))
         scores_prompt = scores_prompt.view(units, heads, n, groups, prompt_len).transpose(1, 2)  # (U, n, K, g, P)
-        by_row = query.reshape(rows, heads, groups, size)  # (B, K, g, D)
-        scores_own = torch.matmul(by_row, own_k.transpose(-1, -2))  # (B, K, g, S)
+        by_row = query.reshape(rows, heads, groups, size).to(self.own_dtype)  # (B, K, g, D)
+        scores_own = torch.matmul(by_row, own_k.transpose(-1, -2)).to(query.dtype)  # (B, K, g, S)
         scores = torch.cat([scores_prompt.reshape(rows, heads, groups, prompt_len), scores_own], dim=-1)
         probs = torch.softmax(scores.float() * scaling, dim=-1).to(query.dtype)  # (B, K, g, P + S)
         probs_prompt = probs[..., :prompt_len].reshape(units, n, heads, groups, prompt_len).transpose(1, 2)
         out_prompt = torch.matmul(probs_prompt.reshape(units, heads, n * groups, prompt_len), prompt_v)  # (U, K, n·g, D)
         out_prompt = out_prompt.view(units, heads, n, groups, size).transpose(1, 2)  # (U, n, K, g, D)
-        out = out_prompt.reshape(rows, heads, groups, size) + torch.matmul(probs[..., prompt_len:], own_v)  # (B, K, g, D)
+        out_own = torch.matmul(probs[..., prompt_len:].to(self.own_dtype), own_v).to(query.dtype)  # (B, K, g, D)
+        out = out_prompt.reshape(rows, heads, groups, size) + out_own  # (B, K, g, D)
         return out.reshape(rows, heads * groups, size)  # (B, H, D)
+
+
+def own_cache_dtype(store: torch.Tensor) -> torch.dtype:
+    """The dtype of the rows' own keys and values: the model's, except float32 for bfloat16 and
+    float16 on a CPU.
+
+    Their products with the query (one per decoded token, over a length that grows by one each
+    step) are then MKL's float32 products rather than oneDNN's half-precision ones. oneDNN compiles
+    and keeps a kernel for every distinct shape it sees, about 0.7 MB each in a cache of up to 1,024:
+    a bfloat16 decode of 512 tokens grew a process by about 700 MB and spent a third of its first
+    decode compiling, and past 512 tokens (two products a step) the cache evicts and compiles again
+    on every step. The values are the same: a half-precision key or value is exact in float32, the
+    products accumulate in float32 either way and are rounded back to the model's dtype (only the
+    order of the additions may differ). The cost is the own caches at twice the size."""
+    half = (torch.bfloat16, torch.float16)
+    return torch.float32 if store.device.type == "cpu" and store.dtype in half else store.dtype
 
 
 def _in_groups(source: torch.Tensor, prompts: int) -> bool:

@@ -118,6 +118,65 @@ def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer, source):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_half_precision_decode_on_a_cpu_keeps_its_own_tokens_in_float32(model_and_tokenizer, dtype, monkeypatch):
+    """bf16/fp16 on a CPU: the rows' own keys and values are float32 (the prompts' stay in the
+    model's dtype), so the products over a length that grows every step are float32 ones (oneDNN
+    compiles and keeps a kernel for every half-precision shape it meets); the logits still equal
+    the forward's within half-precision rounding at every step. A float32 model is unchanged."""
+    from transformers import DynamicCache
+
+    model, tokenizer = model_and_tokenizer
+    model = model.to(dtype)
+    rows = prompts(tokenizer)
+    width = max(map(len, rows))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])  # (U, P) left-padded
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # (U, P)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # (U, P)
+    source = torch.tensor([0, 0, 1, 1, 2, 2])  # (B,)
+    recording, products = [False], []  # (dtype, shape) of the right operand of every product a lean step runs
+    matmul = torch.matmul
+
+    def recorded(a, b):
+        if recording[0]:
+            products.append((b.dtype, tuple(b.shape)))
+        return matmul(a, b)
+
+    monkeypatch.setattr(torch, "matmul", recorded)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        lean = LeanDecoder(model, cache, mask, 8, source)
+        assert {k.dtype for k in lean.keys + lean.values} == {torch.float32}
+        assert {k.dtype for k in lean.prompt_keys + lean.prompt_values} == {dtype}
+        cache.batch_select_indices(source)  # the forward's cache: a row per sample
+        mask, positions = mask[source], positions[source]  # (B, P)
+        for t in range(8):
+            tokens = torch.randint(5, 200, (len(source),), generator=generator)  # (B,)
+            step_positions = positions[:, -1:] + 1 + t  # (B, 1)
+            full_mask = torch.cat([mask, torch.ones((len(source), t + 1), dtype=mask.dtype)], dim=1)
+            expected = model(input_ids=tokens[:, None], attention_mask=full_mask, position_ids=step_positions,
+                             past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
+            recording[0] = True
+            got = lean.step(tokens, step_positions)  # (B, V)
+            recording[0] = False
+            assert got.dtype == dtype
+            if dtype == torch.float32:
+                assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), t
+            else:  # relative to the logits' scale, as the engine's own check measures
+                scale = max(1.0, float(expected.float().abs().max()))
+                assert float((got.float() - expected.float()).abs().max()) / scale < 2e-2, t
+    assert len(products) == 4 * len(model.model.layers) * 8  # scores and weighted values, prompt and own
+    own = [(kind, shape) for kind, shape in products if shape[0] == len(source)]  # (B, K, D, S), (B, K, S, D)
+    prompt = [(kind, shape) for kind, shape in products if shape[0] == len(rows)]  # (U, K, D, P), (U, K, P, D)
+    assert len(own) + len(prompt) == len(products)
+    assert {kind for kind, _ in own} == {torch.float32} and {kind for kind, _ in prompt} == {dtype}
+    assert len({shape for _, shape in own}) == 2 * 8  # a length more each step
+    assert len({shape for _, shape in prompt}) == 2  # one length for the whole decode
+
+
+@pytest.mark.unit
 def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
