@@ -177,6 +177,20 @@ def test_a_half_precision_decode_on_a_cpu_keeps_its_own_tokens_in_float32(model_
 
 
 @pytest.mark.unit
+def test_only_half_precision_caches_on_a_cpu_hold_their_own_tokens_in_float32():
+    """Elsewhere (a GPU: no per-shape kernels to keep, and half precision is the fast product) the
+    own caches keep the model's dtype."""
+    from rlhf.fastpaths.lean_decode import own_cache_dtype
+
+    for dtype in (torch.bfloat16, torch.float16):
+        assert own_cache_dtype(torch.empty(1, dtype=dtype)) == torch.float32
+        assert own_cache_dtype(torch.empty(1, dtype=dtype, device="meta")) == dtype
+    for device in ("cpu", "meta"):
+        assert own_cache_dtype(torch.empty(1, dtype=torch.float32, device=device)) == torch.float32
+        assert own_cache_dtype(torch.empty(1, dtype=torch.float64, device=device)) == torch.float64
+
+
+@pytest.mark.unit
 def test_unsupported_models_decode_through_the_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
