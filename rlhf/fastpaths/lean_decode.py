@@ -162,9 +162,10 @@ def own_cache_dtype(store: torch.Tensor) -> torch.dtype:
     and keeps a kernel for every distinct shape it sees, about 0.7 MB each in a cache of up to 1,024:
     a bfloat16 decode of 512 tokens grew a process by about 700 MB and spent a third of its first
     decode compiling, and past 512 tokens (two products a step) the cache evicts and compiles again
-    on every step. The values are the same: a half-precision key or value is exact in float32, the
-    products accumulate in float32 either way and are rounded back to the model's dtype (only the
-    order of the additions may differ). The cost is the own caches at twice the size."""
+    on every step. The values agree to rounding: a half-precision key or value is exact in float32,
+    both kinds of product accumulate in float32, and the results are rounded back to the model's
+    dtype (only the order of the additions may differ). The cost is the own caches at twice the
+    size."""
     half = (torch.bfloat16, torch.float16)
     return torch.float32 if store.device.type == "cpu" and store.dtype in half else store.dtype
 
