@@ -1,7 +1,9 @@
 """Freed blocks go back to the system (rlhf/runtime/run/heap.py): in a fresh process, a 16 MiB tensor
 freed after a 24 MiB one (which raises glibc's threshold) stays resident without the setting and is
 returned with it; a user's MALLOC_MMAP_THRESHOLD_ is left alone; every run's prologue sets it, at 32 MiB
-for a model whose weights take under 128 MiB and 1 MiB otherwise."""
+for a model whose weights take under 128 MiB and 1 MiB otherwise. oneDNN's compiled kernels: a process
+that meets 300 product shapes keeps a few dozen with the bound and all of them without; a user's
+own capacities are kept; every run's prologue bounds them."""
 
 from __future__ import annotations
 
@@ -60,15 +62,16 @@ def test_every_run_prologue_sets_it(tiny_model_dir, task, tmp_path, plugins, mon
     from rlhf.runtime.run import lifecycle
     from tests.helpers import run_cli
 
-    calls = []
+    calls, bounds = [], []
     monkeypatch.setattr(lifecycle, "return_freed_blocks", lambda *threshold: calls.append(threshold) or True)
+    monkeypatch.setattr(lifecycle, "bound_kernel_caches", lambda: bounds.append(True) or [])
     for command in (["train", "--reward", "examples/rewards.py:exact_match", "--label-key", "answer",
                      "--max-new-tokens", "4", "--prompts-per-step", "2", "--n-samples", "2"],
                     ["sft", "--input-key", "prompt", "--output-key", "answer", "--batch-size", "2"]):
         result = run_cli(plugins, [*command, "--model", str(tiny_model_dir), "--data", str(task / "data.jsonl"),
                                    "--steps", "1", "--out", str(tmp_path / command[0]), "--no-progress"])
         assert result.exit_code == 0, result.output
-    assert len(calls) == 2
+    assert len(calls) == len(bounds) == 2
     assert calls == [(32 << 20,), (32 << 20,)]  # the tiny model's weights: a small model's threshold
 
 
@@ -86,3 +89,58 @@ def test_the_threshold_follows_the_size_of_the_weights(tmp_path):
     assert threshold_for(str(large)) == MMAP_THRESHOLD == 1 << 20
     assert threshold_for("Qwen/Qwen2.5-0.5B") == MMAP_THRESHOLD  # not local: memory first
     assert threshold_for(str(tmp_path / "missing")) == threshold_for(None) == MMAP_THRESHOLD
+
+
+KERNELS_PROBE = """
+import sys
+if sys.argv[1] == "bound":
+    from rlhf.runtime.run.heap import bound_kernel_caches
+    assert sorted(bound_kernel_caches()) == ["LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+import torch
+
+torch.set_num_threads(1)
+
+def resident_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+weight = torch.randn(512, 256)
+torch.ops.mkldnn._linear_pointwise(torch.randn(8, 256), weight, None, "none", [], "")
+before = resident_mib()
+for rows in range(100, 400):  # 300 shapes, as micro-batches of varying lengths meet them
+    torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 256), weight, None, "none", [], "")
+print(resident_mib() - before)
+"""
+
+
+def kernels_growth(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    done = subprocess.run([sys.executable, "-c", KERNELS_PROBE, mode], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout.split()[-1])
+
+
+@pytest.mark.run
+def test_compiled_kernels_are_bounded_with_the_setting_and_pile_up_without():
+    import torch
+
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        pytest.skip("this torch has no oneDNN CPU products")
+    unbounded, bounded = kernels_growth("keep"), kernels_growth("bound")
+    assert unbounded > 30  # MiB: every shape's kernels kept (about 0.6 MB each on an AVX-512 CPU)
+    assert bounded < unbounded / 2
+
+
+@pytest.mark.unit
+def test_the_kernel_caches_are_bounded_unless_the_user_set_them(monkeypatch):
+    from rlhf.runtime.run.heap import KERNEL_CACHE_CAPACITY, KERNEL_CACHES, bound_kernel_caches
+
+    for name in KERNEL_CACHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")  # the user's
+    assert bound_kernel_caches() == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_CAPACITY) == "64"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "8"
+    assert bound_kernel_caches() == []  # set once: the second call finds both
+

@@ -83,10 +83,11 @@ class WorkerHost:
         began = time.perf_counter()
         from rlhf.core.distributed import SINGLE, init_from_environment
         from rlhf.runtime.rl import local
-        from rlhf.runtime.run.heap import return_freed_blocks
+        from rlhf.runtime.run.heap import bound_kernel_caches, return_freed_blocks
         from rlhf.runtime.run.lifecycle import hide_run_data, seed_everything
         from rlhf.runtime.config.train_plan import RunPlan
 
+        bound_kernel_caches()  # before this process's first product, as the driver's prologue (rlhf.runtime.run.heap)
         self.dist = SINGLE
         if self.process_group:
             assert master is not None, "a host group with a process group needs rank 0's address"

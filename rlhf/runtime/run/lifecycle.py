@@ -33,7 +33,7 @@ from rlhf.core.plugin_host.fingerprint import fingerprint_differences, plugin_fi
 from rlhf.core.plugin_host.loading import PluginSet
 from rlhf.core.types import RunInfo
 from rlhf.runtime.run import checkpoint
-from rlhf.runtime.run.heap import return_freed_blocks, threshold_for
+from rlhf.runtime.run.heap import bound_kernel_caches, return_freed_blocks, threshold_for
 from rlhf.runtime.run.model_card import model_card
 from rlhf.runtime.run.progress import RL_FIELDS, Progress
 from rlhf.runtime.run.run_dir import RunDirectory, cut_logs, log_sizes
@@ -192,6 +192,7 @@ def start_run(plan: PlannedRun, plugins: PluginSet, *, world_size: int, is_main:
             log.warning("%s", warning)
     hide_run_data(config, plan.out_dir)
     return_freed_blocks(threshold_for(getattr(config, "model", None)))  # rlhf.runtime.run.heap
+    bound_kernel_caches()  # before the first product: oneDNN reads it once (rlhf.runtime.run.heap)
     if threads:
         from rlhf.runtime.run.threads import set_threads
 
