@@ -115,6 +115,10 @@ def prepare(root: Path, jobs: list[str], steps: dict[str, int]) -> None:
         files["order"].write_text(json.dumps([order.indices(k) for k in range(rows // OFFLINE["batch_size"])]))
         heap[job] = rlhf_threshold(files["model"])
     (root / "heap.json").write_text(json.dumps(heap))
+    from rlhf.runtime.run import heap as run_heap
+
+    capacity = getattr(run_heap, "KERNEL_CACHE_CAPACITY", None)  # None: an rlhf that leaves oneDNN's caches alone
+    (root / "kernel_caches.json").write_text(json.dumps({"capacity": capacity}))
 
 
 def rlhf_threshold(model: Path) -> int:
@@ -549,6 +553,7 @@ def main() -> None:
         versions=benchlib.versions() if args.side != "trl" else {k: v for k, v in benchlib.versions().items()
                                                                    if k != "rlhf-core"},
         mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"), dtype=args.dtype,
+        kernel_caches=os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "oneDNN default"),
         foreign_imports=imported, **info)
     Path(args.out).write_text(json.dumps(result))
 

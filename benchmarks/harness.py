@@ -7,7 +7,8 @@ Every run is one `benchmarks/bench_worker.py` process started with that side's i
 (``--rlhf-python``, default this one; ``--trl-python``; the floor runs with rlhf's), with one torch
 thread (``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = 1) and the same
 glibc mmap threshold (``MALLOC_MMAP_THRESHOLD_``, ``--mmap-threshold``; rlhf keeps a user's setting,
-so both sides run the same allocator policy). Rounds interleave the sides (round r starts with a
+so both sides run the same allocator policy) and the same bound on oneDNN's compiled kernels
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and ``LRU_CACHE_CAPACITY``, ``--kernel-caches``). Rounds interleave the sides (round r starts with a
 different side each time: rlhf, trl, floor / trl, floor, rlhf / ...), the first step of each run
 is dropped, and a side's figure is the median of its remaining steps over all rounds, with the
 min-max of the per-round medians. CPU time is user + sys of the training process (every thread,
@@ -97,6 +98,15 @@ def side_env(args: argparse.Namespace, spec: str, job: str | None = None) -> dic
         env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
     else:
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    capacity = args.kernel_caches
+    if capacity == "rlhf":  # the bound rlhf's run prologue sets (bench_worker.py prepare), given to every side
+        chosen = args.work_dir / "kernel_caches.json"
+        capacity = json.loads(chosen.read_text()).get("capacity") if chosen.is_file() else None
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        if capacity in (None, "default"):
+            env.pop(name, None)
+        else:
+            env[name] = str(capacity)
     if side in ("rlhf", "floor"):
         checkout = str(Path(settings.get("checkout", ROOT)).resolve())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (checkout, env.get("PYTHONPATH", "")) if p)
@@ -245,6 +255,10 @@ def main() -> None:
                         help="MALLOC_MMAP_THRESHOLD_ for every side: rlhf (the threshold rlhf's run prologue picks for "
                              "the job's model, given to every side), bytes, or 'default' (unset: rlhf sets its own, "
                              "the other sides keep glibc's dynamic threshold)")
+    parser.add_argument("--kernel-caches", default="rlhf",
+                        help="ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY for every side: rlhf (the bound "
+                             "rlhf's run prologue sets, given to every side), a count, or 'default' (unset: rlhf sets "
+                             "its own, the other sides keep oneDNN's)")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "rlhf-harness"))
     parser.add_argument("--set", default="", help="GRPO shape overrides for every side (bench_worker.py --set), "
                                                   "e.g. model=small4k,n=8,max_new_tokens=512")
@@ -272,10 +286,12 @@ def main() -> None:
           f"thread a side; load average {', '.join(f'{x:.2f}' for x in load[0])}")
     heap = json.loads((args.work_dir / "heap.json").read_text()) if (args.work_dir / "heap.json").is_file() else {}
     print(f"rlhf --cpu-linear {args.cpu_linear}; MALLOC_MMAP_THRESHOLD_ {args.mmap_threshold} on every side "
-          f"{heap if args.mmap_threshold == 'rlhf' else ''}; "
+          f"{heap if args.mmap_threshold == 'rlhf' else ''}; oneDNN kernel caches {args.kernel_caches} "
+          f"{side_env(args, 'trl').get('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'unset')} on every side; "
           f"{args.rounds} rounds, interleaved, weights {args.dtype}{'; GRPO ' + args.set if args.set else ''}")
     report: dict[str, Any] = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "label": args.label,
                               "cpu_linear": args.cpu_linear, "mmap_threshold": args.mmap_threshold, "heap": heap,
+                              "kernel_caches": side_env(args, "trl").get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
                               "dtype": args.dtype,
                               "set": args.set,
                               "jobs": {}}

@@ -75,7 +75,7 @@ def test_side_variants_parse_and_unknown_settings_stop():
 def test_a_checkout_variant_puts_that_checkout_first_on_the_path(tmp_path):
     (tmp_path / "rlhf").mkdir()
     assert harness.parse_side(f"rlhf:checkout={tmp_path}") == ("rlhf", {"checkout": str(tmp_path)})
-    args = argparse.Namespace(mmap_threshold="default", work_dir=tmp_path)
+    args = argparse.Namespace(mmap_threshold="default", kernel_caches="default", work_dir=tmp_path)
     other = harness.side_env(args, f"rlhf:checkout={tmp_path}")["PYTHONPATH"].split(os.pathsep)
     assert other[0] == str(tmp_path.resolve())
     assert harness.side_env(args, "floor")["PYTHONPATH"].split(os.pathsep)[0] == str(harness.ROOT)
@@ -83,6 +83,19 @@ def test_a_checkout_variant_puts_that_checkout_first_on_the_path(tmp_path):
         harness.parse_side(f"trl:checkout={tmp_path}")  # TRL never imports rlhf
     with pytest.raises(SystemExit):
         harness.parse_side(f"rlhf:checkout={tmp_path / 'missing'}")
+
+
+def test_every_side_gets_the_bound_on_compiled_kernels_rlhf_sets(tmp_path, monkeypatch):
+    (tmp_path / "kernel_caches.json").write_text('{"capacity": 64}')
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")  # the caller's own: replaced, as on every side
+    args = argparse.Namespace(mmap_threshold="default", kernel_caches="rlhf", work_dir=tmp_path)
+    for side in ("rlhf", "trl", "floor"):
+        env = harness.side_env(args, side)
+        assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == env["LRU_CACHE_CAPACITY"] == "64"
+    args.kernel_caches = "default"
+    assert "LRU_CACHE_CAPACITY" not in harness.side_env(args, "trl")
+    args.kernel_caches = "256"
+    assert harness.side_env(args, "trl")["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
 
 
 def test_memory_overheads_are_peaks_above_the_floor_sides_training_state():

@@ -22,9 +22,9 @@ a CPU and float32 ones under ``--cpu-linear onednn``, compiles a kernel for ever
 shape, and both it and torch's layer over it (ideep) keep up to 1,024 of them, about 0.6 MB each:
 training on rows of varying lengths meets a new shape with almost every micro-batch, so a 60-step
 SFT of a 4.4M-parameter model grew from 830 MB to 1.57 GB and was still growing.
-`bound_kernel_caches` keeps `KERNEL_CACHE_CAPACITY` of each (the same run stayed near 900 MB, no
-slower): a decode step or a micro-batch uses a few dozen shapes, and a shape not seen for 64 others
-is rarely seen again. oneDNN reads the settings once, at its first product, so this must run
+`bound_kernel_caches` keeps `KERNEL_CACHE_CAPACITY` of each (the same run stayed near 890 MB, no
+slower): a micro-batch of a new length meets about a dozen new shapes and a decode step a handful,
+and a shape not met again within 64 others is rarely met again; compiling one anew takes a few ms. oneDNN reads the settings once, at its first product, so this must run
 before any; a user's own ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` or ``LRU_CACHE_CAPACITY`` is kept.
 """
 
