@@ -8,8 +8,9 @@ Every run is one `benchmarks/bench_worker.py` process started with that side's i
 thread (``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = 1) and the same
 glibc mmap threshold (``MALLOC_MMAP_THRESHOLD_``, ``--mmap-threshold``; rlhf keeps a user's setting,
 so both sides run the same allocator policy) and the same bound on oneDNN's compiled kernels
-(``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and ``LRU_CACHE_CAPACITY``, ``--kernel-caches``). Rounds interleave the sides (round r starts with a
-different side each time: rlhf, trl, floor / trl, floor, rlhf / ...), the first step of each run
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and ``LRU_CACHE_CAPACITY``, ``--kernel-caches``). Rounds
+interleave the sides (round r starts with a different side each time: rlhf, trl, floor / trl,
+floor, rlhf / ...), the first step of each run
 is dropped, and a side's figure is the median of its remaining steps over all rounds, with the
 min-max of the per-round medians. CPU time is user + sys of the training process (every thread,
 ``getrusage``): with one thread it is the work done, whatever else the machine runs.

@@ -24,8 +24,9 @@ training on rows of varying lengths meets a new shape with almost every micro-ba
 SFT of a 4.4M-parameter model grew from 830 MB to 1.57 GB and was still growing.
 `bound_kernel_caches` keeps `KERNEL_CACHE_CAPACITY` of each (the same run stayed near 890 MB, no
 slower): a micro-batch of a new length meets about a dozen new shapes and a decode step a handful,
-and a shape not met again within 64 others is rarely met again; compiling one anew takes a few ms. oneDNN reads the settings once, at its first product, so this must run
-before any; a user's own ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` or ``LRU_CACHE_CAPACITY`` is kept.
+and a shape not met again within 64 others is rarely met again; compiling one anew takes a few
+ms. oneDNN reads the settings once, at its first product, so this must run before any; a user's
+own ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` or ``LRU_CACHE_CAPACITY`` is kept.
 """
 
 from __future__ import annotations
