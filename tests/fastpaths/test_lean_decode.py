@@ -82,15 +82,13 @@ def test_lean_samples_what_the_direct_decoder_samples(model_and_tokenizer, tempe
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("source", [None, [0, 0, 1, 1, 2, 2], [2, 0, 1, 0]],
-                         ids=["a-row-per-prompt", "a-prompts-samples-together", "any-order"])
-def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer, source):
-    """The prompt's cache kept once for its samples (``source`` in groups) or copied per row (any
-    other order) gives the logits of the model's forward over a cache with a row per sample."""
+def lean_steps(model, tokenizer, source, during_step=None):
+    """Prefill prompts() (a cache row per prompt), then 8 decode steps of random tokens through a
+    `LeanDecoder` and through the model's forward over a cache with a row per sample; yields
+    (decoder, step, lean logits (B, V), the forward's logits (B, V)). ``during_step``: a one-item
+    list set True while the lean step runs."""
     from transformers import DynamicCache
 
-    model, tokenizer = model_and_tokenizer
     rows = prompts(tokenizer)
     width = max(map(len, rows))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])  # (U, P) left-padded
@@ -98,6 +96,7 @@ def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer, source):
     positions = (mask.cumsum(1) - 1).clamp(min=0)  # (U, P)
     source = torch.tensor(source) if source is not None else None
     expand = source if source is not None else torch.arange(len(rows))  # (B,)
+    during_step = during_step if during_step is not None else [False]
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
@@ -111,8 +110,24 @@ def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer, source):
             full_mask = torch.cat([mask, torch.ones((len(expand), t + 1), dtype=mask.dtype)], dim=1)
             expected = model(input_ids=tokens[:, None], attention_mask=full_mask, position_ids=step_positions,
                              past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
+            during_step[0] = True
             got = lean.step(tokens, step_positions)  # (B, V)
-            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), t
+            during_step[0] = False
+            yield lean, t, got, expected
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("source", [None, [0, 0, 1, 1, 2, 2], [2, 0, 1, 0]],
+                         ids=["a-row-per-prompt", "a-prompts-samples-together", "any-order"])
+def test_every_lean_step_gives_the_forwards_logits(model_and_tokenizer, source):
+    """The prompt's cache kept once for its samples (``source`` in groups) or copied per row (any
+    other order) gives the logits of the model's forward over a cache with a row per sample."""
+    model, tokenizer = model_and_tokenizer
+    steps = 0
+    for lean, t, got, expected in lean_steps(model, tokenizer, source):
+        assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), t
+        steps += 1
+    assert steps == 8
     if source is not None and len(source) == 6:
         assert lean.prompt_keys[0].shape[0] == 3  # one cache row per prompt, not per sample
 
@@ -124,16 +139,9 @@ def test_a_half_precision_decode_on_a_cpu_keeps_its_own_tokens_in_float32(model_
     model's dtype), so the products over a length that grows every step are float32 ones (oneDNN
     compiles and keeps a kernel for every half-precision shape it meets); the logits still equal
     the forward's within half-precision rounding at every step. A float32 model is unchanged."""
-    from transformers import DynamicCache
-
     model, tokenizer = model_and_tokenizer
     model = model.to(dtype)
-    rows = prompts(tokenizer)
-    width = max(map(len, rows))
-    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])  # (U, P) left-padded
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # (U, P)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)  # (U, P)
-    source = torch.tensor([0, 0, 1, 1, 2, 2])  # (B,)
+    source = [0, 0, 1, 1, 2, 2]
     recording, products = [False], []  # (dtype, shape) of the right operand of every product a lean step runs
     matmul = torch.matmul
 
@@ -143,33 +151,18 @@ def test_a_half_precision_decode_on_a_cpu_keeps_its_own_tokens_in_float32(model_
         return matmul(a, b)
 
     monkeypatch.setattr(torch, "matmul", recorded)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-        lean = LeanDecoder(model, cache, mask, 8, source)
+    for lean, t, got, expected in lean_steps(model, tokenizer, source, during_step=recording):
         assert {k.dtype for k in lean.keys + lean.values} == {torch.float32}
         assert {k.dtype for k in lean.prompt_keys + lean.prompt_values} == {dtype}
-        cache.batch_select_indices(source)  # the forward's cache: a row per sample
-        mask, positions = mask[source], positions[source]  # (B, P)
-        for t in range(8):
-            tokens = torch.randint(5, 200, (len(source),), generator=generator)  # (B,)
-            step_positions = positions[:, -1:] + 1 + t  # (B, 1)
-            full_mask = torch.cat([mask, torch.ones((len(source), t + 1), dtype=mask.dtype)], dim=1)
-            expected = model(input_ids=tokens[:, None], attention_mask=full_mask, position_ids=step_positions,
-                             past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
-            recording[0] = True
-            got = lean.step(tokens, step_positions)  # (B, V)
-            recording[0] = False
-            assert got.dtype == dtype
-            if dtype == torch.float32:
-                assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), t
-            else:  # relative to the logits' scale, as the engine's own check measures
-                scale = max(1.0, float(expected.float().abs().max()))
-                assert float((got.float() - expected.float()).abs().max()) / scale < 2e-2, t
+        assert got.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), t
+        else:  # relative to the logits' scale, as the engine's own check measures
+            scale = max(1.0, float(expected.float().abs().max()))
+            assert float((got.float() - expected.float()).abs().max()) / scale < 2e-2, t
     assert len(products) == 4 * len(model.model.layers) * 8  # scores and weighted values, prompt and own
     own = [(kind, shape) for kind, shape in products if shape[0] == len(source)]  # (B, K, D, S), (B, K, S, D)
-    prompt = [(kind, shape) for kind, shape in products if shape[0] == len(rows)]  # (U, K, D, P), (U, K, P, D)
+    prompt = [(kind, shape) for kind, shape in products if shape[0] == len(prompts(tokenizer))]  # (U, K, D, P), ...
     assert len(own) + len(prompt) == len(products)
     assert {kind for kind, _ in own} == {torch.float32} and {kind for kind, _ in prompt} == {dtype}
     assert len({shape for _, shape in own}) == 2 * 8  # a length more each step
