@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf.core.modeling import cache_argument
 from rlhf.core.protocols.rollout import SamplingParams
 from rlhf.plugins.engines.hf import HFEngine, HFEngineConfig
 from rlhf.fastpaths import llama_like as llama_like_module
@@ -100,7 +101,8 @@ def lean_steps(model, tokenizer, source, during_step=None):
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        cached = {cache_argument(type(model)): cache}  # `cache` where the forward takes it, else past_key_values
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cached)
         lean = LeanDecoder(model, cache, mask, 8, source)
         cache.batch_select_indices(expand)  # the forward's cache: a row per sample
         mask, positions = mask[expand], positions[expand]  # (B, P)
@@ -109,7 +111,7 @@ def lean_steps(model, tokenizer, source, during_step=None):
             step_positions = positions[:, -1:] + 1 + t  # (B, 1)
             full_mask = torch.cat([mask, torch.ones((len(expand), t + 1), dtype=mask.dtype)], dim=1)
             expected = model(input_ids=tokens[:, None], attention_mask=full_mask, position_ids=step_positions,
-                             past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
+                             use_cache=True, **cached).logits[:, -1]  # (B, V)
             during_step[0] = True
             got = lean.step(tokens, step_positions)  # (B, V)
             during_step[0] = False

@@ -95,7 +95,7 @@ def test_a_dynamic_cache_keeps_each_layers_rotated_keys_and_values(model):
     ids, positions = ids_and_positions()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, position_ids=positions, use_cache=True, **{cache_argument(type(model)): cache})
         tensors = cache_tensors(cache)
         assert tensors is not None
         keys, values = tensors
