@@ -86,6 +86,18 @@ def parse_side(spec: str) -> tuple[str, dict[str, str]]:
     return name, settings
 
 
+def split_sides(text: str) -> list[str]:
+    """``--sides`` as its sides: a comma starts a new side only before a side's name, so a side's
+    own settings (``rlhf:cpu-linear=auto,checkout=/old``) stay with it."""
+    sides: list[str] = []
+    for item in text.split(","):
+        if sides and item.partition(":")[0] not in SIDES:
+            sides[-1] += "," + item  # another setting of the side before
+        else:
+            sides.append(item)
+    return sides
+
+
 def side_env(args: argparse.Namespace, spec: str, job: str | None = None) -> dict[str, str]:
     side, settings = parse_side(spec)
     env = dict(os.environ)
@@ -270,7 +282,7 @@ def main() -> None:
     if args.render:
         print(markdown(json.loads(Path(args.render).read_text())))
         return
-    jobs, sides = args.jobs.split(","), args.sides.split(",")
+    jobs, sides = args.jobs.split(","), split_sides(args.sides)
     if any(parse_side(side)[0] == "trl" for side in sides) and not args.trl_python:
         parser.error("the trl side needs --trl-python (an interpreter whose environment has trl; see benchmarks/README.md)")
     args.work_dir = Path(args.work_dir)

@@ -70,6 +70,9 @@ def test_side_variants_parse_and_unknown_settings_stop():
         harness.parse_side("rlhf:threads=2")
     with pytest.raises(SystemExit):
         harness.parse_side("verl")
+    # --sides: a comma starts a side only before a side's name; a side keeps all its settings
+    assert harness.split_sides("rlhf,rlhf:cpu-linear=auto,checkout=/old,trl,floor:mmap=1,cpu-linear=torch") == [
+        "rlhf", "rlhf:cpu-linear=auto,checkout=/old", "trl", "floor:mmap=1,cpu-linear=torch"]
 
 
 def test_a_checkout_variant_puts_that_checkout_first_on_the_path(tmp_path):
