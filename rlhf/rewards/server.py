@@ -300,13 +300,16 @@ class RewardServer:
             key = id(batch)
             self._batches_started[key] = time.monotonic()
             try:
-                future.set_result(self.source.score_batch(batch))
+                output = self.source.score_batch(batch)
             except BaseException as exc:  # noqa: BLE001 - the request answers 500
+                self._batches_started.pop(key, None)
                 future.set_exception(exc)
                 if not isinstance(exc, Exception):
                     raise
-            finally:
-                self._batches_started.pop(key, None)
+                continue
+            # off the running batches before the answer can go out: a /health right after it says ok
+            self._batches_started.pop(key, None)
+            future.set_result(output)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -69,6 +69,32 @@ def test_raw_protocol_and_health(serve):
         assert json.loads(response.read()) == {"status": "ok", "reward": "o"}
 
 
+def test_a_batch_leaves_the_running_ones_before_its_answer_goes_out():
+    """The scoring thread takes a batch off /health's running batches before it hands the event loop
+    the result (or the error) that the response is made of, so a /health right after a response
+    says ok, never busy."""
+    import concurrent.futures
+
+    from rlhf.rewards.server import RewardServer
+    from rlhf.rewards.source import RewardBatch
+
+    def flaky(completions):
+        if completions == ["bad"]:
+            raise ValueError("no")
+        return [1.0] * len(completions)
+
+    server = RewardServer(FunctionSource(flaky, "f", "f"), host="127.0.0.1", port=0)
+    running_at_answer = []
+    for completion in ("good", "bad"):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.add_done_callback(lambda _: running_at_answer.append(dict(server._batches_started)))
+        server._jobs.put((RewardBatch(prompts=["p"], completions=[completion], labels=[None],
+                                      prompt_texts=["p"]), future))
+    server._jobs.put(None)
+    server.run()
+    assert running_at_answer == [{}, {}]  # the answer and the error both found no batch running
+
+
 def test_bad_requests_get_400(serve):
     url = serve(FunctionSource(lambda completions: [0.0] * len(completions), "z", "z"))
     assert post(url, {"prompts": []})[0] == 400
