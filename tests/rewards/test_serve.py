@@ -84,15 +84,16 @@ def test_a_batch_leaves_the_running_ones_before_its_answer_goes_out():
         return [1.0] * len(completions)
 
     server = RewardServer(FunctionSource(flaky, "f", "f"), host="127.0.0.1", port=0)
-    running_at_answer = []
+    health_at_answer = []
     for completion in ("good", "bad"):
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.add_done_callback(lambda _: running_at_answer.append(dict(server._batches_started)))
+        future.add_done_callback(lambda _: health_at_answer.append(server.health()))
         server._jobs.put((RewardBatch(prompts=["p"], completions=[completion], labels=[None],
                                       prompt_texts=["p"]), future))
     server._jobs.put(None)
     server.run()
-    assert running_at_answer == [{}, {}]  # the answer and the error both found no batch running
+    ok = (200, {"status": "ok", "reward": "f"})
+    assert health_at_answer == [ok, ok]  # the answer and the error both found no batch running
 
 
 def test_bad_requests_get_400(serve):
